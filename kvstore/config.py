@@ -1,0 +1,196 @@
+"""One typed configuration, nested by component.
+
+Sources, later ones win: defaults < TOML file (``--config``) < environment
+(``KVSTORE_<SECTION>__<FIELD>``, e.g. ``KVSTORE_DRAM__CAPACITY_BYTES=1073741824``) < CLI flags.
+An invalid value fails at start with :class:`kvstore.errors.ConfigError` naming the field and
+what is allowed.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kvstore.errors import ConfigError
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(_Section):
+    grpc_address: str = Field("127.0.0.1:50051", description="HOST:PORT, or unix:/path for a Unix socket")
+    http_address: str = Field("127.0.0.1:8080", description="HOST:PORT of /stats, /metrics, /healthz, dashboard")
+    max_message_bytes: int = Field(64 * MiB, ge=1 * MiB, description="gRPC send/receive limit")
+    max_batch_blocks: int = Field(65536, ge=1, description="most blocks in one request")
+    auth_token: str = Field("", description="bearer token required on gRPC and HTTP when set")
+    tls_cert: str = Field("", description="PEM certificate for gRPC TLS")
+    tls_key: str = Field("", description="PEM private key for gRPC TLS")
+    shutdown_grace_s: float = Field(5.0, ge=0)
+
+
+class DramConfig(_Section):
+    capacity_bytes: int = Field(1 * GiB, ge=1 * MiB, description="size of the shared-memory slab")
+    page_bytes: int = Field(4 * MiB, ge=4096, description="slab page; each page holds slots of one size class")
+    min_slot_bytes: int = Field(4096, ge=512, description="smallest size class; classes double up to page_bytes")
+    prefault: bool = Field(True, description="touch every page at start so first writes don't fault")
+    segment_prefix: str = Field("kvstore", description="POSIX shm name prefix")
+    verify_local_reads: bool = Field(False, description="verify checksums before handing a DRAM slot to a reader")
+
+    @field_validator("page_bytes", "min_slot_bytes")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two, got {v}")
+        return v
+
+
+class IndexConfig(_Section):
+    policy: str = Field("lru", description="eviction policy name (see `kvstore replay --help`)")
+    allocation_ttl_ms: int = Field(30_000, ge=1, description="abandoned allocations are reclaimed after this")
+    lease_ttl_ms: int = Field(30_000, ge=1, description="default read-lease TTL")
+    max_lease_ttl_ms: int = Field(600_000, ge=1)
+    reaper_interval_ms: int = Field(500, ge=10)
+
+
+class SsdConfig(_Section):
+    enabled: bool = True
+    path: str = Field("", description="directory for blocks; default <data_dir>/ssd")
+    capacity_bytes: int = Field(16 * GiB, ge=1 * MiB)
+    direct_io: bool = Field(True, description="O_DIRECT where the filesystem allows it")
+
+
+class RedisConfig(_Section):
+    enabled: bool = False
+    url: str = Field("redis://127.0.0.1:6379/0", description="redis:// URL; with cluster=true any node of the cluster")
+    cluster: bool = False
+    key_prefix: str = "kvstore"
+    ttl_s: int = Field(0, ge=0, description="expire blocks after this many seconds (0: never)")
+    chunk_bytes: int = Field(1 * MiB, ge=64 * 1024, le=2 * MiB * 8)
+
+
+class S3Config(_Section):
+    enabled: bool = False
+    endpoint_url: str = Field("", description="empty for AWS; http://host:port for MinIO or moto")
+    bucket: str = "kvstore"
+    prefix: str = "blocks"
+    region: str = "us-east-1"
+    concurrency: int = Field(8, ge=1, le=256)
+    multipart_threshold_bytes: int = Field(8 * MiB, ge=5 * MiB)
+
+
+class TieringConfig(_Section):
+    chain: list[Literal["ssd", "redis", "s3"]] = Field(
+        default_factory=lambda: ["ssd", "redis", "s3"],
+        description="demotion order below DRAM; tiers that are not enabled are skipped",
+    )
+    write_through: list[Literal["redis", "s3"]] = Field(
+        default_factory=list, description="remote tiers written at commit so other hosts can read at once"
+    )
+
+
+class Config(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVSTORE_", env_nested_delimiter="__", extra="forbid")
+
+    data_dir: str = Field("./kvstore-data", description="where SSD blocks, the lock file and state live")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    dram: DramConfig = Field(default_factory=DramConfig)
+    index: IndexConfig = Field(default_factory=IndexConfig)
+    ssd: SsdConfig = Field(default_factory=SsdConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    s3: S3Config = Field(default_factory=S3Config)
+    tiering: TieringConfig = Field(default_factory=TieringConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment overrides the file (passed as init kwargs); CLI flags are applied after.
+        return env_settings, init_settings
+
+    @property
+    def ssd_path(self) -> Path:
+        return Path(self.ssd.path) if self.ssd.path else Path(self.data_dir) / "ssd"
+
+
+def _deep_set(d: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        d = d.setdefault(p, {})
+    d[leaf] = value
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Defaults < file < environment < ``overrides`` (dotted names, e.g. ``server.grpc_address``)."""
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from exc
+    try:
+        cfg = Config(**data)
+        if overrides:
+            merged = cfg.model_dump()
+            for dotted, value in overrides.items():
+                if value is not None:
+                    _deep_set(merged, dotted, value)
+            cfg = Config.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+    return cfg
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"])
+        allowed = err.get("ctx", {}).get("expected")
+        msg = f"{field}: {err['msg']}"
+        if allowed:
+            msg += f" (allowed: {allowed})"
+        lines.append(msg)
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def defaults_toml() -> str:
+    """The default configuration as TOML (``kvstore config --print-defaults``)."""
+    cfg = Config.model_construct()
+    out: list[str] = []
+    top = {k: v for k, v in Config().model_dump().items() if not isinstance(v, dict)}
+    for k, v in top.items():
+        out.append(f"{k} = {_toml_value(v)}")
+    for section, values in Config().model_dump().items():
+        if isinstance(values, dict):
+            out.append(f"\n[{section}]")
+            model = getattr(cfg, section, None)
+            fields = type(model).model_fields if model is not None else {}
+            for k, v in values.items():
+                desc = fields[k].description if k in fields else None
+                if desc:
+                    out.append(f"# {desc}")
+                out.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(out) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,165 @@
+"""Prefix block keys and namespaces.
+
+The scheme, exactly (so that any language can reimplement it):
+
+* ``u32(x)`` is ``x`` as 4 bytes little-endian; ``SHA256`` is FIPS 180-4 SHA-256 (32 bytes).
+* Namespace root::
+
+      h_0 = SHA256(b"kvstore/v1/namespace" || field(name_1, value_1) || ... )
+      field(n, v) = u32(len(n)) || n || u32(len(v)) || v
+
+  over the fields of :class:`Namespace` in declaration order (model, revision, kv_layout, dtype,
+  block_size, rank, world_size, adapter, cache_salt), names and values UTF-8, integers written in
+  decimal (``world_size`` 0 is written as 1).
+* Block ``i`` (1-based) of a prompt, covering tokens ``t`` (``len(t) <= block_size``) and
+  optional extra bytes ``e`` (multimodal content hashes, ...)::
+
+      h_i = SHA256(h_{i-1} || u32(len(t)) || u32(t_1) || ... || u32(t_n) || u32(len(e)) || e)
+
+  Only full blocks are keyed by :func:`prefix_keys`; a trailing partial block is recomputed.
+* An engine-computed block hash ``x`` (vLLM's ``BlockHash``, already chained by the engine)
+  is scoped by the namespace: ``k = SHA256(b"kvstore/v1/engine" || h_0 || u32(len(x)) || x)``.
+
+No per-process seed and no Python ``hash()`` anywhere: two hosts compute the same keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+
+BlockKey = NewType("BlockKey", bytes)
+NamespaceRoot = NewType("NamespaceRoot", bytes)
+
+KEY_BYTES = 32
+DTYPES = frozenset({"float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2", "int8", "uint8"})
+KV_LAYOUTS = frozenset({"vllm_cpu", "vllm_gpu", "hf", "raw"})
+
+_U32 = struct.Struct("<I")
+
+
+@dataclass(slots=True, frozen=True)
+class Namespace:
+    """Everything that changes the bytes of a block."""
+
+    model: str
+    kv_layout: str
+    dtype: str
+    block_size: int
+    revision: str = ""
+    rank: int = 0
+    world_size: int = 1
+    adapter: str = ""
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        validate_namespace(self)
+
+    @property
+    def root(self) -> NamespaceRoot:
+        return namespace_root(self)
+
+    @property
+    def label(self) -> str:
+        """Short human-readable name used in stats."""
+        parts = [self.model]
+        if self.adapter:
+            parts.append(f"+{self.adapter}")
+        if self.world_size > 1:
+            parts.append(f"@{self.rank}/{self.world_size}")
+        if self.cache_salt:
+            parts.append(f"#{hashlib.sha256(self.cache_salt.encode()).hexdigest()[:6]}")
+        return "".join(parts)
+
+
+_FIELD_ORDER = ("model", "revision", "kv_layout", "dtype", "block_size", "rank", "world_size", "adapter", "cache_salt")
+
+
+def validate_namespace(ns: Namespace) -> None:
+    if not ns.model:
+        raise InvalidArgument("namespace.model: required")
+    if ns.kv_layout not in KV_LAYOUTS:
+        raise InvalidArgument(f"namespace.kv_layout: {ns.kv_layout!r} is not one of {sorted(KV_LAYOUTS)}")
+    if ns.dtype not in DTYPES:
+        raise InvalidArgument(f"namespace.dtype: {ns.dtype!r} is not one of {sorted(DTYPES)}")
+    if not isinstance(ns.block_size, int) or ns.block_size <= 0:
+        raise InvalidArgument(f"namespace.block_size: must be a positive integer, got {ns.block_size!r}")
+    world = ns.world_size or 1
+    if ns.rank < 0 or ns.rank >= world:
+        raise InvalidArgument(f"namespace.rank: {ns.rank} is outside world_size {world}")
+
+
+def _field(name: str, value: str) -> bytes:
+    n, v = name.encode(), value.encode()
+    return _U32.pack(len(n)) + n + _U32.pack(len(v)) + v
+
+
+def namespace_root(ns: Namespace) -> NamespaceRoot:
+    h = hashlib.sha256(b"kvstore/v1/namespace")
+    for name in _FIELD_ORDER:
+        value = getattr(ns, name)
+        if name == "world_size":
+            value = value or 1
+        h.update(_field(name, str(value)))
+    return NamespaceRoot(h.digest())
+
+
+def chain_key(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> BlockKey:
+    toks = np.asarray(tokens, dtype="<u4")
+    h = hashlib.sha256(parent)
+    h.update(_U32.pack(toks.size))
+    h.update(toks.tobytes())
+    h.update(_U32.pack(len(extra)))
+    h.update(extra)
+    return BlockKey(h.digest())
+
+
+def prefix_keys(
+    ns: Namespace | NamespaceRoot,
+    tokens: Sequence[int] | np.ndarray,
+    block_size: int | None = None,
+    extras: Iterable[bytes] | None = None,
+) -> list[BlockKey]:
+    """Keys of every full block of ``tokens``."""
+    if isinstance(ns, Namespace):
+        root, block_size = ns.root, block_size or ns.block_size
+    else:
+        root = ns
+        if block_size is None:
+            raise ValueError("block_size is required with a bare namespace root")
+    toks = np.asarray(tokens, dtype="<u4")
+    n_full = toks.size // block_size
+    extra_list = list(extras) if extras is not None else [b""] * n_full
+    keys: list[BlockKey] = []
+    parent: bytes = root
+    for i in range(n_full):
+        parent = chain_key(parent, toks[i * block_size : (i + 1) * block_size], extra_list[i])
+        keys.append(BlockKey(parent))
+    return keys
+
+
+def engine_key(ns: Namespace | NamespaceRoot, engine_hash: bytes) -> BlockKey:
+    root = ns.root if isinstance(ns, Namespace) else ns
+    h = hashlib.sha256(b"kvstore/v1/engine")
+    h.update(root)
+    h.update(_U32.pack(len(engine_hash)))
+    h.update(engine_hash)
+    return BlockKey(h.digest())
+
+
+def check_key(key: bytes, field: str) -> BlockKey:
+    if len(key) != KEY_BYTES:
+        raise InvalidArgument(f"{field}: a block key is {KEY_BYTES} bytes, got {len(key)}")
+    return BlockKey(key)
+
+
+def replace(ns: Namespace, **changes: object) -> Namespace:
+    return dataclasses.replace(ns, **changes)

@@ -1,0 +1,129 @@
+"""The tier Protocol: one small async interface that every storage tier implements.
+
+Tiers store opaque block bytes plus a small self-describing header (:class:`BlockMeta`), so a
+restarted sidecar can rebuild its index from what a tier holds (the :class:`Recoverable`
+ability). Tiers do not judge checksums: the tiering layer verifies every block that crosses a
+tier boundary against the checksum recorded at commit (one place for that decision).
+
+A tier that cannot reach its server raises :class:`kvstore.errors.Unavailable`; a missing block is
+``None`` / ``False``, never an error.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kvstore.errors import ChecksumMismatch
+
+
+@dataclass(slots=True, frozen=True)
+class BlockRef:
+    """A block's identity in every tier: its namespace root and its 32-byte key."""
+
+    ns: bytes
+    key: bytes
+
+    @property
+    def name(self) -> str:
+        """Storage name: ``<ns hex 16>/<key hex 64>`` (file names, Redis keys, S3 object keys)."""
+        return f"{self.ns.hex()[:16]}/{self.key.hex()}"
+
+
+@dataclass(slots=True, frozen=True)
+class BlockMeta:
+    """What a tier keeps next to the bytes of a block."""
+
+    ref: BlockRef
+    parent: bytes  # key of the previous block in the prefix, b"" for the first
+    size: int
+    checksum: int  # xxh3_64 of the bytes
+    label: str = ""  # namespace label, for stats after a restart
+
+
+# magic, version, ns(32), key(32), has_parent, parent(32), size, checksum, label length
+_HEADER = struct.Struct("<4sH32s32s?32sQQH")
+MAGIC = b"KVB1"
+
+
+def encode_header(meta: BlockMeta) -> bytes:
+    label = meta.label.encode()[:65535]
+    return (
+        _HEADER.pack(
+            MAGIC, 1, meta.ref.ns, meta.ref.key, bool(meta.parent), meta.parent.ljust(32, b"\0"),
+            meta.size, meta.checksum, len(label),
+        )
+        + label
+    )
+
+
+def header_size(buf: bytes | memoryview) -> int:
+    """Total header length (fixed part + label) given at least the fixed part."""
+    return _HEADER.size + _HEADER.unpack_from(buf)[-1]
+
+
+HEADER_FIXED = _HEADER.size
+
+
+def decode_header(buf: bytes | memoryview) -> BlockMeta:
+    magic, version, ns, key, has_parent, parent, size, checksum, n = _HEADER.unpack_from(buf)
+    if magic != MAGIC or version != 1:
+        raise ChecksumMismatch(f"bad block header (magic {magic!r}, version {version})")
+    label = bytes(buf[_HEADER.size : _HEADER.size + n]).decode(errors="replace")
+    return BlockMeta(BlockRef(ns, key), parent if has_parent else b"", size, checksum, label)
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A storage tier below DRAM (SSD, Redis, S3)."""
+
+    name: str
+
+    async def contains(self, ref: BlockRef) -> bool: ...
+
+    async def get(self, ref: BlockRef, into: memoryview) -> BlockMeta | None:
+        """Read the block into ``into`` (at least ``size`` bytes); its header, or None on a miss."""
+        ...
+
+    async def put(self, meta: BlockMeta, data: memoryview) -> None: ...
+
+    async def delete(self, ref: BlockRef) -> None: ...
+
+    async def close(self) -> None: ...
+
+    # Batch forms. Implementations override them where the server can batch (pipelines,
+    # concurrent requests); :class:`TierBase` gives loops over the single-key calls.
+    async def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]: ...
+
+    async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]: ...
+
+    async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None: ...
+
+    async def delete_many(self, refs: Sequence[BlockRef]) -> None: ...
+
+
+@runtime_checkable
+class Recoverable(Protocol):
+    """A tier whose contents survive the sidecar: list them after a restart."""
+
+    def scan(self) -> AsyncIterator[BlockMeta]: ...
+
+
+class TierBase:
+    """Default batch forms that loop over the single-key calls."""
+
+    async def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
+        return [await self.contains(r) for r in refs]  # type: ignore[attr-defined]
+
+    async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
+        return [await self.get(r, b) for r, b in zip(refs, into)]  # type: ignore[attr-defined]
+
+    async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
+        for meta, data in items:
+            await self.put(meta, data)  # type: ignore[attr-defined]
+
+    async def delete_many(self, refs: Sequence[BlockRef]) -> None:
+        for r in refs:
+            await self.delete(r)  # type: ignore[attr-defined]

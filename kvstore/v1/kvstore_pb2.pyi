@@ -1,0 +1,255 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_DRAM: _ClassVar[Tier]
+    TIER_SSD: _ClassVar[Tier]
+    TIER_REDIS: _ClassVar[Tier]
+    TIER_S3: _ClassVar[Tier]
+TIER_UNSPECIFIED: Tier
+TIER_DRAM: Tier
+TIER_SSD: Tier
+TIER_REDIS: Tier
+TIER_S3: Tier
+
+class Namespace(_message.Message):
+    __slots__ = ("model", "revision", "kv_layout", "dtype", "block_size", "rank", "world_size", "adapter", "cache_salt")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    revision: str
+    kv_layout: str
+    dtype: str
+    block_size: int
+    rank: int
+    world_size: int
+    adapter: str
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., revision: _Optional[str] = ..., kv_layout: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., adapter: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class SlotDescriptor(_message.Message):
+    __slots__ = ("segment", "offset", "length", "slot_id")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SLOT_ID_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    offset: int
+    length: int
+    slot_id: int
+    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., slot_id: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "lease_ttl_ms")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    lease_ttl_ms: int
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class BlockInfo(_message.Message):
+    __slots__ = ("tier", "size")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    size: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., size: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("matched", "blocks", "lease_id")
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    matched: int
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
+    lease_id: str
+    def __init__(self, matched: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class BlockSpec(_message.Message):
+    __slots__ = ("key", "parent", "size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    parent: bytes
+    size: int
+    def __init__(self, key: _Optional[bytes] = ..., parent: _Optional[bytes] = ..., size: _Optional[int] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("namespace", "blocks", "ttl_ms")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockSpec]
+    ttl_ms: int
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[BlockSpec, _Mapping]]] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
+
+class AllocatedBlock(_message.Message):
+    __slots__ = ("key", "present", "slot")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    present: bool
+    slot: SlotDescriptor
+    def __init__(self, key: _Optional[bytes] = ..., present: _Optional[bool] = ..., slot: _Optional[_Union[SlotDescriptor, _Mapping]] = ...) -> None: ...
+
+class AllocateResponse(_message.Message):
+    __slots__ = ("allocation_id", "blocks")
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: str
+    blocks: _containers.RepeatedCompositeFieldContainer[AllocatedBlock]
+    def __init__(self, allocation_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[AllocatedBlock, _Mapping]]] = ...) -> None: ...
+
+class CommitBlock(_message.Message):
+    __slots__ = ("key", "slot_id", "has_checksum", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SLOT_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    slot_id: int
+    has_checksum: bool
+    checksum: int
+    def __init__(self, key: _Optional[bytes] = ..., slot_id: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("allocation_id", "blocks")
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: str
+    blocks: _containers.RepeatedCompositeFieldContainer[CommitBlock]
+    def __init__(self, allocation_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CommitBlock, _Mapping]]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: int
+    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("allocation_id",)
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: str
+    def __init__(self, allocation_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "lease_ttl_ms")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    lease_ttl_ms: int
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class AcquiredBlock(_message.Message):
+    __slots__ = ("key", "slot", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    slot: SlotDescriptor
+    checksum: int
+    def __init__(self, key: _Optional[bytes] = ..., slot: _Optional[_Union[SlotDescriptor, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease_id", "blocks")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    blocks: _containers.RepeatedCompositeFieldContainer[AcquiredBlock]
+    def __init__(self, lease_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[AcquiredBlock, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "all_keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    ALL_KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    all_keys: bool
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., all_keys: _Optional[bool] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted", "skipped_leased")
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_LEASED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    skipped_leased: int
+    def __init__(self, deleted: _Optional[int] = ..., skipped_leased: _Optional[int] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("ready",)
+    READY_FIELD_NUMBER: _ClassVar[int]
+    ready: int
+    def __init__(self, ready: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("json",)
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    json: str
+    def __init__(self, json: _Optional[str] = ...) -> None: ...
+
+class EchoRequest(_message.Message):
+    __slots__ = ("payload", "keys")
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, payload: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class EchoResponse(_message.Message):
+    __slots__ = ("payload",)
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
