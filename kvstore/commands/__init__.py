@@ -1,0 +1,1 @@
+"""Subcommands of the `kvstore` CLI, one module each (see kvstore/cli.py)."""

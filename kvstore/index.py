@@ -1,0 +1,187 @@
+"""Block metadata: state, placement per tier, leases, allocations, prefix links.
+
+Pure bookkeeping, no I/O and no bytes: the store (:mod:`kvstore.store`) drives it, and
+``kvstore replay`` drives the same code with a trace. Everything here runs on the server's event
+loop thread, so nothing is locked.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.errors import FailedPrecondition, NotFound
+from kvstore.keys import Namespace
+
+
+class State(enum.IntEnum):
+    ALLOCATED = 1  # slot reserved, bytes being written, invisible to lookups
+    COMMITTED = 2  # visible
+
+
+class TierId(enum.IntFlag):
+    """Placement bits; the numeric values match the proto's ``Tier`` enum positions."""
+
+    DRAM = 1
+    SSD = 2
+    REDIS = 4
+    S3 = 8
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()  # type: ignore[union-attr]
+
+
+TIER_ORDER: tuple[TierId, ...] = (TierId.DRAM, TierId.SSD, TierId.REDIS, TierId.S3)
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    ns: NsEntry
+    key: bytes
+    parent: bytes
+    size: int
+    depth: int = 1
+    state: State = State.ALLOCATED
+    tiers: TierId = TierId(0)
+    checksum: int | None = None  # None until sealed
+    slot: object | None = None  # kvstore.slab.Slot while in DRAM
+    leases: int = 0
+    moving: bool = False  # a mover is copying it between tiers
+
+    @property
+    def top_tier(self) -> TierId | None:
+        for t in TIER_ORDER:
+            if self.tiers & t:
+                return t
+        return None
+
+    @property
+    def pinned(self) -> bool:
+        return self.leases > 0 or self.state is State.ALLOCATED or self.moving
+
+
+@dataclass(slots=True, eq=False)
+class NsEntry:
+    root: bytes
+    label: str
+    namespace: Namespace | None
+    blocks: dict[bytes, Block] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class Allocation:
+    id: str
+    ns: NsEntry
+    blocks: dict[int, Block]  # slot_id -> block
+    deadline: float
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    id: str
+    blocks: list[Block]
+    deadline: float
+
+
+class Index:
+    def __init__(self) -> None:
+        self.namespaces: dict[bytes, NsEntry] = {}
+        self.allocations: dict[str, Allocation] = {}
+        self.leases: dict[str, Lease] = {}
+
+    # --- namespaces ---------------------------------------------------------------------
+
+    def namespace(self, root: bytes, label: str, namespace: Namespace | None = None) -> NsEntry:
+        entry = self.namespaces.get(root)
+        if entry is None:
+            entry = self.namespaces[root] = NsEntry(root, label, namespace)
+        elif namespace is not None and entry.namespace is None:
+            entry.namespace = namespace
+        return entry
+
+    # --- lookups ------------------------------------------------------------------------
+
+    @staticmethod
+    def leading_run(ns: NsEntry, keys: Sequence[bytes]) -> list[Block]:
+        """The committed blocks at the head of ``keys``, in order."""
+        blocks = ns.blocks
+        run: list[Block] = []
+        for key in keys:
+            b = blocks.get(key)
+            if b is None or b.state is not State.COMMITTED or not b.tiers:
+                break
+            run.append(b)
+        return run
+
+    def get(self, ns: NsEntry, key: bytes) -> Block | None:
+        return ns.blocks.get(key)
+
+    def add(self, ns: NsEntry, key: bytes, parent: bytes, size: int, state: State) -> Block:
+        parent_block = ns.blocks.get(parent) if parent else None
+        depth = parent_block.depth + 1 if parent_block is not None else 1
+        block = Block(ns, key, parent, size, depth, state)
+        ns.blocks[key] = block
+        return block
+
+    def drop(self, block: Block) -> None:
+        """Forget a block that no tier holds any more."""
+        cur = block.ns.blocks.get(block.key)
+        if cur is block:
+            del block.ns.blocks[block.key]
+
+    # --- allocations --------------------------------------------------------------------
+
+    def open_allocation(self, ns: NsEntry, blocks: dict[int, Block], deadline: float) -> Allocation:
+        alloc = Allocation(uuid.uuid4().hex, ns, blocks, deadline)
+        self.allocations[alloc.id] = alloc
+        return alloc
+
+    def allocation(self, alloc_id: str) -> Allocation:
+        alloc = self.allocations.get(alloc_id)
+        if alloc is None:
+            raise NotFound(
+                f"allocation_id: {alloc_id!r} is unknown (never allocated, already committed, aborted or reclaimed)"
+            )
+        return alloc
+
+    def close_allocation(self, alloc: Allocation) -> None:
+        self.allocations.pop(alloc.id, None)
+
+    def expired_allocations(self, now: float) -> list[Allocation]:
+        return [a for a in self.allocations.values() if a.deadline <= now]
+
+    # --- leases -------------------------------------------------------------------------
+
+    def take_lease(self, blocks: Iterable[Block], deadline: float) -> Lease:
+        lease = Lease(uuid.uuid4().hex, list(blocks), deadline)
+        for b in lease.blocks:
+            b.leases += 1
+        self.leases[lease.id] = lease
+        return lease
+
+    def release_lease(self, lease_id: str) -> Lease:
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            raise NotFound(f"lease_id: {lease_id!r} is unknown (never taken, released or expired)")
+        for b in lease.blocks:
+            b.leases -= 1
+        return lease
+
+    def expired_leases(self, now: float) -> list[Lease]:
+        return [le for le in self.leases.values() if le.deadline <= now]
+
+    # --- counts -------------------------------------------------------------------------
+
+    def count(self) -> dict[str, int]:
+        out = {"namespaces": len(self.namespaces), "blocks": 0, "allocations": len(self.allocations), "leases": len(self.leases)}
+        for ns in self.namespaces.values():
+            out["blocks"] += len(ns.blocks)
+        return out
+
+
+def require_state(block: Block, state: State, field_name: str) -> None:
+    if block.state is not state:
+        raise FailedPrecondition(f"{field_name}: block is {block.state.name}, expected {state.name}")

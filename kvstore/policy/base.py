@@ -1,0 +1,52 @@
+"""The eviction-policy interface.
+
+A policy orders the blocks of ONE capacity-limited space (the DRAM slab, the SSD directory, a
+replayed cache) and picks victims. It never frees anything itself: the owner of the space calls
+:meth:`EvictionPolicy.pop_victim` until it has room, and tells the policy about every insert,
+access and removal. Items are opaque hashables (the server passes its ``Block`` objects, the
+replay passes its own), and ``parent`` links let a policy stay prefix-aware: a prefix cache can
+only use the leading run of a prompt's blocks, so a block whose parent is gone is worthless and
+leaves should go before their ancestors.
+
+Owners call :meth:`access` for a request's blocks deepest-first, so that an ancestor is always
+at least as recent as its descendants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import ClassVar, Protocol, runtime_checkable
+
+Item = Hashable
+Eligible = Callable[[Item], bool]
+
+
+@runtime_checkable
+class EvictionPolicy(Protocol):
+    name: ClassVar[str]
+
+    def admit(self, item: Item, parent: Item | None, depth: int, size: int) -> bool:
+        """Whether a new block should enter the space at all (admission control)."""
+        ...
+
+    def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
+        """A block entered the space. ``parent`` is the previous block of its prefix, if it is
+        in this space; ``depth`` is its 1-based position in the prefix."""
+        ...
+
+    def access(self, item: Item) -> None:
+        """A block in the space was hit."""
+        ...
+
+    def remove(self, item: Item) -> None:
+        """A block left the space for a reason other than :meth:`pop_victim` (delete, move)."""
+        ...
+
+    def pop_victim(self, eligible: Eligible | None = None) -> Item | None:
+        """Remove and return the block to evict next, skipping those ``eligible`` rejects
+        (leased, being written, wrong size class); None when there is none."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, item: object) -> bool: ...

@@ -1,0 +1,174 @@
+"""The DRAM tier's shared-memory slab: fixed-size slots in size classes.
+
+The sidecar owns one POSIX shared-memory segment (mode 0600, pre-faulted at start, unlinked on
+clean shutdown). It is cut into pages of ``page_bytes``; a page is given on first need to one
+size class (powers of two from ``min_slot_bytes`` to ``page_bytes``) and split into slots of
+that size, as memcached's slab allocator does. Workers attach to the segment once per process
+(:func:`attach`) and copy straight into and out of slots; the bytes never cross gRPC.
+
+Pages are not moved between classes once assigned; a workload whose block sizes change keeps
+the old classes' pages until restart (memcached's rebalancer is the known remedy).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    slot_id: int
+    offset: int
+    cls: int  # size-class index
+    capacity: int
+
+
+@dataclass(slots=True)
+class _SizeClass:
+    size: int
+    free: list[Slot] = field(default_factory=list)
+    pages: int = 0
+    used: int = 0
+
+
+class Slab:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        page_bytes: int = 4 << 20,
+        min_slot_bytes: int = 4096,
+        *,
+        prefault: bool = True,
+        name_prefix: str = "kvstore",
+    ) -> None:
+        if capacity_bytes < page_bytes:
+            raise InvalidArgument(f"dram.capacity_bytes: {capacity_bytes} is smaller than one page ({page_bytes})")
+        self.page_bytes = page_bytes
+        self.num_pages = capacity_bytes // page_bytes
+        self.capacity_bytes = self.num_pages * page_bytes
+        self.name = f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=self.capacity_bytes)
+        self.buf = np.frombuffer(self._shm.buf, dtype=np.uint8)
+        if prefault:
+            self.buf[:: 4096] = 0
+        self.classes: list[_SizeClass] = []
+        size = min_slot_bytes
+        while size <= page_bytes:
+            self.classes.append(_SizeClass(size))
+            size *= 2
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+        self._slots: dict[int, Slot] = {}
+        self._next_id = 0
+
+    # --- size classes -------------------------------------------------------------------
+
+    @property
+    def max_slot_bytes(self) -> int:
+        return self.classes[-1].size
+
+    def class_of(self, size: int) -> int:
+        if size <= 0:
+            raise InvalidArgument(f"size: must be positive, got {size}")
+        if size > self.max_slot_bytes:
+            raise InvalidArgument(f"size: {size} bytes exceeds the largest slot ({self.max_slot_bytes}); raise dram.page_bytes")
+        idx = max(0, (size - 1).bit_length() - self.classes[0].size.bit_length() + 1)
+        return idx
+
+    # --- allocation ---------------------------------------------------------------------
+
+    def try_alloc(self, cls: int) -> Slot | None:
+        """A free slot of class ``cls``, taking a fresh page if needed; None when both are gone."""
+        sc = self.classes[cls]
+        if not sc.free:
+            if not self._free_pages:
+                return None
+            page = self._free_pages.pop()
+            base = page * self.page_bytes
+            per_page = self.page_bytes // sc.size
+            for i in range(per_page - 1, -1, -1):
+                slot = Slot(self._next_id, base + i * sc.size, cls, sc.size)
+                self._next_id += 1
+                self._slots[slot.slot_id] = slot
+                sc.free.append(slot)
+            sc.pages += 1
+        sc.used += 1
+        return sc.free.pop()
+
+    def free(self, slot: Slot) -> None:
+        sc = self.classes[slot.cls]
+        sc.used -= 1
+        sc.free.append(slot)
+
+    def view(self, slot: Slot, length: int) -> np.ndarray:
+        return self.buf[slot.offset : slot.offset + length]
+
+    # --- accounting ---------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(c.used * c.size for c in self.classes)
+
+    def occupancy(self) -> dict[str, object]:
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "used_bytes": self.used_bytes,
+            "free_pages": len(self._free_pages),
+            "classes": {str(c.size): {"pages": c.pages, "used_slots": c.used, "free_slots": len(c.free)} for c in self.classes if c.pages},
+        }
+
+    def close(self, unlink: bool = True) -> None:
+        del self.buf
+        self._shm.close()
+        if unlink:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+
+
+# --- worker side ----------------------------------------------------------------------------
+
+_attached: dict[str, shared_memory.SharedMemory] = {}
+_attach_lock = threading.Lock()
+
+
+def attach(segment: str) -> np.ndarray:
+    """Map the sidecar's slab into this process, once per process.
+
+    Python 3.11's SharedMemory registers every segment it opens with the resource tracker, which
+    unlinks it when this process exits; a worker must never destroy the sidecar's slab, so we
+    unregister it again.
+    """
+    with _attach_lock:
+        shm = _attached.get(segment)
+        if shm is None:
+            shm = shared_memory.SharedMemory(name=segment, create=False)
+            try:
+                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+            except Exception:  # tracker not running in this process
+                pass
+            _attached[segment] = shm
+        return np.frombuffer(shm.buf, dtype=np.uint8)
+
+
+def unlink_stale(segment: str) -> bool:
+    """Remove a segment left behind by a sidecar that died (kill -9)."""
+    try:
+        shm = shared_memory.SharedMemory(name=segment, create=False)
+    except FileNotFoundError:
+        return False
+    try:
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    shm.close()
+    shm.unlink()
+    return True
