@@ -1,0 +1,177 @@
+"""KV-cache layouts and the byte order of a block in a DRAM slot.
+
+Every layout reduces an engine's per-layer cache to a list of *planes*: arrays (views, never
+copies) whose first axis is the block index, so ``plane[b]`` is one block's part of that plane.
+The transfer code only ever sees planes, which is what lets one gather/scatter serve all layouts
+and both array libraries (numpy, cupy).
+
+=============  ===========================================  ======  ===========================
+layout         engine cache, per layer                      planes  part = plane[b]
+=============  ===========================================  ======  ===========================
+``vllm_cpu``   ``[num_blocks, kv_heads, block_size, 2*d]``  1       ``[kv_heads, block_size, 2*d]``
+               (K then V halves along the last axis)                 (K|V halves kept as-is)
+``vllm_gpu``   ``[2, num_blocks, block_size, kv_heads, d]`` 2 (K,V) ``[block_size, kv_heads, d]``
+``hf``         ``(K, V)``, each ``[1, kv_heads, seq, d]``   2 (K,V) ``[kv_heads, block_size, d]``
+               (transformers ``DynamicCache``; block ``b``
+               is tokens ``[b*block_size, (b+1)*block_size)``)
+=============  ===========================================  ======  ===========================
+
+**Slot byte order** (one block, all layers, contiguous): layer-major, then plane, then the part in
+C order -- i.e. the slot is the C-contiguous array ``[num_layers, planes, *part_shape]`` of the
+cache's element type. The layout name is in the namespace (``Namespace.kv_layout``), so slots of
+different layouts never meet. Copies move raw bytes: tensors are viewed as unsigned integers of
+the same width, so bfloat16 and float8 need no numpy support.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvstore.errors import InvalidArgument
+from kvstore.keys import DTYPES
+
+ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+# Raw element type used to move bytes of a given width (numpy and cupy both have these).
+RAW_DTYPE: dict[int, np.dtype[Any]] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+
+Array = Any  # an xp.ndarray: numpy.ndarray or cupy.ndarray
+
+
+@dataclass(slots=True, frozen=True)
+class KVSpec:
+    """Shape of one model's KV cache, independent of where it lives."""
+
+    layout: str
+    num_layers: int
+    kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise InvalidArgument(f"kv_layout: {self.layout!r} is not one of {sorted(LAYOUTS)}")
+        if self.dtype not in DTYPES:
+            raise InvalidArgument(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        for name in ("num_layers", "kv_heads", "head_size", "block_size"):
+            if getattr(self, name) <= 0:
+                raise InvalidArgument(f"{name}: must be positive, got {getattr(self, name)}")
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZE[self.dtype]
+
+    @property
+    def raw_dtype(self) -> np.dtype[Any]:
+        return RAW_DTYPE[self.itemsize]
+
+    @property
+    def layout_impl(self) -> Layout:
+        return LAYOUTS[self.layout]
+
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        impl = self.layout_impl
+        return (self.num_layers, impl.num_planes, *impl.part_shape(self))
+
+    @property
+    def slot_elems(self) -> int:
+        return int(np.prod(self.slot_shape))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block (all layers) -- the size of a slot's data."""
+        return self.slot_elems * self.itemsize
+
+
+class Layout(Protocol):
+    name: str
+    num_planes: int
+
+    def part_shape(self, spec: KVSpec) -> tuple[int, ...]: ...
+
+    def planes(self, layer_cache: Any, spec: KVSpec) -> list[Array]:
+        """Views of one layer's cache with the block index first, in slot order."""
+        ...
+
+
+class VllmCpuLayout:
+    name = "vllm_cpu"
+    num_planes = 1
+
+    def part_shape(self, spec: KVSpec) -> tuple[int, ...]:
+        return (spec.kv_heads, spec.block_size, 2 * spec.head_size)
+
+    def planes(self, layer_cache: Array, spec: KVSpec) -> list[Array]:
+        _check_shape(layer_cache, (None, *self.part_shape(spec)), self.name)
+        return [layer_cache]
+
+
+class VllmGpuLayout:
+    name = "vllm_gpu"
+    num_planes = 2
+
+    def part_shape(self, spec: KVSpec) -> tuple[int, ...]:
+        return (spec.block_size, spec.kv_heads, spec.head_size)
+
+    def planes(self, layer_cache: Array, spec: KVSpec) -> list[Array]:
+        _check_shape(layer_cache, (2, None, *self.part_shape(spec)), self.name)
+        return [layer_cache[0], layer_cache[1]]
+
+
+class HfLayout:
+    """transformers caches: per layer ``(K, V)``, each ``[1, kv_heads, seq, head_size]``.
+
+    Only the full blocks of ``seq`` are addressable; the view splits the sequence axis into
+    ``(blocks, block_size)`` and moves the block axis first, which needs no copy as long as the
+    sequence axis has unit stride over ``head_size`` elements (true for every transformers cache).
+    """
+
+    name = "hf"
+    num_planes = 2
+
+    def part_shape(self, spec: KVSpec) -> tuple[int, ...]:
+        return (spec.kv_heads, spec.block_size, spec.head_size)
+
+    def planes(self, layer_cache: Sequence[Array], spec: KVSpec) -> list[Array]:
+        if len(layer_cache) != 2:
+            raise InvalidArgument("hf layout: a layer's cache is a (K, V) pair")
+        out = []
+        for t in layer_cache:
+            _check_shape(t, (1, spec.kv_heads, None, spec.head_size), self.name)
+            n = t.shape[2] // spec.block_size
+            x = t[0, :, : n * spec.block_size, :]
+            x = x.reshape(spec.kv_heads, n, spec.block_size, spec.head_size)
+            out.append(x.transpose(1, 0, 2, 3))
+        return out
+
+
+LAYOUTS: dict[str, Layout] = {cls.name: cls() for cls in (VllmCpuLayout, VllmGpuLayout, HfLayout)}
+
+
+def _check_shape(arr: Array, want: tuple[int | None, ...], layout: str) -> None:
+    got = tuple(arr.shape)
+    if len(got) != len(want) or any(w is not None and g != w for g, w in zip(got, want)):
+        shown = tuple("*" if w is None else w for w in want)
+        raise InvalidArgument(f"{layout} layout: a layer's cache has shape {got}, expected {shown}")
+
+
+def slot_array(buf: Array, spec: KVSpec) -> Array:
+    """View a slot's bytes (uint8, at least ``spec.block_bytes`` long) as ``spec.slot_shape``."""
+    if buf.dtype != np.uint8 or buf.ndim != 1:
+        raise InvalidArgument(f"slot: expected a 1-D uint8 buffer, got {buf.dtype} with shape {buf.shape}")
+    if buf.shape[0] < spec.block_bytes:
+        raise InvalidArgument(f"slot: {buf.shape[0]} bytes is smaller than a block ({spec.block_bytes})")
+    return buf[: spec.block_bytes].view(spec.raw_dtype).reshape(spec.slot_shape)

@@ -1,0 +1,267 @@
+"""Gather/scatter between an engine's paged KV cache and DRAM slots.
+
+One copy algorithm, two array libraries. :func:`gather_block` / :func:`scatter_block` walk a
+block's parts in slot order (see :mod:`connector.layout`) with plain ``dst[...] = src``
+assignment, which numpy and cupy both implement:
+
+* :class:`NumpyTransfer` (CPU caches: numpy arrays, or torch CPU tensors viewed zero-copy through
+  ``Tensor.numpy()``) copies each part straight into / out of the slot. Synchronous.
+* :class:`CupyTransfer` (GPU caches) runs the *same* functions on the device into a per-stream
+  staging block, then moves the whole block with one DMA between the staging block and the slot,
+  which is pinned once per shared-memory mapping with ``cudaHostRegister``. Consecutive blocks
+  alternate between streams so one block's DMA overlaps the next block's device-side gather;
+  completion is a set of CUDA events. cupy is imported only when this class is built.
+
+Choose by name with :func:`make_transfer` (``"numpy"`` or ``"cupy"``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from connector.layout import Array, KVSpec, slot_array
+from kvstore.errors import InvalidArgument
+
+LayerPlanes = list[list[Array]]  # [layer][plane] -> array with the block index first
+
+
+@dataclass(slots=True, frozen=True)
+class PagedKV:
+    """An engine cache bound to its spec: every layer as raw-typed planes (views, no copies)."""
+
+    spec: KVSpec
+    planes: LayerPlanes
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.planes[0][0].shape[0])
+
+
+def bind_caches(spec: KVSpec, caches: Sequence[Any]) -> PagedKV:
+    """Bind per-layer caches (numpy arrays, torch tensors or cupy arrays; ``(K, V)`` pairs for hf)."""
+    if len(caches) != spec.num_layers:
+        raise InvalidArgument(f"caches: {len(caches)} layers given, the spec has {spec.num_layers}")
+    impl = spec.layout_impl
+    planes: LayerPlanes = []
+    for layer in caches:
+        raw = [as_raw(t, spec) for t in layer] if isinstance(layer, (tuple, list)) else as_raw(layer, spec)
+        planes.append(impl.planes(raw, spec))
+    return PagedKV(spec, planes)
+
+
+_TORCH_RAW = {1: "uint8", 2: "int16", 4: "int32"}
+
+
+def as_raw(t: Any, spec: KVSpec) -> Array:
+    """A zero-copy view of ``t`` as unsigned integers of the spec's element width."""
+    if isinstance(t, np.ndarray):
+        if t.itemsize != spec.itemsize:
+            raise InvalidArgument(f"cache: element size {t.itemsize}, the spec's dtype {spec.dtype} has {spec.itemsize}")
+        return t.view(spec.raw_dtype)
+    if hasattr(t, "element_size") and hasattr(t, "is_cuda"):  # torch.Tensor, without importing torch
+        import torch
+
+        if t.element_size() != spec.itemsize:
+            raise InvalidArgument(
+                f"cache: element size {t.element_size()}, the spec's dtype {spec.dtype} has {spec.itemsize}"
+            )
+        raw = t.detach().view(getattr(torch, _TORCH_RAW[spec.itemsize]))
+        if t.is_cuda:
+            cupy = importlib.import_module("cupy")
+            return cupy.asarray(raw).view(spec.raw_dtype)
+        return raw.numpy().view(spec.raw_dtype)
+    if hasattr(t, "__cuda_array_interface__"):  # cupy.ndarray
+        return t.view(spec.raw_dtype)
+    raise InvalidArgument(f"cache: unsupported array type {type(t).__name__}")
+
+
+# --- the shared copy logic ----------------------------------------------------------------------
+
+
+def gather_block(planes: LayerPlanes, block: int, dst: Array) -> None:
+    """Copy block ``block`` of every layer into ``dst`` (shape ``spec.slot_shape``)."""
+    for layer, layer_planes in enumerate(planes):
+        for p, plane in enumerate(layer_planes):
+            dst[layer, p][...] = plane[block]
+
+
+def scatter_block(planes: LayerPlanes, block: int, src: Array) -> None:
+    """Copy ``src`` (shape ``spec.slot_shape``) into block ``block`` of every layer."""
+    for layer, layer_planes in enumerate(planes):
+        for p, plane in enumerate(layer_planes):
+            plane[block][...] = src[layer, p]
+
+
+def gather_batch(planes: LayerPlanes, block_ids: Sequence[int], out: Array) -> None:
+    """Gather many blocks into one contiguous ``[n, *slot_shape]`` array (one indexed copy per plane)."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    for layer, layer_planes in enumerate(planes):
+        for p, plane in enumerate(layer_planes):
+            out[:, layer, p] = plane[ids]
+
+
+def scatter_batch(planes: LayerPlanes, block_ids: Sequence[int], src: Array) -> None:
+    """Scatter a contiguous ``[n, *slot_shape]`` array into many blocks."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    for layer, layer_planes in enumerate(planes):
+        for p, plane in enumerate(layer_planes):
+            plane[ids] = src[:, layer, p]
+
+
+def _check_ids(kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> None:
+    if len(block_ids) != len(slots):
+        raise InvalidArgument(f"transfer: {len(block_ids)} block ids for {len(slots)} slots")
+    n = kv.num_blocks
+    for b in block_ids:
+        if not 0 <= b < n:
+            raise InvalidArgument(f"transfer: block id {b} is outside the cache (0..{n - 1})")
+
+
+# --- completion -----------------------------------------------------------------------------------
+
+
+class Completion(Protocol):
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class Done:
+    """An already finished transfer (the numpy path is synchronous)."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+DONE = Done()
+
+
+class Transfer(Protocol):
+    name: str
+
+    def gather(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
+        """Copy ``kv`` blocks ``block_ids[i]`` into writable slot buffers ``slots[i]`` (uint8)."""
+        ...
+
+    def scatter(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
+        """Copy slot buffers ``slots[i]`` into ``kv`` blocks ``block_ids[i]``."""
+        ...
+
+
+class NumpyTransfer:
+    name = "numpy"
+
+    def gather(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
+        _check_ids(kv, block_ids, slots)
+        for b, slot in zip(block_ids, slots):
+            gather_block(kv.planes, b, slot_array(slot, kv.spec))
+        return DONE
+
+    def scatter(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
+        _check_ids(kv, block_ids, slots)
+        for b, slot in zip(block_ids, slots):
+            scatter_block(kv.planes, b, slot_array(slot, kv.spec))
+        return DONE
+
+
+class CupyTransfer:
+    """GPU caches <-> pinned DRAM slots, ``streams`` CUDA streams in flight (never used on CPU).
+
+    Per block: the device-side parts are gathered into a staging block on stream ``i % streams``
+    (the shared :func:`gather_block`), then one async DMA moves it to the slot; scatter is the
+    mirror image. Work on one stream is ordered, so a staging block is reused only after its DMA.
+    The engine's current stream is waited on first, so KV written by the forward pass is visible.
+    """
+
+    name = "cupy"
+
+    def __init__(self, spec: KVSpec | None = None, streams: int = 2) -> None:
+        self._cp = importlib.import_module("cupy")
+        self._streams = [self._cp.cuda.Stream(non_blocking=True) for _ in range(max(1, streams))]
+        self._staging: dict[tuple[tuple[int, ...], str], list[Array]] = {}
+        self._pinned: set[int] = set()
+
+    def pin(self, buf: Array) -> None:
+        """Register the whole mapping behind ``buf`` (a numpy view of a slab) as pinned memory, once."""
+        root = buf
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        addr = int(root.ctypes.data)
+        if addr in self._pinned:
+            return
+        try:
+            self._cp.cuda.runtime.hostRegister(addr, int(root.nbytes), 0)
+        except self._cp.cuda.runtime.CUDARuntimeError as exc:  # already registered elsewhere: fine
+            if "AlreadyRegistered" not in str(exc):
+                raise
+        self._pinned.add(addr)
+
+    def _stage(self, spec: KVSpec) -> list[Array]:
+        key = (spec.slot_shape, spec.raw_dtype.str)
+        if key not in self._staging:
+            self._staging[key] = [self._cp.empty(spec.slot_shape, spec.raw_dtype) for _ in self._streams]
+        return self._staging[key]
+
+    def _start(self) -> None:
+        ready = self._cp.cuda.get_current_stream().record()
+        for s in self._streams:
+            s.wait_event(ready)
+
+    def gather(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
+        _check_ids(kv, block_ids, slots)
+        stage = self._stage(kv.spec)
+        self._start()
+        for i, (b, slot) in enumerate(zip(block_ids, slots)):
+            self.pin(slot)
+            j = i % len(self._streams)
+            with self._streams[j]:
+                gather_block(kv.planes, b, stage[j])
+                stage[j].get(stream=self._streams[j], out=slot_array(slot, kv.spec), blocking=False)
+        return _Events([s.record() for s in self._streams])
+
+    def scatter(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
+        _check_ids(kv, block_ids, slots)
+        stage = self._stage(kv.spec)
+        self._start()
+        for i, (b, slot) in enumerate(zip(block_ids, slots)):
+            self.pin(slot)
+            j = i % len(self._streams)
+            with self._streams[j]:
+                stage[j].set(slot_array(slot, kv.spec), stream=self._streams[j])
+                scatter_block(kv.planes, b, stage[j])
+        return _Events([s.record() for s in self._streams])
+
+
+class _Events:
+    def __init__(self, events: list[Any]) -> None:
+        self._events = events
+
+    def done(self) -> bool:
+        return all(e.done for e in self._events)
+
+    def wait(self) -> None:
+        for e in self._events:
+            e.synchronize()
+
+
+_TRANSFERS: dict[str, tuple[str, str]] = {
+    "numpy": ("connector.transfer", "NumpyTransfer"),
+    "cupy": ("connector.transfer", "CupyTransfer"),
+}
+
+
+def make_transfer(name: str, **kwargs: Any) -> Transfer:
+    """The transfer engine called ``name``; optional dependencies load only when selected."""
+    try:
+        module, cls = _TRANSFERS[name]
+    except KeyError:
+        raise InvalidArgument(f"transfer: {name!r} is not one of {sorted(_TRANSFERS)}") from None
+    return getattr(importlib.import_module(module), cls)(**kwargs)  # type: ignore[no-any-return]
