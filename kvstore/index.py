@@ -119,9 +119,12 @@ class Index:
     def get(self, ns: NsEntry, key: bytes) -> Block | None:
         return ns.blocks.get(key)
 
-    def add(self, ns: NsEntry, key: bytes, parent: bytes, size: int, state: State) -> Block:
-        parent_block = ns.blocks.get(parent) if parent else None
-        depth = parent_block.depth + 1 if parent_block is not None else 1
+    def add(self, ns: NsEntry, key: bytes, parent: bytes, size: int, state: State, depth: int | None = None) -> Block:
+        """Record a block. ``depth`` is its 1-based position in the prompt when the caller knows
+        it (the parent may have been evicted); otherwise it is derived from the parent."""
+        if depth is None:
+            parent_block = ns.blocks.get(parent) if parent else None
+            depth = parent_block.depth + 1 if parent_block is not None else 1
         block = Block(ns, key, parent, size, depth, state)
         ns.blocks[key] = block
         return block
