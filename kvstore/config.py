@@ -74,6 +74,10 @@ class RedisConfig(_Section):
     key_prefix: str = "kvstore"
     ttl_s: int = Field(0, ge=0, description="expire blocks after this many seconds (0: never)")
     chunk_bytes: int = Field(1 * MiB, ge=64 * 1024, le=2 * MiB * 8)
+    retries: int = Field(3, ge=0, description="redis-py Retry attempts after a connection error")
+    backoff_base_s: float = Field(0.05, gt=0, description="ExponentialBackoff base between retries")
+    backoff_cap_s: float = Field(1.0, gt=0, description="ExponentialBackoff cap between retries")
+    socket_timeout_s: float = Field(5.0, gt=0, description="connect and read timeout")
 
 
 class S3Config(_Section):
@@ -84,6 +88,9 @@ class S3Config(_Section):
     region: str = "us-east-1"
     concurrency: int = Field(8, ge=1, le=256)
     multipart_threshold_bytes: int = Field(8 * MiB, ge=5 * MiB)
+    part_bytes: int = Field(8 * MiB, ge=5 * MiB, description="multipart upload part size")
+    max_attempts: int = Field(3, ge=1, description="botocore retry attempts (standard mode)")
+    timeout_s: float = Field(10.0, gt=0, description="connect and read timeout")
 
 
 class TieringConfig(_Section):

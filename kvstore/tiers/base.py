@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kvstore.errors import ChecksumMismatch
 
@@ -61,6 +61,8 @@ def encode_header(meta: BlockMeta) -> bytes:
 
 def header_size(buf: bytes | memoryview) -> int:
     """Total header length (fixed part + label) given at least the fixed part."""
+    if len(buf) < _HEADER.size:
+        raise ChecksumMismatch(f"block header truncated ({len(buf)} of {_HEADER.size} bytes)")
     return _HEADER.size + _HEADER.unpack_from(buf)[-1]
 
 
@@ -68,6 +70,9 @@ HEADER_FIXED = _HEADER.size
 
 
 def decode_header(buf: bytes | memoryview) -> BlockMeta:
+    """The header at the start of ``buf``; :class:`ChecksumMismatch` when it is not one."""
+    if len(buf) < _HEADER.size:
+        raise ChecksumMismatch(f"block header truncated ({len(buf)} of {_HEADER.size} bytes)")
     magic, version, ns, key, has_parent, parent, size, checksum, n = _HEADER.unpack_from(buf)
     if magic != MAGIC or version != 1:
         raise ChecksumMismatch(f"bad block header (magic {magic!r}, version {version})")
@@ -112,7 +117,13 @@ class Recoverable(Protocol):
 
 
 class TierBase:
-    """Default batch forms that loop over the single-key calls."""
+    """Default batch forms that loop over the single-key calls, and the whole-config constructor."""
+
+    @classmethod
+    def from_app_config(cls, config: Any) -> Any:
+        """Build from the whole :class:`kvstore.config.Config`: its section named ``cls.name``
+        goes to ``cls.from_config``. Tiers that need shared settings override this."""
+        return cls.from_config(getattr(config, cls.name))  # type: ignore[attr-defined]
 
     async def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
         return [await self.contains(r) for r in refs]  # type: ignore[attr-defined]

@@ -1,0 +1,220 @@
+"""Real servers on free loopback ports, for tests and benchmarks.
+
+Each helper is a context manager yielding a handle with ``url``/``port`` and ``stop()`` /
+``start()`` (restart on the same port), so tests can inject faults::
+
+    with redis_server() as r:          # redis-server --save "" --appendonly no
+        r.stop(); ...; r.start()
+    with redis_cluster(n=3) as c:      # 3 masters, no replicas, waits for cluster_state:ok
+        c.url, c.ports
+    with moto_server() as s3:          # python -m moto.server as a subprocess
+        s3.url
+
+Nothing here talks to the system Redis on 6379: every port comes from the kernel (bind to 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
+START_TIMEOUT_S = 30.0
+
+# Credentials moto accepts; exported so tests and benchmarks build clients the same way.
+MOTO_CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+
+
+def free_port() -> int:
+    """A loopback TCP port that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, what: str, proc: subprocess.Popen | None = None, timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{what}: not ready after {timeout}s")
+
+
+def _kill(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def _redis_cli(port: int, *args: str) -> str:
+    out = subprocess.run(
+        [REDIS_CLI, "-h", "127.0.0.1", "-p", str(port), *args],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+    return out.stdout
+
+
+@dataclass
+class RedisServer:
+    """One redis-server process (no persistence) on a fixed loopback port."""
+
+    port: int
+    workdir: Path
+    extra_args: Sequence[str] = ()
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        args = [
+            REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "no",
+            "--save", "", "--appendonly", "no", "--dir", str(self.workdir), "--logfile", "",
+            *self.extra_args,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait(lambda: _redis_cli(self.port, "PING").strip() == "PONG", f"redis-server :{self.port}", self.proc)
+
+    def stop(self) -> None:
+        """Kill the server (SIGKILL: a crash, not a clean shutdown)."""
+        _kill(self.proc)
+        self.proc = None
+
+    def cli(self, *args: str) -> str:
+        return _redis_cli(self.port, *args)
+
+
+@contextlib.contextmanager
+def redis_server(*extra_args: str) -> Iterator[RedisServer]:
+    """A single-node Redis on a free port; ``extra_args`` go to redis-server (e.g. --maxmemory)."""
+    with tempfile.TemporaryDirectory(prefix="kvstore-redis-") as d:
+        server = RedisServer(free_port(), Path(d), extra_args)
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@dataclass
+class RedisCluster:
+    """``n`` Redis masters forming one cluster (no replicas)."""
+
+    nodes: list[RedisServer]
+
+    @property
+    def ports(self) -> list[int]:
+        return [n.port for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def state_ok(self) -> bool:
+        return all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in self.nodes)
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+    def start(self) -> None:
+        """Restart the nodes (they keep their nodes.conf, so the cluster re-forms)."""
+        for n in self.nodes:
+            n.start()
+        _wait(self.state_ok, "redis cluster state")
+
+
+@contextlib.contextmanager
+def redis_cluster(n: int = 3) -> Iterator[RedisCluster]:
+    with tempfile.TemporaryDirectory(prefix="kvstore-cluster-") as d:
+        nodes = []
+        for i in range(n):
+            port, bus = free_port(), free_port()
+            workdir = Path(d) / str(i)
+            workdir.mkdir()
+            nodes.append(RedisServer(port, workdir, (
+                "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-port", str(bus), "--cluster-node-timeout", "5000",
+            )))
+        cluster = RedisCluster(nodes)
+        try:
+            for node in nodes:
+                node.start()
+            out = subprocess.run(
+                [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in cluster.ports),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                capture_output=True, text=True, timeout=60, check=False,
+            )
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
+            _wait(cluster.state_ok, "redis cluster state")
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+@dataclass
+class MotoServer:
+    """moto's S3-compatible HTTP server as a subprocess (state is in memory: lost on stop)."""
+
+    port: int
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _ready(self) -> bool:
+        with urllib.request.urlopen(f"{self.url}/moto-api/", timeout=1) as resp:
+            return resp.status == 200
+
+    def start(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        env = {**os.environ, **{k.upper(): v for k, v in MOTO_CREDENTIALS.items()}}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        )
+        _wait(self._ready, f"moto server :{self.port}", self.proc)
+
+    def stop(self) -> None:
+        _kill(self.proc)
+        self.proc = None
+
+    def reset(self) -> None:
+        """Drop every bucket and object (moto's reset API)."""
+        req = urllib.request.Request(f"{self.url}/moto-api/reset", method="POST")
+        with urllib.request.urlopen(req, timeout=10):
+            pass
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[MotoServer]:
+    server = MotoServer(free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

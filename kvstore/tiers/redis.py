@@ -1,0 +1,248 @@
+"""Redis tier: one module for a single node and for Redis Cluster, the redis.asyncio client injected.
+
+Keys, for block ``ref`` under ``key_prefix`` ``P``::
+
+    P:<ns hex 16>:{<key hex 64>}:m     encode_header(meta)
+    P:<ns hex 16>:{<key hex 64>}:<i>   payload chunk i (chunk_bytes each, the last shorter)
+
+The ``{...}`` hash tag puts every key of one block on one cluster slot, so a block's chunks are
+written and read by one pipeline on one node. Writes are pipelined (chunks first, header last),
+reads take two pipelined round trips per batch (headers, then every chunk of every block).
+
+A block whose chunks are partly gone (maxmemory eviction, TTL) is a miss, not an error. A block
+is ``contains``-true when its header key exists; ``get`` is the authority.
+Connection failures raise :class:`~kvstore.errors.Unavailable` after redis-py's own
+``Retry(ExponentialBackoff)`` gave up; the next call reconnects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from redis import exceptions as rexc
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from kvstore.config import RedisConfig
+from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted, Unavailable
+from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header
+
+# What "the server cannot be reached" looks like from redis-py (cluster errors included).
+_UNAVAILABLE = (
+    rexc.ConnectionError,
+    rexc.TimeoutError,
+    rexc.BusyLoadingError,
+    rexc.ClusterError,
+    rexc.TryAgainError,
+    rexc.SlotNotCoveredError,
+    OSError,
+)
+
+
+class _Unavailable:
+    """Context manager mapping redis-py connection failures to :class:`Unavailable`."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, _UNAVAILABLE):
+            raise Unavailable(f"redis: {exc}") from exc
+        if isinstance(exc, rexc.OutOfMemoryError):
+            raise ResourceExhausted(f"redis: {exc}") from exc
+        if isinstance(exc, rexc.RedisClusterException) and "connect" in str(exc).lower():
+            raise Unavailable(f"redis cluster: {exc}") from exc
+        return False
+
+
+_unavailable = _Unavailable()
+
+
+def default_retry(retries: int = 3, base_s: float = 0.05, cap_s: float = 1.0) -> Retry:
+    return Retry(ExponentialBackoff(cap=cap_s, base=base_s), retries)
+
+
+class RedisTier(TierBase):
+    """Blocks in Redis or Redis Cluster through an injected ``redis.asyncio`` client."""
+
+    name = "redis"
+
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        *,
+        key_prefix: str = "kvstore",
+        chunk_bytes: int = 1 << 20,
+        ttl_s: int = 0,
+    ) -> None:
+        self.client = client
+        self.key_prefix = key_prefix
+        self.chunk_bytes = chunk_bytes
+        self.ttl_s = ttl_s or None
+        self.cluster = isinstance(client, RedisCluster)
+
+    @classmethod
+    def from_config(cls, cfg: RedisConfig) -> RedisTier:
+        kwargs: dict[str, Any] = dict(
+            retry=default_retry(cfg.retries, cfg.backoff_base_s, cfg.backoff_cap_s),
+            socket_timeout=cfg.socket_timeout_s,
+            socket_connect_timeout=cfg.socket_timeout_s,
+        )
+        client: Redis | RedisCluster
+        if cfg.cluster:
+            client = RedisCluster.from_url(cfg.url, **kwargs)
+        else:
+            client = Redis.from_url(cfg.url, retry_on_error=[rexc.ConnectionError, rexc.TimeoutError], **kwargs)
+        return cls(client, key_prefix=cfg.key_prefix, chunk_bytes=cfg.chunk_bytes, ttl_s=cfg.ttl_s)
+
+    # ---- keys -----------------------------------------------------------------------------
+
+    def _base(self, ref: BlockRef) -> str:
+        return f"{self.key_prefix}:{ref.ns.hex()[:16]}:{{{ref.key.hex()}}}"
+
+    def header_key(self, ref: BlockRef) -> str:
+        return self._base(ref) + ":m"
+
+    def chunk_keys(self, ref: BlockRef, size: int) -> list[str]:
+        base = self._base(ref)
+        return [f"{base}:{i}" for i in range(self.n_chunks(size))]
+
+    def n_chunks(self, size: int) -> int:
+        return max(1, -(-size // self.chunk_bytes))
+
+    def _pipeline(self) -> Any:
+        return self.client.pipeline(transaction=False) if not self.cluster else self.client.pipeline()
+
+    # ---- Tier -----------------------------------------------------------------------------
+
+    async def contains(self, ref: BlockRef) -> bool:
+        return (await self.contains_many([ref]))[0]
+
+    async def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
+        if not refs:
+            return []
+        with _unavailable:
+            pipe = self._pipeline()
+            for r in refs:
+                pipe.exists(self.header_key(r))
+            return [bool(n) for n in await pipe.execute()]
+
+    async def get(self, ref: BlockRef, into: memoryview) -> BlockMeta | None:
+        return (await self.get_many([ref], [into]))[0]
+
+    async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
+        metas = await self._headers(refs)
+        out: list[BlockMeta | None] = [None] * len(refs)
+        wanted = [(i, m) for i, m in enumerate(metas) if m is not None]
+        if not wanted:
+            return out
+        for i, m in wanted:
+            if m.size > len(into[i]):
+                raise InvalidArgument(f"buffer of {len(into[i])} bytes for a block of {m.size}")
+        with _unavailable:
+            pipe = self._pipeline()
+            for _, m in wanted:
+                for k in self.chunk_keys(m.ref, m.size):
+                    pipe.get(k)
+            chunks = await pipe.execute()
+        pos = 0
+        for i, m in wanted:
+            n = self.n_chunks(m.size)
+            parts, pos = chunks[pos : pos + n], pos + n
+            if any(p is None for p in parts) or sum(len(p) for p in parts) != m.size:
+                continue  # partly evicted or expired: a miss
+            buf, off = into[i], 0
+            for p in parts:
+                buf[off : off + len(p)] = p
+                off += len(p)
+            out[i] = m
+        return out
+
+    async def _headers(self, refs: Sequence[BlockRef]) -> list[BlockMeta | None]:
+        if not refs:
+            return []
+        with _unavailable:
+            pipe = self._pipeline()
+            for r in refs:
+                pipe.get(self.header_key(r))
+            raw = await pipe.execute()
+        metas: list[BlockMeta | None] = []
+        for r, h in zip(refs, raw):
+            if h is None:
+                metas.append(None)
+                continue
+            meta = decode_header(h)
+            if meta.ref != r:
+                raise ChecksumMismatch(f"redis header for {r.name} names {meta.ref.name}")
+            metas.append(meta)
+        return metas
+
+    async def put(self, meta: BlockMeta, data: memoryview) -> None:
+        await self.put_many([(meta, data)])
+
+    async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
+        if not items:
+            return
+        with _unavailable:
+            pipe = self._pipeline()
+            for meta, data in items:
+                if len(data) != meta.size:
+                    raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
+                step = self.chunk_bytes
+                for i, k in enumerate(self.chunk_keys(meta.ref, meta.size)):
+                    pipe.set(k, data[i * step : (i + 1) * step], ex=self.ttl_s)
+                pipe.set(self.header_key(meta.ref), encode_header(meta), ex=self.ttl_s)  # last: visible once whole
+            await pipe.execute()
+
+    async def delete(self, ref: BlockRef) -> None:
+        await self.delete_many([ref])
+
+    async def delete_many(self, refs: Sequence[BlockRef]) -> None:
+        try:
+            metas = await self._headers(refs)
+        except ChecksumMismatch:
+            metas = [None] * len(refs)
+        if not refs:
+            return
+        with _unavailable:
+            pipe = self._pipeline()
+            for r, m in zip(refs, metas):
+                pipe.delete(self.header_key(r))  # first: the block stops being visible
+                for k in self.chunk_keys(r, m.size) if m is not None else ():
+                    pipe.delete(k)
+            await pipe.execute()
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def scan(self) -> AsyncIterator[BlockMeta]:
+        """Headers of every block under ``key_prefix``, via SCAN on every node of a cluster."""
+        batch: list[str] = []
+        with _unavailable:
+            async for key in self.client.scan_iter(match=f"{self.key_prefix}:*:m", count=1000):
+                batch.append(key)
+                if len(batch) >= 512:
+                    for meta in await self._decode_keys(batch):
+                        yield meta
+                    batch = []
+            for meta in await self._decode_keys(batch):
+                yield meta
+
+    async def _decode_keys(self, keys: list[str | bytes]) -> list[BlockMeta]:
+        if not keys:
+            return []
+        pipe = self._pipeline()
+        for k in keys:
+            pipe.get(k)
+        metas = []
+        for raw in await pipe.execute():
+            if raw is None:
+                continue  # deleted or evicted since SCAN saw it
+            try:
+                metas.append(decode_header(raw))
+            except (ChecksumMismatch, ValueError):
+                continue
+        return metas

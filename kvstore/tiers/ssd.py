@@ -1,0 +1,313 @@
+"""SSD tier: one file per block in a directory, with a byte capacity.
+
+File layout (the same with or without O_DIRECT)::
+
+    [encode_header(meta)][zero pad to a 4 KiB boundary][payload: meta.size bytes]
+
+Files live at ``<root>/<ns hex 16>/<key hex 64>.blk``. A write goes to a temp file
+(``.<key>.<pid>.<n>.tmp``) that is renamed over the final name only once its bytes are durable,
+so a half-written block is never visible; :meth:`SsdTier.scan` removes temp files left by a crash.
+
+Durability is per batch, not per block (an fsync costs ~4 ms): :meth:`put_many` writes every temp
+file, makes them durable together, renames them, then fsyncs each directory touched once.
+With O_DIRECT (where the filesystem allows it; tmpfs does not, and we fall back to buffered
+writes) the data bypasses the page cache and the directory fsync's journal commit carries the
+metadata; with buffered writes every temp file is fdatasync'ed before the renames.
+
+Reads are buffered ``preadv`` straight into the caller's memoryview. Eviction is not decided
+here (the index does that): :attr:`used_bytes` / :attr:`capacity_bytes` are exposed and a put
+that would exceed the capacity raises :class:`~kvstore.errors.ResourceExhausted`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import mmap
+import os
+import threading
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import SsdConfig
+from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted
+from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef, TierBase, decode_header, encode_header, header_size
+
+ALIGN = 4096
+SUFFIX = ".blk"
+TMP_SUFFIX = ".tmp"
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _read_full(fd: int, into: memoryview, offset: int) -> int:
+    """preadv until ``into`` is full or EOF; returns bytes read."""
+    done = 0
+    while done < len(into):
+        n = os.preadv(fd, [into[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _write_full(fd: int, data: memoryview) -> None:
+    done = 0
+    while done < len(data):
+        done += os.write(fd, data[done:])
+
+
+def probe_direct_io(directory: Path) -> bool:
+    """Whether files in ``directory`` can be opened and written with O_DIRECT."""
+    if not _O_DIRECT:
+        return False
+    probe = directory / f".direct-probe.{os.getpid()}{TMP_SUFFIX}"
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | _O_DIRECT, 0o644)
+        try:
+            os.write(fd, buf)
+        finally:
+            os.close(fd)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            return False
+        raise
+    finally:
+        buf.close()
+        probe.unlink(missing_ok=True)
+
+
+class SsdTier(TierBase):
+    """Blocks as files under ``path``, at most ``capacity_bytes`` of them (file bytes)."""
+
+    name = "ssd"
+
+    def __init__(self, path: str | Path, capacity_bytes: int, *, direct_io: bool = True) -> None:
+        self.root = Path(path)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.direct_io = direct_io and probe_direct_io(self.root)
+        self._lock = threading.Lock()  # guards _used (updated from worker threads)
+        self._used = sum(self._file_size(p) for p in self.root.glob(f"*/*{SUFFIX}"))
+        self._tmp_ids = itertools.count()
+        self._local = threading.local()  # per-thread aligned staging buffer for O_DIRECT
+
+    @classmethod
+    def from_config(cls, cfg: SsdConfig, data_dir: str | Path = "./kvstore-data") -> SsdTier:
+        """``cfg.path``, or ``<data_dir>/ssd`` when it is empty (as ``Config.ssd_path``)."""
+        return cls(cfg.path or Path(data_dir) / "ssd", cfg.capacity_bytes, direct_io=cfg.direct_io)
+
+    @classmethod
+    def from_app_config(cls, config: Any) -> SsdTier:
+        return cls.from_config(config.ssd, data_dir=config.data_dir)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    # ---- paths and accounting ---------------------------------------------------------------
+
+    def path_of(self, ref: BlockRef) -> Path:
+        return self.root / (ref.name + SUFFIX)
+
+    @staticmethod
+    def _file_size(path: Path) -> int:
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _reserve(self, nbytes: int) -> None:
+        with self._lock:
+            if self._used + nbytes > self.capacity_bytes:
+                raise ResourceExhausted(
+                    f"ssd tier full: {self._used} + {nbytes} bytes > capacity {self.capacity_bytes}"
+                )
+            self._used += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes
+
+    # ---- Tier -----------------------------------------------------------------------------
+
+    async def contains(self, ref: BlockRef) -> bool:
+        return (await self.contains_many([ref]))[0]
+
+    async def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
+        return await asyncio.to_thread(lambda: [self.path_of(r).exists() for r in refs])
+
+    async def get(self, ref: BlockRef, into: memoryview) -> BlockMeta | None:
+        return (await self.get_many([ref], [into]))[0]
+
+    async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
+        return await asyncio.to_thread(lambda: [self._read(r, b) for r, b in zip(refs, into)])
+
+    async def put(self, meta: BlockMeta, data: memoryview) -> None:
+        await self.put_many([(meta, data)])
+
+    async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
+        if items:
+            await asyncio.to_thread(self._write_batch, items)
+
+    async def delete(self, ref: BlockRef) -> None:
+        await self.delete_many([ref])
+
+    async def delete_many(self, refs: Sequence[BlockRef]) -> None:
+        await asyncio.to_thread(lambda: [self._unlink(self.path_of(r)) for r in refs])
+
+    async def close(self) -> None:
+        buf = getattr(self._local, "buf", None)
+        if buf is not None:
+            buf.close()
+            self._local.buf = None
+
+    async def scan(self) -> AsyncIterator[BlockMeta]:
+        """Every block's header; removes temp files a crash left behind and skips bad headers."""
+        for ns_dir in await asyncio.to_thread(lambda: sorted(p for p in self.root.iterdir() if p.is_dir())):
+            metas = await asyncio.to_thread(self._scan_dir, ns_dir)
+            for meta in metas:
+                yield meta
+
+    # ---- blocking work (runs in a worker thread) ----------------------------------------------
+
+    def _read(self, ref: BlockRef, into: memoryview) -> BlockMeta | None:
+        try:
+            fd = os.open(self.path_of(ref), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            meta, offset = self._read_header(fd)
+            if meta.ref != ref:
+                raise ChecksumMismatch(f"ssd file for {ref.name} holds {meta.ref.name}")
+            if meta.size > len(into):
+                raise InvalidArgument(f"buffer of {len(into)} bytes for a block of {meta.size}")
+            if _read_full(fd, into[: meta.size], offset) != meta.size:
+                raise ChecksumMismatch(f"ssd file for {ref.name} is truncated")
+            return meta
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _read_header(fd: int) -> tuple[BlockMeta, int]:
+        head = bytearray(ALIGN)
+        n = _read_full(fd, memoryview(head), 0)
+        if n < HEADER_FIXED:
+            raise ChecksumMismatch("ssd file shorter than a block header")
+        hsize = header_size(head)
+        if hsize > n:
+            head = bytearray(hsize)
+            _read_full(fd, memoryview(head), 0)
+        return decode_header(head), _align(hsize)
+
+    def _staging(self, nbytes: int) -> mmap.mmap:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            if buf is not None:
+                buf.close()
+            buf = self._local.buf = mmap.mmap(-1, _align(nbytes))
+        return buf
+
+    def _write_tmp(self, tmp: Path, header: bytes, data: memoryview) -> int:
+        """Write one temp file; returns its fd (still open) for the batch's sync step."""
+        offset = _align(len(header))
+        total = offset + len(data)
+        if self.direct_io:
+            buf = self._staging(_align(total))
+            buf[: len(header)] = header
+            buf[len(header) : offset] = bytes(offset - len(header))
+            buf[offset:total] = data
+            buf[total : _align(total)] = bytes(_align(total) - total)
+            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | _O_DIRECT, 0o644)
+            try:
+                _write_full(fd, memoryview(buf)[: _align(total)])
+                os.ftruncate(fd, total)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            _write_full(fd, memoryview(header.ljust(offset, b"\0")))
+            _write_full(fd, data)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _write_batch(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
+        staged: list[tuple[Path, Path, int]] = []  # (tmp, final, file bytes)
+        fds: list[int] = []
+        reserved = 0
+        try:
+            for meta, data in items:
+                if len(data) != meta.size:
+                    raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
+                header = encode_header(meta)
+                nbytes = _align(len(header)) + meta.size
+                self._reserve(nbytes)
+                reserved += nbytes
+                final = self.path_of(meta.ref)
+                final.parent.mkdir(exist_ok=True)
+                tmp = final.with_name(f".{final.stem}.{os.getpid()}.{next(self._tmp_ids)}{TMP_SUFFIX}")
+                staged.append((tmp, final, nbytes))
+                fds.append(self._write_tmp(tmp, header, data))
+            if not self.direct_io:
+                for fd in fds:
+                    os.fdatasync(fd)
+            for tmp, final, nbytes in staged:
+                self._release(self._file_size(final))  # an overwrite replaces the old file's bytes
+                os.replace(tmp, final)
+                reserved -= nbytes
+            for d in {final.parent for _, final, _ in staged} | {self.root}:
+                self._fsync_dir(d)
+        finally:
+            for fd in fds:
+                os.close(fd)
+            if reserved:
+                self._release(reserved)
+                for tmp, _, _ in staged:
+                    tmp.unlink(missing_ok=True)
+
+    @staticmethod
+    def _fsync_dir(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _unlink(self, path: Path) -> None:
+        size = self._file_size(path)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        self._release(size)
+
+    def _scan_dir(self, ns_dir: Path) -> list[BlockMeta]:
+        metas = []
+        for entry in os.scandir(ns_dir):
+            if entry.name.endswith(TMP_SUFFIX):
+                Path(entry.path).unlink(missing_ok=True)  # a crash mid-write: never visible
+                continue
+            if not entry.name.endswith(SUFFIX):
+                continue
+            try:
+                fd = os.open(entry.path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                metas.append(self._read_header(fd)[0])
+            except ChecksumMismatch:
+                continue  # unreadable header: not a block we can serve
+            finally:
+                os.close(fd)
+        return metas
