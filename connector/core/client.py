@@ -1,0 +1,46 @@
+"""The part of the sidecar client the connector uses, as Protocols.
+
+The connector runs inside engines, which call it synchronously, so it talks to
+``kvstore.client.SyncClient`` (the thin sync bridge over the async client); anything with these
+methods works, including test doubles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvstore.keys import BlockKey, Namespace
+
+
+class LookupResultLike(Protocol):
+    matched: int
+    blocks: list[tuple[str, int]]  # (tier, size) per matched block
+    lease_id: str | None
+
+
+class AllocationLike(Protocol):
+    def writable(self) -> Iterator[tuple[int, np.ndarray]]: ...
+
+    def commit(self) -> Any: ...
+
+
+class LeaseLike(Protocol):
+    views: Sequence[np.ndarray]
+
+
+class ConnectorClient(Protocol):
+    def lookup(self, ns: Namespace, keys: Sequence[BlockKey], lease_ttl_ms: int = 0) -> LookupResultLike: ...
+
+    def allocate(
+        self,
+        ns: Namespace,
+        keys: Sequence[BlockKey],
+        sizes: Sequence[int],
+        parents: Sequence[BlockKey | None] | None = None,
+    ) -> AbstractContextManager[AllocationLike]: ...
+
+    def acquire(self, ns: Namespace, keys: Sequence[BlockKey]) -> AbstractContextManager[LeaseLike]: ...

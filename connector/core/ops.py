@@ -1,0 +1,116 @@
+"""One request's block transfers: load (acquire -> scatter -> release), save (allocate -> gather ->
+commit). Synchronous building blocks used by the worker side and by the transformers adapter.
+
+Failures never raise: a load that cannot complete reports the engine blocks to recompute, a save
+that cannot complete is dropped. Both are logged and carry a :class:`Failure` reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from connector.core.client import ConnectorClient
+from connector.core.metadata import Failure, LoadResult, LoadSpec, SaveResult, SaveSpec
+from connector.transfer import PagedKV, Transfer
+from kvstore.checksum import checksum
+from kvstore.errors import ChecksumMismatch, KVStoreError, NotFound, ResourceExhausted, Unavailable
+from kvstore.keys import Namespace
+
+log = logging.getLogger(__name__)
+
+
+def classify(exc: BaseException) -> Failure:
+    if isinstance(exc, ChecksumMismatch):
+        return Failure.CHECKSUM
+    if isinstance(exc, NotFound):
+        return Failure.MISSING
+    if isinstance(exc, ResourceExhausted):
+        return Failure.FULL
+    if isinstance(exc, (Unavailable, ConnectionError, TimeoutError, grpc.RpcError)):
+        return Failure.UNAVAILABLE
+    if isinstance(exc, KVStoreError) and exc.retryable:
+        return Failure.UNAVAILABLE
+    return Failure.ERROR
+
+
+def _first_bad_checksum(views: Sequence[object], sums: Sequence[int] | None) -> int | None:
+    if sums is None:
+        return None
+    for i, (view, want) in enumerate(zip(views, sums)):
+        if want and checksum(memoryview(view)) != want:  # type: ignore[arg-type]
+            return i
+    return None
+
+
+def load_blocks(
+    client: ConnectorClient,
+    ns: Namespace,
+    kv: PagedKV,
+    transfer: Transfer,
+    spec: LoadSpec,
+    *,
+    verify: bool = True,
+) -> LoadResult:
+    """Fill ``spec.block_ids`` from the sidecar; the leading run that arrives intact is kept.
+
+    With ``verify``, blocks are checked against the checksums the lease carries (when it carries
+    them; 0 means not sealed yet and passes): the first mismatch and everything after it is
+    reported for recompute.
+    """
+    t0 = time.perf_counter()
+    loaded, failure = 0, None
+    try:
+        with client.acquire(ns, list(spec.keys)) as lease:
+            views = list(lease.views)[: len(spec.keys)]
+            n = len(views)
+            bad = _first_bad_checksum(views, getattr(lease, "checksums", None)) if verify else None
+            if bad is not None:
+                n, failure = bad, Failure.CHECKSUM
+                log.warning("load %s: block %d failed its checksum; recomputing from it", spec.req_id, spec.first_block + bad)
+            elif n < len(spec.keys):
+                failure = Failure.MISSING
+                log.info("load %s: %d of %d blocks gone since lookup; recomputing them", spec.req_id, len(spec.keys) - n, len(spec.keys))
+            transfer.scatter(kv, spec.block_ids[:n], views[:n]).wait()  # before the lease ends
+            loaded = n
+    except Exception as exc:  # noqa: BLE001 - any failure means recompute, never wrong output
+        loaded, failure = 0, classify(exc)
+        log.warning("load %s: %s (%s); recomputing %d blocks", spec.req_id, failure.value, exc, len(spec.keys),
+                    exc_info=failure is Failure.ERROR)
+    return LoadResult(
+        req_id=spec.req_id,
+        loaded=loaded,
+        failed_block_ids=tuple(spec.block_ids[loaded:]),
+        failure=failure,
+        seconds=time.perf_counter() - t0,
+        nbytes=loaded * kv.spec.block_bytes,
+    )
+
+
+def save_blocks(client: ConnectorClient, ns: Namespace, kv: PagedKV, transfer: Transfer, spec: SaveSpec) -> SaveResult:
+    """Store ``spec.block_ids`` under ``spec.keys``; blocks the sidecar already has are skipped."""
+    t0 = time.perf_counter()
+    size = kv.spec.block_bytes
+    written = present = 0
+    failure = None
+    try:
+        with client.allocate(ns, list(spec.keys), [size] * len(spec.keys)) as alloc:
+            pairs = list(alloc.writable())
+            transfer.gather(kv, [spec.block_ids[i] for i, _ in pairs], [v for _, v in pairs]).wait()
+            alloc.commit()
+            written, present = len(pairs), len(spec.keys) - len(pairs)
+    except Exception as exc:  # noqa: BLE001 - a lost save costs a future recompute, nothing more
+        failure = classify(exc)
+        log.warning("save %s: %s (%s); %d blocks not stored", spec.req_id, failure.value, exc, len(spec.keys),
+                    exc_info=failure is Failure.ERROR)
+    return SaveResult(
+        req_id=spec.req_id,
+        written=written,
+        present=present,
+        failure=failure,
+        seconds=time.perf_counter() - t0,
+        nbytes=written * size,
+    )

@@ -1,0 +1,168 @@
+"""Scheduler side: decides, per request, how many leading tokens to load and which blocks to save.
+
+``get_num_new_matched_tokens`` asks the sidecar (one batched Lookup) how many leading blocks it
+has and where, and lets the cost model choose how many are worth loading. After the engine has
+allocated blocks, ``update_state_after_alloc`` turns that into a :class:`LoadSpec`;
+``schedule_save`` after prefill turns computed full blocks into a :class:`SaveSpec`. Each step,
+``build_connector_meta`` hands everything queued to the worker side, once.
+
+A sidecar that cannot be reached means "nothing cached": the request is recomputed, counted in
+``stats`` and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from connector.core.client import ConnectorClient
+from connector.core.metadata import ConnectorMetadata, LoadResult, LoadSpec, Role, SaveSpec
+from connector.core.ops import classify
+from connector.core.stats import ConnectorStats
+from connector.cost import CostModel, Decision, tier_name
+from connector.layout import KVSpec
+from kvstore.keys import BlockKey, Namespace, prefix_keys
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Request:
+    keys: list[BlockKey]
+    tiers: list[str]
+    decision: Decision | None
+    computed_blocks: int
+    load_blocks: int
+
+
+class SchedulerConnector:
+    role = Role.SCHEDULER
+
+    def __init__(
+        self,
+        client: ConnectorClient,
+        ns: Namespace,
+        spec: KVSpec,
+        cost: CostModel | None = None,
+        *,
+        lease_ttl_ms: int = 30_000,
+    ) -> None:
+        """Without a cost model every available block (bar the last token's) is loaded."""
+        if ns.block_size != spec.block_size or ns.kv_layout != spec.layout:
+            raise ValueError("namespace and KV spec disagree on block_size or kv_layout")
+        self.client, self.ns, self.spec, self.cost = client, ns, spec, cost
+        self.lease_ttl_ms = lease_ttl_ms
+        self.stats = ConnectorStats()
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[LoadSpec] = []
+        self._saves: list[SaveSpec] = []
+        self._saving: dict[str, int] = {}  # req -> saves handed to the worker, not yet finished
+
+    def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[BlockKey]:
+        return prefix_keys(self.ns, token_ids)
+
+    def get_num_new_matched_tokens(self, req_id: str, token_ids: Sequence[int] | np.ndarray, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` (the engine's own hits) to load from the sidecar."""
+        bs = self.spec.block_size
+        keys = self.keys(token_ids)
+        computed_blocks = num_computed_tokens // bs
+        n_tokens = len(token_ids)
+        self.stats.add(lookups=1, lookup_blocks=len(keys))
+        tiers: list[str] = []
+        sizes: list[int] = []
+        if len(keys) > computed_blocks:
+            try:
+                res = self.client.lookup(self.ns, keys, lease_ttl_ms=self.lease_ttl_ms)
+                matched = list(res.blocks)[: res.matched]
+                tiers = [tier_name(t) for t, _ in matched]
+                sizes = [int(s) for _, s in matched]
+            except Exception as exc:  # noqa: BLE001 - unreachable sidecar: recompute
+                reason = classify(exc)
+                self.stats.failure("lookup", reason.value)
+                log.warning("lookup %s: %s (%s); recomputing", req_id, reason.value, exc)
+        self.stats.add(matched_blocks=len(tiers))
+        decision = None
+        if len(tiers) > computed_blocks:
+            if self.cost is not None:
+                decision = self.cost.choose_blocks(tiers, sizes, bs, n_tokens, num_computed_tokens)
+                target = decision.blocks
+            else:
+                target = min(len(tiers), (n_tokens - 1) // bs)
+        else:
+            target = computed_blocks
+        load_blocks = max(0, target - computed_blocks)
+        self.stats.add(decided_load_blocks=load_blocks,
+                       decided_recompute_blocks=max(0, len(tiers) - computed_blocks - load_blocks))
+        with self._lock:
+            self._requests[req_id] = _Request(keys, tiers, decision, computed_blocks, load_blocks)
+        return load_blocks * bs
+
+    def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """The engine allocated ``block_ids`` (the request's whole block table) for the request."""
+        if num_external_tokens <= 0:
+            return
+        with self._lock:
+            req = self._requests[req_id]
+            n = num_external_tokens // self.spec.block_size
+            first = req.computed_blocks
+            if n > req.load_blocks or len(block_ids) < first + n:
+                raise ValueError(f"{req_id}: {n} blocks to load, {req.load_blocks} were offered")
+            self._loads.append(
+                LoadSpec(
+                    req_id=req_id,
+                    keys=tuple(req.keys[first : first + n]),
+                    block_ids=tuple(block_ids[first : first + n]),
+                    first_block=first,
+                    block_size=self.spec.block_size,
+                    tiers=tuple(req.tiers[first : first + n]),
+                    decision_id=req.decision.id if req.decision else None,
+                )
+            )
+
+    def schedule_save(self, req_id: str, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int]) -> int:
+        """Store the full blocks of ``token_ids`` (computed KV in ``block_ids``); returns their count.
+
+        All full blocks are offered: the sidecar skips those it already has without a copy.
+        """
+        keys = self.keys(token_ids)[: len(block_ids)]
+        if not keys:
+            return 0
+        with self._lock:
+            self._saves.append(SaveSpec(req_id, tuple(keys), tuple(block_ids[: len(keys)])))
+        return len(keys)
+
+    def build_connector_meta(self) -> ConnectorMetadata:
+        """Everything queued since the last step, exactly once."""
+        with self._lock:
+            meta = ConnectorMetadata(tuple(self._loads), tuple(self._saves))
+            for s in self._saves:
+                self._saving[s.req_id] = self._saving.get(s.req_id, 0) + 1
+            self._loads, self._saves = [], []
+        return meta
+
+    def update_connector_output(
+        self, finished_saving: Collection[str] = (), load_results: Sequence[LoadResult] = ()
+    ) -> None:
+        """What the worker side reported back (via the engine) after a step."""
+        with self._lock:
+            for r in finished_saving:
+                self._saving.pop(r, None)
+        for res in load_results:
+            if res.failed_block_ids:
+                self.stats.add(recomputed_after_failed_load_blocks=len(res.failed_block_ids))
+
+    def request_finished(self, req_id: str) -> bool:
+        """Forget the request. True: saves of its blocks are in flight, keep them until finished."""
+        with self._lock:
+            self._requests.pop(req_id, None)
+            return req_id in self._saving
+
+    def decision(self, req_id: str) -> Decision | None:
+        with self._lock:
+            req = self._requests.get(req_id)
+        return req.decision if req else None

@@ -1,0 +1,124 @@
+"""Worker side: executes each step's :class:`ConnectorMetadata` against the engine's KV cache.
+
+Loads and saves run on a small thread pool (copies release the GIL), in submit order: a step's
+loads before its saves. The engine either waits (:meth:`WorkerConnector.wait_for_loads`) or polls
+(:meth:`WorkerConnector.get_finished`) -- vLLM's synchronous and asynchronous load modes. Blocks
+that could not be loaded come back from :meth:`WorkerConnector.get_block_ids_with_load_errors`;
+the engine recomputes exactly those.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from connector.core.client import ConnectorClient
+from connector.core.metadata import ConnectorMetadata, LoadResult, LoadSpec, Role, SaveResult, SaveSpec
+from connector.core.ops import load_blocks, save_blocks
+from connector.core.stats import ConnectorStats
+from connector.cost import CostModel
+from connector.layout import KVSpec
+from connector.transfer import NumpyTransfer, PagedKV, Transfer, bind_caches
+from kvstore.errors import FailedPrecondition
+from kvstore.keys import Namespace
+
+
+class WorkerConnector:
+    role = Role.WORKER
+
+    def __init__(
+        self,
+        client: ConnectorClient,
+        ns: Namespace,
+        spec: KVSpec,
+        *,
+        transfer: Transfer | None = None,
+        cost: CostModel | None = None,
+        verify_checksums: bool = True,
+        threads: int = 1,
+    ) -> None:
+        self.client, self.ns, self.spec = client, ns, spec
+        self.transfer = transfer or NumpyTransfer()
+        self.cost = cost
+        self.verify = verify_checksums
+        self.stats = ConnectorStats()
+        self._kv: PagedKV | None = None
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-connector")
+        self._lock = threading.Lock()
+        self._loads: dict[str, Future[LoadResult]] = {}
+        self._saves: dict[str, list[Future[SaveResult]]] = {}
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, caches: Sequence[Any]) -> None:
+        """Bind the engine's per-layer caches (zero-copy views) once, at start-up."""
+        self._kv = bind_caches(self.spec, caches)
+
+    @property
+    def kv(self) -> PagedKV:
+        if self._kv is None:
+            raise FailedPrecondition("register_kv_caches() must be called before transfers")
+        return self._kv
+
+    # --- per step -------------------------------------------------------------------------
+
+    def start(self, meta: ConnectorMetadata) -> None:
+        """Submit the step's loads, then its saves."""
+        kv = self.kv
+        with self._lock:
+            for load in meta.loads:
+                self._loads[load.req_id] = self._pool.submit(self._load, kv, load)
+            for save in meta.saves:
+                self._saves.setdefault(save.req_id, []).append(self._pool.submit(self._save, kv, save))
+
+    def _load(self, kv: PagedKV, spec: LoadSpec) -> LoadResult:
+        r = load_blocks(self.client, self.ns, kv, self.transfer, spec, verify=self.verify)
+        self.stats.record_load(r)
+        if self.cost is not None and r.loaded and spec.tiers:
+            per_tier: dict[str, int] = {}
+            for t in spec.tiers[: r.loaded]:
+                per_tier[t] = per_tier.get(t, 0) + kv.spec.block_bytes
+            self.cost.observe_transfer(per_tier, r.seconds)
+        with self._lock:
+            self._load_errors.update(r.failed_block_ids)
+        return r
+
+    def _save(self, kv: PagedKV, spec: SaveSpec) -> SaveResult:
+        r = save_blocks(self.client, self.ns, kv, self.transfer, spec)
+        self.stats.record_save(r)
+        return r
+
+    def wait_for_loads(self) -> list[LoadResult]:
+        """Block until every submitted load is done and hand over their results (synchronous
+        load mode; these requests are then not reported again by :meth:`get_finished`)."""
+        with self._lock:
+            futs, self._loads = list(self._loads.values()), {}
+        return [f.result() for f in futs]
+
+    def wait_for_saves(self) -> list[SaveResult]:
+        """Block until every submitted save is done and hand over their results."""
+        with self._lock:
+            futs = [f for fs in self._saves.values() for f in fs]
+            self._saves = {}
+        return [f.result() for f in futs]
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Requests whose saves (first) and loads (second) completed since the last call."""
+        with self._lock:
+            saved = {r for r, fs in self._saves.items() if all(f.done() for f in fs)}
+            loaded = {r for r, f in self._loads.items() if f.done()}
+            for r in saved:
+                del self._saves[r]
+            for r in loaded:
+                del self._loads[r]
+        return saved, loaded
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Engine blocks whose loads failed since the last call; recompute their tokens."""
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
