@@ -26,6 +26,7 @@ from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef, TierBase, deco
 
 _MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
 _RETRYABLE = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500"}
+_CREATES = {"put_object", "create_multipart_upload"}  # writes that recreate a vanished bucket
 _HEADER_PROBE = 4096  # bytes fetched by scan's ranged GET (covers any header with a short label)
 
 
@@ -61,8 +62,12 @@ def client_config(concurrency: int, max_attempts: int = 3, timeout_s: float = 10
 
 
 class S3Tier(TierBase):
-    """Blocks as S3 objects. ``client`` is an aiobotocore S3 client, or the context manager that
-    ``aioboto3.Session().client("s3", ...)`` returns (then the tier enters and closes it)."""
+    """Blocks as S3 objects.
+
+    ``client`` is an aiobotocore S3 client that the caller opened and closes, or a zero-argument
+    factory returning the async context manager ``aioboto3.Session().client("s3", ...)`` returns;
+    the tier then enters it on first use (in the running event loop) and exits it on close.
+    """
 
     name = "s3"
 
@@ -95,12 +100,14 @@ class S3Tier(TierBase):
     @classmethod
     def from_config(cls, cfg: S3Config) -> S3Tier:
         """Credentials come from botocore's usual chain (environment, ~/.aws, instance role)."""
-        client = aioboto3.Session().client(
-            "s3",
-            endpoint_url=cfg.endpoint_url or None,
-            region_name=cfg.region,
-            config=client_config(cfg.concurrency, cfg.max_attempts, cfg.timeout_s, path_style=bool(cfg.endpoint_url)),
-        )
+        def client() -> Any:
+            return aioboto3.Session().client(
+                "s3",
+                endpoint_url=cfg.endpoint_url or None,
+                region_name=cfg.region,
+                config=client_config(cfg.concurrency, cfg.max_attempts, cfg.timeout_s, path_style=bool(cfg.endpoint_url)),
+            )
+
         return cls(
             client, bucket=cfg.bucket, prefix=cfg.prefix, concurrency=cfg.concurrency,
             multipart_threshold_bytes=cfg.multipart_threshold_bytes, part_bytes=cfg.part_bytes, region=cfg.region,
@@ -119,22 +126,25 @@ class S3Tier(TierBase):
     async def _call_held(self, op: str, **kwargs: Any) -> Any:
         """:meth:`_call` for a caller already holding the semaphore (it also reads the body:
         a response holds a pooled connection, so it must not wait for the semaphore again)."""
-        client = await self._ensure()
-        try:
-            return await getattr(client, op)(Bucket=self.bucket, **kwargs)
-        except Exception as exc:
-            if _unavailable(exc):
-                raise Unavailable(f"s3 {op}: {exc}") from exc
-            if isinstance(exc, bexc.ClientError) and _code(exc) == "NoSuchBucket":
-                self._ready = False  # recreated on the next call (e.g. a fresh MinIO/moto)
-            raise
+        for attempt in (0, 1):
+            client = await self._ensure()
+            try:
+                return await getattr(client, op)(Bucket=self.bucket, **kwargs)
+            except Exception as exc:
+                if _unavailable(exc):
+                    raise Unavailable(f"s3 {op}: {exc}") from exc
+                gone = isinstance(exc, bexc.ClientError) and _code(exc) == "NoSuchBucket"
+                if not gone or not self._create_bucket or op not in _CREATES or attempt:
+                    raise
+                self._ready = False  # the bucket vanished (a fresh MinIO/moto): make it again
+        raise AssertionError("unreachable")
 
     async def _ensure(self) -> Any:
         if self._ready:
             return self._client
         async with self._ready_lock:
             if self._client is None:
-                self._client = await self._stack.enter_async_context(self._client_arg)
+                self._client = await self._stack.enter_async_context(self._client_arg())
             if self._create_bucket and not self._ready:
                 try:
                     await self._client.head_bucket(Bucket=self.bucket)

@@ -94,8 +94,10 @@ class SsdTier(TierBase):
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.direct_io = direct_io and probe_direct_io(self.root)
-        self._lock = threading.Lock()  # guards _used (updated from worker threads)
-        self._used = sum(self._file_size(p) for p in self.root.glob(f"*/*{SUFFIX}"))
+        self._lock = threading.Lock()  # guards _sizes and _used (updated from worker threads)
+        # Bytes of every block file, by path: the accounting does not depend on re-stat'ing files.
+        self._sizes = {str(p): self._file_size(p) for p in self.root.glob(f"*/*{SUFFIX}")}
+        self._used = sum(self._sizes.values())
         self._tmp_ids = itertools.count()
         self._local = threading.local()  # per-thread aligned staging buffer for O_DIRECT
 
@@ -135,6 +137,14 @@ class SsdTier(TierBase):
     def _release(self, nbytes: int) -> None:
         with self._lock:
             self._used -= nbytes
+
+    def _settle(self, path: Path, nbytes: int | None) -> None:
+        """Record that ``path`` now holds ``nbytes`` (None: gone); give back what it held before."""
+        with self._lock:
+            old = self._sizes.pop(str(path), 0) if nbytes is None else self._sizes.get(str(path), 0)
+            if nbytes is not None:
+                self._sizes[str(path)] = nbytes
+            self._used -= old
 
     # ---- Tier -----------------------------------------------------------------------------
 
@@ -263,8 +273,8 @@ class SsdTier(TierBase):
                 for fd in fds:
                     os.fdatasync(fd)
             for tmp, final, nbytes in staged:
-                self._release(self._file_size(final))  # an overwrite replaces the old file's bytes
                 os.replace(tmp, final)
+                self._settle(final, nbytes)  # an overwrite gives back the old file's bytes
                 reserved -= nbytes
             for d in {final.parent for _, final, _ in staged} | {self.root}:
                 self._fsync_dir(d)
@@ -285,12 +295,8 @@ class SsdTier(TierBase):
             os.close(fd)
 
     def _unlink(self, path: Path) -> None:
-        size = self._file_size(path)
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            return
-        self._release(size)
+        path.unlink(missing_ok=True)
+        self._settle(path, None)
 
     def _scan_dir(self, ns_dir: Path) -> list[BlockMeta]:
         metas = []

@@ -1,0 +1,122 @@
+"""Redis tier specifics: key layout and slots, partial eviction, TTL, faults, cluster scan."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio
+from redis.cluster import key_slot
+
+from kvstore.config import Config, RedisConfig
+from kvstore.errors import Unavailable
+from kvstore.testing.servers import redis_server
+from kvstore.tiers import build_tier
+from kvstore.tiers.redis import RedisTier
+
+CHUNK = 64 * 1024
+SIZE = 3 * CHUNK + 100  # four chunks
+
+
+def buffer(n: int) -> memoryview:
+    return memoryview(bytearray(n))
+
+
+@pytest.fixture
+async def single(redis_clean):
+    tier = RedisTier(redis.asyncio.Redis.from_url(redis_clean.url), key_prefix="t", chunk_bytes=CHUNK)
+    yield tier
+    await tier.close()
+
+
+async def test_keys_share_one_slot_and_carry_prefix_and_namespace(single, block):
+    meta, data = block(1, SIZE)
+    keys = [single.header_key(meta.ref), *single.chunk_keys(meta.ref, SIZE)]
+    assert len(keys) == 5
+    assert all(k.startswith(f"t:{meta.ref.ns.hex()[:16]}:{{{meta.ref.key.hex()}}}:") for k in keys)
+    assert len({key_slot(k.encode()) for k in keys}) == 1
+    await single.put(meta, data)
+    assert sorted(k.decode() for k in await single.client.keys("t:*")) == sorted(keys)
+    assert await single.client.strlen(keys[1]) == CHUNK and await single.client.strlen(keys[-1]) == 100
+
+
+async def test_block_with_a_chunk_gone_is_a_miss(single, block):
+    meta, data = block(2, SIZE)
+    await single.put(meta, data)
+    await single.client.delete(single.chunk_keys(meta.ref, SIZE)[2])  # as maxmemory eviction would
+    assert await single.get(meta.ref, buffer(SIZE)) is None
+    assert await single.get_many([meta.ref], [buffer(SIZE)]) == [None]
+    await single.delete(meta.ref)  # what is left is cleaned up
+    assert await single.client.keys("t:*") == []
+
+
+async def test_maxmemory_eviction_gives_misses_never_errors_or_wrong_bytes(block):
+    with redis_server("--maxmemory", "2mb", "--maxmemory-policy", "allkeys-random") as server:
+        tier = RedisTier(redis.asyncio.Redis.from_url(server.url), chunk_bytes=CHUNK)
+        try:
+            blocks = [block(100 + i, SIZE) for i in range(24)]  # ~6 MiB into 2 MiB
+            for meta, data in blocks:
+                await tier.put(meta, data)
+            bufs = [buffer(SIZE) for _ in blocks]
+            got = await tier.get_many([m.ref for m, _ in blocks], bufs)
+            hits = [i for i, m in enumerate(got) if m is not None]
+            assert len(hits) < len(blocks)
+            for i in hits:
+                assert bufs[i] == blocks[i][1]
+            assert int((await tier.client.info("stats"))["evicted_keys"]) > 0
+        finally:
+            await tier.close()
+
+
+async def test_ttl(redis_clean, block):
+    tier = RedisTier(redis.asyncio.Redis.from_url(redis_clean.url), chunk_bytes=CHUNK, ttl_s=300)
+    try:
+        meta, data = block(3, SIZE)
+        await tier.put(meta, data)
+        for key in [tier.header_key(meta.ref), *tier.chunk_keys(meta.ref, SIZE)]:
+            assert 0 < await tier.client.ttl(key) <= 300
+    finally:
+        await tier.close()
+
+
+async def test_killed_server_raises_unavailable_then_recovers(block):
+    with redis_server() as server:
+        cfg = RedisConfig(url=server.url, retries=2, backoff_base_s=0.01, backoff_cap_s=0.05, socket_timeout_s=2)
+        tier = build_tier("redis", cfg)
+        try:
+            meta, data = block(4, SIZE)
+            await tier.put(meta, data)
+            server.stop()
+            with pytest.raises(Unavailable):
+                await tier.get(meta.ref, buffer(SIZE))
+            with pytest.raises(Unavailable):
+                await tier.put(meta, data)
+            with pytest.raises(Unavailable):
+                await tier.contains_many([meta.ref])
+            server.start()  # an empty server (no persistence): the old block is a miss
+            assert await tier.get(meta.ref, buffer(SIZE)) is None
+            await tier.put(meta, data)
+            into = buffer(SIZE)
+            assert await tier.get(meta.ref, into) == meta and into == data
+        finally:
+            await tier.close()
+
+
+async def test_cluster_scan_covers_every_node(cluster_clean, block):
+    cfg = Config(redis=RedisConfig(enabled=True, url=cluster_clean.url, cluster=True, chunk_bytes=CHUNK))
+    tier = build_tier("redis", cfg)
+    try:
+        assert tier.cluster
+        blocks = [block(200 + i, 1000 + i) for i in range(40)]
+        await tier.put_many(blocks)
+        nodes_used = {tier.client.get_node_from_key(tier.header_key(m.ref)).port for m, _ in blocks}
+        assert len(nodes_used) == 3
+        found = sorted([m async for m in tier.scan()], key=lambda m: m.ref.key)
+        assert found == sorted((m for m, _ in blocks), key=lambda m: m.ref.key)
+    finally:
+        await tier.close()
+
+
+def test_from_config_picks_the_client_class():
+    single = RedisTier.from_config(RedisConfig(url="redis://127.0.0.1:1/0", key_prefix="p", ttl_s=5))
+    assert isinstance(single.client, redis.asyncio.Redis) and not single.cluster
+    assert (single.key_prefix, single.ttl_s, single.chunk_bytes) == ("p", 5, 1 << 20)
+    assert single.client.get_retry().get_retries() == 3

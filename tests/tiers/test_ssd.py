@@ -1,0 +1,113 @@
+"""SSD tier specifics: temp files, capacity accounting, O_DIRECT fallback, truncation."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import Config, SsdConfig
+from kvstore.errors import ChecksumMismatch, ResourceExhausted
+from kvstore.tiers import build_tier
+from kvstore.tiers import ssd as ssd_module
+from kvstore.tiers.ssd import ALIGN, SsdTier, probe_direct_io
+from kvstore.tiers.verify import verified_get
+
+SIZE = 10_000
+FILE_BYTES = ALIGN + SIZE  # header padded to 4 KiB, then the payload
+
+
+@pytest.fixture(params=[True, False], ids=["direct", "buffered"])
+def ssd(request, tmp_path: Path) -> SsdTier:
+    return SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, direct_io=request.param)
+
+
+async def test_file_layout(ssd, block):
+    meta, data = block(1, SIZE)
+    await ssd.put(meta, data)
+    path = ssd.path_of(meta.ref)
+    assert path.parent.name == meta.ref.ns.hex()[:16]
+    raw = path.read_bytes()
+    assert len(raw) == FILE_BYTES
+    assert raw[ALIGN:] == data
+
+
+async def test_crash_leftover_temp_file_is_invisible_and_removed_by_scan(ssd, block):
+    meta, data = block(2, SIZE)
+    final = ssd.path_of(meta.ref)
+    final.parent.mkdir(parents=True)
+    tmp = final.with_name(f".{final.stem}.12345.0.tmp")
+    tmp.write_bytes(b"half a block")  # what a crash between write and rename leaves
+    assert not await ssd.contains(meta.ref)
+    assert await ssd.get(meta.ref, memoryview(bytearray(SIZE))) is None
+
+    reopened = SsdTier(ssd.root, ssd.capacity_bytes)
+    assert reopened.used_bytes == 0
+    assert [m async for m in reopened.scan()] == []
+    assert not tmp.exists()
+
+
+async def test_capacity_accounting(ssd, block):
+    blocks = [block(10 + i, SIZE) for i in range(10)]
+    await ssd.put_many(blocks[:9])
+    assert ssd.used_bytes == 9 * FILE_BYTES
+    await ssd.put(*blocks[0])  # an overwrite does not count twice
+    assert ssd.used_bytes == 9 * FILE_BYTES
+    with pytest.raises(ResourceExhausted):
+        await ssd.put_many(blocks[9:] + [block(99, SIZE)])
+    assert ssd.used_bytes == 9 * FILE_BYTES  # a refused batch reserves nothing
+    assert not await ssd.contains(blocks[9][0].ref)  # and leaves nothing visible
+    assert not any(p.name.endswith(".tmp") for p in ssd.root.rglob("*"))
+
+    await ssd.delete_many([m.ref for m, _ in blocks[:4]])
+    assert ssd.used_bytes == 5 * FILE_BYTES
+    assert SsdTier(ssd.root, ssd.capacity_bytes).used_bytes == 5 * FILE_BYTES  # recounted at start
+
+
+async def test_truncated_file_is_corrupt(ssd, block):
+    meta, data = block(3, SIZE)
+    await ssd.put(meta, data)
+    path = ssd.path_of(meta.ref)
+    os.truncate(path, FILE_BYTES - 1)
+    with pytest.raises(ChecksumMismatch):
+        await ssd.get(meta.ref, memoryview(bytearray(SIZE)))
+    assert await verified_get(ssd, meta.ref, memoryview(bytearray(SIZE)), meta.checksum) is None
+    assert not path.exists()
+    assert ssd.used_bytes == 0
+
+
+async def test_file_under_another_name_is_corrupt(ssd, block):
+    a, data_a = block(4, SIZE)
+    b, _ = block(5, SIZE)
+    await ssd.put(a, data_a)
+    ssd.path_of(b.ref).write_bytes(ssd.path_of(a.ref).read_bytes())
+    with pytest.raises(ChecksumMismatch):
+        await ssd.get(b.ref, memoryview(bytearray(SIZE)))
+
+
+def test_direct_io_falls_back_where_the_filesystem_refuses_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    assert isinstance(probe_direct_io(tmp_path), bool)
+    real_open = os.open
+
+    def no_direct(path, flags, *args):  # what tmpfs (before Linux 6.6) and some FUSE mounts answer
+        if flags & ssd_module._O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    tier = SsdTier(tmp_path / "t", 1 << 20, direct_io=True)
+    assert tier.direct_io is False
+    assert not list((tmp_path / "t").iterdir())  # the probe file is gone
+    assert SsdTier(tmp_path / "u", 1 << 20, direct_io=False).direct_io is False
+
+
+async def test_build_from_config(tmp_path: Path, block):
+    tier = build_tier("ssd", Config(data_dir=str(tmp_path)))
+    assert isinstance(tier, SsdTier) and tier.root == tmp_path / "ssd"
+    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "x"), capacity_bytes=1 << 20, direct_io=False))
+    assert tier.root == tmp_path / "x" and tier.capacity_bytes == 1 << 20 and not tier.direct_io
+    meta, data = block(6, SIZE)
+    await tier.put(meta, data)
+    assert await tier.contains(meta.ref)
