@@ -37,7 +37,7 @@ class ServerConfig(_Section):
 
 
 class DramConfig(_Section):
-    capacity_bytes: int = Field(1 * GiB, ge=1 * MiB, description="size of the shared-memory slab")
+    capacity_bytes: int = Field(1 * GiB, ge=64 * 1024, description="size of the shared-memory slab")
     page_bytes: int = Field(4 * MiB, ge=4096, description="slab page; each page holds slots of one size class")
     min_slot_bytes: int = Field(4096, ge=512, description="smallest size class; classes double up to page_bytes")
     prefault: bool = Field(True, description="touch every page at start so first writes don't fault")

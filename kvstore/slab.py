@@ -56,6 +56,7 @@ class Slab:
         self.capacity_bytes = self.num_pages * page_bytes
         self.name = f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=self.capacity_bytes)
+        _owned[self.name] = self._shm
         self.buf = np.frombuffer(self._shm.buf, dtype=np.uint8)
         if prefault:
             self.buf[:: 4096] = 0
@@ -126,7 +127,12 @@ class Slab:
 
     def close(self, unlink: bool = True) -> None:
         del self.buf
-        self._shm.close()
+        try:
+            self._shm.close()
+        except BufferError:
+            pass  # views still referenced somewhere (a traceback); the mapping goes with them
+        _owned.pop(self.name, None)
+        _attached.pop(self.name, None)
         if unlink:
             try:
                 self._shm.unlink()
@@ -137,6 +143,7 @@ class Slab:
 # --- worker side ----------------------------------------------------------------------------
 
 _attached: dict[str, shared_memory.SharedMemory] = {}
+_owned: dict[str, shared_memory.SharedMemory] = {}  # slabs this process created (an in-process sidecar)
 _attach_lock = threading.Lock()
 
 
@@ -148,7 +155,7 @@ def attach(segment: str) -> np.ndarray:
     unregister it again.
     """
     with _attach_lock:
-        shm = _attached.get(segment)
+        shm = _attached.get(segment) or _owned.get(segment)
         if shm is None:
             shm = shared_memory.SharedMemory(name=segment, create=False)
             try:

@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=64,
                    help="num_gpu_blocks_override (KV blocks in the pool)")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="float32",
+                   help='model dtype; NB vLLM CPU turns dtype="auto" on a float32 '
+                        "checkpoint into bfloat16")
     p.add_argument("--in-process", action="store_true",
                    help="VLLM_ENABLE_V1_MULTIPROCESSING=0 (engine core in this process)")
     args = p.parse_args(argv)
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(
         model=str(model_dir),
         tokenizer=str(model_dir),
-        dtype="auto",
+        dtype=args.dtype,
         enforce_eager=True,
         max_model_len=args.max_model_len,
         max_num_seqs=4,

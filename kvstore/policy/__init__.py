@@ -12,6 +12,7 @@ from kvstore.policy.base import EvictionPolicy
 
 _REGISTRY: dict[str, tuple[str, str]] = {
     "lru": ("kvstore.policy.lru", "LRUPolicy"),
+    "slru": ("kvstore.policy.slru", "SegmentedLRUPolicy"),
 }
 
 DEFAULT_POLICY = "lru"

@@ -240,6 +240,38 @@ class StatsResponse(_message.Message):
     json: str
     def __init__(self, json: _Optional[str] = ...) -> None: ...
 
+class Decision(_message.Message):
+    __slots__ = ("namespace", "prompt_blocks", "cached_blocks", "loaded_blocks", "tier", "predicted_load_s", "predicted_recompute_s", "actual_s", "outcome")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_RECOMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    ACTUAL_S_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    prompt_blocks: int
+    cached_blocks: int
+    loaded_blocks: int
+    tier: str
+    predicted_load_s: float
+    predicted_recompute_s: float
+    actual_s: float
+    outcome: str
+    def __init__(self, namespace: _Optional[str] = ..., prompt_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., tier: _Optional[str] = ..., predicted_load_s: _Optional[float] = ..., predicted_recompute_s: _Optional[float] = ..., actual_s: _Optional[float] = ..., outcome: _Optional[str] = ...) -> None: ...
+
+class ReportRequest(_message.Message):
+    __slots__ = ("decisions",)
+    DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    decisions: _containers.RepeatedCompositeFieldContainer[Decision]
+    def __init__(self, decisions: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ...) -> None: ...
+
+class ReportResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class EchoRequest(_message.Message):
     __slots__ = ("payload", "keys")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]

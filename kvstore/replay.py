@@ -1,0 +1,271 @@
+"""Replay a prefix-cache trace through the server's own Index and eviction policies.
+
+For each request, in timestamp order, the replay does what the store does:
+
+1. Lookup: ``Index.leading_run`` over the prompt's keys. Those blocks are the prefix hits (a
+   block present after a gap is counted as a block hit only: a prefix cache cannot use it).
+2. ``policy.access`` for every hit block, deepest first (so an ancestor is never older than its
+   descendants), in every tier space that holds it; hits in a lower tier are promoted into the
+   top tier.
+3. After the request is served, each block of the prompt that no tier holds is stored: Index.add,
+   then ``policy.admit`` (a rejected block is dropped again), victims popped until there is room,
+   then ``policy.insert`` with the parent Block when the parent is resident in the same space.
+4. A victim of an upper tier is offered to the next tier down (admit / make room / insert); a
+   block that no tier holds is dropped from the Index.
+
+Capacities are block counts per tier space (fixed-size slots: a partial block takes a whole slot).
+Block ``size`` is the block's token count, so policies can tell a partial tail from a full block.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore.index import Block, Index, NsEntry, State, TierId
+from kvstore.policy import make_policy
+from kvstore.policy.base import EvictionPolicy
+from kvstore.traces import Trace
+
+PROGRESS_EVERY = 1024  # requests between progress-bar updates
+
+
+@dataclass(slots=True)
+class TierSpec:
+    tier: TierId
+    capacity: int  # blocks
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    policy: str
+    references: int = 0
+    prefix_hits: int = 0
+    block_hits: int = 0
+    tier_prefix_hits: dict[str, int] = field(default_factory=dict)  # by the tier that served it
+    seconds: float = 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.references if self.references else 0.0
+
+    @property
+    def block_hit_rate(self) -> float:
+        return self.block_hits / self.references if self.references else 0.0
+
+    @property
+    def refs_per_s(self) -> float:
+        return self.references / self.seconds if self.seconds else 0.0
+
+    def to_json(self) -> dict:
+        out: dict = {"prefix_hit_rate": round(self.prefix_hit_rate, 6), "block_hit_rate": round(self.block_hit_rate, 6)}
+        if len(self.tier_prefix_hits) > 1:
+            refs = self.references or 1
+            out["tiers"] = {t: {"prefix_hit_rate": round(h / refs, 6)} for t, h in self.tier_prefix_hits.items()}
+        out["refs_per_s"] = round(self.refs_per_s)
+        return out
+
+
+class _Progress:
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="ref", unit_scale=True, leave=False, mininterval=0.5)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def replay(trace: Trace, tiers: int | Sequence[TierSpec], policy: str | Sequence[EvictionPolicy] = "lru",
+           progress: bool = False, **policy_kwargs: object) -> ReplayResult:
+    """Replay ``trace`` with one policy per tier space. ``tiers`` is a DRAM block count or a list
+    of tier specs, top tier first; ``policy`` a registry name or ready policy objects (one per
+    tier)."""
+    specs = [TierSpec(TierId.DRAM, tiers)] if isinstance(tiers, int) else list(tiers)
+    if isinstance(policy, str):
+        name = policy
+        policies = [make_policy(policy, **policy_kwargs) for _ in specs]
+    else:
+        policies = list(policy)
+        name = getattr(policies[0], "name", type(policies[0]).__name__)
+    if len(policies) != len(specs):
+        raise ValueError("replay: one policy per tier space")
+    result = ReplayResult(name, tier_prefix_hits={s.tier.label: 0 for s in specs})
+    bar = _Progress(trace.references, f"{name}", progress)
+    t0 = time.perf_counter()
+    try:
+        if len(specs) == 1:
+            _replay_one(trace, specs[0], policies[0], result, bar)
+        else:
+            _replay_tiered(trace, specs, policies, result, bar)
+    finally:
+        bar.close()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: ReplayResult, bar: _Progress) -> None:
+    """One space: the hot loop, kept lean (no per-reference allocation beyond new Blocks)."""
+    index = Index()
+    ns = index.namespace(b"replay", trace.name)
+    blocks = ns.blocks
+    leading_run = index.leading_run
+    add, drop = index.add, index.drop
+    access, admit, insert, pop_victim = policy.access, policy.admit, policy.insert, policy.pop_victim
+    tier = spec.tier
+    capacity = spec.capacity
+    committed = State.COMMITTED
+    bt = trace.block_tokens
+    resident = 0
+    refs = prefix = hits = 0
+    since = 0
+    for ri, req in enumerate(trace.requests):
+        keys = req.keys
+        nk = len(keys)
+        refs += nk
+        run = leading_run(ns, keys)
+        n = len(run)
+        prefix += n
+        hits += n
+        for i in range(n - 1, -1, -1):
+            access(run[i])
+        parent = run[n - 1] if n else None
+        last = nk - 1
+        for i in range(n, nk):
+            key = keys[i]
+            b = blocks.get(key)
+            if b is not None:  # present behind a gap: a block hit, useless to this prefix
+                hits += 1
+                parent = b
+                continue
+            size = req.last_size if i == last else bt
+            b = add(ns, key, keys[i - 1] if i else b"", size, committed, i + 1)
+            if parent is not None and not parent.tiers:
+                parent = None  # evicted while this request was being stored
+            if capacity <= 0 or not admit(b, parent, i + 1, size):
+                drop(b)
+                parent = None
+                continue
+            while resident >= capacity:
+                v = pop_victim(None)
+                if v is None:
+                    break
+                v.tiers = TierId(0)
+                drop(v)
+                resident -= 1
+            if resident >= capacity:
+                drop(b)
+                parent = None
+                continue
+            b.tiers = tier
+            insert(b, parent, i + 1, size)
+            resident += 1
+            parent = b
+        if ri - since >= PROGRESS_EVERY:
+            bar.update(refs - res.references)
+            res.references = refs
+            since = ri
+    bar.update(refs - res.references)
+    res.references, res.prefix_hits, res.block_hits = refs, prefix, hits
+    res.tier_prefix_hits[tier.label] = prefix
+
+
+class _Space:
+    __slots__ = ("tier", "capacity", "policy", "used", "below")
+
+    def __init__(self, spec: TierSpec, policy: EvictionPolicy) -> None:
+        self.tier = spec.tier
+        self.capacity = spec.capacity
+        self.policy = policy
+        self.used = 0
+        self.below: _Space | None = None
+
+
+def _place(ns: NsEntry, index: Index, sp: _Space, b: Block) -> bool:
+    """Put ``b`` into space ``sp`` (admit, make room, insert); victims go one tier down."""
+    if sp.capacity <= 0:
+        return False
+    pb = ns.blocks.get(b.parent)
+    parent = pb if pb is not None and pb.tiers & sp.tier else None
+    pol = sp.policy
+    if not pol.admit(b, parent, b.depth, b.size):
+        return False
+    while sp.used >= sp.capacity:
+        v = pol.pop_victim(None)
+        if v is None:
+            return False
+        sp.used -= 1
+        v.tiers &= ~sp.tier
+        if v is parent:
+            parent = None
+        below = sp.below
+        while below is not None and not v.tiers & below.tier:
+            if _place(ns, index, below, v):
+                break
+            below = below.below
+        if not v.tiers:
+            index.drop(v)
+    b.tiers |= sp.tier
+    pol.insert(b, parent, b.depth, b.size)
+    sp.used += 1
+    return True
+
+
+def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[EvictionPolicy],
+                   res: ReplayResult, bar: _Progress) -> None:
+    """Several spaces, top first: inclusive of promoted copies, demotion on eviction."""
+    index = Index()
+    ns = index.namespace(b"replay", trace.name)
+    blocks = ns.blocks
+    spaces = [_Space(s, p) for s, p in zip(specs, policies)]
+    for a, b in zip(spaces, spaces[1:]):
+        a.below = b
+    top = spaces[0]
+    labels = [(sp.tier, sp.tier.label) for sp in spaces]
+    tier_hits = res.tier_prefix_hits
+    committed = State.COMMITTED
+    bt = trace.block_tokens
+    refs = prefix = hits = 0
+    for ri, req in enumerate(trace.requests):
+        keys = req.keys
+        nk = len(keys)
+        refs += nk
+        run = index.leading_run(ns, keys)
+        n = len(run)
+        prefix += n
+        hits += n
+        for b in run:
+            for t, label in labels:
+                if b.tiers & t:
+                    tier_hits[label] += 1
+                    break
+        for i in range(n - 1, -1, -1):
+            b = run[i]
+            for sp in spaces:
+                if b.tiers & sp.tier:
+                    sp.policy.access(b)
+        for b in run:  # promote lower-tier hits into the top tier (root first, so parents link)
+            if not b.tiers & top.tier:
+                _place(ns, index, top, b)
+        for i in range(n, nk):
+            key = keys[i]
+            if key in blocks:
+                hits += 1
+                continue
+            size = req.last_size if i == nk - 1 else bt
+            b = index.add(ns, key, keys[i - 1] if i else b"", size, committed, i + 1)
+            if not _place(ns, index, top, b):
+                index.drop(b)
+        if ri % PROGRESS_EVERY == 0:
+            bar.update(refs - res.references)
+            res.references = refs
+    bar.update(refs - res.references)
+    res.references, res.prefix_hits, res.block_hits = refs, prefix, hits

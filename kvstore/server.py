@@ -1,0 +1,240 @@
+"""The gRPC sidecar: a grpc.aio servicer over the block store.
+
+Errors become status codes in exactly one place, :func:`_rpc`: a :class:`KVStoreError` maps to
+its own code with its message; anything else is logged and answered INTERNAL, and the server
+keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import unknown_fields
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.config import Config
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.index import Block, NsEntry, TierId
+from kvstore.keys import Namespace
+from kvstore.slab import Slab
+from kvstore.stats import Stats
+from kvstore.store import BlockSpec, BlockStore, CommitSpec
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvstore.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+_TIER_ENUM = {TierId.DRAM: pb.TIER_DRAM, TierId.SSD: pb.TIER_SSD, TierId.REDIS: pb.TIER_REDIS, TierId.S3: pb.TIER_S3}
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def _rpc(method: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]):
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self: KVStoreServicer, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        try:
+            return await method(self, request, context)
+        except KVStoreError as exc:
+            self.store.stats.errors[exc.code.name] += 1
+            await context.abort(exc.code, str(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: keep serving, say so loudly
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            log.exception("internal error in %s", name)
+            self.store.stats.errors["INTERNAL"] += 1
+            await context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error: {type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+def _slot_pb(slab: Slab, block: Block) -> pb.SlotDescriptor:
+    slot = block.slot
+    return pb.SlotDescriptor(segment=slab.name, offset=slot.offset, length=block.size, slot_id=slot.slot_id)  # type: ignore[attr-defined]
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+        self._ns_cache: dict[bytes, NsEntry] = {}
+
+    def _namespace(self, msg: pb.Namespace, present: bool) -> NsEntry:
+        if not present:
+            raise InvalidArgument("namespace: required")
+        raw = msg.SerializeToString(deterministic=True)
+        entry = self._ns_cache.get(raw)
+        if entry is not None:
+            return entry
+        unknown = unknown_fields.UnknownFieldSet(msg)
+        if len(unknown):
+            numbers = sorted({f.field_number for f in unknown})
+            raise InvalidArgument(f"namespace: unknown field number(s) {numbers}; this server speaks kvstore.v1")
+        ns = Namespace(
+            model=msg.model,
+            revision=msg.revision,
+            kv_layout=msg.kv_layout,
+            dtype=msg.dtype,
+            block_size=msg.block_size,
+            rank=msg.rank,
+            world_size=msg.world_size or 1,
+            adapter=msg.adapter,
+            cache_salt=msg.cache_salt,
+        )
+        entry = self.store.namespace(ns)
+        if len(self._ns_cache) > 4096:
+            self._ns_cache.clear()
+        self._ns_cache[raw] = entry
+        return entry
+
+    @_rpc
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        ns = self._namespace(request.namespace, request.HasField("namespace"))
+        run, lease = self.store.lookup(ns, request.keys, request.lease_ttl_ms)
+        return pb.LookupResponse(
+            matched=len(run),
+            blocks=[pb.BlockInfo(tier=_TIER_ENUM[b.top_tier], size=b.size) for b in run],  # type: ignore[index]
+            lease_id=lease.id if lease else "",
+        )
+
+    @_rpc
+    async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
+        ns = self._namespace(request.namespace, request.HasField("namespace"))
+        specs = [BlockSpec(b.key, b.parent, b.size) for b in request.blocks]
+        alloc, slots = self.store.allocate(ns, specs, request.ttl_ms)
+        slab = self.store.slab
+        out = []
+        for spec, slot in zip(specs, slots):
+            if slot is None:
+                out.append(pb.AllocatedBlock(key=spec.key, present=True))
+            else:
+                out.append(
+                    pb.AllocatedBlock(
+                        key=spec.key,
+                        slot=pb.SlotDescriptor(segment=slab.name, offset=slot.offset, length=spec.size, slot_id=slot.slot_id),
+                    )
+                )
+        return pb.AllocateResponse(allocation_id=alloc.id, blocks=out)
+
+    @_rpc
+    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
+        if not request.allocation_id:
+            raise InvalidArgument("allocation_id: required")
+        specs = [CommitSpec(b.key, b.slot_id, b.checksum if b.has_checksum else None) for b in request.blocks]
+        return pb.CommitResponse(committed=await self.store.commit(request.allocation_id, specs))
+
+    @_rpc
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if not request.allocation_id:
+            raise InvalidArgument("allocation_id: required")
+        return pb.AbortResponse(released=self.store.abort(request.allocation_id))
+
+    @_rpc
+    async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
+        ns = self._namespace(request.namespace, request.HasField("namespace"))
+        lease, blocks = await self.store.acquire(ns, request.keys, request.lease_ttl_ms)
+        slab = self.store.slab
+        return pb.AcquireResponse(
+            lease_id=lease.id if lease else "",
+            blocks=[pb.AcquiredBlock(key=b.key, slot=_slot_pb(slab, b), checksum=b.checksum or 0) for b in blocks],
+        )
+
+    @_rpc
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        if not request.lease_id:
+            raise InvalidArgument("lease_id: required")
+        return pb.ReleaseResponse(released=self.store.release(request.lease_id))
+
+    @_rpc
+    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+        ns = self._namespace(request.namespace, request.HasField("namespace"))
+        deleted, skipped = await self.store.delete(ns, request.keys, request.all_keys)
+        return pb.DeleteResponse(deleted=deleted, skipped_leased=skipped)
+
+    @_rpc
+    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
+        ns = self._namespace(request.namespace, request.HasField("namespace"))
+        self.store._check_batch(len(request.keys), "keys")
+        self.store._check_keys(request.keys, "keys")
+        run = self.store.index.leading_run(ns, request.keys)
+        if self.store.tiering is not None:
+            run = await self.store.tiering.promote(run)
+        ready = 0
+        for b in run:
+            if not b.tiers & TierId.DRAM:
+                break
+            ready += 1
+        return pb.PrefetchResponse(ready=ready)
+
+    @_rpc
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return pb.StatsResponse(json=json.dumps(self.store.snapshot()))
+
+    @_rpc
+    async def Report(self, request: pb.ReportRequest, context: grpc.aio.ServicerContext) -> pb.ReportResponse:
+        if len(request.decisions) > 1024:
+            raise InvalidArgument(f"decisions: {len(request.decisions)} records exceed the limit of 1024")
+        for d in request.decisions:
+            self.store.stats.decision(
+                {
+                    "namespace": d.namespace,
+                    "prompt_blocks": d.prompt_blocks,
+                    "cached_blocks": d.cached_blocks,
+                    "loaded_blocks": d.loaded_blocks,
+                    "tier": d.tier,
+                    "predicted_load_s": d.predicted_load_s,
+                    "predicted_recompute_s": d.predicted_recompute_s,
+                    "actual_s": d.actual_s,
+                    "outcome": d.outcome or "unknown",
+                }
+            )
+        return pb.ReportResponse()
+
+    async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoResponse:
+        return pb.EchoResponse(payload=request.payload)
+
+
+def grpc_options(config: Config) -> list[tuple[str, int]]:
+    limit = config.server.max_message_bytes
+    return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+
+
+async def start_grpc(store: BlockStore, config: Config) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    interceptors = []
+    if config.server.auth_token:
+        from kvstore.auth import TokenInterceptor
+
+        interceptors.append(TokenInterceptor(config.server.auth_token))
+    server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
+    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(store), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    address = config.server.grpc_address
+    if config.server.tls_cert:
+        with open(config.server.tls_cert, "rb") as f:
+            cert = f.read()
+        with open(config.server.tls_key, "rb") as f:
+            key = f.read()
+        port = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        port = server.add_insecure_port(address)
+    if not address.startswith("unix:") and port == 0:
+        raise KVStoreError(f"server.grpc_address: cannot bind {address}")
+    await server.start()
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+

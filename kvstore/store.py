@@ -1,0 +1,371 @@
+"""The block store: the sidecar's state machine over the index, the DRAM slab and its policy.
+
+Every public method validates its whole request before it changes anything, so a rejected
+request leaves no trace. Methods run on the event loop thread; only checksum work (which
+releases the GIL) is sent to a thread. Lower tiers hang off :attr:`BlockStore.tiering`, which
+is None for a DRAM-only store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstore.checksum import checksum
+from kvstore.config import Config
+from kvstore.errors import ChecksumMismatch, FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvstore.index import Allocation, Block, Index, Lease, NsEntry, State, TierId
+from kvstore.keys import KEY_BYTES, Namespace
+from kvstore.policy import make_policy
+from kvstore.slab import Slab, Slot
+from kvstore.stats import Stats
+
+if TYPE_CHECKING:
+    from kvstore.tiering import Tiering
+
+log = logging.getLogger("kvstore.store")
+
+
+@dataclass(slots=True, frozen=True)
+class BlockSpec:
+    key: bytes
+    parent: bytes
+    size: int
+
+
+@dataclass(slots=True, frozen=True)
+class CommitSpec:
+    key: bytes
+    slot_id: int
+    checksum: int | None
+
+
+class BlockStore:
+    def __init__(self, config: Config, slab: Slab, stats: Stats | None = None, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.slab = slab
+        self.stats = stats or Stats()
+        self.clock = clock
+        self.index = Index()
+        self.policy = make_policy(config.index.policy)
+        self.tiering: Tiering | None = None
+        self._closed_allocations: OrderedDict[str, str] = OrderedDict()  # id -> "committed" | "aborted" | "reclaimed"
+        self._unsealed: list[Block] = []
+
+    # --- namespaces -----------------------------------------------------------------------
+
+    def namespace(self, ns: Namespace) -> NsEntry:
+        return self.index.namespace(ns.root, ns.label, ns)
+
+    # --- validation helpers -----------------------------------------------------------------
+
+    def _check_batch(self, n: int, field: str) -> None:
+        if n == 0:
+            raise InvalidArgument(f"{field}: empty batch")
+        limit = self.config.server.max_batch_blocks
+        if n > limit:
+            raise InvalidArgument(f"{field}: {n} blocks exceed the batch limit of {limit} (server.max_batch_blocks)")
+
+    @staticmethod
+    def _check_keys(keys: Sequence[bytes], field: str) -> None:
+        for i, k in enumerate(keys):
+            if len(k) != KEY_BYTES:
+                raise InvalidArgument(f"{field}[{i}]: a block key is {KEY_BYTES} bytes, got {len(k)}")
+
+    def _lease_deadline(self, ttl_ms: int) -> float:
+        ttl = ttl_ms or self.config.index.lease_ttl_ms
+        if ttl > self.config.index.max_lease_ttl_ms:
+            raise InvalidArgument(
+                f"lease_ttl_ms: {ttl} exceeds the maximum of {self.config.index.max_lease_ttl_ms} (index.max_lease_ttl_ms)"
+            )
+        return self.clock() + ttl / 1000.0
+
+    # --- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, ns: NsEntry, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> tuple[list[Block], Lease | None]:
+        self._check_batch(len(keys), "keys")
+        self._check_keys(keys, "keys")
+        deadline = self._lease_deadline(lease_ttl_ms) if lease_ttl_ms else None
+        run = self.index.leading_run(ns, keys)
+        self.stats.lookup(ns.label, len(keys), len(run))
+        tier_stats = self.stats.tiers
+        for b in run:
+            tier_stats[b.top_tier.label]["hits"] += 1  # type: ignore[union-attr]
+        if len(run) < len(keys):
+            tier_stats["dram"]["misses"] += 1
+        self._touch(run)
+        lease = self.index.take_lease(run, deadline) if deadline is not None and run else None
+        return run, lease
+
+    def _touch(self, run: Sequence[Block]) -> None:
+        # Deepest first, so that an ancestor is always at least as recent as its descendants.
+        access = self.policy.access
+        for b in reversed(run):
+            if b.tiers & TierId.DRAM:
+                access(b)
+        if self.tiering is not None:
+            self.tiering.touch(run)
+
+    # --- two-phase writes ---------------------------------------------------------------------
+
+    def allocate(self, ns: NsEntry, specs: Sequence[BlockSpec], ttl_ms: int = 0) -> tuple[Allocation, list[Slot | None]]:
+        """Reserve DRAM slots for the blocks not yet stored; None marks a block already present."""
+        self._check_batch(len(specs), "blocks")
+        seen: set[bytes] = set()
+        classes: list[int] = []
+        for i, s in enumerate(specs):
+            if len(s.key) != KEY_BYTES:
+                raise InvalidArgument(f"blocks[{i}].key: a block key is {KEY_BYTES} bytes, got {len(s.key)}")
+            if s.parent and len(s.parent) != KEY_BYTES:
+                raise InvalidArgument(f"blocks[{i}].parent: a block key is {KEY_BYTES} bytes (or empty), got {len(s.parent)}")
+            if s.key in seen:
+                raise InvalidArgument(f"blocks[{i}].key: duplicate key in one request")
+            seen.add(s.key)
+            try:
+                classes.append(self.slab.class_of(s.size))
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"blocks[{i}].{exc}") from None
+        ttl = ttl_ms or self.config.index.allocation_ttl_ms
+
+        reserved: list[tuple[BlockSpec, Slot]] = []
+        slots: list[Slot | None] = []
+        try:
+            for s, cls in zip(specs, classes):
+                if self.index.get(ns, s.key) is not None:
+                    slots.append(None)  # committed already, or being written by someone else
+                    continue
+                slot = self._take_slot(cls)
+                reserved.append((s, slot))
+                slots.append(slot)
+        except ResourceExhausted:
+            for _, slot in reserved:
+                self.slab.free(slot)
+            raise
+        blocks: dict[int, Block] = {}
+        for s, slot in reserved:
+            b = self.index.add(ns, s.key, s.parent, s.size, State.ALLOCATED)
+            b.slot = slot
+            blocks[slot.slot_id] = b
+        alloc = self.index.open_allocation(ns, blocks, self.clock() + ttl / 1000.0)
+        self.stats.writes["allocations"] += 1
+        self.stats.writes["blocks_deduplicated"] += len(specs) - len(reserved)
+        return alloc, slots
+
+    def _take_slot(self, cls: int) -> Slot:
+        slot = self.slab.try_alloc(cls)
+        while slot is None:
+            victim = self.policy.pop_victim(lambda b: not b.pinned and b.slot.cls == cls)  # type: ignore[attr-defined]
+            if victim is None:
+                raise ResourceExhausted(
+                    f"blocks: DRAM is full ({self.slab.capacity_bytes} bytes) and every block of this size class is leased or being written"
+                )
+            self._evict_from_dram(victim)  # type: ignore[arg-type]
+            slot = self.slab.try_alloc(cls)
+        return slot
+
+    def _evict_from_dram(self, block: Block) -> None:
+        """Drop the DRAM copy of a block the policy chose; demote it first when a lower tier takes it."""
+        self.stats.tier("dram", "evictions")
+        if self.tiering is not None and self.tiering.demote_on_evict(block):
+            return
+        self._free_dram(block)
+
+    def _free_dram(self, block: Block) -> None:
+        if block.slot is not None:
+            self.slab.free(block.slot)  # type: ignore[arg-type]
+            block.slot = None
+        block.tiers &= ~TierId.DRAM
+        if not block.tiers:
+            self.index.drop(block)
+
+    def _closed(self, alloc_id: str) -> None:
+        fate = self._closed_allocations.get(alloc_id)
+        if fate is not None:
+            raise FailedPrecondition(f"allocation_id: {alloc_id!r} was already {fate}")
+
+    def _remember(self, alloc: Allocation, fate: str) -> None:
+        self.index.close_allocation(alloc)
+        self._closed_allocations[alloc.id] = fate
+        while len(self._closed_allocations) > 10_000:
+            self._closed_allocations.popitem(last=False)
+
+    async def commit(self, alloc_id: str, specs: Sequence[CommitSpec]) -> int:
+        self._closed(alloc_id)
+        alloc = self.index.allocation(alloc_id)
+        self._check_batch(len(specs), "blocks")
+        chosen: list[tuple[Block, int | None]] = []
+        seen: set[int] = set()
+        for i, s in enumerate(specs):
+            b = alloc.blocks.get(s.slot_id)
+            if b is None:
+                raise InvalidArgument(f"blocks[{i}].slot_id: slot {s.slot_id} does not belong to allocation {alloc_id}")
+            if b.key != s.key:
+                raise InvalidArgument(f"blocks[{i}].key: slot {s.slot_id} was allocated for another key")
+            if s.slot_id in seen:
+                raise InvalidArgument(f"blocks[{i}].slot_id: slot {s.slot_id} listed twice")
+            seen.add(s.slot_id)
+            chosen.append((b, s.checksum))
+        to_verify = [(i, b, c) for i, (b, c) in enumerate(chosen) if c is not None]
+        if to_verify:
+            views = [self.slab.view(b.slot, b.size) for _, b, _ in to_verify]  # type: ignore[arg-type]
+            sums = await asyncio.to_thread(lambda: [checksum(v) for v in views])
+            for (i, b, expected), got in zip(to_verify, sums):
+                if got != expected:
+                    self.stats.tier("dram", "checksum_failures")
+                    raise ChecksumMismatch(
+                        f"blocks[{i}].checksum: the slot holds bytes with checksum {got:#018x}, the request says {expected:#018x}"
+                    )
+            if self.index.allocations.get(alloc_id) is not alloc:  # aborted or reaped while we hashed
+                self._closed(alloc_id)
+                raise FailedPrecondition(f"allocation_id: {alloc_id!r} was reclaimed during commit")
+        # Apply: the listed blocks become visible, the rest of the allocation is released.
+        committed = {id(b) for b, _ in chosen}
+        for b in alloc.blocks.values():
+            if id(b) not in committed:
+                self._free_dram(b)
+        nbytes = 0
+        insert = self.policy.insert
+        for b, c in reversed(chosen):  # deepest first: parents end up more recent
+            b.state = State.COMMITTED
+            b.tiers |= TierId.DRAM
+            b.checksum = c
+            if c is None:
+                self._unsealed.append(b)
+            parent = alloc.ns.blocks.get(b.parent) if b.parent else None
+            insert(b, parent if parent is not None and parent in self.policy else None, b.depth, b.size)
+            nbytes += b.size
+        self._remember(alloc, "committed")
+        self.stats.writes["commits"] += 1
+        self.stats.writes["blocks_committed"] += len(chosen)
+        self.stats.tier("dram", "bytes_in", nbytes)
+        if self.tiering is not None:
+            self.tiering.committed([b for b, _ in chosen])
+        return len(chosen)
+
+    def abort(self, alloc_id: str, fate: str = "aborted") -> int:
+        self._closed(alloc_id)
+        alloc = self.index.allocation(alloc_id)
+        for b in alloc.blocks.values():
+            self._free_dram(b)
+        self._remember(alloc, fate)
+        self.stats.writes[fate] += 1
+        return len(alloc.blocks)
+
+    # --- reads --------------------------------------------------------------------------------
+
+    async def acquire(self, ns: NsEntry, keys: Sequence[bytes], ttl_ms: int = 0) -> tuple[Lease | None, list[Block]]:
+        """Lease the leading run of ``keys`` that is readable from DRAM now (promoting from lower
+        tiers first when there are any)."""
+        self._check_batch(len(keys), "keys")
+        self._check_keys(keys, "keys")
+        deadline = self._lease_deadline(ttl_ms)
+        run = self.index.leading_run(ns, keys)
+        if self.tiering is not None:
+            run = await self.tiering.promote(run)
+        readable: list[Block] = []
+        for b in run:
+            if not (b.tiers & TierId.DRAM) or b.state is not State.COMMITTED:
+                break
+            readable.append(b)
+        if self.config.dram.verify_local_reads and readable:
+            readable = await self._verified(readable)
+        self._touch(readable)
+        self.stats.reads["acquires"] += 1
+        self.stats.reads["blocks"] += len(readable)
+        nbytes = sum(b.size for b in readable)
+        self.stats.reads["bytes"] += nbytes
+        self.stats.tier("dram", "bytes_out", nbytes)
+        if not readable:
+            return None, []
+        return self.index.take_lease(readable, deadline), readable
+
+    async def _verified(self, run: list[Block]) -> list[Block]:
+        views = [self.slab.view(b.slot, b.size) for b in run]  # type: ignore[arg-type]
+        sums = await asyncio.to_thread(lambda: [checksum(v) for v in views])
+        for i, (b, got) in enumerate(zip(run, sums)):
+            if b.checksum is None:
+                b.checksum = got  # sealed now; nothing earlier to compare with
+            elif got != b.checksum:
+                log.warning("checksum mismatch on DRAM block %s; dropping it", b.key.hex()[:16])
+                self.stats.tier("dram", "checksum_failures")
+                self.drop_corrupt_dram(b)
+                return run[:i]
+        return run
+
+    def drop_corrupt_dram(self, block: Block) -> None:
+        if block in self.policy:
+            self.policy.remove(block)
+        self._free_dram(block)
+
+    def release(self, lease_id: str) -> int:
+        return len(self.index.release_lease(lease_id).blocks)
+
+    # --- delete -------------------------------------------------------------------------------
+
+    async def delete(self, ns: NsEntry, keys: Sequence[bytes], all_keys: bool) -> tuple[int, int]:
+        if all_keys and keys:
+            raise InvalidArgument("keys: give keys or all_keys, not both")
+        if not all_keys:
+            self._check_batch(len(keys), "keys")
+            self._check_keys(keys, "keys")
+        targets = list(ns.blocks.values()) if all_keys else [b for k in keys if (b := ns.blocks.get(k)) is not None]
+        deleted = skipped = 0
+        for b in targets:
+            if b.pinned:
+                skipped += 1
+                continue
+            if b in self.policy:
+                self.policy.remove(b)
+            if self.tiering is not None:
+                await self.tiering.delete(b)
+            self._free_dram(b)
+            b.tiers = TierId(0)
+            self.index.drop(b)
+            deleted += 1
+        self.stats.writes["deleted"] += deleted
+        return deleted, skipped
+
+    # --- background ---------------------------------------------------------------------------
+
+    def reap(self) -> tuple[int, int]:
+        """Reclaim abandoned allocations and expired leases. Returns (allocations, leases)."""
+        now = self.clock()
+        allocs = self.index.expired_allocations(now)
+        for a in allocs:
+            log.info("reclaiming abandoned allocation %s (%d blocks)", a.id, len(a.blocks))
+            self.abort(a.id, fate="reclaimed")
+        leases = self.index.expired_leases(now)
+        for le in leases:
+            self.index.release_lease(le.id)
+        self.stats.reads["leases_expired"] += len(leases)
+        return len(allocs), len(leases)
+
+    async def seal(self, limit: int = 256) -> int:
+        """Compute checksums of committed blocks whose writer did not send one, off the
+        clients' critical path."""
+        batch, self._unsealed = self._unsealed[:limit], self._unsealed[limit:]
+        batch = [b for b in batch if b.checksum is None and b.slot is not None]
+        if not batch:
+            return 0
+        views = [self.slab.view(b.slot, b.size) for b in batch]  # type: ignore[arg-type]
+        sums = await asyncio.to_thread(lambda: [checksum(v) for v in views])
+        for b, c in zip(batch, sums):
+            if b.checksum is None and b.slot is not None:
+                b.checksum = c
+        return len(batch)
+
+    def occupancy(self) -> dict[str, dict[str, object]]:
+        occ: dict[str, dict[str, object]] = {"dram": {**self.slab.occupancy(), "blocks": len(self.policy)}}
+        if self.tiering is not None:
+            occ.update(self.tiering.occupancy())
+        return occ
+
+    def snapshot(self) -> dict[str, object]:
+        doc = self.stats.snapshot(self.occupancy(), self.index.count())
+        doc["policy"] = self.policy.name
+        return doc

@@ -1,0 +1,103 @@
+"""Fixtures shared by the whole suite: an in-process sidecar on loopback, a subprocess sidecar,
+a namespace, and free ports. Tier servers (redis, S3) live in tests/tiers/conftest.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstore.client import KVStoreClient
+from kvstore.config import Config, load_config
+from kvstore.keys import Namespace
+from kvstore.sidecar import Sidecar
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def small_config(tmp_path: Path, **overrides: Any) -> Config:
+    """A sidecar with a tiny slab: 4 pages of 64 KiB, slots from 4 KiB."""
+    base = {
+        "data_dir": str(tmp_path / "data"),
+        "server.grpc_address": "127.0.0.1:0",
+        "server.http_address": "127.0.0.1:0",
+        "dram.capacity_bytes": 4 * 65536,
+        "dram.page_bytes": 65536,
+        "dram.min_slot_bytes": 4096,
+        "ssd.enabled": False,
+        "index.reaper_interval_ms": 50,
+    }
+    base.update(overrides)
+    return load_config(None, base)
+
+
+@pytest.fixture
+def ns() -> Namespace:
+    return Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
+
+
+@pytest.fixture
+async def sidecar(tmp_path: Path) -> AsyncIterator[Sidecar]:
+    async with Sidecar(small_config(tmp_path)) as sc:
+        yield sc
+
+
+@pytest.fixture
+async def client(sidecar: Sidecar) -> AsyncIterator[KVStoreClient]:
+    async with KVStoreClient.from_url(f"127.0.0.1:{sidecar.grpc_port}") as c:
+        yield c
+
+
+class ServeProcess:
+    """`kvstore serve` as a subprocess, the way users run it."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+            cwd=REPO,
+        )
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            err = self.proc.stderr.read()  # type: ignore[union-attr]
+            raise RuntimeError(f"kvstore serve exited {self.proc.wait()}: {err}")
+        self.ready: dict[str, str] = json.loads(line)
+        self.grpc = self.ready["grpc"]
+        self.http = self.ready["http"]
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(30)
+
+
+@pytest.fixture
+def serve_process(tmp_path: Path) -> Iterator[type[ServeProcess]]:
+    started: list[ServeProcess] = []
+
+    def start(args: list[str], env: dict[str, str] | None = None) -> ServeProcess:
+        p = ServeProcess(args, env)
+        started.append(p)
+        return p
+
+    yield start  # type: ignore[misc]
+    for p in started:
+        if p.proc.poll() is None:
+            p.stop(signal.SIGKILL)
