@@ -7,7 +7,7 @@ Keys, for block ``ref`` under ``key_prefix`` ``P``::
 
 The ``{...}`` hash tag puts every key of one block on one cluster slot, so a block's chunks are
 written and read by one pipeline on one node. Writes are pipelined (chunks first, header last),
-reads take two pipelined round trips per batch (headers, then every chunk of every block).
+reads take one pipelined round trip per batch (headers and chunks together).
 
 A block whose chunks are partly gone (maxmemory eviction, TTL) is a miss, not an error. A block
 is ``contains``-true when its header key exists; ``get`` is the authority.
@@ -134,32 +134,38 @@ class RedisTier(TierBase):
         return (await self.get_many([ref], [into]))[0]
 
     async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
-        metas = await self._headers(refs)
-        out: list[BlockMeta | None] = [None] * len(refs)
-        wanted = [(i, m) for i, m in enumerate(metas) if m is not None]
-        if not wanted:
-            return out
-        for i, m in wanted:
-            if m.size > len(into[i]):
-                raise InvalidArgument(f"buffer of {len(into[i])} bytes for a block of {m.size}")
+        """One pipelined round trip: each block's header and the chunks its buffer could hold
+        (``into`` is at least the block's size, so that covers every chunk of the block)."""
+        if not refs:
+            return []
         with _unavailable:
             pipe = self._pipeline()
-            for _, m in wanted:
-                for k in self.chunk_keys(m.ref, m.size):
+            for r, buf in zip(refs, into):
+                pipe.get(self.header_key(r))
+                for k in self.chunk_keys(r, len(buf)):
                     pipe.get(k)
-            chunks = await pipe.execute()
+            replies = await pipe.execute()
+        out: list[BlockMeta | None] = []
         pos = 0
-        for i, m in wanted:
-            n = self.n_chunks(m.size)
-            parts, pos = chunks[pos : pos + n], pos + n
-            if any(p is None for p in parts) or sum(len(p) for p in parts) != m.size:
-                continue  # partly evicted or expired: a miss
-            buf, off = into[i], 0
-            for p in parts:
-                buf[off : off + len(p)] = p
-                off += len(p)
-            out[i] = m
+        for r, buf in zip(refs, into):
+            n_max = self.n_chunks(len(buf))
+            head, parts, pos = replies[pos], replies[pos + 1 : pos + 1 + n_max], pos + 1 + n_max
+            out.append(None if head is None else self._assemble(r, decode_header(head), parts, buf))
         return out
+
+    def _assemble(self, ref: BlockRef, meta: BlockMeta, parts: list[bytes | None], buf: memoryview) -> BlockMeta | None:
+        if meta.ref != ref:
+            raise ChecksumMismatch(f"redis header for {ref.name} names {meta.ref.name}")
+        if meta.size > len(buf):
+            raise InvalidArgument(f"buffer of {len(buf)} bytes for a block of {meta.size}")
+        parts = parts[: self.n_chunks(meta.size)]
+        if any(p is None for p in parts) or sum(len(p) for p in parts) != meta.size:  # type: ignore[arg-type]
+            return None  # partly evicted or expired: a miss
+        off = 0
+        for p in parts:
+            buf[off : off + len(p)] = p  # type: ignore[arg-type]
+            off += len(p)  # type: ignore[arg-type]
+        return meta
 
     async def _headers(self, refs: Sequence[BlockRef]) -> list[BlockMeta | None]:
         if not refs:

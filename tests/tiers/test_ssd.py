@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from pathlib import Path
 
 import pytest
 
+from kvstore.checksum import checksum
 from kvstore.config import Config, SsdConfig
 from kvstore.errors import ChecksumMismatch, ResourceExhausted
 from kvstore.tiers import build_tier
+from kvstore.tiers.base import BlockMeta, BlockRef
 from kvstore.tiers import ssd as ssd_module
 from kvstore.tiers.ssd import ALIGN, SsdTier, probe_direct_io
 from kvstore.tiers.verify import verified_get
@@ -32,6 +35,20 @@ async def test_file_layout(ssd, block):
     raw = path.read_bytes()
     assert len(raw) == FILE_BYTES
     assert raw[ALIGN:] == data
+
+
+async def test_page_aligned_source_round_trips(ssd):
+    """A DRAM slab slot is page-aligned: O_DIRECT writes it without a staging copy."""
+    src = mmap.mmap(-1, 2 * ALIGN)
+    src[:] = bytes(range(256)) * (2 * ALIGN // 256)
+    data = memoryview(src)
+    meta = BlockMeta(BlockRef(b"N" * 32, b"\x01" * 32), b"", len(data), checksum(data), "aligned")
+    await ssd.put(meta, data)
+    into = memoryview(bytearray(len(data)))
+    assert await ssd.get(meta.ref, into) == meta and into == data
+    assert ssd.path_of(meta.ref).stat().st_size == ALIGN + len(data)
+    del data, into
+    src.close()
 
 
 async def test_crash_leftover_temp_file_is_invisible_and_removed_by_scan(ssd, block):
