@@ -134,7 +134,7 @@ class KVStoreClient:
 
     async def lookup(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> LookupResult:
         r = await self._call(self._stub.Lookup, pb.LookupRequest(namespace=self._ns(ns), keys=keys, lease_ttl_ms=lease_ttl_ms))
-        return LookupResult(r.matched, [(_TIER_NAMES.get(b.tier, "unknown"), b.size) for b in r.blocks], r.lease_id or None)
+        return LookupResult(r.matched, [(_TIER_NAMES.get(t, "unknown"), s) for t, s in zip(r.tiers, r.sizes)], r.lease_id or None)
 
     def allocate(
         self,

@@ -36,6 +36,16 @@ class TierId(enum.IntFlag):
 
 TIER_ORDER: tuple[TierId, ...] = (TierId.DRAM, TierId.SSD, TierId.REDIS, TierId.S3)
 
+# Plain-int twins of TierId for the hot paths (enum arithmetic runs in Python, ints in C).
+DRAM, SSD, REDIS, S3 = 1, 2, 4, 8
+TOP_TIER: tuple[int, ...] = tuple(next((int(t) for t in TIER_ORDER if m & t), 0) for m in range(16))
+TOP_LABEL: tuple[str, ...] = tuple(next((t.label for t in TIER_ORDER if m & t), "none") for m in range(16))
+
+
+def top_label(mask: int) -> str:
+    """Name of the fastest tier in a placement mask."""
+    return TOP_LABEL[mask]
+
 
 @dataclass(slots=True, eq=False)
 class Block:
@@ -45,18 +55,15 @@ class Block:
     size: int
     depth: int = 1
     state: State = State.ALLOCATED
-    tiers: TierId = TierId(0)
+    tiers: int = 0  # placement bits (DRAM | SSD | REDIS | S3)
     checksum: int | None = None  # None until sealed
     slot: object | None = None  # kvstore.slab.Slot while in DRAM
     leases: int = 0
     moving: bool = False  # a mover is copying it between tiers
 
     @property
-    def top_tier(self) -> TierId | None:
-        for t in TIER_ORDER:
-            if self.tiers & t:
-                return t
-        return None
+    def top_tier(self) -> int:
+        return TOP_TIER[self.tiers]
 
     @property
     def pinned(self) -> bool:
@@ -68,7 +75,8 @@ class NsEntry:
     root: bytes
     label: str
     namespace: Namespace | None
-    blocks: dict[bytes, Block] = field(default_factory=dict)
+    blocks: dict[bytes, Block] = field(default_factory=dict)  # every block, allocated or committed
+    visible: dict[bytes, Block] = field(default_factory=dict)  # the committed ones: what lookups see
 
 
 @dataclass(slots=True, eq=False)
@@ -106,15 +114,14 @@ class Index:
 
     @staticmethod
     def leading_run(ns: NsEntry, keys: Sequence[bytes]) -> list[Block]:
-        """The committed blocks at the head of ``keys``, in order."""
-        blocks = ns.blocks
-        run: list[Block] = []
-        for key in keys:
-            b = blocks.get(key)
-            if b is None or b.state is not State.COMMITTED or not b.tiers:
-                break
-            run.append(b)
-        return run
+        """The committed blocks at the head of ``keys``, in order.
+
+        The hot path of every Lookup: dictionary probes run in C (``map``), no Python loop."""
+        found = list(map(ns.visible.get, keys))
+        try:
+            return found[: found.index(None)]
+        except ValueError:
+            return found
 
     def get(self, ns: NsEntry, key: bytes) -> Block | None:
         return ns.blocks.get(key)
@@ -127,13 +134,25 @@ class Index:
             depth = parent_block.depth + 1 if parent_block is not None else 1
         block = Block(ns, key, parent, size, depth, state)
         ns.blocks[key] = block
+        if state is State.COMMITTED:
+            ns.visible[key] = block
         return block
 
-    def drop(self, block: Block) -> None:
-        """Forget a block that no tier holds any more."""
-        cur = block.ns.blocks.get(block.key)
-        if cur is block:
-            del block.ns.blocks[block.key]
+    @staticmethod
+    def publish(block: Block) -> None:
+        """ALLOCATED -> COMMITTED: the block becomes visible to lookups."""
+        block.state = State.COMMITTED
+        block.ns.visible[block.key] = block
+
+    @staticmethod
+    def drop(block: Block) -> None:
+        """Forget a block that no tier holds any more. A committed block whose last copy goes
+        must be dropped here: lookups trust ``visible``."""
+        ns = block.ns
+        if ns.blocks.get(block.key) is block:
+            del ns.blocks[block.key]
+            if ns.visible.get(block.key) is block:
+                del ns.visible[block.key]
 
     # --- allocations --------------------------------------------------------------------
 

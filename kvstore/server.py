@@ -11,6 +11,7 @@ import asyncio
 import functools
 import json
 import logging
+import operator
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -21,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.index import Block, NsEntry, TierId
+from kvstore.index import DRAM, REDIS, S3, SSD, TOP_TIER, Block, NsEntry
 from kvstore.keys import Namespace
 from kvstore.slab import Slab
 from kvstore.stats import Stats
@@ -32,7 +33,20 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 log = logging.getLogger("kvstore.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-_TIER_ENUM = {TierId.DRAM: pb.TIER_DRAM, TierId.SSD: pb.TIER_SSD, TierId.REDIS: pb.TIER_REDIS, TierId.S3: pb.TIER_S3}
+_PB_TIER = {0: pb.TIER_UNSPECIFIED, DRAM: pb.TIER_DRAM, SSD: pb.TIER_SSD, REDIS: pb.TIER_REDIS, S3: pb.TIER_S3}
+# placement mask -> proto enum of its fastest tier
+_MASK_TO_PB: tuple[int, ...] = tuple(_PB_TIER[TOP_TIER[m]] for m in range(16))
+
+_TIERS = operator.attrgetter("tiers")
+_SIZE = operator.attrgetter("size")
+
+
+
+def _pb_tiers(run: list[Block], masks: set[int]) -> bytes:
+    if len(masks) == 1:  # the common case: one tier for the whole run
+        return bytes((_MASK_TO_PB[next(iter(masks))],)) * len(run)
+    return bytes(map(_MASK_TO_PB.__getitem__, map(_TIERS, run)))
+
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -102,10 +116,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         ns = self._namespace(request.namespace, request.HasField("namespace"))
-        run, lease = self.store.lookup(ns, request.keys, request.lease_ttl_ms)
+        run, masks, lease = self.store.lookup(ns, list(request.keys), request.lease_ttl_ms)
         return pb.LookupResponse(
             matched=len(run),
-            blocks=[pb.BlockInfo(tier=_TIER_ENUM[b.top_tier], size=b.size) for b in run],  # type: ignore[index]
+            tiers=_pb_tiers(run, masks),
+            sizes=list(map(_SIZE, run)),
             lease_id=lease.id if lease else "",
         )
 
@@ -173,7 +188,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             run = await self.store.tiering.promote(run)
         ready = 0
         for b in run:
-            if not b.tiers & TierId.DRAM:
+            if not b.tiers & DRAM:
                 break
             ready += 1
         return pb.PrefetchResponse(ready=ready)

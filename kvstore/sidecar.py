@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -92,6 +93,11 @@ class Sidecar:
 
             self._http, self.http_port = await start_http(self, cfg.server.http_address)
             self._tasks.append(asyncio.create_task(self._background(), name="kvstore-background"))
+            # The index holds millions of long-lived objects; default GC thresholds rescan them
+            # every few requests. Collect young objects rarely (request lists are freed by
+            # refcount anyway).
+            gc.set_threshold(50_000, 50, 100)
+            gc.freeze()
             self.ready = True
         except BaseException:
             await self.stop()

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 from kvstore.checksum import checksum
 from kvstore.config import Config
 from kvstore.errors import ChecksumMismatch, FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvstore.index import Allocation, Block, Index, Lease, NsEntry, State, TierId
+from kvstore.index import DRAM, Allocation, Block, Index, Lease, NsEntry, State, top_label
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.policy import make_policy
 from kvstore.slab import Slab, Slot
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from kvstore.tiering import Tiering
 
 log = logging.getLogger("kvstore.store")
+_TIERS = operator.attrgetter("tiers")
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,6 +75,8 @@ class BlockStore:
 
     @staticmethod
     def _check_keys(keys: Sequence[bytes], field: str) -> None:
+        if set(map(len, keys)) <= {KEY_BYTES}:
+            return
         for i, k in enumerate(keys):
             if len(k) != KEY_BYTES:
                 raise InvalidArgument(f"{field}[{i}]: a block key is {KEY_BYTES} bytes, got {len(k)}")
@@ -87,27 +91,30 @@ class BlockStore:
 
     # --- lookup -----------------------------------------------------------------------------
 
-    def lookup(self, ns: NsEntry, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> tuple[list[Block], Lease | None]:
+    def lookup(self, ns: NsEntry, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> tuple[list[Block], set[int], Lease | None]:
+        """The leading run of ``keys`` that is stored, the set of placement masks in it, and a
+        lease on it when ``lease_ttl_ms`` is set."""
         self._check_batch(len(keys), "keys")
         self._check_keys(keys, "keys")
         deadline = self._lease_deadline(lease_ttl_ms) if lease_ttl_ms else None
         run = self.index.leading_run(ns, keys)
         self.stats.lookup(ns.label, len(keys), len(run))
+        masks = set(map(_TIERS, run))
         tier_stats = self.stats.tiers
-        for b in run:
-            tier_stats[b.top_tier.label]["hits"] += 1  # type: ignore[union-attr]
+        if len(masks) == 1:
+            tier_stats[top_label(next(iter(masks)))]["hits"] += len(run)
+        else:
+            for mask, n in Counter(map(_TIERS, run)).items():
+                tier_stats[top_label(mask)]["hits"] += n
         if len(run) < len(keys):
             tier_stats["dram"]["misses"] += 1
-        self._touch(run)
+        self._touch(run, all_in_dram=all(m & DRAM for m in masks))
         lease = self.index.take_lease(run, deadline) if deadline is not None and run else None
-        return run, lease
+        return run, masks, lease
 
-    def _touch(self, run: Sequence[Block]) -> None:
+    def _touch(self, run: Sequence[Block], all_in_dram: bool = False) -> None:
         # Deepest first, so that an ancestor is always at least as recent as its descendants.
-        access = self.policy.access
-        for b in reversed(run):
-            if b.tiers & TierId.DRAM:
-                access(b)
+        self.policy.access_many(run[::-1] if all_in_dram else [b for b in reversed(run) if b.tiers & DRAM])
         if self.tiering is not None:
             self.tiering.touch(run)
 
@@ -179,7 +186,7 @@ class BlockStore:
         if block.slot is not None:
             self.slab.free(block.slot)  # type: ignore[arg-type]
             block.slot = None
-        block.tiers &= ~TierId.DRAM
+        block.tiers &= ~DRAM
         if not block.tiers:
             self.index.drop(block)
 
@@ -231,8 +238,8 @@ class BlockStore:
         nbytes = 0
         insert = self.policy.insert
         for b, c in reversed(chosen):  # deepest first: parents end up more recent
-            b.state = State.COMMITTED
-            b.tiers |= TierId.DRAM
+            b.tiers |= DRAM
+            self.index.publish(b)
             b.checksum = c
             if c is None:
                 self._unsealed.append(b)
@@ -269,7 +276,7 @@ class BlockStore:
             run = await self.tiering.promote(run)
         readable: list[Block] = []
         for b in run:
-            if not (b.tiers & TierId.DRAM) or b.state is not State.COMMITTED:
+            if not (b.tiers & DRAM) or b.state is not State.COMMITTED:
                 break
             readable.append(b)
         if self.config.dram.verify_local_reads and readable:
@@ -324,7 +331,7 @@ class BlockStore:
             if self.tiering is not None:
                 await self.tiering.delete(b)
             self._free_dram(b)
-            b.tiers = TierId(0)
+            b.tiers = 0
             self.index.drop(b)
             deleted += 1
         self.stats.writes["deleted"] += deleted

@@ -3,12 +3,8 @@ a namespace, and free ports. Tier servers (redis, S3) live in tests/tiers/confte
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +15,7 @@ from kvstore.client import KVStoreClient
 from kvstore.config import Config, load_config
 from kvstore.keys import Namespace
 from kvstore.sidecar import Sidecar
+from kvstore.testing.sidecar import ServeProcess
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,32 +57,6 @@ async def sidecar(tmp_path: Path) -> AsyncIterator[Sidecar]:
 async def client(sidecar: Sidecar) -> AsyncIterator[KVStoreClient]:
     async with KVStoreClient.from_url(f"127.0.0.1:{sidecar.grpc_port}") as c:
         yield c
-
-
-class ServeProcess:
-    """`kvstore serve` as a subprocess, the way users run it."""
-
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **(env or {})},
-            cwd=REPO,
-        )
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
-        if not line:
-            err = self.proc.stderr.read()  # type: ignore[union-attr]
-            raise RuntimeError(f"kvstore serve exited {self.proc.wait()}: {err}")
-        self.ready: dict[str, str] = json.loads(line)
-        self.grpc = self.ready["grpc"]
-        self.http = self.ready["http"]
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(30)
 
 
 @pytest.fixture

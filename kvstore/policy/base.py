@@ -14,7 +14,7 @@ at least as recent as its descendants.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
 Item = Hashable
@@ -38,6 +38,10 @@ class EvictionPolicy(Protocol):
         """A block in the space was hit."""
         ...
 
+    def access_many(self, items: Sequence[Item]) -> None:
+        """:meth:`access` for each of ``items`` in order (a request's hits, deepest first)."""
+        ...
+
     def remove(self, item: Item) -> None:
         """A block left the space for a reason other than :meth:`pop_victim` (delete, move)."""
         ...
@@ -50,3 +54,15 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
     def __contains__(self, item: object) -> bool: ...
+
+
+class PolicyBase:
+    """Defaults for the optional parts of :class:`EvictionPolicy`."""
+
+    def admit(self, item: Item, parent: Item | None, depth: int, size: int) -> bool:
+        return True
+
+    def access_many(self, items: Sequence[Item]) -> None:
+        access = self.access  # type: ignore[attr-defined]
+        for item in items:
+            access(item)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from typing import ClassVar
 
 from kvstore.policy.base import Eligible, Item
@@ -39,6 +40,13 @@ class LRUPolicy:
     def access(self, item: Item) -> None:
         if item in self._order:
             self._order.move_to_end(item)
+
+    def access_many(self, items: Sequence[Item]) -> None:
+        try:
+            deque(map(self._order.move_to_end, items), maxlen=0)  # the loop runs in C
+        except KeyError:  # one of them is not in this space: take the careful path
+            for item in items:
+                self.access(item)
 
     def remove(self, item: Item) -> None:
         if item not in self._order:

@@ -247,9 +247,9 @@ class SsdTier(TierBase):
             fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | _O_DIRECT, 0o644)
             try:
                 n = os.writev(fd, [head, data])
-                if n < ALIGN + len(data):  # a short write: finish it piecewise
-                    _write_full(fd, memoryview(head)[n:]) if n < ALIGN else None
-                    _write_full(fd, data[max(0, n - ALIGN) :])
+                if n < ALIGN:  # short writes: finish piecewise
+                    _write_full(fd, memoryview(head)[n:])
+                _write_full(fd, data[max(0, n - ALIGN) :])
             except BaseException:
                 os.close(fd)
                 raise

@@ -64,23 +64,17 @@ class LookupRequest(_message.Message):
     lease_ttl_ms: int
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
-class BlockInfo(_message.Message):
-    __slots__ = ("tier", "size")
-    TIER_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
-    tier: Tier
-    size: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., size: _Optional[int] = ...) -> None: ...
-
 class LookupResponse(_message.Message):
-    __slots__ = ("matched", "blocks", "lease_id")
+    __slots__ = ("matched", "tiers", "sizes", "lease_id")
     MATCHED_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     matched: int
-    blocks: _containers.RepeatedCompositeFieldContainer[BlockInfo]
+    tiers: bytes
+    sizes: _containers.RepeatedScalarFieldContainer[int]
     lease_id: str
-    def __init__(self, matched: _Optional[int] = ..., blocks: _Optional[_Iterable[_Union[BlockInfo, _Mapping]]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class BlockSpec(_message.Message):
     __slots__ = ("key", "parent", "size")

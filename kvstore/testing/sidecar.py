@@ -1,0 +1,57 @@
+"""`kvstore serve` as a subprocess, the way users run it; used by tests and benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kvstore.tuning import ENV as MALLOC_ENV
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class ServeProcess:
+    """Starts ``kvstore serve ARGS`` and waits for its ready line (bound addresses as JSON)."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        # stderr (structured logs) goes to a file: a pipe nobody reads would block the server.
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvstore-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstore", "serve", *args],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env={**os.environ, **MALLOC_ENV, **(env or {})},
+            cwd=REPO,
+        )
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            self.proc.wait()
+            err = Path(self.log.name).read_text()
+            raise RuntimeError(f"kvstore serve exited {self.proc.wait()}: {err}")
+        self.ready: dict[str, str] = json.loads(line)
+        self.grpc: str = self.ready["grpc"]
+        self.http: str = self.ready["http"]
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(30)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.log.close()
+        return code
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
