@@ -218,17 +218,21 @@ class HFConnector:
 
 
 @torch.inference_mode()
-def reference_generate(model: Any, token_ids: Sequence[int], max_new_tokens: int, *, split: int = 0) -> tuple[list[int], torch.Tensor]:
-    """Greedy decoding with no connector: the whole prompt in one forward (``split`` > 0: first
-    ``token_ids[:split]``, then the rest behind it, as a loaded prefix would be)."""
+def reference_generate(
+    model: Any, token_ids: Sequence[int], max_new_tokens: int, *, split: int = 0, cache: Any = None
+) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding with no connector: the whole prompt in one forward, or (``split`` > 0)
+    ``token_ids[:split]`` then the rest behind it, or (``cache``) the tokens past what ``cache``
+    already holds -- the same computations a connector run performs around its loaded prefix."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
-    logits: list[torch.Tensor] = []
-    parts = [token_ids[:split], token_ids[split:]] if split else [token_ids]
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    held = cache.get_seq_length()
+    parts = [token_ids[held:split], token_ids[split:]] if split > held else [token_ids[held:]]
     for part in parts:
         out = model(input_ids=torch.tensor([list(part)]), past_key_values=cache, use_cache=True)
-    logits.append(out.logits[0, -1].float())
+    logits: list[torch.Tensor] = [out.logits[0, -1].float()]
     tokens: list[int] = []
     for step in range(max_new_tokens):
         tokens.append(int(torch.argmax(logits[-1])))
