@@ -233,14 +233,19 @@ def run(args: argparse.Namespace) -> dict:
     return asyncio.run(_run(args))
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The suite's options (also used by ``kvstore bench tiers``)."""
     p.add_argument("--blocks", type=int, default=32, help="blocks per put/get batch")
     p.add_argument("--block-mib", type=float, default=2.0, help="block size in MiB")
     p.add_argument("--repeat", type=int, default=5, help="runs per measurement; the best counts")
     p.add_argument("--tiers", default="ssd,redis,redis_cluster,s3", help="comma-separated subset")
     p.add_argument("--s3-concurrency", type=int, default=8)
     p.add_argument("--ssd-dir", default=None, help="directory on the filesystem to test (default: $TMPDIR)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
     return p
 
 
