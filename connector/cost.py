@@ -270,6 +270,12 @@ class CostModel:
 
     # --- stats ----------------------------------------------------------------------------
 
+    def decision(self, decision_id: int) -> Decision | None:
+        """A recent decision by id (None once it has left the history)."""
+        with self._lock:
+            rec = self._by_id.get(decision_id)
+        return rec.decision if rec else None
+
     @property
     def current_flop_rate(self) -> float:
         return self._flops.value

@@ -30,6 +30,7 @@ import torch
 from connector.core.client import ConnectorClient
 from connector.core.metadata import LoadResult, SaveResult, SaveSpec
 from connector.core.ops import load_blocks, save_blocks
+from connector.core.report import DecisionReporter, decision_record
 from connector.core.scheduler import SchedulerConnector
 from connector.core.stats import ConnectorStats
 from connector.cost import CostModel, Decision
@@ -68,6 +69,16 @@ def cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if hasattr(cache, "layers"):
         return [(layer.keys, layer.values) for layer in cache.layers]
     return list(zip(cache.key_cache, cache.value_cache))  # transformers < 4.56
+
+
+@dataclass(slots=True)
+class Loaded:
+    cache: Any  # DynamicCache with the loaded prefix (possibly empty)
+    tokens: int  # leading tokens it holds
+    result: LoadResult | None  # None: nothing was worth loading
+    decision: Decision | None
+    cached_blocks: int  # leading blocks the sidecar had
+    tiers: tuple[str, ...]  # where the loaded blocks were
 
 
 @dataclass(slots=True)
@@ -114,6 +125,7 @@ class HFConnector:
         self.transfer = transfer or NumpyTransfer()
         self.verify = verify_checksums
         self.stats = ConnectorStats()
+        self.reporter = DecisionReporter(client)
         self._ids = itertools.count()
 
     # --- building blocks ----------------------------------------------------------------------
@@ -123,17 +135,18 @@ class HFConnector:
 
         return DynamicCache(config=self.model.config)
 
-    def load(self, token_ids: Sequence[int]) -> tuple[Any, int, LoadResult | None, Decision | None]:
-        """A ``DynamicCache`` with the leading blocks worth loading, and how many tokens it holds."""
+    def load(self, token_ids: Sequence[int]) -> Loaded:
+        """A ``DynamicCache`` with the leading blocks worth loading (see :class:`Loaded`)."""
         from transformers import DynamicCache
 
         req = f"hf-{next(self._ids)}"
         n_tokens = self.sched.get_num_new_matched_tokens(req, token_ids, 0)
         decision = self.sched.decision(req)
+        cached = self.sched.matched_blocks(req)
         n = n_tokens // self.spec.block_size
         if n == 0:
             self.sched.request_finished(req)
-            return self._empty_cache(), 0, None, decision
+            return Loaded(self._empty_cache(), 0, None, decision, cached, ())
         s = self.spec
         bufs = [
             tuple(torch.empty(1, s.kv_heads, n * s.block_size, s.head_size, dtype=self.dtype) for _ in range(2))
@@ -151,9 +164,10 @@ class HFConnector:
             self.cost.observe_transfer(per_tier, result.seconds)
         m = result.loaded * s.block_size
         if m == 0:
-            return self._empty_cache(), 0, result, decision
+            return Loaded(self._empty_cache(), 0, result, decision, cached, spec.tiers)
         data = [(k[:, :, :m], v[:, :, :m]) for k, v in bufs]
-        return DynamicCache(ddp_cache_data=data, config=self.model.config), m, result, decision
+        cache = DynamicCache(ddp_cache_data=data, config=self.model.config)
+        return Loaded(cache, m, result, decision, cached, spec.tiers)
 
     def save(self, token_ids: Sequence[int], cache: Any) -> SaveResult | None:
         """Store the full blocks of ``token_ids`` whose KV is in ``cache`` (sidecar skips known ones)."""
@@ -182,7 +196,8 @@ class HFConnector:
         if len(token_ids) == 0:
             raise ValueError("prefill: empty prompt")
         t_start = time.perf_counter()
-        cache, m, load, decision = self.load(token_ids)
+        loaded = self.load(token_ids)
+        cache, m, decision = loaded.cache, loaded.tokens, loaded.decision
         t0 = time.perf_counter()
         logits = self._forward(token_ids[m:], cache)
         prefill_s = time.perf_counter() - t0
@@ -191,9 +206,18 @@ class HFConnector:
             if decision is not None:
                 self.cost.observe_ttft(decision.id, time.perf_counter() - t_start)
         self.stats.add(prompt_tokens=len(token_ids), loaded_tokens=m, computed_tokens=len(token_ids) - m)
-        result = Prefill(cache, logits, m, len(token_ids) - m, prefill_s, decision, load)
+        if loaded.cached_blocks:
+            self.reporter.add(
+                decision_record(
+                    self.ns.label, decision, prompt_blocks=len(token_ids) // self.spec.block_size,
+                    cached_blocks=loaded.cached_blocks, tiers=loaded.tiers, load=loaded.result,
+                    actual_s=0.0 if m else prefill_s,
+                )
+            )
+        result = Prefill(cache, logits, m, len(token_ids) - m, prefill_s, decision, loaded.result)
         if save:
             result.save = self.save(token_ids, cache)
+        self.reporter.flush()  # after the first token: off the TTFT path
         return result
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int, *, save: bool = True) -> Generation:

@@ -162,6 +162,12 @@ class SchedulerConnector:
             self._requests.pop(req_id, None)
             return req_id in self._saving
 
+    def matched_blocks(self, req_id: str) -> int:
+        """Leading blocks the sidecar had for the request at lookup."""
+        with self._lock:
+            req = self._requests.get(req_id)
+        return len(req.tiers) if req else 0
+
     def decision(self, req_id: str) -> Decision | None:
         with self._lock:
             req = self._requests.get(req_id)

@@ -10,6 +10,7 @@ the engine recomputes exactly those.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -17,12 +18,16 @@ from typing import Any
 from connector.core.client import ConnectorClient
 from connector.core.metadata import ConnectorMetadata, LoadResult, LoadSpec, Role, SaveResult, SaveSpec
 from connector.core.ops import load_blocks, save_blocks
+from connector.core.report import DecisionReporter, decision_record
 from connector.core.stats import ConnectorStats
 from connector.cost import CostModel
 from connector.layout import KVSpec
 from connector.transfer import NumpyTransfer, PagedKV, Transfer, bind_caches
 from kvstore.errors import FailedPrecondition
 from kvstore.keys import Namespace
+
+
+REPORT_INTERVAL_S = 1.0  # decision records go to the sidecar's /stats at most this often
 
 
 class WorkerConnector:
@@ -50,6 +55,8 @@ class WorkerConnector:
         self._loads: dict[str, Future[LoadResult]] = {}
         self._saves: dict[str, list[Future[SaveResult]]] = {}
         self._load_errors: set[int] = set()
+        self.reporter = DecisionReporter(client)
+        self._last_flush = time.monotonic()
 
     def register_kv_caches(self, caches: Sequence[Any]) -> None:
         """Bind the engine's per-layer caches (zero-copy views) once, at start-up."""
@@ -71,6 +78,9 @@ class WorkerConnector:
                 self._loads[load.req_id] = self._pool.submit(self._load, kv, load)
             for save in meta.saves:
                 self._saves.setdefault(save.req_id, []).append(self._pool.submit(self._save, kv, save))
+            if meta.loads and time.monotonic() - self._last_flush > REPORT_INTERVAL_S:
+                self._last_flush = time.monotonic()
+                self._pool.submit(self.reporter.flush)  # after the step's transfers, off their path
 
     def _load(self, kv: PagedKV, spec: LoadSpec) -> LoadResult:
         r = load_blocks(self.client, self.ns, kv, self.transfer, spec, verify=self.verify)
@@ -80,6 +90,15 @@ class WorkerConnector:
             for t in spec.tiers[: r.loaded]:
                 per_tier[t] = per_tier.get(t, 0) + kv.spec.block_bytes
             self.cost.observe_transfer(per_tier, r.seconds)
+        decision = self.cost.decision(spec.decision_id) if self.cost and spec.decision_id is not None else None
+        self.reporter.add(
+            decision_record(
+                self.ns.label, decision,
+                prompt_blocks=decision.prompt_tokens // spec.block_size if decision else spec.first_block + len(spec.keys),
+                cached_blocks=decision.available if decision else spec.first_block + len(spec.keys),
+                tiers=spec.tiers, load=r,
+            )
+        )
         with self._lock:
             self._load_errors.update(r.failed_block_ids)
         return r
@@ -122,3 +141,4 @@ class WorkerConnector:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self.reporter.flush()

@@ -60,6 +60,7 @@ class FakeClient:
         self.down: set[str] = set()  # operations that raise Unavailable
         self.calls: Counter[str] = Counter()
         self.aborted = 0
+        self.reports: list[dict] = []
 
     def _check(self, op: str) -> None:
         self.calls[op] += 1
@@ -101,6 +102,10 @@ class FakeClient:
             views.append(v)
             sums.append(crc)
         yield FakeLease(views, sums)
+
+    def report(self, records: Sequence[dict]) -> None:
+        self._check("report")
+        self.reports.extend(records)
 
     # --- failure injection ----------------------------------------------------------------------
 

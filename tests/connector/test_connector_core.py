@@ -240,3 +240,30 @@ def test_stats_are_json(client: FakeClient, prefill: Engine) -> None:
     d = prefill.worker.stats.as_dict()
     json.dumps(d)
     assert d["saved_bytes"] == 5 * SPEC.block_bytes
+
+
+def test_outcomes_are_reported_to_the_sidecar(client: FakeClient, prefill: Engine) -> None:
+    keys = prefill.sched.keys(TOKENS)
+    client.corrupt(NS, keys[4])
+    dec = Engine(client)
+    dec.load("d", TOKENS, DST_BLOCKS)
+    dec.close()  # flushes
+    [rec] = client.reports
+    assert rec["outcome"] == "fallback:checksum"
+    assert (rec["loaded_blocks"], rec["cached_blocks"], rec["tier"], rec["namespace"]) == (4, 5, "dram", "m")
+
+
+def test_reports_are_dropped_when_the_sidecar_is_down(client: FakeClient, prefill: Engine) -> None:
+    client.down.add("report")
+    dec = Engine(client)
+    dec.load("d", TOKENS, DST_BLOCKS)
+    dec.close()
+    assert dec.worker.reporter.dropped == 1 and not client.reports
+
+
+def test_slowest_tier() -> None:
+    from connector.core.report import slowest_tier
+
+    assert slowest_tier(["dram", "s3", "ssd"]) == "s3"
+    assert slowest_tier(["dram", "tape"]) == "tape"
+    assert slowest_tier([]) == ""

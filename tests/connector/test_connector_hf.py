@@ -93,8 +93,10 @@ def test_loaded_cache_is_byte_identical(model_and_tok, client) -> None:
     model, tok = model_and_tok
     prompt = tok(TEXT_1)["input_ids"]
     pre = connector(model, client).prefill(prompt)
-    cache, m, load, _ = connector(model, client).load(prompt)
+    loaded = connector(model, client).load(prompt)
+    cache, m, load = loaded.cache, loaded.tokens, loaded.result
     assert load is not None and load.loaded == m // BS and m > 0
+    assert loaded.cached_blocks == len(prompt) // BS and set(loaded.tiers) == {"dram"}
     for (k0, v0), (k1, v1) in zip(cache_tensors(pre.cache), cache_tensors(cache)):
         assert torch.equal(k0[:, :, :m], k1) and torch.equal(v0[:, :, :m], v1)
 
@@ -171,3 +173,7 @@ def test_cost_model_sees_real_transfers_and_prefills(model_and_tok, client) -> N
     assert snap["flop_rate_samples"] == 2
     assert snap["recent"][-1]["actual_ttft_s"] is not None
     json.dumps(snap)
+    decisions = client.stats()["decisions"]  # reported to the sidecar's /stats
+    assert decisions["counts"]["loaded"] == 1
+    [rec] = decisions["recent"]
+    assert rec["loaded_blocks"] == gen.prefill.loaded_tokens // BS and rec["tier"] == "dram"
