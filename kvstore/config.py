@@ -63,7 +63,7 @@ class IndexConfig(_Section):
 class SsdConfig(_Section):
     enabled: bool = True
     path: str = Field("", description="directory for blocks; default <data_dir>/ssd")
-    capacity_bytes: int = Field(16 * GiB, ge=1 * MiB)
+    capacity_bytes: int = Field(16 * GiB, ge=64 * 1024)
     direct_io: bool = Field(True, description="O_DIRECT where the filesystem allows it")
 
 

@@ -59,7 +59,7 @@ class Block:
     checksum: int | None = None  # None until sealed
     slot: object | None = None  # kvstore.slab.Slot while in DRAM
     leases: int = 0
-    moving: bool = False  # a mover is copying it between tiers
+    moving: int = 0  # movers reading its DRAM slot right now (write-through)
 
     @property
     def top_tier(self) -> int:
@@ -67,7 +67,7 @@ class Block:
 
     @property
     def pinned(self) -> bool:
-        return self.leases > 0 or self.state is State.ALLOCATED or self.moving
+        return self.leases > 0 or self.state is State.ALLOCATED or self.moving > 0
 
 
 @dataclass(slots=True, eq=False)

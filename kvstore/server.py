@@ -128,7 +128,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
         ns = self._namespace(request.namespace, request.HasField("namespace"))
         specs = [BlockSpec(b.key, b.parent, b.size) for b in request.blocks]
-        alloc, slots = self.store.allocate(ns, specs, request.ttl_ms)
+        alloc, slots = await self.store.allocate(ns, specs, request.ttl_ms)
         slab = self.store.slab
         out = []
         for spec, slot in zip(specs, slots):

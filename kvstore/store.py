@@ -98,6 +98,8 @@ class BlockStore:
         self._check_keys(keys, "keys")
         deadline = self._lease_deadline(lease_ttl_ms) if lease_ttl_ms else None
         run = self.index.leading_run(ns, keys)
+        if self.tiering is not None and (down := self.tiering.down_mask()):
+            run = self._reachable(run, down)
         self.stats.lookup(ns.label, len(keys), len(run))
         masks = set(map(_TIERS, run))
         tier_stats = self.stats.tiers
@@ -112,6 +114,14 @@ class BlockStore:
         lease = self.index.take_lease(run, deadline) if deadline is not None and run else None
         return run, masks, lease
 
+    @staticmethod
+    def _reachable(run: list[Block], down: int) -> list[Block]:
+        """Cut the run at the first block whose every copy is in a tier that is down."""
+        for i, b in enumerate(run):
+            if not b.tiers & ~down:
+                return run[:i]
+        return run
+
     def _touch(self, run: Sequence[Block], all_in_dram: bool = False) -> None:
         # Deepest first, so that an ancestor is always at least as recent as its descendants.
         self.policy.access_many(run[::-1] if all_in_dram else [b for b in reversed(run) if b.tiers & DRAM])
@@ -120,7 +130,18 @@ class BlockStore:
 
     # --- two-phase writes ---------------------------------------------------------------------
 
-    def allocate(self, ns: NsEntry, specs: Sequence[BlockSpec], ttl_ms: int = 0) -> tuple[Allocation, list[Slot | None]]:
+    async def allocate(self, ns: NsEntry, specs: Sequence[BlockSpec], ttl_ms: int = 0) -> tuple[Allocation, list[Slot | None]]:
+        """:meth:`allocate_now`, waiting once for tier movers when only their pins stand in the way
+        (backpressure rather than RESOURCE_EXHAUSTED)."""
+        try:
+            return self.allocate_now(ns, specs, ttl_ms)
+        except ResourceExhausted:
+            if self.tiering is None or not self.tiering.busy:
+                raise
+            await self.tiering.flush()
+            return self.allocate_now(ns, specs, ttl_ms)
+
+    def allocate_now(self, ns: NsEntry, specs: Sequence[BlockSpec], ttl_ms: int = 0) -> tuple[Allocation, list[Slot | None]]:
         """Reserve DRAM slots for the blocks not yet stored; None marks a block already present."""
         self._check_batch(len(specs), "blocks")
         seen: set[bytes] = set()
@@ -178,8 +199,8 @@ class BlockStore:
     def _evict_from_dram(self, block: Block) -> None:
         """Drop the DRAM copy of a block the policy chose; demote it first when a lower tier takes it."""
         self.stats.tier("dram", "evictions")
-        if self.tiering is not None and self.tiering.demote_on_evict(block):
-            return
+        if self.tiering is not None:
+            self.tiering.on_dram_evict(block)
         self._free_dram(block)
 
     def _free_dram(self, block: Block) -> None:

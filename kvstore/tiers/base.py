@@ -116,6 +116,17 @@ class Recoverable(Protocol):
     def scan(self) -> AsyncIterator[BlockMeta]: ...
 
 
+@runtime_checkable
+class Bounded(Protocol):
+    """A tier with a fixed capacity that the sidecar fills and evicts itself (SSD)."""
+
+    capacity_bytes: int
+
+    def footprint(self, size: int) -> int:
+        """Bytes of capacity that a block of ``size`` bytes takes (header, alignment)."""
+        ...
+
+
 class TierBase:
     """Default batch forms that loop over the single-key calls, and the whole-config constructor."""
 

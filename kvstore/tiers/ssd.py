@@ -121,6 +121,11 @@ class SsdTier(TierBase):
     def used_bytes(self) -> int:
         return self._used
 
+    @staticmethod
+    def footprint(size: int) -> int:
+        """File bytes of a block: a header page plus the payload, 4 KiB aligned."""
+        return ALIGN + _align(size)
+
     # ---- paths and accounting ---------------------------------------------------------------
 
     def path_of(self, ref: BlockRef) -> Path:

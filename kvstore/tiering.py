@@ -1,0 +1,409 @@
+"""Tiering: the tiers below DRAM, and the movers between them.
+
+* DRAM eviction demotes: the block's bytes are staged (copied out of its slot, checksummed if
+  the server had not sealed it yet) and written to the first lower tier in the background. The
+  block stays findable meanwhile, served from the staging copy.
+* A lower tier with a capacity (SSD) evicts through its own policy instance and demotes further
+  down the chain, or drops the block when nothing is below.
+* Write-through tiers (Redis, S3) receive every committed block at once so other hosts can read
+  it; the block is pinned in DRAM while its slot is read.
+* A hit below DRAM is promoted into a DRAM slot before a worker reads it (Acquire, Prefetch).
+  Every byte that crosses a tier boundary is checked against the checksum recorded at commit;
+  a bad copy is deleted and treated as a miss.
+* A tier that raises Unavailable is marked down: lookups treat it as a miss, errors are counted,
+  and a background probe brings it back when its server returns.
+* At start, every Recoverable tier is scanned and its blocks re-enter the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstore.checksum import checksum
+from kvstore.config import Config
+from kvstore.errors import Unavailable
+from kvstore.index import DRAM, REDIS, S3, SSD, Block, State
+from kvstore.policy import make_policy
+from kvstore.policy.base import EvictionPolicy
+from kvstore.tiers import build_tier
+from kvstore.tiers.base import BlockMeta, BlockRef, Bounded, Recoverable, Tier
+from kvstore.tiers.verify import verified_get
+
+if TYPE_CHECKING:
+    from kvstore.store import BlockStore
+
+log = logging.getLogger("kvstore.tiering")
+
+BITS = {"ssd": SSD, "redis": REDIS, "s3": S3}
+STAGING_LIMIT = 512 << 20  # bytes of demotions in flight before DRAM evictions start dropping
+
+
+@dataclass(eq=False)
+class Level:
+    """One tier below DRAM with its own accounting."""
+
+    name: str
+    bit: int
+    tier: Tier
+    capacity: int | None  # None: the server manages its own memory (Redis maxmemory, S3)
+    policy: EvictionPolicy | None
+    footprint: Callable[[int], int] = lambda size: size
+    used: int = 0
+    down: bool = False
+    sizes: dict[Block, int] = field(default_factory=dict)
+
+    def ref(self, b: Block) -> BlockRef:
+        return BlockRef(b.ns.root, b.key)
+
+
+class Tiering:
+    def __init__(self, store: BlockStore, levels: list[Level], write_through: list[Level]) -> None:
+        self.store = store
+        self.levels = levels
+        self.write_through = write_through
+        self._staged: dict[Block, np.ndarray] = {}  # demotions in flight
+        self._staged_bytes = 0
+        self._promoting: dict[Block, asyncio.Future[bool]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._probe: asyncio.Task[None] | None = None
+
+    # --- construction ----------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, store: BlockStore, config: Config) -> Tiering | None:
+        enabled = {"ssd": config.ssd.enabled, "redis": config.redis.enabled, "s3": config.s3.enabled}
+        names = [n for n in config.tiering.chain if enabled[n]]
+        if not names:
+            return None
+        levels = []
+        for name in names:
+            tier = build_tier(name, config)
+            if isinstance(tier, Bounded):
+                levels.append(Level(name, BITS[name], tier, tier.capacity_bytes, make_policy(config.index.policy), tier.footprint))
+            else:
+                levels.append(Level(name, BITS[name], tier, None, None))
+        wt = [lv for lv in levels if lv.name in config.tiering.write_through]
+        self = cls(store, levels, wt)
+        await self.recover()
+        self._probe = asyncio.create_task(self._probe_down_tiers(), name="kvstore-tier-probe")
+        return self
+
+    async def recover(self) -> int:
+        """Re-enter every block a Recoverable tier holds into the index (restart)."""
+        index = self.store.index
+        found = 0
+        for lv in self.levels:
+            if not isinstance(lv.tier, Recoverable):
+                continue
+            try:
+                async for meta in lv.tier.scan():
+                    ns = index.namespace(meta.ref.ns, meta.label or meta.ref.ns.hex()[:16])
+                    b = ns.blocks.get(meta.ref.key)
+                    if b is None:
+                        b = index.add(ns, meta.ref.key, meta.parent, meta.size, State.COMMITTED)
+                        b.checksum = meta.checksum
+                    elif b.checksum != meta.checksum:
+                        continue  # a disagreeing copy: leave it, reads verify against the first
+                    self._placed(lv, b)
+                    found += 1
+            except Unavailable as exc:
+                self._mark_down(lv, exc)
+        if found:
+            log.info("recovered %d block copies from lower tiers", found)
+        return found
+
+    # --- placement bookkeeping ---------------------------------------------------------------
+
+    def _placed(self, lv: Level, b: Block) -> None:
+        if b.tiers & lv.bit:
+            return
+        b.tiers |= lv.bit
+        nbytes = lv.sizes[b] = lv.footprint(b.size)
+        lv.used += nbytes
+        if lv.policy is not None:
+            parent = b.ns.blocks.get(b.parent) if b.parent else None
+            lv.policy.insert(b, parent if parent is not None and parent in lv.policy else None, b.depth, b.size)
+
+    def _unplaced(self, lv: Level, b: Block) -> None:
+        if not b.tiers & lv.bit:
+            return
+        b.tiers &= ~lv.bit
+        lv.used -= lv.sizes.pop(b, 0)
+        if lv.policy is not None and b in lv.policy:
+            lv.policy.remove(b)
+        if not b.tiers and b.state is State.COMMITTED:
+            self.store.index.drop(b)
+
+    def down_mask(self) -> int:
+        mask = 0
+        for lv in self.levels:
+            if lv.down:
+                mask |= lv.bit
+        return mask
+
+    def _mark_down(self, lv: Level, exc: BaseException) -> None:
+        self.store.stats.tier(lv.name, "errors")
+        if not lv.down:
+            log.warning("tier %s unavailable, serving without it: %s", lv.name, exc)
+        lv.down = True
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- hooks called by the store -------------------------------------------------------------
+
+    def touch(self, run: Sequence[Block]) -> None:
+        for lv in self.levels:
+            if lv.policy is not None:
+                lv.policy.access_many([b for b in reversed(run) if b.tiers & lv.bit])
+
+    def on_dram_evict(self, b: Block) -> None:
+        """The store is about to free ``b``'s slot: keep the bytes below DRAM if nothing does."""
+        target = next((lv for lv in self.levels if not lv.down), None)
+        if target is None or b.tiers & target.bit:
+            return  # nowhere to go, or the next tier down has it already
+        if self._staged_bytes + b.size > STAGING_LIMIT:
+            self.store.stats.tier(target.name, "errors")
+            return  # demotions are backed up: drop rather than hold unbounded memory
+        data = self.store.slab.view(b.slot, b.size).copy()  # type: ignore[arg-type]
+        if b.checksum is None:
+            b.checksum = checksum(data)
+        self._staged[b] = data
+        self._staged_bytes += b.size
+        self._placed(target, b)  # findable at once; served from the staging copy meanwhile
+        self.store.stats.tier("dram", "demotions")
+        self._spawn(self._demote(target, b, data))
+
+    async def _demote(self, lv: Level, b: Block, data: np.ndarray) -> None:
+        try:
+            await self._make_room(lv)  # b is counted already; evict others until it fits
+            meta = BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label)
+            await lv.tier.put(meta, memoryview(data))
+            self.store.stats.tier(lv.name, "bytes_in", b.size)
+        except Unavailable as exc:
+            self._mark_down(lv, exc)
+            self._unplaced(lv, b)
+        except Exception:
+            log.exception("demotion of %s to %s failed", b.key.hex()[:16], lv.name)
+            self.store.stats.tier(lv.name, "errors")
+            self._unplaced(lv, b)
+        finally:
+            self._staged.pop(b, None)
+            self._staged_bytes -= b.size
+
+    async def _make_room(self, lv: Level) -> None:
+        """Evict from a bounded tier until it fits, demoting to the next tier down."""
+        if lv.capacity is None or lv.policy is None:
+            return
+        below = self.levels[self.levels.index(lv) + 1 :]
+        while lv.used > lv.capacity:
+            victim = lv.policy.pop_victim(lambda x: not x.pinned and x not in self._staged)
+            if victim is None:
+                return
+            b: Block = victim  # type: ignore[assignment]
+            self.store.stats.tier(lv.name, "evictions")
+            target = next((t for t in below if not t.down and not b.tiers & t.bit), None)
+            if target is not None and not b.tiers & ~(DRAM | lv.bit):
+                buf = np.empty(b.size, dtype=np.uint8)
+                try:
+                    if await verified_get(lv.tier, lv.ref(b), memoryview(buf), b.checksum or 0) is not None:
+                        await target.tier.put(BlockMeta(target.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(buf))
+                        self._placed(target, b)
+                        self.store.stats.tier(lv.name, "demotions")
+                except Unavailable as exc:
+                    self._mark_down(target, exc)
+            lv.used -= lv.sizes.pop(b, 0)
+            b.tiers &= ~lv.bit
+            try:
+                await lv.tier.delete(lv.ref(b))
+            except Unavailable as exc:
+                self._mark_down(lv, exc)
+            if not b.tiers:
+                self.store.index.drop(b)
+
+    def committed(self, blocks: Sequence[Block]) -> None:
+        """Write-through: copy freshly committed blocks to the remote tiers now."""
+        for lv in self.write_through:
+            if lv.down:
+                continue
+            todo = [b for b in blocks if not b.tiers & lv.bit]
+            if todo:
+                for b in todo:
+                    b.moving += 1  # pinned while the slot is read
+                self._spawn(self._write_through(lv, todo))
+
+    async def _write_through(self, lv: Level, blocks: list[Block]) -> None:
+        try:
+            items = []
+            for b in blocks:
+                view = self.store.slab.view(b.slot, b.size)  # type: ignore[arg-type]
+                if b.checksum is None:
+                    b.checksum = await asyncio.to_thread(checksum, view)
+                items.append((BlockMeta(lv.ref(b), b.parent, b.size, b.checksum, b.ns.label), memoryview(view)))
+            await lv.tier.put_many(items)
+            for b in blocks:
+                if b.ns.blocks.get(b.key) is b:  # not deleted meanwhile
+                    self._placed(lv, b)
+            self.store.stats.tier(lv.name, "bytes_in", sum(b.size for b in blocks))
+        except Unavailable as exc:
+            self._mark_down(lv, exc)
+        except Exception:
+            log.exception("write-through to %s failed", lv.name)
+            self.store.stats.tier(lv.name, "errors")
+        finally:
+            for b in blocks:
+                b.moving -= 1
+
+    async def promote(self, run: list[Block]) -> list[Block]:
+        """Bring the blocks of ``run`` that are only below DRAM into DRAM slots. Returns the
+        leading part of ``run`` now in DRAM (a miss or a bad copy ends it)."""
+        if all(b.tiers & DRAM for b in run):
+            return run
+        for b in run:
+            b.leases += 1  # pin the whole run while we make room for parts of it
+        try:
+            out: list[Block] = []
+            pending = []
+            for b in run:
+                if b.tiers & DRAM:
+                    pending.append(None)
+                    continue
+                fut = self._promoting.get(b)
+                if fut is None:
+                    fut = asyncio.get_running_loop().create_future()
+                    self._promoting[b] = fut
+                    self._spawn(self._promote_one(b, fut))
+                pending.append(fut)
+            for b, fut in zip(run, pending):
+                ok = True if fut is None else await asyncio.shield(fut)
+                if not ok or not (b.tiers & DRAM):
+                    break
+                out.append(b)
+            return out
+        finally:
+            for b in run:
+                b.leases -= 1
+
+    async def _promote_one(self, b: Block, fut: asyncio.Future[bool]) -> None:
+        ok = False
+        store = self.store
+        if b not in self._staged and not any(b.tiers & lv.bit and not lv.down for lv in self.levels):
+            self._promoting.pop(b, None)
+            fut.set_result(False)  # every copy is in a tier that is down: don't evict for nothing
+            return
+        try:
+            slot = store._take_slot(store.slab.class_of(b.size))
+        except Exception as exc:  # DRAM full of leased blocks
+            log.info("cannot promote %s: %s", b.key.hex()[:16], exc)
+            self._promoting.pop(b, None)
+            fut.set_result(False)
+            return
+        view = store.slab.view(slot, b.size)
+        try:
+            staged = self._staged.get(b)
+            if staged is not None:
+                view[:] = staged
+                ok = True
+                source = next((lv for lv in self.levels if b.tiers & lv.bit), None)
+            else:
+                source = None
+                for lv in self.levels:
+                    if not b.tiers & lv.bit or lv.down:
+                        continue
+                    try:
+                        meta = await verified_get(lv.tier, lv.ref(b), memoryview(view), b.checksum or 0)
+                    except Unavailable as exc:
+                        self._mark_down(lv, exc)
+                        continue
+                    if meta is None:
+                        self.store.stats.tier(lv.name, "checksum_failures" if b.checksum else "misses")
+                        self._unplaced(lv, b)  # gone or bad: that copy is no more
+                        continue
+                    self.store.stats.tier(lv.name, "bytes_out", b.size)
+                    source = lv
+                    ok = True
+                    break
+            if ok and b.state is State.COMMITTED and b.ns.blocks.get(b.key) is b:
+                b.slot = slot
+                b.tiers |= DRAM
+                parent = b.ns.blocks.get(b.parent) if b.parent else None
+                store.policy.insert(b, parent if parent is not None and parent in store.policy else None, b.depth, b.size)
+                store.stats.tier(source.name if source else "dram", "promotions")
+            else:
+                ok = False
+                store.slab.free(slot)
+        except BaseException:
+            store.slab.free(slot)
+            raise
+        finally:
+            self._promoting.pop(b, None)
+            if not fut.done():
+                fut.set_result(ok)
+
+    async def delete(self, b: Block) -> None:
+        self._staged.pop(b, None)
+        for lv in self.levels:
+            if b.tiers & lv.bit:
+                try:
+                    await lv.tier.delete(lv.ref(b))
+                except Unavailable as exc:
+                    self._mark_down(lv, exc)
+                self._unplaced(lv, b)
+
+    async def _probe_down_tiers(self) -> None:
+        probe = BlockRef(b"\0" * 32, b"\0" * 32)
+        while True:
+            await asyncio.sleep(1.0)
+            for lv in self.levels:
+                if not lv.down:
+                    continue
+                try:
+                    await lv.tier.contains(probe)
+                except Unavailable:
+                    continue
+                except Exception:
+                    log.exception("probe of %s failed", lv.name)
+                    continue
+                log.info("tier %s is back", lv.name)
+                lv.down = False
+
+    # --- reporting / shutdown ------------------------------------------------------------------
+
+    def occupancy(self) -> dict[str, dict[str, object]]:
+        return {
+            lv.name: {
+                "used_bytes": lv.used,
+                "capacity_bytes": lv.capacity or 0,
+                "blocks": len(lv.sizes),
+                "down": lv.down,
+                "write_through": lv in self.write_through,
+            }
+            for lv in self.levels
+        }
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._tasks)
+
+    async def flush(self) -> None:
+        """Wait for demotions and write-throughs in flight."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+        await self.flush()
+        for lv in self.levels:
+            try:
+                await lv.tier.close()
+            except Exception:
+                log.exception("closing %s", lv.name)

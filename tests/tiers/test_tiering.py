@@ -1,0 +1,287 @@
+"""The sidecar with lower tiers: demotion, promotion, write-through, integrity, faults, restart.
+
+Real servers throughout: the sidecar over gRPC, an SSD directory, redis-server, moto's S3."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.client import KVStoreClient
+from kvstore.keys import Namespace, prefix_keys
+from kvstore.sidecar import Sidecar
+from tests.conftest import small_config
+
+PAGE = 65536
+NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
+
+
+def blocks_for(n: int, seed: int, size: int = PAGE) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
+
+
+def chain(first_token: int, n: int) -> list[bytes]:
+    return prefix_keys(NS, [first_token] * (n * NS.block_size))
+
+
+def tiered_config(tmp_path: Path, **overrides):
+    base = {"ssd.enabled": True, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity_bytes": 64 * PAGE}
+    base.update(overrides)
+    return small_config(tmp_path, **base)
+
+
+async def settle(sc: Sidecar) -> None:
+    await sc.store.tiering.flush()
+
+
+def placement(sc: Sidecar, keys: list[bytes]) -> list[str]:
+    from kvstore.index import TOP_LABEL
+
+    blocks = sc.store.index.namespaces[NS.root].blocks
+    return [TOP_LABEL[blocks[k].tiers] if k in blocks else "gone" for k in keys]
+
+
+async def test_dram_eviction_demotes_to_ssd_and_a_hit_promotes_back(tmp_path):
+    async with Sidecar(tiered_config(tmp_path)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        a, b = chain(1, 4), chain(2, 4)
+        da, db = blocks_for(4, 1), blocks_for(4, 2)
+        await c.put_blocks(NS, a, da)
+        await c.put_blocks(NS, b, db)  # DRAM holds 4 slots: all of a goes down
+        await settle(sc)
+        assert placement(sc, a) == ["ssd"] * 4 and placement(sc, b) == ["dram"] * 4
+        look = await c.lookup(NS, a)
+        assert look.matched == 4 and [t for t, _ in look.blocks] == ["ssd"] * 4
+        got = await c.get_blocks(NS, a)  # promotion: a comes back up, b goes down
+        assert [g.tobytes() for g in got] == da
+        await settle(sc)
+        assert placement(sc, a) == ["dram"] * 4 and placement(sc, b) == ["ssd"] * 4
+        stats = await c.stats()
+        assert stats["tiers"]["dram"]["demotions"] == 8
+        assert stats["tiers"]["ssd"]["promotions"] == 4
+        assert stats["tiers"]["ssd"]["hits"] == 4
+
+
+async def test_prefetch_reports_readiness(tmp_path):
+    async with Sidecar(tiered_config(tmp_path)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        a, b = chain(3, 2), chain(4, 4)
+        await c.put_blocks(NS, a, blocks_for(2, 3))
+        await c.put_blocks(NS, b, blocks_for(4, 4))
+        await settle(sc)
+        assert placement(sc, a) == ["ssd", "ssd"]
+        assert await c.prefetch(NS, a) == 2
+        assert placement(sc, a) == ["dram", "dram"]
+
+
+async def test_ssd_full_demotes_to_redis(tmp_path, redis_clean):
+    cfg = tiered_config(tmp_path, **{"ssd.capacity_bytes": 2 * PAGE + 8192, "redis.enabled": True, "redis.url": redis_clean.url})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        chains = [chain(10 + i, 2) for i in range(4)]
+        data = [blocks_for(2, 10 + i) for i in range(4)]
+        for k, d in zip(chains, data):
+            await c.put_blocks(NS, k, d)
+            await settle(sc)
+        # DRAM: the last two chains; SSD (2 blocks): the chain evicted last; Redis: the first.
+        assert placement(sc, chains[0]) == ["redis", "redis"]
+        assert placement(sc, chains[1]) == ["ssd", "ssd"]
+        got = await c.get_blocks(NS, chains[0])
+        assert [g.tobytes() for g in got] == data[0]
+        stats = await c.stats()
+        assert stats["tiers"]["redis"]["promotions"] == 2 and stats["tiers"]["ssd"]["evictions"] >= 2
+
+
+async def test_write_through_lets_another_host_read_at_once(tmp_path, moto_clean, aws_env):
+    s3 = {"s3.enabled": True, "s3.endpoint_url": moto_clean.url, "tiering.write_through": ["s3"], "ssd.enabled": False}
+    host_a = tiered_config(tmp_path / "a", **s3)
+    async with Sidecar(host_a) as sa, KVStoreClient.from_url(f"127.0.0.1:{sa.grpc_port}") as ca:
+        keys, data = chain(20, 3), blocks_for(3, 20)
+        await ca.put_blocks(NS, keys, data)
+        await settle(sa)
+        assert (await ca.stats())["tiers"]["s3"]["bytes_in"] == 3 * PAGE
+        # host b: another sidecar with its own DRAM, the same bucket
+        async with Sidecar(tiered_config(tmp_path / "b", **s3)) as sb, KVStoreClient.from_url(f"127.0.0.1:{sb.grpc_port}") as cb:
+            look = await cb.lookup(NS, keys)
+            assert look.matched == 3 and {t for t, _ in look.blocks} == {"s3"}
+            assert [g.tobytes() for g in await cb.get_blocks(NS, keys)] == data
+
+
+@pytest.mark.parametrize("tier", ["ssd", "redis", "s3"])
+async def test_corruption_in_a_lower_tier_is_a_miss_and_never_served(tmp_path, tier, request):
+    over = {"ssd.enabled": tier == "ssd", "tiering.chain": [tier]}
+    if tier == "redis":
+        srv = request.getfixturevalue("redis_clean")
+        over.update({"redis.enabled": True, "redis.url": srv.url})
+    if tier == "s3":
+        srv = request.getfixturevalue("moto_clean")
+        request.getfixturevalue("aws_env")
+        over.update({"s3.enabled": True, "s3.endpoint_url": srv.url})
+    async with Sidecar(tiered_config(tmp_path, **over)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        a, b = chain(30, 2), chain(31, 4)
+        da = blocks_for(2, 30)
+        await c.put_blocks(NS, a, da)
+        await c.put_blocks(NS, b, blocks_for(4, 31))
+        await settle(sc)
+        assert placement(sc, a) == [tier, tier]
+        await corrupt(sc, tier, a[1], request)
+        got = await c.get_blocks(NS, a)
+        assert [g.tobytes() for g in got] == da[:1]  # the bad block and everything after it: a miss
+        assert placement(sc, a)[1] == "gone"
+        assert (await c.stats())["tiers"][tier]["checksum_failures"] == 1
+
+
+async def corrupt(sc: Sidecar, tier: str, key: bytes, request) -> None:
+    from kvstore.tiers.base import BlockRef
+
+    lv = next(lv for lv in sc.store.tiering.levels if lv.name == tier)
+    ref = BlockRef(NS.root, key)
+    if tier == "ssd":
+        path = lv.tier.path_of(ref)
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - 100)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif tier == "redis":
+        import redis as sync_redis
+
+        r = sync_redis.Redis.from_url(request.getfixturevalue("redis_clean").url)
+        chunk = lv.tier.chunk_keys(ref, PAGE)[0]
+        r.setrange(chunk, 10, b"\xff\xfe")
+    else:
+        import boto3
+
+        from kvstore.testing.servers import MOTO_CREDENTIALS
+
+        s3 = boto3.client("s3", endpoint_url=request.getfixturevalue("moto_clean").url, region_name="us-east-1", **MOTO_CREDENTIALS)
+        key = lv.tier.object_key(ref)
+        body = bytearray(s3.get_object(Bucket=lv.tier.bucket, Key=key)["Body"].read())
+        body[-5] ^= 0xFF
+        s3.put_object(Bucket=lv.tier.bucket, Key=key, Body=bytes(body))
+
+
+async def test_redis_down_keeps_dram_serving_and_comes_back(tmp_path, redis_clean):
+    cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "redis.enabled": True, "redis.url": redis_clean.url,
+                                     "redis.retries": 0, "redis.socket_timeout_s": 0.5})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        a, b = chain(40, 2), chain(41, 4)
+        await c.put_blocks(NS, a, blocks_for(2, 40))
+        await c.put_blocks(NS, b, blocks_for(4, 41))
+        await settle(sc)
+        assert placement(sc, a) == ["redis", "redis"]
+        redis_clean.stop()
+        assert len(await c.get_blocks(NS, a)) == 0  # redis is gone: a miss, not an error
+        assert (await c.lookup(NS, a)).matched == 0  # and lookups now treat it as one
+        # DRAM still serves (the failed promotion may have pushed out part of b to make room)
+        in_dram = placement(sc, b).count("dram")
+        assert in_dram >= 2 and len(await c.get_blocks(NS, b)) == in_dram
+        stats = await c.stats()
+        assert stats["tiers"]["redis"]["errors"] >= 1 and stats["tiers"]["redis"]["down"] is True
+        redis_clean.start()
+        for _ in range(100):
+            if not (await c.stats())["tiers"]["redis"]["down"]:
+                break
+            await asyncio.sleep(0.1)
+        assert (await c.stats())["tiers"]["redis"]["down"] is False
+        # new demotions reach redis again
+        cc = chain(42, 4)
+        await c.put_blocks(NS, cc, blocks_for(4, 42))
+        await settle(sc)
+        assert "redis" in placement(sc, b)
+
+
+async def test_s3_unreachable_is_counted_and_dram_keeps_serving(tmp_path, moto_clean, aws_env):
+    cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "s3.enabled": True, "s3.endpoint_url": moto_clean.url,
+                                     "s3.max_attempts": 1, "s3.timeout_s": 1.0})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        moto_clean.stop()
+        try:
+            a, b = chain(50, 2), chain(51, 4)
+            await c.put_blocks(NS, a, blocks_for(2, 50))
+            await c.put_blocks(NS, b, blocks_for(4, 51))
+            await settle(sc)
+            stats = await c.stats()
+            assert stats["tiers"]["s3"]["errors"] >= 1
+            assert placement(sc, a) == ["gone", "gone"]  # the demotion failed: dropped, not claimed
+            assert len(await c.get_blocks(NS, b)) == 4
+        finally:
+            moto_clean.start()
+
+
+RESTART_READER = """
+import sys, json, hashlib
+from kvstore.client import SyncClient
+from kvstore.keys import Namespace, prefix_keys
+ns = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
+keys = prefix_keys(ns, [60] * (16 * 8))
+with SyncClient(sys.argv[1]) as c:
+    look = c.lookup(ns, keys)
+    got = []  # DRAM holds 4 blocks: read in pairs, each pair promoted on its own
+    for i in range(0, 8, 2):
+        got += c.get_blocks(ns, keys[i : i + 2])
+    print(json.dumps({"matched": look.matched, "tiers": [t for t, _ in look.blocks],
+                      "digest": hashlib.sha256(b"".join(g.tobytes() for g in got)).hexdigest(), "read": len(got)}))
+"""
+
+
+def test_kill_9_and_restart_finds_every_block_in_ssd_redis_and_s3(tmp_path, serve_process, redis_clean, moto_clean, aws_env):
+    import hashlib
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    config = tmp_path / "kvstore.toml"
+    config.write_text(f"""
+data_dir = "{tmp_path / 'data'}"
+[dram]
+capacity_bytes = {4 * PAGE}
+page_bytes = {PAGE}
+[ssd]
+capacity_bytes = {64 * PAGE}
+[redis]
+enabled = true
+url = "{redis_clean.url}"
+[s3]
+enabled = true
+endpoint_url = "{moto_clean.url}"
+[tiering]
+write_through = ["redis", "s3"]
+""")
+    args = ["--config", str(config), "--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0"]
+    sc = serve_process(args)
+    data = blocks_for(8, 60)
+    writer = (
+        "import sys, numpy as np; from kvstore.client import SyncClient; from kvstore.keys import Namespace, prefix_keys;"
+        "ns = Namespace(model='tiny-llama', kv_layout='raw', dtype='float16', block_size=16);"
+        "keys = prefix_keys(ns, [60] * (16 * 8)); rng = np.random.default_rng(60);"
+        "blocks = [rng.integers(0, 256, 65536, dtype=np.uint8) for _ in range(8)];"
+        "c = SyncClient(sys.argv[1]); [c.put_blocks(ns, keys[i:i+2], blocks[i:i+2], first_parent=keys[i-1] if i else b'') for i in range(0, 8, 2)];"
+        "import time; time.sleep(0.5); c.close()"
+    )
+    subprocess.run([sys.executable, "-c", writer, sc.grpc], check=True, cwd=REPO)
+    import urllib.request
+
+    for _ in range(100):
+        before = json.loads(urllib.request.urlopen(f"http://{sc.http}/stats").read())
+        if before["tiers"]["redis"]["blocks"] == 8 and before["tiers"]["s3"]["blocks"] == 8 and before["tiers"]["ssd"]["blocks"] == 4:
+            break
+        import time
+
+        time.sleep(0.1)
+    assert [before["tiers"][t]["blocks"] for t in ("dram", "ssd", "redis", "s3")] == [4, 4, 8, 8]
+    sc.stop(signal.SIGKILL)
+
+    sc2 = serve_process(args)
+    after = json.loads(urllib.request.urlopen(f"http://{sc2.http}/stats").read())
+    assert [after["tiers"][t]["blocks"] for t in ("dram", "ssd", "redis", "s3")] == [0, 4, 8, 8]
+    out = json.loads(subprocess.run([sys.executable, "-c", RESTART_READER, sc2.grpc], check=True, capture_output=True,
+                                    text=True, cwd=REPO).stdout)
+    assert out["matched"] == 8 and out["read"] == 8
+    assert out["digest"] == hashlib.sha256(b"".join(data)).hexdigest()
+    assert sorted(set(out["tiers"])) == ["redis", "ssd"]  # nothing claims the DRAM that died
