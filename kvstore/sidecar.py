@@ -172,6 +172,7 @@ class Sidecar:
         while True:
             await asyncio.sleep(interval)
             try:
+                self.store.drain_touches()
                 self.store.reap()
                 await self.store.seal()
                 if tick % ticks_per_sample == 0:

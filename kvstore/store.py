@@ -58,6 +58,7 @@ class BlockStore:
         self.tiering: Tiering | None = None
         self._closed_allocations: OrderedDict[str, str] = OrderedDict()  # id -> "committed" | "aborted" | "reclaimed"
         self._unsealed: list[Block] = []
+        self._touches: list[tuple[list[Block], bool]] = []
 
     # --- namespaces -----------------------------------------------------------------------
 
@@ -122,11 +123,22 @@ class BlockStore:
                 return run[:i]
         return run
 
-    def _touch(self, run: Sequence[Block], all_in_dram: bool = False) -> None:
-        # Deepest first, so that an ancestor is always at least as recent as its descendants.
-        self.policy.access_many(run[::-1] if all_in_dram else [b for b in reversed(run) if b.tiers & DRAM])
-        if self.tiering is not None:
-            self.tiering.touch(run)
+    def _touch(self, run: list[Block], all_in_dram: bool = False) -> None:
+        """Record hits for the policies. Applied lazily (a read buffer, as Caffeine does): off
+        the request's critical path, and always before the next eviction decision."""
+        if run:
+            self._touches.append((run, all_in_dram))
+            if len(self._touches) >= 256:
+                self.drain_touches()
+
+    def drain_touches(self) -> None:
+        touches, self._touches = self._touches, []
+        access_many = self.policy.access_many
+        for run, all_in_dram in touches:
+            # Deepest first, so that an ancestor is always at least as recent as its descendants.
+            access_many(run[::-1] if all_in_dram else [b for b in reversed(run) if b.tiers & DRAM])
+            if self.tiering is not None:
+                self.tiering.touch(run)
 
     # --- two-phase writes ---------------------------------------------------------------------
 
@@ -186,6 +198,8 @@ class BlockStore:
 
     def _take_slot(self, cls: int) -> Slot:
         slot = self.slab.try_alloc(cls)
+        if slot is None:
+            self.drain_touches()
         while slot is None:
             victim = self.policy.pop_victim(lambda b: not b.pinned and b.slot.cls == cls)  # type: ignore[attr-defined]
             if victim is None:

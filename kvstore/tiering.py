@@ -204,6 +204,8 @@ class Tiering:
         if lv.capacity is None or lv.policy is None:
             return
         below = self.levels[self.levels.index(lv) + 1 :]
+        if lv.used > lv.capacity:
+            self.store.drain_touches()
         while lv.used > lv.capacity:
             victim = lv.policy.pop_victim(lambda x: not x.pinned and x not in self._staged)
             if victim is None:
