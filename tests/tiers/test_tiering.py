@@ -285,3 +285,20 @@ write_through = ["redis", "s3"]
     assert out["matched"] == 8 and out["read"] == 8
     assert out["digest"] == hashlib.sha256(b"".join(data)).hexdigest()
     assert sorted(set(out["tiers"])) == ["redis", "ssd"]  # nothing claims the DRAM that died
+
+
+async def test_redis_cluster_as_the_tier_below_dram(tmp_path, cluster_clean):
+    cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "redis.enabled": True, "redis.cluster": True,
+                                     "redis.url": cluster_clean.url, "redis.chunk_bytes": 65536,
+                                     "dram.page_bytes": 2 * PAGE, "dram.capacity_bytes": 4 * PAGE})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        chains = [chain(70 + i, 2) for i in range(3)]
+        data = [blocks_for(2, 70 + i, size=3 * PAGE // 2) for i in range(3)]  # 96 KiB: two chunks, 128 KiB slots
+        for k, d in zip(chains, data):
+            await c.put_blocks(NS, k, d)
+            await settle(sc)
+        # two 128 KiB slots: DRAM holds 2 blocks; everything else went to the cluster
+        assert placement(sc, chains[0]) == ["redis"] * 2 and placement(sc, chains[2]) == ["dram"] * 2
+        assert [g.tobytes() for g in await c.get_blocks(NS, chains[0])] == data[0]
+        stats = await c.stats()
+        assert stats["tiers"]["redis"]["promotions"] == 2 and stats["tiers"]["redis"]["errors"] == 0
