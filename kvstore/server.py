@@ -85,9 +85,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.store = store
         self._ns_cache: dict[bytes, NsEntry] = {}
 
-    def _namespace(self, msg: pb.Namespace, present: bool) -> NsEntry:
-        if not present:
+    def _namespace(self, request: Any) -> NsEntry:
+        """The namespace entry of a request that carries one (Lookup, Allocate, Acquire, ...)."""
+        if not request.HasField("namespace"):
             raise InvalidArgument("namespace: required")
+        msg = request.namespace
         raw = msg.SerializeToString(deterministic=True)
         entry = self._ns_cache.get(raw)
         if entry is not None:
@@ -115,7 +117,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        ns = self._namespace(request.namespace, request.HasField("namespace"))
+        ns = self._namespace(request)
         run, masks, lease = self.store.lookup(ns, list(request.keys), request.lease_ttl_ms)
         return pb.LookupResponse(
             matched=len(run),
@@ -126,7 +128,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
-        ns = self._namespace(request.namespace, request.HasField("namespace"))
+        ns = self._namespace(request)
         specs = [BlockSpec(b.key, b.parent, b.size) for b in request.blocks]
         alloc, slots = await self.store.allocate(ns, specs, request.ttl_ms)
         slab = self.store.slab
@@ -158,7 +160,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
-        ns = self._namespace(request.namespace, request.HasField("namespace"))
+        ns = self._namespace(request)
         lease, blocks = await self.store.acquire(ns, request.keys, request.lease_ttl_ms)
         slab = self.store.slab
         return pb.AcquireResponse(
@@ -174,23 +176,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
-        ns = self._namespace(request.namespace, request.HasField("namespace"))
+        ns = self._namespace(request)
         deleted, skipped = await self.store.delete(ns, request.keys, request.all_keys)
         return pb.DeleteResponse(deleted=deleted, skipped_leased=skipped)
 
     @_rpc
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
-        ns = self._namespace(request.namespace, request.HasField("namespace"))
-        self.store._check_batch(len(request.keys), "keys")
-        self.store._check_keys(request.keys, "keys")
-        run = self.store.index.leading_run(ns, request.keys)
-        if self.store.tiering is not None:
-            run = await self.store.tiering.promote(run)
-        ready = 0
-        for b in run:
-            if not b.tiers & DRAM:
-                break
-            ready += 1
+        ns = self._namespace(request)
+        ready = await self.store.prefetch(ns, list(request.keys))
         return pb.PrefetchResponse(ready=ready)
 
     @_rpc

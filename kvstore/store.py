@@ -326,6 +326,20 @@ class BlockStore:
             return None, []
         return self.index.take_lease(readable, deadline), readable
 
+    async def prefetch(self, ns: NsEntry, keys: Sequence[bytes]) -> int:
+        """Promote the leading run of ``keys`` into DRAM; how many leading blocks are there now."""
+        self._check_batch(len(keys), "keys")
+        self._check_keys(keys, "keys")
+        run = self.index.leading_run(ns, keys)
+        if self.tiering is not None:
+            run = await self.tiering.promote(run)
+        ready = 0
+        for b in run:
+            if not b.tiers & DRAM:
+                break
+            ready += 1
+        return ready
+
     async def _verified(self, run: list[Block]) -> list[Block]:
         views = [self.slab.view(b.slot, b.size) for b in run]  # type: ignore[arg-type]
         sums = await asyncio.to_thread(lambda: [checksum(v) for v in views])
