@@ -9,12 +9,23 @@ and both array libraries (numpy, cupy).
 layout         engine cache, per layer                      planes  part = plane[b]
 =============  ===========================================  ======  ===========================
 ``vllm_cpu``   ``[num_blocks, kv_heads, block_size, 2*d]``  1       ``[kv_heads, block_size, 2*d]``
-               (K then V halves along the last axis)                 (K|V halves kept as-is)
+               (opaque pages: see below)                             (copied as raw bytes)
 ``vllm_gpu``   ``[2, num_blocks, block_size, kv_heads, d]`` 2 (K,V) ``[block_size, kv_heads, d]``
 ``hf``         ``(K, V)``, each ``[1, kv_heads, seq, d]``   2 (K,V) ``[kv_heads, block_size, d]``
                (transformers ``DynamicCache``; block ``b``
                is tokens ``[b*block_size, (b+1)*block_size)``)
 =============  ===========================================  ======  ===========================
+
+**vllm_cpu pages are opaque.** The shape above is only how the cache tensor is allocated. In
+vllm-cpu 0.32.0 the attention kernel views each layer as ``[num_blocks, kv_heads, 2*block_size,
+d]``: every (block, head) page holds K in its first half and V in its second half (not K|V
+along the last axis), and inside each half the order depends on the kernel ISA -- with fp32 the
+K half is stored transposed (``[d, block_size]``), with bf16 on AMX both halves are packed for
+AMX tiles (see docs/vllm_connector_api.md section 5). So the connector never interprets a
+vllm_cpu block: it copies whole blocks (``cache[b]``) as bytes, and a block is only read back
+by an engine with the same layout, dtype and block size (all in the namespace). The kernel ISA is
+not in the namespace: engines that share one must pack pages the same way (or differ in
+``revision`` / ``cache_salt``).
 
 **Slot byte order** (one block, all layers, contiguous): layer-major, then plane, then the part in
 C order -- i.e. the slot is the C-contiguous array ``[num_layers, planes, *part_shape]`` of the

@@ -1,19 +1,17 @@
 """Fixtures for the connector's integration tests: a tiny Llama on disk and a real sidecar
-(`kvstore serve` in a subprocess, on free loopback ports)."""
+(`kvstore serve` in a subprocess on free loopback ports, via kvstore.testing.sidecar.ServeProcess)."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from kvstore.testing.sidecar import ServeProcess
+
+SIDECAR_DRAM_BYTES = 64 << 20
 
 
 @pytest.fixture(scope="session")
@@ -23,30 +21,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
 
 
-class SidecarProcess:
-    def __init__(self, data_dir: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", "--grpc-address", "127.0.0.1:0", "--http-address",
-             "127.0.0.1:0", "--data-dir", str(data_dir), "--dram-bytes", str(64 << 20), "--log-format", "text"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=dict(os.environ),
-        )
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
-        if not line:
-            raise RuntimeError(f"kvstore serve exited with {self.proc.wait()}")
-        self.url = json.loads(line)["grpc"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def serve_args(data_dir: Path, dram_bytes: int = SIDECAR_DRAM_BYTES) -> list[str]:
+    return ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(data_dir),
+            "--dram-bytes", str(dram_bytes), "--log-format", "text"]
 
 
 @pytest.fixture
-def sidecar_process(tmp_path: Path) -> Iterator[SidecarProcess]:
-    sc = SidecarProcess(tmp_path / "kvstore-data")
+def sidecar_process(tmp_path: Path) -> Iterator[ServeProcess]:
+    """``.url`` (= ``.grpc``) is its address; ``.stop()`` takes it down (tests do, to make it
+    unreachable; stopping twice is harmless)."""
+    sc = ServeProcess(serve_args(tmp_path / "kvstore-data"))
+    sc.url = sc.grpc  # type: ignore[attr-defined]
     yield sc
     sc.stop()
