@@ -10,6 +10,8 @@ For each request, in timestamp order, the replay does what the store does:
 3. After the request is served, each block of the prompt that no tier holds is stored: Index.add,
    then ``policy.admit`` (a rejected block is dropped again), victims popped until there is room,
    then ``policy.insert`` with the parent Block when the parent is resident in the same space.
+   Like the store, victims are popped at allocation time and blocks are committed (inserted)
+   deepest first.
 4. A victim of an upper tier is offered to the next tier down (admit / make room / insert); a
    block that no tier holds is dropped from the Index.
 
@@ -113,16 +115,22 @@ def replay(trace: Trace, tiers: int | Sequence[TierSpec], policy: str | Sequence
 
 
 def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: ReplayResult, bar: _Progress) -> None:
-    """One space: the hot loop, kept lean (no per-reference allocation beyond new Blocks)."""
+    """One space, in the store's order of calls (kvstore/store.py): Lookup (leading run), the
+    run's hits via ``access_many`` deepest first, Allocate (victims popped for every new block,
+    blocks added ALLOCATED), then Commit (published and inserted deepest first, with the parent
+    Block when the policy holds it). The hot loop is kept lean: no per-reference allocation beyond
+    the new Blocks themselves."""
     index = Index()
     ns = index.namespace(b"replay", trace.name)
-    blocks = ns.blocks
+    blocks, visible = ns.blocks, ns.visible
     leading_run = index.leading_run
-    add, drop = index.add, index.drop
-    access, admit, insert, pop_victim = policy.access, policy.admit, policy.insert, policy.pop_victim
-    tier = spec.tier
+    add, drop, publish = index.add, index.drop, index.publish
+    access_many, admit, insert, pop_victim = policy.access_many, policy.admit, policy.insert, policy.pop_victim
+    contains = policy.__contains__
+    tier = int(spec.tier)
+    untier = ~tier
     capacity = spec.capacity
-    committed = State.COMMITTED
+    allocated = State.ALLOCATED
     bt = trace.block_tokens
     resident = 0
     refs = prefix = hits = 0
@@ -135,47 +143,45 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
         n = len(run)
         prefix += n
         hits += n
-        for i in range(n - 1, -1, -1):
-            access(run[i])
-        parent = run[n - 1] if n else None
+        if n:
+            access_many(run[::-1])
+        new: list[Block] = []
         last = nk - 1
         for i in range(n, nk):
             key = keys[i]
-            b = blocks.get(key)
-            if b is not None:  # present behind a gap: a block hit, useless to this prefix
-                hits += 1
-                parent = b
+            if key in blocks:  # present behind a gap: a block hit, useless to this prefix
+                hits += key in visible
                 continue
             size = req.last_size if i == last else bt
-            b = add(ns, key, keys[i - 1] if i else b"", size, committed, i + 1)
-            if parent is not None and not parent.tiers:
-                parent = None  # evicted while this request was being stored
-            if capacity <= 0 or not admit(b, parent, i + 1, size):
+            b = add(ns, key, keys[i - 1] if i else b"", size, allocated, i + 1)
+            if capacity <= 0 or not admit(b, None, i + 1, size):
                 drop(b)
-                parent = None
                 continue
             while resident >= capacity:
                 v = pop_victim(None)
                 if v is None:
                     break
-                v.tiers = TierId(0)
+                v.tiers &= untier
                 drop(v)
                 resident -= 1
             if resident >= capacity:
                 drop(b)
-                parent = None
                 continue
-            b.tiers = tier
-            insert(b, parent, i + 1, size)
             resident += 1
-            parent = b
+            new.append(b)
+        for j in range(len(new) - 1, -1, -1):  # commit: deepest first
+            b = new[j]
+            b.tiers |= tier
+            publish(b)
+            parent = blocks.get(b.parent)
+            insert(b, parent if parent is not None and contains(parent) else None, b.depth, b.size)
         if ri - since >= PROGRESS_EVERY:
             bar.update(refs - res.references)
             res.references = refs
             since = ri
     bar.update(refs - res.references)
     res.references, res.prefix_hits, res.block_hits = refs, prefix, hits
-    res.tier_prefix_hits[tier.label] = prefix
+    res.tier_prefix_hits[spec.tier.label] = prefix
 
 
 class _Space:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import ClassVar
 
-from kvstore.policy.base import Eligible, Item
+from kvstore.policy.base import Eligible, Item, PolicyBase
 from kvstore.policy.tree import PrefixLinks
 
 
@@ -23,7 +23,7 @@ def ghost_key(item: Item) -> object:
     return getattr(item, "key", item)
 
 
-class SegmentedLRUPolicy:
+class SegmentedLRUPolicy(PolicyBase):
     name: ClassVar[str] = "slru"
 
     def __init__(self, probation: float = 0.1, ghost: float = 2.0) -> None:

@@ -1,0 +1,162 @@
+"""`kvstore replay TRACE`: prefix hit rates of eviction policies on a trace, beside Belady's bound.
+
+    kvstore replay ../shared/traces/conversation_trace.jsonl --capacity 5% --policy lru --policy gdsf
+    kvstore replay TRACE --capacity 1% --capacity 5% --capacity 25% --plot hit.png --json
+    kvstore replay TRACE --tier dram=5% --tier ssd=20%
+
+The last line of ``--json`` output is one JSON object per capacity (one line each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _capacity(text: str) -> tuple[str, float]:
+    t = text.strip()
+    try:
+        if t.endswith("%"):
+            return ("frac", float(t[:-1]) / 100.0)
+        v = float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"capacity {text!r}: want a fraction (0.05), a percentage (5%) or a block count") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"capacity {text!r} must be positive")
+    return ("frac", v) if v < 1 else ("blocks", v)
+
+
+def _tier(text: str) -> tuple[str, tuple[str, float]]:
+    name, sep, cap = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"tier {text!r}: want NAME=CAPACITY, e.g. dram=5%")
+    return name.strip().upper(), _capacity(cap)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from kvstore.policy import DEFAULT_POLICY, policy_names
+
+    p = subparsers.add_parser("replay", help="replay a prefix-cache trace through the index and eviction policies",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", help="Mooncake-format JSONL (timestamp, input_length, output_length, hash_ids)")
+    p.add_argument("--capacity", action="append", type=_capacity, metavar="CAP",
+                   help="cache size: a fraction (0.05) or percentage (5%%) of the trace's unique blocks, or a block "
+                        "count; repeatable (default 5%%)")
+    p.add_argument("--tier", action="append", type=_tier, metavar="NAME=CAP",
+                   help="per-tier capacities, top tier first (dram=5%%, ssd=20%%); replaces --capacity")
+    p.add_argument("--policy", action="append", metavar="NAME",
+                   help=f"policy to replay, repeatable; one of {policy_names()} or 'all' (default: lru and {DEFAULT_POLICY})")
+    p.add_argument("--block-tokens", type=int, default=512, help="tokens per block in the trace (default 512)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per capacity (last line: the last capacity)")
+    p.add_argument("--plot", metavar="FILE.png", help="plot prefix hit rate against capacity for every policy, with the bound")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _blocks(cap: tuple[str, float], unique: int) -> int:
+    kind, v = cap
+    return max(0, int(v * unique)) if kind == "frac" else int(v)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvstore.belady import belady
+    from kvstore.errors import InvalidArgument
+    from kvstore.index import TierId
+    from kvstore.policy import DEFAULT_POLICY, policy_names
+    from kvstore.replay import TierSpec, replay
+    from kvstore.traces import load_trace
+
+    trace = load_trace(args.trace, args.block_tokens)
+    unique = trace.unique_blocks()
+    names = args.policy or ["lru", DEFAULT_POLICY]
+    if "all" in names:
+        names = policy_names()
+    names = list(dict.fromkeys(names))
+    for n in names:
+        if n not in policy_names():
+            raise InvalidArgument(f"--policy: unknown policy {n!r}; allowed: {policy_names()}")
+    progress = not args.no_progress and sys.stderr.isatty() and trace.references > 200_000
+    key_lists = [r.keys for r in trace.requests]
+
+    runs: list[tuple[list[TierSpec], dict]] = []
+    if args.tier:
+        specs = []
+        for name, cap in args.tier:
+            try:
+                tier = TierId[name]
+            except KeyError:
+                raise InvalidArgument(f"--tier: unknown tier {name!r}; allowed: {[t.name.lower() for t in TierId]}") from None
+            specs.append(TierSpec(tier, _blocks(cap, unique)))
+        runs.append((specs, {}))
+    else:
+        for cap in args.capacity or [("frac", 0.05)]:
+            runs.append(([TierSpec(TierId.DRAM, _blocks(cap, unique))], {}))
+
+    plot_rows: list[tuple[int, dict[str, float], float]] = []
+    for specs, _ in runs:
+        total = sum(s.capacity for s in specs)
+        bound = belady(key_lists, total)
+        out = {
+            "trace": trace.name,
+            "unique_blocks": unique,
+            "references": trace.references,
+            "capacity_blocks": total,
+            "default_policy": DEFAULT_POLICY,
+            "policies": {},
+            "belady": {"prefix_hit_rate": round(bound.prefix_hit_rate, 6), "block_hit_rate": round(bound.block_hit_rate, 6)},
+        }
+        if len(specs) > 1:
+            out["tiers"] = {s.tier.label: s.capacity for s in specs}
+        for n in names:
+            res = replay(trace, specs, n, progress=progress)
+            out["policies"][n] = res.to_json()
+        plot_rows.append((total, {n: out["policies"][n]["prefix_hit_rate"] for n in names}, bound.prefix_hit_rate))
+        if args.json:
+            print(json.dumps(out), flush=True)
+        else:
+            _print_table(out)
+    if args.plot:
+        _plot(args.plot, trace.name, unique, names, plot_rows)
+    return 0
+
+
+def _print_table(out: dict) -> None:
+    cap = out["capacity_blocks"]
+    print(f"{out['trace']}: {out['references']:,} references, {out['unique_blocks']:,} unique blocks, "
+          f"capacity {cap:,} blocks ({cap / max(out['unique_blocks'], 1):.1%})")
+    lru = out["policies"].get("lru", {}).get("prefix_hit_rate")
+    bound = out["belady"]["prefix_hit_rate"]
+    print(f"  {'policy':<10} {'prefix hit':>10} {'block hit':>10} {'x LRU':>7} {'x bound':>8} {'refs/s':>9}")
+    for n, r in out["policies"].items():
+        ph = r["prefix_hit_rate"]
+        xl = f"{ph / lru:.2f}" if lru else "-"
+        xb = f"{ph / bound:.2f}" if bound else "-"
+        tag = " (default)" if n == out["default_policy"] else ""
+        print(f"  {n:<10} {ph:>10.4f} {r['block_hit_rate']:>10.4f} {xl:>7} {xb:>8} {r['refs_per_s']:>9,}{tag}")
+        for t, tr in r.get("tiers", {}).items():
+            print(f"    {t:<8} {tr['prefix_hit_rate']:>10.4f}")
+    print(f"  {'belady':<10} {bound:>10.4f} {out['belady']['block_hit_rate']:>10.4f}   (offline bound)")
+
+
+def _plot(path: str, trace: str, unique: int, names: list[str], rows: list[tuple[int, dict[str, float], float]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(rows)
+    xs = [100.0 * c / max(unique, 1) for c, _, _ in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(xs, [b for _, _, b in rows], "k--", marker="o", label="Belady (bound)")
+    for n in names:
+        style = {"color": "tab:gray"} if n == "lru" else {}
+        ax.plot(xs, [r[n] for _, r, _ in rows], marker="o", label=n, **style)
+    ax.set_xlabel("capacity (% of unique blocks)")
+    ax.set_ylabel("prefix hit rate")
+    ax.set_title(f"{trace}: prefix hit rate vs capacity")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
