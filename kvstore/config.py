@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvstore.errors import ConfigError
+from kvstore.policy import DEFAULT_POLICY, policy_names
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -53,11 +54,19 @@ class DramConfig(_Section):
 
 
 class IndexConfig(_Section):
-    policy: str = Field("lru", description="eviction policy name (see `kvstore replay --help`)")
+    policy: str = Field(DEFAULT_POLICY, description="eviction policy name (see `kvstore replay --help`)")
     allocation_ttl_ms: int = Field(30_000, ge=1, description="abandoned allocations are reclaimed after this")
     lease_ttl_ms: int = Field(30_000, ge=1, description="default read-lease TTL")
     max_lease_ttl_ms: int = Field(600_000, ge=1)
     reaper_interval_ms: int = Field(500, ge=10)
+
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        if v not in policy_names():
+            raise ValueError(f"unknown policy {v!r}; allowed: {policy_names()}")
+        return v
 
 
 class SsdConfig(_Section):

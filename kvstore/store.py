@@ -272,7 +272,8 @@ class BlockStore:
                 self._free_dram(b)
         nbytes = 0
         insert = self.policy.insert
-        for b, c in reversed(chosen):  # deepest first: parents end up more recent
+        chosen.sort(key=lambda bc: bc[0].depth)  # root first, so each parent is there to link to
+        for b, c in chosen:
             b.tiers |= DRAM
             self.index.publish(b)
             b.checksum = c
@@ -281,6 +282,8 @@ class BlockStore:
             parent = alloc.ns.blocks.get(b.parent) if b.parent else None
             insert(b, parent if parent is not None and parent in self.policy else None, b.depth, b.size)
             nbytes += b.size
+        # Recency deepest first, so that ancestors are at least as recent as their descendants.
+        self.policy.access_many([b for b, _ in reversed(chosen)])
         self._remember(alloc, "committed")
         self.stats.writes["commits"] += 1
         self.stats.writes["blocks_committed"] += len(chosen)
