@@ -37,6 +37,7 @@ def small_config(tmp_path: Path, **overrides: Any) -> Config:
         "dram.min_slot_bytes": 4096,
         "ssd.enabled": False,
         "index.reaper_interval_ms": 50,
+        "index.policy": "lru",  # tests that assert an eviction order assert LRU's
     }
     base.update(overrides)
     return load_config(None, base)
