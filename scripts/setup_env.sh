@@ -99,6 +99,24 @@ else
     log "torchvision/torchaudio/torchcodec absent"
 fi
 
+# >>> deploy/observe (tests/deploy): headless browser for the dashboard test >>>>>>>>>>>>>
+# Debian's chromium (playwright drives it via executable_path; `playwright install` is never
+# run: it downloads browsers) and the playwright Python package. Both skipped when present.
+if [[ -x /usr/bin/chromium ]]; then
+    log "chromium present: $(/usr/bin/chromium --version 2>/dev/null | head -1)"
+else
+    log "installing chromium (apt-get)"
+    apt-get update
+    apt-get install -y --no-install-recommends chromium
+fi
+if [[ -n "$(dist_version playwright)" ]]; then
+    log "playwright $(dist_version playwright) present"
+else
+    log "installing playwright (python package only)"
+    pip_ install "playwright>=1.40"
+fi
+# <<< deploy/observe <<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<<
+
 # 6. quick sanity check (imports only the light modules) --------------------
 "$PYTHON" - <<'EOF'
 import importlib, importlib.util, sys

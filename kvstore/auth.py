@@ -1,0 +1,73 @@
+"""Bearer-token check for the gRPC server (``server.auth_token``).
+
+    server = grpc.aio.server(interceptors=[TokenInterceptor(token)])
+
+Every call must carry ``authorization: Bearer <token>`` metadata (what
+``KVStoreClient.from_url(url, token=...)`` sends); otherwise it ends with UNAUTHENTICATED before
+reaching the servicer. The standard health service stays open so orchestrators can probe the
+sidecar without the secret. The HTTP side does the same check in :mod:`kvstore.http`.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def _deny(message: str) -> Callable[..., Awaitable[Any]]:
+    async def deny(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    return deny
+
+
+def _deny_stream(message: str) -> Callable[..., Any]:
+    async def deny(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator, as streaming handlers are
+
+    return deny
+
+
+def _rejecting(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(_deny_stream(message), **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(_deny(message), **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(_deny_stream(message), **kw)
+    return grpc.unary_unary_rpc_method_handler(_deny(message), **kw)
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("TokenInterceptor: empty token")
+        self._expected = f"Bearer {token}".encode()
+
+    def authorized(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization":
+                supplied = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(supplied, self._expected)
+        return False
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method or ""
+        if handler is None or method.startswith(OPEN_PREFIXES):
+            return handler
+        if self.authorized(handler_call_details.invocation_metadata):
+            return handler
+        return _rejecting(handler, "missing or wrong bearer token (authorization: Bearer <token>)")
