@@ -21,32 +21,33 @@ SUITES = {
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("bench", help="run a benchmark suite: " + ", ".join(SUITES))
-    suites = p.add_subparsers(dest="suite", required=True, metavar="SUITE")
-    for name, module in SUITES.items():
-        sp = suites.add_parser(name, help=f"{module} (see benchmarks/)")
-        sp.add_argument("--json", action="store_true", help="print only the JSON result line")
-        sp.set_defaults(func=run, module=module)
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name not in (module, "benchmarks"):
-                raise
-            sp.set_defaults(missing=True)
-            continue
-        if hasattr(mod, "add_arguments"):
-            mod.add_arguments(sp)
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark suite: " + ", ".join(SUITES),
+        description="Run a benchmark suite. Suite options: `kvstore bench SUITE --help`.",
+    )
+    p.add_argument("suite", choices=sorted(SUITES), metavar="SUITE", help=", ".join(SUITES))
+    p.add_argument("options", nargs=argparse.REMAINDER, help="options of the suite")
+    p.set_defaults(func=run)
+
+
+def suite_parser(name: str, module: object) -> argparse.ArgumentParser:
+    """The suite's own parser, built only when that suite runs (suites import torch, vllm, ...)."""
+    sp = argparse.ArgumentParser(prog=f"kvstore bench {name}", description=(module.__doc__ or "").strip())
+    sp.add_argument("--json", action="store_true", help="print only the JSON result line")
+    if hasattr(module, "add_arguments"):
+        module.add_arguments(sp)
+    return sp
 
 
 def run(args: argparse.Namespace) -> int:
     from kvstore.tuning import tune_malloc
 
     tune_malloc()
-    if getattr(args, "missing", False):
-        print(f"kvstore bench: suite {args.suite!r} is not available in this installation")
-        return 2
-    result = importlib.import_module(args.module).run(args)
-    if not args.json:
+    module = importlib.import_module(SUITES[args.suite])
+    suite_args = suite_parser(args.suite, module).parse_args(args.options)
+    result = module.run(suite_args)
+    if not suite_args.json:
         print(format_table(result))
     print(json.dumps(result))
     return 0
