@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.tiering")
 
 BITS = {"ssd": SSD, "redis": REDIS, "s3": S3}
-STAGING_LIMIT = 512 << 20  # bytes of demotions in flight before DRAM evictions start dropping
+STAGING_LIMIT = 512 << 20
+IN_FLIGHT = 16  # requests per tier in flight  # bytes of demotions in flight before DRAM evictions start dropping
 
 
 @dataclass(eq=False)
@@ -54,6 +55,9 @@ class Level:
     capacity: int | None  # None: the server manages its own memory (Redis maxmemory, S3)
     policy: EvictionPolicy | None
     footprint: Callable[[int], int] = lambda size: size
+    # Requests in flight to this tier at once: movers start one task per block, and a burst of
+    # hundreds must not open hundreds of connections (redis-py's pool stops at 100).
+    slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(IN_FLIGHT))
     used: int = 0
     down: bool = False
     sizes: dict[Block, int] = field(default_factory=dict)
@@ -186,7 +190,8 @@ class Tiering:
         try:
             await self._make_room(lv)  # b is counted already; evict others until it fits
             meta = BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label)
-            await lv.tier.put(meta, memoryview(data))
+            async with lv.slots:
+                await lv.tier.put(meta, memoryview(data))
             self.store.stats.tier(lv.name, "bytes_in", b.size)
         except Unavailable as exc:
             self._mark_down(lv, exc)
@@ -216,8 +221,11 @@ class Tiering:
             if target is not None and not b.tiers & ~(DRAM | lv.bit):
                 buf = np.empty(b.size, dtype=np.uint8)
                 try:
-                    if await verified_get(lv.tier, lv.ref(b), memoryview(buf), b.checksum or 0) is not None:
-                        await target.tier.put(BlockMeta(target.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(buf))
+                    async with lv.slots:
+                        got = await verified_get(lv.tier, lv.ref(b), memoryview(buf), b.checksum or 0)
+                    if got is not None:
+                        async with target.slots:
+                            await target.tier.put(BlockMeta(target.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(buf))
                         self._placed(target, b)
                         self.store.stats.tier(lv.name, "demotions")
                 except Unavailable as exc:
@@ -250,7 +258,8 @@ class Tiering:
                 if b.checksum is None:
                     b.checksum = await asyncio.to_thread(checksum, view)
                 items.append((BlockMeta(lv.ref(b), b.parent, b.size, b.checksum, b.ns.label), memoryview(view)))
-            await lv.tier.put_many(items)
+            async with lv.slots:
+                await lv.tier.put_many(items)
             for b in blocks:
                 if b.ns.blocks.get(b.key) is b:  # not deleted meanwhile
                     self._placed(lv, b)
@@ -321,7 +330,8 @@ class Tiering:
                     if not b.tiers & lv.bit or lv.down:
                         continue
                     try:
-                        meta = await verified_get(lv.tier, lv.ref(b), memoryview(view), b.checksum or 0)
+                        async with lv.slots:
+                            meta = await verified_get(lv.tier, lv.ref(b), memoryview(view), b.checksum or 0)
                     except Unavailable as exc:
                         self._mark_down(lv, exc)
                         continue

@@ -302,3 +302,19 @@ async def test_redis_cluster_as_the_tier_below_dram(tmp_path, cluster_clean):
         assert [g.tobytes() for g in await c.get_blocks(NS, chains[0])] == data[0]
         stats = await c.stats()
         assert stats["tiers"]["redis"]["promotions"] == 2 and stats["tiers"]["redis"]["errors"] == 0
+
+
+async def test_a_burst_of_promotions_stays_within_the_connection_pool(tmp_path, redis_clean):
+    """Promoting 120 blocks at once must not open 120 Redis connections (the pool stops at 100)."""
+    cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "redis.enabled": True, "redis.url": redis_clean.url,
+                                     "dram.capacity_bytes": 8 * PAGE})  # 128 slots of 4 KiB
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        a, b = chain(80, 120), chain(81, 128)
+        da = blocks_for(120, 80, size=4096)
+        await c.put_blocks(NS, a, da)
+        await c.put_blocks(NS, b, blocks_for(128, 81, size=4096))  # pushes all of a down to redis
+        await settle(sc)
+        assert set(placement(sc, a)) == {"redis"}
+        got = await c.get_blocks(NS, a)
+        assert [g.tobytes() for g in got] == da
+        assert (await c.stats())["tiers"]["redis"]["errors"] == 0
