@@ -1,8 +1,9 @@
 """Worker side: executes each step's :class:`ConnectorMetadata` against the engine's KV cache.
 
-Loads and saves run on a small thread pool (copies release the GIL), in submit order: a step's
-loads before its saves. The engine either waits (:meth:`WorkerConnector.wait_for_loads`) or polls
-(:meth:`WorkerConnector.get_finished`) -- vLLM's synchronous and asynchronous load modes. Blocks
+Loads and saves run on thread pools (copies release the GIL); loads have their own thread, so a
+load (on a request's time-to-first-token path) never queues behind earlier saves. The engine either
+waits (:meth:`WorkerConnector.wait_for_loads`) or polls (:meth:`WorkerConnector.get_finished`) --
+vLLM's synchronous and asynchronous load modes. Blocks
 that could not be loaded come back from :meth:`WorkerConnector.get_block_ids_with_load_errors`;
 the engine recomputes exactly those.
 """
@@ -51,6 +52,7 @@ class WorkerConnector:
         self.stats = ConnectorStats()
         self._kv: PagedKV | None = None
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-connector")
+        self._load_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-connector-load")
         self._lock = threading.Lock()
         self._loads: dict[str, Future[LoadResult]] = {}
         self._saves: dict[str, list[Future[SaveResult]]] = {}
@@ -75,7 +77,7 @@ class WorkerConnector:
         kv = self.kv
         with self._lock:
             for load in meta.loads:
-                self._loads[load.req_id] = self._pool.submit(self._load, kv, load)
+                self._loads[load.req_id] = self._load_pool.submit(self._load, kv, load)
             for save in meta.saves:
                 self._saves.setdefault(save.req_id, []).append(self._pool.submit(self._save, kv, save))
             if meta.loads and time.monotonic() - self._last_flush > REPORT_INTERVAL_S:
@@ -140,5 +142,6 @@ class WorkerConnector:
         return out
 
     def close(self) -> None:
+        self._load_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         self.reporter.flush()
