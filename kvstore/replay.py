@@ -10,8 +10,9 @@ For each request, in timestamp order, the replay does what the store does:
 3. After the request is served, each block of the prompt that no tier holds is stored: Index.add,
    then ``policy.admit`` (a rejected block is dropped again), victims popped until there is room,
    then ``policy.insert`` with the parent Block when the parent is resident in the same space.
-   Like the store, victims are popped at allocation time and blocks are committed (inserted)
-   deepest first.
+   Like the store, victims are popped at allocation time; at commit blocks are inserted root
+   first (so each parent is there to link to), then ``access_many`` on them deepest first sets
+   their recency (ancestors at least as recent as descendants).
 4. A victim of an upper tier is offered to the next tier down (admit / make room / insert); a
    block that no tier holds is dropped from the Index.
 
@@ -117,8 +118,8 @@ def replay(trace: Trace, tiers: int | Sequence[TierSpec], policy: str | Sequence
 def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: ReplayResult, bar: _Progress) -> None:
     """One space, in the store's order of calls (kvstore/store.py): Lookup (leading run), the
     run's hits via ``access_many`` deepest first, Allocate (victims popped for every new block,
-    blocks added ALLOCATED), then Commit (published and inserted deepest first, with the parent
-    Block when the policy holds it). The hot loop is kept lean: no per-reference allocation beyond
+    blocks added ALLOCATED), then Commit (published and inserted root first, with the parent
+    Block when the policy holds it, then ``access_many`` on them deepest first). The hot loop is kept lean: no per-reference allocation beyond
     the new Blocks themselves."""
     index = Index()
     ns = index.namespace(b"replay", trace.name)
@@ -169,12 +170,13 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
                 continue
             resident += 1
             new.append(b)
-        for j in range(len(new) - 1, -1, -1):  # commit: deepest first
-            b = new[j]
-            b.tiers |= tier
-            publish(b)
-            parent = blocks.get(b.parent)
-            insert(b, parent if parent is not None and contains(parent) else None, b.depth, b.size)
+        if new:
+            for b in new:  # commit: root first, so each parent is there to link to
+                b.tiers |= tier
+                publish(b)
+                parent = blocks.get(b.parent)
+                insert(b, parent if parent is not None and contains(parent) else None, b.depth, b.size)
+            access_many(new[::-1])  # recency deepest first: ancestors at least as recent as descendants
         if ri - since >= PROGRESS_EVERY:
             bar.update(refs - res.references)
             res.references = refs

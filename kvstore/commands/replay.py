@@ -1,6 +1,6 @@
 """`kvstore replay TRACE`: prefix hit rates of eviction policies on a trace, beside Belady's bound.
 
-    kvstore replay ../shared/traces/conversation_trace.jsonl --capacity 5% --policy lru --policy gdsf
+    kvstore replay ../shared/traces/conversation_trace.jsonl --capacity 5% --policy lru --policy credit
     kvstore replay TRACE --capacity 1% --capacity 5% --capacity 25% --plot hit.png --json
     kvstore replay TRACE --tier dram=5% --tier ssd=20%
 

@@ -12,8 +12,6 @@ from kvstore.policy.base import EvictionPolicy
 
 _REGISTRY: dict[str, tuple[str, str]] = {
     "lru": ("kvstore.policy.lru", "LRUPolicy"),
-    "slru": ("kvstore.policy.slru", "SegmentedLRUPolicy"),
-    "gdsf": ("kvstore.policy.gdsf", "GDSFPolicy"),
     "credit": ("kvstore.policy.credit", "CreditLRUPolicy"),
 }
 

@@ -3,7 +3,7 @@
 Priority = ``now + boost × (freq - 1) × capacity × size/full`` where ``now`` counts the calls the
 policy has seen (one per reference), so every reuse buys a block ``boost`` more cache lifetimes;
 a partial tail block is inserted at ``now - capacity`` (first to go). The rest of this note is
-the greedy-dual variant it was derived from (:mod:`kvstore.policy.gdsf`):
+the greedy-dual variant it was derived from (removed: it was slower and no better):
 
 Prefix-aware Greedy-Dual-Size-Frequency with a frequency ghost.
 
@@ -24,6 +24,10 @@ lifetime.
   never the victim (its children go first).
 * ``depth_cost`` > 0 weighs blocks by recompute cost (``1 + depth_cost × depth``), for owners who
   value saved prefill time rather than hit count.
+
+The owner's commit inserts new blocks root first and then calls ``access_many`` on them deepest
+first to order them (kvstore/store.py); that first ``access`` after an ``insert`` only orders, it
+is not counted as a use (otherwise every new block would start with two uses).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ class CreditLRUPolicy(PolicyBase):
         self._ghost: OrderedDict[object, int] = OrderedDict()
         self._cap = 0
         self._full = 0
+        self._fresh: set[Item] = set()  # inserted, not yet ordered by the owner's commit access
+        self._batch = False
 
     def admit(self, item: Item, parent: Item | None, depth: int, size: int) -> bool:
         return True
@@ -68,6 +74,10 @@ class CreditLRUPolicy(PolicyBase):
         if item in self._h:
             self.access(item)
             return
+        if not self._batch:
+            self._fresh.clear()
+            self._batch = True
+        self._fresh.add(item)
         links = self._links
         links.link(item, parent if parent is not None and parent in links else None)
         if size > self._full:
@@ -90,9 +100,13 @@ class CreditLRUPolicy(PolicyBase):
         heapq.heappush(self._heap, (h, -depth, self._seq, item))
 
     def access(self, item: Item) -> None:
+        self._batch = False
         freq = self._freq
         f = freq.get(item)
         if f is None:
+            return
+        if item in self._fresh:  # the owner's commit ordering a block it just inserted: not a use
+            self._fresh.discard(item)
             return
         if f < self.max_freq:
             f += 1
@@ -109,9 +123,11 @@ class CreditLRUPolicy(PolicyBase):
         self._freq.pop(item)
         self._weight.pop(item)
         self._depth.pop(item)
+        self._fresh.discard(item)
         self._links.unlink(item)  # its heap entries go stale and are skipped
 
     def pop_victim(self, eligible: Eligible | None = None) -> Item | None:
+        self._batch = False
         n = len(self._h)
         if n > self._cap:
             self._cap = n
