@@ -152,10 +152,13 @@ class HFConnector:
             tuple(torch.empty(1, s.kv_heads, n * s.block_size, s.head_size, dtype=self.dtype) for _ in range(2))
             for _ in range(s.num_layers)
         ]
-        self.sched.update_state_after_alloc(req, list(range(n)), n_tokens)
-        [spec] = self.sched.build_connector_meta().loads
-        self.sched.request_finished(req)
-        result = load_blocks(self.client, self.ns, bind_caches(s, bufs), self.transfer, spec, verify=self.verify)
+        try:
+            self.sched.update_state_after_alloc(req, list(range(n)), n_tokens)
+            [spec] = self.sched.build_connector_meta().loads
+            result = load_blocks(self.client, self.ns, bind_caches(s, bufs), self.transfer, spec, verify=self.verify)
+            self.sched.update_connector_output(load_results=[result])  # ends the lookup's lease
+        finally:
+            self.sched.request_finished(req)
         self.stats.record_load(result)
         if self.cost is not None and result.loaded:
             per_tier: dict[str, int] = {}
@@ -182,6 +185,22 @@ class HFConnector:
         )
         self.stats.record_save(result)
         return result
+
+    def calibrate(self, lengths: Sequence[int] = (16, 128, 512), repeats: int = 2) -> None:
+        """Fit the cost model's prefill terms from real forwards of ``lengths`` tokens (start-up)."""
+        from connector.cost import calibrate_prefill
+
+        if self.cost is None:
+            return
+        vocab = self.model.config.vocab_size
+
+        def forward(n: int) -> float:
+            ids = [(7 * i + 3) % vocab for i in range(n)]
+            t0 = time.perf_counter()
+            self._forward(ids, self._empty_cache())
+            return time.perf_counter() - t0
+
+        calibrate_prefill(self.cost, forward, lengths, repeats)
 
     @torch.inference_mode()
     def _forward(self, token_ids: Sequence[int], cache: Any) -> torch.Tensor:

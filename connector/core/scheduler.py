@@ -8,6 +8,10 @@ allocated blocks, ``update_state_after_alloc`` turns that into a :class:`LoadSpe
 
 A sidecar that cannot be reached means "nothing cached": the request is recomputed, counted in
 ``stats`` and logged.
+
+The lookup takes a lease (``lease_ttl_ms``) so the blocks stay put until the load acquires them;
+it is released as soon as it is not needed: at once when nothing is loaded, when the worker
+reports the load (``update_connector_output``), and at the latest on ``request_finished``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class _Request:
     decision: Decision | None
     computed_blocks: int
     load_blocks: int
+    lease_id: str | None = None
 
 
 class SchedulerConnector:
@@ -75,9 +80,11 @@ class SchedulerConnector:
         self.stats.add(lookups=1, lookup_blocks=len(keys))
         tiers: list[str] = []
         sizes: list[int] = []
+        lease_id: str | None = None
         if len(keys) > computed_blocks:
             try:
                 res = self.client.lookup(self.ns, keys, lease_ttl_ms=self.lease_ttl_ms)
+                lease_id = getattr(res, "lease_id", None) or None
                 matched = list(res.blocks)[: res.matched]
                 tiers = [tier_name(t) for t, _ in matched]
                 sizes = [int(s) for _, s in matched]
@@ -98,9 +105,34 @@ class SchedulerConnector:
         load_blocks = max(0, target - computed_blocks)
         self.stats.add(decided_load_blocks=load_blocks,
                        decided_recompute_blocks=max(0, len(tiers) - computed_blocks - load_blocks))
+        if load_blocks == 0:  # declined: nothing to keep
+            self._release(req_id, lease_id)
+            lease_id = None
         with self._lock:
-            self._requests[req_id] = _Request(keys, tiers, decision, computed_blocks, load_blocks)
+            old = self._requests.get(req_id)
+            self._requests[req_id] = _Request(keys, tiers, decision, computed_blocks, load_blocks, lease_id)
+        if old is not None:  # asked again (vLLM may re-ask a request that waited): the old lease goes
+            self._release(req_id, old.lease_id)
         return load_blocks * bs
+
+    def _release(self, req_id: str, lease_id: str | None) -> None:
+        """End a lookup lease (expiry is the fallback: a failure here is logged, never raised)."""
+        release = getattr(self.client, "release", None)
+        if lease_id is None or release is None:
+            return
+        try:
+            release(lease_id)
+        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
+            self.stats.failure("release", classify(exc).value)
+            log.info("release lease of %s: %s", req_id, exc)
+
+    def _take_lease(self, req_id: str) -> str | None:
+        with self._lock:
+            req = self._requests.get(req_id)
+            if req is None:
+                return None
+            lease_id, req.lease_id = req.lease_id, None
+        return lease_id
 
     def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """The engine allocated ``block_ids`` (the request's whole block table) for the request."""
@@ -155,12 +187,16 @@ class SchedulerConnector:
         for res in load_results:
             if res.failed_block_ids:
                 self.stats.add(recomputed_after_failed_load_blocks=len(res.failed_block_ids))
+            self._release(res.req_id, self._take_lease(res.req_id))  # the load holds its own lease
 
     def request_finished(self, req_id: str) -> bool:
         """Forget the request. True: saves of its blocks are in flight, keep them until finished."""
+        lease_id = self._take_lease(req_id)
         with self._lock:
             self._requests.pop(req_id, None)
-            return req_id in self._saving
+            saving = req_id in self._saving
+        self._release(req_id, lease_id)
+        return saving
 
     def matched_blocks(self, req_id: str) -> int:
         """Leading blocks the sidecar had for the request at lookup."""

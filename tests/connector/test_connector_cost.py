@@ -1,4 +1,6 @@
-"""The reload-or-recompute model makes the exact choices its formula implies."""
+"""The reload-or-recompute model makes the exact choices its formula implies, and its fits recover
+known prefill and transfer costs from (synthetic) observations without being thrown by short or
+slow samples."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from connector.cost import (
     TierRate,
     calibrate_flop_rate,
     calibrate_memcpy_bandwidth,
+    calibrate_prefill,
     tier_name,
 )
 
@@ -97,11 +100,24 @@ def test_observed_transfers_flip_the_decision() -> None:
     assert m.choose_blocks(["s3"] * 2, BLOCK_BYTES, BLOCK, 100).blocks == 2
 
 
-def test_ewma_after_the_first_sample() -> None:
+def test_transfer_fit_latency_and_bandwidth_from_two_sizes() -> None:
     m = model(dram=(10_000 * MB, 0.0))
-    m.observe_transfer({"dram": 1_000_000}, 0.001)  # 1 GB/s replaces the prior
-    m.observe_transfer({"dram": 2_000_000}, 0.001)  # 2 GB/s, alpha 0.2
-    assert m.tiers["dram"].bandwidth.value == pytest.approx(1.2e9)
+    m.observe_transfer({"dram": 1_000_000}, 0.002 + 1e6 / 500e6)  # one size: keeps the prior latency
+    assert m.tiers["dram"].latency.value == 0.0
+    m.observe_transfer({"dram": 16_000_000}, 0.002 + 16e6 / 500e6)
+    assert m.tiers["dram"].latency.value == pytest.approx(0.002)
+    assert m.tiers["dram"].bandwidth.value == pytest.approx(500e6)
+    assert m.tiers["dram"].bandwidth.samples == 2
+
+
+def test_many_small_loads_do_not_erase_the_large_ones() -> None:
+    m = model(ssd=(1000 * MB, 0.001))
+    for nb in (BLOCK_BYTES, 8 * BLOCK_BYTES, 64 * BLOCK_BYTES):
+        m.observe_transfer({"ssd": nb}, 0.005 + nb / 200e6)
+    for i in range(200):  # latency-dominated single-block loads, a little noisy
+        m.observe_transfer({"ssd": BLOCK_BYTES}, (0.005 + BLOCK_BYTES / 200e6) * (1.1 if i % 2 else 0.9))
+    big = 256 * BLOCK_BYTES
+    assert m.tiers["ssd"].time(big) == pytest.approx(0.005 + big / 200e6, rel=0.05)
 
 
 def test_mixed_transfer_is_split_by_predicted_share() -> None:
@@ -111,12 +127,76 @@ def test_mixed_transfer_is_split_by_predicted_share() -> None:
     assert m.tiers["ssd"].bandwidth.value == pytest.approx(5e8)
 
 
-def test_observed_prefill_updates_the_flop_rate() -> None:
+def test_one_observed_prefill_scales_the_prior() -> None:
     m = model(dram=(10_000 * MB, 0.0005))
     flops = SHAPE.prefill_flops(16, 84)
     m.observe_prefill(16, 84, flops / 2e11)
     assert m.current_flop_rate == pytest.approx(2e11)
     assert m.prefill_time(16, 84) == pytest.approx(flops / 2e11)
+
+
+SMALL = ModelShape(params=3_300_000, layers=4, q_heads=4, head_dim=64)  # the TTFT benchmark's model
+
+
+def true_prefill(c: int, s: int) -> float:
+    """A CPU-like prefill: 4 ms per forward, matmuls at 60 GFLOP/s, attention at 10 GFLOP/s."""
+    return 0.004 + SMALL.matmul_flops(s) / 60e9 + SMALL.attention_flops(c, s) / 10e9
+
+
+def fitted(lengths=(16, 128, 512, 2048), **kw) -> CostModel:
+    m = CostModel(SMALL, flop_rate=1e10, tiers={n: TierRate.of(bw, lat) for n, (bw, lat) in kw.items()})
+    calibrate_prefill(m, lambda n: true_prefill(0, n), lengths, repeats=1)
+    return m
+
+
+def test_prefill_fit_recovers_overhead_and_both_rates() -> None:
+    m = fitted()
+    p = m.snapshot()["prefill"]
+    assert p["fit"] == "full" and p["samples"] == 4
+    assert p["overhead_s"] == pytest.approx(0.004, rel=1e-3)
+    assert p["matmul_flop_rate"] == pytest.approx(60e9, rel=1e-3)
+    assert p["attention_flop_rate"] == pytest.approx(10e9, rel=1e-3)
+    for c, s in ((0, 8192), (32, 8), (8176, 16)):  # extrapolated, and behind a cached prefix
+        assert m.prefill_time(c, s) == pytest.approx(true_prefill(c, s), rel=1e-3)
+
+
+def test_two_block_prompt_recomputes_when_a_forward_is_mostly_overhead() -> None:
+    # the TTFT benchmark's 40-token prompt from DRAM: a load costs ~5 ms end to end, and the
+    # forward over the 8 leftover tokens costs about as much as the one over all 40
+    m = fitted(dram=(800 * MB, 0.005))
+    d = m.choose_blocks(["dram"] * 2, 32 << 10, BLOCK, prompt_tokens=40)
+    assert d.kind == "recompute"
+    # ... while a pure FLOP-rate model, with no per-forward cost, loads them
+    flat = CostModel(SMALL, flop_rate=SMALL.prefill_flops(0, 1024) / true_prefill(0, 1024),
+                     tiers={"dram": TierRate.of(800 * MB, 0.005)})
+    assert flat.choose_blocks(["dram"] * 2, 32 << 10, BLOCK, prompt_tokens=40).kind == "load_all"
+    # and a long prompt still loads everything
+    assert m.choose_blocks(["dram"] * 511, 32 << 10, BLOCK, prompt_tokens=8192).kind == "load_all"
+
+
+def test_short_leftover_prefills_do_not_drag_the_long_prompt_estimate_down() -> None:
+    m = fitted()
+    before = m.prefill_time(0, 8192)
+    for i in range(500):  # a decode-heavy stream: tiny forwards behind long prefixes, noisy
+        m.observe_prefill(1000 + i, 1 + i % 8, true_prefill(1000 + i, 1 + i % 8) * (1.3 if i % 3 else 0.8))
+    assert m.prefill_time(0, 8192) == pytest.approx(before, rel=0.1)
+    assert m.prefill_time(0, 8192) == pytest.approx(true_prefill(0, 8192), rel=0.1)
+
+
+def test_one_slow_outlier_barely_moves_the_fit() -> None:
+    m = fitted(lengths=(16, 64, 128, 256, 512, 1024, 2048))
+    m.observe_prefill(0, 4096, true_prefill(0, 4096) * 5)  # a neighbour took the core
+    assert m.prefill_time(0, 4096) == pytest.approx(true_prefill(0, 4096), rel=0.1)
+
+
+def test_two_sizes_fit_overhead_and_a_scaled_prior() -> None:
+    m = CostModel(SMALL, flop_rate=1e10)
+    for s in (16, 1024):
+        m.observe_prefill(0, s, 0.002 + SMALL.prefill_flops(0, s) / 2e10)
+    p = m.snapshot()["prefill"]
+    assert p["fit"] == "overhead+scale"
+    assert p["overhead_s"] == pytest.approx(0.002, rel=1e-3)
+    assert p["matmul_flop_rate"] == pytest.approx(2e10, rel=1e-3)
 
 
 def test_snapshot_reports_decisions_and_actuals() -> None:
