@@ -1,15 +1,41 @@
 """Tier throughput against the raw client on the same server, in the same run.
 
-For each tier: put then get of N blocks (2 MiB by default) through the tier class (``put_many`` /
-``get_many`` into preallocated buffers) and through the raw client:
+Two measurements per tier (ssd, redis, redis_cluster, s3), each against the raw client on the
+same server, interleaved with it (ours, raw, raw, ours, ...) so both see the same noise:
+
+* ``tier``     put then get of N blocks (2 MiB by default) through the tier class (``put_many`` /
+               ``get_many`` into preallocated buffers).
+* ``service``  put and get through a running sidecar (``kvstore serve`` subprocess, configured
+               with env overrides: chain = [that tier], the tier enabled, a DRAM slab of exactly N
+               slots). The worker is this process (KVStoreClient, shared-memory slots).
+
+               ssd (demotion; SSD is never written through): DRAM is first filled with N blocks F;
+               "put" = Allocate + copy + Commit of N new blocks A, which evicts F to the SSD tier,
+               timed until ``/stats`` (the Stats RPC) shows ``tiers.ssd.bytes_in`` grew by N blocks
+               (polled every 0.5 ms), i.e. the sustained rate at which the service absorbs blocks
+               once DRAM is full. A is then deleted (untimed) so F lives only on SSD.
+               redis, redis_cluster, s3 (write-through): "put" = Allocate + copy + Commit of N
+               blocks A into an empty DRAM, timed until the tier's ``bytes_in`` grew by N blocks.
+               Then (untimed) N other blocks evict A from DRAM and are deleted again, so A lives
+               only in the remote tier.
+               "get" = one Acquire of the N blocks that are only in the tier (the sidecar promotes
+               them: read into DRAM slots, checksum verified) + a copy of every slot into this
+               process's own buffers + Release.
+
+Raw baselines (the same values, the same server):
 
 * ssd    raw file I/O with the same durability (O_DIRECT + one directory fsync where the tier
-         uses O_DIRECT, else buffered writes + fdatasync of every file + directory fsync)
+         uses O_DIRECT, else buffered writes + fdatasync of every file + directory fsync); reads
+         are buffered ``preadv`` into preallocated buffers
 * redis  raw redis-py pipelined SET/GET of the same value size (single node, and cluster)
 * s3     raw aioboto3 put_object/get_object with the same concurrency and client config
 
-Figures are MiB/s (best of ``--repeat``); ratios are ours/raw (higher is better, 1.0 = parity).
-Servers come from :mod:`kvstore.testing.servers`. Run: ``python -m benchmarks.tiers``.
+Figures are MiB/s (best of ``--repeat``); ratios are raw time / our time (higher is better,
+1.0 = parity): ``tier_{put,get}_<tier>`` and ``service_{put,get}_<tier>``. Servers come from
+:mod:`kvstore.testing.servers` unless their addresses are given (``--redis-url``,
+``--redis-cluster-url``, ``--s3-endpoint``). ``--peers`` adds LMCache 0.5.6's storage backends
+on the same servers (see :mod:`benchmarks.peers`). Run: ``python -m benchmarks.tiers`` or
+``kvstore bench tiers --json``.
 """
 
 from __future__ import annotations
@@ -22,14 +48,22 @@ import mmap
 import os
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+from tqdm import tqdm
 
 from kvstore.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef
 
 MiB = 1 << 20
+MIN_DRAM = 64 * 1024  # dram.capacity_bytes lower bound
+POLL_S = 0.0005
+SERVICE_TIMEOUT_S = 120.0
 
 
 def _blocks(n: int, size: int) -> tuple[list[tuple[BlockMeta, memoryview]], mmap.mmap]:
@@ -51,59 +85,201 @@ async def _nothing() -> None:
     return None
 
 
-async def _best_interleaved(repeat: int, ours: Callable, raw: Callable, reset: Callable = _nothing) -> tuple[float, float]:
-    """Best time of each, alternating ours and raw so both see the same noise (shared 2-core box).
-    ``reset`` runs untimed before every run (e.g. so that writes go to fresh names)."""
-    t_ours = t_raw = float("inf")
-    for i in range(repeat):
-        order = [("ours", ours), ("raw", raw)] if i % 2 == 0 else [("raw", raw), ("ours", ours)]
-        for which, fn in order:
-            await reset()
-            t = await _timed(fn)
-            if which == "ours":
-                t_ours = min(t_ours, t)
-            else:
-                t_raw = min(t_raw, t)
-    return t_ours, t_raw
+def _bar(total: int, desc: str) -> tqdm:
+    return tqdm(total=total, desc=desc, leave=False, disable=None)
+
+
+@dataclass
+class Raw:
+    """The raw client's put and get of the same N values on the same server; ``reset`` runs
+    untimed before every put (so that writes go to fresh names)."""
+
+    put: Callable[[], Awaitable[Any]]
+    get: Callable[[], Awaitable[Any]]
+    reset: Callable[[], Awaitable[Any]] = _nothing
+    cleanup: Callable[[], Awaitable[Any]] = _nothing
+
+
+@dataclass
+class Servers:
+    """Addresses of the servers under test (started here or given on the command line)."""
+
+    redis: str | None = None
+    redis_cluster: str | None = None
+    s3: str | None = None
+    s3_credentials: dict[str, str] | None = None  # None: botocore's usual chain
 
 
 class _Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.n, self.size, self.repeat = args.blocks, int(args.block_mib * MiB), args.repeat
+        self.s3_concurrency, self.s3_bucket = args.s3_concurrency, args.s3_bucket
+        self.run_id = uuid.uuid4().hex[:8]  # key prefix: safe on shared, given servers
         self.items, self._payload = _blocks(self.n, self.size)
         self.bufs = [memoryview(bytearray(self.size)) for _ in range(self.n)]
         self.figures: dict[str, dict[str, Any]] = {}
         self.ratios: dict[str, float] = {}
+        self.notes: dict[str, Any] = {}
 
-    async def compare(self, tier_name: str, op: str, ours: Callable, raw: Callable, reset: Callable = _nothing) -> None:
-        mib = self.n * self.size / MiB
-        t_ours, t_raw = await _best_interleaved(self.repeat, ours, raw, reset)
-        self.figures[f"{tier_name}.{op}.ours"] = {"value": round(mib / t_ours, 1), "unit": "MiB/s"}
-        self.figures[f"{tier_name}.{op}.raw"] = {"value": round(mib / t_raw, 1), "unit": "MiB/s"}
-        self.ratios[f"{tier_name}.{op}"] = round(t_raw / t_ours, 3)
+    @property
+    def mib(self) -> float:
+        return self.n * self.size / MiB
 
-    async def tier_vs_raw(self, tier_name: str, tier: Any, raw_put: Callable, raw_get: Callable, reset: Callable = _nothing) -> None:
+    def record(self, kind: str, tier_name: str, op: str, t_ours: float, t_raw: float) -> None:
+        self.figures[f"{kind}.{tier_name}.{op}.ours"] = {"value": round(self.mib / t_ours, 1), "unit": "MiB/s"}
+        self.figures[f"{kind}.{tier_name}.{op}.raw"] = {"value": round(self.mib / t_raw, 1), "unit": "MiB/s"}
+        self.ratios[f"{kind}_{op}_{tier_name}"] = round(t_raw / t_ours, 3)
+
+    async def interleaved(self, desc: str, ours: Callable, raw: Callable, reset: Callable = _nothing) -> tuple[float, float]:
+        """Best time of each, alternating ours and raw so both see the same noise (shared 2-core box)."""
+        t_ours = t_raw = float("inf")
+        with _bar(2 * self.repeat, desc) as bar:
+            for i in range(self.repeat):
+                order = [("ours", ours), ("raw", raw)] if i % 2 == 0 else [("raw", raw), ("ours", ours)]
+                for which, fn in order:
+                    await reset()
+                    t = await _timed(fn)
+                    if which == "ours":
+                        t_ours = min(t_ours, t)
+                    else:
+                        t_raw = min(t_raw, t)
+                    bar.update()
+        return t_ours, t_raw
+
+    # ---- tier class vs raw --------------------------------------------------------------------
+
+    async def tier_vs_raw(self, tier_name: str, tier: Any, raw: Raw) -> None:
         refs = [m.ref for m, _ in self.items]
 
         async def ours_get() -> None:
             got = await tier.get_many(refs, self.bufs)
             assert all(g is not None for g in got)
 
-        await self.compare(tier_name, "put", lambda: tier.put_many(self.items), raw_put, reset)
-        await tier.put_many(self.items)  # both hold every block again (reset may have run last)
-        await raw_put()
-        await self.compare(tier_name, "get", ours_get, raw_get)
-        await tier.close()
+        async def fresh() -> None:  # new blocks get new names: time writes, not replacing old files
+            await tier.delete_many(refs)
+            await raw.reset()
 
-    # ---- ssd ------------------------------------------------------------------------------
+        try:
+            t_ours, t_raw = await self.interleaved(f"tier {tier_name} put", lambda: tier.put_many(self.items), raw.put, fresh)
+            self.record("tier", tier_name, "put", t_ours, t_raw)
+            await tier.put_many(self.items)  # both hold every block again (reset may have run last)
+            await raw.put()
+            t_ours, t_raw = await self.interleaved(f"tier {tier_name} get", ours_get, raw.get)
+            self.record("tier", tier_name, "get", t_ours, t_raw)
+            await tier.delete_many(refs)
+        finally:
+            await tier.close()
 
-    async def ssd(self, root: Path) -> None:
-        from kvstore.tiers.ssd import SsdTier
+    # ---- through the service vs raw -------------------------------------------------------------
 
-        tier = SsdTier(root / "tier", 4 * self.n * self.size + 64 * MiB)
-        raw_dir = root / "raw"
+    async def service_vs_raw(self, tier_name: str, env: dict[str, str], raw: Raw) -> None:
+        from benchmarks.common import sidecar_process
+        from kvstore.client import KVStoreClient
+        from kvstore.keys import Namespace, prefix_keys
+
+        label = "ssd" if tier_name == "ssd" else ("s3" if tier_name == "s3" else "redis")
+        page = max(4096, 1 << (self.size - 1).bit_length())  # one slot per page: exactly N slots
+        if self.n * page < MIN_DRAM:
+            raise ValueError(f"service benchmark: {self.n} blocks of {self.size} bytes is under the 64 KiB DRAM minimum")
+        env = {
+            **env,
+            "KVSTORE_TIERING__CHAIN": json.dumps([label]),
+            "KVSTORE_DRAM__PAGE_BYTES": str(page),
+            "KVSTORE_DRAM__MIN_SLOT_BYTES": str(min(page, 4096)),
+        }
+        demote = tier_name == "ssd"
+        if not demote:
+            env["KVSTORE_TIERING__WRITE_THROUGH"] = json.dumps([label])
+        ns = Namespace(model=f"bench-{self.run_id}", kv_layout="raw", dtype="uint8", block_size=1)
+        blocks = [np.frombuffer(d, dtype=np.uint8) for _, d in self.items]
+        out = [np.zeros(self.size, dtype=np.uint8) for _ in range(self.n)]
+        counter = iter(range(1, 1 << 30))
+        nbytes = self.n * self.size
+
+        with sidecar_process(self.n * page, env=env) as sc:
+            async with KVStoreClient.from_url(sc.grpc) as c:
+
+                def fresh_keys() -> list[bytes]:
+                    base = next(counter) * 10_000_000
+                    return prefix_keys(ns, list(range(base, base + self.n)))
+
+                async def bytes_in() -> int:
+                    return (await c.stats())["tiers"][label]["bytes_in"]
+
+                async def until_bytes_in(target: int) -> None:
+                    deadline = time.perf_counter() + SERVICE_TIMEOUT_S
+                    while await bytes_in() < target:
+                        if time.perf_counter() > deadline:
+                            raise TimeoutError(f"{tier_name}: blocks did not reach the tier; sidecar log:\n{sc.logs()[-4000:]}")
+                        await asyncio.sleep(POLL_S)
+
+                async def put(keys: list[bytes]) -> None:
+                    async with c.allocate(ns, keys, self.size) as alloc:
+                        for i, view in alloc.writable():
+                            view[:] = blocks[i]
+                        assert await alloc.commit() == self.n
+
+                async def get(keys: list[bytes]) -> None:
+                    async with c.acquire(ns, keys) as lease:
+                        assert len(lease.views) == self.n, f"{tier_name}: {len(lease.views)} of {self.n} blocks readable"
+                        for o, v in zip(out, lease.views):
+                            o[:] = v
+
+                async def round_() -> tuple[float, float]:
+                    """One put and one get through the service, untimed set-up around them."""
+                    if demote:
+                        tier_keys = fresh_keys()
+                        await put(tier_keys)  # DRAM full of the blocks the timed put will evict
+                        a = fresh_keys()
+                        start = await bytes_in()
+                        t0 = time.perf_counter()
+                        await put(a)
+                        await until_bytes_in(start + nbytes)
+                        t_put = time.perf_counter() - t0
+                        await c.delete(ns, a)  # DRAM-only: frees the slots the promotion will use
+                    else:
+                        tier_keys = fresh_keys()
+                        start = await bytes_in()
+                        t0 = time.perf_counter()
+                        await put(tier_keys)
+                        await until_bytes_in(start + nbytes)
+                        t_put = time.perf_counter() - t0
+                        other = fresh_keys()
+                        await put(other)  # evicts tier_keys from DRAM (already in the tier: no demotion)
+                        await until_bytes_in(start + 2 * nbytes)
+                        await c.delete(ns, other)
+                    lookup = await c.lookup(ns, tier_keys)
+                    assert lookup.matched == self.n and all(t == label for t, _ in lookup.blocks), lookup.blocks[:3]
+                    t0 = time.perf_counter()
+                    await get(tier_keys)
+                    t_get = time.perf_counter() - t0
+                    assert all(np.array_equal(o, b) for o, b in zip(out[:1], blocks[:1]))
+                    await c.delete(ns, tier_keys)
+                    return t_put, t_get
+
+                await round_()  # warm-up: slab pages, connections, thread pools
+                best = {"put": [float("inf"), float("inf")], "get": [float("inf"), float("inf")]}
+                with _bar(2 * self.repeat, f"service {tier_name}") as bar:
+                    for i in range(self.repeat):
+                        for which in ("ours", "raw") if i % 2 == 0 else ("raw", "ours"):
+                            if which == "ours":
+                                t_put, t_get = await round_()
+                                j = 0
+                            else:
+                                await raw.reset()
+                                t_put = await _timed(raw.put)
+                                t_get = await _timed(raw.get)
+                                j = 1
+                            best["put"][j] = min(best["put"][j], t_put)
+                            best["get"][j] = min(best["get"][j], t_get)
+                            bar.update()
+                for op, (t_ours, t_raw) in best.items():
+                    self.record("service", tier_name, op, t_ours, t_raw)
+
+    # ---- raw clients ----------------------------------------------------------------------------
+
+    def raw_ssd(self, raw_dir: Path, direct: bool) -> Raw:
         raw_dir.mkdir()
-        direct = tier.direct_io
         paths = [raw_dir / f"{i}.bin" for i in range(self.n)]
 
         def put() -> None:
@@ -131,102 +307,191 @@ class _Bench:
                 finally:
                     os.close(fd)
 
-        async def fresh() -> None:  # new blocks get new names: time writes, not replacing old files
-            await tier.delete_many([m.ref for m, _ in self.items])
+        async def reset() -> None:
             for p in paths:
                 p.unlink(missing_ok=True)
 
-        self.figures["ssd.direct_io"] = {"value": int(direct), "unit": "bool"}
-        await self.tier_vs_raw("ssd", tier, lambda: asyncio.to_thread(put), lambda: asyncio.to_thread(get), fresh)
+        return Raw(lambda: asyncio.to_thread(put), lambda: asyncio.to_thread(get), reset)
 
-    # ---- redis ----------------------------------------------------------------------------
-
-    async def redis(self, name: str, url: str, cluster: bool) -> None:
+    def raw_redis(self, url: str, cluster: bool) -> Raw:
         from redis.asyncio import Redis
         from redis.asyncio.cluster import RedisCluster
 
-        from kvstore.config import RedisConfig
-        from kvstore.tiers.redis import RedisTier
-
-        tier = RedisTier.from_config(RedisConfig(url=url, cluster=cluster))
         raw = RedisCluster.from_url(url) if cluster else Redis.from_url(url)
-        keys = [f"raw:{{{i}}}" for i in range(self.n)]
+        keys = [f"kvstore-bench-{self.run_id}:raw:{{{i}}}" for i in range(self.n)]
+
+        def pipeline() -> Any:
+            return raw.pipeline() if cluster else raw.pipeline(transaction=False)
 
         async def put() -> None:
-            pipe = raw.pipeline() if cluster else raw.pipeline(transaction=False)
+            pipe = pipeline()
             for k, (_, data) in zip(keys, self.items):
                 pipe.set(k, data)
             await pipe.execute()
 
         async def get() -> None:
-            pipe = raw.pipeline() if cluster else raw.pipeline(transaction=False)
+            pipe = pipeline()
             for k in keys:
                 pipe.get(k)
             assert all(v is not None for v in await pipe.execute())
 
-        try:
-            await self.tier_vs_raw(name, tier, put, get)
-        finally:
+        async def cleanup() -> None:
+            pipe = pipeline()
+            for k in keys:
+                pipe.delete(k)
+            await pipe.execute()
             await raw.aclose()
 
-    # ---- s3 -------------------------------------------------------------------------------
+        return Raw(put, get, _nothing, cleanup)
 
-    async def s3(self, url: str, concurrency: int) -> None:
+    async def raw_s3(self, stack: contextlib.AsyncExitStack, client: Callable[[], Any]) -> Raw:
+        raw = await stack.enter_async_context(client())
+        sem = asyncio.Semaphore(self.s3_concurrency)
+        prefix = f"kvstore-bench-{self.run_id}/raw"
+
+        async def put_one(i: int, data: memoryview) -> None:
+            async with sem:
+                await raw.put_object(Bucket=self.s3_bucket, Key=f"{prefix}/{i}", Body=bytes(data))
+
+        async def get_one(i: int) -> None:
+            async with sem:
+                resp = await raw.get_object(Bucket=self.s3_bucket, Key=f"{prefix}/{i}")
+                async with resp["Body"] as body:
+                    await body.read()
+
+        async def put() -> None:
+            await asyncio.gather(*(put_one(i, d) for i, (_, d) in enumerate(self.items)))
+
+        async def get() -> None:
+            await asyncio.gather(*(get_one(i) for i in range(self.n)))
+
+        async def cleanup() -> None:
+            await raw.delete_objects(Bucket=self.s3_bucket, Delete={"Objects": [{"Key": f"{prefix}/{i}"} for i in range(self.n)]})
+
+        return Raw(put, get, _nothing, cleanup)
+
+    # ---- per tier -------------------------------------------------------------------------------
+
+    async def ssd(self, root: Path, service: bool) -> None:
+        from kvstore.tiers.ssd import SsdTier
+
+        tier = SsdTier(root / "tier", 4 * self.n * self.size + 64 * MiB)
+        direct = tier.direct_io
+        raw = self.raw_ssd(root / "raw", direct)
+        self.figures["ssd.direct_io"] = {"value": int(direct), "unit": "bool"}
+        await self.tier_vs_raw("ssd", tier, raw)
+        if service:
+            env = {
+                "KVSTORE_SSD__ENABLED": "true",
+                "KVSTORE_SSD__PATH": str(root / "service"),
+                "KVSTORE_SSD__CAPACITY_BYTES": str(4 * self.n * self.size + 64 * MiB),
+            }
+            await self.service_vs_raw("ssd", env, raw)
+
+    async def redis(self, name: str, url: str, cluster: bool, service: bool) -> None:
+        from kvstore.config import RedisConfig
+        from kvstore.tiers.redis import RedisTier
+
+        prefix = f"kvstore-bench-{self.run_id}"
+        tier = RedisTier.from_config(RedisConfig(url=url, cluster=cluster, key_prefix=prefix + ":tier"))
+        raw = self.raw_redis(url, cluster)
+        try:
+            await self.tier_vs_raw(name, tier, raw)
+            if service:
+                env = {
+                    "KVSTORE_REDIS__ENABLED": "true",
+                    "KVSTORE_REDIS__URL": url,
+                    "KVSTORE_REDIS__CLUSTER": "true" if cluster else "false",
+                    "KVSTORE_REDIS__KEY_PREFIX": prefix + ":service",
+                }
+                await self.service_vs_raw(name, env, raw)
+        finally:
+            await raw.cleanup()
+
+    async def s3(self, url: str, credentials: dict[str, str] | None, service: bool) -> None:
         import aioboto3
 
-        from kvstore.testing.servers import MOTO_CREDENTIALS
         from kvstore.tiers.s3 import S3Tier, client_config
+
+        creds = credentials or {}
 
         def client() -> Any:
             return aioboto3.Session().client(
-                "s3", endpoint_url=url, region_name="us-east-1", config=client_config(concurrency), **MOTO_CREDENTIALS
+                "s3", endpoint_url=url, region_name="us-east-1", config=client_config(self.s3_concurrency), **creds
             )
 
-        tier = S3Tier(client, bucket="bench", concurrency=concurrency)
+        prefix = f"kvstore-bench-{self.run_id}"
+        tier = S3Tier(client, bucket=self.s3_bucket, prefix=prefix + "/tier", concurrency=self.s3_concurrency)
         await tier.contains(self.items[0][0].ref)  # creates the bucket
-        sem = asyncio.Semaphore(concurrency)
-        async with client() as raw:
+        async with contextlib.AsyncExitStack() as stack:
+            raw = await self.raw_s3(stack, client)
+            try:
+                await self.tier_vs_raw("s3", tier, raw)
+                if service:
+                    env = {
+                        "KVSTORE_S3__ENABLED": "true",
+                        "KVSTORE_S3__ENDPOINT_URL": url,
+                        "KVSTORE_S3__BUCKET": self.s3_bucket,
+                        "KVSTORE_S3__PREFIX": prefix + "/service",
+                        "KVSTORE_S3__CONCURRENCY": str(self.s3_concurrency),
+                    }
+                    if credentials:
+                        env.update({k.upper(): v for k, v in credentials.items()})
+                    await self.service_vs_raw("s3", env, raw)
+            finally:
+                await raw.cleanup()
 
-            async def put_one(i: int, data: memoryview) -> None:
-                async with sem:
-                    await raw.put_object(Bucket="bench", Key=f"raw/{i}", Body=bytes(data))
 
-            async def get_one(i: int) -> None:
-                async with sem:
-                    resp = await raw.get_object(Bucket="bench", Key=f"raw/{i}")
-                    async with resp["Body"] as body:
-                        await body.read()
+@contextlib.contextmanager
+def servers(args: argparse.Namespace, wanted: set[str]) -> Any:
+    """The servers the run needs: the given addresses, or fresh ones on free loopback ports."""
+    from kvstore.testing.servers import MOTO_CREDENTIALS, moto_server, redis_cluster, redis_server
 
-            async def put() -> None:
-                await asyncio.gather(*(put_one(i, d) for i, (_, d) in enumerate(self.items)))
-
-            async def get() -> None:
-                await asyncio.gather(*(get_one(i) for i in range(self.n)))
-
-            await self.tier_vs_raw("s3", tier, put, get)
+    with contextlib.ExitStack() as stack:
+        out = Servers()
+        if "redis" in wanted:
+            out.redis = args.redis_url or stack.enter_context(redis_server()).url
+        if "redis_cluster" in wanted:
+            out.redis_cluster = args.redis_cluster_url or stack.enter_context(redis_cluster(3)).url
+        if "s3" in wanted:
+            if args.s3_endpoint:
+                out.s3 = args.s3_endpoint
+            else:
+                out.s3 = stack.enter_context(moto_server()).url
+                out.s3_credentials = MOTO_CREDENTIALS
+        yield out
 
 
 async def _run(args: argparse.Namespace) -> dict:
-    from kvstore.testing.servers import moto_server, redis_cluster, redis_server
-
     bench = _Bench(args)
     wanted = set(args.tiers.split(","))
-    with contextlib.ExitStack() as stack:
+    unknown = wanted - {"ssd", "redis", "redis_cluster", "s3"}
+    if unknown:
+        raise SystemExit(f"--tiers: unknown tier(s) {sorted(unknown)}")
+    service = not args.no_service
+    with servers(args, wanted) as srv, contextlib.ExitStack() as stack:
         if "ssd" in wanted:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstore-bench-", dir=args.ssd_dir)))
-            await bench.ssd(root)
-        if "redis" in wanted:
-            server = stack.enter_context(redis_server())
-            await bench.redis("redis", server.url, cluster=False)
-        if "redis_cluster" in wanted:
-            cluster = stack.enter_context(redis_cluster(3))
-            await bench.redis("redis_cluster", cluster.url, cluster=True)
-        if "s3" in wanted:
-            moto = stack.enter_context(moto_server())
-            await bench.s3(moto.url, args.s3_concurrency)
+            await bench.ssd(root, service)
+        if srv.redis:
+            await bench.redis("redis", srv.redis, False, service)
+        if srv.redis_cluster:
+            await bench.redis("redis_cluster", srv.redis_cluster, True, service)
+        if srv.s3:
+            await bench.s3(srv.s3, srv.s3_credentials, service)
+        if args.peers:
+            from benchmarks.peers.lmcache_backends import run_peers
+
+            peer = await asyncio.to_thread(run_peers, args, srv, dict(bench.figures))
+            bench.figures.update(peer["figures"])
+            bench.ratios.update(peer["ratios"])
+            bench.notes.update(peer.get("notes", {}))
     bench.figures["block_bytes"] = {"value": bench.size, "unit": "bytes"}
     bench.figures["blocks"] = {"value": bench.n, "unit": "count"}
-    return {"suite": "tiers", "figures": bench.figures, "ratios": bench.ratios}
+    result: dict[str, Any] = {"suite": "tiers", "figures": bench.figures, "ratios": bench.ratios}
+    if bench.notes:
+        result["notes"] = bench.notes
+    return result
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -240,7 +505,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=5, help="runs per measurement; the best counts")
     p.add_argument("--tiers", default="ssd,redis,redis_cluster,s3", help="comma-separated subset")
     p.add_argument("--s3-concurrency", type=int, default=8)
+    p.add_argument("--s3-bucket", default="bench")
     p.add_argument("--ssd-dir", default=None, help="directory on the filesystem to test (default: $TMPDIR)")
+    p.add_argument("--redis-url", default=None, help="use this Redis (redis://host:port/db) instead of starting one")
+    p.add_argument("--redis-cluster-url", default=None, help="any node of an existing Redis Cluster (redis://host:port)")
+    p.add_argument("--s3-endpoint", default=None, help="an existing S3 endpoint (http://host:port); credentials from the environment")
+    p.add_argument("--no-service", action="store_true", help="only the tier classes, not through a sidecar")
+    p.add_argument("--peers", action="store_true", help="also LMCache 0.5.6's LocalDisk and Redis backends (benchmarks.peers)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -250,6 +521,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from kvstore.tuning import tune_malloc
+
+    tune_malloc()
     print(json.dumps(run(parser().parse_args(argv))))
 
 
