@@ -23,8 +23,9 @@ coefficients are a robust (Huber-weighted), non-negative least-squares fit of re
 all buckets. A burst of short prefills therefore only replaces older short prefills: it refines
 the overhead term and cannot drag the long-prompt rates down (a per-sample FLOP-rate average
 would). With samples from too few sizes to tell the terms apart, the fit falls back to scaling
-the prior (one size) or to overhead + scaled prior (two sizes); a tier seen at one size keeps its
-prior latency and fits its bandwidth (or, for zero-byte round trips, its latency).
+the prior (one size) or to overhead + scaled prior (two sizes); a tier seen at one size fits the
+term that dominates its samples under the prior (bandwidth for large loads, latency for small
+ones and zero-byte round trips) and keeps the other.
 
 :func:`calibrate_prefill` feeds a few real forwards of different lengths at start-up;
 :meth:`CostModel.observe_prefill` / :meth:`CostModel.observe_transfer` keep the fits current
@@ -265,9 +266,15 @@ class TierRate:
         if not sized.any():  # round trips only: latency
             self.latency.value, self.bandwidth.value = float(np.median(t)), bw0
             return
+        # one size (or sizes too close to tell the terms apart): fit the term that dominates
+        # under the prior, keep the other
         xs, ts = x[sized, 1], t[sized]
-        self.latency.value = lat0
-        self.bandwidth.value = float(np.median(xs / np.maximum(ts - lat0, 0.1 * ts)))
+        if float(np.median(xs)) / bw0 >= lat0:
+            self.latency.value = lat0
+            self.bandwidth.value = float(np.median(xs / np.maximum(ts - lat0, 0.1 * ts)))
+        else:
+            self.bandwidth.value = bw0
+            self.latency.value = float(np.median(np.maximum(ts - xs / bw0, 0.1 * ts)))
 
 
 # Priors, replaced by measurements as soon as transfers are observed.

@@ -226,3 +226,11 @@ def test_calibration_measures_positive_rates() -> None:
     assert calibrate_flop_rate(n=64, repeats=1) > 0
     assert calibrate_memcpy_bandwidth(nbytes=1 << 20, repeats=1) > 0
     assert set(CostModel(SHAPE, flop_rate=1e12).tiers) == {"dram", "ssd", "redis", "s3"}
+
+
+def test_small_loads_alone_fit_the_latency_not_a_bandwidth() -> None:
+    m = model(dram=(1000 * MB, 0.001))
+    for nb in (BLOCK_BYTES // 16, BLOCK_BYTES // 4):  # both ~5 ms: latency, bandwidth unidentifiable
+        m.observe_transfer({"dram": nb}, 0.005)
+    assert m.tiers["dram"].bandwidth.value == pytest.approx(1e9)  # the prior
+    assert m.tiers["dram"].latency.value == pytest.approx(0.005, rel=0.1)
