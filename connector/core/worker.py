@@ -110,6 +110,12 @@ class WorkerConnector:
         self.stats.record_save(r)
         return r
 
+    def load_now(self, loads: Sequence[LoadSpec]) -> list[LoadResult]:
+        """Run ``loads`` in the calling thread (an engine that waits for them anyway saves the
+        thread hand-offs); results are not reported again by :meth:`get_finished`."""
+        kv = self.kv
+        return [self._load(kv, spec) for spec in loads]
+
     def wait_for_loads(self) -> list[LoadResult]:
         """Block until every submitted load is done and hand over their results (synchronous
         load mode; these requests are then not reported again by :meth:`get_finished`)."""
