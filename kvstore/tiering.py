@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,10 +28,12 @@ import numpy as np
 
 from kvstore.checksum import checksum
 from kvstore.config import Config
-from kvstore.errors import Unavailable
+from kvstore.errors import ChecksumMismatch, KVStoreError, Unavailable
 from kvstore.index import DRAM, REDIS, S3, SSD, Block, State
+from kvstore.slab import Slot
 from kvstore.policy import make_policy
 from kvstore.policy.base import EvictionPolicy
+from kvstore.staging import StagingPool
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import BlockMeta, BlockRef, Bounded, Recoverable, Tier
 from kvstore.tiers.verify import verified_get
@@ -42,6 +45,7 @@ log = logging.getLogger("kvstore.tiering")
 
 BITS = {"ssd": SSD, "redis": REDIS, "s3": S3}
 STAGING_LIMIT = 512 << 20
+DEMOTE_BATCH = 64  # blocks per put_many of the demotion writer
 IN_FLIGHT = 16  # requests per tier in flight  # bytes of demotions in flight before DRAM evictions start dropping
 
 
@@ -58,6 +62,8 @@ class Level:
     # Requests in flight to this tier at once: movers start one task per block, and a burst of
     # hundreds must not open hundreds of connections (redis-py's pool stops at 100).
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(IN_FLIGHT))
+    queue: list[tuple[Block, np.ndarray, mmap.mmap]] = field(default_factory=list)  # demotions to write
+    writer: asyncio.Task[None] | None = None
     used: int = 0
     down: bool = False
     sizes: dict[Block, int] = field(default_factory=dict)
@@ -71,8 +77,8 @@ class Tiering:
         self.store = store
         self.levels = levels
         self.write_through = write_through
-        self._staged: dict[Block, np.ndarray] = {}  # demotions in flight
-        self._staged_bytes = 0
+        self._staged: dict[Block, np.ndarray] = {}  # demotions in flight, readable meanwhile
+        self._pool = StagingPool(STAGING_LIMIT)
         self._promoting: dict[Block, asyncio.Future[bool]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._probe: asyncio.Task[None] | None = None
@@ -170,39 +176,56 @@ class Tiering:
                 lv.policy.access_many([b for b in reversed(run) if b.tiers & lv.bit])
 
     def on_dram_evict(self, b: Block) -> None:
-        """The store is about to free ``b``'s slot: keep the bytes below DRAM if nothing does."""
+        """The store is about to free ``b``'s slot: keep the bytes below DRAM if nothing does.
+
+        The bytes are staged (one copy into a pooled page-aligned buffer) and queued; one writer
+        per tier drains the queue in batches, so a burst of evictions costs one fsync, not one per
+        block. The block stays findable meanwhile and is served from the staging copy."""
         target = next((lv for lv in self.levels if not lv.down), None)
         if target is None or b.tiers & target.bit:
             return  # nowhere to go, or the next tier down has it already
-        if self._staged_bytes + b.size > STAGING_LIMIT:
+        got = self._pool.take(b.size)
+        if got is None:
             self.store.stats.tier(target.name, "errors")
             return  # demotions are backed up: drop rather than hold unbounded memory
-        data = self.store.slab.view(b.slot, b.size).copy()  # type: ignore[arg-type]
-        if b.checksum is None:
-            b.checksum = checksum(data)
+        data, buf = got
+        data[:] = self.store.slab.view(b.slot, b.size)  # type: ignore[arg-type]
         self._staged[b] = data
-        self._staged_bytes += b.size
-        self._placed(target, b)  # findable at once; served from the staging copy meanwhile
+        self._placed(target, b)
         self.store.stats.tier("dram", "demotions")
-        self._spawn(self._demote(target, b, data))
+        target.queue.append((b, data, buf))
+        if target.writer is None or target.writer.done():
+            target.writer = asyncio.ensure_future(self._drain(target))
+            self._tasks.add(target.writer)
+            target.writer.add_done_callback(self._tasks.discard)
 
-    async def _demote(self, lv: Level, b: Block, data: np.ndarray) -> None:
-        try:
-            await self._make_room(lv)  # b is counted already; evict others until it fits
-            meta = BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label)
-            async with lv.slots:
-                await lv.tier.put(meta, memoryview(data))
-            self.store.stats.tier(lv.name, "bytes_in", b.size)
-        except Unavailable as exc:
-            self._mark_down(lv, exc)
-            self._unplaced(lv, b)
-        except Exception:
-            log.exception("demotion of %s to %s failed", b.key.hex()[:16], lv.name)
-            self.store.stats.tier(lv.name, "errors")
-            self._unplaced(lv, b)
-        finally:
-            self._staged.pop(b, None)
-            self._staged_bytes -= b.size
+    async def _drain(self, lv: Level) -> None:
+        while lv.queue:
+            batch, lv.queue = lv.queue[:DEMOTE_BATCH], lv.queue[DEMOTE_BATCH:]
+            try:
+                unsealed = [(b, d) for b, d, _ in batch if b.checksum is None]
+                if unsealed:
+                    sums = await asyncio.to_thread(lambda: [checksum(d) for _, d in unsealed])
+                    for (b, _), c in zip(unsealed, sums):
+                        b.checksum = c
+                live = [(b, d) for b, d, _ in batch if b.tiers & lv.bit and b.ns.blocks.get(b.key) is b]
+                await self._make_room(lv)  # the batch is counted already; evict others until it fits
+                items = [(BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(d)) for b, d in live]
+                async with lv.slots:
+                    await lv.tier.put_many(items)
+                self.store.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
+            except Exception as exc:
+                if isinstance(exc, Unavailable):
+                    self._mark_down(lv, exc)
+                else:
+                    log.exception("demotion of %d blocks to %s failed", len(batch), lv.name)
+                    self.store.stats.tier(lv.name, "errors")
+                for b, _, _ in batch:
+                    self._unplaced(lv, b)
+            finally:
+                for b, _, buf in batch:
+                    self._staged.pop(b, None)
+                    self._pool.give(buf)
 
     async def _make_room(self, lv: Level) -> None:
         """Evict from a bounded tier until it fits, demoting to the next tier down."""
@@ -252,12 +275,13 @@ class Tiering:
 
     async def _write_through(self, lv: Level, blocks: list[Block]) -> None:
         try:
-            items = []
-            for b in blocks:
-                view = self.store.slab.view(b.slot, b.size)  # type: ignore[arg-type]
-                if b.checksum is None:
-                    b.checksum = await asyncio.to_thread(checksum, view)
-                items.append((BlockMeta(lv.ref(b), b.parent, b.size, b.checksum, b.ns.label), memoryview(view)))
+            views = [self.store.slab.view(b.slot, b.size) for b in blocks]  # type: ignore[arg-type]
+            unsealed = [(b, v) for b, v in zip(blocks, views) if b.checksum is None]
+            if unsealed:  # one thread hop for the batch
+                sums = await asyncio.to_thread(lambda: [checksum(v) for _, v in unsealed])
+                for (b, _), c in zip(unsealed, sums):
+                    b.checksum = c
+            items = [(BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(v)) for b, v in zip(blocks, views)]
             async with lv.slots:
                 await lv.tier.put_many(items)
             for b in blocks:
@@ -275,24 +299,28 @@ class Tiering:
 
     async def promote(self, run: list[Block]) -> list[Block]:
         """Bring the blocks of ``run`` that are only below DRAM into DRAM slots. Returns the
-        leading part of ``run`` now in DRAM (a miss or a bad copy ends it)."""
+        leading part of ``run`` now in DRAM (a miss or a bad copy ends it). Blocks are read in
+        one batch per source tier (one pipeline / thread hop / set of concurrent GETs)."""
         if all(b.tiers & DRAM for b in run):
             return run
         for b in run:
             b.leases += 1  # pin the whole run while we make room for parts of it
         try:
-            out: list[Block] = []
-            pending = []
+            loop = asyncio.get_running_loop()
+            pending: list[asyncio.Future[bool] | None] = []
+            batch: list[tuple[Block, asyncio.Future[bool]]] = []
             for b in run:
                 if b.tiers & DRAM:
                     pending.append(None)
                     continue
                 fut = self._promoting.get(b)
                 if fut is None:
-                    fut = asyncio.get_running_loop().create_future()
-                    self._promoting[b] = fut
-                    self._spawn(self._promote_one(b, fut))
+                    fut = self._promoting[b] = loop.create_future()
+                    batch.append((b, fut))
                 pending.append(fut)
+            if batch:
+                self._spawn(self._promote_batch(batch))
+            out: list[Block] = []
             for b, fut in zip(run, pending):
                 ok = True if fut is None else await asyncio.shield(fut)
                 if not ok or not (b.tiers & DRAM):
@@ -303,62 +331,93 @@ class Tiering:
             for b in run:
                 b.leases -= 1
 
-    async def _promote_one(self, b: Block, fut: asyncio.Future[bool]) -> None:
-        ok = False
+    async def _promote_batch(self, batch: list[tuple[Block, asyncio.Future[bool]]]) -> None:
         store = self.store
-        if b not in self._staged and not any(b.tiers & lv.bit and not lv.down for lv in self.levels):
-            self._promoting.pop(b, None)
-            fut.set_result(False)  # every copy is in a tier that is down: don't evict for nothing
-            return
+        taken: list[tuple[Block, asyncio.Future[bool], Slot, np.ndarray]] = []
         try:
-            slot = store._take_slot(store.slab.class_of(b.size))
-        except Exception as exc:  # DRAM full of leased blocks
-            log.info("cannot promote %s: %s", b.key.hex()[:16], exc)
-            self._promoting.pop(b, None)
-            fut.set_result(False)
-            return
-        view = store.slab.view(slot, b.size)
-        try:
+            for b, fut in batch:
+                reachable = b in self._staged or any(b.tiers & lv.bit and not lv.down for lv in self.levels)
+                if not reachable:
+                    self._settle(b, fut, False)  # every copy is in a tier that is down: evict nothing for it
+                    continue
+                try:
+                    slot = store._take_slot(store.slab.class_of(b.size))
+                except KVStoreError as exc:  # DRAM full of leased blocks
+                    log.info("cannot promote %s: %s", b.key.hex()[:16], exc)
+                    self._settle(b, fut, False)
+                    continue
+                taken.append((b, fut, slot, store.slab.view(slot, b.size)))
+            found = await self._read_into([(b, view) for b, _, _, view in taken])
+            for (b, fut, slot, _), source in zip(taken, found):
+                ok = source is not None and b.state is State.COMMITTED and b.ns.blocks.get(b.key) is b
+                if ok:
+                    b.slot = slot
+                    b.tiers |= DRAM
+                    parent = b.ns.blocks.get(b.parent) if b.parent else None
+                    store.policy.insert(b, parent if parent is not None and parent in store.policy else None, b.depth, b.size)
+                    store.stats.tier(source, "promotions")
+                else:
+                    store.slab.free(slot)
+                self._settle(b, fut, ok)
+        except BaseException:
+            for b, fut, slot, _ in taken:
+                if not fut.done():
+                    store.slab.free(slot)
+                    self._settle(b, fut, False)
+            for b, fut in batch:
+                self._settle(b, fut, False)
+            raise
+
+    def _settle(self, b: Block, fut: asyncio.Future[bool], ok: bool) -> None:
+        self._promoting.pop(b, None)
+        if not fut.done():
+            fut.set_result(ok)
+
+    async def _read_into(self, items: list[tuple[Block, np.ndarray]]) -> list[str | None]:
+        """Fill each view with its block's verified bytes: from the staging copy if a demotion is
+        in flight, else from the fastest tier holding it that is up. Returns the source tier
+        name per block, None where no good copy was found."""
+        out: list[str | None] = [None] * len(items)
+        todo: list[int] = []
+        for i, (b, view) in enumerate(items):
             staged = self._staged.get(b)
             if staged is not None:
                 view[:] = staged
-                ok = True
-                source = next((lv for lv in self.levels if b.tiers & lv.bit), None)
+                out[i] = next((lv.name for lv in self.levels if b.tiers & lv.bit), "dram")
             else:
-                source = None
-                for lv in self.levels:
-                    if not b.tiers & lv.bit or lv.down:
-                        continue
+                todo.append(i)
+        for lv in self.levels:
+            mine = [i for i in todo if items[i][0].tiers & lv.bit and not lv.down]
+            if not mine:
+                continue
+            blocks = [items[i][0] for i in mine]
+            views = [items[i][1] for i in mine]
+            try:
+                async with lv.slots:
+                    metas = await lv.tier.get_many([lv.ref(b) for b in blocks], [memoryview(v) for v in views])
+            except Unavailable as exc:
+                self._mark_down(lv, exc)
+                continue
+            except ChecksumMismatch:  # an unreadable copy in the batch: verify one by one
+                metas = [await verified_get(lv.tier, lv.ref(b), memoryview(v), b.checksum or 0) for b, v in zip(blocks, views)]
+            sums = await asyncio.to_thread(lambda: [checksum(v) if m is not None else None for v, m in zip(views, metas)])
+            for i, b, meta, got in zip(mine, blocks, metas, sums):
+                if meta is not None and meta.checksum == b.checksum and got == b.checksum:
+                    out[i] = lv.name
+                    self.store.stats.tier(lv.name, "bytes_out", b.size)
+                    continue
+                if meta is not None:  # a copy whose bytes do not match the commit: never served
+                    log.warning("checksum mismatch on %s copy of %s; dropping it", lv.name, b.key.hex()[:16])
+                    self.store.stats.tier(lv.name, "checksum_failures")
                     try:
-                        async with lv.slots:
-                            meta = await verified_get(lv.tier, lv.ref(b), memoryview(view), b.checksum or 0)
+                        await lv.tier.delete(lv.ref(b))
                     except Unavailable as exc:
                         self._mark_down(lv, exc)
-                        continue
-                    if meta is None:
-                        self.store.stats.tier(lv.name, "checksum_failures" if b.checksum else "misses")
-                        self._unplaced(lv, b)  # gone or bad: that copy is no more
-                        continue
-                    self.store.stats.tier(lv.name, "bytes_out", b.size)
-                    source = lv
-                    ok = True
-                    break
-            if ok and b.state is State.COMMITTED and b.ns.blocks.get(b.key) is b:
-                b.slot = slot
-                b.tiers |= DRAM
-                parent = b.ns.blocks.get(b.parent) if b.parent else None
-                store.policy.insert(b, parent if parent is not None and parent in store.policy else None, b.depth, b.size)
-                store.stats.tier(source.name if source else "dram", "promotions")
-            else:
-                ok = False
-                store.slab.free(slot)
-        except BaseException:
-            store.slab.free(slot)
-            raise
-        finally:
-            self._promoting.pop(b, None)
-            if not fut.done():
-                fut.set_result(ok)
+                else:
+                    self.store.stats.tier(lv.name, "misses")
+                self._unplaced(lv, b)  # gone or bad: that copy is no more
+            todo = [i for i in todo if out[i] is None]
+        return out
 
     async def delete(self, b: Block) -> None:
         self._staged.pop(b, None)
