@@ -17,6 +17,8 @@ Connection failures raise :class:`~kvstore.errors.Unavailable` after redis-py's 
 
 from __future__ import annotations
 
+import asyncio
+
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -61,6 +63,13 @@ class _Unavailable:
 _unavailable = _Unavailable()
 
 
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous (start, end) ranges covering ``range(n)``, none empty."""
+    parts = max(1, min(parts, n))
+    step = -(-n // parts) if n else 0
+    return [(a, min(a + step, n)) for a in range(0, n, step)] if n else []
+
+
 def default_retry(retries: int = 3, base_s: float = 0.05, cap_s: float = 1.0) -> Retry:
     return Retry(ExponentialBackoff(cap=cap_s, base=base_s), retries)
 
@@ -77,12 +86,14 @@ class RedisTier(TierBase):
         key_prefix: str = "kvstore",
         chunk_bytes: int = 1 << 20,
         ttl_s: int = 0,
+        pipelines: int = 4,
     ) -> None:
         self.client = client
         self.key_prefix = key_prefix
         self.chunk_bytes = chunk_bytes
         self.ttl_s = ttl_s or None
         self.cluster = isinstance(client, RedisCluster)
+        self.pipelines = pipelines
 
     @classmethod
     def from_config(cls, cfg: RedisConfig) -> RedisTier:
@@ -134,6 +145,13 @@ class RedisTier(TierBase):
         return (await self.get_many([ref], [into]))[0]
 
     async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
+        """A few pipelines on separate pooled connections, run concurrently (one connection is a
+        single stream the server answers serially)."""
+        groups = _split(len(refs), self.pipelines)
+        parts = await asyncio.gather(*(self._get_group(refs[a:b], into[a:b]) for a, b in groups))
+        return [m for part in parts for m in part]
+
+    async def _get_group(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
         """One pipelined round trip: each block's header and the chunks its buffer could hold
         (``into`` is at least the block's size, so that covers every chunk of the block)."""
         if not refs:
@@ -190,6 +208,9 @@ class RedisTier(TierBase):
         await self.put_many([(meta, data)])
 
     async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
+        await asyncio.gather(*(self._put_group(items[a:b]) for a, b in _split(len(items), self.pipelines)))
+
+    async def _put_group(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
         if not items:
             return
         with _unavailable:
