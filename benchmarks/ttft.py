@@ -16,11 +16,23 @@ largest prompt. Before every reload, a DRAM-full of filler blocks pushes the pro
 (demoting it on the first round) and is deleted again, so the reload promotes from the tier
 into empty DRAM slots. Redis (redis-server) and S3 (moto's server) run on free loopback ports.
 
-The decision is what the connector's scheduler side chose (lookup + ``CostModel``) before the
-cell was measured. The cost model is calibrated once at start, from measurements in the same
-run: the FLOP rate from real prefills, each tier's bandwidth and per-request latency from a
-two-point fit (1 block and many blocks loaded end to end through the connector, lookup
-included). Rates are not updated during the run, so every cell is decided by the same model.
+The decision is what the connector's scheduler side chose (lookup + ``CostModel``) for the cell
+**before** any of the cell's measurements, from a model fed only with measurements of this run:
+
+* at start, ``calibrate_prefill``: real forwards of 16, 64, 256, 1024 and 2048 tokens (two each)
+  fit the per-forward overhead and the matmul and attention FLOP rates;
+* per tier, before its cells: end-to-end loads through the connector (``HFConnector.load``:
+  lookup, acquire with promotion, copy, cache assembly -- everything the recompute baseline
+  does not pay) of 1, 4, 16, 64 and 256 blocks, two each, fit the tier's per-request latency and
+  bandwidth (none of these sizes is a cell's; the loads also warm the tier);
+* after each cell, the cell's own measurements (forwards and loads) are fed to the model, as a
+  deployment keeps it current from real traffic; they can inform later cells only.
+
+A cell's ``faster`` option is the one with the lower median of its ``reps`` measurements; the
+two options are measured alternately (recompute first on even repetitions, reload first on odd
+ones) so drift in the machine's load hits both alike. The lookup leases the decisions take are
+released by the connector (no workaround); the sidecar's open lease count after each tier is
+recorded in ``notes.leases_open``.
 
 Ratios: ``reload_<tier>_<tokens>`` = recompute TTFT / reload TTFT (p50; > 1: reloading wins) and
 ``decision_accuracy`` = fraction of cells where the decision chose the option that measured
@@ -52,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--small-blocks", type=int, nargs="*", default=[1, 2],
                    help="also prompts of this many full blocks (+ half a block): recompute should win on slow tiers")
     p.add_argument("--tiers", nargs="+", choices=TIERS, default=list(TIERS))
-    p.add_argument("--reps", type=int, default=0, help="measurements per way and cell (0: 5 short, 3 up to 2048, 2 above)")
+    p.add_argument("--reps", type=int, default=0, help="measurements per way and cell (0: 5 short, 3 otherwise)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--intermediate-size", type=int, default=768)
@@ -132,12 +144,14 @@ def recompute(model: Any, prompt: list[int]) -> tuple[float, Any]:
 
 
 @torch.inference_mode()
-def reload(model: Any, conn: Any, prompt: list[int]) -> tuple[float, Any]:
-    """TTFT through the connector: load what the sidecar has, compute the rest."""
+def reload(model: Any, conn: Any, prompt: list[int]) -> tuple[float, float, Any]:
+    """TTFT through the connector: load what the sidecar has, compute the rest. Returns the TTFT,
+    the load's share of it (lookup to assembled cache) and what was loaded."""
     t0 = time.perf_counter()
     loaded = conn.load(prompt)
+    t1 = time.perf_counter()
     model(input_ids=torch.tensor([prompt[loaded.tokens :]]), past_key_values=loaded.cache, use_cache=True)
-    return time.perf_counter() - t0, loaded
+    return time.perf_counter() - t0, t1 - t0, loaded
 
 
 def sidecar_env(tier: str, servers: dict[str, Any]) -> dict[str, str]:
@@ -200,46 +214,31 @@ class Placement:
             raise RuntimeError(f"blocks expected only in {self.tier}, found in {placed}")
 
 
-def calibrate_tier(model: Any, conn: Any, place: Placement, prompt: list[int], bs: int) -> tuple[float, float]:
-    """Bandwidth (bytes/s) and per-request latency (s) of loads from the tier, end to end through
-    the connector (``HFConnector.load``: lookup, acquire with promotion, copy, cache assembly): a
-    two-point fit of 1 block and all of ``prompt``'s blocks, best of 3 each. The lookup is part
-    of the latency because the recompute baseline does not pay it."""
+CAL_BLOCKS = (1, 4, 16, 64, 256)
+CAL_PREFILL = (16, 64, 256, 1024, 2048)
+
+
+def calibrate_tier(cost: Any, conn: Any, place: Placement, prompt: list[int], bs: int, repeats: int = 2) -> None:
+    """Feed ``cost`` end-to-end loads from the tier (``HFConnector.load``: lookup, acquire with
+    promotion, copy, cache assembly) of ``CAL_BLOCKS`` blocks of ``prompt``, ``repeats`` each; its
+    fit gives the tier's per-request latency and bandwidth. The lookup is part of the latency
+    because the recompute baseline does not pay it."""
     keys = conn.sched.keys(prompt)
-    small = prompt[: bs + 1]
-    t1, tn, blocks = [], [], (len(prompt) - 1) // bs
-    for _ in range(3):
-        for target, out in ((small, t1), (prompt, tn)):
+    sizes = [b for b in CAL_BLOCKS if b * bs < len(prompt)]
+    for _ in range(repeats):
+        for b in sizes:
             place.evict(keys)
             t0 = time.perf_counter()
-            loaded = conn.load(target)
-            out.append(time.perf_counter() - t0)
-            assert loaded.result is not None and loaded.result.failure is None
-    b1, bn = place.block_bytes, blocks * place.block_bytes
-    s1, sn = min(t1), min(tn)
-    bandwidth = (bn - b1) / max(sn - s1, 1e-6)
-    latency = max(s1 - b1 / bandwidth, 1e-5)
-    return bandwidth, latency
-
-
-def calibrate_flops(model: Any, lengths: list[int]) -> float:
-    """FLOP/s of real prefills (the cost model's own FLOP count over the measured time)."""
-    from connector.cost import ModelShape
-
-    shape = ModelShape.from_hf_config(model.config)
-    rates = []
-    for n in lengths:
-        prompt = prompt_of(n + 1, model.config.vocab_size)
-        recompute(model, prompt)  # warm up
-        s = min(recompute(model, prompt)[0] for _ in range(2))
-        rates.append(shape.prefill_flops(0, n) / s)
-    return statistics.median(rates)
+            loaded = conn.load(prompt[: b * bs + 1])
+            seconds = time.perf_counter() - t0
+            assert loaded.result is not None and loaded.result.failure is None and loaded.result.loaded == b
+            cost.observe_transfer({place.tier: b * place.block_bytes}, seconds)
 
 
 def run(args: argparse.Namespace) -> dict:
     from tqdm import tqdm
 
-    from connector.cost import CostModel, ModelShape, TierRate
+    from connector.cost import CostModel, ModelShape, TierRate, calibrate_prefill
     from connector.hf import HFConnector, hf_spec
     from kvstore.client import SyncClient
 
@@ -248,15 +247,19 @@ def run(args: argparse.Namespace) -> dict:
     lengths = sorted({*(k * bs + bs // 2 for k in args.small_blocks), *args.lengths})
     model = build_model(args, max(lengths))
     vocab = model.config.vocab_size
-    reps = {n: args.reps or (5 if n < 512 else 3 if n <= 2048 else 2) for n in lengths}
+    reps = {n: args.reps or (5 if n < 512 else 3) for n in lengths}
     prompts = {n: prompt_of(n, vocab) for n in lengths}
     res = Result("ttft")
     cells: list[Cell] = []
     tiers: list[str] = list(args.tiers)
 
-    flop_rate = calibrate_flops(model, [256, 1024])
     block_bytes = hf_spec(model.config, bs).block_bytes
     biggest = (max(lengths) // bs) * block_bytes
+    # one model for the whole run: the prefill fit is shared, each tier gets its own transfer fit
+    cost = CostModel(ModelShape.from_hf_config(model.config), flop_rate=1e10,
+                     tiers={t: TierRate.of(1e9, 1e-3) for t in TIERS})
+    calibrate_prefill(cost, lambda n: recompute(model, prompt_of(n + 1, vocab)[:n])[0], CAL_PREFILL)
+    res.notes["calibration"] = {"prefill": {k: v for k, v in cost.snapshot()["prefill"].items()}}
     total_steps = len(tiers) * (1 + sum(reps.values()))
     bar = tqdm(total=total_steps, desc="ttft", unit="step", disable=args.no_progress, file=sys.stderr)
     with tier_servers(tiers) as servers:
@@ -266,22 +269,18 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 dram = -(-biggest * 5 // 4 // PAGE) * PAGE
             with sidecar_process(dram, env=sidecar_env(tier, servers)) as sc, SyncClient(sc.grpc) as client:
-                cost = CostModel(ModelShape.from_hf_config(model.config), flop_rate=flop_rate,
-                                 tiers={t: TierRate.of(1e9, 1e-3) for t in TIERS})
                 plain = HFConnector(model, client, model_id="bench", block_size=bs)
                 chooser = HFConnector(model, client, model_id="bench", block_size=bs, cost=cost)
-                for conn in (plain, chooser):
-                    conn.sched.lease_ttl_ms = 0  # no lookup leases: nothing else runs, and they would pin DRAM
                 place = Placement(client, plain.ns, tier, block_bytes, dram)
                 bar.set_postfix_str(f"{tier}: storing, calibrating")
                 for n in lengths:  # store every prompt's full blocks, computed as a prefill does
                     _, cache = recompute(model, prompts[n])
                     plain.save(prompts[n], cache)
                     place.stored.update(plain.sched.keys(prompts[n]))
-                cal_prompt = prompts[min((n for n in lengths if n >= 1024), default=max(lengths))]
-                bw, lat = calibrate_tier(model, plain, place, cal_prompt, bs)
-                cost.tiers[tier] = TierRate.of(bw, lat)
-                res.notes.setdefault("calibration", {})[tier] = {"bandwidth_MBps": round(bw / 1e6, 1), "latency_ms": round(lat * 1e3, 3)}
+                calibrate_tier(cost, plain, place, prompts[max(lengths)], bs)
+                rate = cost.tiers[tier]
+                res.notes["calibration"][tier] = {"bandwidth_MBps": round(rate.bandwidth.value / 1e6, 1),
+                                                  "latency_ms": round(rate.latency.value * 1e3, 3)}
                 bar.update(1)
                 for n in lengths:
                     prompt = prompts[n]
@@ -292,28 +291,38 @@ def run(args: argparse.Namespace) -> dict:
                     d = chooser.sched.decision(req)
                     chooser.sched.request_finished(req)
                     assert d is not None
+                    k = d.max_blocks  # what loading everything is predicted at
                     decision = {"kind": d.kind, "load_blocks": d.load_blocks, "available": d.available,
-                                "predicted_reload_ms": round(d.predicted_ttft_s * 1e3, 2) if d.load_blocks else None,
+                                "predicted_reload_ms": round((cost.load_time([tier] * k, block_bytes)
+                                                              + cost.prefill_time(k * bs, n - k * bs)) * 1e3, 2),
                                 "predicted_recompute_ms": round(d.recompute_ttft_s * 1e3, 2)}
-                    if d.load_blocks == 0:  # what loading everything would have been predicted at
-                        k = d.max_blocks
-                        decision["predicted_reload_ms"] = round(
-                            (cost.load_time([tier] * k, block_bytes) + cost.prefill_time(k * bs, n - k * bs)) * 1e3, 2)
                     cell = Cell(tier, n, [], [], 0, decision)
                     bar.set_postfix_str(f"{tier} {n} tokens")
-                    for _ in range(reps[n]):
-                        cell.recompute_s.append(recompute(model, prompt)[0])
-                        place.evict(keys)
-                        t, loaded = reload(model, plain, prompt)
-                        if loaded.result is None or loaded.result.failure is not None or set(loaded.tiers) != {tier}:
-                            raise RuntimeError(f"{tier} {n}: reload did not load from {tier}: {loaded.result} {loaded.tiers}")
-                        cell.reload_s.append(t)
-                        cell.loaded_blocks = loaded.result.loaded
+                    seen: list[tuple[str, float, float, int]] = []  # fed to the model after the cell
+                    for i in range(reps[n]):
+                        for way in (("recompute", "reload") if i % 2 == 0 else ("reload", "recompute")):
+                            if way == "recompute":
+                                t = recompute(model, prompt)[0]
+                                cell.recompute_s.append(t)
+                                seen.append(("prefill", t, 0.0, 0))
+                                continue
+                            place.evict(keys)
+                            t, load_s, loaded = reload(model, plain, prompt)
+                            if loaded.result is None or loaded.result.failure is not None or set(loaded.tiers) != {tier}:
+                                raise RuntimeError(f"{tier} {n}: reload did not load from {tier}: {loaded.result} {loaded.tiers}")
+                            cell.reload_s.append(t)
+                            cell.loaded_blocks = loaded.result.loaded
+                            seen.append(("reload", t - load_s, load_s, loaded.tokens))
                         bar.update(1)
+                    for what, fwd_s, load_s, m in seen:
+                        cost.observe_prefill(m, n - m, fwd_s)
+                        if what == "reload":
+                            cost.observe_transfer({tier: (m // bs) * block_bytes}, load_s)
                     cells.append(cell)
                     res.figure(f"ttft_recompute_{tier}_{n}_p50", cell.recompute * 1e3, "ms")
                     res.figure(f"ttft_reload_{tier}_{n}_p50", cell.reload * 1e3, "ms")
                     res.ratio(f"reload_{tier}_{n}", cell.recompute / cell.reload)
+                res.notes.setdefault("leases_open", {})[tier] = client.stats()["index"]["leases"]
     bar.close()
     correct = sum(c.chosen == c.faster for c in cells)
     res.ratio("decision_accuracy", correct / len(cells))
@@ -326,7 +335,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     res.notes["block_size"] = bs
     res.notes["kv_block_bytes"] = block_bytes
-    res.notes["flop_rate"] = flop_rate
+    res.notes["cost_model_at_end"] = {k: v for k, v in cost.snapshot().items() if k != "recent"}
     return res.as_dict()
 
 
