@@ -168,6 +168,7 @@ def instance_main(spec_path: str) -> None:
         if ph.get("batch"):
             if evict:
                 gen(evict[0], 1)
+            time.sleep(ph.get("gap_s", 0.0))
             outs, wall = gen(ph["prompts"], ph["max_tokens"])
             reqs = [record(o) for o in outs]
         else:
@@ -177,6 +178,7 @@ def instance_main(spec_path: str) -> None:
                     gen(evict[i], 1)
                 if ph.get("warm"):
                     gen([p], ph["max_tokens"])  # the prompt is now in vLLM's own cache
+                time.sleep(ph.get("gap_s", 0.0))  # idle time before the request arrives
                 before = _by_source(llm) if ph.get("stats", True) else {}
                 [o], dt = gen([p], ph["max_tokens"])
                 wall += dt
@@ -202,6 +204,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=64, help="vLLM's KV pool (num_gpu_blocks_override)")
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--gap", type=float, default=0.3,
+                   help="idle seconds before each measured request (after the eviction prompts), same for all")
     p.add_argument("--no-mooncake", action="store_true", help="skip the MooncakeStoreConnector peer")
     p.add_argument("--no-example", action="store_true", help="skip vLLM's ExampleConnector peer")
 
@@ -229,14 +233,14 @@ def evict_prompts(toks: Any, num_blocks: int, block_size: int, length: int = 100
 
 def _phases(args: argparse.Namespace, pr: dict[str, Any]) -> list[dict[str, Any]]:
     """What every configuration runs (the same token ids); each eviction uses fresh prompts."""
-    mt, n = args.max_tokens, args.docs
+    mt, n, gap = args.max_tokens, args.docs, args.gap
     fill = pr["fill"]
     return [
         {"name": "store", "prompts": pr["repeat"], "max_tokens": mt, "stats": False},
-        {"name": "floor", "prompts": pr["repeat"], "max_tokens": mt, "warm": True},
-        {"name": "repeat", "prompts": pr["repeat"], "max_tokens": mt, "evict": [fill() for _ in range(n)]},
-        {"name": "prefix", "prompts": pr["prefix"], "max_tokens": mt, "evict": [fill() for _ in range(n)]},
-        {"name": "batch", "prompts": pr["repeat"], "max_tokens": mt, "evict": [fill()], "batch": True},
+        {"name": "floor", "prompts": pr["repeat"], "max_tokens": mt, "warm": True, "gap_s": gap},
+        {"name": "repeat", "prompts": pr["repeat"], "max_tokens": mt, "evict": [fill() for _ in range(n)], "gap_s": gap},
+        {"name": "prefix", "prompts": pr["prefix"], "max_tokens": mt, "evict": [fill() for _ in range(n)], "gap_s": gap},
+        {"name": "batch", "prompts": pr["repeat"], "max_tokens": mt, "evict": [fill()], "batch": True, "gap_s": gap},
     ]
 
 
@@ -254,7 +258,6 @@ def _p50(xs: list[float]) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     from benchmarks.common import Result, sidecar_process
-    from benchmarks.vllm_peers import mooncake_peer
     from kvstore.testing.tiny_model import build_tiny_llama
 
     res = Result("vllm")
@@ -277,7 +280,7 @@ def run(args: argparse.Namespace) -> dict:
                                       "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
             mooncake = None
             if not args.no_mooncake:
-                mooncake = mooncake_peer(work / "mooncake")
+                mooncake = MooncakePeer(work / "mooncake")
                 if mooncake.error:
                     res.notes["mooncake"] = mooncake.error
                 else:
@@ -310,6 +313,8 @@ def _summarise(res: Any, results: dict[str, dict[str, Any]], args: argparse.Name
         for phase in ("floor", "repeat", "prefix"):
             ttfts = [q["ttft_s"] for q in ph[phase]["requests"] if q["ttft_s"] is not None]
             res.figure(f"{name}_ttft_{phase}_p50", _p50(ttfts) * 1e3, "ms")
+        store = ph["store"]
+        res.figure(f"{name}_store_throughput", len(store["requests"]) / store["wall_s"], "req/s")
         batch = ph["batch"]
         rps[name] = len(batch["requests"]) / batch["wall_s"]
         res.figure(f"{name}_batch_throughput", rps[name], "req/s")
@@ -337,6 +342,16 @@ def _summarise(res: Any, results: dict[str, dict[str, Any]], args: argparse.Name
     peer_hits = {n: ttft_hits[n] for n in peers if n in ttft_hits}
     if "kvstore" in ttft_hits and peer_hits:
         res.ratio("ttft_vs_best_peer", min(peer_hits.values()) / ttft_hits["kvstore"])
+    # a shared prefix under a new question: only prefix caches hit (not ExampleConnector)
+    prefix_hits = {}
+    for name in results:
+        hits = [q["ttft_s"] for q in results[name]["phases"]["prefix"]["requests"]
+                if q.get("by_source", {}).get("external_kv_transfer", 0) > 0]
+        if hits and name != "none":
+            prefix_hits[name] = _p50(hits)
+    peer_prefix = [v for n, v in prefix_hits.items() if n != "kvstore"]
+    if "kvstore" in prefix_hits and peer_prefix:
+        res.ratio("ttft_prefix_vs_best_peer", min(peer_prefix) / prefix_hits["kvstore"])
     if peers:
         res.ratio("throughput_vs_best_peer", rps["kvstore"] / max(rps[n] for n in peers))
     res.ratio("ttft_vs_recompute", _p50([q["ttft_s"] for q in ref["repeat"]["requests"]]) / ttft_hits.get("kvstore", float("nan")))
@@ -347,6 +362,68 @@ def _summarise(res: Any, results: dict[str, dict[str, Any]], args: argparse.Name
                           f"{args.max_tokens} new tokens, block {args.block_size}, vLLM pool {args.num_blocks} blocks, "
                           f"tiny Llama hidden {args.hidden_size} x {args.layers} layers fp32, in-process engine, "
                           "VLLM_CPU_NUM_OF_RESERVED_CPU=1 everywhere")
+
+
+# --- the Mooncake peer ----------------------------------------------------------------------------
+
+
+class MooncakePeer:
+    """A local ``mooncake_master`` (RPC + HTTP metadata server on loopback, TCP transport) and the
+    ``kv_transfer_config``/environment for vLLM's MooncakeStoreConnector; ``error`` says why not."""
+
+    def __init__(self, work: Path) -> None:
+        self.error = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.kv_transfer_config: dict[str, Any] = {}
+        self.env: dict[str, str] = {}
+        try:
+            import importlib.util
+
+            if importlib.util.find_spec("mooncake") is None:
+                raise RuntimeError("python package mooncake (pip install mooncake-transfer-engine-non-cuda) is not installed")
+            master = shutil.which("mooncake_master")
+            if master is None:
+                raise RuntimeError("mooncake_master is not on PATH")
+            work.mkdir(parents=True, exist_ok=True)
+            rpc, http, metrics = _free_port(), _free_port(), _free_port()
+            self.log = open(work / "mooncake_master.log", "wb")  # noqa: SIM115 - closed in close()
+            self.proc = subprocess.Popen(
+                [master, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
+                 "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
+                 f"--metrics_port={metrics}"],
+                stdout=self.log, stderr=subprocess.STDOUT)
+            _wait_port(http, self.proc, work / "mooncake_master.log")
+            _wait_port(rpc, self.proc, work / "mooncake_master.log")
+            config = {"metadata_server": f"http://127.0.0.1:{http}/metadata", "master_server_address": f"127.0.0.1:{rpc}",
+                      "protocol": "tcp", "device_name": "", "global_segment_size": "512MB", "local_buffer_size": "256MB"}
+            (work / "mooncake.json").write_text(json.dumps(config))
+            self.env = {"MOONCAKE_CONFIG_PATH": str(work / "mooncake.json"), "VLLM_HOST_IP": "127.0.0.1"}
+            self.kv_transfer_config = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                                       "kv_connector_extra_config": {}}
+        except Exception as exc:  # noqa: BLE001 - reported in the benchmark's notes
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.close()
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited {proc.returncode}: {log.read_text()[-2000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"mooncake_master: port {port} not open after {timeout}s")
 
 
 def main(argv: list[str] | None = None) -> None:

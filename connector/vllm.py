@@ -34,6 +34,7 @@ connector (their KV depends on more than the token ids). Tensor/pipeline paralle
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -167,6 +168,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 tc.kv_load_failure_policy = self.settings.load_failure_policy  # read by the scheduler next
             self._sched = SchedulerConnector(self.client, self.ns, self.spec, lease_ttl_ms=self.settings.lease_ttl_ms)
             self._reqs: dict[str, _Req] = {}
+            self._lookups: dict[str, tuple[int, int, int, float]] = {}  # req -> (computed, tokens, n, until)
         else:
             from vllm.platforms import current_platform
 
@@ -192,10 +194,18 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
-        self._reqs[request.request_id] = _Req(request)
+        if request.request_id not in self._reqs:
+            self._reqs[request.request_id] = _Req(request)
         if not self._load or _bypass(request):
             return 0, False
+        # vLLM asks again every step while a request waits for free blocks: the lookup leased the
+        # matched blocks for lease_ttl_ms, so its answer stands for half that time.
+        now = time.monotonic()
+        cached = self._lookups.get(request.request_id)
+        if cached is not None and cached[0] == num_computed_tokens and cached[1] == request.num_tokens and now < cached[3]:
+            return cached[2], False
         n = self._sched.get_num_new_matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens)
+        self._lookups[request.request_id] = (num_computed_tokens, request.num_tokens, n, now + self.settings.lease_ttl_ms / 2000)
         return n, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -208,8 +218,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             req = self._reqs.get(new.req_id)
-            if req is not None:
-                req.block_ids, req.offered = list(new.block_ids[0]), 0
+            if req is not None:  # blocks vLLM had or loaded need no save
+                req.block_ids, req.offered = list(new.block_ids[0]), new.num_computed_tokens // self.spec.block_size
                 self._offer_save(new.req_id, req, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -218,7 +228,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                req.block_ids, req.offered = list(new_ids[0]) if new_ids else [], 0
+                req.block_ids = list(new_ids[0]) if new_ids else []
+                req.offered = cached.num_computed_tokens[i] // self.spec.block_size
             elif new_ids is not None:
                 req.block_ids.extend(new_ids[0])
             self._offer_save(req_id, req, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
@@ -226,7 +237,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                                         frozenset(scheduler_output.preempted_req_ids or ()))
 
     def _offer_save(self, req_id: str, req: _Req, computed: int) -> None:
-        """Hand the blocks that this step fills to the worker (the sidecar skips those it has)."""
+        """Hand the blocks that this step fills to the worker. All full blocks from the first are
+        offered (so the sidecar records the prefix chain); it copies only those it lacks."""
         if not self._save or _bypass(req.request):
             return
         bs = self.spec.block_size
@@ -251,6 +263,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         self._reqs.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
         return self._sched.request_finished(request.request_id), None
 
     # --- worker side ------------------------------------------------------------------------
@@ -273,9 +286,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         loads = self._meta().core.loads
-        if loads:
-            self._worker.start(ConnectorMetadata(loads=loads))
-            self._failed_reqs = {r.req_id for r in self._worker.wait_for_loads() if not r.ok}
+        if loads:  # synchronous: the forward pass that follows reads these blocks
+            self._failed_reqs = {r.req_id for r in self._worker.load_now(loads) if not r.ok}
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # start_load_kv returns with every block in place
