@@ -76,7 +76,8 @@ class Settings:
     revision: str = ""  # namespace revision; default: vLLM's model revision
     save_decode: bool = True  # also store blocks filled by generated tokens
     verify_checksums: bool = True  # check loaded blocks against their checksums
-    lease_ttl_ms: int = 30_000  # lease on looked-up blocks until they are loaded
+    lease_ttl_ms: int = 0  # lease on looked-up blocks until they are loaded; 0: none (see docs)
+    lookup_reuse_ms: int = 1_000  # a waiting request's lookup answer is reused this long
     load_failure_policy: str = "recompute"  # applied to vLLM's kv_load_failure_policy
     transfer: str = ""  # "numpy" | "cupy"; default by device
     threads: int = 1  # transfer threads in the worker
@@ -198,14 +199,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._reqs[request.request_id] = _Req(request)
         if not self._load or _bypass(request):
             return 0, False
-        # vLLM asks again every step while a request waits for free blocks: the lookup leased the
-        # matched blocks for lease_ttl_ms, so its answer stands for half that time.
+        # vLLM asks again every step while a request waits for free blocks: reuse the answer for a
+        # while (a block evicted meanwhile fails its load and is recomputed).
         now = time.monotonic()
         cached = self._lookups.get(request.request_id)
         if cached is not None and cached[0] == num_computed_tokens and cached[1] == request.num_tokens and now < cached[3]:
             return cached[2], False
         n = self._sched.get_num_new_matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens)
-        self._lookups[request.request_id] = (num_computed_tokens, request.num_tokens, n, now + self.settings.lease_ttl_ms / 2000)
+        self._lookups[request.request_id] = (num_computed_tokens, request.num_tokens, n, now + self.settings.lookup_reuse_ms / 1000)
         return n, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
