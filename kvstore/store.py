@@ -96,9 +96,10 @@ class BlockStore:
         """The leading run of ``keys`` that is stored, the set of placement masks in it, and a
         lease on it when ``lease_ttl_ms`` is set."""
         self._check_batch(len(keys), "keys")
-        self._check_keys(keys, "keys")
         deadline = self._lease_deadline(lease_ttl_ms) if lease_ttl_ms else None
         run = self.index.leading_run(ns, keys)
+        if len(run) < len(keys):  # a full hit proves every key well-formed (stored keys are)
+            self._check_keys(keys, "keys")
         if self.tiering is not None and (down := self.tiering.down_mask()):
             run = self._reachable(run, down)
         self.stats.lookup(ns.label, len(keys), len(run))
@@ -127,8 +128,11 @@ class BlockStore:
         """Record hits for the policies. Applied lazily (a read buffer, as Caffeine does): off
         the request's critical path, and always before the next eviction decision."""
         if run:
-            self._touches.append((run, all_in_dram))
-            if len(self._touches) >= 256:
+            touches = self._touches
+            if touches and touches[-1][0] == run:
+                return  # the same run again (a hot prefix): touching it twice in a row = once
+            touches.append((run, all_in_dram))
+            if len(touches) >= 256:
                 self.drain_touches()
 
     def drain_touches(self) -> None:
