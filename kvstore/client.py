@@ -110,7 +110,8 @@ class _Wire:
 
     @staticmethod
     def lookup_result(r: pb.LookupResponse) -> LookupResult:
-        return LookupResult(r.matched, [(_TIER_NAMES.get(t, "unknown"), s) for t, s in zip(r.tiers, r.sizes)], r.lease_id or None)
+        sizes = [r.uniform_size] * r.matched if r.uniform_size else r.sizes
+        return LookupResult(r.matched, [(_TIER_NAMES.get(t, "unknown"), s) for t, s in zip(r.tiers, sizes)], r.lease_id or None)
 
     def allocate(
         self, ns: Namespace, keys: Sequence[bytes], sizes: Sequence[int] | int, parents: Sequence[bytes] | None,

@@ -77,6 +77,26 @@ class NsEntry:
     namespace: Namespace | None
     blocks: dict[bytes, Block] = field(default_factory=dict)  # every block, allocated or committed
     visible: dict[bytes, Block] = field(default_factory=dict)  # the committed ones: what lookups see
+    visible_sizes: dict[int, int] = field(default_factory=dict)  # block size -> visible blocks of it
+
+    @property
+    def uniform_size(self) -> int:
+        """The size every visible block has, or 0 when sizes differ (or nothing is visible)."""
+        if len(self.visible_sizes) == 1:
+            return next(iter(self.visible_sizes))
+        return 0
+
+    def _show(self, block: Block) -> None:
+        self.visible[block.key] = block
+        self.visible_sizes[block.size] = self.visible_sizes.get(block.size, 0) + 1
+
+    def _hide(self, block: Block) -> None:
+        del self.visible[block.key]
+        n = self.visible_sizes[block.size] - 1
+        if n:
+            self.visible_sizes[block.size] = n
+        else:
+            del self.visible_sizes[block.size]
 
 
 @dataclass(slots=True, eq=False)
@@ -135,14 +155,14 @@ class Index:
         block = Block(ns, key, parent, size, depth, state)
         ns.blocks[key] = block
         if state is State.COMMITTED:
-            ns.visible[key] = block
+            ns._show(block)
         return block
 
     @staticmethod
     def publish(block: Block) -> None:
         """ALLOCATED -> COMMITTED: the block becomes visible to lookups."""
         block.state = State.COMMITTED
-        block.ns.visible[block.key] = block
+        block.ns._show(block)
 
     @staticmethod
     def drop(block: Block) -> None:
@@ -152,7 +172,7 @@ class Index:
         if ns.blocks.get(block.key) is block:
             del ns.blocks[block.key]
             if ns.visible.get(block.key) is block:
-                del ns.visible[block.key]
+                ns._hide(block)
 
     # --- allocations --------------------------------------------------------------------
 

@@ -122,7 +122,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.LookupResponse(
             matched=len(run),
             tiers=_pb_tiers(run, masks),
-            sizes=list(map(_SIZE, run)),
+            sizes=() if (uniform := ns.uniform_size) else list(map(_SIZE, run)),
+            uniform_size=uniform,
             lease_id=lease.id if lease else "",
         )
 

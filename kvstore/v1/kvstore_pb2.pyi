@@ -65,16 +65,18 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("matched", "tiers", "sizes", "lease_id")
+    __slots__ = ("matched", "tiers", "sizes", "lease_id", "uniform_size")
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    UNIFORM_SIZE_FIELD_NUMBER: _ClassVar[int]
     matched: int
     tiers: bytes
     sizes: _containers.RepeatedScalarFieldContainer[int]
     lease_id: str
-    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ...) -> None: ...
+    uniform_size: int
+    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., uniform_size: _Optional[int] = ...) -> None: ...
 
 class BlockSpec(_message.Message):
     __slots__ = ("key", "parent", "size")

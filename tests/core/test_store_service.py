@@ -207,3 +207,13 @@ async def test_every_policy_runs_in_the_server(tmp_path, ns, policy):
             for i in range(7):
                 got = await c.get_blocks(ns, chain(ns, 100 + i, 2))
                 assert [g.tobytes() for g in got] == blocks_for(2, 32768, 100 + i)[: len(got)]
+
+
+async def test_lookup_reports_each_size_when_sizes_differ(client: KVStoreClient, ns):
+    keys = chain(ns, 90, 3)
+    await client.put_blocks(ns, keys[:2], blocks_for(2, 4096, 90))
+    assert (await client.lookup(ns, keys)).blocks == [("dram", 4096)] * 2  # uniform: sent as one number
+    await client.put_blocks(ns, keys[2:], blocks_for(1, 5000, 91), first_parent=keys[1])
+    assert (await client.lookup(ns, keys)).blocks == [("dram", 4096), ("dram", 4096), ("dram", 5000)]
+    await client.delete(ns, keys[2:])
+    assert (await client.lookup(ns, keys)).blocks == [("dram", 4096)] * 2
