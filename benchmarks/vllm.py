@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.tuning import ENV as MALLOC_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 
 VLLM_ENV = {
@@ -55,8 +57,7 @@ VLLM_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    "MALLOC_MMAP_THRESHOLD_": str(128 << 20),
-    "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
+    **MALLOC_ENV,
 }
 
 

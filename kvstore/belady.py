@@ -18,8 +18,11 @@ from dataclasses import dataclass
 NEVER = 1 << 62
 
 
-@dataclass(slots=True, frozen=True)
-class BeladyResult:
+class HitRates:
+    """Hit rates derived from ``prefix_hits``, ``block_hits`` and ``references`` (the replay's
+    results and the bound's share them)."""
+
+    __slots__ = ()
     prefix_hits: int
     block_hits: int
     references: int
@@ -31,6 +34,13 @@ class BeladyResult:
     @property
     def block_hit_rate(self) -> float:
         return self.block_hits / self.references if self.references else 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class BeladyResult(HitRates):
+    prefix_hits: int
+    block_hits: int
+    references: int
 
 
 def next_uses(requests: Sequence[Sequence[int]]) -> list[int]:

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstore.belady import HitRates
 from kvstore.index import Block, Index, NsEntry, State, TierId
 from kvstore.policy import make_policy
 from kvstore.policy.base import EvictionPolicy
@@ -41,21 +42,13 @@ class TierSpec:
 
 
 @dataclass(slots=True)
-class ReplayResult:
+class ReplayResult(HitRates):
     policy: str
     references: int = 0
     prefix_hits: int = 0
     block_hits: int = 0
     tier_prefix_hits: dict[str, int] = field(default_factory=dict)  # by the tier that served it
     seconds: float = 0.0
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.references if self.references else 0.0
-
-    @property
-    def block_hit_rate(self) -> float:
-        return self.block_hits / self.references if self.references else 0.0
 
     @property
     def refs_per_s(self) -> float:

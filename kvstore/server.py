@@ -25,7 +25,6 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.index import DRAM, REDIS, S3, SSD, TOP_TIER, Block, NsEntry
 from kvstore.keys import Namespace
 from kvstore.slab import Slab
-from kvstore.stats import Stats
 from kvstore.store import BlockSpec, BlockStore, CommitSpec
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc

@@ -28,22 +28,15 @@ import sys
 import time
 from pathlib import Path
 
-ENV_DEFAULTS = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "auto",
-    "OMP_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.vllm import VLLM_ENV  # noqa: E402  (the settings every vLLM run here uses)
+
+# Multiprocess by default here (--in-process turns it off), with threads bound to cores.
+ENV_DEFAULTS = {k: v for k, v in VLLM_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+ENV_DEFAULTS["VLLM_CPU_OMP_THREADS_BIND"] = "auto"
 for _k, _v in ENV_DEFAULTS.items():
     os.environ.setdefault(_k, _v)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog and the cache",
