@@ -10,10 +10,13 @@ same server, interleaved with it (ours, raw, raw, ours, ...) so both see the sam
                slots). The worker is this process (KVStoreClient, shared-memory slots).
 
                ssd (demotion; SSD is never written through): DRAM is first filled with N blocks F;
-               "put" = Allocate + copy + Commit of N new blocks A, which evicts F to the SSD tier,
-               timed until ``/stats`` (the Stats RPC) shows ``tiers.ssd.bytes_in`` grew by N blocks
-               (polled every 0.5 ms), i.e. the sustained rate at which the service absorbs blocks
-               once DRAM is full. A is then deleted (untimed) so F lives only on SSD.
+               "put" = Allocate + copy + Commit of ``--ssd-stream`` R batches of N new blocks
+               A1..AR one after the other, each evicting the batch before it (F, A1, ...) to the
+               SSD tier, timed until ``/stats`` (the Stats RPC) shows ``tiers.ssd.bytes_in`` grew
+               by R x N blocks (polled every 0.5 ms): the sustained rate at which the service
+               absorbs blocks once DRAM is full, against raw writes of the same R x N blocks.
+               (R = 1 is a single burst: mostly the latency of its first eviction.) A1..AR are
+               then deleted (untimed) so F lives only on SSD.
                redis, redis_cluster, s3 (write-through): "put" = Allocate + copy + Commit of N
                blocks A into an empty DRAM, timed until the tier's ``bytes_in`` grew by N blocks.
                Then (untimed) N other blocks evict A from DRAM and are deleted again, so A lives
@@ -113,6 +116,7 @@ class Servers:
 class _Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.n, self.size, self.repeat = args.blocks, int(args.block_mib * MiB), args.repeat
+        self.ssd_stream = args.ssd_stream
         self.s3_concurrency, self.s3_bucket = args.s3_concurrency, args.s3_bucket
         self.run_id = uuid.uuid4().hex[:8]  # key prefix: safe on shared, given servers
         self.items, self._payload = _blocks(self.n, self.size)
@@ -125,9 +129,10 @@ class _Bench:
     def mib(self) -> float:
         return self.n * self.size / MiB
 
-    def record(self, kind: str, tier_name: str, op: str, t_ours: float, t_raw: float) -> None:
-        self.figures[f"{kind}.{tier_name}.{op}.ours"] = {"value": round(self.mib / t_ours, 1), "unit": "MiB/s"}
-        self.figures[f"{kind}.{tier_name}.{op}.raw"] = {"value": round(self.mib / t_raw, 1), "unit": "MiB/s"}
+    def record(self, kind: str, tier_name: str, op: str, t_ours: float, t_raw: float, batches: int = 1) -> None:
+        mib = batches * self.mib
+        self.figures[f"{kind}.{tier_name}.{op}.ours"] = {"value": round(mib / t_ours, 1), "unit": "MiB/s"}
+        self.figures[f"{kind}.{tier_name}.{op}.raw"] = {"value": round(mib / t_raw, 1), "unit": "MiB/s"}
         self.ratios[f"{kind}_{op}_{tier_name}"] = round(t_raw / t_ours, 3)
 
     async def interleaved(self, desc: str, ours: Callable, raw: Callable, reset: Callable = _nothing) -> tuple[float, float]:
@@ -172,7 +177,9 @@ class _Bench:
 
     # ---- through the service vs raw -------------------------------------------------------------
 
-    async def service_vs_raw(self, tier_name: str, env: dict[str, str], raw: Raw) -> None:
+    async def service_vs_raw(self, tier_name: str, env: dict[str, str], raw: Raw, raw_put: Raw | None = None) -> None:
+        """``raw_put``: the raw client whose put is the baseline for the service's put (the ssd
+        stream writes R batches), default ``raw``."""
         from benchmarks.common import sidecar_process
         from kvstore.client import KVStoreClient
         from kvstore.keys import Namespace, prefix_keys
@@ -229,14 +236,16 @@ class _Bench:
                     """One put and one get through the service, untimed set-up around them."""
                     if demote:
                         tier_keys = fresh_keys()
-                        await put(tier_keys)  # DRAM full of the blocks the timed put will evict
-                        a = fresh_keys()
+                        await put(tier_keys)  # DRAM full of the blocks the timed puts will evict
+                        stream = [fresh_keys() for _ in range(self.ssd_stream)]
                         start = await bytes_in()
                         t0 = time.perf_counter()
-                        await put(a)
-                        await until_bytes_in(start + nbytes)
+                        for a in stream:
+                            await put(a)
+                        await until_bytes_in(start + len(stream) * nbytes)
                         t_put = time.perf_counter() - t0
-                        await c.delete(ns, a)  # DRAM-only: frees the slots the promotion will use
+                        for a in stream:  # frees the slots the promotion will use
+                            await c.delete(ns, a)
                     else:
                         tier_keys = fresh_keys()
                         start = await bytes_in()
@@ -266,26 +275,31 @@ class _Bench:
                                 t_put, t_get = await round_()
                                 j = 0
                             else:
-                                await raw.reset()
-                                t_put = await _timed(raw.put)
+                                await (raw_put or raw).reset()
+                                t_put = await _timed((raw_put or raw).put)
+                                if raw_put is not None:
+                                    await raw_put.reset()
+                                    await raw.reset()
+                                    await raw.put()  # (untimed) the values the raw get reads
                                 t_get = await _timed(raw.get)
                                 j = 1
                             best["put"][j] = min(best["put"][j], t_put)
                             best["get"][j] = min(best["get"][j], t_get)
                             bar.update()
                 for op, (t_ours, t_raw) in best.items():
-                    self.record("service", tier_name, op, t_ours, t_raw)
+                    self.record("service", tier_name, op, t_ours, t_raw, self.ssd_stream if demote and op == "put" else 1)
 
     # ---- raw clients ----------------------------------------------------------------------------
 
-    def raw_ssd(self, raw_dir: Path, direct: bool) -> Raw:
+    def raw_ssd(self, raw_dir: Path, direct: bool, batches: int = 1) -> Raw:
+        """Raw file I/O of the N blocks (``batches`` times over, to fresh names, for a put)."""
         raw_dir.mkdir()
-        paths = [raw_dir / f"{i}.bin" for i in range(self.n)]
+        paths = [raw_dir / f"{i}.bin" for i in range(batches * self.n)]
 
         def put() -> None:
             fds = []
             flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-            for p, (_, data) in zip(paths, self.items):
+            for p, (_, data) in zip(paths, self.items * batches):
                 fd = os.open(p, flags, 0o644)
                 fds.append(fd)
                 done = 0
@@ -386,7 +400,7 @@ class _Bench:
                 "KVSTORE_SSD__PATH": str(root / "service"),
                 "KVSTORE_SSD__CAPACITY_BYTES": str(4 * self.n * self.size + 64 * MiB),
             }
-            await self.service_vs_raw("ssd", env, raw)
+            await self.service_vs_raw("ssd", env, raw, self.raw_ssd(root / "raw-stream", direct, self.ssd_stream))
 
     async def redis(self, name: str, url: str, cluster: bool, service: bool) -> None:
         from kvstore.config import RedisConfig
@@ -506,6 +520,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiers", default="ssd,redis,redis_cluster,s3", help="comma-separated subset")
     p.add_argument("--s3-concurrency", type=int, default=8)
     p.add_argument("--s3-bucket", default="bench")
+    p.add_argument("--ssd-stream", type=int, default=4, help="batches per timed service put to SSD (the eviction stream)")
     p.add_argument("--ssd-dir", default=None, help="directory on the filesystem to test (default: $TMPDIR)")
     p.add_argument("--redis-url", default=None, help="use this Redis (redis://host:port/db) instead of starting one")
     p.add_argument("--redis-cluster-url", default=None, help="any node of an existing Redis Cluster (redis://host:port)")

@@ -74,6 +74,7 @@ class SsdConfig(_Section):
     path: str = Field("", description="directory for blocks; default <data_dir>/ssd")
     capacity_bytes: int = Field(16 * GiB, ge=64 * 1024)
     direct_io: bool = Field(True, description="O_DIRECT where the filesystem allows it")
+    io_threads: int = Field(4, ge=1, le=64, description="files of a batch written at once (device queue depth)")
 
 
 class RedisConfig(_Section):

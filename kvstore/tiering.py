@@ -46,7 +46,10 @@ log = logging.getLogger("kvstore.tiering")
 BITS = {"ssd": SSD, "redis": REDIS, "s3": S3}
 STAGING_LIMIT = 512 << 20
 DEMOTE_BATCH = 64  # blocks per put_many of the demotion writer
-IN_FLIGHT = 16  # requests per tier in flight  # bytes of demotions in flight before DRAM evictions start dropping
+SEAL_BATCH = 8  # blocks per thread hop of the demotion sealer
+IN_FLIGHT = 16  # requests per tier in flight
+
+Staged = tuple[Block, np.ndarray, mmap.mmap]  # a demotion in flight: block, its bytes, their buffer
 
 
 @dataclass(eq=False)
@@ -62,8 +65,10 @@ class Level:
     # Requests in flight to this tier at once: movers start one task per block, and a burst of
     # hundreds must not open hundreds of connections (redis-py's pool stops at 100).
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(IN_FLIGHT))
-    queue: list[tuple[Block, np.ndarray, mmap.mmap]] = field(default_factory=list)  # demotions to write
-    writer: asyncio.Task[None] | None = None
+    queue: list[Staged] = field(default_factory=list)  # demotions to checksum
+    ready: list[Staged] = field(default_factory=list)  # demotions to write
+    sealer: asyncio.Future[None] | None = None
+    writer: asyncio.Future[None] | None = None
     used: int = 0
     down: bool = False
     sizes: dict[Block, int] = field(default_factory=dict)
@@ -163,10 +168,11 @@ class Tiering:
             log.warning("tier %s unavailable, serving without it: %s", lv.name, exc)
         lv.down = True
 
-    def _spawn(self, coro: object) -> None:
+    def _spawn(self, coro: object) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # --- hooks called by the store -------------------------------------------------------------
 
@@ -194,38 +200,67 @@ class Tiering:
         self._placed(target, b)
         self.store.stats.tier("dram", "demotions")
         target.queue.append((b, data, buf))
-        if target.writer is None or target.writer.done():
-            target.writer = asyncio.ensure_future(self._drain(target))
-            self._tasks.add(target.writer)
-            target.writer.add_done_callback(self._tasks.discard)
+        if target.sealer is None or target.sealer.done():
+            target.sealer = self._spawn(self._seal_queue(target))
+
+    async def _seal_queue(self, lv: Level) -> None:
+        """Stage 1 of a demotion: checksums of staged blocks the server had not sealed yet, a few
+        blocks per thread hop, handed to the writer as they are done, so the device starts on
+        the first blocks while the rest are hashed and never waits for the hashing after that."""
+        while lv.queue:
+            batch, lv.queue = lv.queue[:SEAL_BATCH], lv.queue[SEAL_BATCH:]
+            try:
+                await self._seal_staged(batch)
+            except BaseException:
+                self._demotion_failed(lv, batch)
+                raise
+            lv.ready.extend(batch)
+            if lv.writer is None or lv.writer.done():
+                lv.writer = self._spawn(self._drain(lv))
 
     async def _drain(self, lv: Level) -> None:
-        while lv.queue:
-            batch, lv.queue = lv.queue[:DEMOTE_BATCH], lv.queue[DEMOTE_BATCH:]
-            try:
-                unsealed = [(b, d) for b, d, _ in batch if b.checksum is None]
-                if unsealed:
-                    sums = await asyncio.to_thread(lambda: [checksum(d) for _, d in unsealed])
-                    for (b, _), c in zip(unsealed, sums):
-                        b.checksum = c
-                live = [(b, d) for b, d, _ in batch if b.tiers & lv.bit and b.ns.blocks.get(b.key) is b]
-                await self._make_room(lv)  # the batch is counted already; evict others until it fits
-                items = [(BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(d)) for b, d in live]
-                async with lv.slots:
-                    await lv.tier.put_many(items)
-                self.store.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
-            except Exception as exc:
-                if isinstance(exc, Unavailable):
-                    self._mark_down(lv, exc)
-                else:
-                    log.exception("demotion of %d blocks to %s failed", len(batch), lv.name)
-                    self.store.stats.tier(lv.name, "errors")
-                for b, _, _ in batch:
-                    self._unplaced(lv, b)
-            finally:
-                for b, _, buf in batch:
-                    self._staged.pop(b, None)
-                    self._pool.give(buf)
+        """Stage 2: write what is sealed, in batches (one fsync per batch, not per block)."""
+        while lv.ready:
+            batch, lv.ready = lv.ready[:DEMOTE_BATCH], lv.ready[DEMOTE_BATCH:]
+            await self._write_demotions(lv, batch)
+
+    @staticmethod
+    async def _seal_staged(batch: list[Staged]) -> None:
+        unsealed = [(b, d) for b, d, _ in batch if b.checksum is None]
+        if unsealed:
+            sums = await asyncio.to_thread(lambda: [checksum(d) for _, d in unsealed])
+            for (b, _), c in zip(unsealed, sums):
+                b.checksum = c
+
+    async def _write_demotions(self, lv: Level, batch: list[Staged]) -> None:
+        try:
+            live = [(b, d) for b, d, _ in batch if b.tiers & lv.bit and b.ns.blocks.get(b.key) is b]
+            await self._make_room(lv)  # the batch is counted already; evict others until it fits
+            items = [(BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(d)) for b, d in live]
+            async with lv.slots:
+                await lv.tier.put_many(items)
+            self.store.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
+            self._release_staged(batch)
+        except BaseException as exc:
+            if isinstance(exc, Unavailable):
+                self._mark_down(lv, exc)
+            elif isinstance(exc, Exception):
+                log.exception("demotion of %d blocks to %s failed", len(batch), lv.name)
+                self.store.stats.tier(lv.name, "errors")
+            self._demotion_failed(lv, batch)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _demotion_failed(self, lv: Level, batch: list[Staged]) -> None:
+        for b, _, _ in batch:
+            self._unplaced(lv, b)
+        self._release_staged(batch)
+
+    def _release_staged(self, batch: list[Staged]) -> None:
+        for b, data, buf in batch:
+            if self._staged.get(b) is data:  # (a delete meanwhile has unlisted it already)
+                del self._staged[b]
+            self._pool.give(buf)
 
     async def _make_room(self, lv: Level) -> None:
         """Evict from a bounded tier until it fits, demoting to the next tier down."""

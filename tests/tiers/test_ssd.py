@@ -128,3 +128,42 @@ async def test_build_from_config(tmp_path: Path, block):
     meta, data = block(6, SIZE)
     await tier.put(meta, data)
     assert await tier.contains(meta.ref)
+
+
+@pytest.mark.parametrize("io_threads", [1, 4])
+async def test_failed_write_in_a_batch_leaves_nothing(tmp_path: Path, block, monkeypatch: pytest.MonkeyPatch, io_threads: int):
+    """One file of a batch fails (ENOSPC) while the others are written at the same time: the
+    error surfaces, no block of the batch becomes visible, no temp file or fd is left behind."""
+    tier = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, io_threads=io_threads)
+    blocks = [block(40 + i, SIZE) for i in range(6)]
+    doomed = tier.path_of(blocks[3][0].ref).stem
+    real_open, real_write, real_writev = os.open, os.write, os.writev
+    doomed_fds: set[int] = set()
+
+    def tracking_open(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if doomed in str(path):
+            doomed_fds.add(fd)
+        return fd
+
+    def failing(real):
+        def write(fd, data):
+            if fd in doomed_fds:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(fd, data)
+        return write
+
+    monkeypatch.setattr(os, "open", tracking_open)
+    monkeypatch.setattr(os, "write", failing(real_write))
+    monkeypatch.setattr(os, "writev", failing(real_writev))
+    fds_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="No space"):
+        await tier.put_many(blocks)
+    monkeypatch.undo()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert tier.used_bytes == 0
+    assert not [p for p in tier.root.rglob("*") if p.is_file()]
+    assert not any([await tier.contains(m.ref) for m, _ in blocks])
+    await tier.put_many(blocks)  # and the tier still works
+    assert all([await tier.contains(m.ref) for m, _ in blocks])
+    await tier.close()
