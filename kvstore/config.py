@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvstore.errors import ConfigError
@@ -20,6 +20,7 @@ from kvstore.policy import DEFAULT_POLICY, policy_names
 
 MiB = 1 << 20
 GiB = 1 << 30
+TIER_IN_FLIGHT = 16  # requests the sidecar's movers keep in flight to one lower tier
 
 
 class _Section(BaseModel):
@@ -88,6 +89,15 @@ class RedisConfig(_Section):
     backoff_base_s: float = Field(0.05, gt=0, description="ExponentialBackoff base between retries")
     backoff_cap_s: float = Field(1.0, gt=0, description="ExponentialBackoff cap between retries")
     socket_timeout_s: float = Field(5.0, gt=0, description="connect and read timeout")
+    pipelines: int = Field(8, ge=1, le=64, description="a batch is sent as this many concurrent pipelines (connections)")
+    max_connections: int = Field(256, ge=1, description="connection pool size (per node in a cluster); >= 16 movers x pipelines")
+
+    @model_validator(mode="after")
+    def _pool_fits_the_movers(self) -> RedisConfig:
+        need = TIER_IN_FLIGHT * self.pipelines
+        if self.max_connections < need:  # redis-py raises "Too many connections" past the pool
+            raise ValueError(f"max_connections: {self.max_connections} < {need} ({TIER_IN_FLIGHT} requests in flight x pipelines {self.pipelines})")
+        return self
 
 
 class S3Config(_Section):

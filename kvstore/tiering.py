@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvstore.checksum import checksum
-from kvstore.config import Config
+from kvstore.config import TIER_IN_FLIGHT, Config
 from kvstore.errors import ChecksumMismatch, KVStoreError, Unavailable
 from kvstore.index import DRAM, REDIS, S3, SSD, Block, State
 from kvstore.slab import Slot
@@ -47,7 +47,6 @@ BITS = {"ssd": SSD, "redis": REDIS, "s3": S3}
 STAGING_LIMIT = 512 << 20
 DEMOTE_BATCH = 64  # blocks per put_many of the demotion writer
 SEAL_BATCH = 8  # blocks per thread hop of the demotion sealer
-IN_FLIGHT = 16  # requests per tier in flight
 
 Staged = tuple[Block, np.ndarray, mmap.mmap]  # a demotion in flight: block, its bytes, their buffer
 
@@ -64,7 +63,7 @@ class Level:
     footprint: Callable[[int], int] = lambda size: size
     # Requests in flight to this tier at once: movers start one task per block, and a burst of
     # hundreds must not open hundreds of connections (redis-py's pool stops at 100).
-    slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(IN_FLIGHT))
+    slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TIER_IN_FLIGHT))
     queue: list[Staged] = field(default_factory=list)  # demotions to checksum
     ready: list[Staged] = field(default_factory=list)  # demotions to write
     sealer: asyncio.Future[None] | None = None

@@ -86,7 +86,7 @@ class RedisTier(TierBase):
         key_prefix: str = "kvstore",
         chunk_bytes: int = 1 << 20,
         ttl_s: int = 0,
-        pipelines: int = 4,
+        pipelines: int = 8,
     ) -> None:
         self.client = client
         self.key_prefix = key_prefix
@@ -101,13 +101,14 @@ class RedisTier(TierBase):
             retry=default_retry(cfg.retries, cfg.backoff_base_s, cfg.backoff_cap_s),
             socket_timeout=cfg.socket_timeout_s,
             socket_connect_timeout=cfg.socket_timeout_s,
+            max_connections=cfg.max_connections,
         )
         client: Redis | RedisCluster
         if cfg.cluster:
             client = RedisCluster.from_url(cfg.url, **kwargs)
         else:
             client = Redis.from_url(cfg.url, retry_on_error=[rexc.ConnectionError, rexc.TimeoutError], **kwargs)
-        return cls(client, key_prefix=cfg.key_prefix, chunk_bytes=cfg.chunk_bytes, ttl_s=cfg.ttl_s)
+        return cls(client, key_prefix=cfg.key_prefix, chunk_bytes=cfg.chunk_bytes, ttl_s=cfg.ttl_s, pipelines=cfg.pipelines)
 
     # ---- keys -----------------------------------------------------------------------------
 

@@ -120,3 +120,11 @@ def test_from_config_picks_the_client_class():
     assert isinstance(single.client, redis.asyncio.Redis) and not single.cluster
     assert (single.key_prefix, single.ttl_s, single.chunk_bytes) == ("p", 5, 1 << 20)
     assert single.client.get_retry().get_retries() == 3
+
+
+def test_pool_is_sized_for_the_movers_pipelines():
+    tier = RedisTier.from_config(RedisConfig(url="redis://127.0.0.1:1/0", pipelines=4, max_connections=64))
+    assert tier.pipelines == 4
+    assert tier.client.connection_pool.max_connections == 64
+    with pytest.raises(ValueError, match=r"max_connections: 100 < 128 \(16 requests in flight x pipelines 8\)"):
+        RedisConfig(pipelines=8, max_connections=100)
