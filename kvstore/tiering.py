@@ -47,6 +47,7 @@ BITS = {"ssd": SSD, "redis": REDIS, "s3": S3}
 STAGING_LIMIT = 512 << 20
 DEMOTE_BATCH = 64  # blocks per put_many of the demotion writer
 SEAL_BATCH = 8  # blocks per thread hop of the demotion sealer
+READ_GROUP = 8  # blocks per tier read of a promotion (groups run concurrently)
 
 Staged = tuple[Block, np.ndarray, mmap.mmap]  # a demotion in flight: block, its bytes, their buffer
 
@@ -424,34 +425,46 @@ class Tiering:
             mine = [i for i in todo if items[i][0].tiers & lv.bit and not lv.down]
             if not mine:
                 continue
-            blocks = [items[i][0] for i in mine]
-            views = [items[i][1] for i in mine]
-            try:
-                async with lv.slots:
-                    metas = await lv.tier.get_many([lv.ref(b) for b in blocks], [memoryview(v) for v in views])
-            except Unavailable as exc:
-                self._mark_down(lv, exc)
-                continue
-            except ChecksumMismatch:  # an unreadable copy in the batch: verify one by one
-                metas = [await verified_get(lv.tier, lv.ref(b), memoryview(v), b.checksum or 0) for b, v in zip(blocks, views)]
-            sums = await asyncio.to_thread(lambda: [checksum(v) if m is not None else None for v, m in zip(views, metas)])
-            for i, b, meta, got in zip(mine, blocks, metas, sums):
-                if meta is not None and meta.checksum == b.checksum and got == b.checksum:
-                    out[i] = lv.name
-                    self.store.stats.tier(lv.name, "bytes_out", b.size)
-                    continue
-                if meta is not None:  # a copy whose bytes do not match the commit: never served
-                    log.warning("checksum mismatch on %s copy of %s; dropping it", lv.name, b.key.hex()[:16])
-                    self.store.stats.tier(lv.name, "checksum_failures")
-                    try:
-                        await lv.tier.delete(lv.ref(b))
-                    except Unavailable as exc:
-                        self._mark_down(lv, exc)
-                else:
-                    self.store.stats.tier(lv.name, "misses")
-                self._unplaced(lv, b)  # gone or bad: that copy is no more
+            # Groups read and verified concurrently: one group's checksums overlap the others' reads.
+            groups = [mine[a : a + READ_GROUP] for a in range(0, len(mine), READ_GROUP)]
+            for group, found in zip(groups, await asyncio.gather(*(self._read_group(lv, [items[i] for i in g]) for g in groups))):
+                for i, ok in zip(group, found):
+                    if ok:
+                        out[i] = lv.name
             todo = [i for i in todo if out[i] is None]
         return out
+
+    async def _read_group(self, lv: Level, items: list[tuple[Block, np.ndarray]]) -> list[bool]:
+        """Read ``items`` from ``lv`` and verify them; a bad or missing copy is unplaced."""
+        blocks = [b for b, _ in items]
+        views = [v for _, v in items]
+        try:
+            async with lv.slots:
+                metas = await lv.tier.get_many([lv.ref(b) for b in blocks], [memoryview(v) for v in views])
+        except Unavailable as exc:
+            self._mark_down(lv, exc)
+            return [False] * len(items)
+        except ChecksumMismatch:  # an unreadable copy in the batch: verify one by one
+            metas = [await verified_get(lv.tier, lv.ref(b), memoryview(v), b.checksum or 0) for b, v in zip(blocks, views)]
+        sums = await asyncio.to_thread(lambda: [checksum(v) if m is not None else None for v, m in zip(views, metas)])
+        found = []
+        for b, meta, got in zip(blocks, metas, sums):
+            ok = meta is not None and meta.checksum == b.checksum and got == b.checksum
+            found.append(ok)
+            if ok:
+                self.store.stats.tier(lv.name, "bytes_out", b.size)
+                continue
+            if meta is not None:  # a copy whose bytes do not match the commit: never served
+                log.warning("checksum mismatch on %s copy of %s; dropping it", lv.name, b.key.hex()[:16])
+                self.store.stats.tier(lv.name, "checksum_failures")
+                try:
+                    await lv.tier.delete(lv.ref(b))
+                except Unavailable as exc:
+                    self._mark_down(lv, exc)
+            else:
+                self.store.stats.tier(lv.name, "misses")
+            self._unplaced(lv, b)  # gone or bad: that copy is no more
+        return found
 
     async def delete(self, b: Block) -> None:
         self._staged.pop(b, None)
