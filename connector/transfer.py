@@ -5,7 +5,9 @@ block's parts in slot order (see :mod:`connector.layout`) with plain ``dst[...] 
 assignment, which numpy and cupy both implement:
 
 * :class:`NumpyTransfer` (CPU caches: numpy arrays, or torch CPU tensors viewed zero-copy through
-  ``Tensor.numpy()``) copies each part straight into / out of the slot. Synchronous.
+  ``Tensor.numpy()``) copies each part straight into / out of the slot. Synchronous. Slots that lie
+  evenly spaced in one buffer (the sidecar hands out a batch's slots side by side) are moved as one
+  array: one indexed copy per layer and plane for the whole run (:func:`slot_runs`).
 * :class:`CupyTransfer` (GPU caches) runs the *same* functions on the device into a per-stream
   staging block, then moves the whole block with one DMA between the staging block and the slot,
   which is pinned once per shared-memory mapping with ``cudaHostRegister``. Consecutive blocks
@@ -113,6 +115,39 @@ def scatter_batch(planes: LayerPlanes, block_ids: Sequence[int], src: Array) -> 
             plane[ids] = src[:, layer, p]
 
 
+def _span(a: np.ndarray) -> tuple[int, int]:
+    """(first byte address, end address) of the whole buffer that ``a`` is a view of."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    start = a.__array_interface__["data"][0]
+    return start, start + a.nbytes
+
+
+def slot_runs(slots: Sequence[np.ndarray], spec: KVSpec) -> list[tuple[int, Array]]:
+    """Split ``slots`` (uint8 host buffers) into maximal runs that lie evenly spaced inside one
+    buffer; each run is ``(index of its first slot, [n, *spec.slot_shape] view over the run)``, no
+    copies. A writable slot's run holds only writable slots."""
+    bb = spec.block_bytes
+    addrs = [s.__array_interface__["data"][0] for s in slots]
+    runs: list[tuple[int, Array]] = []
+    i = 0
+    while i < len(slots):
+        first = slot_array(slots[i], spec)
+        j, stride = i + 1, bb
+        if j < len(slots) and addrs[j] - addrs[i] >= bb:
+            stride = addrs[j] - addrs[i]
+            lo, hi = _span(slots[i])
+            writable = slots[i].flags.writeable
+            while (j < len(slots) and addrs[j] == addrs[i] + (j - i) * stride and lo <= addrs[j] and addrs[j] + bb <= hi
+                   and slots[j].nbytes >= bb and (slots[j].flags.writeable or not writable)):
+                j += 1
+        view = np.lib.stride_tricks.as_strided(first, (j - i, *first.shape), (stride, *first.strides),
+                                               writeable=bool(first.flags.writeable))
+        runs.append((i, view))
+        i = j
+    return runs
+
+
 def _check_ids(kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> None:
     if len(block_ids) != len(slots):
         raise InvalidArgument(f"transfer: {len(block_ids)} block ids for {len(slots)} slots")
@@ -161,14 +196,14 @@ class NumpyTransfer:
 
     def gather(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
         _check_ids(kv, block_ids, slots)
-        for b, slot in zip(block_ids, slots):
-            gather_block(kv.planes, b, slot_array(slot, kv.spec))
+        for i, run in slot_runs(slots, kv.spec):
+            gather_batch(kv.planes, block_ids[i : i + len(run)], run)
         return DONE
 
     def scatter(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
         _check_ids(kv, block_ids, slots)
-        for b, slot in zip(block_ids, slots):
-            scatter_block(kv.planes, b, slot_array(slot, kv.spec))
+        for i, run in slot_runs(slots, kv.spec):
+            scatter_batch(kv.planes, block_ids[i : i + len(run)], run)
         return DONE
 
 

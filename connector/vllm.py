@@ -5,9 +5,11 @@
         kv_role="kv_both",                       # kv_producer: store only; kv_consumer: load only
         kv_connector_extra_config={"url": "grpc://127.0.0.1:50051", "model_id": "tiny-llama"}))
 
-The scheduler role wraps :class:`~connector.core.SchedulerConnector` (one batched Lookup per
-request, the loads it offers, the saves of blocks that became full in a step); the worker role
-wraps :class:`~connector.core.WorkerConnector` (transfers on a thread, per-block load failures).
+The scheduler role wraps :class:`~connector.core.SchedulerConnector` (one batched Acquire per
+request through :class:`~connector.core.finders.LeaseFinder`, the loads it offers, the saves of
+blocks that became full in a step); the worker role wraps :class:`~connector.core.WorkerConnector`
+(copies straight out of the leased shared-memory slots, saves on a thread, per-block load
+failures). The lookup is the only round trip to the sidecar on a request's path.
 What this module adds is only vLLM's call protocol:
 
 * **Keys** are kvstore's token-chained prefix keys over ``request.all_token_ids`` in a namespace
@@ -45,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connector.core import ConnectorMetadata, SchedulerConnector, WorkerConnector
+from connector.core.finders import LeaseFinder
 from connector.layout import KVSpec
 from connector.transfer import make_transfer
 from kvstore.client import SyncClient
@@ -76,7 +79,7 @@ class Settings:
     revision: str = ""  # namespace revision; default: vLLM's model revision
     save_decode: bool = True  # also store blocks filled by generated tokens
     verify_checksums: bool = True  # check loaded blocks against their checksums
-    lease_ttl_ms: int = 0  # lease on looked-up blocks until they are loaded; 0: none (see docs)
+    lease_ttl_ms: int = 30_000  # the lookup's lease on the blocks it found, until they are loaded
     lookup_reuse_ms: int = 1_000  # a waiting request's lookup answer is reused this long
     load_failure_policy: str = "recompute"  # applied to vLLM's kv_load_failure_policy
     transfer: str = ""  # "numpy" | "cupy"; default by device
@@ -167,7 +170,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.info("kvstore connector: kv_load_failure_policy %r -> %r", tc.kv_load_failure_policy,
                          self.settings.load_failure_policy)
                 tc.kv_load_failure_policy = self.settings.load_failure_policy  # read by the scheduler next
-            self._sched = SchedulerConnector(self.client, self.ns, self.spec, lease_ttl_ms=self.settings.lease_ttl_ms)
+            self._sched = SchedulerConnector(self.client, self.ns, self.spec, lease_ttl_ms=self.settings.lease_ttl_ms,
+                                             finder=LeaseFinder(self.client))
             self._reqs: dict[str, _Req] = {}
             self._lookups: dict[str, tuple[int, int, int, float]] = {}  # req -> (computed, tokens, n, until)
         else:

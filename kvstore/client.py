@@ -58,6 +58,15 @@ class LookupResult:
 
 
 @dataclass(slots=True, frozen=True)
+class SlotRef:
+    """Where a block's bytes lie in the sidecar's shared memory (``attach(segment)[offset:offset + length]``)."""
+
+    segment: str
+    offset: int
+    length: int
+
+
+@dataclass(slots=True, frozen=True)
 class PutResult:
     stored: int
     present: int
@@ -200,10 +209,12 @@ class _LeaseState:
         self.keys: list[bytes] = []
         self.views: list[np.ndarray] = []
         self.checksums: list[int] = []
+        self.slots: list[SlotRef] = []  # where the views lie: another process can map them while the lease holds
 
     def _fill(self, r: pb.AcquireResponse) -> None:
         self.id = r.lease_id
         for b in r.blocks:
+            self.slots.append(SlotRef(b.slot.segment, b.slot.offset, b.slot.length))
             mem = attach(b.slot.segment)
             view = mem[b.slot.offset : b.slot.offset + b.slot.length]
             view.flags.writeable = False
@@ -216,7 +227,7 @@ class _LeaseState:
         number of good blocks. Blocks the server has not sealed yet (checksum 0) pass."""
         for i, (v, c) in enumerate(zip(self.views, self.checksums)):
             if c and checksum(v) != c:
-                del self.views[i:], self.keys[i:], self.checksums[i:]
+                del self.views[i:], self.keys[i:], self.checksums[i:], self.slots[i:]
                 return i
         return len(self.views)
 

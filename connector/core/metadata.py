@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from connector.core.finders import HeldLease
 from kvstore.keys import BlockKey
 
 
@@ -30,6 +31,7 @@ class LoadSpec:
     block_size: int
     tiers: tuple[str, ...] = ()  # where the sidecar said each block was, for the cost model
     decision_id: int | None = None
+    lease: HeldLease | None = None  # where the blocks lie, leased: read them there, then release it
 
     @property
     def first_token(self) -> int:

@@ -9,18 +9,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from connector.core.client import ConnectorClient
+from connector.core.finders import HeldLease
 from connector.core.metadata import Failure, LoadResult, LoadSpec, SaveResult, SaveSpec
 from connector.transfer import PagedKV, Transfer
 from kvstore.checksum import checksum
 from kvstore.errors import ChecksumMismatch, KVStoreError, NotFound, ResourceExhausted, Unavailable
 from kvstore.keys import Namespace
+from kvstore.slab import attach
 
 log = logging.getLogger(__name__)
+
+LEASE_MARGIN_S = 1.0  # a held lease this close to its end is not trusted: the blocks are acquired anew
 
 
 def classify(exc: BaseException) -> Failure:
@@ -46,6 +53,32 @@ def _first_bad_checksum(views: Sequence[object], sums: Sequence[int] | None) -> 
     return None
 
 
+@dataclass(slots=True)
+class _Held:
+    views: list[Any]
+    checksums: list[int]
+
+
+@contextmanager
+def _read_held(lease: HeldLease) -> Iterator[_Held]:
+    """The blocks of a lease the scheduler took, mapped from the sidecar's shared memory."""
+    views = []
+    for s in lease.slots:
+        view = attach(s.segment)[s.offset : s.offset + s.length]
+        view.flags.writeable = False
+        views.append(view)
+    yield _Held(views, list(lease.checksums))
+
+
+def _blocks(client: ConnectorClient, ns: Namespace, spec: LoadSpec) -> AbstractContextManager[Any]:
+    """Where the load reads: under the lease the scheduler handed over while it holds, else a new
+    lease (one round trip)."""
+    lease = spec.lease
+    if lease is not None and len(lease.slots) == len(spec.keys) and time.monotonic() < lease.deadline - LEASE_MARGIN_S:
+        return _read_held(lease)
+    return client.acquire(ns, list(spec.keys))
+
+
 def load_blocks(
     client: ConnectorClient,
     ns: Namespace,
@@ -59,12 +92,13 @@ def load_blocks(
 
     With ``verify``, blocks are checked against the checksums the lease carries (when it carries
     them; 0 means not sealed yet and passes): the first mismatch and everything after it is
-    reported for recompute.
+    reported for recompute. A lease handed over in ``spec.lease`` is read under, not ended: the
+    caller releases it.
     """
     t0 = time.perf_counter()
     loaded, failure = 0, None
     try:
-        with client.acquire(ns, list(spec.keys)) as lease:
+        with _blocks(client, ns, spec) as lease:
             views = list(lease.views)[: len(spec.keys)]
             n = len(views)
             bad = _first_bad_checksum(views, getattr(lease, "checksums", None)) if verify else None

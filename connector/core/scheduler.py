@@ -1,7 +1,7 @@
 """Scheduler side: decides, per request, how many leading tokens to load and which blocks to save.
 
-``get_num_new_matched_tokens`` asks the sidecar (one batched Lookup) how many leading blocks it
-has and where, and lets the cost model choose how many are worth loading. After the engine has
+``get_num_new_matched_tokens`` asks the sidecar (one batched Lookup, or Acquire: see
+:mod:`connector.core.finders`) how many leading blocks it has and where, and lets the cost model choose how many are worth loading. After the engine has
 allocated blocks, ``update_state_after_alloc`` turns that into a :class:`LoadSpec`;
 ``schedule_save`` after prefill turns computed full blocks into a :class:`SaveSpec`. Each step,
 ``build_connector_meta`` hands everything queued to the worker side, once.
@@ -11,7 +11,9 @@ A sidecar that cannot be reached means "nothing cached": the request is recomput
 
 The lookup takes a lease (``lease_ttl_ms``) so the blocks stay put until the load acquires them;
 it is released as soon as it is not needed: at once when nothing is loaded, when the worker
-reports the load (``update_connector_output``), and at the latest on ``request_finished``.
+reports the load (``update_connector_output``), and at the latest on ``request_finished``. A lease
+that says where the blocks lie (:class:`~connector.core.finders.LeaseFinder`) moves into the
+load's :class:`LoadSpec` instead: the worker reads the blocks under it and releases it.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from connector.core.client import ConnectorClient
+from connector.core.finders import Finder, HeldLease, LookupFinder
 from connector.core.metadata import ConnectorMetadata, LoadResult, LoadSpec, Role, SaveSpec
 from connector.core.ops import classify
 from connector.core.stats import ConnectorStats
-from connector.cost import CostModel, Decision, tier_name
+from connector.cost import CostModel, Decision
 from connector.layout import KVSpec
 from kvstore.keys import BlockKey, Namespace, prefix_keys
 
@@ -41,7 +44,7 @@ class _Request:
     decision: Decision | None
     computed_blocks: int
     load_blocks: int
-    lease_id: str | None = None
+    lease: HeldLease | None = None
 
 
 class SchedulerConnector:
@@ -55,12 +58,15 @@ class SchedulerConnector:
         cost: CostModel | None = None,
         *,
         lease_ttl_ms: int = 30_000,
+        finder: Finder | None = None,
     ) -> None:
-        """Without a cost model every available block (bar the last token's) is loaded."""
+        """Without a cost model every available block (bar the last token's) is loaded. The
+        finder defaults to one Lookup per request (:class:`~connector.core.finders.LookupFinder`)."""
         if ns.block_size != spec.block_size or ns.kv_layout != spec.layout:
             raise ValueError("namespace and KV spec disagree on block_size or kv_layout")
         self.client, self.ns, self.spec, self.cost = client, ns, spec, cost
         self.lease_ttl_ms = lease_ttl_ms
+        self.finder: Finder = finder or LookupFinder(client)
         self.stats = ConnectorStats()
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
@@ -80,14 +86,11 @@ class SchedulerConnector:
         self.stats.add(lookups=1, lookup_blocks=len(keys))
         tiers: list[str] = []
         sizes: list[int] = []
-        lease_id: str | None = None
+        lease: HeldLease | None = None
         if len(keys) > computed_blocks:
             try:
-                res = self.client.lookup(self.ns, keys, lease_ttl_ms=self.lease_ttl_ms)
-                lease_id = getattr(res, "lease_id", None) or None
-                matched = list(res.blocks)[: res.matched]
-                tiers = [tier_name(t) for t, _ in matched]
-                sizes = [int(s) for _, s in matched]
+                found = self.finder.find(self.ns, keys, computed_blocks, self.lease_ttl_ms)
+                tiers, sizes, lease = list(found.tiers), list(found.sizes), found.lease
             except Exception as exc:  # noqa: BLE001 - unreachable sidecar: recompute
                 reason = classify(exc)
                 self.stats.failure("lookup", reason.value)
@@ -106,33 +109,33 @@ class SchedulerConnector:
         self.stats.add(decided_load_blocks=load_blocks,
                        decided_recompute_blocks=max(0, len(tiers) - computed_blocks - load_blocks))
         if load_blocks == 0:  # declined: nothing to keep
-            self._release(req_id, lease_id)
-            lease_id = None
+            self._release(req_id, lease)
+            lease = None
         with self._lock:
             old = self._requests.get(req_id)
-            self._requests[req_id] = _Request(keys, tiers, decision, computed_blocks, load_blocks, lease_id)
+            self._requests[req_id] = _Request(keys, tiers, decision, computed_blocks, load_blocks, lease)
         if old is not None:  # asked again (vLLM may re-ask a request that waited): the old lease goes
-            self._release(req_id, old.lease_id)
+            self._release(req_id, old.lease)
         return load_blocks * bs
 
-    def _release(self, req_id: str, lease_id: str | None) -> None:
+    def _release(self, req_id: str, lease: HeldLease | None) -> None:
         """End a lookup lease (expiry is the fallback: a failure here is logged, never raised)."""
         release = getattr(self.client, "release", None)
-        if lease_id is None or release is None:
+        if lease is None or release is None:
             return
         try:
-            release(lease_id)
+            release(lease.id)
         except Exception as exc:  # noqa: BLE001 - the lease expires on its own
             self.stats.failure("release", classify(exc).value)
             log.info("release lease of %s: %s", req_id, exc)
 
-    def _take_lease(self, req_id: str) -> str | None:
+    def _take_lease(self, req_id: str) -> HeldLease | None:
         with self._lock:
             req = self._requests.get(req_id)
             if req is None:
                 return None
-            lease_id, req.lease_id = req.lease_id, None
-        return lease_id
+            lease, req.lease = req.lease, None
+        return lease
 
     def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """The engine allocated ``block_ids`` (the request's whole block table) for the request."""
@@ -144,6 +147,9 @@ class SchedulerConnector:
             first = req.computed_blocks
             if n > req.load_blocks or len(block_ids) < first + n:
                 raise ValueError(f"{req_id}: {n} blocks to load, {req.load_blocks} were offered")
+            lease = None
+            if req.lease is not None and req.lease.slots:  # the worker reads under it, then ends it
+                lease, req.lease = req.lease.part(first, n), None
             self._loads.append(
                 LoadSpec(
                     req_id=req_id,
@@ -153,6 +159,7 @@ class SchedulerConnector:
                     block_size=self.spec.block_size,
                     tiers=tuple(req.tiers[first : first + n]),
                     decision_id=req.decision.id if req.decision else None,
+                    lease=lease,
                 )
             )
 

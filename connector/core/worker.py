@@ -10,6 +10,7 @@ the engine recomputes exactly those.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from typing import Any
 
 from connector.core.client import ConnectorClient
 from connector.core.metadata import ConnectorMetadata, LoadResult, LoadSpec, Role, SaveResult, SaveSpec
-from connector.core.ops import load_blocks, save_blocks
+from connector.core.ops import classify, load_blocks, save_blocks
 from connector.core.report import DecisionReporter, decision_record
 from connector.core.stats import ConnectorStats
 from connector.cost import CostModel
@@ -27,6 +28,7 @@ from connector.transfer import NumpyTransfer, PagedKV, Transfer, bind_caches
 from kvstore.errors import FailedPrecondition
 from kvstore.keys import Namespace
 
+log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 1.0  # decision records go to the sidecar's /stats at most this often
 
@@ -85,7 +87,11 @@ class WorkerConnector:
                 self._pool.submit(self.reporter.flush)  # after the step's transfers, off their path
 
     def _load(self, kv: PagedKV, spec: LoadSpec) -> LoadResult:
-        r = load_blocks(self.client, self.ns, kv, self.transfer, spec, verify=self.verify)
+        try:
+            r = load_blocks(self.client, self.ns, kv, self.transfer, spec, verify=self.verify)
+        finally:
+            if spec.lease is not None:  # the scheduler's lease: ended off the load's path
+                self._pool.submit(self._release, spec.lease.id)
         self.stats.record_load(r)
         if self.cost is not None and r.loaded and spec.tiers:
             per_tier: dict[str, int] = {}
@@ -104,6 +110,16 @@ class WorkerConnector:
         with self._lock:
             self._load_errors.update(r.failed_block_ids)
         return r
+
+    def _release(self, lease_id: str) -> None:
+        release = getattr(self.client, "release", None)
+        if release is None:
+            return
+        try:
+            release(lease_id)
+        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
+            self.stats.failure("release", classify(exc).value)
+            log.info("release lease %s: %s", lease_id, exc)
 
     def _save(self, kv: PagedKV, spec: SaveSpec) -> SaveResult:
         r = save_blocks(self.client, self.ns, kv, self.transfer, spec)

@@ -13,6 +13,7 @@ from connector.transfer import (
     gather_batch,
     make_transfer,
     scatter_batch,
+    slot_runs,
 )
 from kvstore.errors import InvalidArgument
 
@@ -156,6 +157,47 @@ def test_batch_matches_per_slot(layout: str) -> None:
     for layer in range(L):
         for pa, pb in zip(a.planes[layer], b.planes[layer]):
             assert np.array_equal(pa[ids], pb[ids])
+
+
+def _slab_slots(spec: KVSpec, offsets: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Slots cut out of one buffer the way the client does: a fresh array over it per slot."""
+    buf = np.zeros(max(offsets) + spec.block_bytes, dtype=np.uint8)
+    return buf, [np.frombuffer(memoryview(buf), dtype=np.uint8)[o : o + spec.block_bytes] for o in offsets]
+
+
+def test_slot_runs_group_evenly_spaced_slots_of_one_buffer() -> None:
+    spec = _spec("vllm_cpu")
+    bb = spec.block_bytes
+    _, slots = _slab_slots(spec, [0, bb, 2 * bb, 5 * bb, 7 * bb, 9 * bb, 3 * bb])
+    other = _slots(spec, 1)
+    runs = slot_runs([*slots, *other], spec)
+    assert [(i, len(v)) for i, v in runs] == [(0, 3), (3, 3), (6, 1), (7, 1)]
+    for i, view in runs:
+        for k in range(len(view)):
+            assert view[k].ctypes.data == [*slots, *other][i + k].ctypes.data
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_runs_of_slots_round_trip_like_single_slots(layout: str) -> None:
+    rng = np.random.default_rng(9)
+    spec = _spec(layout)
+    bb = spec.block_bytes
+    src = _random_caches(layout, rng)
+    ids = [5, 1, 3, 0, 4]
+    buf, slots = _slab_slots(spec, [bb + 8, 2 * bb + 8, 3 * bb + 8, 6 * bb, 0])
+    NumpyTransfer().gather(bind_caches(spec, src), ids, slots)
+    alone = _slots(spec, len(ids))
+    for b, slot in zip(ids, alone):  # one slot at a time: the reference
+        NumpyTransfer().gather(bind_caches(spec, src), [b], [slot])
+    assert [s.tobytes() for s in slots] == [s.tobytes() for s in alone]
+    buf.flags.writeable = False
+    dst = _zeros_like(src)
+    NumpyTransfer().scatter(bind_caches(spec, dst), ids, [np.frombuffer(memoryview(buf), np.uint8)[s.ctypes.data - buf.ctypes.data :][:bb] for s in slots])
+    a, b = bind_caches(spec, src), bind_caches(spec, dst)
+    for layer in range(L):
+        for pa, pb in zip(a.planes[layer], b.planes[layer]):
+            assert np.array_equal(pa[ids], pb[ids])
+            assert not pb[2].any()  # a block outside the load stays untouched
 
 
 def test_read_only_slot_can_be_scattered() -> None:

@@ -1,0 +1,117 @@
+"""A lookup through ``LeaseFinder`` leases the blocks and says where they lie; the worker copies them
+straight out of shared memory under that lease (no second round trip) and ends it afterwards. A
+lease near its end is not trusted, and bytes that changed under a lease fail their checksum."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from connector.core import SchedulerConnector, WorkerConnector
+from connector.core.finders import LeaseFinder
+from connector.core.metadata import Failure, LoadSpec
+from connector.layout import KVSpec
+from kvstore.client import SyncClient
+from kvstore.keys import Namespace
+from kvstore.slab import attach
+
+SPEC = KVSpec(layout="vllm_cpu", num_layers=2, kv_heads=2, head_size=8, block_size=4, dtype="float32")
+NS = Namespace(model="held-lease-test", kv_layout="vllm_cpu", dtype="float32", block_size=4)
+PROMPT = list(range(4, 4 + 6 * 4 + 1))  # 6 full blocks and one more token
+BLOCKS = 8
+
+
+def caches(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((BLOCKS, 2, 4, 16)).astype(np.float32) for _ in range(SPEC.num_layers)]
+
+
+@pytest.fixture
+def client(sidecar_process):
+    with SyncClient(sidecar_process.url) as c:
+        yield c
+
+
+def leases(client: SyncClient) -> int:
+    return client.stats()["index"]["leases"]
+
+
+def stored(client: SyncClient) -> tuple[list[np.ndarray], list[int]]:
+    """Store the prompt's 6 full blocks from engine blocks 7, 6, ..., 2."""
+    src, ids = caches(1), [7, 6, 5, 4, 3, 2]
+    writer = WorkerConnector(client, NS, SPEC)
+    writer.register_kv_caches(src)
+    sched = SchedulerConnector(client, NS, SPEC)
+    sched.schedule_save("w", PROMPT, ids)
+    writer.start(sched.build_connector_meta())
+    assert [r.written for r in writer.wait_for_saves()] == [6]
+    writer.close()
+    return src, ids
+
+
+def held_load(client: SyncClient, have: int = 0) -> LoadSpec:
+    sched = SchedulerConnector(client, NS, SPEC, finder=LeaseFinder(client))
+    assert sched.get_num_new_matched_tokens("r", PROMPT, have * 4) == (6 - have) * 4
+    sched.update_state_after_alloc("r", list(range(BLOCKS)), (6 - have) * 4)
+    [load] = sched.build_connector_meta().loads
+    assert sched.request_finished("r") is False  # the lease went with the load: nothing to end here
+    return load
+
+
+def test_the_worker_reads_under_the_lookups_lease_and_ends_it(client) -> None:
+    src, ids = stored(client)
+    load = held_load(client, have=1)  # the engine holds block 0 already
+    assert load.lease is not None and len(load.lease.slots) == len(load.keys) == 5 and load.lease.first == 1
+    assert leases(client) == 1
+    acquires = client.stats()["reads"]["acquires"]
+    dst = caches(2)
+    worker = WorkerConnector(client, NS, SPEC)
+    worker.register_kv_caches(dst)
+    [r] = worker.load_now([load])
+    worker.close()  # waits for the release it queued
+    assert r.ok and r.loaded == 5
+    assert client.stats()["reads"]["acquires"] == acquires  # no second round trip
+    assert leases(client) == 0
+    for layer in range(SPEC.num_layers):
+        np.testing.assert_array_equal(dst[layer][list(load.block_ids)], src[layer][ids[1:]])
+
+
+def test_a_lease_near_its_end_is_replaced_by_a_new_acquire(client) -> None:
+    src, ids = stored(client)
+    load = held_load(client)
+    stale = dataclasses.replace(load, lease=dataclasses.replace(load.lease, deadline=time.monotonic()))
+    acquires = client.stats()["reads"]["acquires"]
+    dst = caches(2)
+    worker = WorkerConnector(client, NS, SPEC)
+    worker.register_kv_caches(dst)
+    [r] = worker.load_now([stale])
+    worker.close()
+    assert r.ok and r.loaded == 6
+    assert client.stats()["reads"]["acquires"] == acquires + 1
+    assert leases(client) == 0  # the stale lease is ended too
+    for layer in range(SPEC.num_layers):
+        np.testing.assert_array_equal(dst[layer][list(load.block_ids)], src[layer][ids])
+
+
+def test_bytes_changed_under_a_lease_fail_their_checksum(client) -> None:
+    stored(client)
+    for _ in range(1000):  # checksums are sealed off the critical path
+        load = held_load(client)
+        if all(load.lease.checksums):
+            break
+        client.release(load.lease.id)
+    else:
+        raise AssertionError("checksums never sealed")
+    slot = load.lease.slots[3]
+    attach(slot.segment)[slot.offset + 5] ^= 0xFF
+    worker = WorkerConnector(client, NS, SPEC)
+    worker.register_kv_caches(caches(2))
+    [r] = worker.load_now([load])
+    worker.close()
+    assert (r.loaded, r.failure) == (3, Failure.CHECKSUM)
+    assert r.failed_block_ids == load.block_ids[3:]
+    assert worker.get_block_ids_with_load_errors() == set(load.block_ids[3:])
+    assert leases(client) == 0
