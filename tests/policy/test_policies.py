@@ -114,3 +114,42 @@ def test_credit_commit_order_is_not_a_use() -> None:
     hit(p, ["a1"])
     # a2 is oldest and unused; then the b chain leaf first; a1 was used again and earned credit
     assert drain(p) == ["a2", "b2", "b1", "a1"]
+
+
+def test_credit_expires_after_boost_lifetimes() -> None:
+    """A reused block outlives newer once-used blocks only for ``boost`` × capacity ticks: its
+    priority is last use + credit, compared with the other queues' oldest leaves."""
+    p = make_policy("credit", boost=1.0, classes=2)
+    chain(p, ["a"])  # ticks 1-2
+    hit(p, ["a"])  # tick 3: a has one earlier use -> credit 1 x capacity
+    for k in ("b", "c", "d"):  # last uses at ticks 5, 7, 9
+        chain(p, [k])
+    # capacity 4: a's priority is 3 + 4 = 7; b (5) goes first, c ties a at 7 (the colder queue
+    # goes first on a tie), then a (7) before d (9). LRU would have evicted a first.
+    assert drain(p) == ["b", "c", "a", "d"]
+
+
+def test_credit_is_capped_at_classes() -> None:
+    p = make_policy("credit", boost=1.0, classes=2)
+    chain(p, ["x"])
+    for _ in range(3):
+        hit(p, ["x"])  # four uses, but credit stops at classes - 1 = 1 lifetime
+    chain(p, ["y"])
+    hit(p, ["y"])  # two uses: the same credit as x, and more recent
+    assert drain(p) == ["x", "y"]
+
+
+def test_credit_access_many_fast_path_matches_access() -> None:
+    """access_many's path for blocks already at full credit orders exactly like access()."""
+    def build(batch: bool) -> list:
+        p = make_policy("credit", boost=1.0, classes=2)
+        chain(p, ["r", "a1", "a2"])
+        chain(p, ["r", "b1"])
+        for keys in (["r", "a1", "a2"], ["r", "b1"], ["r", "a1"], ["r", "a1", "a2"]):
+            if batch:
+                p.access_many(list(reversed(keys)))
+            else:
+                hit(p, keys)
+        return drain(p)
+
+    assert build(True) == build(False) == ["b1", "a2", "a1", "r"]
