@@ -153,3 +153,18 @@ def test_credit_access_many_fast_path_matches_access() -> None:
         return drain(p)
 
     assert build(True) == build(False) == ["b1", "a2", "a1", "r"]
+
+
+@pytest.mark.parametrize("frac", [0.05, 0.10])
+def test_credit_not_below_lru_on_agentic_loops(frac: float) -> None:
+    """The held-out shape that uncapped credit lost on (old steps with many uses kept while the
+    next step needs the newest blocks): with the credit capped it must not fall below LRU. The
+    heap version with 64 uses scored 0.432 / 0.615 here against LRU's 0.464 / 0.636."""
+    from kvstore.replay import replay
+    from kvstore.traces import agentic
+
+    trace = agentic(agents=100)
+    cap = int(frac * trace.unique_blocks())
+    lru = replay(trace, cap, "lru").prefix_hit_rate
+    credit = replay(trace, cap, "credit").prefix_hit_rate
+    assert credit >= lru, (credit, lru)
