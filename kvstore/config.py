@@ -29,6 +29,7 @@ class _Section(BaseModel):
 
 class ServerConfig(_Section):
     grpc_address: str = Field("127.0.0.1:50051", description="HOST:PORT, or unix:/path for a Unix socket")
+    local_socket: str = Field("", description="Unix socket with the same calls for clients on this host (kvstore.local); empty: <data_dir>/kvstore.sock; off: none")
     http_address: str = Field("127.0.0.1:8080", description="HOST:PORT of /stats, /metrics, /healthz, dashboard")
     max_message_bytes: int = Field(64 * MiB, ge=1 * MiB, description="gRPC send/receive limit")
     max_batch_blocks: int = Field(65536, ge=1, description="most blocks in one request")

@@ -82,6 +82,7 @@ def _slot_pb(slab: Slab, block: Block) -> pb.SlotDescriptor:
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore) -> None:
         self.store = store
+        self.local_socket = ""  # set once the local transport (kvstore.local) listens
         self._ns_cache: dict[bytes, NsEntry] = {}
 
     def _namespace(self, request: Any) -> NsEntry:
@@ -210,6 +211,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             )
         return pb.ReportResponse()
 
+    @_rpc
+    async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
+        return pb.HelloResponse(local_socket=self.local_socket, segment=self.store.slab.name)
+
     async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoResponse:
         return pb.EchoResponse(payload=request.payload)
 
@@ -219,14 +224,14 @@ def grpc_options(config: Config) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
-async def start_grpc(store: BlockStore, config: Config) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+async def start_grpc(servicer: KVStoreServicer, config: Config) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     interceptors = []
     if config.server.auth_token:
         from kvstore.auth import TokenInterceptor
 
         interceptors.append(TokenInterceptor(config.server.auth_token))
     server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
-    pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(store), server)
+    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

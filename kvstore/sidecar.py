@@ -24,7 +24,8 @@ from grpc_health.v1 import health_pb2
 
 from kvstore.config import Config
 from kvstore.errors import FailedPrecondition
-from kvstore.server import SERVICE_NAME, start_grpc
+from kvstore.local import LocalServer, socket_path
+from kvstore.server import SERVICE_NAME, KVStoreServicer, start_grpc
 from kvstore.slab import Slab, unlink_stale
 from kvstore.stats import Stats
 from kvstore.store import BlockStore
@@ -71,6 +72,7 @@ class Sidecar:
         self.http_port = 0
         self.ready = False
         self._grpc = None
+        self._local: LocalServer | None = None
         self._health = None
         self._http = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -88,7 +90,13 @@ class Sidecar:
             (self.data_dir / "segment").write_text(self.slab.name)
             self.store = BlockStore(cfg, self.slab, Stats())
             await self._start_tiering()
-            self._grpc, self.grpc_port, self._health = await start_grpc(self.store, cfg)
+            servicer = KVStoreServicer(self.store)
+            self._grpc, self.grpc_port, self._health = await start_grpc(servicer, cfg)
+            path = socket_path(cfg.server.local_socket, self.data_dir, self.slab.name)
+            if path is not None:
+                self._local = LocalServer(servicer, path, token=cfg.server.auth_token, max_message_bytes=cfg.server.max_message_bytes)
+                await self._local.start()
+                servicer.local_socket = str(path)
             from kvstore.http import start_http
 
             self._http, self.http_port = await start_http(self, cfg.server.http_address)
@@ -129,6 +137,9 @@ class Sidecar:
         self.ready = False
         if self._health is not None:
             await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._local is not None:
+            await self._local.close()
+            self._local = None
         if self._grpc is not None:
             await self._grpc.stop(self.config.server.shutdown_grace_s)  # drains in-flight calls
             self._grpc = None

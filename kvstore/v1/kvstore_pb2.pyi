@@ -268,6 +268,18 @@ class ReportResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class HelloRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HelloResponse(_message.Message):
+    __slots__ = ("local_socket", "segment")
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    local_socket: str
+    segment: str
+    def __init__(self, local_socket: _Optional[str] = ..., segment: _Optional[str] = ...) -> None: ...
+
 class EchoRequest(_message.Message):
     __slots__ = ("payload", "keys")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]

@@ -84,6 +84,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResponse.FromString,
                 _registered_method=True)
+        self.Hello = channel.unary_unary(
+                '/kvstore.v1.KVStore/Hello',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.HelloRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.HelloResponse.FromString,
+                _registered_method=True)
         self.Echo = channel.unary_unary(
                 '/kvstore.v1.KVStore/Echo',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.EchoRequest.SerializeToString,
@@ -154,6 +159,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hello(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Echo(self, request, context):
         """Bare round trip, used as the baseline of `kvstore bench lookup`.
         """
@@ -213,6 +224,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResponse.SerializeToString,
+            ),
+            'Hello': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hello,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.HelloRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.HelloResponse.SerializeToString,
             ),
             'Echo': grpc.unary_unary_rpc_method_handler(
                     servicer.Echo,
@@ -490,6 +506,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Report',
             kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.ReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Hello',
+            kvstore_dot_v1_dot_kvstore__pb2.HelloRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.HelloResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -25,6 +24,7 @@ from connector.core import Failure
 from connector.cost import CostModel, ModelShape, TierRate
 from connector.hf import HFConnector, cache_tensors, reference_generate
 from kvstore.client import SyncClient
+from kvstore.testing.sidecar import corrupt_dram_block
 
 HERE = Path(__file__).resolve().parent
 BS = 16
@@ -116,28 +116,13 @@ def test_multi_turn_reuses_the_first_turn(model_and_tok, client) -> None:
     check_outputs(model, p2, g2.tokens, g2.logits, reused, writer_cache(model, p1, NEW))
 
 
-def corrupt_slab_byte(client: SyncClient, ns, key: bytes) -> None:
-    """Flip one byte of a committed block in the sidecar's shared memory (its checksum stays)."""
-    for _ in range(1000):  # checksums are sealed off the critical path: wait until this one is
-        with client.acquire(ns, [key]) as lease:
-            if lease.checksums[0]:
-                view = lease.views[0]
-                base = view.base
-                while isinstance(base.base, np.ndarray):
-                    base = base.base
-                offset = view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-                base[offset + view.size // 2] ^= 0xFF
-                return
-    raise AssertionError("block checksum never sealed")
-
-
 def test_corrupted_block_is_recomputed(model_and_tok, client) -> None:
     model, tok = model_and_tok
     prompt = tok(TEXT_1)["input_ids"]
     writer = connector(model, client)
     writer.prefill(prompt)
     keys = writer.sched.keys(prompt)
-    corrupt_slab_byte(client, writer.ns, keys[3])
+    corrupt_dram_block(client, writer.ns, keys[3])
     reader = connector(model, client)
     gen = reader.generate(prompt, NEW, save=False)
     assert gen.prefill.loaded_tokens == 3 * BS

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from benchmarks.vllm import kvstore_config
 from kvstore.client import SyncClient
+from kvstore.testing.sidecar import corrupt_dram_block
 from kvstore.keys import Namespace, prefix_keys
 from vllm_cases import BS, DOC_1, DOC_2, DOC_3, FOLLOW_UP, NEW, fill, instance, outputs
 
@@ -78,27 +78,12 @@ def test_sidecar_down_recomputes_and_counts(tiny_model: Path, reference, sidecar
     assert worker["failures"]["save.unavailable"] >= 2
 
 
-def corrupt(client: SyncClient, ns: Namespace, key: bytes) -> None:
-    """Flip one byte of a committed block in the sidecar's shared memory (its checksum stays)."""
-    for _ in range(1000):  # checksums are sealed off the critical path: wait for this one
-        with client.acquire(ns, [key]) as lease:
-            if lease.checksums[0]:
-                view = lease.views[0]
-                base = view
-                while isinstance(base.base, np.ndarray):
-                    base = base.base
-                offset = view.__array_interface__["data"][0] - base.__array_interface__["data"][0]
-                base[offset + view.size // 2] ^= 0xFF
-                return
-    raise AssertionError("block checksum never sealed")
-
-
 def test_corrupted_block_is_recomputed_and_counted(tiny_model: Path, reference, sidecar) -> None:
     a = instance(tiny_model, kvstore_config(sidecar.grpc, "kv_producer"),
                  [{"name": "prefill", "prompts": [DOC_3], "max_tokens": 1}])
     ns = Namespace(**a["connector"]["namespace"])
     with SyncClient(sidecar.grpc) as client:
-        corrupt(client, ns, prefix_keys(ns, DOC_3)[3])
+        corrupt_dram_block(client, ns, prefix_keys(ns, DOC_3)[3])
     b = instance(tiny_model, kvstore_config(sidecar.grpc, "kv_consumer"),
                  [{"name": "decode", "prompts": [DOC_3], "max_tokens": NEW}])
     assert outputs(b, "decode") == [reference[tuple(DOC_3)]]

@@ -1,0 +1,171 @@
+"""The local transport (kvstore.local): the same calls over the sidecar's Unix socket.
+
+A sidecar process (`kvstore serve`), the blocking client in this process: the client finds the
+socket through the Hello RPC, and every answer -- data and errors -- is the one gRPC gives.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore.client import SyncClient
+from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, Unauthenticated, Unavailable
+from kvstore.keys import Namespace, prefix_keys
+from kvstore.local import LocalChannel, socket_path
+from kvstore.v1 import kvstore_pb2 as pb
+
+NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
+ARGS = ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--dram-bytes", str(8 << 20)]
+ENV = {"KVSTORE_SSD__ENABLED": "false"}
+
+
+def _serve(serve_process, data_dir: Path, **env: str):
+    return serve_process([*ARGS, "--data-dir", str(data_dir)], env={**ENV, **env})
+
+
+def _raw(path: str, token: bytes = b"") -> socket.socket:
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(path)
+    _send(s, "", token)
+    return s
+
+
+def _send(s: socket.socket, name: str, payload: bytes) -> None:
+    body = bytes((len(name),)) + name.encode() + payload
+    s.sendall(struct.pack(">I", len(body)) + body)
+
+
+def _recv(s: socket.socket) -> tuple[int, bytes]:
+    head = s.recv(4, socket.MSG_WAITALL)
+    if not head:
+        return -1, b""  # closed
+    body = s.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL)
+    return body[0], body[1:]
+
+
+def test_blocking_client_goes_over_the_local_socket(serve_process, tmp_path: Path):
+    sc = _serve(serve_process, tmp_path / "d")
+    keys = prefix_keys(NS, list(range(16 * 5)))
+    blocks = [np.random.default_rng(i).integers(0, 256, 5000, dtype=np.uint8) for i in range(5)]
+    with SyncClient(sc.grpc) as local, SyncClient(sc.grpc, local=False) as remote:
+        assert local.put_blocks(NS, keys, blocks).stored == 5
+        assert local.transport == "local"
+        assert remote.lookup(NS, keys).matched == 5 and remote.transport == "grpc"
+        assert local.lookup(NS, keys) == remote.lookup(NS, keys)
+        got = local.get_blocks(NS, keys, verify=True)
+        assert all(np.array_equal(a, b) for a, b in zip(got, blocks))
+        assert local.stats()["index"] == remote.stats()["index"]
+    path = tmp_path / "d" / "kvstore.sock"
+    assert stat.S_ISSOCK(path.stat().st_mode) and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sc.stop() == 0
+    assert not path.exists()  # removed on a clean stop
+
+
+def test_errors_are_the_ones_grpc_gives_and_change_nothing(serve_process, tmp_path: Path):
+    sc = _serve(serve_process, tmp_path / "d")
+    keys = prefix_keys(NS, list(range(16 * 3)))
+    with SyncClient(sc.grpc) as local, SyncClient(sc.grpc, local=False) as remote:
+        local.put_blocks(NS, keys, [np.ones(100, np.uint8)] * 3)
+        before = remote.stats()
+        calls = [
+            lambda c: c.lookup(NS, [b"short"]),
+            lambda c: c.release("no-such-lease"),
+            lambda c: c._call("Commit", pb.CommitRequest(allocation_id="nope")),
+            lambda c: c._call("Allocate", pb.AllocateRequest()),
+            lambda c: c.acquire(NS, [b"x" * 31]).__enter__(),
+        ]
+        for call in calls:
+            errors = []
+            for c in (local, remote):
+                with pytest.raises(KVStoreError) as info:
+                    call(c)
+                errors.append((type(info.value), str(info.value)))
+            assert errors[0] == errors[1]
+            assert errors[0][0] in (InvalidArgument, NotFound, FailedPrecondition)
+        after = remote.stats()
+        assert [after[k] for k in ("index", "reads", "writes")] == [before[k] for k in ("index", "reads", "writes")]
+        assert local.transport == "local" and local.lookup(NS, keys).matched == 3  # still serving
+
+
+def test_malformed_frames_get_a_status_and_the_server_keeps_serving(serve_process, tmp_path: Path):
+    sc = _serve(serve_process, tmp_path / "d")
+    path = str(tmp_path / "d" / "kvstore.sock")
+    s = _raw(path)
+    assert _recv(s) == (0, b"")  # hello accepted (no token configured)
+    _send(s, "Frobnicate", b"")
+    status, msg = _recv(s)
+    assert status == 12 and b"method: unknown 'Frobnicate'" in msg  # UNIMPLEMENTED
+    _send(s, "Lookup", b"\xff\xff\xff")
+    status, msg = _recv(s)
+    assert status == 3 and b"request: not a LookupRequest" in msg  # INVALID_ARGUMENT
+    _send(s, "Lookup", pb.LookupRequest(keys=[b"k" * 32]).SerializeToString())
+    status, msg = _recv(s)
+    assert status == 3 and msg == b"namespace: required"  # the servicer's own validation
+    _send(s, "Echo", pb.EchoRequest(payload=b"hi").SerializeToString())
+    assert _recv(s) == (0, pb.EchoResponse(payload=b"hi").SerializeToString())  # same connection still works
+    s.sendall(struct.pack(">I", 1 << 30))  # a frame over server.max_message_bytes
+    status, msg = _recv(s)
+    assert status == 8 and b"limit" in msg  # RESOURCE_EXHAUSTED, then closed
+    assert _recv(s) == (-1, b"")
+    s.close()
+    with SyncClient(sc.grpc) as c:
+        assert c.stats()["index"]["blocks"] == 0 and c.transport == "local"
+
+
+def test_the_token_guards_the_local_socket(serve_process, tmp_path: Path):
+    sc = _serve(serve_process, tmp_path / "d", KVSTORE_SERVER__AUTH_TOKEN="s3cret")
+    path = str(tmp_path / "d" / "kvstore.sock")
+    s = _raw(path, b"wrong")
+    status, msg = _recv(s)
+    assert status == 16 and b"token" in msg  # UNAUTHENTICATED
+    assert _recv(s) == (-1, b"")
+    with pytest.raises(Unauthenticated):
+        LocalChannel(path, token="").call("Stats", pb.StatsRequest())
+    with SyncClient(sc.grpc, token="s3cret") as c:
+        assert "index" in c.stats() and c.transport == "local"
+
+
+def test_no_usable_socket_means_grpc(serve_process, tmp_path: Path):
+    off = _serve(serve_process, tmp_path / "off", KVSTORE_SERVER__LOCAL_SOCKET="off")
+    with SyncClient(off.grpc) as c:
+        assert c.lookup(NS, prefix_keys(NS, list(range(16)))).matched == 0
+        assert c.transport == "grpc"
+    elsewhere = _serve(serve_process, tmp_path / "e", KVSTORE_SERVER__LOCAL_SOCKET=str(tmp_path / "e.sock"))
+    os.unlink(tmp_path / "e.sock")  # what a client on another host sees: a path it cannot open
+    with SyncClient(elsewhere.grpc) as c:
+        assert c.lookup(NS, prefix_keys(NS, list(range(16)))).matched == 0
+        assert c.transport == "grpc"
+
+
+def test_a_restarted_sidecar_is_found_again(serve_process, tmp_path: Path):
+    data = tmp_path / "d"
+    first = _serve(serve_process, data)
+    grpc_port = first.grpc.rsplit(":", 1)[1]
+    keys = prefix_keys(NS, list(range(16)))
+    c = SyncClient(first.grpc)
+    assert c.lookup(NS, keys).matched == 0 and c.transport == "local"
+    first.stop()
+    with pytest.raises(Unavailable):
+        c.lookup(NS, keys)
+    second = serve_process(["--grpc-address", f"127.0.0.1:{grpc_port}", "--http-address", "127.0.0.1:0",
+                            "--dram-bytes", str(8 << 20), "--data-dir", str(data)], env=ENV)
+    c.put_blocks(NS, keys, [np.ones(64, np.uint8)])  # the idle connection broke: reopened, sent again
+    assert c.lookup(NS, keys).matched == 1 and c.transport == "local"
+    c.close()
+    second.stop()
+
+
+def test_socket_path_falls_back_to_tmp_when_too_long(tmp_path: Path):
+    assert socket_path("off", tmp_path, "/kvstore-x") is None
+    assert socket_path("/run/kv.sock", tmp_path, "/kvstore-x") == Path("/run/kv.sock")
+    assert socket_path("", tmp_path, "/kvstore-x") == tmp_path.resolve() / "kvstore.sock"
+    deep = tmp_path / ("d" * 120)
+    assert socket_path("", deep, "/kvstore-x").name == "kvstore-kvstore-x.sock"
