@@ -17,7 +17,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 
 # The server's default. `credit` (LRU plus bounded frequency credit, O(1) queues) is never below
 # LRU on the two Mooncake traces and on the held-out generated shapes at 1-25% of the unique
-# blocks, and it scores up to 1.09x LRU at 5% (conversation). It does not meet issue 4's 5%
+# blocks, and it scores up to 1.12x LRU at 5% (conversation). It does not meet issue 4's 5%
 # targets (1.25x LRU, 0.7x Belady); see docs/eviction.md. `index.policy = "lru"` restores LRU.
 DEFAULT_POLICY = "credit"
 

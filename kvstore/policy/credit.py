@@ -12,10 +12,10 @@ so it is the first to go.
   to the end of its queue or to the next queue's end.
 * **Bounded credit.** Uncapped credit (the heap version this replaced allowed 64 uses, i.e. up to
   31 lifetimes) keeps old, often-used steps of an agent loop while the next step needs the newest
-  blocks: it lost to LRU on the held-out agentic shape (0.93x at 5%). With 4 classes and boost 0.5
-  a block keeps at most 1.5 lifetimes of credit, and the policy is never below LRU on the shared
-  or held-out traces at 1-25% (docs/eviction.md; boost 1 scores higher on the shared traces but
-  falls 0.0001 below LRU on one held-out cell).
+  blocks: it lost to LRU on the held-out agentic shape (0.93x at 5%). With 4 classes and boost
+  0.75 a block keeps at most 2.25 lifetimes of credit, and the policy is never below LRU on the
+  shared or held-out traces at 1-25% (docs/eviction.md; boost 1 scores higher on the shared
+  traces but falls 0.0001 below LRU on one held-out cell).
 * **Ghost frequencies.** Evicted keys keep their use count on a bounded ghost list (``ghost`` × the
   space's capacity). A block that comes back resumes its count, so a block that was evicted and
   then needed again is kept longer the second time.
@@ -48,7 +48,7 @@ def ghost_key(item: Item) -> object:
 class CreditLRUPolicy:
     name: ClassVar[str] = "credit"
 
-    def __init__(self, boost: float = 0.5, classes: int = 4, ghost: float = 4.0) -> None:
+    def __init__(self, boost: float = 0.75, classes: int = 4, ghost: float = 4.0) -> None:
         if classes < 1:
             raise ValueError("credit: classes must be at least 1")
         self.boost = boost
