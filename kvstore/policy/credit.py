@@ -79,8 +79,7 @@ class CreditLRUPolicy:
         self._fresh.add(item)
         links = self._links
         links.link(item, parent if parent is not None and parent in links else None)
-        if size > self._full:
-            self._full = size
+        self._full = max(self._full, size)
         f = min(self._ghost.pop(ghost_key(item), 0) + 1, self.classes)
         q = TAILS if size < self._full else f
         self._freq[item] = f
@@ -138,8 +137,7 @@ class CreditLRUPolicy:
     def pop_victim(self, eligible: Eligible | None = None) -> Item | None:
         self._batch = False
         n = len(self._queue)
-        if n > self._cap:
-            self._cap = n
+        self._cap = max(self._cap, n)
         kids, last = self._links.kids, self._last
         unit = self.boost * self._cap
         victim, best = None, 0.0

@@ -10,7 +10,7 @@ from kvstore.policy.base import Item
 
 
 class PrefixLinks:
-    __slots__ = ("parent", "kids")
+    __slots__ = ("kids", "parent")
 
     def __init__(self) -> None:
         self.parent: dict[Item, Item | None] = {}
