@@ -9,7 +9,9 @@ The scheduler role wraps :class:`~connector.core.SchedulerConnector` (one batche
 request through :class:`~connector.core.finders.LeaseFinder`, the loads it offers, the saves of
 blocks that became full in a step); the worker role wraps :class:`~connector.core.WorkerConnector`
 (copies straight out of the leased shared-memory slots, saves on a thread, per-block load
-failures). The lookup is the only round trip to the sidecar on a request's path.
+failures). The lookup is the only round trip to the sidecar on a request's path, and none at all
+when the engine's :mod:`~connector.core.directory` knows where every block lies at the slab's
+current free epoch (blocks this engine saved or loaded, nothing freed since).
 What this module adds is only vLLM's call protocol:
 
 * **Keys** are kvstore's token-chained prefix keys over ``request.all_token_ids`` in a namespace
@@ -47,7 +49,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connector.core import ConnectorMetadata, SchedulerConnector, WorkerConnector
-from connector.core.finders import LeaseFinder
+from connector.core.directory import directory_for
+from connector.core.finders import DirectoryFinder, Finder, LeaseFinder
 from connector.layout import KVSpec
 from connector.transfer import make_transfer
 from kvstore.client import SyncClient
@@ -84,6 +87,7 @@ class Settings:
     load_failure_policy: str = "recompute"  # applied to vLLM's kv_load_failure_policy
     transfer: str = ""  # "numpy" | "cupy"; default by device
     threads: int = 1  # transfer threads in the worker
+    directory: bool = True  # remember where this engine's blocks lie: lookups without a round trip
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -170,8 +174,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.info("kvstore connector: kv_load_failure_policy %r -> %r", tc.kv_load_failure_policy,
                          self.settings.load_failure_policy)
                 tc.kv_load_failure_policy = self.settings.load_failure_policy  # read by the scheduler next
+            finder: Finder = LeaseFinder(self.client)
+            if self.settings.directory:
+                finder = DirectoryFinder(finder, directory_for(self.settings.url))
             self._sched = SchedulerConnector(self.client, self.ns, self.spec, lease_ttl_ms=self.settings.lease_ttl_ms,
-                                             finder=LeaseFinder(self.client))
+                                             finder=finder)
             self._reqs: dict[str, _Req] = {}
             self._lookups: dict[str, tuple[int, int, int, float]] = {}  # req -> (computed, tokens, n, until)
         else:
@@ -179,7 +186,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
             transfer = self.settings.transfer or ("numpy" if current_platform.is_cpu() else "cupy")
             self._worker = WorkerConnector(self.client, self.ns, self.spec, transfer=make_transfer(transfer),
-                                           verify_checksums=self.settings.verify_checksums, threads=self.settings.threads)
+                                           verify_checksums=self.settings.verify_checksums, threads=self.settings.threads,
+                                           directory=directory_for(self.settings.url) if self.settings.directory else None)
             self._failed_reqs: set[str] = set()  # loads that failed in this step
             self._had_saves: set[str] = set()  # requests handed saves (the scheduler delays their free)
             self._pending: set[str] = set()  # requests with saves possibly in flight

@@ -166,6 +166,7 @@ class _Slot:
     present: bool
     view: np.ndarray | None
     slot_id: int
+    ref: SlotRef | None = None
 
 
 class _AllocationState:
@@ -175,6 +176,7 @@ class _AllocationState:
         self.request = request
         self.id = ""
         self.slots: list[_Slot] = []
+        self.checksums: dict[int, int] = {}  # index in the request -> checksum sent with the Commit
         self.done = False
 
     def _fill(self, r: pb.AllocateResponse) -> None:
@@ -184,13 +186,18 @@ class _AllocationState:
                 self.slots.append(_Slot(b.key, True, None, 0))
             else:
                 mem = attach(b.slot.segment)
-                self.slots.append(_Slot(b.key, False, mem[b.slot.offset : b.slot.offset + b.slot.length], b.slot.slot_id))
+                ref = SlotRef(b.slot.segment, b.slot.offset, b.slot.length)
+                self.slots.append(_Slot(b.key, False, mem[b.slot.offset : b.slot.offset + b.slot.length], b.slot.slot_id, ref))
 
     def writable(self) -> Iterator[tuple[int, np.ndarray]]:
         """(index in the request, writable uint8 view) for every block that needs its bytes."""
         for i, s in enumerate(self.slots):
             if not s.present:
                 yield i, s.view  # type: ignore[misc]
+
+    def slot_refs(self) -> dict[int, SlotRef]:
+        """Where each block that needs its bytes lies, by index in the request."""
+        return {i: s.ref for i, s in enumerate(self.slots) if s.ref is not None}
 
     def _commit_request(self, indices: Sequence[int] | None, checksums: bool) -> pb.CommitRequest | None:
         chosen = [i for i, s in enumerate(self.slots) if not s.present] if indices is None else list(indices)
@@ -200,7 +207,7 @@ class _AllocationState:
             cb = pb.CommitBlock(key=s.key, slot_id=s.slot_id)
             if checksums:
                 cb.has_checksum = True
-                cb.checksum = checksum(s.view)  # type: ignore[arg-type]
+                cb.checksum = self.checksums[i] = checksum(s.view)  # type: ignore[arg-type]
             blocks.append(cb)
         self.done = True
         return pb.CommitRequest(allocation_id=self.id, blocks=blocks) if blocks else None
@@ -434,6 +441,10 @@ class SyncClient:
         if self._local is not None:
             return self._local.call(name, request, timeout)
         return self._grpc_call(name, request, timeout)
+
+    def hello(self) -> pb.HelloResponse:
+        """Where the sidecar's local socket and shared-memory slab are."""
+        return self._call("Hello", pb.HelloRequest())
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         try:

@@ -8,6 +8,12 @@ that size, as memcached's slab allocator does. Workers attach to the segment onc
 
 Pages are not moved between classes once assigned; a workload whose block sizes change keeps
 the old classes' pages until restart (memcached's rebalancer is the known remedy).
+
+A header page after the last slab page (the segment's last 4 KiB) holds the **free epoch** (a
+u64 at its start, :func:`free_epoch`): the sidecar adds one every time it frees a slot (eviction, delete, abort,
+shutdown). A client that read the epoch before learning where committed blocks lie may read them
+there without a lease as long as the epoch has not moved: a committed block's bytes only change
+after its slot was freed (:mod:`connector.core.directory`).
 """
 
 from __future__ import annotations
@@ -55,9 +61,10 @@ class Slab:
         self.num_pages = capacity_bytes // page_bytes
         self.capacity_bytes = self.num_pages * page_bytes
         self.name = f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=self.capacity_bytes)
+        self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=self.capacity_bytes + HEADER_BYTES)
         _owned[self.name] = self._shm
-        self.buf = np.frombuffer(self._shm.buf, dtype=np.uint8)
+        self.buf = np.frombuffer(self._shm.buf, dtype=np.uint8, count=self.capacity_bytes)
+        self._epoch = epoch_view(self._shm.buf, self.capacity_bytes)
         if prefault:
             self.buf[:: 4096] = 0
         self.classes: list[_SizeClass] = []
@@ -104,9 +111,14 @@ class Slab:
         return sc.free.pop()
 
     def free(self, slot: Slot) -> None:
+        self._epoch[0] += 1  # before the slot can be handed out again
         sc = self.classes[slot.cls]
         sc.used -= 1
         sc.free.append(slot)
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch[0])
 
     def view(self, slot: Slot, length: int) -> np.ndarray:
         return self.buf[slot.offset : slot.offset + length]
@@ -126,7 +138,8 @@ class Slab:
         }
 
     def close(self, unlink: bool = True) -> None:
-        del self.buf
+        self._epoch[0] += 1  # nothing a client learned about this slab holds any more
+        del self.buf, self._epoch
         try:
             self._shm.close()
         except BufferError:
@@ -141,6 +154,20 @@ class Slab:
 
 
 # --- worker side ----------------------------------------------------------------------------
+
+HEADER_BYTES = 4096  # after the slab pages: the free epoch
+
+
+def epoch_view(buf: object, offset: int) -> np.ndarray:
+    """The slab's free epoch (one u64, see the module docstring) in a mapping of the segment."""
+    return np.ndarray((1,), dtype=np.uint64, buffer=buf, offset=offset)  # type: ignore[call-overload]
+
+
+def free_epoch(segment: str) -> np.ndarray:
+    """The free epoch of the sidecar slab ``segment`` as this process maps it (read ``[0]``)."""
+    mem = attach(segment)
+    return epoch_view(mem, len(mem) - HEADER_BYTES)
+
 
 _attached: dict[str, shared_memory.SharedMemory] = {}
 _owned: dict[str, shared_memory.SharedMemory] = {}  # slabs this process created (an in-process sidecar)

@@ -3,6 +3,8 @@
 * :class:`LookupFinder` -- one ``Lookup``: the leading run in every tier (tiers and sizes feed the
   cost model), optionally leased. The worker then acquires the blocks itself (a second round trip)
   and the scheduler releases the lookup's lease.
+* :class:`DirectoryFinder` -- no round trip when the engine already knows where every block lies
+  (:mod:`connector.core.directory`), else a :class:`LeaseFinder`.
 * :class:`LeaseFinder` -- one ``Acquire``: the leading run readable from DRAM now, leased, with
   where each block lies in the sidecar's shared memory. The lease moves into the
   :class:`~connector.core.metadata.LoadSpec`, so the worker copies straight out of shared memory
@@ -16,12 +18,14 @@ processes must be woken), which is why the engine adapters that wait for loads u
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from connector.core.client import ConnectorClient
+from connector.core.directory import BlockDirectory, epoch_of
 from connector.cost import tier_name
 from kvstore.keys import BlockKey, Namespace
 
@@ -30,20 +34,23 @@ DEFAULT_LEASE_TTL_MS = 30_000  # LeaseFinder's lease when none is configured
 
 @dataclass(slots=True, frozen=True)
 class HeldLease:
-    """A read lease on keys ``[first, first + len(slots))`` of a request's key list."""
+    """A read lease on keys ``[first, first + len(slots))`` of a request's key list -- or, with
+    ``epoch`` set, no lease at all: places from the engine's :mod:`~connector.core.directory`,
+    valid while the slab's free epoch reads ``epoch`` (``id`` is then empty)."""
 
     id: str
     first: int = 0
     slots: tuple[Any, ...] = ()  # kvstore.client.SlotRef per leased block (LeaseFinder only)
     checksums: tuple[int, ...] = ()  # per slot; 0: not sealed yet
     deadline: float = 0.0  # time.monotonic() after which the sidecar may have ended it
+    epoch: int | None = None  # set: an unleased read, valid while the free epoch is this
 
     def part(self, first: int, n: int) -> HeldLease:
         """The same lease, describing only keys ``[first, first + n)``."""
         i = first - self.first
         if i < 0 or i + n > len(self.slots):
             raise ValueError(f"lease covers keys {self.first}..{self.first + len(self.slots)}, not {first}..{first + n}")
-        return HeldLease(self.id, first, self.slots[i : i + n], self.checksums[i : i + n], self.deadline)
+        return HeldLease(self.id, first, self.slots[i : i + n], self.checksums[i : i + n], self.deadline, self.epoch)
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,6 +78,30 @@ class LookupFinder:
         lease_id = getattr(res, "lease_id", None) or None
         return Found(tuple(tier_name(t) for t, _ in matched), tuple(int(s) for _, s in matched),
                      HeldLease(lease_id) if lease_id else None)
+
+
+class DirectoryFinder:
+    """The engine's :class:`~connector.core.directory.BlockDirectory` first (no round trip when
+    every block beyond the engine's own is known at the current free epoch), else ``inner``
+    (a :class:`LeaseFinder`), whose leased answer is remembered for next time."""
+
+    def __init__(self, inner: LeaseFinder, directory: BlockDirectory) -> None:
+        self.inner, self.directory = inner, directory
+
+    def find(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Found:
+        tail = keys[have:]
+        places = self.directory.find(tail)
+        if places is not None:
+            held = HeldLease("", have, tuple(p.slot for p in places), tuple(p.checksum for p in places),
+                             math.inf, places[0].epoch)
+            return Found(("dram",) * len(keys), (places[0].slot.length,) * have + tuple(p.slot.length for p in places), held)
+        found = self.inner.find(ns, keys, have, lease_ttl_ms)
+        lease = found.lease
+        if lease is not None and lease.slots:
+            epoch = epoch_of(lease.slots[0].segment)  # read while the lease pins the blocks
+            if epoch is not None:
+                self.directory.learn(tail[: len(lease.slots)], lease.slots, lease.checksums, epoch)
+        return found
 
 
 class LeaseFinder:

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from connector.core.client import ConnectorClient
+from connector.core.directory import BlockDirectory, epoch_of
 from connector.core.finders import HeldLease
 from connector.core.metadata import Failure, LoadResult, LoadSpec, SaveResult, SaveSpec
 from connector.transfer import PagedKV, Transfer
@@ -70,13 +71,19 @@ def _read_held(lease: HeldLease) -> Iterator[_Held]:
     yield _Held(views, list(lease.checksums))
 
 
-def _blocks(client: ConnectorClient, ns: Namespace, spec: LoadSpec) -> AbstractContextManager[Any]:
-    """Where the load reads: under the lease the scheduler handed over while it holds, else a new
-    lease (one round trip)."""
+def _blocks(client: ConnectorClient, ns: Namespace, spec: LoadSpec) -> tuple[AbstractContextManager[Any], int | None]:
+    """Where the load reads: under the lease the scheduler handed over while it holds, or at the
+    places the engine's directory gave while the slab's free epoch has not moved (then the epoch
+    is returned too: it must not move during the copy either), else under a new lease (one round
+    trip)."""
     lease = spec.lease
-    if lease is not None and len(lease.slots) == len(spec.keys) and time.monotonic() < lease.deadline - LEASE_MARGIN_S:
-        return _read_held(lease)
-    return client.acquire(ns, list(spec.keys))
+    if lease is not None and len(lease.slots) == len(spec.keys):
+        if lease.epoch is not None:
+            if epoch_of(lease.slots[0].segment) == lease.epoch:
+                return _read_held(lease), lease.epoch
+        elif time.monotonic() < lease.deadline - LEASE_MARGIN_S:
+            return _read_held(lease), None
+    return client.acquire(ns, list(spec.keys)), None
 
 
 def load_blocks(
@@ -98,7 +105,8 @@ def load_blocks(
     t0 = time.perf_counter()
     loaded, failure = 0, None
     try:
-        with _blocks(client, ns, spec) as lease:
+        source, epoch = _blocks(client, ns, spec)
+        with source as lease:
             views = list(lease.views)[: len(spec.keys)]
             n = len(views)
             bad = _first_bad_checksum(views, getattr(lease, "checksums", None)) if verify else None
@@ -110,6 +118,10 @@ def load_blocks(
                 log.info("load %s: %d of %d blocks gone since lookup; recomputing them", spec.req_id, len(spec.keys) - n, len(spec.keys))
             transfer.scatter(kv, spec.block_ids[:n], views[:n]).wait()  # before the lease ends
             loaded = n
+            if epoch is not None and epoch_of(spec.lease.slots[0].segment) != epoch:  # type: ignore[union-attr]
+                # a slot was freed while it was copied, so it may have been rewritten: trust none
+                loaded, failure = 0, Failure.MISSING
+                log.info("load %s: the sidecar freed slots during an unleased copy; recomputing %d blocks", spec.req_id, n)
     except Exception as exc:  # noqa: BLE001 - any failure means recompute, never wrong output
         loaded, failure = 0, classify(exc)
         log.warning("load %s: %s (%s); recomputing %d blocks", spec.req_id, failure.value, exc, len(spec.keys),
@@ -124,8 +136,19 @@ def load_blocks(
     )
 
 
-def save_blocks(client: ConnectorClient, ns: Namespace, kv: PagedKV, transfer: Transfer, spec: SaveSpec) -> SaveResult:
-    """Store ``spec.block_ids`` under ``spec.keys``; blocks the sidecar already has are skipped."""
+def _free_epoch_before_commit(alloc: Any, pairs: list[tuple[int, Any]]) -> int | None:
+    """The slab's free epoch before the Commit: until then the slots are the allocation's, so any
+    free after it (even of these blocks, right after their commit) moves the epoch."""
+    refs = alloc.slot_refs() if hasattr(alloc, "slot_refs") else {}
+    return epoch_of(refs[pairs[0][0]].segment) if pairs and pairs[0][0] in refs else None
+
+
+def save_blocks(
+    client: ConnectorClient, ns: Namespace, kv: PagedKV, transfer: Transfer, spec: SaveSpec,
+    directory: BlockDirectory | None = None,
+) -> SaveResult:
+    """Store ``spec.block_ids`` under ``spec.keys``; blocks the sidecar already has are skipped.
+    With a ``directory``, the written blocks' places and checksums are remembered in it."""
     t0 = time.perf_counter()
     size = kv.spec.block_bytes
     written = present = 0
@@ -134,7 +157,14 @@ def save_blocks(client: ConnectorClient, ns: Namespace, kv: PagedKV, transfer: T
         with client.allocate(ns, list(spec.keys), [size] * len(spec.keys)) as alloc:
             pairs = list(alloc.writable())
             transfer.gather(kv, [spec.block_ids[i] for i, _ in pairs], [v for _, v in pairs]).wait()
-            alloc.commit()
+            epoch = _free_epoch_before_commit(alloc, pairs) if directory is not None else None
+            if epoch is None:
+                alloc.commit()
+            else:  # the checksums go with the Commit (the sidecar verifies them) and into the directory
+                alloc.commit(checksums=True)
+                refs = alloc.slot_refs()
+                directory.learn([spec.keys[i] for i, _ in pairs], [refs[i] for i, _ in pairs],  # type: ignore[union-attr]
+                                [alloc.checksums[i] for i, _ in pairs], epoch)
             written, present = len(pairs), len(spec.keys) - len(pairs)
     except Exception as exc:  # noqa: BLE001 - a lost save costs a future recompute, nothing more
         failure = classify(exc)

@@ -121,7 +121,7 @@ class SchedulerConnector:
     def _release(self, req_id: str, lease: HeldLease | None) -> None:
         """End a lookup lease (expiry is the fallback: a failure here is logged, never raised)."""
         release = getattr(self.client, "release", None)
-        if lease is None or release is None:
+        if lease is None or not lease.id or release is None:  # (no id: places, not a lease)
             return
         try:
             release(lease.id)

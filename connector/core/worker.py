@@ -18,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from connector.core.client import ConnectorClient
+from connector.core.directory import BlockDirectory
 from connector.core.metadata import ConnectorMetadata, LoadResult, LoadSpec, Role, SaveResult, SaveSpec
 from connector.core.ops import classify, load_blocks, save_blocks
 from connector.core.report import DecisionReporter, decision_record
@@ -46,8 +47,12 @@ class WorkerConnector:
         cost: CostModel | None = None,
         verify_checksums: bool = True,
         threads: int = 1,
+        directory: BlockDirectory | None = None,
     ) -> None:
+        """``directory``: remember where saved blocks lie (:mod:`connector.core.directory`), and
+        tell the sidecar about loads that read from it without a lease."""
         self.client, self.ns, self.spec = client, ns, spec
+        self.directory = directory
         self.transfer = transfer or NumpyTransfer()
         self.cost = cost
         self.verify = verify_checksums
@@ -90,8 +95,10 @@ class WorkerConnector:
         try:
             r = load_blocks(self.client, self.ns, kv, self.transfer, spec, verify=self.verify)
         finally:
-            if spec.lease is not None:  # the scheduler's lease: ended off the load's path
+            if spec.lease is not None and spec.lease.id:  # the scheduler's lease: ended off the load's path
                 self._pool.submit(self._release, spec.lease.id)
+            elif spec.lease is not None:  # read without a lease: the sidecar hears of the hit afterwards
+                self._pool.submit(self._touch, list(spec.keys))
         self.stats.record_load(r)
         if self.cost is not None and r.loaded and spec.tiers:
             per_tier: dict[str, int] = {}
@@ -121,8 +128,19 @@ class WorkerConnector:
             self.stats.failure("release", classify(exc).value)
             log.info("release lease %s: %s", lease_id, exc)
 
+    def _touch(self, keys: list[bytes]) -> None:
+        """A Lookup of blocks read without a lease: the sidecar's policy counts the use; blocks
+        it no longer has leave the directory."""
+        try:
+            matched = self.client.lookup(self.ns, keys).matched
+        except Exception as exc:  # noqa: BLE001 - recency only
+            self.stats.failure("touch", classify(exc).value)
+            return
+        if matched < len(keys) and self.directory is not None:
+            self.directory.forget(keys[matched:])
+
     def _save(self, kv: PagedKV, spec: SaveSpec) -> SaveResult:
-        r = save_blocks(self.client, self.ns, kv, self.transfer, spec)
+        r = save_blocks(self.client, self.ns, kv, self.transfer, spec, self.directory)
         self.stats.record_save(r)
         return r
 
