@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.client import SyncClient
 from kvstore.testing.sidecar import ServeProcess
 
 SIDECAR_DRAM_BYTES = 64 << 20
@@ -33,3 +34,10 @@ def sidecar_process(tmp_path: Path) -> Iterator[ServeProcess]:
     sc.url = sc.grpc  # type: ignore[attr-defined]
     yield sc
     sc.stop()
+
+
+@pytest.fixture
+def client(sidecar_process: ServeProcess) -> Iterator[SyncClient]:
+    """The blocking client the connectors use, on ``sidecar_process``."""
+    with SyncClient(sidecar_process.url) as c:
+        yield c

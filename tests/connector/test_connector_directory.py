@@ -6,48 +6,18 @@ this one."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from connector.core import SchedulerConnector, WorkerConnector
 from connector.core.directory import BlockDirectory, epoch_of
 from connector.core.finders import DirectoryFinder, LeaseFinder
 from connector.core.metadata import Failure, LoadSpec
-from connector.layout import KVSpec
+from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches, stored
 from kvstore.client import SlotRef, SyncClient
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.slab import attach
 
-SPEC = KVSpec(layout="vllm_cpu", num_layers=2, kv_heads=2, head_size=8, block_size=4, dtype="float32")
-NS = Namespace(model="directory-test", kv_layout="vllm_cpu", dtype="float32", block_size=4)
-PROMPT = list(range(4, 4 + 6 * 4 + 1))  # 6 full blocks and one more token
-BLOCKS = 8
-
-
-def caches(seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal((BLOCKS, 2, 4, 16)).astype(np.float32) for _ in range(SPEC.num_layers)]
-
-
-@pytest.fixture
-def client(sidecar_process):
-    with SyncClient(sidecar_process.url) as c:
-        yield c
-
-
 def acquires(client: SyncClient) -> int:
     return client.stats()["reads"].get("acquires", 0)
-
-
-def store(client: SyncClient, directory: BlockDirectory) -> tuple[list[np.ndarray], list[int]]:
-    src, ids = caches(1), [7, 6, 5, 4, 3, 2]
-    writer = WorkerConnector(client, NS, SPEC, directory=directory)
-    writer.register_kv_caches(src)
-    sched = SchedulerConnector(client, NS, SPEC)
-    sched.schedule_save("w", PROMPT, ids)
-    writer.start(sched.build_connector_meta())
-    assert [r.written for r in writer.wait_for_saves()] == [6]
-    writer.close()
-    return src, ids
 
 
 def lookup(client: SyncClient, directory: BlockDirectory) -> LoadSpec:
@@ -70,7 +40,7 @@ def load(client: SyncClient, spec: LoadSpec, directory: BlockDirectory) -> tuple
 
 def test_saved_blocks_are_found_and_read_without_a_round_trip(client) -> None:
     directory = BlockDirectory()
-    src, ids = store(client, directory)
+    src, ids = stored(client, directory)
     assert len(directory) == 6
     before = acquires(client)
     lookups = client.stats()["lookups"]["calls"]
@@ -88,7 +58,7 @@ def test_saved_blocks_are_found_and_read_without_a_round_trip(client) -> None:
 
 def test_any_freed_slot_sends_the_next_lookup_to_the_sidecar(client) -> None:
     directory = BlockDirectory()
-    src, ids = store(client, directory)
+    src, ids = stored(client, directory)
     ns = Namespace(model="other", kv_layout="raw", dtype="uint8", block_size=1)
     other = prefix_keys(ns, [1, 2])
     client.put_blocks(ns, other, [np.ones(64, np.uint8)] * 2)
@@ -106,7 +76,7 @@ def test_any_freed_slot_sends_the_next_lookup_to_the_sidecar(client) -> None:
 
 def test_a_slot_freed_before_the_load_sends_it_to_the_sidecar(client) -> None:
     directory = BlockDirectory()
-    store(client, directory)
+    stored(client, directory)
     spec = lookup(client, directory)
     assert spec.lease.id == ""
     client.delete(NS, [spec.keys[5]])  # the last block goes: its slot is freed, the epoch moves
@@ -125,7 +95,7 @@ def test_a_slot_freed_before_the_load_sends_it_to_the_sidecar(client) -> None:
 
 def test_the_epoch_moving_mid_copy_reports_every_block(client, monkeypatch) -> None:
     directory = BlockDirectory()
-    store(client, directory)
+    stored(client, directory)
     spec = lookup(client, directory)
     from connector.core import ops
 
@@ -145,7 +115,7 @@ def test_the_epoch_moving_mid_copy_reports_every_block(client, monkeypatch) -> N
 
 def test_a_corrupted_slot_is_caught_on_the_unleased_path(client) -> None:
     directory = BlockDirectory()
-    store(client, directory)
+    stored(client, directory)
     spec = lookup(client, directory)
     slot = spec.lease.slots[2]
     attach(slot.segment)[slot.offset + 3] ^= 0xFF

@@ -8,48 +8,16 @@ import dataclasses
 import time
 
 import numpy as np
-import pytest
 
 from connector.core import SchedulerConnector, WorkerConnector
 from connector.core.finders import LeaseFinder
 from connector.core.metadata import Failure, LoadSpec
-from connector.layout import KVSpec
+from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches, stored
 from kvstore.client import SyncClient
-from kvstore.keys import Namespace
 from kvstore.slab import attach
-
-SPEC = KVSpec(layout="vllm_cpu", num_layers=2, kv_heads=2, head_size=8, block_size=4, dtype="float32")
-NS = Namespace(model="held-lease-test", kv_layout="vllm_cpu", dtype="float32", block_size=4)
-PROMPT = list(range(4, 4 + 6 * 4 + 1))  # 6 full blocks and one more token
-BLOCKS = 8
-
-
-def caches(seed: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.standard_normal((BLOCKS, 2, 4, 16)).astype(np.float32) for _ in range(SPEC.num_layers)]
-
-
-@pytest.fixture
-def client(sidecar_process):
-    with SyncClient(sidecar_process.url) as c:
-        yield c
-
 
 def leases(client: SyncClient) -> int:
     return client.stats()["index"]["leases"]
-
-
-def stored(client: SyncClient) -> tuple[list[np.ndarray], list[int]]:
-    """Store the prompt's 6 full blocks from engine blocks 7, 6, ..., 2."""
-    src, ids = caches(1), [7, 6, 5, 4, 3, 2]
-    writer = WorkerConnector(client, NS, SPEC)
-    writer.register_kv_caches(src)
-    sched = SchedulerConnector(client, NS, SPEC)
-    sched.schedule_save("w", PROMPT, ids)
-    writer.start(sched.build_connector_meta())
-    assert [r.written for r in writer.wait_for_saves()] == [6]
-    writer.close()
-    return src, ids
 
 
 def held_load(client: SyncClient, have: int = 0) -> LoadSpec:

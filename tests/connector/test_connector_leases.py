@@ -25,12 +25,6 @@ def model(tiny_model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture
-def client(sidecar_process):
-    with SyncClient(sidecar_process.url) as c:
-        yield c
-
-
 def leases(client: SyncClient) -> int:
     return client.stats()["index"]["leases"]
 
