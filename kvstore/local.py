@@ -126,6 +126,7 @@ class LocalServer:
                     writer.write(_frame(b"\0"))
                     continue
                 writer.write(await self._call(name, payload))
+                await writer.drain()  # a client that stops reading must not grow our buffer
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away
         finally:
