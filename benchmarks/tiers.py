@@ -184,6 +184,7 @@ class _Bench:
         from kvstore.client import KVStoreClient
         from kvstore.keys import Namespace, prefix_keys
 
+        put_raw = raw_put or raw
         label = "ssd" if tier_name == "ssd" else ("s3" if tier_name == "s3" else "redis")
         page = max(4096, 1 << (self.size - 1).bit_length())  # one slot per page: exactly N slots
         if self.n * page < MIN_DRAM:
@@ -275,10 +276,10 @@ class _Bench:
                                 t_put, t_get = await round_()
                                 j = 0
                             else:
-                                await (raw_put or raw).reset()
-                                t_put = await _timed((raw_put or raw).put)
-                                if raw_put is not None:
-                                    await raw_put.reset()
+                                await put_raw.reset()
+                                t_put = await _timed(put_raw.put)
+                                if put_raw is not raw:
+                                    await put_raw.reset()
                                     await raw.reset()
                                     await raw.put()  # (untimed) the values the raw get reads
                                 t_get = await _timed(raw.get)

@@ -21,6 +21,8 @@ from kvstore.policy import DEFAULT_POLICY, policy_names
 MiB = 1 << 20
 GiB = 1 << 30
 TIER_IN_FLIGHT = 16  # requests the sidecar's movers keep in flight to one lower tier
+SSD_IO_THREADS = 4  # files of an SSD batch written at once
+REDIS_PIPELINES = 8  # concurrent pipelines a Redis batch is split into
 
 
 class _Section(BaseModel):
@@ -76,7 +78,7 @@ class SsdConfig(_Section):
     path: str = Field("", description="directory for blocks; default <data_dir>/ssd")
     capacity_bytes: int = Field(16 * GiB, ge=64 * 1024)
     direct_io: bool = Field(True, description="O_DIRECT where the filesystem allows it")
-    io_threads: int = Field(4, ge=1, le=64, description="files of a batch written at once (device queue depth)")
+    io_threads: int = Field(SSD_IO_THREADS, ge=1, le=64, description="files of a batch written at once (device queue depth)")
 
 
 class RedisConfig(_Section):
@@ -90,7 +92,7 @@ class RedisConfig(_Section):
     backoff_base_s: float = Field(0.05, gt=0, description="ExponentialBackoff base between retries")
     backoff_cap_s: float = Field(1.0, gt=0, description="ExponentialBackoff cap between retries")
     socket_timeout_s: float = Field(5.0, gt=0, description="connect and read timeout")
-    pipelines: int = Field(8, ge=1, le=64, description="a batch is sent as this many concurrent pipelines (connections)")
+    pipelines: int = Field(REDIS_PIPELINES, ge=1, le=64, description="a batch is sent as this many concurrent pipelines (connections)")
     max_connections: int = Field(256, ge=1, description="connection pool size (per node in a cluster); >= 16 movers x pipelines")
 
     @model_validator(mode="after")

@@ -10,8 +10,8 @@ Pages are not moved between classes once assigned; a workload whose block sizes 
 the old classes' pages until restart (memcached's rebalancer is the known remedy).
 
 A header page after the last slab page (the segment's last 4 KiB) holds the **free epoch** (a
-u64 at its start, :func:`free_epoch`): the sidecar adds one every time it frees a slot (eviction, delete, abort,
-shutdown). A client that read the epoch before learning where committed blocks lie may read them
+u64 at its start, :func:`free_epoch`): the sidecar adds one every time it frees a slot
+(eviction, delete, abort, shutdown). A client that read the epoch before learning where committed blocks lie may read them
 there without a lease as long as the epoch has not moved: a committed block's bytes only change
 after its slot was freed (:mod:`connector.core.directory`).
 """
@@ -115,10 +115,6 @@ class Slab:
         sc = self.classes[slot.cls]
         sc.used -= 1
         sc.free.append(slot)
-
-    @property
-    def epoch(self) -> int:
-        return int(self._epoch[0])
 
     def view(self, slot: Slot, length: int) -> np.ndarray:
         return self.buf[slot.offset : slot.offset + length]

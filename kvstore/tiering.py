@@ -1,8 +1,9 @@
 """Tiering: the tiers below DRAM, and the movers between them.
 
-* DRAM eviction demotes: the block's bytes are staged (copied out of its slot, checksummed if
-  the server had not sealed it yet) and written to the first lower tier in the background. The
-  block stays findable meanwhile, served from the staging copy.
+* DRAM eviction demotes: the block's bytes are staged (copied out of its slot) and written to the
+  first lower tier in the background, in two stages per tier: a sealer checksums what the server
+  had not sealed yet, a writer writes what is sealed in batches. The block stays findable
+  meanwhile, served from the staging copy.
 * A lower tier with a capacity (SSD) evicts through its own policy instance and demotes further
   down the chain, or drops the block when nothing is below.
 * Write-through tiers (Redis, S3) receive every committed block at once so other hosts can read
@@ -62,7 +63,7 @@ class Level:
     policy: EvictionPolicy | None
     footprint: Callable[[int], int] = lambda size: size
     # Requests in flight to this tier at once: movers start one task per block, and a burst of
-    # hundreds must not open hundreds of connections (redis-py's pool stops at 100).
+    # hundreds must not open hundreds of connections (redis.max_connections is sized for this).
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TIER_IN_FLIGHT))
     queue: list[Staged] = field(default_factory=list)  # demotions to checksum
     ready: list[Staged] = field(default_factory=list)  # demotions to write
@@ -232,6 +233,7 @@ class Tiering:
                 b.checksum = c
 
     async def _write_demotions(self, lv: Level, batch: list[Staged]) -> None:
+        written = False
         try:
             live = [(b, d) for b, d, _ in batch if b.tiers & lv.bit and b.ns.blocks.get(b.key) is b]
             await self._make_room(lv)  # the batch is counted already; evict others until it fits
@@ -239,16 +241,17 @@ class Tiering:
             async with lv.slots:
                 await lv.tier.put_many(items)
             self.store.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
-            self._release_staged(batch)
-        except BaseException as exc:
-            if isinstance(exc, Unavailable):
-                self._mark_down(lv, exc)
-            elif isinstance(exc, Exception):
-                log.exception("demotion of %d blocks to %s failed", len(batch), lv.name)
-                self.store.stats.tier(lv.name, "errors")
-            self._demotion_failed(lv, batch)
-            if not isinstance(exc, Exception):
-                raise
+            written = True
+        except Unavailable as exc:
+            self._mark_down(lv, exc)
+        except Exception:
+            log.exception("demotion of %d blocks to %s failed", len(batch), lv.name)
+            self.store.stats.tier(lv.name, "errors")
+        finally:
+            if written:
+                self._release_staged(batch)
+            else:
+                self._demotion_failed(lv, batch)
 
     def _demotion_failed(self, lv: Level, batch: list[Staged]) -> None:
         for b, _, _ in batch:
@@ -426,13 +429,13 @@ class Tiering:
                 continue
             # One read per tier: the tier spreads it over its own connections (Redis pipelines,
             # S3 requests); splitting it further here measured slower.
-            for i, ok in zip(mine, await self._read_group(lv, [items[i] for i in mine])):
+            for i, ok in zip(mine, await self._read_level(lv, [items[i] for i in mine])):
                 if ok:
                     out[i] = lv.name
             todo = [i for i in todo if out[i] is None]
         return out
 
-    async def _read_group(self, lv: Level, items: list[tuple[Block, np.ndarray]]) -> list[bool]:
+    async def _read_level(self, lv: Level, items: list[tuple[Block, np.ndarray]]) -> list[bool]:
         """Read ``items`` from ``lv`` and verify them; a bad or missing copy is unplaced."""
         blocks = [b for b, _ in items]
         views = [v for _, v in items]

@@ -22,14 +22,13 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import numpy as np
 from redis import exceptions as rexc
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from kvstore.config import RedisConfig
+from kvstore.config import REDIS_PIPELINES, RedisConfig
 from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header
 
@@ -64,9 +63,6 @@ class _Unavailable:
 _unavailable = _Unavailable()
 
 
-THREAD_COPY_BYTES = 1 << 20  # replies at least this big are copied into the buffers in a thread
-
-
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous (start, end) ranges covering ``range(n)``, none empty."""
     parts = max(1, min(parts, n))
@@ -90,7 +86,7 @@ class RedisTier(TierBase):
         key_prefix: str = "kvstore",
         chunk_bytes: int = 1 << 20,
         ttl_s: int = 0,
-        pipelines: int = 8,
+        pipelines: int = REDIS_PIPELINES,
     ) -> None:
         self.client = client
         self.key_prefix = key_prefix
@@ -168,13 +164,6 @@ class RedisTier(TierBase):
                 for k in self.chunk_keys(r, len(buf)):
                     pipe.get(k)
             replies = await pipe.execute()
-        if sum(len(r) for r in replies if r is not None) >= THREAD_COPY_BYTES:
-            # Copying megabytes into the buffers off the event loop lets the other pipelines'
-            # replies be read meanwhile (numpy's copy releases the GIL).
-            return await asyncio.to_thread(self._assemble_group, refs, into, replies)
-        return self._assemble_group(refs, into, replies)
-
-    def _assemble_group(self, refs: Sequence[BlockRef], into: Sequence[memoryview], replies: list[Any]) -> list[BlockMeta | None]:
         out: list[BlockMeta | None] = []
         pos = 0
         for r, buf in zip(refs, into):
@@ -191,10 +180,9 @@ class RedisTier(TierBase):
         parts = parts[: self.n_chunks(meta.size)]
         if any(p is None for p in parts) or sum(len(p) for p in parts) != meta.size:  # type: ignore[arg-type]
             return None  # partly evicted or expired: a miss
-        dest = np.frombuffer(buf, dtype=np.uint8)
         off = 0
         for p in parts:
-            dest[off : off + len(p)] = np.frombuffer(p, dtype=np.uint8)  # type: ignore[arg-type]
+            buf[off : off + len(p)] = p  # type: ignore[arg-type]
             off += len(p)  # type: ignore[arg-type]
         return meta
 

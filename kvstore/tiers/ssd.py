@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.config import SsdConfig
+from kvstore.config import SSD_IO_THREADS, SsdConfig
 from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted
 from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef, TierBase, decode_header, encode_header, header_size
 
@@ -97,7 +97,7 @@ class SsdTier(TierBase):
 
     name = "ssd"
 
-    def __init__(self, path: str | Path, capacity_bytes: int, *, direct_io: bool = True, io_threads: int = 4) -> None:
+    def __init__(self, path: str | Path, capacity_bytes: int, *, direct_io: bool = True, io_threads: int = SSD_IO_THREADS) -> None:
         self.root = Path(path)
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
@@ -110,7 +110,7 @@ class SsdTier(TierBase):
         self._local = threading.local()  # per-thread aligned staging buffer for O_DIRECT
         # A batch's files are written by several threads at once: one synchronous O_DIRECT
         # write at a time leaves the device idle between requests (queue depth 1).
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd") if io_threads > 1 else None
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd")
 
     @classmethod
     def from_config(cls, cfg: SsdConfig, data_dir: str | Path = "./kvstore-data") -> SsdTier:
@@ -190,9 +190,7 @@ class SsdTier(TierBase):
         await asyncio.to_thread(lambda: [self._unlink(self.path_of(r)) for r in refs])
 
     async def close(self) -> None:
-        if self._io is not None:  # no file handles are held between calls
-            self._io.shutdown(wait=True)
-            self._io = None
+        self._io.shutdown(wait=True)  # no file handles are held between calls
 
     async def scan(self) -> AsyncIterator[BlockMeta]:
         """Every block's header; removes temp files a crash left behind and skips bad headers."""
@@ -328,18 +326,8 @@ class SsdTier(TierBase):
                     tmp.unlink(missing_ok=True)
 
     def _write_tmps(self, jobs: Sequence[tuple[Path, bytes, memoryview]]) -> list[int]:
-        """Write every temp file (several at once); returns their open fds. If one fails, the
-        others' fds are closed and the first error is raised."""
-        if self._io is None or len(jobs) < 2:
-            fds: list[int] = []
-            try:
-                for job in jobs:
-                    fds.append(self._write_tmp(*job))
-            except BaseException:
-                for fd in fds:
-                    os.close(fd)
-                raise
-            return fds
+        """Write every temp file (``io_threads`` at once); returns their open fds. If one fails,
+        the others' fds are closed and the first error is raised."""
         futures = [self._io.submit(self._write_tmp, *job) for job in jobs]
         errors = [f.exception() for f in futures]
         if any(errors):

@@ -39,12 +39,6 @@ def model_and_tok(tiny_model_dir: Path):
     return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.fixture
-def client(sidecar_process):
-    with SyncClient(sidecar_process.url) as c:
-        yield c
-
-
 def connector(model, client, **kw) -> HFConnector:
     return HFConnector(model, client, model_id="tiny-llama", block_size=BS, **kw)
 

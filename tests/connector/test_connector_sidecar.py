@@ -29,10 +29,19 @@ def block(cache: torch.Tensor, layout: str, b: int) -> torch.Tensor:
     return cache[b] if layout == "vllm_cpu" else cache[:, b]
 
 
-@pytest.fixture
-def client(sidecar_process):
-    with SyncClient(sidecar_process.url) as c:
-        yield c
+SPEC = KVSpec("vllm_cpu", num_layers=L, kv_heads=H, head_size=D, block_size=BS, dtype="float32")
+NS = Namespace(model="toy", kv_layout="vllm_cpu", dtype="float32", block_size=BS)
+
+
+def stored(client: SyncClient, seed: int) -> tuple[WorkerConnector, SchedulerConnector]:
+    """TOKENS' 7 blocks saved from engine blocks SRC of a random float32 vllm_cpu cache."""
+    worker = WorkerConnector(client, NS, SPEC)
+    worker.register_kv_caches(make_cache("vllm_cpu", torch.float32, seed=seed))
+    sched = SchedulerConnector(client, NS, SPEC)
+    sched.schedule_save("p", TOKENS, SRC)
+    worker.start(sched.build_connector_meta())
+    worker.wait_for_saves()
+    return worker, sched
 
 
 @pytest.mark.parametrize("layout", ["vllm_cpu", "vllm_gpu"])
@@ -68,29 +77,15 @@ def test_prefill_engine_to_decode_engine(client: SyncClient, layout: str, dtype:
 
 
 def test_other_namespace_sees_nothing(client: SyncClient) -> None:
-    spec = KVSpec("vllm_cpu", num_layers=L, kv_heads=H, head_size=D, block_size=BS, dtype="float32")
-    ns = Namespace(model="toy", kv_layout="vllm_cpu", dtype="float32", block_size=BS)
-    worker = WorkerConnector(client, ns, spec)
-    worker.register_kv_caches(make_cache("vllm_cpu", torch.float32, seed=2))
-    sched = SchedulerConnector(client, ns, spec)
-    sched.schedule_save("p", TOKENS, SRC)
-    worker.start(sched.build_connector_meta())
-    worker.wait_for_saves()
+    worker, _ = stored(client, seed=2)
     salted = Namespace(model="toy", kv_layout="vllm_cpu", dtype="float32", block_size=BS, cache_salt="tenant-b")
-    assert SchedulerConnector(client, salted, spec).get_num_new_matched_tokens("d", TOKENS, 0) == 0
-    assert SchedulerConnector(client, ns, spec).get_num_new_matched_tokens("d", TOKENS, 0) == 7 * BS
+    assert SchedulerConnector(client, salted, SPEC).get_num_new_matched_tokens("d", TOKENS, 0) == 0
+    assert SchedulerConnector(client, NS, SPEC).get_num_new_matched_tokens("d", TOKENS, 0) == 7 * BS
     worker.close()
 
 
 def test_sidecar_gone_between_lookup_and_load(client: SyncClient, sidecar_process) -> None:
-    spec = KVSpec("vllm_cpu", num_layers=L, kv_heads=H, head_size=D, block_size=BS, dtype="float32")
-    ns = Namespace(model="toy", kv_layout="vllm_cpu", dtype="float32", block_size=BS)
-    worker = WorkerConnector(client, ns, spec)
-    worker.register_kv_caches(make_cache("vllm_cpu", torch.float32, seed=3))
-    sched = SchedulerConnector(client, ns, spec)
-    sched.schedule_save("p", TOKENS, SRC)
-    worker.start(sched.build_connector_meta())
-    worker.wait_for_saves()
+    worker, sched = stored(client, seed=3)
     n = sched.get_num_new_matched_tokens("d", TOKENS, 0)
     sidecar_process.stop()
     sched.update_state_after_alloc("d", DST, n)
