@@ -93,6 +93,7 @@ class RedisConfig(_Section):
     backoff_cap_s: float = Field(1.0, gt=0, description="ExponentialBackoff cap between retries")
     socket_timeout_s: float = Field(5.0, gt=0, description="connect and read timeout")
     pipelines: int = Field(REDIS_PIPELINES, ge=1, le=64, description="a batch is sent as this many concurrent pipelines (connections)")
+    direct_io: bool = Field(True, description="block bytes on raw sockets straight into and out of DRAM slots; false: through redis-py")
     max_connections: int = Field(256, ge=1, description="connection pool size (per node in a cluster); >= 16 movers x pipelines")
 
     @model_validator(mode="after")

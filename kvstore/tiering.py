@@ -441,15 +441,15 @@ class Tiering:
         views = [v for _, v in items]
         try:
             async with lv.slots:
-                metas = await lv.tier.get_many([lv.ref(b) for b in blocks], [memoryview(v) for v in views])
+                read = await lv.tier.get_many_hashed([lv.ref(b) for b in blocks], [memoryview(v) for v in views])
         except Unavailable as exc:
             self._mark_down(lv, exc)
             return [False] * len(items)
         except ChecksumMismatch:  # an unreadable copy in the batch: verify one by one
             metas = [await verified_get(lv.tier, lv.ref(b), memoryview(v), b.checksum or 0) for b, v in zip(blocks, views)]
-        sums = await asyncio.to_thread(lambda: [checksum(v) if m is not None else None for v, m in zip(views, metas)])
+            read = [(m, None if m is None else m.checksum) for m in metas]
         found = []
-        for b, meta, got in zip(blocks, metas, sums):
+        for b, (meta, got) in zip(blocks, read):
             ok = meta is not None and meta.checksum == b.checksum and got == b.checksum
             found.append(ok)
             if ok:

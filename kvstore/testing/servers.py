@@ -54,6 +54,7 @@ def _wait(predicate, what: str, proc: subprocess.Popen | None = None, timeout: f
         except OSError:
             pass
         time.sleep(0.05)
+    _kill(proc)  # never leave a half-started server behind
     raise TimeoutError(f"{what}: not ready after {timeout}s")
 
 
@@ -85,6 +86,14 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def _auth(self) -> list[str]:
+        """redis-cli's password option when the server was started with ``--requirepass``."""
+        args = list(self.extra_args)
+        if "--requirepass" in args:
+            return ["-a", args[args.index("--requirepass") + 1], "--no-auth-warning"]
+        return []
+
     def start(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             return
@@ -94,7 +103,7 @@ class RedisServer:
             *self.extra_args,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait(lambda: _redis_cli(self.port, "PING").strip() == "PONG", f"redis-server :{self.port}", self.proc)
+        _wait(lambda: self.cli("PING").strip() == "PONG", f"redis-server :{self.port}", self.proc)
 
     def stop(self) -> None:
         """Kill the server (SIGKILL: a crash, not a clean shutdown)."""
@@ -102,7 +111,7 @@ class RedisServer:
         self.proc = None
 
     def cli(self, *args: str) -> str:
-        return _redis_cli(self.port, *args)
+        return _redis_cli(self.port, *self._auth, *args)
 
 
 @contextlib.contextmanager

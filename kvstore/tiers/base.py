@@ -11,11 +11,13 @@ A tier that cannot reach its server raises :class:`kvstore.errors.Unavailable`; 
 
 from __future__ import annotations
 
+import asyncio
 import struct
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from kvstore.checksum import checksum
 from kvstore.errors import ChecksumMismatch
 
 
@@ -104,6 +106,11 @@ class Tier(Protocol):
 
     async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]: ...
 
+    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
+        """``get_many`` plus the xxh3_64 of each block's bytes as read (None on a miss), for the
+        tiering layer to compare with the commit's checksum."""
+        ...
+
     async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None: ...
 
     async def delete_many(self, refs: Sequence[BlockRef]) -> None: ...
@@ -141,6 +148,16 @@ class TierBase:
 
     async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
         return [await self.get(r, b) for r, b in zip(refs, into)]  # type: ignore[attr-defined]
+
+    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
+        """Read, then hash on a thread; tiers that can hash while the bytes arrive override it."""
+        return await with_hashes(await self.get_many(refs, into), into)
+
+
+async def with_hashes(metas: Sequence[BlockMeta | None], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
+    """Each read block's header with the xxh3_64 of the bytes it filled (hashed on a thread)."""
+    sums = await asyncio.to_thread(lambda: [None if m is None else checksum(v[: m.size]) for v, m in zip(into, metas)])
+    return list(zip(metas, sums))
 
     async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
         for meta, data in items:

@@ -9,6 +9,12 @@ The ``{...}`` hash tag puts every key of one block on one cluster slot, so a blo
 written and read by one pipeline on one node. Writes are pipelined (chunks first, header last),
 reads take one pipelined round trip per batch (headers and chunks together).
 
+Block bytes travel on :mod:`kvstore.tiers.resp` (``direct_io``, the default): pipelines on raw
+sockets in worker threads that receive chunks straight into the caller's buffers and hash each
+block as it lands. Everything else, and every batch that meets a cluster redirect, goes through
+redis-py. A client that redis-py connects in ways that path does not follow (TLS, a Unix socket,
+a credential provider) keeps all its traffic on redis-py.
+
 A block whose chunks are partly gone (maxmemory eviction, TTL) is a miss, not an error. A block
 is ``contains``-true when its header key exists; ``get`` is the authority.
 Connection failures raise :class:`~kvstore.errors.Unavailable` after redis-py's own
@@ -18,19 +24,24 @@ Connection failures raise :class:`~kvstore.errors.Unavailable` after redis-py's 
 from __future__ import annotations
 
 import asyncio
-
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from redis import exceptions as rexc
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import Connection as TcpConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from kvstore.checksum import checksum
 from kvstore.config import REDIS_PIPELINES, RedisConfig
 from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted, Unavailable
-from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header
+from kvstore.tiers import resp
+from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header, with_hashes
+
+T = TypeVar("T")
 
 # What "the server cannot be reached" looks like from redis-py (cluster errors included).
 _UNAVAILABLE = (
@@ -63,6 +74,41 @@ class _Unavailable:
 _unavailable = _Unavailable()
 
 
+class _Redirected(Exception):
+    """A MOVED or ASK reply on the direct path: redis-py follows it and refreshes the slot map."""
+
+
+def _check_replies(replies: Sequence[resp.Reply]) -> None:
+    """Raise for the first error reply, as the tier's callers expect from redis-py."""
+    for r in replies:
+        if not isinstance(r, resp.ErrorReply):
+            continue
+        if r.code in ("MOVED", "ASK"):
+            raise _Redirected(r.message)
+        if r.code in ("LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN"):
+            raise Unavailable(f"redis: {r.message}")
+        if r.code == "OOM":
+            raise ResourceExhausted(f"redis: {r.message}")
+        raise rexc.ResponseError(r.message)
+
+
+def direct_settings(client: Redis | RedisCluster) -> dict[str, Any] | None:
+    """How redis-py connects, as :class:`resp.Endpoint` fields (host and port aside); None when
+    the direct path cannot connect the same way (TLS, Unix socket, credential provider)."""
+    if isinstance(client, RedisCluster):
+        kw = client.nodes_manager.connection_kwargs
+        cls = kw.get("connection_class", TcpConnection)
+    else:
+        kw = client.connection_pool.connection_kwargs
+        cls = client.connection_pool.connection_class
+    if cls is not TcpConnection or kw.get("credential_provider") is not None:
+        return None
+    return dict(
+        username=kw.get("username"), password=kw.get("password"), db=int(kw.get("db") or 0),
+        timeout_s=kw.get("socket_timeout"), connect_timeout_s=kw.get("socket_connect_timeout"),
+    )
+
+
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` contiguous (start, end) ranges covering ``range(n)``, none empty."""
     parts = max(1, min(parts, n))
@@ -87,6 +133,7 @@ class RedisTier(TierBase):
         chunk_bytes: int = 1 << 20,
         ttl_s: int = 0,
         pipelines: int = REDIS_PIPELINES,
+        direct_io: bool = True,
     ) -> None:
         self.client = client
         self.key_prefix = key_prefix
@@ -94,6 +141,14 @@ class RedisTier(TierBase):
         self.ttl_s = ttl_s or None
         self.cluster = isinstance(client, RedisCluster)
         self.pipelines = pipelines
+        self._direct = direct_settings(client) if direct_io else None
+        self._pools: dict[tuple[str, int], resp.Pool] = {}
+        self._threads = ThreadPoolExecutor(2 * pipelines, thread_name_prefix="kvstore-redis") if self._direct else None
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether block bytes travel on the direct path (:mod:`kvstore.tiers.resp`)."""
+        return self._direct is not None
 
     @classmethod
     def from_config(cls, cfg: RedisConfig) -> RedisTier:
@@ -108,7 +163,10 @@ class RedisTier(TierBase):
             client = RedisCluster.from_url(cfg.url, **kwargs)
         else:
             client = Redis.from_url(cfg.url, retry_on_error=[rexc.ConnectionError, rexc.TimeoutError], **kwargs)
-        return cls(client, key_prefix=cfg.key_prefix, chunk_bytes=cfg.chunk_bytes, ttl_s=cfg.ttl_s, pipelines=cfg.pipelines)
+        return cls(
+            client, key_prefix=cfg.key_prefix, chunk_bytes=cfg.chunk_bytes, ttl_s=cfg.ttl_s,
+            pipelines=cfg.pipelines, direct_io=cfg.direct_io,
+        )
 
     # ---- keys -----------------------------------------------------------------------------
 
@@ -128,6 +186,92 @@ class RedisTier(TierBase):
     def _pipeline(self) -> Any:
         return self.client.pipeline(transaction=False) if not self.cluster else self.client.pipeline()
 
+    def _check(self, ref: BlockRef, meta: BlockMeta, room: int) -> BlockMeta:
+        if meta.ref != ref:
+            raise ChecksumMismatch(f"redis header for {ref.name} names {meta.ref.name}")
+        if meta.size > room:
+            raise InvalidArgument(f"buffer of {room} bytes for a block of {meta.size}")
+        return meta
+
+    def _chunk_lengths(self, size: int) -> list[int]:
+        step = self.chunk_bytes
+        return [min(step, size - i * step) for i in range(self.n_chunks(size))]
+
+    # ---- the direct path --------------------------------------------------------------------
+
+    async def _direct_groups(self, refs: Sequence[BlockRef]) -> list[tuple[resp.Pool, list[int]]]:
+        """Indices of ``refs`` per pipeline: by node (a cluster's slot map), then split so that
+        about ``pipelines`` run at once."""
+        assert self._direct is not None
+        by_node: dict[tuple[str, int], list[int]] = {}
+        if self.cluster:
+            await self.client.initialize()  # type: ignore[union-attr]  # a no-op once the slot map is known
+            for i, r in enumerate(refs):
+                node = self.client.get_node_from_key(self.header_key(r))  # type: ignore[union-attr]
+                by_node.setdefault((node.host, node.port), []).append(i)
+        else:
+            kw = self.client.connection_pool.connection_kwargs  # type: ignore[union-attr]
+            by_node[(kw.get("host", "localhost"), int(kw.get("port", 6379)))] = list(range(len(refs)))
+        per_node = max(1, self.pipelines // max(1, len(by_node)))
+        groups = []
+        for addr, idx in by_node.items():
+            pool = self._pools.get(addr)
+            if pool is None:
+                pool = self._pools[addr] = resp.Pool(resp.Endpoint(*addr, **self._direct))
+            groups += [(pool, idx[a:b]) for a, b in _split(len(idx), per_node)]
+        return groups
+
+    async def _in_threads(self, calls: list[Callable[[], T]]) -> list[T]:
+        """Run blocking calls on the tier's threads. They read into and write from the caller's
+        buffers, so this returns (or raises, or is cancelled) only once every one has finished."""
+        loop = asyncio.get_running_loop()
+        futs = [loop.run_in_executor(self._threads, c) for c in calls]
+        try:
+            await asyncio.shield(asyncio.wait(futs))
+        except asyncio.CancelledError:
+            await asyncio.wait(futs)
+            raise
+        for f in futs:
+            if f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        return [f.result() for f in futs]
+
+    def _read_direct(self, pool: resp.Pool, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
+        """(thread) One pipeline: each block's header and chunks, the chunks received at their
+        offsets in its buffer, then the block hashed while the next replies arrive elsewhere."""
+        cmds: list[resp.Command] = []
+        dests: list[memoryview | None] = []
+        for r, buf in zip(refs, into):
+            cmds.append((b"GET", self.header_key(r).encode()))
+            dests.append(None)
+            for i, k in enumerate(self.chunk_keys(r, len(buf))):
+                cmds.append((b"GET", k.encode()))
+                dests.append(buf[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
+        replies = pool.execute(cmds, dests)
+        _check_replies(replies)
+        out: list[tuple[BlockMeta | None, int | None]] = []
+        pos = 0
+        for r, buf in zip(refs, into):
+            n_max = self.n_chunks(len(buf))
+            head, lengths, pos = replies[pos], replies[pos + 1 : pos + 1 + n_max], pos + 1 + n_max
+            meta = None if head is None else self._check(r, decode_header(head), len(buf))  # type: ignore[arg-type]
+            if meta is None or lengths[: self.n_chunks(meta.size)] != self._chunk_lengths(meta.size):
+                out.append((None, None))  # gone, partly evicted or expired: a miss
+            else:
+                out.append((meta, checksum(buf[: meta.size])))
+        return out
+
+    def _write_direct(self, pool: resp.Pool, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
+        """(thread) One pipeline of SETs sent from the caller's buffers; each header last."""
+        ex = (b"EX", str(self.ttl_s).encode()) if self.ttl_s else ()
+        step = self.chunk_bytes
+        cmds: list[resp.Command] = []
+        for meta, data in items:
+            for i, k in enumerate(self.chunk_keys(meta.ref, meta.size)):
+                cmds.append((b"SET", k.encode(), data[i * step : (i + 1) * step], *ex))
+            cmds.append((b"SET", self.header_key(meta.ref).encode(), encode_header(meta), *ex))
+        _check_replies(pool.execute(cmds))
+
     # ---- Tier -----------------------------------------------------------------------------
 
     async def contains(self, ref: BlockRef) -> bool:
@@ -146,6 +290,29 @@ class RedisTier(TierBase):
         return (await self.get_many([ref], [into]))[0]
 
     async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
+        if self._direct is not None:
+            return [m for m, _ in await self.get_many_hashed(refs, into)]
+        return await self._get_many_redis_py(refs, into)
+
+    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
+        if self._direct is not None and refs:
+            try:
+                with _unavailable:
+                    groups = await self._direct_groups(refs)
+                    parts = await self._in_threads(
+                        [lambda p=pool, ix=idx: self._read_direct(p, [refs[i] for i in ix], [into[i] for i in ix]) for pool, idx in groups]
+                    )
+            except _Redirected:
+                pass  # redis-py follows it
+            else:
+                out: list[tuple[BlockMeta | None, int | None]] = [(None, None)] * len(refs)
+                for (_, idx), part in zip(groups, parts):
+                    for i, got in zip(idx, part):
+                        out[i] = got
+                return out
+        return await with_hashes(await self._get_many_redis_py(refs, into), into)
+
+    async def _get_many_redis_py(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
         """A few pipelines on separate pooled connections, run concurrently (one connection is a
         single stream the server answers serially)."""
         groups = _split(len(refs), self.pipelines)
@@ -173,12 +340,9 @@ class RedisTier(TierBase):
         return out
 
     def _assemble(self, ref: BlockRef, meta: BlockMeta, parts: list[bytes | None], buf: memoryview) -> BlockMeta | None:
-        if meta.ref != ref:
-            raise ChecksumMismatch(f"redis header for {ref.name} names {meta.ref.name}")
-        if meta.size > len(buf):
-            raise InvalidArgument(f"buffer of {len(buf)} bytes for a block of {meta.size}")
+        self._check(ref, meta, len(buf))
         parts = parts[: self.n_chunks(meta.size)]
-        if any(p is None for p in parts) or sum(len(p) for p in parts) != meta.size:  # type: ignore[arg-type]
+        if [None if p is None else len(p) for p in parts] != self._chunk_lengths(meta.size):
             return None  # partly evicted or expired: a miss
         off = 0
         for p in parts:
@@ -209,6 +373,17 @@ class RedisTier(TierBase):
         await self.put_many([(meta, data)])
 
     async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
+        for meta, data in items:  # before anything is sent
+            if len(data) != meta.size:
+                raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
+        if self._direct is not None and items:
+            try:
+                with _unavailable:
+                    groups = await self._direct_groups([m.ref for m, _ in items])
+                    await self._in_threads([lambda p=pool, ix=idx: self._write_direct(p, [items[i] for i in ix]) for pool, idx in groups])
+                return
+            except _Redirected:
+                pass  # redis-py follows it; rewriting the same values is harmless
         await asyncio.gather(*(self._put_group(items[a:b]) for a, b in _split(len(items), self.pipelines)))
 
     async def _put_group(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
@@ -217,8 +392,6 @@ class RedisTier(TierBase):
         with _unavailable:
             pipe = self._pipeline()
             for meta, data in items:
-                if len(data) != meta.size:
-                    raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
                 step = self.chunk_bytes
                 for i, k in enumerate(self.chunk_keys(meta.ref, meta.size)):
                     pipe.set(k, data[i * step : (i + 1) * step], ex=self.ttl_s)
@@ -244,6 +417,10 @@ class RedisTier(TierBase):
             await pipe.execute()
 
     async def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)
         await self.client.aclose()
 
     async def scan(self) -> AsyncIterator[BlockMeta]:

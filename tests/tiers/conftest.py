@@ -121,14 +121,21 @@ async def _corrupt_s3(tier: S3Tier, ref: BlockRef) -> None:
     await tier._client.put_object(Bucket=tier.bucket, Key=key, Body=bytes(body))  # overwritten in place
 
 
-@pytest.fixture(params=["ssd", "redis", "redis_cluster", "s3"])
+@pytest.fixture(params=["ssd", "redis", "redis_py", "redis_cluster", "s3"])
 async def tier_env(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """``redis`` moves block bytes on the direct path (kvstore.tiers.resp), ``redis_py`` through
+    redis-py (``direct_io=False``); the cluster uses the direct path."""
     kind = request.param
     if kind == "ssd":
         env = TierEnv(kind, lambda: SsdTier(tmp_path / "ssd", 1 << 30), _corrupt_ssd)
-    elif kind == "redis":
+    elif kind in ("redis", "redis_py"):
         server = request.getfixturevalue("redis_clean")
-        env = TierEnv(kind, lambda: RedisTier(redis.asyncio.Redis.from_url(server.url), chunk_bytes=CHUNK), _corrupt_redis)
+        direct = kind == "redis"
+        env = TierEnv(
+            kind,
+            lambda: RedisTier(redis.asyncio.Redis.from_url(server.url), chunk_bytes=CHUNK, direct_io=direct),
+            _corrupt_redis,
+        )
     elif kind == "redis_cluster":
         cluster = request.getfixturevalue("cluster_clean")
         env = TierEnv(

@@ -24,7 +24,7 @@ PROTOCOL_METHODS = [
 
 def test_protocol_surface_is_what_we_think():
     assert sorted(n for _, n in PROTOCOL_METHODS) == sorted(
-        ["contains", "get", "put", "delete", "close", "contains_many", "get_many", "put_many", "delete_many", "scan"]
+        ["contains", "get", "put", "delete", "close", "contains_many", "get_many", "get_many_hashed", "put_many", "delete_many", "scan"]
     )
 
 

@@ -128,3 +128,78 @@ def test_pool_is_sized_for_the_movers_pipelines():
     assert tier.client.connection_pool.max_connections == 64
     with pytest.raises(ValueError, match=r"max_connections: 100 < 128 \(16 requests in flight x pipelines 8\)"):
         RedisConfig(pipelines=8, max_connections=100)
+
+
+# ---- the direct path (kvstore.tiers.resp) against redis-py -------------------------------------
+
+
+async def test_direct_and_redis_py_paths_read_each_others_blocks(redis_clean, block):
+    direct = RedisTier(redis.asyncio.Redis.from_url(redis_clean.url), key_prefix="t", chunk_bytes=CHUNK)
+    plain = RedisTier(redis.asyncio.Redis.from_url(redis_clean.url), key_prefix="t", chunk_bytes=CHUNK, direct_io=False)
+    try:
+        assert direct.direct_io and not plain.direct_io
+        a, b = block(10, SIZE), block(11, CHUNK)  # several chunks; exactly one
+        await direct.put_many([a])
+        await plain.put_many([b])
+        for reader in (direct, plain):
+            bufs = [buffer(SIZE), buffer(SIZE)]
+            got = await reader.get_many_hashed([a[0].ref, b[0].ref], bufs)
+            assert got == [(a[0], a[0].checksum), (b[0], b[0].checksum)]
+            assert bufs[0] == a[1] and bufs[1][:CHUNK] == b[1]
+    finally:
+        await direct.close()
+        await plain.close()
+
+
+async def test_direct_path_counts_a_chunk_of_the_wrong_length_as_a_miss(single, block):
+    meta, data = block(12, SIZE)
+    await single.put(meta, data)
+    await single.client.append(single.chunk_keys(meta.ref, SIZE)[1], b"x")  # same total bytes elsewhere: not the block
+    await single.client.set(single.chunk_keys(meta.ref, SIZE)[3], bytes(data[3 * CHUNK : -1]))
+    assert await single.get_many_hashed([meta.ref], [buffer(SIZE)]) == [(None, None)]
+
+
+async def test_direct_path_authenticates_and_selects_the_db(block):
+    with redis_server("--requirepass", "s3cret") as server:
+        url = f"redis://:s3cret@127.0.0.1:{server.port}/3"
+        tier = RedisTier(redis.asyncio.Redis.from_url(url), key_prefix="t", chunk_bytes=CHUNK)
+        wrong = RedisTier(redis.asyncio.Redis.from_url(url.replace("s3cret", "nope")), key_prefix="t", chunk_bytes=CHUNK)
+        try:
+            assert tier.direct_io
+            meta, data = block(13, SIZE)
+            await tier.put(meta, data)
+            assert len(server.cli("-n", "3", "KEYS", "t:*").split()) == 5  # in db 3
+            into = buffer(SIZE)
+            assert await tier.get(meta.ref, into) == meta and into == data
+            with pytest.raises(Unavailable, match="WRONGPASS|invalid"):
+                await wrong.get(meta.ref, buffer(SIZE))
+        finally:
+            await tier.close()
+            await wrong.close()
+
+
+def test_connections_the_direct_path_cannot_follow_stay_on_redis_py():
+    assert not RedisTier(redis.asyncio.Redis.from_url("rediss://127.0.0.1:1/0")).direct_io  # TLS
+    assert not RedisTier(redis.asyncio.Redis.from_url("unix:///tmp/redis.sock")).direct_io
+    assert not RedisTier.from_config(RedisConfig(url="redis://127.0.0.1:1/0", direct_io=False)).direct_io
+    assert RedisTier.from_config(RedisConfig(url="redis://127.0.0.1:1/0")).direct_io
+
+
+async def test_cluster_redirect_on_the_direct_path_falls_back_to_redis_py(cluster_clean, block):
+    """A stale slot map (a resharded cluster) sends the direct path to the wrong node: MOVED.
+    The batch goes through redis-py, which follows the redirect and refreshes the map."""
+    tier = RedisTier(redis.asyncio.cluster.RedisCluster.from_url(cluster_clean.url), key_prefix="t", chunk_bytes=CHUNK)
+    try:
+        meta, data = block(14, SIZE)
+        await tier.client.initialize()
+        slot = key_slot(tier.header_key(meta.ref).encode())
+        owner = tier.client.get_node_from_key(tier.header_key(meta.ref))
+        other = next(n for n in tier.client.get_primaries() if n.name != owner.name)
+        tier.client.nodes_manager.slots_cache[slot] = [other]
+        await tier.put(meta, data)
+        assert tier.client.get_node_from_key(tier.header_key(meta.ref)).name == owner.name  # map refreshed
+        tier.client.nodes_manager.slots_cache[slot] = [other]
+        into = buffer(SIZE)
+        assert await tier.get_many_hashed([meta.ref], [into]) == [(meta, meta.checksum)] and into == data
+    finally:
+        await tier.close()
