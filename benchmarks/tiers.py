@@ -18,7 +18,8 @@ same server, interleaved with it (ours, raw, raw, ours, ...) so both see the sam
                (R = 1 is a single burst: mostly the latency of its first eviction.) A1..AR are
                then deleted (untimed) so F lives only on SSD.
                redis, redis_cluster, s3 (write-through): "put" = Allocate + copy + Commit of N
-               blocks A into an empty DRAM, timed until the tier's ``bytes_in`` grew by N blocks.
+               blocks A into an empty DRAM with ``wait_write_through`` (the reply comes once the
+               tier holds them).
                Then (untimed) N other blocks evict A from DRAM and are deleted again, so A lives
                only in the remote tier.
                "get" = one Acquire of the N blocks that are only in the tier (the sidecar promotes
@@ -226,11 +227,12 @@ class _Bench:
                             raise TimeoutError(f"{tier_name}: blocks did not reach the tier; sidecar log:\n{sc.logs()[-4000:]}")
                         await asyncio.sleep(POLL_S)
 
-                async def put(keys: list[bytes]) -> None:
+                async def put(keys: list[bytes], wait_write_through: bool = False) -> None:
                     async with c.allocate(ns, keys, self.size) as alloc:
                         for i, view in alloc.writable():
                             view[:] = blocks[i]
-                        assert await alloc.commit() == self.n
+                        assert await alloc.commit(wait_write_through=wait_write_through) == self.n
+                    assert alloc.written_through == (self.n if wait_write_through else 0), f"{tier_name}: write-through failed"
 
                 async def get(keys: list[bytes]) -> None:
                     async with c.acquire(ns, keys) as lease:
@@ -254,14 +256,11 @@ class _Bench:
                             await c.delete(ns, a)
                     else:
                         tier_keys = fresh_keys()
-                        start = await bytes_in()
                         t0 = time.perf_counter()
-                        await put(tier_keys)
-                        await until_bytes_in(start + nbytes)
+                        await put(tier_keys, wait_write_through=True)
                         t_put = time.perf_counter() - t0
                         other = fresh_keys()
-                        await put(other)  # evicts tier_keys from DRAM (already in the tier: no demotion)
-                        await until_bytes_in(start + 2 * nbytes)
+                        await put(other, wait_write_through=True)  # evicts tier_keys from DRAM (already in the tier)
                         await c.delete(ns, other)
                     lookup = await c.lookup(ns, tier_keys)
                     assert lookup.matched == self.n and all(t == label for t, _ in lookup.blocks), lookup.blocks[:3]

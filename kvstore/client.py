@@ -177,6 +177,7 @@ class _AllocationState:
         self.id = ""
         self.slots: list[_Slot] = []
         self.checksums: dict[int, int] = {}  # index in the request -> checksum sent with the Commit
+        self.written_through = 0  # after commit(wait_write_through=True): blocks in every write-through tier
         self.done = False
 
     def _fill(self, r: pb.AllocateResponse) -> None:
@@ -199,7 +200,7 @@ class _AllocationState:
         """Where each block that needs its bytes lies, by index in the request."""
         return {i: s.ref for i, s in enumerate(self.slots) if s.ref is not None}
 
-    def _commit_request(self, indices: Sequence[int] | None, checksums: bool) -> pb.CommitRequest | None:
+    def _commit_request(self, indices: Sequence[int] | None, checksums: bool, wait_write_through: bool) -> pb.CommitRequest | None:
         chosen = [i for i, s in enumerate(self.slots) if not s.present] if indices is None else list(indices)
         blocks = []
         for i in chosen:
@@ -210,7 +211,11 @@ class _AllocationState:
                 cb.checksum = self.checksums[i] = checksum(s.view)  # type: ignore[arg-type]
             blocks.append(cb)
         self.done = True
-        return pb.CommitRequest(allocation_id=self.id, blocks=blocks) if blocks else None
+        return pb.CommitRequest(allocation_id=self.id, blocks=blocks, wait_write_through=wait_write_through) if blocks else None
+
+    def _committed(self, resp: pb.CommitResponse) -> int:
+        self.written_through = resp.written_through
+        return resp.committed
 
 
 class _LeaseState:
@@ -343,13 +348,15 @@ class Allocation(_AllocationState):
         self._fill(await self._client._call(self._client._stub.Allocate, self.request))
         return self
 
-    async def commit(self, indices: Sequence[int] | None = None, *, checksums: bool = False) -> int:
-        """Make the written blocks visible (all of them, or those at ``indices``)."""
-        req = self._commit_request(indices, checksums)
+    async def commit(self, indices: Sequence[int] | None = None, *, checksums: bool = False, wait_write_through: bool = False) -> int:
+        """Make the written blocks visible (all of them, or those at ``indices``). With
+        ``wait_write_through``, return once the write-through tiers hold them too; how many
+        reached every such tier is then in ``written_through``."""
+        req = self._commit_request(indices, checksums, wait_write_through)
         if req is None:
             await self.abort()
             return 0
-        return (await self._client._call(self._client._stub.Commit, req)).committed
+        return self._committed(await self._client._call(self._client._stub.Commit, req))
 
     async def abort(self) -> None:
         self.done = True
@@ -518,12 +525,12 @@ class SyncAllocation(_AllocationState):
         self._fill(self._client._call("Allocate", self.request))
         return self
 
-    def commit(self, indices: Sequence[int] | None = None, *, checksums: bool = False) -> int:
-        req = self._commit_request(indices, checksums)
+    def commit(self, indices: Sequence[int] | None = None, *, checksums: bool = False, wait_write_through: bool = False) -> int:
+        req = self._commit_request(indices, checksums, wait_write_through)
         if req is None:
             self.abort()
             return 0
-        return self._client._call("Commit", req).committed
+        return self._committed(self._client._call("Commit", req))
 
     def abort(self) -> None:
         self.done = True

@@ -151,7 +151,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         if not request.allocation_id:
             raise InvalidArgument("allocation_id: required")
         specs = [CommitSpec(b.key, b.slot_id, b.checksum if b.has_checksum else None) for b in request.blocks]
-        return pb.CommitResponse(committed=await self.store.commit(request.allocation_id, specs))
+        committed, written = await self.store.commit(request.allocation_id, specs, wait_write_through=request.wait_write_through)
+        return pb.CommitResponse(committed=committed, written_through=written)
 
     @_rpc
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:

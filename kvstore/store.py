@@ -240,7 +240,10 @@ class BlockStore:
         while len(self._closed_allocations) > 10_000:
             self._closed_allocations.popitem(last=False)
 
-    async def commit(self, alloc_id: str, specs: Sequence[CommitSpec]) -> int:
+    async def commit(self, alloc_id: str, specs: Sequence[CommitSpec], *, wait_write_through: bool = False) -> tuple[int, int]:
+        """Publish the listed blocks (release the rest of the allocation). Returns (committed,
+        written_through): with ``wait_write_through``, once the write-through tiers' writes of
+        these blocks have finished, how many of them every such tier now holds; else 0."""
         self._closed(alloc_id)
         alloc = self.index.allocation(alloc_id)
         self._check_batch(len(specs), "blocks")
@@ -292,9 +295,14 @@ class BlockStore:
         self.stats.writes["commits"] += 1
         self.stats.writes["blocks_committed"] += len(chosen)
         self.stats.tier("dram", "bytes_in", nbytes)
-        if self.tiering is not None:
-            self.tiering.committed([b for b, _ in chosen])
-        return len(chosen)
+        if self.tiering is None:
+            return len(chosen), 0
+        blocks = [b for b, _ in chosen]
+        writes = self.tiering.committed(blocks)
+        if not wait_write_through:
+            return len(chosen), 0
+        await asyncio.gather(*writes)
+        return len(chosen), self.tiering.written_through(blocks)
 
     def abort(self, alloc_id: str, fate: str = "aborted") -> int:
         self._closed(alloc_id)

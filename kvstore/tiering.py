@@ -299,8 +299,10 @@ class Tiering:
             if not b.tiers:
                 self.store.index.drop(b)
 
-    def committed(self, blocks: Sequence[Block]) -> None:
-        """Write-through: copy freshly committed blocks to the remote tiers now."""
+    def committed(self, blocks: Sequence[Block]) -> list[asyncio.Future[None]]:
+        """Write-through: copy freshly committed blocks to the remote tiers now. Returns the
+        writes started (they never raise: a failure is counted and marks the tier down)."""
+        started = []
         for lv in self.write_through:
             if lv.down:
                 continue
@@ -308,7 +310,17 @@ class Tiering:
             if todo:
                 for b in todo:
                     b.moving += 1  # pinned while the slot is read
-                self._spawn(self._write_through(lv, todo))
+                started.append(self._spawn(self._write_through(lv, todo)))
+        return started
+
+    def written_through(self, blocks: Sequence[Block]) -> int:
+        """How many of ``blocks`` are in every write-through tier (0 when there is none)."""
+        if not self.write_through:
+            return 0
+        mask = 0
+        for lv in self.write_through:
+            mask |= lv.bit
+        return sum(1 for b in blocks if b.tiers & mask == mask)
 
     async def _write_through(self, lv: Level, blocks: list[Block]) -> None:
         try:

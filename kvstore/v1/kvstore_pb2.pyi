@@ -129,18 +129,22 @@ class CommitBlock(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., slot_id: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("allocation_id", "blocks")
+    __slots__ = ("allocation_id", "blocks", "wait_write_through")
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_WRITE_THROUGH_FIELD_NUMBER: _ClassVar[int]
     allocation_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[CommitBlock]
-    def __init__(self, allocation_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CommitBlock, _Mapping]]] = ...) -> None: ...
+    wait_write_through: bool
+    def __init__(self, allocation_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CommitBlock, _Mapping]]] = ..., wait_write_through: _Optional[bool] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
-    __slots__ = ("committed",)
+    __slots__ = ("committed", "written_through")
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_THROUGH_FIELD_NUMBER: _ClassVar[int]
     committed: int
-    def __init__(self, committed: _Optional[int] = ...) -> None: ...
+    written_through: int
+    def __init__(self, committed: _Optional[int] = ..., written_through: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("allocation_id",)

@@ -109,6 +109,47 @@ async def test_write_through_lets_another_host_read_at_once(tmp_path, moto_clean
             assert [g.tobytes() for g in await cb.get_blocks(NS, keys)] == data
 
 
+async def test_commit_can_wait_for_the_write_through(tmp_path, redis_clean):
+    """``wait_write_through``: the reply comes once Redis holds the blocks (a raw client sees
+    every key at once), or says how many got there when Redis is down; the commit stands."""
+    import redis as redis_py
+
+    from kvstore.index import DRAM, REDIS
+
+    cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "redis.enabled": True, "redis.url": redis_clean.url,
+                                     "redis.retries": 0, "tiering.write_through": ["redis"]})
+    raw = redis_py.Redis(port=redis_clean.port)
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        keys, data = chain(25, 3), blocks_for(3, 25)
+        async with c.allocate(NS, keys, PAGE) as alloc:
+            for i, view in alloc.writable():
+                view[:] = np.frombuffer(data[i], dtype=np.uint8)
+            assert await alloc.commit(wait_write_through=True) == 3
+        assert alloc.written_through == 3
+        assert len(raw.keys("kvstore:*:m")) == 3  # no settle(): already there
+        held = sc.store.index.namespaces[NS.root].blocks
+        assert all(held[k].tiers == DRAM | REDIS for k in keys)
+
+        redis_clean.stop()
+        more, more_data = chain(26, 2), blocks_for(2, 26)
+        async with c.allocate(NS, more, PAGE) as alloc:
+            for i, view in alloc.writable():
+                view[:] = np.frombuffer(more_data[i], dtype=np.uint8)
+            assert await alloc.commit(wait_write_through=True) == 2
+        assert alloc.written_through == 0  # Redis is down: committed here, not written through
+        assert [g.tobytes() for g in await c.get_blocks(NS, more)] == more_data
+        assert (await c.stats())["tiers"]["redis"]["errors"] >= 1
+
+
+async def test_without_write_through_tiers_nothing_is_waited_for(tmp_path):
+    async with Sidecar(tiered_config(tmp_path)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        async with c.allocate(NS, chain(27, 2), PAGE) as alloc:
+            for _, view in alloc.writable():
+                view[:] = 7
+            assert await alloc.commit(wait_write_through=True) == 2
+        assert alloc.written_through == 0
+
+
 @pytest.mark.parametrize("tier", ["ssd", "redis", "s3"])
 async def test_corruption_in_a_lower_tier_is_a_miss_and_never_served(tmp_path, tier, request):
     over = {"ssd.enabled": tier == "ssd", "tiering.chain": [tier]}
