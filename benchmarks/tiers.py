@@ -123,6 +123,7 @@ class _Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.n, self.size, self.repeat = args.blocks, int(args.block_mib * MiB), args.repeat
         self.ssd_stream = args.ssd_stream
+        self.peers = args.peers
         self.s3_concurrency, self.s3_bucket = args.s3_concurrency, args.s3_bucket
         self.run_id = uuid.uuid4().hex[:8]  # key prefix: safe on shared, given servers
         self.items, self._payload = _blocks(self.n, self.size)
@@ -296,8 +297,9 @@ class _Bench:
 
     # ---- raw clients ----------------------------------------------------------------------------
 
-    def raw_ssd(self, raw_dir: Path, direct: bool, batches: int = 1) -> Raw:
-        """Raw file I/O of the N blocks (``batches`` times over, to fresh names, for a put)."""
+    def raw_ssd(self, raw_dir: Path, direct: bool, batches: int = 1, sync: bool = True) -> Raw:
+        """Raw file I/O of the N blocks (``batches`` times over, to fresh names, for a put);
+        ``sync``: made durable as the tier does (else nothing is synced)."""
         raw_dir.mkdir()
         paths = [raw_dir / f"{i}.bin" for i in range(batches * self.n)]
 
@@ -311,12 +313,13 @@ class _Bench:
                 while done < len(data):
                     done += os.write(fd, data[done:])
             for fd in fds:
-                if not direct:
+                if sync and not direct:
                     os.fdatasync(fd)
                 os.close(fd)
-            dfd = os.open(raw_dir, os.O_RDONLY | os.O_DIRECTORY)
-            os.fsync(dfd)
-            os.close(dfd)
+            if sync:
+                dfd = os.open(raw_dir, os.O_RDONLY | os.O_DIRECTORY)
+                os.fsync(dfd)
+                os.close(dfd)
 
         def get() -> None:
             for p, buf in zip(paths, self.bufs):
@@ -395,11 +398,16 @@ class _Bench:
     async def ssd(self, root: Path, service: bool) -> None:
         from kvstore.tiers.ssd import SsdTier
 
-        tier = SsdTier(root / "tier", 4 * self.n * self.size + 64 * MiB)
+        capacity = 4 * self.n * self.size + 64 * MiB
+        tier = SsdTier(root / "tier", capacity)
         direct = tier.direct_io
         raw = self.raw_ssd(root / "raw", direct)
         self.figures["ssd.direct_io"] = {"value": int(direct), "unit": "bool"}
         await self.tier_vs_raw("ssd", tier, raw)
+        if self.peers:  # LMCache's LocalDisk never fsyncs: the tier in its two modes, like for like
+            for name, want_direct in (("ssd_nofsync", False), ("ssd_direct_nofsync", True)):
+                like = SsdTier(root / name, capacity, direct_io=want_direct, fsync=False)
+                await self.tier_vs_raw(name, like, self.raw_ssd(root / f"raw-{name}", like.direct_io, sync=False))
         if service:
             env = {
                 "KVSTORE_SSD__ENABLED": "true",

@@ -79,6 +79,7 @@ class SsdConfig(_Section):
     capacity_bytes: int = Field(16 * GiB, ge=64 * 1024)
     direct_io: bool = Field(True, description="O_DIRECT where the filesystem allows it")
     io_threads: int = Field(SSD_IO_THREADS, ge=1, le=64, description="files of a batch written at once (device queue depth)")
+    fsync: bool = Field(True, description="make each batch durable (one fsync per directory); false: survives a sidecar crash, not a power loss")
 
 
 class RedisConfig(_Section):

@@ -240,17 +240,29 @@ class _Peer:
             raw.close()
 
 
+# (LMCache backend, its tier, kvstore's tier): kvstore's defaults against each backend, and the
+# SSD tier with LMCache's durability (no fsync; buffered, or O_DIRECT) against the same mode.
+PAIRS = [
+    ("lmcache", "ssd", "ssd"),
+    ("lmcache_odirect", "ssd", "ssd"),
+    ("lmcache", "ssd", "ssd_nofsync"),
+    ("lmcache_odirect", "ssd", "ssd_direct_nofsync"),
+    ("lmcache", "redis", "redis"),
+    ("lmcache", "redis_cluster", "redis_cluster"),
+]
+
+
 def _compare(figures: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """LMCache time / kvstore time for every pair measured (above 1: kvstore ahead)."""
+    """LMCache time / kvstore time for every pair measured (above 1: kvstore ahead), named
+    ``vs_<backend>_<op>_<kvstore tier>_<tier|service>``."""
     ratios: dict[str, float] = {}
-    for peer in ("lmcache", "lmcache_odirect"):
-        for tier in ("ssd", "redis", "redis_cluster"):
-            for op in ("put", "get"):
-                for kind, peer_op in (("tier", op), ("service", "get_copyout" if op == "get" else op)):
-                    ours = figures.get(f"{kind}.{tier}.{op}.ours")
-                    theirs = figures.get(f"{peer}.{tier}.{peer_op}")
-                    if ours and theirs:
-                        ratios[f"vs_{peer}_{op}_{tier}_{kind}"] = round(ours["value"] / theirs["value"], 3)
+    for peer, tier, ours_tier in PAIRS:
+        for op in ("put", "get"):
+            for kind, peer_op in (("tier", op), ("service", "get_copyout" if op == "get" else op)):
+                ours = figures.get(f"{kind}.{ours_tier}.{op}.ours")
+                theirs = figures.get(f"{peer}.{tier}.{peer_op}")
+                if ours and theirs:
+                    ratios[f"vs_{peer}_{op}_{ours_tier}_{kind}"] = round(ours["value"] / theirs["value"], 3)
     return ratios
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from kvstore.checksum import checksum
 from kvstore.errors import ChecksumMismatch
@@ -152,6 +153,34 @@ class TierBase:
     async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
         """Read, then hash on a thread; tiers that can hash while the bytes arrive override it."""
         return await with_hashes(await self.get_many(refs, into), into)
+
+
+T = TypeVar("T")
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous (start, end) ranges covering ``range(n)``, none empty."""
+    parts = max(1, min(parts, n))
+    step = -(-n // parts) if n else 0
+    return [(a, min(a + step, n)) for a in range(0, n, step)] if n else []
+
+
+async def in_threads(executor: Executor, calls: Sequence[Callable[[], T]]) -> list[T]:
+    """Run blocking calls on ``executor``. They read into and write from the caller's buffers,
+    so this returns (or raises, or is cancelled) only once every one of them has finished."""
+    loop = asyncio.get_running_loop()
+    futs = [loop.run_in_executor(executor, c) for c in calls]
+    if not futs:
+        return []
+    try:
+        await asyncio.shield(asyncio.wait(futs))
+    except asyncio.CancelledError:
+        await asyncio.wait(futs)
+        raise
+    for f in futs:
+        if f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
+    return [f.result() for f in futs]
 
 
 async def with_hashes(metas: Sequence[BlockMeta | None], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:

@@ -24,9 +24,9 @@ Connection failures raise :class:`~kvstore.errors.Unavailable` after redis-py's 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from redis import exceptions as rexc
 from redis.asyncio import Redis
@@ -39,10 +39,7 @@ from kvstore.checksum import checksum
 from kvstore.config import REDIS_PIPELINES, RedisConfig
 from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.tiers import resp
-from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header, with_hashes
-
-T = TypeVar("T")
-
+from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header, in_threads, split, with_hashes
 # What "the server cannot be reached" looks like from redis-py (cluster errors included).
 _UNAVAILABLE = (
     rexc.ConnectionError,
@@ -107,13 +104,6 @@ def direct_settings(client: Redis | RedisCluster) -> dict[str, Any] | None:
         username=kw.get("username"), password=kw.get("password"), db=int(kw.get("db") or 0),
         timeout_s=kw.get("socket_timeout"), connect_timeout_s=kw.get("socket_connect_timeout"),
     )
-
-
-def _split(n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous (start, end) ranges covering ``range(n)``, none empty."""
-    parts = max(1, min(parts, n))
-    step = -(-n // parts) if n else 0
-    return [(a, min(a + step, n)) for a in range(0, n, step)] if n else []
 
 
 def default_retry(retries: int = 3, base_s: float = 0.05, cap_s: float = 1.0) -> Retry:
@@ -218,23 +208,8 @@ class RedisTier(TierBase):
             pool = self._pools.get(addr)
             if pool is None:
                 pool = self._pools[addr] = resp.Pool(resp.Endpoint(*addr, **self._direct))
-            groups += [(pool, idx[a:b]) for a, b in _split(len(idx), per_node)]
+            groups += [(pool, idx[a:b]) for a, b in split(len(idx), per_node)]
         return groups
-
-    async def _in_threads(self, calls: list[Callable[[], T]]) -> list[T]:
-        """Run blocking calls on the tier's threads. They read into and write from the caller's
-        buffers, so this returns (or raises, or is cancelled) only once every one has finished."""
-        loop = asyncio.get_running_loop()
-        futs = [loop.run_in_executor(self._threads, c) for c in calls]
-        try:
-            await asyncio.shield(asyncio.wait(futs))
-        except asyncio.CancelledError:
-            await asyncio.wait(futs)
-            raise
-        for f in futs:
-            if f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
-        return [f.result() for f in futs]
 
     def _read_direct(self, pool: resp.Pool, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
         """(thread) One pipeline: each block's header and chunks, the chunks received at their
@@ -299,8 +274,9 @@ class RedisTier(TierBase):
             try:
                 with _unavailable:
                     groups = await self._direct_groups(refs)
-                    parts = await self._in_threads(
-                        [lambda p=pool, ix=idx: self._read_direct(p, [refs[i] for i in ix], [into[i] for i in ix]) for pool, idx in groups]
+                    parts = await in_threads(
+                        self._threads,  # type: ignore[arg-type]
+                        [lambda p=pool, ix=idx: self._read_direct(p, [refs[i] for i in ix], [into[i] for i in ix]) for pool, idx in groups],
                     )
             except _Redirected:
                 pass  # redis-py follows it
@@ -315,7 +291,7 @@ class RedisTier(TierBase):
     async def _get_many_redis_py(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
         """A few pipelines on separate pooled connections, run concurrently (one connection is a
         single stream the server answers serially)."""
-        groups = _split(len(refs), self.pipelines)
+        groups = split(len(refs), self.pipelines)
         parts = await asyncio.gather(*(self._get_group(refs[a:b], into[a:b]) for a, b in groups))
         return [m for part in parts for m in part]
 
@@ -380,11 +356,14 @@ class RedisTier(TierBase):
             try:
                 with _unavailable:
                     groups = await self._direct_groups([m.ref for m, _ in items])
-                    await self._in_threads([lambda p=pool, ix=idx: self._write_direct(p, [items[i] for i in ix]) for pool, idx in groups])
+                    await in_threads(
+                        self._threads,  # type: ignore[arg-type]
+                        [lambda p=pool, ix=idx: self._write_direct(p, [items[i] for i in ix]) for pool, idx in groups],
+                    )
                 return
             except _Redirected:
                 pass  # redis-py follows it; rewriting the same values is harmless
-        await asyncio.gather(*(self._put_group(items[a:b]) for a, b in _split(len(items), self.pipelines)))
+        await asyncio.gather(*(self._put_group(items[a:b]) for a, b in split(len(items), self.pipelines)))
 
     async def _put_group(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
         if not items:

@@ -12,9 +12,13 @@ Durability is per batch, not per block (an fsync costs ~4 ms): :meth:`put_many` 
 file, makes them durable together, renames them, then fsyncs each directory touched once.
 With O_DIRECT (where the filesystem allows it; tmpfs does not, and we fall back to buffered
 writes) the data bypasses the page cache and the directory fsync's journal commit carries the
-metadata; with buffered writes every temp file is fdatasync'ed before the renames.
+metadata; with buffered writes every temp file is fdatasync'ed before the renames. With ``fsync=False``
+(LMCache's LocalDisk behaves so) nothing is synced: a block still appears whole or not at all to a
+restarted sidecar (the kernel keeps what a killed process wrote), but a power loss can take the
+last batches.
 
-Reads are buffered ``preadv`` straight into the caller's memoryview. Eviction is not decided
+Reads are buffered ``preadv`` straight into the caller's memoryview, a batch spread over the
+``io_threads``. Eviction is not decided
 here (the index does that): :attr:`used_bytes` / :attr:`capacity_bytes` are exposed and a put
 that would exceed the capacity raises :class:`~kvstore.errors.ResourceExhausted`.
 """
@@ -34,9 +38,10 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.checksum import checksum
 from kvstore.config import SSD_IO_THREADS, SsdConfig
 from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted
-from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef, TierBase, decode_header, encode_header, header_size
+from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef, TierBase, decode_header, encode_header, header_size, in_threads, split
 
 ALIGN = 4096
 SUFFIX = ".blk"
@@ -97,11 +102,14 @@ class SsdTier(TierBase):
 
     name = "ssd"
 
-    def __init__(self, path: str | Path, capacity_bytes: int, *, direct_io: bool = True, io_threads: int = SSD_IO_THREADS) -> None:
+    def __init__(
+        self, path: str | Path, capacity_bytes: int, *, direct_io: bool = True, io_threads: int = SSD_IO_THREADS, fsync: bool = True
+    ) -> None:
         self.root = Path(path)
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
         self.direct_io = direct_io and probe_direct_io(self.root)
+        self.fsync = fsync
         self._lock = threading.Lock()  # guards _sizes and _used (updated from worker threads)
         # Bytes of every block file, by path: the accounting does not depend on re-stat'ing files.
         self._sizes = {str(p): self._file_size(p) for p in self.root.glob(f"*/*{SUFFIX}")}
@@ -110,12 +118,15 @@ class SsdTier(TierBase):
         self._local = threading.local()  # per-thread aligned staging buffer for O_DIRECT
         # A batch's files are written by several threads at once: one synchronous O_DIRECT
         # write at a time leaves the device idle between requests (queue depth 1).
+        self.io_threads = io_threads
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd")
 
     @classmethod
     def from_config(cls, cfg: SsdConfig, data_dir: str | Path = "./kvstore-data") -> SsdTier:
         """``cfg.path``, or ``<data_dir>/ssd`` when it is empty (as ``Config.ssd_path``)."""
-        return cls(cfg.path or Path(data_dir) / "ssd", cfg.capacity_bytes, direct_io=cfg.direct_io, io_threads=cfg.io_threads)
+        return cls(
+            cfg.path or Path(data_dir) / "ssd", cfg.capacity_bytes, direct_io=cfg.direct_io, io_threads=cfg.io_threads, fsync=cfg.fsync
+        )
 
     @classmethod
     def from_app_config(cls, config: Any) -> SsdTier:
@@ -174,7 +185,24 @@ class SsdTier(TierBase):
         return (await self.get_many([ref], [into]))[0]
 
     async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
-        return await asyncio.to_thread(lambda: [self._read(r, b) for r, b in zip(refs, into)])
+        return [m for m, _ in await self._read_many(refs, into, hashed=False)]
+
+    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
+        return await self._read_many(refs, into, hashed=True)
+
+    async def _read_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool) -> list[tuple[BlockMeta | None, int | None]]:
+        """The blocks split over the ``io_threads`` (a device answers several reads at once,
+        and page-cache copies run on several cores); each hashed by the thread that read it."""
+
+        def read(a: int, b: int) -> list[tuple[BlockMeta | None, int | None]]:
+            out: list[tuple[BlockMeta | None, int | None]] = []
+            for r, buf in zip(refs[a:b], into[a:b]):
+                meta = self._read(r, buf)
+                out.append((meta, checksum(buf[: meta.size]) if hashed and meta is not None else None))
+            return out
+
+        parts = await in_threads(self._io, [lambda a=a, b=b: read(a, b) for a, b in split(len(refs), self.io_threads)])
+        return [got for part in parts for got in part]
 
     async def put(self, meta: BlockMeta, data: memoryview) -> None:
         await self.put_many([(meta, data)])
@@ -308,14 +336,14 @@ class SsdTier(TierBase):
                 staged.append((tmp, final, nbytes))
                 jobs.append((tmp, header, data))
             fds = self._write_tmps(jobs)
-            if not self.direct_io:
+            if self.fsync and not self.direct_io:
                 for fd in fds:
                     os.fdatasync(fd)
             for tmp, final, nbytes in staged:
                 os.replace(tmp, final)
                 self._settle(final, nbytes)  # an overwrite gives back the old file's bytes
                 reserved -= nbytes
-            for d in {final.parent for _, final, _ in staged} | ({self.root} if new_dirs else set()):
+            for d in {final.parent for _, final, _ in staged} | ({self.root} if new_dirs else set()) if self.fsync else ():
                 self._fsync_dir(d)  # makes the renames (and, with O_DIRECT, the file sizes) durable
         finally:
             for fd in fds:

@@ -167,3 +167,32 @@ async def test_failed_write_in_a_batch_leaves_nothing(tmp_path: Path, block, mon
     await tier.put_many(blocks)  # and the tier still works
     assert all([await tier.contains(m.ref) for m, _ in blocks])
     await tier.close()
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
+@pytest.mark.parametrize("fsync", [True, False], ids=["fsync", "no-fsync"])
+async def test_fsync_setting_decides_the_sync_calls(tmp_path: Path, block, monkeypatch: pytest.MonkeyPatch, direct_io: bool, fsync: bool):
+    """One batch: with ``fsync`` every touched directory is fsync'ed (and, buffered, every file
+    fdatasync'ed); without it nothing is synced. The blocks read back and a new tier object (a
+    restarted sidecar) finds them either way."""
+    calls: list[str] = []
+    real_fsync, real_fdatasync = os.fsync, os.fdatasync
+    monkeypatch.setattr(ssd_module.os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(ssd_module.os, "fdatasync", lambda fd: (calls.append("fdatasync"), real_fdatasync(fd))[1])
+    tier = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, direct_io=direct_io, fsync=fsync)
+    items = [block(60 + i, SIZE) for i in range(3)]
+    await tier.put_many(items)
+    if not fsync:
+        assert calls == []
+    else:
+        assert calls.count("fsync") == 2  # the namespace directory, and the root that gained it
+        assert calls.count("fdatasync") == (0 if tier.direct_io else 3)
+    again = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES)
+    for meta, data in items:
+        into = memoryview(bytearray(SIZE))
+        assert await again.get(meta.ref, into) == meta and into == data
+
+
+def test_fsync_comes_from_the_config(tmp_path: Path):
+    assert build_tier("ssd", SsdConfig(path=str(tmp_path / "a"))).fsync
+    assert not build_tier("ssd", SsdConfig(path=str(tmp_path / "b"), fsync=False)).fsync
