@@ -358,14 +358,17 @@ class _Bench:
             for buf, value in zip(self.bufs, await pipe.execute(), strict=True):
                 buf[:] = value  # into the caller's buffers, as every get here ends
 
-        async def cleanup() -> None:
+        async def reset() -> None:  # fresh names, as the tier's puts get
             pipe = pipeline()
             for k in keys:
                 pipe.delete(k)
             await pipe.execute()
+
+        async def cleanup() -> None:
+            await reset()
             await raw.aclose()
 
-        return Raw(put, get, _nothing, cleanup)
+        return Raw(put, get, reset, cleanup)
 
     async def raw_s3(self, stack: contextlib.AsyncExitStack, client: Callable[[], Any]) -> Raw:
         raw = await stack.enter_async_context(client())

@@ -36,7 +36,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from kvstore.checksum import checksum
-from kvstore.config import REDIS_PIPELINES, RedisConfig
+from kvstore.config import REDIS_CHUNK_BYTES, REDIS_PIPELINES, RedisConfig
 from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.tiers import resp
 from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header, in_threads, split, with_hashes
@@ -120,7 +120,7 @@ class RedisTier(TierBase):
         client: Redis | RedisCluster,
         *,
         key_prefix: str = "kvstore",
-        chunk_bytes: int = 1 << 20,
+        chunk_bytes: int = REDIS_CHUNK_BYTES,
         ttl_s: int = 0,
         pipelines: int = REDIS_PIPELINES,
         direct_io: bool = True,

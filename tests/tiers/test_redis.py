@@ -118,7 +118,7 @@ async def test_cluster_scan_covers_every_node(cluster_clean, block):
 def test_from_config_picks_the_client_class():
     single = RedisTier.from_config(RedisConfig(url="redis://127.0.0.1:1/0", key_prefix="p", ttl_s=5))
     assert isinstance(single.client, redis.asyncio.Redis) and not single.cluster
-    assert (single.key_prefix, single.ttl_s, single.chunk_bytes) == ("p", 5, 1 << 20)
+    assert (single.key_prefix, single.ttl_s, single.chunk_bytes) == ("p", 5, 2 << 20)
     assert single.client.get_retry().get_retries() == 3
 
 
