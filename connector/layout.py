@@ -36,6 +36,7 @@ the same width, so bfloat16 and float8 need no numpy support.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -99,7 +100,7 @@ class KVSpec:
 
     @property
     def slot_elems(self) -> int:
-        return int(np.prod(self.slot_shape))
+        return math.prod(self.slot_shape)  # (np.prod costs ~7 us a call; this is on every transfer's path)
 
     @property
     def block_bytes(self) -> int:

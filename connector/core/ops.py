@@ -63,11 +63,14 @@ class _Held:
 @contextmanager
 def _read_held(lease: HeldLease) -> Iterator[_Held]:
     """The blocks of a lease the scheduler took, mapped from the sidecar's shared memory."""
+    mapped: dict[str, Any] = {}  # segment -> a read-only view of its mapping (slices stay read-only)
     views = []
     for s in lease.slots:
-        view = attach(s.segment)[s.offset : s.offset + s.length]
-        view.flags.writeable = False
-        views.append(view)
+        mem = mapped.get(s.segment)
+        if mem is None:
+            mem = mapped[s.segment] = attach(s.segment).view()
+            mem.flags.writeable = False
+        views.append(mem[s.offset : s.offset + s.length])
     yield _Held(views, list(lease.checksums))
 
 

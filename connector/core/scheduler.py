@@ -32,7 +32,7 @@ from connector.core.ops import classify
 from connector.core.stats import ConnectorStats
 from connector.cost import CostModel, Decision
 from connector.layout import KVSpec
-from kvstore.keys import BlockKey, Namespace, prefix_keys
+from kvstore.keys import BlockKey, Namespace, PrefixKeys, prefix_keys
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +73,22 @@ class SchedulerConnector:
         self._loads: list[LoadSpec] = []
         self._saves: list[SaveSpec] = []
         self._saving: dict[str, int] = {}  # req -> saves handed to the worker, not yet finished
+        self._keys: dict[str, PrefixKeys] = {}  # req -> its keys so far (lookup, then each save)
 
     def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[BlockKey]:
         return prefix_keys(self.ns, token_ids)
 
+    def _request_keys(self, req_id: str, token_ids: Sequence[int] | np.ndarray) -> list[BlockKey]:
+        """``keys(token_ids)``, each block hashed once per request (its token ids only grow)."""
+        keys = self._keys.get(req_id)
+        if keys is None:
+            keys = self._keys[req_id] = PrefixKeys(self.ns)
+        return keys.of(token_ids)
+
     def get_num_new_matched_tokens(self, req_id: str, token_ids: Sequence[int] | np.ndarray, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` (the engine's own hits) to load from the sidecar."""
         bs = self.spec.block_size
-        keys = self.keys(token_ids)
+        keys = self._request_keys(req_id, token_ids)
         computed_blocks = num_computed_tokens // bs
         n_tokens = len(token_ids)
         self.stats.add(lookups=1, lookup_blocks=len(keys))
@@ -168,7 +176,7 @@ class SchedulerConnector:
 
         All full blocks are offered: the sidecar skips those it already has without a copy.
         """
-        keys = self.keys(token_ids)[: len(block_ids)]
+        keys = self._request_keys(req_id, token_ids)[: len(block_ids)]
         if not keys:
             return 0
         with self._lock:
@@ -202,6 +210,7 @@ class SchedulerConnector:
         with self._lock:
             self._requests.pop(req_id, None)
             saving = req_id in self._saving
+        self._keys.pop(req_id, None)
         self._release(req_id, lease_id)
         return saving
 

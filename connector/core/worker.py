@@ -6,6 +6,11 @@ waits (:meth:`WorkerConnector.wait_for_loads`) or polls (:meth:`WorkerConnector.
 vLLM's synchronous and asynchronous load modes. Blocks
 that could not be loaded come back from :meth:`WorkerConnector.get_block_ids_with_load_errors`;
 the engine recomputes exactly those.
+
+What the sidecar is told after a load (the lease's release, or the hit of an unleased read) waits
+for the end of the *next* step (:meth:`WorkerConnector.get_finished`), then goes on a background
+thread: a round trip during the loading step's forward pass would compete with it for the GIL and
+the host's cores, on the request's time to its first token.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -64,6 +69,8 @@ class WorkerConnector:
         self._loads: dict[str, Future[LoadResult]] = {}
         self._saves: dict[str, list[Future[SaveResult]]] = {}
         self._load_errors: set[int] = set()
+        self._tell: list[tuple[Callable[[Any], None], Any]] = []  # after this step's loads: (call, arg)
+        self._tell_due: list[tuple[Callable[[Any], None], Any]] = []  # after the last step's: sent at this step's end
         self.reporter = DecisionReporter(client)
         self._last_flush = time.monotonic()
 
@@ -95,10 +102,9 @@ class WorkerConnector:
         try:
             r = load_blocks(self.client, self.ns, kv, self.transfer, spec, verify=self.verify)
         finally:
-            if spec.lease is not None and spec.lease.id:  # the scheduler's lease: ended off the load's path
-                self._pool.submit(self._release, spec.lease.id)
-            elif spec.lease is not None:  # read without a lease: the sidecar hears of the hit afterwards
-                self._pool.submit(self._touch, list(spec.keys))
+            if spec.lease is not None:
+                with self._lock:  # the scheduler's lease is ended, an unleased read reported, a step later
+                    self._tell.append((self._release, spec.lease.id) if spec.lease.id else (self._touch, list(spec.keys)))
         self.stats.record_load(r)
         if self.cost is not None and r.loaded and spec.tiers:
             per_tier: dict[str, int] = {}
@@ -173,7 +179,13 @@ class WorkerConnector:
                 del self._saves[r]
             for r in loaded:
                 del self._loads[r]
+            due, self._tell_due, self._tell = self._tell_due, self._tell, []
+        self._send(due)
         return saved, loaded
+
+    def _send(self, tell: list[tuple[Callable[[Any], None], Any]]) -> None:
+        for call, arg in tell:
+            self._pool.submit(call, arg)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Engine blocks whose loads failed since the last call; recompute their tokens."""
@@ -183,5 +195,8 @@ class WorkerConnector:
 
     def close(self) -> None:
         self._load_pool.shutdown(wait=True)
+        with self._lock:
+            tell, self._tell_due, self._tell = self._tell_due + self._tell, [], []
+        self._send(tell)
         self._pool.shutdown(wait=True)
         self.reporter.flush()

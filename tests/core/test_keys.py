@@ -6,7 +6,14 @@ import sys
 import pytest
 
 from kvstore.errors import InvalidArgument
-from kvstore.keys import Namespace, chain_key, engine_key, namespace_root, prefix_keys
+from kvstore.keys import (
+    Namespace,
+    PrefixKeys,
+    chain_key,
+    engine_key,
+    namespace_root,
+    prefix_keys,
+)
 
 NS = Namespace(model="m", kv_layout="vllm_cpu", dtype="bfloat16", block_size=4, revision="r1", cache_salt="tenant-a")
 
@@ -31,6 +38,26 @@ def test_keys_chain_so_one_key_certifies_the_prefix():
     b = prefix_keys(NS, [9, 2, 3, 4, 5, 6, 7, 8])
     assert a[1] != b[1]  # same second block, different first block
     assert chain_key(a[0], [5, 6, 7, 8]) == a[1]
+
+
+def test_keys_of_a_list_an_array_and_one_block_at_a_time_agree():
+    import numpy as np
+
+    toks = [1, 2, 3, 70000, 2**32 - 1, 0, 7, 8, 9, 10, 11]
+    by_hand = [chain_key(NS.root, toks[:4])]
+    by_hand.append(chain_key(by_hand[0], toks[4:8]))
+    assert prefix_keys(NS, toks) == prefix_keys(NS, np.array(toks, dtype=np.int64)) == by_hand
+
+
+def test_prefix_keys_of_a_growing_sequence_hash_each_block_once_and_notice_changes():
+    keys = PrefixKeys(NS)
+    toks = list(range(100, 130))
+    assert keys.of(toks[:9]) == prefix_keys(NS, toks[:9])  # 2 blocks
+    assert keys.of(toks) == prefix_keys(NS, toks)  # 7 blocks: 5 more hashed
+    assert keys.of(toks[:12]) == prefix_keys(NS, toks[:12])  # a prefix: served from what is known
+    changed = toks[:5] + [0] + toks[6:]
+    assert keys.of(changed) == prefix_keys(NS, changed)  # other tokens: keyed from scratch
+    assert keys.of(toks) == prefix_keys(NS, toks)
 
 
 @pytest.mark.parametrize("field,value", [("model", "m2"), ("revision", "r2"), ("kv_layout", "vllm_gpu"), ("dtype", "float16"),
