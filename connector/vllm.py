@@ -320,7 +320,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        saved, _ = self._worker.get_finished()
+        saved, _ = self._worker.get_finished(finished_req_ids)
         self._pending -= saved
         self._finished |= finished_req_ids & self._had_saves
         done = {r for r in self._finished if r not in self._pending}

@@ -8,9 +8,10 @@ that could not be loaded come back from :meth:`WorkerConnector.get_block_ids_wit
 the engine recomputes exactly those.
 
 What the sidecar is told after a load (the lease's release, or the hit of an unleased read) waits
-for the end of the *next* step (:meth:`WorkerConnector.get_finished`), then goes on a background
-thread: a round trip during the loading step's forward pass would compete with it for the GIL and
-the host's cores, on the request's time to its first token.
+for the end of the *next* step (:meth:`WorkerConnector.get_finished`), or of the step in which
+the request finished, then goes on a background thread: a round trip during the loading step's
+forward pass would compete with it for the GIL and the host's cores, on the request's time to its
+first token.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 1.0  # decision records go to the sidecar's /stats at most this often
 
+
+_Tell = tuple[str, Callable[[Any], None], Any]  # (request, call, argument) for the sidecar after a load
 
 class WorkerConnector:
     role = Role.WORKER
@@ -69,8 +72,8 @@ class WorkerConnector:
         self._loads: dict[str, Future[LoadResult]] = {}
         self._saves: dict[str, list[Future[SaveResult]]] = {}
         self._load_errors: set[int] = set()
-        self._tell: list[tuple[Callable[[Any], None], Any]] = []  # after this step's loads: (call, arg)
-        self._tell_due: list[tuple[Callable[[Any], None], Any]] = []  # after the last step's: sent at this step's end
+        self._tell: list[_Tell] = []  # after this step's loads
+        self._tell_due: list[_Tell] = []  # after the last step's: sent at this step's end
         self.reporter = DecisionReporter(client)
         self._last_flush = time.monotonic()
 
@@ -104,7 +107,7 @@ class WorkerConnector:
         finally:
             if spec.lease is not None:
                 with self._lock:  # the scheduler's lease is ended, an unleased read reported, a step later
-                    self._tell.append((self._release, spec.lease.id) if spec.lease.id else (self._touch, list(spec.keys)))
+                    self._tell.append((spec.req_id, self._release, spec.lease.id) if spec.lease.id else (spec.req_id, self._touch, list(spec.keys)))
         self.stats.record_load(r)
         if self.cost is not None and r.loaded and spec.tiers:
             per_tier: dict[str, int] = {}
@@ -170,8 +173,9 @@ class WorkerConnector:
             self._saves = {}
         return [f.result() for f in futs]
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
-        """Requests whose saves (first) and loads (second) completed since the last call."""
+    def get_finished(self, finished: Collection[str] = ()) -> tuple[set[str], set[str]]:
+        """Requests whose saves (first) and loads (second) completed since the last call.
+        ``finished``: requests the engine finished this step (their leases end now)."""
         with self._lock:
             saved = {r for r, fs in self._saves.items() if all(f.done() for f in fs)}
             loaded = {r for r, f in self._loads.items() if f.done()}
@@ -179,12 +183,13 @@ class WorkerConnector:
                 del self._saves[r]
             for r in loaded:
                 del self._loads[r]
-            due, self._tell_due, self._tell = self._tell_due, self._tell, []
+            due = self._tell_due + [t for t in self._tell if t[0] in finished]
+            self._tell_due, self._tell = [t for t in self._tell if t[0] not in finished], []
         self._send(due)
         return saved, loaded
 
-    def _send(self, tell: list[tuple[Callable[[Any], None], Any]]) -> None:
-        for call, arg in tell:
+    def _send(self, tell: list[_Tell]) -> None:
+        for _, call, arg in tell:
             self._pool.submit(call, arg)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -85,3 +85,33 @@ def test_bytes_changed_under_a_lease_fail_their_checksum(client) -> None:
     assert r.failed_block_ids == load.block_ids[3:]
     assert worker.get_block_ids_with_load_errors() == set(load.block_ids[3:])
     assert leases(client) == 0
+
+
+def _until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_the_lease_ends_a_step_after_the_load_or_when_the_request_finishes(client) -> None:
+    """The release is not sent during the loading step (it would compete with its forward pass):
+    it goes at the end of the next step, or at the end of this one if the request finished."""
+    stored(client)
+    worker = WorkerConnector(client, NS, SPEC)
+    worker.register_kv_caches(caches(2))
+    try:
+        worker.load_now([held_load(client)])
+        worker.get_finished()  # the loading step ends: the lease is still held
+        time.sleep(0.2)
+        assert leases(client) == 1
+        worker.get_finished()  # the next step ends: released
+        assert _until(lambda: leases(client) == 0)
+
+        worker.load_now([held_load(client)])
+        worker.get_finished(finished={"r"})  # the request finished in its loading step
+        assert _until(lambda: leases(client) == 0)
+    finally:
+        worker.close()
