@@ -215,7 +215,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--gap", type=float, default=0.3,
                    help="idle seconds before each measured request (after the eviction prompts), same for all")
-    p.add_argument("--batch-rounds", type=int, default=5, help="batch phase rounds (throughput: their median)")
+    p.add_argument("--batch-rounds", type=int, default=9, help="batch phase rounds (throughput: their median)")
     p.add_argument("--no-mooncake", action="store_true", help="skip the MooncakeStoreConnector peer")
     p.add_argument("--no-example", action="store_true", help="skip vLLM's ExampleConnector peer")
 
@@ -328,7 +328,9 @@ def _summarise(res: Any, results: dict[str, dict[str, Any]], args: argparse.Name
         res.figure(f"{name}_store_throughput", len(store["requests"]) / store["wall_s"], "req/s")
         batch = ph["batch"]
         per_round = len(batch["requests"]) // len(batch["round_wall_s"])
-        rps[name] = _p50([per_round / w for w in batch["round_wall_s"]])
+        rounds = [per_round / w for w in batch["round_wall_s"]]
+        rps[name] = _p50(rounds)
+        res.notes[f"{name}_batch_rounds_rps"] = [round(x, 1) for x in rounds]
         res.figure(f"{name}_batch_throughput", rps[name], "req/s")
         for phase in ("repeat", "prefix"):
             ext = sum(q.get("by_source", {}).get("external_kv_transfer", 0) for q in ph[phase]["requests"])
