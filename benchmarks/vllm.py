@@ -17,8 +17,11 @@ configuration gets more cores than another). Per configuration:
 4. ``prefix``: the same, with a new question behind each prefix (a prefix cache hits, vLLM's
    ExampleConnector, which matches whole prompts only, does not);
 5. ``batch``: cache filled again, then every ``repeat`` prompt in one ``generate`` call;
-   ``--batch-rounds`` times (a ~70 ms batch on a shared 2-core machine swings ±30% from one run
-   to the next): requests/s is the median over the rounds.
+   ``--batch-rounds`` times: requests/s is the median over the rounds. The rounds of all
+   configurations are interleaved (round 1 of each, in turn, then round 2, ...): every instance
+   runs phases 1-4 alone, then waits, alive, for its turns. Run one after another, the
+   configurations saw different loads on a shared 2-core machine, and a configuration's
+   throughput moved by ±15% from one run to the next.
 
 TTFT is ``RequestOutput.metrics.first_token_latency``. Every configuration's generated tokens are
 compared with the no-connector run. Ratios (higher is better): ``ttft_vs_best_peer`` = the best
@@ -32,9 +35,11 @@ SPEC``); the vLLM tests use it too (:func:`run_instance`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import select
 import shutil
 import socket
 import subprocess
@@ -74,21 +79,72 @@ def kvstore_config(url: str, role: str = "kv_both", **extra: Any) -> dict[str, A
 
 def run_instance(spec: dict[str, Any], *, env: dict[str, str] | None = None, timeout: float = 600) -> dict[str, Any]:
     """Run one vLLM instance in a fresh process (see :func:`instance_main`); returns its results."""
-    with tempfile.TemporaryDirectory(prefix="kvstore-vllm-") as d:
-        path = Path(d) / "spec.json"
-        out = Path(d) / "out.json"
-        path.write_text(json.dumps({**spec, "out": str(out)}))
+    with Instance(spec, env=env) as inst:
+        return inst.result(timeout)
+
+
+class Instance:
+    """One vLLM instance in its own process. With ``paced``, its batch rounds wait for
+    :meth:`turn` (one byte each way on a pair of pipes): ``R`` = ready for a round, ``G`` = go,
+    ``D`` = its rounds are done (the next ``G`` lets it shut down: :meth:`result`)."""
+
+    def __init__(self, spec: dict[str, Any], *, env: dict[str, str] | None = None, paced: bool = False) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="kvstore-vllm-")
+        path = Path(self._dir.name) / "spec.json"
+        self.out = Path(self._dir.name) / "out.json"
+        self.log = Path(self._dir.name) / "log.txt"
+        fds: tuple[int, ...] = ()
+        self._go: int | None = None
+        if paced:
+            go_r, self._go = os.pipe()
+            self._ready, ready_w = os.pipe()
+            spec = {**spec, "pace": {"in": go_r, "out": ready_w}}
+            fds = (go_r, ready_w)
+        path.write_text(json.dumps({**spec, "out": str(self.out)}))
         pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.vllm", "--instance", str(path)],
-            cwd=REPO, env={**os.environ, **VLLM_ENV, "PYTHONPATH": pythonpath, **(env or {})},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-        )
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"vLLM instance exited {proc.returncode}:\n{proc.stdout[-6000:]}")
-        result = json.loads(out.read_text())
-        result["log"] = proc.stdout
-        return result
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "benchmarks.vllm", "--instance", str(path)], cwd=REPO, pass_fds=fds,
+                env={**os.environ, **VLLM_ENV, "PYTHONPATH": pythonpath, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+            )
+        for fd in fds:
+            os.close(fd)  # the child's ends
+
+    def signal(self, timeout: float) -> bytes:
+        """The instance's next byte (``R`` or ``D``); b"" if it exited or fell silent."""
+        ready, _, _ = select.select([self._ready], [], [], timeout)
+        return os.read(self._ready, 1) if ready else b""
+
+    def turn(self, timeout: float) -> bytes:
+        """Let it run one batch round; returns what it says afterwards."""
+        os.write(self._go, b"G")
+        return self.signal(timeout)
+
+    def result(self, timeout: float) -> dict[str, Any]:
+        if self._go is not None:
+            with contextlib.suppress(OSError):  # a paced instance waits for leave to shut down
+                os.write(self._go, b"G")
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        log = self.log.read_text(errors="replace")
+        if code != 0 or not self.out.exists():
+            raise RuntimeError(f"vLLM instance exited {code}:\n{log[-6000:]}")
+        return {**json.loads(self.out.read_text()), "log": log}
+
+    def __enter__(self) -> Instance:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self._go is not None:
+            os.close(self._go)
+            os.close(self._ready)
+        self._dir.cleanup()
 
 
 def _by_source(llm: Any) -> dict[str, int]:
@@ -171,6 +227,7 @@ def instance_main(spec_path: str) -> None:
         if ph.get("batch"):
             walls = []
             for fill in evict or [[]]:  # one round per eviction fill
+                _await_turn(spec.get("pace"))
                 if fill:
                     gen(fill, 1)
                 time.sleep(ph.get("gap_s", 0.0))
@@ -196,9 +253,20 @@ def instance_main(spec_path: str) -> None:
         phases[ph["name"]] = {"requests": reqs, "wall_s": wall, "by_source": _delta(_by_source(llm), before_phase)}
         if ph.get("batch"):
             phases[ph["name"]]["round_wall_s"] = walls
+            if spec.get("pace"):  # rounds done: shut down only when told, not during another's round
+                os.write(spec["pace"]["out"], b"D")
+                os.read(spec["pace"]["in"], 1)
     result = {"import_s": t_import, "startup_s": startup, "phases": phases, "connector": _shutdown(llm)}
     Path(spec["out"]).write_text(json.dumps(result))
     os._exit(0)  # the engine is shut down; skip the interpreter's slow teardown
+
+
+def _await_turn(pace: dict[str, int] | None) -> None:
+    """A paced instance says it is ready and waits for its turn."""
+    if pace:
+        os.write(pace["out"], b"R")
+        if os.read(pace["in"], 1) != b"G":
+            raise RuntimeError("the benchmark went away")
 
 
 # --- the benchmark --------------------------------------------------------------------------------
@@ -297,14 +365,8 @@ def run(args: argparse.Namespace) -> dict:
                 else:
                     configs["mooncake"] = mooncake.kv_transfer_config
             try:
-                for name, kv in configs.items():
-                    env = mooncake.env if (name == "mooncake" and mooncake) else None
-                    try:
-                        results[name] = run_instance({**base, "kv_transfer_config": kv}, env=env, timeout=900)
-                    except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported, not faked
-                        if name in ("none", "kvstore"):
-                            raise
-                        res.notes[name] = f"failed to run: {str(exc)[-1500:]}"
+                envs = {"mooncake": mooncake.env} if mooncake else {}
+                results.update(_run_interleaved(base, configs, envs, args.batch_rounds, res.notes))
             finally:
                 if mooncake is not None:
                     mooncake.close()
@@ -312,6 +374,48 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return res.as_dict()
+
+
+def _run_interleaved(
+    base: dict[str, Any], configs: dict[str, Any], envs: dict[str, dict[str, str]], rounds: int, notes: dict[str, Any],
+) -> dict[str, dict[str, Any]]:
+    """Every configuration's instance runs its phases up to the batch alone, one after another,
+    then the batch rounds take turns (the order rotating each round). A peer that fails is
+    noted; the no-connector run and kvstore must succeed."""
+    timeout = 900.0
+    with contextlib.ExitStack() as stack:
+        live: dict[str, Instance] = {}
+        for name, kv in configs.items():
+            inst = stack.enter_context(Instance({**base, "kv_transfer_config": kv}, env=envs.get(name), paced=True))
+            if inst.signal(timeout) == b"R":
+                live[name] = inst
+            else:
+                _failed(name, inst, timeout, notes)
+        for r in range(rounds):
+            order = list(live)
+            for name in order[r % len(order):] + order[: r % len(order)]:
+                if live[name].turn(timeout) not in (b"R", b"D"):
+                    _failed(name, live.pop(name), timeout, notes)
+        results = {}
+        for name, inst in live.items():
+            try:
+                results[name] = inst.result(timeout)
+            except RuntimeError as exc:
+                if name in ("none", "kvstore"):
+                    raise
+                notes[name] = f"failed to run: {str(exc)[-1500:]}"
+        return results
+
+
+def _failed(name: str, inst: Instance, timeout: float, notes: dict[str, Any]) -> None:
+    try:
+        inst.result(timeout)
+        why = "stopped answering"
+    except RuntimeError as exc:
+        why = str(exc)[-1500:]
+    if name in ("none", "kvstore"):
+        raise RuntimeError(f"{name}: {why}")
+    notes[name] = f"failed to run: {why}"
 
 
 def _summarise(res: Any, results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
