@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstore.checksum import checksum
+from kvstore.checksum import checksums
 from kvstore.config import Config
 from kvstore.errors import ChecksumMismatch, FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvstore.index import DRAM, Allocation, Block, Index, Lease, NsEntry, State, top_label
@@ -262,7 +262,7 @@ class BlockStore:
         to_verify = [(i, b, c) for i, (b, c) in enumerate(chosen) if c is not None]
         if to_verify:
             views = [self.slab.view(b.slot, b.size) for _, b, _ in to_verify]  # type: ignore[arg-type]
-            sums = await asyncio.to_thread(lambda: [checksum(v) for v in views])
+            sums = await checksums(views)
             for (i, b, expected), got in zip(to_verify, sums):
                 if got != expected:
                     self.stats.tier("dram", "checksum_failures")
@@ -357,7 +357,7 @@ class BlockStore:
 
     async def _verified(self, run: list[Block]) -> list[Block]:
         views = [self.slab.view(b.slot, b.size) for b in run]  # type: ignore[arg-type]
-        sums = await asyncio.to_thread(lambda: [checksum(v) for v in views])
+        sums = await checksums(views)
         for i, (b, got) in enumerate(zip(run, sums)):
             if b.checksum is None:
                 b.checksum = got  # sealed now; nothing earlier to compare with
@@ -424,7 +424,7 @@ class BlockStore:
         if not batch:
             return 0
         views = [self.slab.view(b.slot, b.size) for b in batch]  # type: ignore[arg-type]
-        sums = await asyncio.to_thread(lambda: [checksum(v) for v in views])
+        sums = await checksums(views)
         for b, c in zip(batch, sums):
             if b.checksum is None and b.slot is not None:
                 b.checksum = c

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore.checksum import checksum
+from kvstore.checksum import checksums
 from kvstore.config import TIER_IN_FLIGHT, Config
 from kvstore.errors import ChecksumMismatch, KVStoreError, Unavailable
 from kvstore.index import DRAM, REDIS, S3, SSD, Block, State
@@ -228,7 +228,7 @@ class Tiering:
     async def _seal_staged(batch: list[Staged]) -> None:
         unsealed = [(b, d) for b, d, _ in batch if b.checksum is None]
         if unsealed:
-            sums = await asyncio.to_thread(lambda: [checksum(d) for _, d in unsealed])
+            sums = await checksums([d for _, d in unsealed])
             for (b, _), c in zip(unsealed, sums):
                 b.checksum = c
 
@@ -326,8 +326,8 @@ class Tiering:
         try:
             views = [self.store.slab.view(b.slot, b.size) for b in blocks]  # type: ignore[arg-type]
             unsealed = [(b, v) for b, v in zip(blocks, views) if b.checksum is None]
-            if unsealed:  # one thread hop for the batch
-                sums = await asyncio.to_thread(lambda: [checksum(v) for _, v in unsealed])
+            if unsealed:
+                sums = await checksums([v for _, v in unsealed])
                 for (b, _), c in zip(unsealed, sums):
                     b.checksum = c
             items = [(BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(v)) for b, v in zip(blocks, views)]

@@ -11,14 +11,12 @@ A tier that cannot reach its server raises :class:`kvstore.errors.Unavailable`; 
 
 from __future__ import annotations
 
-import asyncio
 import struct
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import Executor
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from kvstore.checksum import checksum
+from kvstore.checksum import checksums
 from kvstore.errors import ChecksumMismatch
 
 
@@ -155,37 +153,12 @@ class TierBase:
         return await with_hashes(await self.get_many(refs, into), into)
 
 
-T = TypeVar("T")
-
-
-def split(n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous (start, end) ranges covering ``range(n)``, none empty."""
-    parts = max(1, min(parts, n))
-    step = -(-n // parts) if n else 0
-    return [(a, min(a + step, n)) for a in range(0, n, step)] if n else []
-
-
-async def in_threads(executor: Executor, calls: Sequence[Callable[[], T]]) -> list[T]:
-    """Run blocking calls on ``executor``. They read into and write from the caller's buffers,
-    so this returns (or raises, or is cancelled) only once every one of them has finished."""
-    loop = asyncio.get_running_loop()
-    futs = [loop.run_in_executor(executor, c) for c in calls]
-    if not futs:
-        return []
-    try:
-        await asyncio.shield(asyncio.wait(futs))
-    except asyncio.CancelledError:
-        await asyncio.wait(futs)
-        raise
-    for f in futs:
-        if f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
-    return [f.result() for f in futs]
-
-
 async def with_hashes(metas: Sequence[BlockMeta | None], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
     """Each read block's header with the xxh3_64 of the bytes it filled (hashed on a thread)."""
-    sums = await asyncio.to_thread(lambda: [None if m is None else checksum(v[: m.size]) for v, m in zip(into, metas)])
+    read = [(i, v[: m.size]) for i, (v, m) in enumerate(zip(into, metas)) if m is not None]
+    sums: list[int | None] = [None] * len(metas)
+    for (i, _), c in zip(read, await checksums([v for _, v in read])):
+        sums[i] = c
     return list(zip(metas, sums))
 
     async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:

@@ -39,7 +39,8 @@ from kvstore.checksum import checksum
 from kvstore.config import REDIS_CHUNK_BYTES, REDIS_PIPELINES, RedisConfig
 from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.tiers import resp
-from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header, in_threads, split, with_hashes
+from kvstore.threads import in_threads, split
+from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header, with_hashes
 # What "the server cannot be reached" looks like from redis-py (cluster errors included).
 _UNAVAILABLE = (
     rexc.ConnectionError,

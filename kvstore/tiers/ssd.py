@@ -41,7 +41,8 @@ import numpy as np
 from kvstore.checksum import checksum
 from kvstore.config import SSD_IO_THREADS, SsdConfig
 from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted
-from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef, TierBase, decode_header, encode_header, header_size, in_threads, split
+from kvstore.threads import in_threads, split
+from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef, TierBase, decode_header, encode_header, header_size
 
 ALIGN = 4096
 SUFFIX = ".blk"
