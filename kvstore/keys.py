@@ -116,14 +116,14 @@ def namespace_root(ns: Namespace) -> NamespaceRoot:
     return NamespaceRoot(h.digest())
 
 
+def _chain(parent: bytes, data: bytes | memoryview, extra: bytes = b"") -> BlockKey:
+    """The one definition of a block key: SHA-256 of the parent key, the token count (u32), the
+    tokens (u32 each, ``data``), the extra's length (u32) and the extra; one SHA-256 call."""
+    return BlockKey(hashlib.sha256(b"".join((parent, _U32.pack(len(data) // 4), data, _U32.pack(len(extra)), extra))).digest())
+
+
 def chain_key(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> BlockKey:
-    toks = np.asarray(tokens, dtype="<u4")
-    h = hashlib.sha256(parent)
-    h.update(_U32.pack(toks.size))
-    h.update(toks.tobytes())
-    h.update(_U32.pack(len(extra)))
-    h.update(extra)
-    return BlockKey(h.digest())
+    return _chain(parent, token_bytes(tokens), extra)
 
 
 def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -139,17 +139,17 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
 _U32_CODE = "I" if array.array("I").itemsize == 4 else "L"
 
 
-def _chain_full_blocks(parent: bytes, data: bytes, block_size: int, first: int, end: int) -> list[BlockKey]:
-    """Keys of full blocks ``first..end-1`` of the token bytes ``data`` (no extras), chained from
-    ``parent`` (the key of block ``first - 1``, or the root): one SHA-256 call per block."""
+def _chain_full_blocks(
+    parent: bytes, data: bytes, block_size: int, first: int, end: int, extras: Sequence[bytes] | None = None
+) -> list[BlockKey]:
+    """Keys of full blocks ``first..end-1`` of the token bytes ``data``, chained from ``parent``
+    (the key of block ``first - 1``, or the root); ``extras[i]`` goes into block ``i``'s key."""
     step = 4 * block_size
-    head, tail = _U32.pack(block_size), _U32.pack(0)
     mv = memoryview(data)
-    sha256 = hashlib.sha256
     keys: list[BlockKey] = []
     for i in range(first, end):
-        parent = sha256(b"".join((parent, head, mv[i * step : (i + 1) * step], tail))).digest()
-        keys.append(BlockKey(parent))
+        parent = _chain(parent, mv[i * step : (i + 1) * step], extras[i] if extras is not None else b"")
+        keys.append(parent)
     return keys
 
 
@@ -166,17 +166,8 @@ def prefix_keys(
         root = ns
         if block_size is None:
             raise ValueError("block_size is required with a bare namespace root")
-    if extras is None:
-        data = token_bytes(tokens)
-        return _chain_full_blocks(root, data, block_size, 0, len(data) // (4 * block_size))
-    toks = np.asarray(tokens, dtype="<u4")
-    extra_list = list(extras)
-    keys: list[BlockKey] = []
-    parent: bytes = root
-    for i in range(toks.size // block_size):
-        parent = chain_key(parent, toks[i * block_size : (i + 1) * block_size], extra_list[i])
-        keys.append(BlockKey(parent))
-    return keys
+    data = token_bytes(tokens)
+    return _chain_full_blocks(root, data, block_size, 0, len(data) // (4 * block_size), None if extras is None else list(extras))
 
 
 class PrefixKeys:

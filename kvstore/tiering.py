@@ -52,6 +52,13 @@ SEAL_BATCH = 8  # blocks per thread hop of the demotion sealer
 Staged = tuple[Block, np.ndarray, mmap.mmap]  # a demotion in flight: block, its bytes, their buffer
 
 
+
+async def _seal(blocks: Sequence[Block], views: Sequence[np.ndarray | memoryview]) -> None:
+    """Checksums of the blocks the server had not sealed yet, from their bytes in ``views``."""
+    unsealed = [(b, v) for b, v in zip(blocks, views) if b.checksum is None]
+    for (b, _), c in zip(unsealed, await checksums([v for _, v in unsealed])):
+        b.checksum = c
+
 @dataclass(eq=False)
 class Level:
     """One tier below DRAM with its own accounting."""
@@ -210,7 +217,7 @@ class Tiering:
         while lv.queue:
             batch, lv.queue = lv.queue[:SEAL_BATCH], lv.queue[SEAL_BATCH:]
             try:
-                await self._seal_staged(batch)
+                await _seal([b for b, _, _ in batch], [d for _, d, _ in batch])
             except BaseException:
                 self._demotion_failed(lv, batch)
                 raise
@@ -223,14 +230,6 @@ class Tiering:
         while lv.ready:
             batch, lv.ready = lv.ready[:DEMOTE_BATCH], lv.ready[DEMOTE_BATCH:]
             await self._write_demotions(lv, batch)
-
-    @staticmethod
-    async def _seal_staged(batch: list[Staged]) -> None:
-        unsealed = [(b, d) for b, d, _ in batch if b.checksum is None]
-        if unsealed:
-            sums = await checksums([d for _, d in unsealed])
-            for (b, _), c in zip(unsealed, sums):
-                b.checksum = c
 
     async def _write_demotions(self, lv: Level, batch: list[Staged]) -> None:
         written = False
@@ -315,21 +314,13 @@ class Tiering:
 
     def written_through(self, blocks: Sequence[Block]) -> int:
         """How many of ``blocks`` are in every write-through tier (0 when there is none)."""
-        if not self.write_through:
-            return 0
-        mask = 0
-        for lv in self.write_through:
-            mask |= lv.bit
-        return sum(1 for b in blocks if b.tiers & mask == mask)
+        mask = sum(lv.bit for lv in self.write_through)
+        return sum(1 for b in blocks if b.tiers & mask == mask) if mask else 0
 
     async def _write_through(self, lv: Level, blocks: list[Block]) -> None:
         try:
             views = [self.store.slab.view(b.slot, b.size) for b in blocks]  # type: ignore[arg-type]
-            unsealed = [(b, v) for b, v in zip(blocks, views) if b.checksum is None]
-            if unsealed:
-                sums = await checksums([v for _, v in unsealed])
-                for (b, _), c in zip(unsealed, sums):
-                    b.checksum = c
+            await _seal(blocks, views)
             items = [(BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(v)) for b, v in zip(blocks, views)]
             async with lv.slots:
                 await lv.tier.put_many(items)

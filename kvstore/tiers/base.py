@@ -149,12 +149,12 @@ class TierBase:
         return [await self.get(r, b) for r, b in zip(refs, into)]  # type: ignore[attr-defined]
 
     async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
-        """Read, then hash on a thread; tiers that can hash while the bytes arrive override it."""
+        """Read, then hash (:func:`with_hashes`); tiers that can hash while the bytes arrive override it."""
         return await with_hashes(await self.get_many(refs, into), into)
 
 
 async def with_hashes(metas: Sequence[BlockMeta | None], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
-    """Each read block's header with the xxh3_64 of the bytes it filled (hashed on a thread)."""
+    """Each read block's header with the xxh3_64 of the bytes it filled (:func:`kvstore.checksum.checksums`)."""
     read = [(i, v[: m.size]) for i, (v, m) in enumerate(zip(into, metas)) if m is not None]
     sums: list[int | None] = [None] * len(metas)
     for (i, _), c in zip(read, await checksums([v for _, v in read])):

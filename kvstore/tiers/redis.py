@@ -24,7 +24,7 @@ Connection failures raise :class:`~kvstore.errors.Unavailable` after redis-py's 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -88,6 +88,14 @@ def _check_replies(replies: Sequence[resp.Reply]) -> None:
         if r.code == "OOM":
             raise ResourceExhausted(f"redis: {r.message}")
         raise rexc.ResponseError(r.message)
+
+
+def _length(reply: Any) -> int | None:
+    """A chunk reply's length: a bulk read into its buffer (direct path) or a ``bytes``
+    (redis-py); None for a missing key or one too long for its buffer."""
+    if isinstance(reply, int):
+        return reply
+    return len(reply) if isinstance(reply, (bytes, bytearray)) else None
 
 
 def direct_settings(client: Redis | RedisCluster) -> dict[str, Any] | None:
@@ -177,16 +185,53 @@ class RedisTier(TierBase):
     def _pipeline(self) -> Any:
         return self.client.pipeline(transaction=False) if not self.cluster else self.client.pipeline()
 
-    def _check(self, ref: BlockRef, meta: BlockMeta, room: int) -> BlockMeta:
+    def _check(self, ref: BlockRef, meta: BlockMeta, room: int | None = None) -> BlockMeta:
         if meta.ref != ref:
             raise ChecksumMismatch(f"redis header for {ref.name} names {meta.ref.name}")
-        if meta.size > room:
+        if room is not None and meta.size > room:
             raise InvalidArgument(f"buffer of {room} bytes for a block of {meta.size}")
         return meta
 
     def _chunk_lengths(self, size: int) -> list[int]:
         step = self.chunk_bytes
         return [min(step, size - i * step) for i in range(self.n_chunks(size))]
+
+    # ---- the commands of a read and of a write (both paths send these) -----------------------
+
+    def _gets(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[str, memoryview | None]]:
+        """The GETs that read ``refs`` into ``into``: each block's header key (no destination),
+        then its chunk keys, each with the slice of the buffer it lands in. ``into`` is at least
+        the block's size, so that covers every chunk of the block."""
+        step = self.chunk_bytes
+        gets: list[tuple[str, memoryview | None]] = []
+        for r, buf in zip(refs, into):
+            gets.append((self.header_key(r), None))
+            gets += [(k, buf[i * step : (i + 1) * step]) for i, k in enumerate(self.chunk_keys(r, len(buf)))]
+        return gets
+
+    def _blocks(self, refs: Sequence[BlockRef], into: Sequence[memoryview], replies: Sequence[Any]) -> Iterator[tuple[BlockMeta | None, memoryview, list[Any]]]:
+        """Each block's header, buffer and chunk replies, from the replies to :meth:`_gets`. The
+        header is None when the block is gone or partly evicted or expired (a chunk missing or
+        of the wrong length): a miss."""
+        pos = 0
+        for r, buf in zip(refs, into):
+            n_max = self.n_chunks(len(buf))
+            head, parts, pos = replies[pos], list(replies[pos + 1 : pos + 1 + n_max]), pos + 1 + n_max
+            meta = None if head is None else self._check(r, decode_header(head), len(buf))
+            if meta is not None:
+                parts = parts[: self.n_chunks(meta.size)]
+                if [_length(p) for p in parts] != self._chunk_lengths(meta.size):
+                    meta = None
+            yield meta, buf, parts
+
+    def _sets(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> list[tuple[str, bytes | memoryview]]:
+        """The SETs that store ``items``: each block's chunks, then its header (visible once whole)."""
+        step = self.chunk_bytes
+        sets: list[tuple[str, bytes | memoryview]] = []
+        for meta, data in items:
+            sets += [(k, data[i * step : (i + 1) * step]) for i, k in enumerate(self.chunk_keys(meta.ref, meta.size))]
+            sets.append((self.header_key(meta.ref), encode_header(meta)))
+        return sets
 
     # ---- the direct path --------------------------------------------------------------------
 
@@ -212,41 +257,23 @@ class RedisTier(TierBase):
             groups += [(pool, idx[a:b]) for a, b in split(len(idx), per_node)]
         return groups
 
-    def _read_direct(self, pool: resp.Pool, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
-        """(thread) One pipeline: each block's header and chunks, the chunks received at their
-        offsets in its buffer, then the block hashed while the next replies arrive elsewhere."""
-        cmds: list[resp.Command] = []
-        dests: list[memoryview | None] = []
-        for r, buf in zip(refs, into):
-            cmds.append((b"GET", self.header_key(r).encode()))
-            dests.append(None)
-            for i, k in enumerate(self.chunk_keys(r, len(buf))):
-                cmds.append((b"GET", k.encode()))
-                dests.append(buf[i * self.chunk_bytes : (i + 1) * self.chunk_bytes])
-        replies = pool.execute(cmds, dests)
+    def _read_direct(
+        self, pool: resp.Pool, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool
+    ) -> list[tuple[BlockMeta | None, int | None]]:
+        """(thread) One pipeline: the chunks received at their offsets in each buffer, then (with
+        ``hashed``) each block hashed while the next replies arrive elsewhere."""
+        gets = self._gets(refs, into)
+        replies = pool.execute([(b"GET", k.encode()) for k, _ in gets], [dest for _, dest in gets])
         _check_replies(replies)
-        out: list[tuple[BlockMeta | None, int | None]] = []
-        pos = 0
-        for r, buf in zip(refs, into):
-            n_max = self.n_chunks(len(buf))
-            head, lengths, pos = replies[pos], replies[pos + 1 : pos + 1 + n_max], pos + 1 + n_max
-            meta = None if head is None else self._check(r, decode_header(head), len(buf))  # type: ignore[arg-type]
-            if meta is None or lengths[: self.n_chunks(meta.size)] != self._chunk_lengths(meta.size):
-                out.append((None, None))  # gone, partly evicted or expired: a miss
-            else:
-                out.append((meta, checksum(buf[: meta.size])))
-        return out
+        return [
+            (meta, checksum(buf[: meta.size]) if hashed and meta is not None else None)
+            for meta, buf, _ in self._blocks(refs, into, replies)
+        ]
 
     def _write_direct(self, pool: resp.Pool, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
-        """(thread) One pipeline of SETs sent from the caller's buffers; each header last."""
+        """(thread) One pipeline of SETs sent from the caller's buffers."""
         ex = (b"EX", str(self.ttl_s).encode()) if self.ttl_s else ()
-        step = self.chunk_bytes
-        cmds: list[resp.Command] = []
-        for meta, data in items:
-            for i, k in enumerate(self.chunk_keys(meta.ref, meta.size)):
-                cmds.append((b"SET", k.encode(), data[i * step : (i + 1) * step], *ex))
-            cmds.append((b"SET", self.header_key(meta.ref).encode(), encode_header(meta), *ex))
-        _check_replies(pool.execute(cmds))
+        _check_replies(pool.execute([(b"SET", k.encode(), v, *ex) for k, v in self._sets(items)]))
 
     # ---- Tier -----------------------------------------------------------------------------
 
@@ -266,28 +293,33 @@ class RedisTier(TierBase):
         return (await self.get_many([ref], [into]))[0]
 
     async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
-        if self._direct is not None:
-            return [m for m, _ in await self.get_many_hashed(refs, into)]
-        return await self._get_many_redis_py(refs, into)
+        got = await self._get_direct(refs, into, hashed=False)
+        return [m for m, _ in got] if got is not None else await self._get_many_redis_py(refs, into)
 
     async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
-        if self._direct is not None and refs:
-            try:
-                with _unavailable:
-                    groups = await self._direct_groups(refs)
-                    parts = await in_threads(
-                        self._threads,  # type: ignore[arg-type]
-                        [lambda p=pool, ix=idx: self._read_direct(p, [refs[i] for i in ix], [into[i] for i in ix]) for pool, idx in groups],
-                    )
-            except _Redirected:
-                pass  # redis-py follows it
-            else:
-                out: list[tuple[BlockMeta | None, int | None]] = [(None, None)] * len(refs)
-                for (_, idx), part in zip(groups, parts):
-                    for i, got in zip(idx, part):
-                        out[i] = got
-                return out
-        return await with_hashes(await self._get_many_redis_py(refs, into), into)
+        got = await self._get_direct(refs, into, hashed=True)
+        return got if got is not None else await with_hashes(await self._get_many_redis_py(refs, into), into)
+
+    async def _get_direct(
+        self, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool
+    ) -> list[tuple[BlockMeta | None, int | None]] | None:
+        """The read on the direct path; None where redis-py must do it (no direct path, a redirect)."""
+        if self._direct is None or not refs:
+            return None
+        try:
+            with _unavailable:
+                groups = await self._direct_groups(refs)
+                parts = await in_threads(
+                    self._threads,  # type: ignore[arg-type]
+                    [lambda p=pool, ix=idx: self._read_direct(p, [refs[i] for i in ix], [into[i] for i in ix], hashed) for pool, idx in groups],
+                )
+        except _Redirected:
+            return None  # redis-py follows it
+        out: list[tuple[BlockMeta | None, int | None]] = [(None, None)] * len(refs)
+        for (_, idx), part in zip(groups, parts):
+            for i, got in zip(idx, part):
+                out[i] = got
+        return out
 
     async def _get_many_redis_py(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
         """A few pipelines on separate pooled connections, run concurrently (one connection is a
@@ -297,35 +329,23 @@ class RedisTier(TierBase):
         return [m for part in parts for m in part]
 
     async def _get_group(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
-        """One pipelined round trip: each block's header and the chunks its buffer could hold
-        (``into`` is at least the block's size, so that covers every chunk of the block)."""
+        """One pipelined round trip of :meth:`_gets`; the reply objects copied into the buffers."""
         if not refs:
             return []
         with _unavailable:
             pipe = self._pipeline()
-            for r, buf in zip(refs, into):
-                pipe.get(self.header_key(r))
-                for k in self.chunk_keys(r, len(buf)):
-                    pipe.get(k)
+            for k, _ in self._gets(refs, into):
+                pipe.get(k)
             replies = await pipe.execute()
         out: list[BlockMeta | None] = []
-        pos = 0
-        for r, buf in zip(refs, into):
-            n_max = self.n_chunks(len(buf))
-            head, parts, pos = replies[pos], replies[pos + 1 : pos + 1 + n_max], pos + 1 + n_max
-            out.append(None if head is None else self._assemble(r, decode_header(head), parts, buf))
+        for meta, buf, parts in self._blocks(refs, into, replies):
+            if meta is not None:
+                off = 0
+                for p in parts:
+                    buf[off : off + len(p)] = p
+                    off += len(p)
+            out.append(meta)
         return out
-
-    def _assemble(self, ref: BlockRef, meta: BlockMeta, parts: list[bytes | None], buf: memoryview) -> BlockMeta | None:
-        self._check(ref, meta, len(buf))
-        parts = parts[: self.n_chunks(meta.size)]
-        if [None if p is None else len(p) for p in parts] != self._chunk_lengths(meta.size):
-            return None  # partly evicted or expired: a miss
-        off = 0
-        for p in parts:
-            buf[off : off + len(p)] = p  # type: ignore[arg-type]
-            off += len(p)  # type: ignore[arg-type]
-        return meta
 
     async def _headers(self, refs: Sequence[BlockRef]) -> list[BlockMeta | None]:
         if not refs:
@@ -335,16 +355,7 @@ class RedisTier(TierBase):
             for r in refs:
                 pipe.get(self.header_key(r))
             raw = await pipe.execute()
-        metas: list[BlockMeta | None] = []
-        for r, h in zip(refs, raw):
-            if h is None:
-                metas.append(None)
-                continue
-            meta = decode_header(h)
-            if meta.ref != r:
-                raise ChecksumMismatch(f"redis header for {r.name} names {meta.ref.name}")
-            metas.append(meta)
-        return metas
+        return [None if h is None else self._check(r, decode_header(h)) for r, h in zip(refs, raw)]
 
     async def put(self, meta: BlockMeta, data: memoryview) -> None:
         await self.put_many([(meta, data)])
@@ -371,11 +382,8 @@ class RedisTier(TierBase):
             return
         with _unavailable:
             pipe = self._pipeline()
-            for meta, data in items:
-                step = self.chunk_bytes
-                for i, k in enumerate(self.chunk_keys(meta.ref, meta.size)):
-                    pipe.set(k, data[i * step : (i + 1) * step], ex=self.ttl_s)
-                pipe.set(self.header_key(meta.ref), encode_header(meta), ex=self.ttl_s)  # last: visible once whole
+            for k, v in self._sets(items):
+                pipe.set(k, v, ex=self.ttl_s)
             await pipe.execute()
 
     async def delete(self, ref: BlockRef) -> None:

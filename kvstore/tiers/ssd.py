@@ -12,15 +12,15 @@ Durability is per batch, not per block (an fsync costs ~4 ms): :meth:`put_many` 
 file, makes them durable together, renames them, then fsyncs each directory touched once.
 With O_DIRECT (where the filesystem allows it; tmpfs does not, and we fall back to buffered
 writes) the data bypasses the page cache and the directory fsync's journal commit carries the
-metadata; with buffered writes every temp file is fdatasync'ed before the renames. With ``fsync=False``
-(LMCache's LocalDisk behaves so) nothing is synced: a block still appears whole or not at all to a
-restarted sidecar (the kernel keeps what a killed process wrote), but a power loss can take the
-last batches.
+metadata; with buffered writes every temp file is fdatasync'ed before the renames. With
+``fsync=False`` (LMCache's LocalDisk behaves so) nothing is synced: a block still appears whole
+or not at all to a restarted sidecar (the kernel keeps what a killed process wrote), but a power
+loss can take the last batches.
 
 Reads are buffered ``preadv`` straight into the caller's memoryview, a batch spread over the
-``io_threads``. Eviction is not decided
-here (the index does that): :attr:`used_bytes` / :attr:`capacity_bytes` are exposed and a put
-that would exceed the capacity raises :class:`~kvstore.errors.ResourceExhausted`.
+``io_threads``. Eviction is not decided here (the index does that): :attr:`used_bytes` /
+:attr:`capacity_bytes` are exposed and a put that would exceed the capacity raises
+:class:`~kvstore.errors.ResourceExhausted`.
 """
 
 from __future__ import annotations
@@ -344,8 +344,9 @@ class SsdTier(TierBase):
                 os.replace(tmp, final)
                 self._settle(final, nbytes)  # an overwrite gives back the old file's bytes
                 reserved -= nbytes
-            for d in {final.parent for _, final, _ in staged} | ({self.root} if new_dirs else set()) if self.fsync else ():
-                self._fsync_dir(d)  # makes the renames (and, with O_DIRECT, the file sizes) durable
+            if self.fsync:  # makes the renames (and, with O_DIRECT, the file sizes) durable
+                for d in {final.parent for _, final, _ in staged} | ({self.root} if new_dirs else set()):
+                    self._fsync_dir(d)
         finally:
             for fd in fds:
                 os.close(fd)
