@@ -125,7 +125,11 @@ class _Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.n, self.size, self.repeat = args.blocks, int(args.block_mib * MiB), args.repeat
         self.ssd_stream = args.ssd_stream
-        self.peers = args.peers
+        self.peers: Any = None  # benchmarks.peers.lmcache_backends.Peers with --peers
+        if args.peers:
+            from benchmarks.peers.lmcache_backends import Peers
+
+            self.peers = Peers(args)
         self.s3_concurrency, self.s3_bucket = args.s3_concurrency, args.s3_bucket
         self.run_id = uuid.uuid4().hex[:8]  # key prefix: safe on shared, given servers
         self.items, self._payload = _blocks(self.n, self.size)
@@ -144,43 +148,55 @@ class _Bench:
         self.figures[f"{kind}.{tier_name}.{op}.raw"] = {"value": round(mib / t_raw, 1), "unit": "MiB/s"}
         self.ratios[f"{kind}_{op}_{tier_name}"] = round(t_raw / t_ours, 3)
 
-    async def interleaved(self, desc: str, ours: Callable, raw: Callable, reset: Callable = _nothing) -> tuple[float, float]:
-        """Best time of each, alternating ours and raw so both see the same noise (shared 2-core box)."""
-        t_ours = t_raw = float("inf")
-        with _bar(2 * self.repeat, desc) as bar:
+    async def interleaved(self, desc: str, runs: dict[str, Callable[[], Awaitable[Any]]], reset: Callable = _nothing) -> dict[str, float]:
+        """Best time of each run, their order rotating every round (ours, raw, ... then raw, ...,
+        ours) so all see the same noise of this shared 2-core box and its phases; ``reset`` runs
+        untimed before each."""
+        best = dict.fromkeys(runs, float("inf"))
+        names = list(runs)
+        with _bar(len(names) * self.repeat, desc) as bar:
             for i in range(self.repeat):
-                order = [("ours", ours), ("raw", raw)] if i % 2 == 0 else [("raw", raw), ("ours", ours)]
-                for which, fn in order:
+                k = i % len(names)
+                for name in names[k:] + names[:k]:
                     await reset()
-                    t = await _timed(fn)
-                    if which == "ours":
-                        t_ours = min(t_ours, t)
-                    else:
-                        t_raw = min(t_raw, t)
+                    best[name] = min(best[name], await _timed(runs[name]))
                     bar.update()
-        return t_ours, t_raw
+        return best
 
     # ---- tier class vs raw --------------------------------------------------------------------
 
-    async def tier_vs_raw(self, tier_name: str, tier: Any, raw: Raw) -> None:
+    async def tier_vs_raw(self, tier_name: str, tier: Any, raw: Raw, url: str | None = None) -> None:
+        """``url``: the tier's server, for the peers (``--peers``) that join the same rounds."""
         refs = [m.ref for m, _ in self.items]
 
         async def ours_get() -> None:
             got = await tier.get_many(refs, self.bufs)
             assert all(g is not None for g in got)
 
-        async def fresh() -> None:  # new blocks get new names: time writes, not replacing old files
-            await tier.delete_many(refs)
-            await raw.reset()
-
         try:
-            t_ours, t_raw = await self.interleaved(f"tier {tier_name} put", lambda: tier.put_many(self.items), raw.put, fresh)
-            self.record("tier", tier_name, "put", t_ours, t_raw)
-            await tier.put_many(self.items)  # both hold every block again (reset may have run last)
-            await raw.put()
-            t_ours, t_raw = await self.interleaved(f"tier {tier_name} get", ours_get, raw.get)
-            self.record("tier", tier_name, "get", t_ours, t_raw)
-            await tier.delete_many(refs)
+            with self.peers.backends(tier_name, url) if self.peers else contextlib.nullcontext([]) as peers:
+
+                async def fresh() -> None:  # new blocks under the old names: deleted first, as by an eviction
+                    await tier.delete_many(refs)
+                    await raw.reset()
+                    for p in peers:
+                        await asyncio.to_thread(p.drop)
+
+                def peer_runs(op: str) -> dict[str, Callable[[], Awaitable[Any]]]:  # (they keep their own figures)
+                    return {p.label: lambda p=p: asyncio.to_thread(getattr(p, op)) for p in peers}
+
+                best = await self.interleaved(
+                    f"tier {tier_name} put", {"ours": lambda: tier.put_many(self.items), "raw": raw.put, **peer_runs("put")}, fresh
+                )
+                self.record("tier", tier_name, "put", best["ours"], best["raw"])
+                await fresh()  # every side holds every block again
+                await tier.put_many(self.items)
+                await raw.put()
+                for p in peers:
+                    await asyncio.to_thread(p.put, False)
+                best = await self.interleaved(f"tier {tier_name} get", {"ours": ours_get, "raw": raw.get, **peer_runs("get")})
+                self.record("tier", tier_name, "get", best["ours"], best["raw"])
+                await tier.delete_many(refs)
         finally:
             await tier.close()
 
@@ -413,7 +429,7 @@ class _Bench:
         raw = self.raw_ssd(root / "raw", direct)
         self.figures["ssd.direct_io"] = {"value": int(direct), "unit": "bool"}
         await self.tier_vs_raw("ssd", tier, raw)
-        if self.peers:  # LMCache's LocalDisk never fsyncs: the tier in its two modes, like for like
+        if self.peers:  # LMCache's LocalDisk never fsyncs: the tier in its two modes, like for like (LMCache in the same rounds)
             for name, want_direct in (("ssd_nofsync", False), ("ssd_direct_nofsync", True)):
                 like = SsdTier(root / name, capacity, direct_io=want_direct, fsync=False)
                 await self.tier_vs_raw(name, like, self.raw_ssd(root / f"raw-{name}", like.direct_io, sync=False))
@@ -433,7 +449,7 @@ class _Bench:
         tier = RedisTier.from_config(RedisConfig(url=url, cluster=cluster, key_prefix=prefix + ":tier"))
         raw = self.raw_redis(url, cluster)
         try:
-            await self.tier_vs_raw(name, tier, raw)
+            await self.tier_vs_raw(name, tier, raw, url)
             if service:
                 env = {
                     "KVSTORE_REDIS__ENABLED": "true",
@@ -516,13 +532,11 @@ async def _run(args: argparse.Namespace) -> dict:
             await bench.redis("redis_cluster", srv.redis_cluster, True, service)
         if srv.s3:
             await bench.s3(srv.s3, srv.s3_credentials, service)
-        if args.peers:
-            from benchmarks.peers.lmcache_backends import run_peers
-
-            peer = await asyncio.to_thread(run_peers, args, srv, dict(bench.figures))
+        if bench.peers:
+            peer = bench.peers.result(bench.figures)
             bench.figures.update(peer["figures"])
             bench.ratios.update(peer["ratios"])
-            bench.notes.update(peer.get("notes", {}))
+            bench.notes.update(peer["notes"])
     bench.figures["block_bytes"] = {"value": bench.size, "unit": "bytes"}
     bench.figures["blocks"] = {"value": bench.n, "unit": "count"}
     result: dict[str, Any] = {"suite": "tiers", "figures": bench.figures, "ratios": bench.ratios}

@@ -24,10 +24,18 @@ Payload: N chunks (``--blocks``) of ``--block-mib`` MiB each (fp16 KV of shape
          and the release of the memory objects, which is what kvstore's through-service get
          measures (Acquire + copy out of the DRAM slot + Release).
 
+Each backend is measured in the rounds of the kvstore tier it is like for like with (LocalDisk
+buffered with ``ssd_nofsync``, LocalDisk O_DIRECT with ``ssd_direct_nofsync``, RemoteBackend with
+``redis`` / ``redis_cluster``): :meth:`benchmarks.tiers._Bench.tier_vs_raw` rotates kvstore's tier,
+the raw client and LMCache through each round, so all three see the same phase of this VM. (Its
+disk and memory have phases: O_DIRECT writes ran at ~550 MiB/s, and at ~1,800 MiB/s for a few
+seconds after any process had touched and freed a few GiB, as LMCache's CPU allocator does. When
+LMCache ran after kvstore, that alone made its O_DIRECT put look 2-3x faster.)
+
 Figures are MiB/s, best of ``--repeat``. Ratios ``vs_lmcache[_odirect]_<op>_<tier>_<kind>`` are
 LMCache time / kvstore time (above 1.0: kvstore ahead), against kvstore's tier class (``tier``;
-get compared without the copy-out) and through the service (``service``; get with copy-out),
-measured earlier in the same run by :mod:`benchmarks.tiers`.
+get compared without the copy-out) and through the service (``service``; get with copy-out; the
+service is measured in its own rounds, so these are across phases).
 
 Run: ``python -m benchmarks.peers.lmcache_backends [--tiers ssd,redis,redis_cluster]`` (prints the
 ``benchmarks.tiers`` JSON with the peer figures added), or ``kvstore bench tiers --peers --json``.
@@ -39,20 +47,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
-from tqdm import tqdm
-
-if TYPE_CHECKING:
-    from benchmarks.tiers import Servers
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -159,45 +164,17 @@ class _Peer:
         assert np.array_equal(self.out[0], self.payload)
         return t1 - t0, t2 - t0
 
-    def measure(self, name: str, tier: str, backend: Any, cpu: Any, drop: Callable[[list[Any]], None]) -> None:
-        objs = self.sources(cpu)
-        best = {"put": float("inf"), "get": float("inf"), "get_copyout": float("inf")}
-        with tqdm(total=self.repeat + 1, desc=f"{name} {tier}", leave=False, disable=None) as bar:
-            for i in range(self.repeat + 1):  # the first round warms up threads and connections
-                keys = self.keys()
-                try:
-                    t_put = self.put(backend, keys, objs)
-                    t_get, t_copy = self.get(backend, keys)
-                except LookupError as exc:  # LMCache lost chunks or hung (its log says why)
-                    self.failures.setdefault(f"{name}.{tier}", []).append(f"round {i}: {exc}")
-                    drop(keys)
-                    bar.update()
-                    if "not complete" in str(exc):
-                        break  # a hung put leaves the backend stuck: stop measuring it
-                    continue
-                drop(keys)
-                if i:
-                    best["put"] = min(best["put"], t_put)
-                    best["get"] = min(best["get"], t_get)
-                    best["get_copyout"] = min(best["get_copyout"], t_copy)
-                bar.update()
-        for obj in objs:
-            obj.ref_count_down()
-        mib = self.n * self.size / MiB
-        for op, t in best.items():
-            if t != float("inf"):
-                self.figures[f"{name}.{tier}.{op}"] = {"value": round(mib / t, 1), "unit": "MiB/s"}
-
     # ---- backends -------------------------------------------------------------------------------
 
-    def local_disk(self, root: str, odirect: bool) -> None:
+    @contextlib.contextmanager
+    def local_disk(self, root: str, odirect: bool) -> Iterator[Backend]:
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
         from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 
         with tempfile.TemporaryDirectory(prefix="lmcache-bench-", dir=root) as d:
             # LocalDiskBackend.remove() does not give back ``current_cache_size`` (0.5.6), so the
             # budget covers every round's blocks although each round's files are deleted.
-            budget = (self.repeat + 3) * self.n * self.size + 64 * MiB
+            budget = (3 * self.repeat + 3) * self.n * self.size + 64 * MiB
             cfg = self.config(
                 local_disk=d, max_local_disk_size=budget / GiB,
                 extra_config={"use_odirect": odirect},
@@ -206,13 +183,15 @@ class _Peer:
             loop = _Loop()  # one per backend: a closed backend can leave its loop's workers stuck
             disk = LocalDiskBackend(cfg, loop.loop, cpu)
             try:
-                self.measure("lmcache_odirect" if odirect else "lmcache", "ssd", disk, cpu, lambda keys: [disk.remove(k) for k in keys])
+                with self.measured("lmcache_odirect" if odirect else "lmcache", "ssd", disk, cpu, lambda keys: [disk.remove(k) for k in keys]) as b:
+                    yield b
             finally:
                 disk.close()
                 cpu.close()
                 loop.close()
 
-    def remote(self, tier: str, url: str, node: str) -> None:
+    @contextlib.contextmanager
+    def remote(self, tier: str, url: str, node: str) -> Iterator[Backend]:
         """``url`` in LMCache's form; ``node`` (redis://host:port) for deleting keys between rounds."""
         import redis
 
@@ -231,13 +210,86 @@ class _Peer:
                 raw.delete(k.to_string() + "metadata")
 
         try:
-            self.measure("lmcache", tier, backend, cpu, drop)
+            with self.measured("lmcache", tier, backend, cpu, drop) as b:
+                yield b
         finally:
             # No backend.close(): its executor shutdown waits on worker futures it has just
             # cancelled and hangs (30 s and more here); stopping the loop ends its tasks.
             cpu.close()
             loop.close()
             raw.close()
+
+    @contextlib.contextmanager
+    def measured(self, name: str, tier: str, backend: Any, cpu: Any, drop: Callable[[list[Any]], None]) -> Iterator[Backend]:
+        """A :class:`Backend` for the caller's rounds (after one untimed round that warms up
+        threads and connections); its best figures are recorded when the caller is done."""
+        b = Backend(self, f"{name}.{tier}", backend, self.sources(cpu), drop)
+        try:
+            b.put(record=False)
+            b.get(record=False)
+            b.drop()
+            yield b
+        finally:
+            b.drop()
+            for obj in b.objs:
+                obj.ref_count_down()
+            mib = self.n * self.size / MiB
+            for op, t in b.best.items():
+                if t != float("inf"):
+                    self.figures[f"{b.label}.{op}"] = {"value": round(mib / t, 1), "unit": "MiB/s"}
+            if b.errors:
+                self.failures[b.label] = b.errors
+
+
+class Backend:
+    """One LMCache backend, driven round by round by the benchmark of the kvstore tier it is
+    compared with (:meth:`benchmarks.tiers._Bench.tier_vs_raw` puts it in the same interleaved
+    rotation as the tier and the raw client, so all three see the same phase of this VM). Every
+    call blocks: run it off the event loop."""
+
+    def __init__(self, peer: _Peer, label: str, backend: Any, objs: list[Any], drop: Callable[[list[Any]], None]) -> None:
+        self.peer, self.label, self.backend, self.objs, self._drop = peer, label, backend, objs, drop
+        self.best = {"put": float("inf"), "get": float("inf"), "get_copyout": float("inf")}
+        self.errors: list[str] = []
+        self.stuck = False  # a put that never completed leaves the backend stuck: stop driving it
+        self.keys: list[Any] | None = None
+
+    def _failed(self, exc: LookupError) -> None:
+        self.errors.append(f"round {len(self.errors)}: {exc}")  # LMCache lost chunks or hung (its log says why)
+        self.stuck = self.stuck or "not complete" in str(exc)
+        self.drop()
+
+    def put(self, record: bool = True) -> None:
+        """Put the N chunks under new keys (the last put's keys are dropped first)."""
+        if self.stuck:
+            return
+        self.drop()
+        self.keys = self.peer.keys()
+        try:
+            t = self.peer.put(self.backend, self.keys, self.objs)
+        except LookupError as exc:
+            self._failed(exc)
+            return
+        if record:
+            self.best["put"] = min(self.best["put"], t)
+
+    def get(self, record: bool = True) -> None:
+        """Get the last put's chunks (into LMCache's memory objects, then copied out)."""
+        if self.stuck or self.keys is None:
+            return
+        try:
+            t_get, t_copy = self.peer.get(self.backend, self.keys)
+        except LookupError as exc:
+            self._failed(exc)
+            return
+        if record:
+            self.best["get"] = min(self.best["get"], t_get)
+            self.best["get_copyout"] = min(self.best["get_copyout"], t_copy)
+
+    def drop(self) -> None:
+        if self.keys is not None:
+            self._drop(self.keys)
+            self.keys = None
 
 
 # (LMCache backend, its tier, kvstore's tier): kvstore's defaults against each backend, and the
@@ -266,31 +318,49 @@ def _compare(figures: dict[str, dict[str, Any]]) -> dict[str, float]:
     return ratios
 
 
-def run_peers(args: argparse.Namespace, servers: Servers, ours: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """LMCache figures on ``servers`` (and ``--ssd-dir``), with ratios against ``ours`` (the
-    kvstore figures of the same run). Blocking: call it off the event loop."""
-    wanted = set(args.tiers.split(","))
-    try:
-        lmcache = _import_lmcache()
-        from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend  # noqa: F401
-        from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: F401
-    except Exception as exc:  # not installed, or its imports fail here: say exactly why
-        return {"figures": {}, "ratios": {}, "notes": {"lmcache": f"not run: {type(exc).__name__}: {exc}"}}
-    peer = _Peer(args)
-    notes = {"lmcache": f"lmcache {getattr(lmcache, '__version__', '?')}; kv_shape {peer.shape} fp16; LocalDisk puts are not fsynced"}
-    if "ssd" in wanted:
-        root = args.ssd_dir or tempfile.gettempdir()
-        peer.local_disk(root, odirect=False)
-        peer.local_disk(root, odirect=True)
-    if "redis" in wanted and servers.redis:
-        peer.remote("redis", servers.redis, servers.redis)
-    if "redis_cluster" in wanted and servers.redis_cluster:
-        node = urlsplit(servers.redis_cluster)
-        peer.remote("redis_cluster", f"redis-cluster://{node.hostname}:{node.port}", servers.redis_cluster)
-    figures = peer.figures
-    if peer.failures:
-        notes["lmcache_failures"] = peer.failures
-    return {"figures": figures, "ratios": _compare({**(ours or {}), **figures}), "notes": notes}
+class Peers:
+    """LMCache's backends for :mod:`benchmarks.tiers`: each opened beside the kvstore tier it is
+    compared with, like for like (``ssd_nofsync``: LocalDisk buffered; ``ssd_direct_nofsync``:
+    LocalDisk with O_DIRECT; ``redis`` / ``redis_cluster``: RemoteBackend on the same server)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.peer: _Peer | None = None
+        try:
+            lmcache = _import_lmcache()
+            from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend  # noqa: F401
+            from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: F401
+        except Exception as exc:  # not installed, or its imports fail here: say exactly why
+            self.note = f"not run: {type(exc).__name__}: {exc}"
+            return
+        self.peer = _Peer(args)
+        self.note = f"lmcache {getattr(lmcache, '__version__', '?')}; kv_shape {self.peer.shape} fp16; LocalDisk puts are not fsynced"
+
+    @contextlib.contextmanager
+    def backends(self, tier: str, url: str | None = None) -> Iterator[list[Backend]]:
+        """The LMCache backends to measure in the rounds of kvstore's ``tier`` (``url``: its
+        Redis server or any node of its cluster)."""
+        with contextlib.ExitStack() as stack:
+            opened: list[Backend] = []
+            if self.peer is not None:
+                root = self.args.ssd_dir or tempfile.gettempdir()
+                if tier in ("ssd_nofsync", "ssd_direct_nofsync"):
+                    opened.append(stack.enter_context(self.peer.local_disk(root, odirect=tier == "ssd_direct_nofsync")))
+                elif tier == "redis" and url:
+                    opened.append(stack.enter_context(self.peer.remote("redis", url, url)))
+                elif tier == "redis_cluster" and url:
+                    node = urlsplit(url)
+                    opened.append(stack.enter_context(self.peer.remote("redis_cluster", f"redis-cluster://{node.hostname}:{node.port}", url)))
+            yield opened
+
+    def result(self, ours: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """LMCache's figures, and their ratios against ``ours`` (kvstore's figures of the run)."""
+        notes: dict[str, Any] = {"lmcache": self.note}
+        if self.peer is None:
+            return {"figures": {}, "ratios": {}, "notes": notes}
+        if self.peer.failures:
+            notes["lmcache_failures"] = self.peer.failures
+        return {"figures": self.peer.figures, "ratios": _compare({**ours, **self.peer.figures}), "notes": notes}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,6 +17,11 @@ metadata; with buffered writes every temp file is fdatasync'ed before the rename
 or not at all to a restarted sidecar (the kernel keeps what a killed process wrote), but a power
 loss can take the last batches.
 
+A deleted block's file is kept for reuse (:mod:`kvstore.tiers.recycle`, up to ``recycle_bytes``,
+by default the capacity; free files give way to blocks): the next put of a block with the same
+file size renames it to its temp name and overwrites it, so the filesystem allocates no new
+extents (1.3-1.5x the rate of writing new files here).
+
 Reads are buffered ``preadv`` straight into the caller's memoryview, a batch spread over the
 ``io_threads``. Eviction is not decided here (the index does that): :attr:`used_bytes` /
 :attr:`capacity_bytes` are exposed and a put that would exceed the capacity raises
@@ -43,6 +48,7 @@ from kvstore.config import SSD_IO_THREADS, SsdConfig
 from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted
 from kvstore.threads import in_threads, split
 from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef, TierBase, decode_header, encode_header, header_size
+from kvstore.tiers.recycle import FREE_DIR, FreeFiles
 
 ALIGN = 4096
 SUFFIX = ".blk"
@@ -76,6 +82,21 @@ def _write_full(fd: int, data: memoryview) -> None:
         done += os.write(fd, data[done:])
 
 
+def _fit(fd: int, size: int, reused: bool) -> None:
+    """A reused file ends where this block ends (a free file can be longer than its name says)."""
+    if reused and os.fstat(fd).st_size != size:
+        os.ftruncate(fd, size)
+
+
+def _renamed(src: Path, dest: Path) -> bool:
+    """Move a free file to a block's temp name; False if it is gone (then a new file is made)."""
+    try:
+        os.replace(src, dest)
+        return True
+    except FileNotFoundError:
+        return False
+
+
 def probe_direct_io(directory: Path) -> bool:
     """Whether files in ``directory`` can be opened and written with O_DIRECT."""
     if not _O_DIRECT:
@@ -104,8 +125,11 @@ class SsdTier(TierBase):
     name = "ssd"
 
     def __init__(
-        self, path: str | Path, capacity_bytes: int, *, direct_io: bool = True, io_threads: int = SSD_IO_THREADS, fsync: bool = True
+        self, path: str | Path, capacity_bytes: int, *, direct_io: bool = True, io_threads: int = SSD_IO_THREADS, fsync: bool = True,
+        recycle_bytes: int | None = None,
     ) -> None:
+        """``recycle_bytes``: deleted block files kept for reuse (None: up to the capacity, as a
+        preallocated cache file would hold it; 0: deleted files are unlinked)."""
         self.root = Path(path)
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
@@ -116,6 +140,7 @@ class SsdTier(TierBase):
         self._sizes = {str(p): self._file_size(p) for p in self.root.glob(f"*/*{SUFFIX}")}
         self._used = sum(self._sizes.values())
         self._tmp_ids = itertools.count()
+        self._free = FreeFiles(self.root, capacity_bytes if recycle_bytes is None else recycle_bytes)
         self._local = threading.local()  # per-thread aligned staging buffer for O_DIRECT
         # A batch's files are written by several threads at once: one synchronous O_DIRECT
         # write at a time leaves the device idle between requests (queue depth 1).
@@ -126,7 +151,8 @@ class SsdTier(TierBase):
     def from_config(cls, cfg: SsdConfig, data_dir: str | Path = "./kvstore-data") -> SsdTier:
         """``cfg.path``, or ``<data_dir>/ssd`` when it is empty (as ``Config.ssd_path``)."""
         return cls(
-            cfg.path or Path(data_dir) / "ssd", cfg.capacity_bytes, direct_io=cfg.direct_io, io_threads=cfg.io_threads, fsync=cfg.fsync
+            cfg.path or Path(data_dir) / "ssd", cfg.capacity_bytes, direct_io=cfg.direct_io, io_threads=cfg.io_threads, fsync=cfg.fsync,
+            recycle_bytes=cfg.recycle_bytes,
         )
 
     @classmethod
@@ -154,13 +180,25 @@ class SsdTier(TierBase):
         except FileNotFoundError:
             return 0
 
-    def _reserve(self, nbytes: int) -> None:
-        with self._lock:
-            if self._used + nbytes > self.capacity_bytes:
-                raise ResourceExhausted(
-                    f"ssd tier full: {self._used} + {nbytes} bytes > capacity {self.capacity_bytes}"
-                )
-            self._used += nbytes
+    @property
+    def recycled_bytes(self) -> int:
+        """Bytes of deleted block files kept for reuse (on disk, under the capacity)."""
+        return self._free.bytes
+
+    def _reserve(self, nbytes: int) -> Path | None:
+        """Count a file of ``nbytes`` against the capacity (free files are unlinked to make room);
+        returns a free file of that size to overwrite, if there is one."""
+        src = self._free.take(nbytes)
+        while True:
+            with self._lock:
+                over = self._used + self._free.bytes + nbytes - self.capacity_bytes
+                if over <= 0:
+                    self._used += nbytes
+                    return src
+            if not self._free.reclaim(over):
+                if src is not None:
+                    src.unlink(missing_ok=True)  # (only when the blocks alone fill the tier)
+                raise ResourceExhausted(f"ssd tier full: {self._used} + {nbytes} bytes > capacity {self.capacity_bytes}")
 
     def _release(self, nbytes: int) -> None:
         with self._lock:
@@ -223,7 +261,7 @@ class SsdTier(TierBase):
 
     async def scan(self) -> AsyncIterator[BlockMeta]:
         """Every block's header; removes temp files a crash left behind and skips bad headers."""
-        for ns_dir in await asyncio.to_thread(lambda: sorted(p for p in self.root.iterdir() if p.is_dir())):
+        for ns_dir in await asyncio.to_thread(lambda: sorted(p for p in self.root.iterdir() if p.is_dir() and p.name != FREE_DIR)):
             metas = await asyncio.to_thread(self._scan_dir, ns_dir)
             for meta in metas:
                 yield meta
@@ -273,21 +311,24 @@ class SsdTier(TierBase):
             buf = self._local.buf = mmap.mmap(-1, _align(nbytes))
         return buf
 
-    def _write_tmp(self, tmp: Path, header: bytes, data: memoryview) -> int:
-        """Write one temp file; returns its fd (still open) for the batch's sync step."""
+    def _write_tmp(self, tmp: Path, header: bytes, data: memoryview, reused: bool) -> int:
+        """Write one temp file (``reused``: a free file renamed to ``tmp``, overwritten in place);
+        returns its fd (still open) for the batch's sync step."""
         offset = _align(len(header))
         total = offset + len(data)
+        flags = os.O_WRONLY if reused else os.O_CREAT | os.O_WRONLY | os.O_TRUNC
         if self.direct_io and offset == ALIGN and _aligned(data):
             # Zero copy: a page-aligned source (a DRAM slab slot) goes to the device as it is.
             head = self._header_page()
             head[: len(header)] = header
             head[len(header) :] = bytes(ALIGN - len(header))
-            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | _O_DIRECT, 0o644)
+            fd = os.open(tmp, flags | _O_DIRECT, 0o644)
             try:
                 n = os.writev(fd, [head, data])
                 if n < ALIGN:  # short writes: finish piecewise
                     _write_full(fd, memoryview(head)[n:])
                 _write_full(fd, data[max(0, n - ALIGN) :])
+                _fit(fd, total, reused)
             except BaseException:
                 os.close(fd)
                 raise
@@ -298,7 +339,7 @@ class SsdTier(TierBase):
             buf[len(header) : offset] = bytes(offset - len(header))
             buf[offset:total] = data
             buf[total : _align(total)] = bytes(_align(total) - total)
-            fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | _O_DIRECT, 0o644)
+            fd = os.open(tmp, flags | _O_DIRECT, 0o644)
             try:
                 _write_full(fd, memoryview(buf)[: _align(total)])
                 os.ftruncate(fd, total)
@@ -306,10 +347,11 @@ class SsdTier(TierBase):
                 os.close(fd)
                 raise
             return fd
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, flags, 0o644)
         try:
             _write_full(fd, memoryview(header.ljust(offset, b"\0")))
             _write_full(fd, data)
+            _fit(fd, total, reused)
         except BaseException:
             os.close(fd)
             raise
@@ -317,7 +359,7 @@ class SsdTier(TierBase):
 
     def _write_batch(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
         staged: list[tuple[Path, Path, int]] = []  # (tmp, final, file bytes)
-        jobs: list[tuple[Path, bytes, memoryview]] = []
+        jobs: list[tuple[Path, bytes, memoryview, bool]] = []
         fds: list[int] = []
         reserved = 0
         new_dirs = False
@@ -327,7 +369,7 @@ class SsdTier(TierBase):
                     raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
                 header = encode_header(meta)
                 nbytes = _align(len(header)) + meta.size
-                self._reserve(nbytes)
+                src = self._reserve(nbytes)
                 reserved += nbytes
                 final = self.path_of(meta.ref)
                 if not final.parent.is_dir():
@@ -335,7 +377,7 @@ class SsdTier(TierBase):
                     new_dirs = True
                 tmp = final.with_name(f".{final.stem}.{os.getpid()}.{next(self._tmp_ids)}{TMP_SUFFIX}")
                 staged.append((tmp, final, nbytes))
-                jobs.append((tmp, header, data))
+                jobs.append((tmp, header, data, src is not None and _renamed(src, tmp)))
             fds = self._write_tmps(jobs)
             if self.fsync and not self.direct_io:
                 for fd in fds:
@@ -355,7 +397,7 @@ class SsdTier(TierBase):
                 for tmp, _, _ in staged:
                     tmp.unlink(missing_ok=True)
 
-    def _write_tmps(self, jobs: Sequence[tuple[Path, bytes, memoryview]]) -> list[int]:
+    def _write_tmps(self, jobs: Sequence[tuple[Path, bytes, memoryview, bool]]) -> list[int]:
         """Write every temp file (``io_threads`` at once); returns their open fds. If one fails,
         the others' fds are closed and the first error is raised."""
         futures = [self._io.submit(self._write_tmp, *job) for job in jobs]
@@ -376,7 +418,11 @@ class SsdTier(TierBase):
             os.close(fd)
 
     def _unlink(self, path: Path) -> None:
-        path.unlink(missing_ok=True)
+        """Delete a block's file: into the free list while it has room, else unlinked."""
+        with self._lock:
+            nbytes = self._sizes.get(str(path))
+        if nbytes is None or not self._free.give(path, nbytes):
+            path.unlink(missing_ok=True)
         self._settle(path, None)
 
     def _scan_dir(self, ns_dir: Path) -> list[BlockMeta]:

@@ -196,3 +196,77 @@ async def test_fsync_setting_decides_the_sync_calls(tmp_path: Path, block, monke
 def test_fsync_comes_from_the_config(tmp_path: Path):
     assert build_tier("ssd", SsdConfig(path=str(tmp_path / "a"))).fsync
     assert not build_tier("ssd", SsdConfig(path=str(tmp_path / "b"), fsync=False)).fsync
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+async def test_deleted_files_are_overwritten_by_the_next_puts(ssd, block):
+    """A delete keeps the file (up to ``recycle_bytes``); a put of a block with the same file size
+    renames it into place and overwrites it whole. A restarted tier adopts the free files."""
+    tier = SsdTier(ssd.root, 10 * FILE_BYTES, direct_io=ssd.direct_io, recycle_bytes=2 * FILE_BYTES)
+    old = [block(70 + i, SIZE) for i in range(3)]
+    await tier.put_many(old)
+    await tier.delete_many([m.ref for m, _ in old])
+    assert tier.used_bytes == 0 and tier.recycled_bytes == 2 * FILE_BYTES  # the third did not fit
+    free = {p.stat().st_ino for p in _files(tier.root)}
+    assert len(free) == 2
+
+    tier = SsdTier(ssd.root, 10 * FILE_BYTES, direct_io=ssd.direct_io, recycle_bytes=2 * FILE_BYTES)  # a restart
+    assert tier.recycled_bytes == 2 * FILE_BYTES and [m async for m in tier.scan()] == []
+    new = [block(80 + i, SIZE) for i in range(3)]
+    await tier.put_many(new)
+    assert free <= {tier.path_of(m.ref).stat().st_ino for m, _ in new}  # both free files now hold blocks
+    assert tier.used_bytes == 3 * FILE_BYTES and tier.recycled_bytes == 0
+    for meta, data in new:
+        into = memoryview(bytearray(SIZE))
+        assert await tier.get(meta.ref, into) == meta and into == data
+        assert tier.path_of(meta.ref).stat().st_size == FILE_BYTES
+    assert sorted(m.ref.key for m in [m async for m in tier.scan()]) == sorted(m.ref.key for m, _ in new)
+
+
+async def test_free_files_give_way_to_blocks(tmp_path: Path, block):
+    """Free files count against the capacity: a put that needs their room unlinks them, so the
+    files on disk never exceed the capacity; blocks alone still cannot."""
+    capacity = 10 * FILE_BYTES
+    tier = SsdTier(tmp_path / "ssd", capacity, recycle_bytes=capacity)
+    first = [block(90 + i, SIZE) for i in range(10)]
+    await tier.put_many(first)
+    await tier.delete_many([m.ref for m, _ in first])
+    assert tier.recycled_bytes == capacity
+    other_size = SIZE - 1000  # another file size: no free file fits it
+    second = [block(100 + i, other_size) for i in range(10)]
+    for item in second:
+        await tier.put(*item)
+        assert sum(p.stat().st_size for p in _files(tier.root)) <= capacity
+    assert tier.used_bytes == 10 * (ALIGN + other_size)
+    for meta, data in second:
+        into = memoryview(bytearray(other_size))
+        assert await tier.get(meta.ref, into) == meta and into == data
+    with pytest.raises(ResourceExhausted):
+        await tier.put(*block(120, SIZE))
+    assert tier.recycled_bytes == 0
+
+
+async def test_a_longer_free_file_is_cut_to_the_block(tmp_path: Path, block):
+    tier = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES)
+    meta, data = block(130, SIZE)
+    await tier.put(meta, data)
+    await tier.delete(meta.ref)
+    (free,) = _files(tier.root)
+    with open(free, "ab") as f:
+        f.write(b"x" * 5000)  # stale bytes beyond what the pool thinks the file holds
+    meta2, data2 = block(131, SIZE)
+    await tier.put(meta2, data2)
+    assert tier.path_of(meta2.ref).stat().st_size == FILE_BYTES
+    into = memoryview(bytearray(SIZE))
+    assert await verified_get(tier, meta2.ref, into, meta2.checksum) == meta2 and into == data2
+
+
+async def test_recycling_off_unlinks_deleted_files(tmp_path: Path, block):
+    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, recycle_bytes=0))
+    meta, data = block(140, SIZE)
+    await tier.put(meta, data)
+    await tier.delete(meta.ref)
+    assert _files(tier.root) == [] and tier.recycled_bytes == 0

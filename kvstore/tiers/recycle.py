@@ -1,0 +1,96 @@
+"""Deleted block files kept for reuse (the SSD tier's free list).
+
+A block file written into a new file makes the filesystem allocate its extents and journal them;
+overwriting a file that already has them costs only the data (measured here: 1.3-1.5x the rate
+of fresh O_DIRECT files, on a fast or a slow phase of this VM's disk). In steady state every put
+to a full tier follows an eviction, so the SSD tier keeps a deleted block's file in ``<root>/.free``
+instead of unlinking it, and the next put of a block with the same file size renames it into
+place and overwrites it whole (header, padding and payload).
+
+The pool is bounded (``limit`` bytes) and its files count against the tier's capacity: a put
+that needs the room unlinks free files first (:meth:`FreeFiles.reclaim`), so the directory never
+holds more than the capacity. Names say nothing a restart needs beyond their size, which is
+re-read from the file: a restarted tier adopts what fits and unlinks the rest.
+
+Thread-safe: the SSD tier's worker threads take and give files concurrently.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from pathlib import Path
+
+FREE_DIR = ".free"
+
+
+class FreeFiles:
+    """Files of deleted blocks by file size, at most ``limit`` bytes of them."""
+
+    def __init__(self, root: Path, limit: int) -> None:
+        self.dir = root / FREE_DIR
+        self.limit = max(0, limit)
+        self._lock = threading.Lock()
+        self._by_size: dict[int, list[Path]] = {}
+        self._ids = itertools.count()
+        self.bytes = 0
+        self.reused = 0  # files handed out for a put (a counter for tests and stats)
+        self._adopt()
+
+    def _adopt(self) -> None:
+        """Files a previous process left: kept while they fit, unlinked after that."""
+        if not self.dir.is_dir():
+            return
+        for entry in os.scandir(self.dir):
+            size = entry.stat().st_size
+            if self.bytes + size <= self.limit:
+                self._by_size.setdefault(size, []).append(Path(entry.path))
+                self.bytes += size
+            else:
+                os.unlink(entry.path)
+
+    def take(self, size: int) -> Path | None:
+        """A free file of exactly ``size`` bytes (the caller renames it into place), or None."""
+        with self._lock:
+            files = self._by_size.get(size)
+            if not files:
+                return None
+            self.bytes -= size
+            self.reused += 1
+            return files.pop()
+
+    def give(self, path: Path, size: int) -> bool:
+        """Move ``path`` (a deleted block's file of ``size`` bytes) into the pool; False when the
+        pool is full or the file is gone (the caller unlinks it, or has nothing to do)."""
+        with self._lock:
+            if self.bytes + size > self.limit:
+                return False
+            self.bytes += size  # reserved before the rename, so concurrent gives stay in bounds
+            dest = self.dir / f"{size}.{os.getpid()}.{next(self._ids)}"
+        try:
+            if not self.dir.is_dir():
+                self.dir.mkdir(exist_ok=True)
+            os.replace(path, dest)
+        except FileNotFoundError:
+            with self._lock:
+                self.bytes -= size
+            return False
+        with self._lock:
+            self._by_size.setdefault(size, []).append(dest)
+        return True
+
+    def reclaim(self, nbytes: int) -> int:
+        """Unlink free files until ``nbytes`` are given back (or none is left); returns the bytes
+        freed. Called when a put needs the room under the tier's capacity."""
+        freed = 0
+        while freed < nbytes:
+            with self._lock:
+                size = next((s for s, files in self._by_size.items() if files), None)
+                if size is None:
+                    break
+                path = self._by_size[size].pop()
+                self.bytes -= size
+            path.unlink(missing_ok=True)
+            freed += size
+        return freed
