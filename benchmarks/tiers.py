@@ -202,9 +202,10 @@ class _Bench:
 
     # ---- through the service vs raw -------------------------------------------------------------
 
-    async def service_vs_raw(self, tier_name: str, env: dict[str, str], raw: Raw, raw_put: Raw | None = None) -> None:
+    async def service_vs_raw(self, tier_name: str, env: dict[str, str], raw: Raw, raw_put: Raw | None = None, url: str | None = None) -> None:
         """``raw_put``: the raw client whose put is the baseline for the service's put (the ssd
-        stream writes R batches), default ``raw``."""
+        stream writes R batches), default ``raw``; ``url``: the tier's server, for the peers
+        that join the same rounds."""
         from benchmarks.common import sidecar_process
         from kvstore.client import KVStoreClient
         from kvstore.keys import Namespace, prefix_keys
@@ -229,7 +230,10 @@ class _Bench:
         counter = iter(range(1, 1 << 30))
         nbytes = self.n * self.size
 
-        with sidecar_process(self.n * page, env=env) as sc:
+        with (
+            sidecar_process(self.n * page, env=env) as sc,
+            self.peers.backends(tier_name, url, service=True) if self.peers else contextlib.nullcontext([]) as peers,
+        ):
             async with KVStoreClient.from_url(sc.grpc) as c:
 
                 def fresh_keys() -> list[bytes]:
@@ -292,9 +296,18 @@ class _Bench:
 
                 await round_()  # warm-up: slab pages, connections, thread pools
                 best = {"put": [float("inf"), float("inf")], "get": [float("inf"), float("inf")]}
-                with _bar(2 * self.repeat, f"service {tier_name}") as bar:
+                names = ["ours", "raw", *peers]  # (a peer keeps its own figures)
+                with _bar(len(names) * self.repeat, f"service {tier_name}") as bar:
                     for i in range(self.repeat):
-                        for which in ("ours", "raw") if i % 2 == 0 else ("raw", "ours"):
+                        k = i % len(names)
+                        for which in names[k:] + names[:k]:
+                            if not isinstance(which, str):
+                                await put_raw.reset()
+                                await asyncio.to_thread(which.put)
+                                await asyncio.to_thread(which.get)
+                                await asyncio.to_thread(which.drop)
+                                bar.update()
+                                continue
                             if which == "ours":
                                 # the raw values go first, as before every raw put: each timed put
                                 # follows the server freeing N blocks (Redis reuses that memory; a
@@ -457,7 +470,7 @@ class _Bench:
                     "KVSTORE_REDIS__CLUSTER": "true" if cluster else "false",
                     "KVSTORE_REDIS__KEY_PREFIX": prefix + ":service",
                 }
-                await self.service_vs_raw(name, env, raw)
+                await self.service_vs_raw(name, env, raw, url=url)
         finally:
             await raw.cleanup()
 

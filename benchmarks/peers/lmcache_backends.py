@@ -18,7 +18,9 @@ Payload: N chunks (``--blocks``) of ``--block-mib`` MiB each (fp16 KV of shape
 
 * put  = ``batched_submit_put_task(keys, memory_objs, on_complete_callback)`` from memory
          objects already filled, timed until the callback has fired for every key (LMCache's
-         own notion of "stored").
+         own notion of "stored"); ``put_copyin`` adds the copy of the payload into the memory
+         objects first, which is what kvstore's through-service put measures (Allocate + the
+         worker's copy into the DRAM slots + Commit).
 * get  = ``batched_get_blocking(keys)``: the chunks land in memory objects of LMCache's CPU
          allocator (``get``); ``get_copyout`` adds a copy of each into the caller's own buffer
          and the release of the memory objects, which is what kvstore's through-service get
@@ -34,8 +36,8 @@ LMCache ran after kvstore, that alone made its O_DIRECT put look 2-3x faster.)
 
 Figures are MiB/s, best of ``--repeat``. Ratios ``vs_lmcache[_odirect]_<op>_<tier>_<kind>`` are
 LMCache time / kvstore time (above 1.0: kvstore ahead), against kvstore's tier class (``tier``;
-get compared without the copy-out) and through the service (``service``; get with copy-out; the
-service is measured in its own rounds, so these are across phases).
+get compared without the copy-out) and through the service (``service``; put with copy-in, get
+with copy-out; the service is measured in its own rounds, so these are across phases).
 
 Run: ``python -m benchmarks.peers.lmcache_backends [--tiers ssd,redis,redis_cluster]`` (prints the
 ``benchmarks.tiers`` JSON with the peer figures added), or ``kvstore bench tiers --peers --json``.
@@ -137,14 +139,19 @@ class _Peer:
             objs.append(obj)
         return objs
 
-    def put(self, backend: Any, keys: list[Any], objs: list[Any]) -> float:
+    def put(self, backend: Any, keys: list[Any], objs: list[Any]) -> tuple[float, float]:
+        """(put of the filled memory objects, copy of the payload into them + put)."""
         done = threading.Semaphore(0)
         t0 = time.perf_counter()
+        for obj in objs:  # the engine's KV copied into LMCache's memory objects, as a worker fills kvstore's slots
+            np.frombuffer(obj.byte_array, dtype=np.uint8)[:] = self.payload
+        t1 = time.perf_counter()
         backend.batched_submit_put_task(keys, objs, on_complete_callback=lambda _key: done.release())
         for _ in keys:
             if not done.acquire(timeout=TIMEOUT_S):
                 raise LookupError(f"put not complete after {TIMEOUT_S:.0f} s")
-        return time.perf_counter() - t0
+        t2 = time.perf_counter()
+        return t2 - t1, t2 - t0
 
     def get(self, backend: Any, keys: list[Any]) -> tuple[float, float]:
         """(get into LMCache's memory objects, get + copy into our buffers + release)."""
@@ -167,7 +174,7 @@ class _Peer:
     # ---- backends -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def local_disk(self, root: str, odirect: bool) -> Iterator[Backend]:
+    def local_disk(self, root: str, odirect: bool, ops: tuple[str, ...]) -> Iterator[Backend]:
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
         from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 
@@ -183,7 +190,7 @@ class _Peer:
             loop = _Loop()  # one per backend: a closed backend can leave its loop's workers stuck
             disk = LocalDiskBackend(cfg, loop.loop, cpu)
             try:
-                with self.measured("lmcache_odirect" if odirect else "lmcache", "ssd", disk, cpu, lambda keys: [disk.remove(k) for k in keys]) as b:
+                with self.measured("lmcache_odirect" if odirect else "lmcache", "ssd", disk, cpu, lambda keys: [disk.remove(k) for k in keys], ops) as b:
                     yield b
             finally:
                 disk.close()
@@ -191,7 +198,7 @@ class _Peer:
                 loop.close()
 
     @contextlib.contextmanager
-    def remote(self, tier: str, url: str, node: str) -> Iterator[Backend]:
+    def remote(self, tier: str, url: str, node: str, ops: tuple[str, ...]) -> Iterator[Backend]:
         """``url`` in LMCache's form; ``node`` (redis://host:port) for deleting keys between rounds."""
         import redis
 
@@ -210,7 +217,7 @@ class _Peer:
                 raw.delete(k.to_string() + "metadata")
 
         try:
-            with self.measured("lmcache", tier, backend, cpu, drop) as b:
+            with self.measured("lmcache", tier, backend, cpu, drop, ops) as b:
                 yield b
         finally:
             # No backend.close(): its executor shutdown waits on worker futures it has just
@@ -220,9 +227,11 @@ class _Peer:
             raw.close()
 
     @contextlib.contextmanager
-    def measured(self, name: str, tier: str, backend: Any, cpu: Any, drop: Callable[[list[Any]], None]) -> Iterator[Backend]:
+    def measured(
+        self, name: str, tier: str, backend: Any, cpu: Any, drop: Callable[[list[Any]], None], ops: tuple[str, ...]
+    ) -> Iterator[Backend]:
         """A :class:`Backend` for the caller's rounds (after one untimed round that warms up
-        threads and connections); its best figures are recorded when the caller is done."""
+        threads and connections); its best figures of ``ops`` are recorded when the caller is done."""
         b = Backend(self, f"{name}.{tier}", backend, self.sources(cpu), drop)
         try:
             b.put(record=False)
@@ -234,11 +243,10 @@ class _Peer:
             for obj in b.objs:
                 obj.ref_count_down()
             mib = self.n * self.size / MiB
-            for op, t in b.best.items():
-                if t != float("inf"):
-                    self.figures[f"{b.label}.{op}"] = {"value": round(mib / t, 1), "unit": "MiB/s"}
-            if b.errors:
-                self.failures[b.label] = b.errors
+            for op in ops:
+                if b.best[op] != float("inf"):
+                    self.figures[f"{b.label}.{op}"] = {"value": round(mib / b.best[op], 1), "unit": "MiB/s"}
+            self.failures.setdefault(b.label, []).extend(b.errors)
 
 
 class Backend:
@@ -249,7 +257,7 @@ class Backend:
 
     def __init__(self, peer: _Peer, label: str, backend: Any, objs: list[Any], drop: Callable[[list[Any]], None]) -> None:
         self.peer, self.label, self.backend, self.objs, self._drop = peer, label, backend, objs, drop
-        self.best = {"put": float("inf"), "get": float("inf"), "get_copyout": float("inf")}
+        self.best = dict.fromkeys(("put", "put_copyin", "get", "get_copyout"), float("inf"))
         self.errors: list[str] = []
         self.stuck = False  # a put that never completed leaves the backend stuck: stop driving it
         self.keys: list[Any] | None = None
@@ -266,12 +274,13 @@ class Backend:
         self.drop()
         self.keys = self.peer.keys()
         try:
-            t = self.peer.put(self.backend, self.keys, self.objs)
+            t_put, t_copy = self.peer.put(self.backend, self.keys, self.objs)
         except LookupError as exc:
             self._failed(exc)
             return
         if record:
-            self.best["put"] = min(self.best["put"], t)
+            self.best["put"] = min(self.best["put"], t_put)
+            self.best["put_copyin"] = min(self.best["put_copyin"], t_copy)
 
     def get(self, record: bool = True) -> None:
         """Get the last put's chunks (into LMCache's memory objects, then copied out)."""
@@ -310,7 +319,7 @@ def _compare(figures: dict[str, dict[str, Any]]) -> dict[str, float]:
     ratios: dict[str, float] = {}
     for peer, tier, ours_tier in PAIRS:
         for op in ("put", "get"):
-            for kind, peer_op in (("tier", op), ("service", "get_copyout" if op == "get" else op)):
+            for kind, peer_op in (("tier", op), ("service", f"{op}_copyout" if op == "get" else f"{op}_copyin")):
                 ours = figures.get(f"{kind}.{ours_tier}.{op}.ours")
                 theirs = figures.get(f"{peer}.{tier}.{peer_op}")
                 if ours and theirs:
@@ -337,20 +346,23 @@ class Peers:
         self.note = f"lmcache {getattr(lmcache, '__version__', '?')}; kv_shape {self.peer.shape} fp16; LocalDisk puts are not fsynced"
 
     @contextlib.contextmanager
-    def backends(self, tier: str, url: str | None = None) -> Iterator[list[Backend]]:
+    def backends(self, tier: str, url: str | None = None, service: bool = False) -> Iterator[list[Backend]]:
         """The LMCache backends to measure in the rounds of kvstore's ``tier`` (``url``: its
-        Redis server or any node of its cluster)."""
+        Redis server or any node of its cluster): in the tier class's rounds (put, get), or with
+        ``service`` in the service's rounds (put with copy-in, get with copy-out; Redis only: the
+        service's SSD put is a demotion stream, not a put of N blocks)."""
+        ops = ("put_copyin", "get_copyout") if service else ("put", "get")
         with contextlib.ExitStack() as stack:
             opened: list[Backend] = []
             if self.peer is not None:
                 root = self.args.ssd_dir or tempfile.gettempdir()
-                if tier in ("ssd_nofsync", "ssd_direct_nofsync"):
-                    opened.append(stack.enter_context(self.peer.local_disk(root, odirect=tier == "ssd_direct_nofsync")))
+                if tier in ("ssd_nofsync", "ssd_direct_nofsync") and not service:
+                    opened.append(stack.enter_context(self.peer.local_disk(root, tier == "ssd_direct_nofsync", ops)))
                 elif tier == "redis" and url:
-                    opened.append(stack.enter_context(self.peer.remote("redis", url, url)))
+                    opened.append(stack.enter_context(self.peer.remote("redis", url, url, ops)))
                 elif tier == "redis_cluster" and url:
                     node = urlsplit(url)
-                    opened.append(stack.enter_context(self.peer.remote("redis_cluster", f"redis-cluster://{node.hostname}:{node.port}", url)))
+                    opened.append(stack.enter_context(self.peer.remote("redis_cluster", f"redis-cluster://{node.hostname}:{node.port}", url, ops)))
             yield opened
 
     def result(self, ours: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -358,8 +370,9 @@ class Peers:
         notes: dict[str, Any] = {"lmcache": self.note}
         if self.peer is None:
             return {"figures": {}, "ratios": {}, "notes": notes}
-        if self.peer.failures:
-            notes["lmcache_failures"] = self.peer.failures
+        failures = {k: v for k, v in self.peer.failures.items() if v}
+        if failures:
+            notes["lmcache_failures"] = failures
         return {"figures": self.peer.figures, "ratios": _compare({**ours, **self.peer.figures}), "notes": notes}
 
 
