@@ -81,8 +81,8 @@ class SsdConfig(_Section):
     direct_io: bool = Field(True, description="O_DIRECT where the filesystem allows it")
     io_threads: int = Field(SSD_IO_THREADS, ge=1, le=64, description="files of a batch written at once (device queue depth)")
     fsync: bool = Field(True, description="make each batch durable (one fsync per directory); false: survives a sidecar crash, not a power loss")
-    recycle_bytes: int | None = Field(
-        None, ge=0, description="deleted block files kept to be overwritten by the next puts (no new extents), under the capacity; default: up to the capacity, 0: unlink"
+    recycle_fraction: float = Field(
+        1.0, ge=0, le=1, description="deleted block files kept to be overwritten by the next puts (no new extents), up to this share of capacity_bytes; 0: unlink"
     )
 
 

@@ -18,7 +18,7 @@ or not at all to a restarted sidecar (the kernel keeps what a killed process wro
 loss can take the last batches.
 
 A deleted block's file is kept for reuse (:mod:`kvstore.tiers.recycle`, up to ``recycle_bytes``,
-by default the capacity; free files give way to blocks): the next put of a block with the same
+by default the capacity (``ssd.recycle_fraction``); free files give way to blocks): the next put of a block with the same
 file size renames it to its temp name and overwrites it, so the filesystem allocates no new
 extents (1.3-1.5x the rate of writing new files here).
 
@@ -152,7 +152,7 @@ class SsdTier(TierBase):
         """``cfg.path``, or ``<data_dir>/ssd`` when it is empty (as ``Config.ssd_path``)."""
         return cls(
             cfg.path or Path(data_dir) / "ssd", cfg.capacity_bytes, direct_io=cfg.direct_io, io_threads=cfg.io_threads, fsync=cfg.fsync,
-            recycle_bytes=cfg.recycle_bytes,
+            recycle_bytes=int(cfg.capacity_bytes * cfg.recycle_fraction),
         )
 
     @classmethod

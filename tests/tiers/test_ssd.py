@@ -265,7 +265,7 @@ async def test_a_longer_free_file_is_cut_to_the_block(tmp_path: Path, block):
 
 
 async def test_recycling_off_unlinks_deleted_files(tmp_path: Path, block):
-    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, recycle_bytes=0))
+    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, recycle_fraction=0))
     meta, data = block(140, SIZE)
     await tier.put(meta, data)
     await tier.delete(meta.ref)
