@@ -47,6 +47,10 @@ log = logging.getLogger("kvstore.tiering")
 BITS = {"ssd": SSD, "redis": REDIS, "s3": S3}
 STAGING_LIMIT = 512 << 20
 DEMOTE_BATCH = 64  # blocks per put_many of the demotion writer
+# Batches a demotion writer keeps in flight: the next batch's files are written while the one
+# before waits for its fsync (4 batches of 32 x 2 MiB to new files, O_DIRECT + a directory fsync
+# each: 243-253 MiB/s one after another, 292-361 MiB/s two at a time).
+DEMOTE_DEPTH = 2
 SEAL_BATCH = 8  # blocks per thread hop of the demotion sealer
 
 Staged = tuple[Block, np.ndarray, mmap.mmap]  # a demotion in flight: block, its bytes, their buffer
@@ -226,10 +230,14 @@ class Tiering:
                 lv.writer = self._spawn(self._drain(lv))
 
     async def _drain(self, lv: Level) -> None:
-        """Stage 2: write what is sealed, in batches (one fsync per batch, not per block)."""
-        while lv.ready:
-            batch, lv.ready = lv.ready[:DEMOTE_BATCH], lv.ready[DEMOTE_BATCH:]
-            await self._write_demotions(lv, batch)
+        """Stage 2: write what is sealed, in batches (one fsync per batch, not per block), up to
+        ``DEMOTE_DEPTH`` batches at once."""
+        writing: set[asyncio.Future[None]] = set()
+        while lv.ready or writing:
+            while lv.ready and len(writing) < DEMOTE_DEPTH:
+                batch, lv.ready = lv.ready[:DEMOTE_BATCH], lv.ready[DEMOTE_BATCH:]
+                writing.add(self._spawn(self._write_demotions(lv, batch)))
+            _, writing = await asyncio.wait(writing, return_when=asyncio.FIRST_COMPLETED)
 
     async def _write_demotions(self, lv: Level, batch: list[Staged]) -> None:
         written = False

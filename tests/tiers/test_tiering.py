@@ -359,3 +359,43 @@ async def test_a_burst_of_promotions_stays_within_the_connection_pool(tmp_path, 
         got = await c.get_blocks(NS, a)
         assert [g.tobytes() for g in got] == da
         assert (await c.stats())["tiers"]["redis"]["errors"] == 0
+
+
+async def test_a_burst_of_demotions_is_written_two_batches_at_a_time(tmp_path):
+    """More evictions than two writer batches: the writer keeps ``DEMOTE_DEPTH`` batches in
+    flight (the next one's files written while the last one waits for its fsync), never more,
+    and every demoted block lands on SSD with its bytes."""
+    from kvstore import tiering
+
+    size = 4096  # 64 slots in the 4 x 64 KiB slab
+    cfg = tiered_config(tmp_path, **{"ssd.capacity_bytes": 400 * (size + 4096)})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        ssd = sc.store.tiering.levels[0].tier
+        real_put_many, in_flight, most = ssd.put_many, [0], [0]
+
+        async def slow_put_many(items):
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+            try:
+                await asyncio.sleep(0.2)  # long enough for the sealer to queue the next batch
+                await real_put_many(items)
+            finally:
+                in_flight[0] -= 1
+
+        ssd.put_many = slow_put_many
+        keys, data = [], []
+        for g in range(13):  # 208 blocks: 144 evicted from the 64 slots
+            k, d = chain(500 + g, 16), blocks_for(16, 500 + g, size)
+            await c.put_blocks(NS, k, d)
+            keys += k
+            data += d
+        await settle(sc)
+        assert most[0] == tiering.DEMOTE_DEPTH == 2
+        demoted = [(k, d) for k, d, where in zip(keys, data, placement(sc, keys)) if where == "ssd"]
+        assert len(demoted) == 208 - 64
+        blocks = sc.store.index.namespaces[NS.root].blocks
+        bufs = [memoryview(bytearray(size)) for _ in demoted]
+        level = sc.store.tiering.levels[0]
+        got = await real_put_many.__self__.get_many([level.ref(blocks[k]) for k, _ in demoted], bufs)
+        assert all(m is not None for m in got)
+        assert [bytes(b) for b in bufs] == [d for _, d in demoted]
