@@ -96,6 +96,13 @@ async def _nothing() -> None:
     return None
 
 
+async def _settled() -> None:
+    """Write back every dirty page first (untimed): the kernel's background writeback of what an
+    earlier round left in the page cache (the unsynced modes write GiBs over a run) must not land
+    in the next round's time, whichever side that is."""
+    await asyncio.to_thread(os.sync)
+
+
 def _bar(total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, leave=False, disable=None)
 
@@ -150,8 +157,8 @@ class _Bench:
 
     async def interleaved(self, desc: str, runs: dict[str, Callable[[], Awaitable[Any]]], reset: Callable = _nothing) -> dict[str, float]:
         """Best time of each run, their order rotating every round (ours, raw, ... then raw, ...,
-        ours) so all see the same noise of this shared 2-core box and its phases; ``reset`` runs
-        untimed before each."""
+        ours) so all see the same noise of this shared 2-core box and its phases; ``reset`` and a
+        :func:`_settled` run untimed before each."""
         best = dict.fromkeys(runs, float("inf"))
         names = list(runs)
         with _bar(len(names) * self.repeat, desc) as bar:
@@ -159,6 +166,7 @@ class _Bench:
                 k = i % len(names)
                 for name in names[k:] + names[:k]:
                     await reset()
+                    await _settled()
                     best[name] = min(best[name], await _timed(runs[name]))
                     bar.update()
         return best
@@ -301,6 +309,7 @@ class _Bench:
                     for i in range(self.repeat):
                         k = i % len(names)
                         for which in names[k:] + names[:k]:
+                            await _settled()
                             if not isinstance(which, str):
                                 await put_raw.reset()
                                 await asyncio.to_thread(which.put)

@@ -17,10 +17,10 @@ metadata; with buffered writes every temp file is fdatasync'ed before the rename
 or not at all to a restarted sidecar (the kernel keeps what a killed process wrote), but a power
 loss can take the last batches.
 
-A deleted block's file is kept for reuse (:mod:`kvstore.tiers.recycle`, up to ``recycle_bytes``,
-by default the capacity (``ssd.recycle_fraction``); free files give way to blocks): the next put of a block with the same
-file size renames it to its temp name and overwrites it, so the filesystem allocates no new
-extents (1.3-1.5x the rate of writing new files here).
+A deleted block's file is kept for reuse (:mod:`kvstore.tiers.recycle`; up to ``recycle_bytes``,
+by default the capacity, ``ssd.recycle_fraction``; free files give way to blocks): the next put
+of a block with the same file size renames it to its temp name and overwrites it, so the
+filesystem allocates no new extents (1.3-1.5x the rate of writing new files here).
 
 Reads are buffered ``preadv`` straight into the caller's memoryview, a batch spread over the
 ``io_threads``. Eviction is not decided here (the index does that): :attr:`used_bytes` /

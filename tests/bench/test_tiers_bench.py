@@ -26,3 +26,23 @@ def test_tiers_bench_shape(tmp_path) -> None:
                     assert fig["unit"] == "MiB/s" and fig["value"] > 0
     assert result["figures"]["block_bytes"]["value"] == 65536
     assert result["figures"]["blocks"]["value"] == 2
+
+
+def test_peers_absent_says_why_and_the_run_goes_on(tmp_path, monkeypatch) -> None:
+    """``--peers`` where LMCache cannot be imported (as in CI): kvstore's figures as usual, no
+    LMCache figure or ratio, and ``notes.lmcache`` with the exact error."""
+    from benchmarks.peers import lmcache_backends
+
+    def missing():
+        raise ModuleNotFoundError("No module named 'lmcache'")
+
+    monkeypatch.setattr(lmcache_backends, "_import_lmcache", missing)
+    args = tiers.parser().parse_args(
+        ["--blocks", "2", "--block-mib", "0.0625", "--repeat", "1", "--tiers", "ssd", "--no-service", "--peers", "--ssd-dir", str(tmp_path)]
+    )
+    result = tiers.run(args)
+    assert result["notes"]["lmcache"] == "not run: ModuleNotFoundError: No module named 'lmcache'"
+    assert not [k for k in result["ratios"] if k.startswith("vs_")]
+    assert not [k for k in result["figures"] if k.startswith("lmcache")]
+    for tier in ("ssd", "ssd_nofsync", "ssd_direct_nofsync"):  # the like-for-like modes still run
+        assert result["ratios"][f"tier_put_{tier}"] > 0 and result["ratios"][f"tier_get_{tier}"] > 0
