@@ -2,8 +2,8 @@
 
 * DRAM eviction demotes: the block's bytes are staged (copied out of its slot) and written to the
   first lower tier in the background, in two stages per tier: a sealer checksums what the server
-  had not sealed yet, a writer writes what is sealed in batches. The block stays findable
-  meanwhile, served from the staging copy.
+  had not sealed yet, and what is sealed is written in batches, two batches at a time. The
+  block stays findable meanwhile, served from the staging copy.
 * A lower tier with a capacity (SSD) evicts through its own policy instance and demotes further
   down the chain, or drops the block when nothing is below.
 * Write-through tiers (Redis, S3) receive every committed block at once so other hosts can read
@@ -79,7 +79,7 @@ class Level:
     queue: list[Staged] = field(default_factory=list)  # demotions to checksum
     ready: list[Staged] = field(default_factory=list)  # demotions to write
     sealer: asyncio.Future[None] | None = None
-    writer: asyncio.Future[None] | None = None
+    writing: int = 0  # demotion batches being written
     used: int = 0
     down: bool = False
     sizes: dict[Block, int] = field(default_factory=dict)
@@ -195,9 +195,8 @@ class Tiering:
     def on_dram_evict(self, b: Block) -> None:
         """The store is about to free ``b``'s slot: keep the bytes below DRAM if nothing does.
 
-        The bytes are staged (one copy into a pooled page-aligned buffer) and queued; one writer
-        per tier drains the queue in batches, so a burst of evictions costs one fsync, not one per
-        block. The block stays findable meanwhile and is served from the staging copy."""
+        The bytes are staged (one copy into a pooled page-aligned buffer) and queued; the queue
+        is written in batches, so a burst of evictions costs an fsync per batch, not per block. The block stays findable meanwhile and is served from the staging copy."""
         target = next((lv for lv in self.levels if not lv.down), None)
         if target is None or b.tiers & target.bit:
             return  # nowhere to go, or the next tier down has it already
@@ -226,18 +225,22 @@ class Tiering:
                 self._demotion_failed(lv, batch)
                 raise
             lv.ready.extend(batch)
-            if lv.writer is None or lv.writer.done():
-                lv.writer = self._spawn(self._drain(lv))
+            self._pump(lv)
 
-    async def _drain(self, lv: Level) -> None:
+    def _pump(self, lv: Level) -> None:
         """Stage 2: write what is sealed, in batches (one fsync per batch, not per block), up to
-        ``DEMOTE_DEPTH`` batches at once."""
-        writing: set[asyncio.Future[None]] = set()
-        while lv.ready or writing:
-            while lv.ready and len(writing) < DEMOTE_DEPTH:
-                batch, lv.ready = lv.ready[:DEMOTE_BATCH], lv.ready[DEMOTE_BATCH:]
-                writing.add(self._spawn(self._write_demotions(lv, batch)))
-            _, writing = await asyncio.wait(writing, return_when=asyncio.FIRST_COMPLETED)
+        ``DEMOTE_DEPTH`` batches at once; called when blocks are sealed and when a batch lands."""
+        while lv.ready and lv.writing < DEMOTE_DEPTH:
+            batch, lv.ready = lv.ready[:DEMOTE_BATCH], lv.ready[DEMOTE_BATCH:]
+            lv.writing += 1
+            self._spawn(self._write_batch(lv, batch))
+
+    async def _write_batch(self, lv: Level, batch: list[Staged]) -> None:
+        try:
+            await self._write_demotions(lv, batch)
+        finally:
+            lv.writing -= 1
+            self._pump(lv)
 
     async def _write_demotions(self, lv: Level, batch: list[Staged]) -> None:
         written = False
