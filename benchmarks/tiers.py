@@ -1,7 +1,9 @@
 """Tier throughput against the raw client on the same server, in the same run.
 
 Two measurements per tier (ssd, redis, redis_cluster, s3), each against the raw client on the
-same server, interleaved with it (ours, raw, raw, ours, ...) so both see the same noise:
+same server, interleaved with it (ours, raw, raw, ours, ...; with ``--peers`` LMCache's backend
+joins the rotation) so all see the same noise and the same phase of the machine; every timed
+round starts after an untimed ``os.sync()``:
 
 * ``tier``     put then get of N blocks (2 MiB by default) through the tier class (``put_many`` /
                ``get_many`` into preallocated buffers).
@@ -171,6 +173,10 @@ class _Bench:
                     bar.update()
         return best
 
+    def peer_backends(self, tier_name: str, url: str | None, service: bool = False) -> Any:
+        """The LMCache backends that join this tier's rounds (none without ``--peers``)."""
+        return self.peers.backends(tier_name, url, service) if self.peers else contextlib.nullcontext([])
+
     # ---- tier class vs raw --------------------------------------------------------------------
 
     async def tier_vs_raw(self, tier_name: str, tier: Any, raw: Raw, url: str | None = None) -> None:
@@ -182,7 +188,7 @@ class _Bench:
             assert all(g is not None for g in got)
 
         try:
-            with self.peers.backends(tier_name, url) if self.peers else contextlib.nullcontext([]) as peers:
+            with self.peer_backends(tier_name, url) as peers:
 
                 async def fresh() -> None:  # new blocks under the old names: deleted first, as by an eviction
                     await tier.delete_many(refs)
@@ -240,7 +246,7 @@ class _Bench:
 
         with (
             sidecar_process(self.n * page, env=env) as sc,
-            self.peers.backends(tier_name, url, service=True) if self.peers else contextlib.nullcontext([]) as peers,
+            self.peer_backends(tier_name, url, service=True) as peers,
         ):
             async with KVStoreClient.from_url(sc.grpc) as c:
 
