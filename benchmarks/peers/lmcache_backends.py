@@ -37,8 +37,8 @@ LMCache ran after kvstore, that alone made its O_DIRECT put look 2-3x faster.)
 Figures are MiB/s, best of ``--repeat``. Ratios ``vs_lmcache[_odirect]_<op>_<tier>_<kind>`` are
 LMCache time / kvstore time (above 1.0: kvstore ahead), against kvstore's tier class (``tier``;
 get compared without the copy-out) and through the service (``service``; put with copy-in, get
-with copy-out; LMCache's Redis backends join the service's rounds too; the SSD service rows
-compare across rounds, as the service's SSD put is a demotion stream).
+with copy-out; LMCache's Redis backends join the service's rounds too; there is no SSD service
+comparison, as the service's SSD put is a demotion stream, not a put of N blocks).
 
 Run: ``python -m benchmarks.peers.lmcache_backends [--tiers ssd,redis,redis_cluster]`` (prints the
 ``benchmarks.tiers`` JSON with the peer figures added), or ``kvstore bench tiers --peers --json``.
