@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import mmap
 import os
@@ -269,3 +270,30 @@ async def test_recycling_off_unlinks_deleted_files(tmp_path: Path, block):
     await tier.put(meta, data)
     await tier.delete(meta.ref)
     assert _files(tier.root) == [] and tier.recycled_bytes == 0
+
+
+async def test_concurrent_puts_and_deletes_keep_the_books(tmp_path: Path, block):
+    """Batches written and deleted at the same time (several worker threads taking and giving
+    free files): afterwards the files on disk are exactly the blocks plus the free pool, within
+    the capacity, and every block still present reads back."""
+    capacity = 48 * FILE_BYTES  # 18 blocks kept + a wave of 24 in flight, with room for free files
+    tier = SsdTier(tmp_path / "ssd", capacity, io_threads=4)
+    batches = [[block(1000 + 10 * b + i, SIZE) for i in range(6)] for b in range(12)]
+
+    async def churn(b: int) -> None:
+        await tier.put_many(batches[b])
+        if b % 3:  # two batches in three are deleted again while others are written
+            await tier.delete_many([m.ref for m, _ in batches[b]])
+
+    for wave in range(3):  # later waves reuse what earlier ones freed
+        await asyncio.gather(*(churn(b) for b in range(4 * wave, 4 * wave + 4)))
+    kept = [batches[b] for b in range(12) if b % 3 == 0]
+    on_disk = sum(p.stat().st_size for p in _files(tier.root))
+    assert tier.used_bytes == sum(len(x) for x in kept) * FILE_BYTES
+    assert on_disk == tier.used_bytes + tier.recycled_bytes <= capacity
+    assert tier._free.reused > 0
+    for batch in kept:
+        for meta, data in batch:
+            into = memoryview(bytearray(SIZE))
+            assert await tier.get(meta.ref, into) == meta and into == data
+    await tier.close()
