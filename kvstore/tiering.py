@@ -46,7 +46,7 @@ log = logging.getLogger("kvstore.tiering")
 
 BITS = {"ssd": SSD, "redis": REDIS, "s3": S3}
 STAGING_LIMIT = 512 << 20
-DEMOTE_BATCH = 64  # blocks per put_many of the demotion writer
+DEMOTE_BATCH = 64  # blocks per put_many of a demotion batch
 # Batches a demotion writer keeps in flight: the next batch's files are written while the one
 # before waits for its fsync (4 batches of 32 x 2 MiB to new files, O_DIRECT + a directory fsync
 # each: 243-253 MiB/s one after another, 292-361 MiB/s two at a time).
