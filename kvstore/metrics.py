@@ -33,6 +33,7 @@ TIER_COUNTERS = {
 TIER_GAUGES = {
     "used_bytes": "bytes held in this tier",
     "capacity_bytes": "configured capacity of this tier in bytes (0: unbounded)",
+    "recycled_bytes": "bytes of deleted blocks' files kept to be overwritten (SSD; on disk, within the capacity)",
     "blocks": "blocks held in this tier",
 }
 

@@ -515,6 +515,7 @@ class Tiering:
             lv.name: {
                 "used_bytes": lv.used,
                 "capacity_bytes": lv.capacity or 0,
+                "recycled_bytes": getattr(lv.tier, "recycled_bytes", 0),  # SSD: deleted files kept for reuse
                 "blocks": len(lv.sizes),
                 "down": lv.down,
                 "write_through": lv in self.write_through,
