@@ -316,22 +316,20 @@ class _Bench:
                         k = i % len(names)
                         for which in names[k:] + names[:k]:
                             await _settled()
+                            # the raw values go first, before every timed put: each follows the
+                            # server freeing N blocks (Redis reuses that memory; a put into memory
+                            # the server never had pays its page faults)
+                            await put_raw.reset()
                             if not isinstance(which, str):
-                                await put_raw.reset()
                                 await asyncio.to_thread(which.put)
                                 await asyncio.to_thread(which.get)
                                 await asyncio.to_thread(which.drop)
                                 bar.update()
                                 continue
                             if which == "ours":
-                                # the raw values go first, as before every raw put: each timed put
-                                # follows the server freeing N blocks (Redis reuses that memory; a
-                                # put into memory the server never had pays its page faults)
-                                await put_raw.reset()
                                 t_put, t_get = await round_()
                                 j = 0
                             else:
-                                await put_raw.reset()
                                 t_put = await _timed(put_raw.put)
                                 if put_raw is not raw:
                                     await put_raw.reset()

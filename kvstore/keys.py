@@ -126,6 +126,9 @@ def chain_key(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = 
     return _chain(parent, token_bytes(tokens), extra)
 
 
+_U32_CODE = "I" if array.array("I").itemsize == 4 else "L"  # the array typecode of a u32
+
+
 def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     """``tokens`` as the bytes block keys hash: ``u32`` each, little-endian."""
     if isinstance(tokens, np.ndarray):
@@ -135,8 +138,6 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
         a.byteswap()
     return a.tobytes()
 
-
-_U32_CODE = "I" if array.array("I").itemsize == 4 else "L"
 
 
 def _chain_full_blocks(

@@ -56,12 +56,12 @@ SEAL_BATCH = 8  # blocks per thread hop of the demotion sealer
 Staged = tuple[Block, np.ndarray, mmap.mmap]  # a demotion in flight: block, its bytes, their buffer
 
 
-
 async def _seal(blocks: Sequence[Block], views: Sequence[np.ndarray | memoryview]) -> None:
     """Checksums of the blocks the server had not sealed yet, from their bytes in ``views``."""
     unsealed = [(b, v) for b, v in zip(blocks, views) if b.checksum is None]
     for (b, _), c in zip(unsealed, await checksums([v for _, v in unsealed])):
         b.checksum = c
+
 
 @dataclass(eq=False)
 class Level:
@@ -196,7 +196,8 @@ class Tiering:
         """The store is about to free ``b``'s slot: keep the bytes below DRAM if nothing does.
 
         The bytes are staged (one copy into a pooled page-aligned buffer) and queued; the queue
-        is written in batches, so a burst of evictions costs an fsync per batch, not per block. The block stays findable meanwhile and is served from the staging copy."""
+        is written in batches, so a burst of evictions costs an fsync per batch, not per block.
+        The block stays findable meanwhile and is served from the staging copy."""
         target = next((lv for lv in self.levels if not lv.down), None)
         if target is None or b.tiers & target.bit:
             return  # nowhere to go, or the next tier down has it already

@@ -274,27 +274,23 @@ class Backend:
             return
         self.drop()
         self.keys = self.peer.keys()
-        try:
-            t_put, t_copy = self.peer.put(self.backend, self.keys, self.objs)
-        except LookupError as exc:
-            self._failed(exc)
-            return
-        if record:
-            self.best["put"] = min(self.best["put"], t_put)
-            self.best["put_copyin"] = min(self.best["put_copyin"], t_copy)
+        self._measure(("put", "put_copyin"), lambda: self.peer.put(self.backend, self.keys, self.objs), record)
 
     def get(self, record: bool = True) -> None:
         """Get the last put's chunks (into LMCache's memory objects, then copied out)."""
-        if self.stuck or self.keys is None:
-            return
+        if not self.stuck and self.keys is not None:
+            self._measure(("get", "get_copyout"), lambda: self.peer.get(self.backend, self.keys), record)
+
+    def _measure(self, ops: tuple[str, str], call: Callable[[], tuple[float, float]], record: bool) -> None:
+        """Run ``call`` (which returns the times of ``ops``); keep the best of each, or note a failure."""
         try:
-            t_get, t_copy = self.peer.get(self.backend, self.keys)
+            times = call()
         except LookupError as exc:
             self._failed(exc)
             return
         if record:
-            self.best["get"] = min(self.best["get"], t_get)
-            self.best["get_copyout"] = min(self.best["get_copyout"], t_copy)
+            for op, t in zip(ops, times):
+                self.best[op] = min(self.best[op], t)
 
     def drop(self) -> None:
         if self.keys is not None:

@@ -42,6 +42,7 @@ REPORT_INTERVAL_S = 1.0  # decision records go to the sidecar's /stats at most t
 
 _Tell = tuple[str, Callable[[Any], None], Any]  # (request, call, argument) for the sidecar after a load
 
+
 class WorkerConnector:
     role = Role.WORKER
 

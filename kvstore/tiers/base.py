@@ -152,6 +152,14 @@ class TierBase:
         """Read, then hash (:func:`with_hashes`); tiers that can hash while the bytes arrive override it."""
         return await with_hashes(await self.get_many(refs, into), into)
 
+    async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
+        for meta, data in items:
+            await self.put(meta, data)  # type: ignore[attr-defined]
+
+    async def delete_many(self, refs: Sequence[BlockRef]) -> None:
+        for r in refs:
+            await self.delete(r)  # type: ignore[attr-defined]
+
 
 async def with_hashes(metas: Sequence[BlockMeta | None], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
     """Each read block's header with the xxh3_64 of the bytes it filled (:func:`kvstore.checksum.checksums`)."""
@@ -160,11 +168,3 @@ async def with_hashes(metas: Sequence[BlockMeta | None], into: Sequence[memoryvi
     for (i, _), c in zip(read, await checksums([v for _, v in read])):
         sums[i] = c
     return list(zip(metas, sums))
-
-    async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
-        for meta, data in items:
-            await self.put(meta, data)  # type: ignore[attr-defined]
-
-    async def delete_many(self, refs: Sequence[BlockRef]) -> None:
-        for r in refs:
-            await self.delete(r)  # type: ignore[attr-defined]

@@ -69,9 +69,13 @@ class FreeFiles:
             self.bytes += size  # reserved before the rename, so concurrent gives stay in bounds
             dest = self.dir / f"{size}.{os.getpid()}.{next(self._ids)}"
         try:
-            if not self.dir.is_dir():
-                self.dir.mkdir(exist_ok=True)
-            os.replace(path, dest)
+            try:
+                os.replace(path, dest)
+            except FileNotFoundError:
+                if self.dir.is_dir():
+                    raise  # the block's file is gone
+                self.dir.mkdir(exist_ok=True)  # the first give (made here, not at start: an unused tier stays bare)
+                os.replace(path, dest)
         except FileNotFoundError:
             with self._lock:
                 self.bytes -= size

@@ -24,9 +24,9 @@ Connection failures raise :class:`~kvstore.errors.Unavailable` after redis-py's 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from redis import exceptions as rexc
 from redis.asyncio import Redis
@@ -38,9 +38,12 @@ from redis.backoff import ExponentialBackoff
 from kvstore.checksum import checksum
 from kvstore.config import REDIS_CHUNK_BYTES, REDIS_PIPELINES, RedisConfig
 from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted, Unavailable
-from kvstore.tiers import resp
 from kvstore.threads import in_threads, split
+from kvstore.tiers import resp
 from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header, with_hashes
+
+T = TypeVar("T")
+
 # What "the server cannot be reached" looks like from redis-py (cluster errors included).
 _UNAVAILABLE = (
     rexc.ConnectionError,
@@ -257,6 +260,15 @@ class RedisTier(TierBase):
             groups += [(pool, idx[a:b]) for a, b in split(len(idx), per_node)]
         return groups
 
+    async def _per_pipeline(self, refs: Sequence[BlockRef], run: Callable[[resp.Pool, list[int]], T]) -> tuple[list[list[int]], list[T]]:
+        """``run(pool, indices)`` for each pipeline of :meth:`_direct_groups`, on the tier's
+        threads; the indices of each group and what each run returned. Raises ``_Redirected``
+        when a reply says MOVED or ASK (the caller hands the batch to redis-py)."""
+        with _unavailable:
+            groups = await self._direct_groups(refs)
+            parts = await in_threads(self._threads, [lambda p=pool, ix=idx: run(p, ix) for pool, idx in groups])  # type: ignore[arg-type]
+        return [idx for _, idx in groups], parts
+
     def _read_direct(
         self, pool: resp.Pool, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool
     ) -> list[tuple[BlockMeta | None, int | None]]:
@@ -307,16 +319,11 @@ class RedisTier(TierBase):
         if self._direct is None or not refs:
             return None
         try:
-            with _unavailable:
-                groups = await self._direct_groups(refs)
-                parts = await in_threads(
-                    self._threads,  # type: ignore[arg-type]
-                    [lambda p=pool, ix=idx: self._read_direct(p, [refs[i] for i in ix], [into[i] for i in ix], hashed) for pool, idx in groups],
-                )
+            groups, parts = await self._per_pipeline(refs, lambda p, ix: self._read_direct(p, [refs[i] for i in ix], [into[i] for i in ix], hashed))
         except _Redirected:
             return None  # redis-py follows it
         out: list[tuple[BlockMeta | None, int | None]] = [(None, None)] * len(refs)
-        for (_, idx), part in zip(groups, parts):
+        for idx, part in zip(groups, parts):
             for i, got in zip(idx, part):
                 out[i] = got
         return out
@@ -366,12 +373,7 @@ class RedisTier(TierBase):
                 raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
         if self._direct is not None and items:
             try:
-                with _unavailable:
-                    groups = await self._direct_groups([m.ref for m, _ in items])
-                    await in_threads(
-                        self._threads,  # type: ignore[arg-type]
-                        [lambda p=pool, ix=idx: self._write_direct(p, [items[i] for i in ix]) for pool, idx in groups],
-                    )
+                await self._per_pipeline([m.ref for m, _ in items], lambda p, ix: self._write_direct(p, [items[i] for i in ix]))
                 return
             except _Redirected:
                 pass  # redis-py follows it; rewriting the same values is harmless
