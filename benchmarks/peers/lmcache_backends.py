@@ -14,7 +14,8 @@ objects (as in LMCache itself), and on top of it
   kvstore's Redis tier, ``remote_serde = naive``.
 
 Payload: N chunks (``--blocks``) of ``--block-mib`` MiB each (fp16 KV of shape
-``[2, layers, 256 tokens, hidden]`` with the same byte count as kvstore's blocks).
+``[2, layers, 256 tokens, hidden]`` with the same byte count as kvstore's blocks), chunk i
+filled from kvstore's block i: the same N distinct blocks every contender sends.
 
 * put  = ``batched_submit_put_task(keys, memory_objs, on_complete_callback)`` from memory
          objects already filled, timed until the callback has fired for every key (LMCache's
@@ -56,7 +57,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -99,7 +100,7 @@ class _Loop:
 
 
 class _Peer:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, payloads: Sequence[memoryview]) -> None:
         from lmcache.v1.metadata import LMCacheMetadata
         import torch
 
@@ -109,8 +110,7 @@ class _Peer:
             model_name="bench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
             kv_dtype=torch.float16, kv_shape=self.shape,
         )
-        rng = np.random.default_rng(0)
-        self.payload = rng.integers(0, 256, self.size, dtype=np.uint8)
+        self.payloads = [np.frombuffer(p, dtype=np.uint8) for p in payloads]  # kvstore's blocks, one per chunk
         self.out = [np.zeros(self.size, dtype=np.uint8) for _ in range(self.n)]
         self.figures: dict[str, dict[str, Any]] = {}
         self.failures: dict[str, list[str]] = {}
@@ -133,10 +133,10 @@ class _Peer:
         from lmcache.v1.memory_management import MemoryFormat
 
         objs = []
-        for _ in range(self.n):
+        for payload in self.payloads:
             obj = cpu.allocate(self.metadata.get_shapes(), self.metadata.get_dtypes(), MemoryFormat.KV_2LTD)
             assert obj is not None, "LMCache CPU allocator is full"
-            np.frombuffer(obj.byte_array, dtype=np.uint8)[:] = self.payload
+            np.frombuffer(obj.byte_array, dtype=np.uint8)[:] = payload
             objs.append(obj)
         return objs
 
@@ -144,8 +144,8 @@ class _Peer:
         """(put of the filled memory objects, copy of the payload into them + put)."""
         done = threading.Semaphore(0)
         t0 = time.perf_counter()
-        for obj in objs:  # the engine's KV copied into LMCache's memory objects, as a worker fills kvstore's slots
-            np.frombuffer(obj.byte_array, dtype=np.uint8)[:] = self.payload
+        for obj, payload in zip(objs, self.payloads):  # the engine's KV copied into LMCache's memory objects, as a worker fills kvstore's slots
+            np.frombuffer(obj.byte_array, dtype=np.uint8)[:] = payload
         t1 = time.perf_counter()
         backend.batched_submit_put_task(keys, objs, on_complete_callback=lambda _key: done.release())
         for _ in keys:
@@ -169,7 +169,7 @@ class _Peer:
             o[:] = np.frombuffer(obj.byte_array, dtype=np.uint8)
             obj.ref_count_down()
         t2 = time.perf_counter()
-        assert np.array_equal(self.out[0], self.payload)
+        assert all(np.array_equal(o, p) for o, p in zip(self.out, self.payloads))
         return t1 - t0, t2 - t0
 
     # ---- backends -------------------------------------------------------------------------------
@@ -329,7 +329,8 @@ class Peers:
     compared with, like for like (``ssd_nofsync``: LocalDisk buffered; ``ssd_direct_nofsync``:
     LocalDisk with O_DIRECT; ``redis`` / ``redis_cluster``: RemoteBackend on the same server)."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, payloads: Sequence[memoryview]) -> None:
+        """``payloads``: kvstore's N blocks, the bytes every LMCache chunk is filled from."""
         self.args = args
         self.peer: _Peer | None = None
         try:
@@ -339,7 +340,7 @@ class Peers:
         except Exception as exc:  # not installed, or its imports fail here: say exactly why
             self.note = f"not run: {type(exc).__name__}: {exc}"
             return
-        self.peer = _Peer(args)
+        self.peer = _Peer(args, payloads)
         self.note = f"lmcache {getattr(lmcache, '__version__', '?')}; kv_shape {self.peer.shape} fp16; LocalDisk puts are not fsynced"
 
     @contextlib.contextmanager
