@@ -270,11 +270,9 @@ class _Bench:
                         await asyncio.sleep(POLL_S)
 
                 async def put(keys: list[bytes], wait_write_through: bool = False) -> None:
-                    async with c.allocate(ns, keys, self.size) as alloc:
-                        for i, view in alloc.writable():
-                            view[:] = blocks[i]
-                        assert await alloc.commit(wait_write_through=wait_write_through) == self.n
-                    assert alloc.written_through == (self.n if wait_write_through else 0), f"{tier_name}: write-through failed"
+                    r = await c.put_blocks(ns, keys, blocks, wait_write_through=wait_write_through)
+                    assert r.stored == self.n, f"{tier_name}: {r.stored} of {self.n} blocks stored"
+                    assert r.written_through == (self.n if wait_write_through else 0), f"{tier_name}: write-through failed"
 
                 async def get(keys: list[bytes]) -> None:
                     async with c.acquire(ns, keys) as lease:

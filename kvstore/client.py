@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 
 from kvstore.checksum import checksum
+from kvstore.copying import copy_blocks, copy_blocks_async
 from kvstore.errors import KVStoreError, from_status_code
 from kvstore.keys import Namespace
 from kvstore.local import LocalChannel
@@ -76,6 +77,7 @@ class SlotRef:
 class PutResult:
     stored: int
     present: int
+    written_through: int = 0  # with wait_write_through: blocks every write-through tier holds
 
 
 # --- channels ------------------------------------------------------------------------------------
@@ -319,15 +321,16 @@ class KVStoreClient:
 
     async def put_blocks(
         self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence[Any], parents: Sequence[bytes] | None = None,
-        *, first_parent: bytes = b"", checksums: bool = False,
+        *, first_parent: bytes = b"", checksums: bool = False, wait_write_through: bool = False,
     ) -> PutResult:
-        """Store whole blocks (anything with the buffer protocol). Aborts on any failure."""
+        """Store whole blocks (anything with the buffer protocol), copied into the slots on
+        two threads when large (:mod:`kvstore.copying`). Aborts on any failure. With
+        ``wait_write_through``, returns once the write-through tiers hold them too."""
         arrays = _as_uint8(blocks)
         async with self.allocate(ns, keys, [a.size for a in arrays], parents, first_parent=first_parent) as alloc:
-            for i, view in alloc.writable():
-                view[:] = arrays[i]
-            stored = await alloc.commit(checksums=checksums)
-        return PutResult(stored, len(keys) - stored)
+            await copy_blocks_async([(view, arrays[i]) for i, view in alloc.writable()])
+            stored = await alloc.commit(checksums=checksums, wait_write_through=wait_write_through)
+        return PutResult(stored, len(keys) - stored, alloc.written_through)
 
     async def get_blocks(self, ns: Namespace, keys: Sequence[bytes], *, verify: bool = False) -> list[np.ndarray]:
         """Copies of the leading run of ``keys`` that is readable now."""
@@ -489,14 +492,13 @@ class SyncClient:
 
     def put_blocks(
         self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence[Any], parents: Sequence[bytes] | None = None,
-        *, first_parent: bytes = b"", checksums: bool = False,
+        *, first_parent: bytes = b"", checksums: bool = False, wait_write_through: bool = False,
     ) -> PutResult:
         arrays = _as_uint8(blocks)
         with self.allocate(ns, keys, [a.size for a in arrays], parents, first_parent=first_parent) as alloc:
-            for i, view in alloc.writable():
-                view[:] = arrays[i]
-            stored = alloc.commit(checksums=checksums)
-        return PutResult(stored, len(keys) - stored)
+            copy_blocks([(view, arrays[i]) for i, view in alloc.writable()])
+            stored = alloc.commit(checksums=checksums, wait_write_through=wait_write_through)
+        return PutResult(stored, len(keys) - stored, alloc.written_through)
 
     def get_blocks(self, ns: Namespace, keys: Sequence[bytes], *, verify: bool = False) -> list[np.ndarray]:
         with self.acquire(ns, keys) as lease:
