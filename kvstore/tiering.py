@@ -35,7 +35,6 @@ from kvstore.slab import Slot
 from kvstore.policy import make_policy
 from kvstore.policy.base import EvictionPolicy
 from kvstore.staging import StagingPool
-from kvstore.threads import split
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import BlockMeta, BlockRef, Bounded, Recoverable, Tier
 from kvstore.tiers.verify import verified_get
@@ -52,9 +51,6 @@ DEMOTE_BATCH = 64  # blocks per put_many of a demotion batch
 # before waits for its fsync (4 batches of 32 x 2 MiB to new files, O_DIRECT + a directory fsync
 # each: 243-253 MiB/s one after another, 292-361 MiB/s two at a time).
 DEMOTE_DEPTH = 2
-# A write-through batch is sealed and sent in this many pieces (each sent once hashed, while the
-# next is hashed): a 64 MiB commit to Redis waited 4.6 ms for its checksums before the first byte.
-WRITE_THROUGH_PIECES = 4
 SEAL_BATCH = 8  # blocks per thread hop of the demotion sealer
 
 Staged = tuple[Block, np.ndarray, mmap.mmap]  # a demotion in flight: block, its bytes, their buffer
@@ -334,25 +330,9 @@ class Tiering:
         return sum(1 for b in blocks if b.tiers & mask == mask) if mask else 0
 
     async def _write_through(self, lv: Level, blocks: list[Block]) -> None:
-        """Seal and send ``blocks`` in ``WRITE_THROUGH_PIECES`` pieces: a piece goes out as soon
-        as its checksums are in, while the next one is hashed."""
-        writes: list[asyncio.Future[None]] = []
         try:
-            for a, z in split(len(blocks), WRITE_THROUGH_PIECES):
-                piece = blocks[a:z]
-                views = [self.store.slab.view(b.slot, b.size) for b in piece]  # type: ignore[arg-type]
-                await _seal(piece, views)
-                writes.append(asyncio.ensure_future(self._write_piece(lv, piece, views)))
-        except Exception:
-            log.exception("write-through to %s failed", lv.name)
-            self.store.stats.tier(lv.name, "errors")
-        finally:
-            await asyncio.gather(*writes)  # every piece is done with its slots (a piece never raises)
-            for b in blocks:
-                b.moving -= 1
-
-    async def _write_piece(self, lv: Level, blocks: list[Block], views: list[np.ndarray]) -> None:
-        try:
+            views = [self.store.slab.view(b.slot, b.size) for b in blocks]  # type: ignore[arg-type]
+            await _seal(blocks, views)
             items = [(BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(v)) for b, v in zip(blocks, views)]
             async with lv.slots:
                 await lv.tier.put_many(items)
@@ -365,6 +345,9 @@ class Tiering:
         except Exception:
             log.exception("write-through to %s failed", lv.name)
             self.store.stats.tier(lv.name, "errors")
+        finally:
+            for b in blocks:
+                b.moving -= 1
 
     async def promote(self, run: list[Block]) -> list[Block]:
         """Bring the blocks of ``run`` that are only below DRAM into DRAM slots. Returns the

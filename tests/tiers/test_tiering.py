@@ -129,6 +129,8 @@ async def test_commit_can_wait_for_the_write_through(tmp_path, redis_clean):
         assert len(raw.keys("kvstore:*:m")) == 3  # no settle(): already there
         held = sc.store.index.namespaces[NS.root].blocks
         assert all(held[k].tiers == DRAM | REDIS for k in keys)
+        r = await c.put_blocks(NS, chain(24, 2), blocks_for(2, 24), wait_write_through=True)  # the same, in one call
+        assert (r.stored, r.written_through) == (2, 2) and len(raw.keys("kvstore:*:m")) == 5
 
         redis_clean.stop()
         more, more_data = chain(26, 2), blocks_for(2, 26)
@@ -139,52 +141,6 @@ async def test_commit_can_wait_for_the_write_through(tmp_path, redis_clean):
         assert alloc.written_through == 0  # Redis is down: committed here, not written through
         assert [g.tobytes() for g in await c.get_blocks(NS, more)] == more_data
         assert (await c.stats())["tiers"]["redis"]["errors"] >= 1
-
-
-async def test_a_write_through_goes_out_in_pieces_each_sent_once_sealed(tmp_path, redis_clean):
-    """A committed batch is written through in ``WRITE_THROUGH_PIECES`` pieces: the first piece
-    is sent while later ones still wait for their checksums. Each block reaches Redis with the
-    checksum of its bytes; a piece that fails costs only its own blocks, and every block is
-    released by the movers either way."""
-    from kvstore import tiering
-    from kvstore.checksum import checksum
-
-    cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "redis.enabled": True, "redis.url": redis_clean.url,
-                                     "tiering.write_through": ["redis"]})
-    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
-        level = sc.store.tiering.levels[0]
-        real_put_many, calls = level.tier.put_many, []
-        blocks = sc.store.index.namespaces
-
-        async def watched_put_many(items):
-            held = blocks[NS.root].blocks
-            calls.append(([m.ref.key for m, _ in items], sum(held[k].checksum is None for k in keys)))
-            if len(calls) == fail_at:
-                raise RuntimeError("injected: this piece is lost")
-            await real_put_many(items)
-
-        level.tier.put_many = watched_put_many
-        for fail_at, first in ((0, 40), (2, 41)):
-            calls.clear()
-            keys, data = chain(first, 8), blocks_for(8, first, 8192)
-            r = await c.put_blocks(NS, keys, data, wait_write_through=True)
-            assert r.stored == 8
-            pieces = [k for k, _ in calls]
-            assert len(pieces) == tiering.WRITE_THROUGH_PIECES == 4
-            assert [k for p in pieces for k in p] == keys  # root first, each block once
-            assert calls[0][1] > 0  # the first piece went out before the last was sealed
-            lost = set(pieces[fail_at - 1]) if fail_at else set()
-            assert r.written_through == 8 - len(lost)
-            held = blocks[NS.root].blocks
-            assert all(held[k].moving == 0 for k in keys)
-            bufs = [memoryview(bytearray(8192)) for _ in keys]
-            got = await real_put_many.__self__.get_many_hashed([level.ref(held[k]) for k in keys], bufs)
-            for k, d, (meta, digest), buf in zip(keys, data, got, bufs):
-                if k in lost:
-                    assert meta is None
-                else:
-                    assert meta.checksum == digest == checksum(d) and bytes(buf) == d
-        assert (await c.stats())["tiers"]["redis"]["errors"] == 1
 
 
 async def test_without_write_through_tiers_nothing_is_waited_for(tmp_path):
