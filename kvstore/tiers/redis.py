@@ -44,6 +44,8 @@ from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, enc
 
 T = TypeVar("T")
 
+STRAY_RUN = 8  # chunk keys per DEL when a block's header does not say how many it has
+
 # What "the server cannot be reached" looks like from redis-py (cluster errors included).
 _UNAVAILABLE = (
     rexc.ConnectionError,
@@ -355,6 +357,8 @@ class RedisTier(TierBase):
         return out
 
     async def _headers(self, refs: Sequence[BlockRef]) -> list[BlockMeta | None]:
+        """Each block's header; None where it is gone or unreadable (corrupted, or naming
+        another block)."""
         if not refs:
             return []
         with _unavailable:
@@ -362,7 +366,13 @@ class RedisTier(TierBase):
             for r in refs:
                 pipe.get(self.header_key(r))
             raw = await pipe.execute()
-        return [None if h is None else self._check(r, decode_header(h)) for r, h in zip(refs, raw)]
+        out: list[BlockMeta | None] = []
+        for r, h in zip(refs, raw):
+            try:
+                out.append(None if h is None else self._check(r, decode_header(h)))
+            except ChecksumMismatch:
+                out.append(None)
+        return out
 
     async def put(self, meta: BlockMeta, data: memoryview) -> None:
         await self.put_many([(meta, data)])
@@ -392,12 +402,9 @@ class RedisTier(TierBase):
         await self.delete_many([ref])
 
     async def delete_many(self, refs: Sequence[BlockRef]) -> None:
-        try:
-            metas = await self._headers(refs)
-        except ChecksumMismatch:
-            metas = [None] * len(refs)
         if not refs:
             return
+        metas = await self._headers(refs)
         with _unavailable:
             pipe = self._pipeline()
             for r, m in zip(refs, metas):
@@ -405,6 +412,21 @@ class RedisTier(TierBase):
                 for k in self.chunk_keys(r, m.size) if m is not None else ():
                     pipe.delete(k)
             await pipe.execute()
+            await self._delete_stray_chunks([r for r, m in zip(refs, metas) if m is None])
+
+    async def _delete_stray_chunks(self, refs: Sequence[BlockRef]) -> None:
+        """The chunks of blocks whose header gave no size (gone: a put cut short before its
+        header, a header evicted by Redis; or unreadable). A block's chunks are numbered from 0
+        without gaps, so they are deleted ``STRAY_RUN`` at a time (one multi-key DEL per block:
+        its keys share a slot) until a DEL removes fewer: usually one pipelined round trip."""
+        start = 0
+        while refs:
+            pipe = self._pipeline()
+            for r in refs:
+                pipe.delete(*(f"{self._base(r)}:{i}" for i in range(start, start + STRAY_RUN)))
+            removed = await pipe.execute()
+            refs = [r for r, n in zip(refs, removed) if n == STRAY_RUN]
+            start += STRAY_RUN
 
     async def close(self) -> None:
         for pool in self._pools.values():

@@ -115,6 +115,32 @@ async def test_cluster_scan_covers_every_node(cluster_clean, block):
         await tier.close()
 
 
+@pytest.mark.parametrize("cluster", [False, True], ids=["single", "cluster"])
+async def test_delete_leaves_no_chunk_behind_when_the_header_cannot_say_how_many(cluster, request, block):
+    """A block's header corrupted, naming another block, or gone (a put cut short before its
+    header, a header evicted by Redis) still has every chunk deleted with it, in a batch with
+    healthy blocks: nothing is left in Redis for nobody to free."""
+    server = request.getfixturevalue("cluster_clean" if cluster else "redis_clean")
+    cfg = Config(redis=RedisConfig(enabled=True, url=server.url, cluster=cluster, chunk_bytes=CHUNK, key_prefix="t"))
+    tier = build_tier("redis", cfg)
+    try:
+        big = 20 * CHUNK + 1  # 21 chunks: more than two runs of stray deletes
+        blocks = [block(300, SIZE), block(301, big), block(302, SIZE), block(303, SIZE), block(304, 100)]
+        await tier.put_many(blocks)
+        (healthy, _), (corrupt, _), (other, _), (gone, _), _ = blocks
+        await tier.client.setrange(tier.header_key(corrupt.ref), 0, b"garbage!")
+        await tier.client.set(tier.header_key(other.ref), await tier.client.get(tier.header_key(healthy.ref)))
+        await tier.client.delete(tier.header_key(gone.ref))
+        async def keys() -> list[bytes]:
+            return [k async for k in tier.client.scan_iter(match="t:*")]  # (every node of a cluster)
+
+        assert len(await keys()) == 5 + 22 + 5 + 4 + 2
+        await tier.delete_many([m.ref for m, _ in blocks])
+        assert await keys() == []
+    finally:
+        await tier.close()
+
+
 def test_from_config_picks_the_client_class():
     single = RedisTier.from_config(RedisConfig(url="redis://127.0.0.1:1/0", key_prefix="p", ttl_s=5))
     assert isinstance(single.client, redis.asyncio.Redis) and not single.cluster
