@@ -43,6 +43,14 @@ def _unavailable(exc: BaseException) -> bool:
     return False
 
 
+def _joined(header: bytes, data: memoryview) -> bytearray:
+    """The object: header and payload in one buffer (one copy of the payload)."""
+    body = bytearray(len(header) + len(data))
+    body[: len(header)] = header
+    body[len(header) :] = data
+    return body
+
+
 def _missing(exc: BaseException) -> bool:
     return isinstance(exc, bexc.ClientError) and _code(exc) in _MISSING
 
@@ -230,15 +238,12 @@ class S3Tier(TierBase):
     async def put(self, meta: BlockMeta, data: memoryview) -> None:
         if len(data) != meta.size:
             raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
-        header = encode_header(meta)
-        body = bytearray(len(header) + meta.size)  # one copy: header and payload in one object
-        body[: len(header)] = header
-        body[len(header) :] = data
-        key = self.object_key(meta.ref)
-        if len(body) <= self.multipart_threshold_bytes:
-            await self._call("put_object", Key=key, Body=body)
-        else:
-            await self._multipart(key, memoryview(body))
+        header, key = encode_header(meta), self.object_key(meta.ref)
+        if len(header) + meta.size > self.multipart_threshold_bytes:
+            await self._multipart(key, memoryview(_joined(header, data)))
+            return
+        async with self._sem:  # the body is made once a request can go: at most `concurrency` at a time
+            await self._call_held("put_object", Key=key, Body=_joined(header, data))
 
     async def _multipart(self, key: str, body: memoryview) -> None:
         upload = await self._call("create_multipart_upload", Key=key)

@@ -43,6 +43,39 @@ async def test_large_block_goes_up_in_parts(s3, block):
     assert await s3.get(meta.ref, into) == meta and into == data
 
 
+async def test_a_batch_holds_at_most_concurrency_object_bodies(moto_clean, s3_client, block, monkeypatch):
+    """A body (header + payload copy) is made only once its request can go: a put of many blocks
+    never holds more copies than requests in flight."""
+    from kvstore.tiers import s3 as s3_module
+
+    tier = S3Tier(s3_client(moto_clean.url), bucket="kvs-bodies", concurrency=2)
+    made, sent, most = [0], [0], [0]
+    real_joined, real_held = s3_module._joined, tier._call_held
+
+    def joined(header, data):
+        made[0] += 1
+        most[0] = max(most[0], made[0] - sent[0])
+        return real_joined(header, data)
+
+    async def held(op, **kw):
+        try:
+            return await real_held(op, **kw)
+        finally:
+            sent[0] += op == "put_object"
+
+    monkeypatch.setattr(s3_module, "_joined", joined)
+    monkeypatch.setattr(tier, "_call_held", held)
+    try:
+        blocks = [block(40 + i, 64 * 1024) for i in range(10)]
+        await tier.put_many(blocks)
+        assert made[0] == sent[0] == 10 and most[0] == 2
+        bufs = [buffer(64 * 1024) for _ in blocks]
+        assert await tier.get_many([m.ref for m, _ in blocks], bufs) == [m for m, _ in blocks]
+        assert [bytes(b) for b in bufs] == [bytes(d) for _, d in blocks]
+    finally:
+        await tier.close()
+
+
 async def test_existing_bucket_is_reused(moto_clean, s3_client, block):
     meta, data = block(3, 1000)
     first = S3Tier(s3_client(moto_clean.url), bucket="shared")
