@@ -5,23 +5,23 @@ same server, interleaved with it (ours, raw, raw, ours, ...; with ``--peers`` LM
 joins the rotation) so all see the same noise and the same phase of the machine; every timed
 round starts after an untimed ``os.sync()``:
 
-* ``tier``     put then get of N blocks (2 MiB by default) through the tier class (``put_many`` /
-               ``get_many`` into preallocated buffers).
+* ``tier``     put then get of N distinct blocks (2 MiB by default) through the tier class
+               (``put_many`` / ``get_many`` into preallocated buffers).
 * ``service``  put and get through a running sidecar (``kvstore serve`` subprocess, configured
                with env overrides: chain = [that tier], the tier enabled, a DRAM slab of exactly N
                slots). The worker is this process (KVStoreClient, shared-memory slots).
 
                ssd (demotion; SSD is never written through): DRAM is first filled with N blocks F;
-               "put" = Allocate + copy + Commit of ``--ssd-stream`` R batches of N new blocks
+               "put" = ``put_blocks`` (Allocate + copy + Commit) of ``--ssd-stream`` R batches of N new blocks
                A1..AR one after the other, each evicting the batch before it (F, A1, ...) to the
                SSD tier, timed until ``/stats`` (the Stats RPC) shows ``tiers.ssd.bytes_in`` grew
                by R x N blocks (polled every 0.5 ms): the sustained rate at which the service
                absorbs blocks once DRAM is full, against raw writes of the same R x N blocks.
                (R = 1 is a single burst: mostly the latency of its first eviction.) A1..AR are
                then deleted (untimed) so F lives only on SSD.
-               redis, redis_cluster, s3 (write-through): "put" = Allocate + copy + Commit of N
-               blocks A into an empty DRAM with ``wait_write_through`` (the reply comes once the
-               tier holds them).
+               redis, redis_cluster, s3 (write-through): "put" = ``put_blocks`` of N blocks A
+               into an empty DRAM with ``wait_write_through`` (the reply comes once the tier
+               holds them).
                Before each of these puts, as before each raw put, the raw values are deleted
                (untimed), so both follow the server freeing N blocks.
                Then (untimed) N other blocks evict A from DRAM and are deleted again, so A lives
