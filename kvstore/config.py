@@ -120,6 +120,9 @@ class S3Config(_Section):
     part_bytes: int = Field(8 * MiB, ge=5 * MiB, description="multipart upload part size")
     max_attempts: int = Field(3, ge=1, description="botocore retry attempts (standard mode)")
     timeout_s: float = Field(10.0, gt=0, description="connect and read timeout")
+    sign_payload: bool = Field(
+        False, description="SigV4-sign every body (a SHA-256 of each block); off: headers signed, bodies checked by their own checksum"
+    )
 
 
 class TieringConfig(_Section):

@@ -76,6 +76,32 @@ async def test_a_batch_holds_at_most_concurrency_object_bodies(moto_clean, s3_cl
         await tier.close()
 
 
+@pytest.mark.parametrize("sign", [False, True])
+async def test_bodies_are_signed_only_when_configured(moto_clean, aws_env, block, sign):
+    """By default a put sends ``x-amz-content-sha256: UNSIGNED-PAYLOAD`` (headers signed, no
+    SHA-256 of the 2 MiB body); ``s3.sign_payload`` signs the body's digest. Either way the
+    block round-trips."""
+    import hashlib
+
+    cfg = Config(s3=S3Config(enabled=True, endpoint_url=moto_clean.url, bucket="kvs-signing", sign_payload=sign))
+    tier = build_tier("s3", cfg)
+    sent: list[str] = []
+    try:
+        meta, data = block(50, 100_000)
+        await tier.contains(meta.ref)  # opens the client (and makes the bucket)
+        tier._client.meta.events.register(
+            "before-send.s3.PutObject", lambda request, **_: sent.append(request.headers["x-amz-content-sha256"].decode())
+        )
+        await tier.put(meta, data)
+        body = (await tier._client.get_object(Bucket="kvs-signing", Key=tier.object_key(meta.ref)))["Body"]
+        whole = await body.read()
+        assert sent == [hashlib.sha256(whole).hexdigest() if sign else "UNSIGNED-PAYLOAD"]
+        into = buffer(meta.size)
+        assert await tier.get(meta.ref, into) == meta and into == data
+    finally:
+        await tier.close()
+
+
 async def test_existing_bucket_is_reused(moto_clean, s3_client, block):
     meta, data = block(3, 1000)
     first = S3Tier(s3_client(moto_clean.url), bucket="shared")
