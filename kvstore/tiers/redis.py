@@ -418,7 +418,9 @@ class RedisTier(TierBase):
         """The chunks of blocks whose header gave no size (gone: a put cut short before its
         header, a header evicted by Redis; or unreadable). A block's chunks are numbered from 0
         without gaps, so they are deleted ``STRAY_RUN`` at a time (one multi-key DEL per block:
-        its keys share a slot) until a DEL removes fewer: usually one pipelined round trip."""
+        its keys share a slot) until a DEL removes fewer: usually one pipelined round trip. (A
+        block of more than 8 chunks that Redis's own eviction left with a gap keeps the chunks
+        past the gap; like any key, they go by eviction or TTL.)"""
         start = 0
         while refs:
             pipe = self._pipeline()
