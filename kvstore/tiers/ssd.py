@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import itertools
+import logging
 import mmap
 import os
 import threading
@@ -49,6 +50,8 @@ from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted
 from kvstore.threads import in_threads, split
 from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef, TierBase, decode_header, encode_header, header_size
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
+
+log = logging.getLogger("kvstore.tiers.ssd")
 
 ALIGN = 4096
 SUFFIX = ".blk"
@@ -260,7 +263,8 @@ class SsdTier(TierBase):
         self._io.shutdown(wait=True)  # no file handles are held between calls
 
     async def scan(self) -> AsyncIterator[BlockMeta]:
-        """Every block's header; removes temp files a crash left behind and skips bad headers."""
+        """Every block's header; removes temp files a crash left behind, and files whose header
+        is unreadable (their room goes back to the tier)."""
         for ns_dir in await asyncio.to_thread(lambda: sorted(p for p in self.root.iterdir() if p.is_dir() and p.name != FREE_DIR)):
             metas = await asyncio.to_thread(self._scan_dir, ns_dir)
             for meta in metas:
@@ -426,7 +430,8 @@ class SsdTier(TierBase):
         self._settle(path, None)
 
     def _scan_dir(self, ns_dir: Path) -> list[BlockMeta]:
-        metas = []
+        metas: list[BlockMeta] = []
+        unreadable: list[Path] = []
         for entry in os.scandir(ns_dir):
             if entry.name.endswith(TMP_SUFFIX):
                 Path(entry.path).unlink(missing_ok=True)  # a crash mid-write: never visible
@@ -439,8 +444,11 @@ class SsdTier(TierBase):
                 continue
             try:
                 metas.append(self._read_header(fd)[0])
-            except ChecksumMismatch:
-                continue  # unreadable header: not a block we can serve
+            except ChecksumMismatch as exc:  # a bad copy: never served, and its room given back
+                log.warning("ssd: dropping %s at start: %s", entry.path, exc)
+                unreadable.append(Path(entry.path))
             finally:
                 os.close(fd)
+        for path in unreadable:
+            self._unlink(path)
         return metas

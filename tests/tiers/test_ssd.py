@@ -105,6 +105,22 @@ async def test_file_under_another_name_is_corrupt(ssd, block):
         await ssd.get(b.ref, memoryview(bytearray(SIZE)))
 
 
+async def test_a_file_with_an_unreadable_header_is_dropped_at_start(ssd, block):
+    """A restarted tier does not list a block file whose header is corrupted, and gives its
+    room back instead of counting it against the capacity forever."""
+    good, bad = block(6, SIZE), block(7, SIZE)
+    await ssd.put_many([good, bad])
+    path = ssd.path_of(bad[0].ref)
+    with open(path, "r+b") as f:
+        f.write(b"not a header")
+    reopened = SsdTier(ssd.root, ssd.capacity_bytes, direct_io=ssd.direct_io, recycle_bytes=0)
+    assert reopened.used_bytes == 2 * FILE_BYTES  # counted at start, before anyone read it
+    assert [m async for m in reopened.scan()] == [good[0]]
+    assert not path.exists() and reopened.used_bytes == FILE_BYTES
+    into = memoryview(bytearray(SIZE))
+    assert await reopened.get(good[0].ref, into) == good[0] and into == good[1]
+
+
 def test_direct_io_falls_back_where_the_filesystem_refuses_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert isinstance(probe_direct_io(tmp_path), bool)
     real_open = os.open
