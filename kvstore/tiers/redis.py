@@ -181,8 +181,11 @@ class RedisTier(TierBase):
         return self._base(ref) + ":m"
 
     def chunk_keys(self, ref: BlockRef, size: int) -> list[str]:
+        return self._chunk_keys(ref, 0, self.n_chunks(size))
+
+    def _chunk_keys(self, ref: BlockRef, first: int, end: int) -> list[str]:
         base = self._base(ref)
-        return [f"{base}:{i}" for i in range(self.n_chunks(size))]
+        return [f"{base}:{i}" for i in range(first, end)]
 
     def n_chunks(self, size: int) -> int:
         return max(1, -(-size // self.chunk_bytes))
@@ -425,7 +428,7 @@ class RedisTier(TierBase):
         while refs:
             pipe = self._pipeline()
             for r in refs:
-                pipe.delete(*(f"{self._base(r)}:{i}" for i in range(start, start + STRAY_RUN)))
+                pipe.delete(*self._chunk_keys(r, start, start + STRAY_RUN))
             removed = await pipe.execute()
             refs = [r for r, n in zip(refs, removed) if n == STRAY_RUN]
             start += STRAY_RUN
