@@ -6,8 +6,10 @@ Keys, for block ``ref`` under ``key_prefix`` ``P``::
     P:<ns hex 16>:{<key hex 64>}:<i>   payload chunk i (chunk_bytes each, the last shorter)
 
 The ``{...}`` hash tag puts every key of one block on one cluster slot, so a block's chunks are
-written and read by one pipeline on one node. Writes are pipelined (chunks first, header last),
-reads take one pipelined round trip per batch (headers and chunks together).
+written and read by one pipeline on one node. Writes are pipelined, each block's SETs (chunks,
+then header) in a MULTI/EXEC of its own: a put cut short (the process killed, the connection lost,
+an OOM reply) stores nothing of that block, so no chunk is left behind without a header. Reads
+take one pipelined round trip per batch (headers and chunks together).
 
 Block bytes travel on :mod:`kvstore.tiers.resp` (``direct_io``, the default): pipelines on raw
 sockets in worker threads that receive chunks straight into the caller's buffers and hash each
@@ -82,8 +84,12 @@ class _Redirected(Exception):
 
 
 def _check_replies(replies: Sequence[resp.Reply]) -> None:
-    """Raise for the first error reply, as the tier's callers expect from redis-py."""
+    """Raise for the first error reply, as the tier's callers expect from redis-py. A command
+    refused inside MULTI (MOVED, OOM) replies before the EXECABORT that follows it, so that is
+    the one raised; EXEC's own replies are looked into."""
     for r in replies:
+        if isinstance(r, list):
+            _check_replies(r)
         if not isinstance(r, resp.ErrorReply):
             continue
         if r.code in ("MOVED", "ASK"):
@@ -232,13 +238,13 @@ class RedisTier(TierBase):
                     meta = None
             yield meta, buf, parts
 
-    def _sets(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> list[tuple[str, bytes | memoryview]]:
-        """The SETs that store ``items``: each block's chunks, then its header (visible once whole)."""
+    def _sets(self, meta: BlockMeta, data: memoryview) -> list[tuple[str, bytes | memoryview]]:
+        """The SETs that store one block, in one transaction: its chunks, then its header."""
         step = self.chunk_bytes
-        sets: list[tuple[str, bytes | memoryview]] = []
-        for meta, data in items:
-            sets += [(k, data[i * step : (i + 1) * step]) for i, k in enumerate(self.chunk_keys(meta.ref, meta.size))]
-            sets.append((self.header_key(meta.ref), encode_header(meta)))
+        sets: list[tuple[str, bytes | memoryview]] = [
+            (k, data[i * step : (i + 1) * step]) for i, k in enumerate(self.chunk_keys(meta.ref, meta.size))
+        ]
+        sets.append((self.header_key(meta.ref), encode_header(meta)))
         return sets
 
     # ---- the direct path --------------------------------------------------------------------
@@ -288,9 +294,14 @@ class RedisTier(TierBase):
         ]
 
     def _write_direct(self, pool: resp.Pool, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
-        """(thread) One pipeline of SETs sent from the caller's buffers."""
+        """(thread) One pipeline of SETs sent from the caller's buffers, a MULTI/EXEC per block."""
         ex = (b"EX", str(self.ttl_s).encode()) if self.ttl_s else ()
-        _check_replies(pool.execute([(b"SET", k.encode(), v, *ex) for k, v in self._sets(items)]))
+        commands: list[resp.Command] = []
+        for meta, data in items:
+            commands.append((b"MULTI",))
+            commands += [(b"SET", k.encode(), v, *ex) for k, v in self._sets(meta, data)]
+            commands.append((b"EXEC",))
+        _check_replies(pool.execute(commands))
 
     # ---- Tier -----------------------------------------------------------------------------
 
@@ -393,13 +404,13 @@ class RedisTier(TierBase):
         await asyncio.gather(*(self._put_group(items[a:b]) for a, b in split(len(items), self.pipelines)))
 
     async def _put_group(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
-        if not items:
-            return
-        with _unavailable:
-            pipe = self._pipeline()
-            for k, v in self._sets(items):
-                pipe.set(k, v, ex=self.ttl_s)
-            await pipe.execute()
+        """One block after another, each a transaction (one slot: its keys share a hash tag)."""
+        for meta, data in items:
+            with _unavailable:
+                pipe = self.client.pipeline(transaction=True)
+                for k, v in self._sets(meta, data):
+                    pipe.set(k, v, ex=self.ttl_s)
+                await pipe.execute()
 
     async def delete(self, ref: BlockRef) -> None:
         await self.delete_many([ref])
@@ -418,8 +429,9 @@ class RedisTier(TierBase):
             await self._delete_stray_chunks([r for r, m in zip(refs, metas) if m is None])
 
     async def _delete_stray_chunks(self, refs: Sequence[BlockRef]) -> None:
-        """The chunks of blocks whose header gave no size (gone: a put cut short before its
-        header, a header evicted by Redis; or unreadable). A block's chunks are numbered from 0
+        """The chunks of blocks whose header gave no size (gone: a header evicted or expired by
+        Redis on its own, or a put cut short by a version that wrote without MULTI; or
+        unreadable). A block's chunks are numbered from 0
         without gaps, so they are deleted ``STRAY_RUN`` at a time (one multi-key DEL per block:
         its keys share a slot) until a DEL removes fewer: usually one pipelined round trip. (A
         block of more than 8 chunks that Redis's own eviction left with a gap keeps the chunks

@@ -24,7 +24,7 @@ from typing import Union
 
 Buffer = Union[bytes, bytearray, memoryview]
 Command = Sequence[Buffer]
-Reply = Union[bytes, int, None, "ErrorReply", "Overflow"]
+Reply = Union[bytes, int, None, "ErrorReply", "Overflow", list["Reply"]]
 
 _IOV_MAX = 512  # buffers per sendmsg (the kernel allows 1024)
 _READ_BYTES = 64 * 1024  # the line buffer; bulk payloads bypass it
@@ -213,6 +213,9 @@ class Connection:
             return ErrorReply(rest.decode(errors="replace"))
         if kind == b":":
             return int(rest)
+        if kind == b"*":  # EXEC's replies
+            n = int(rest)
+            return None if n < 0 else [self._reply(None) for _ in range(n)]
         raise ProtocolError(f"unexpected redis reply type {kind!r}")
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
+import redis
 import redis.asyncio
 from redis.cluster import key_slot
 
 from kvstore.config import Config, RedisConfig
-from kvstore.errors import Unavailable
+from kvstore.errors import ResourceExhausted, Unavailable
 from kvstore.testing.servers import redis_server
-from kvstore.tiers import build_tier
+from kvstore.tiers import build_tier, resp
 from kvstore.tiers.redis import RedisTier
 
 CHUNK = 64 * 1024
@@ -98,6 +102,57 @@ async def test_killed_server_raises_unavailable_then_recovers(block):
             assert await tier.get(meta.ref, into) == meta and into == data
         finally:
             await tier.close()
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "redis_py"])
+async def test_a_put_refused_for_memory_stores_nothing_of_that_block(direct, block):
+    """noeviction and a block bigger than the room left: the put fails with ResourceExhausted,
+    and none of the block's chunks stays behind (each block is one MULTI/EXEC)."""
+    with redis_server("--maxmemory", "3mb", "--maxmemory-policy", "noeviction") as server:
+        tier = RedisTier(redis.asyncio.Redis.from_url(server.url), key_prefix="t", chunk_bytes=CHUNK, direct_io=direct)
+        try:
+            small, big = block(20, SIZE), block(21, 64 * CHUNK)  # 4 MiB into 3 MiB
+            await tier.put_many([small])
+            with pytest.raises(ResourceExhausted):
+                await tier.put_many([big])
+            keys = sorted(k.decode() for k in await tier.client.keys("t:*"))
+            assert keys == sorted([tier.header_key(small[0].ref), *tier.chunk_keys(small[0].ref, SIZE)])
+            into = buffer(SIZE)
+            assert await tier.get(small[0].ref, into) == small[0] and into == small[1]
+        finally:
+            await tier.close()
+
+
+async def test_a_put_cut_off_mid_pipeline_leaves_no_chunk_of_the_unfinished_block(redis_clean, block):
+    """The connection ends after half of the pipeline went out (the sidecar killed mid-put): the
+    block whose transaction went out whole is stored whole, the one cut off not at all."""
+    single = RedisTier(redis.asyncio.Redis.from_url(redis_clean.url), key_prefix="t", chunk_bytes=CHUNK, pipelines=1)
+    whole, cut = block(22, SIZE), block(23, 21 * CHUNK)
+    send = resp.Connection._send
+    watcher = redis.Redis(port=redis_clean.port)
+
+    def send_half_then_end(conn: resp.Connection, bufs: list[resp.Buffer]) -> None:
+        send(conn, bufs[: len(bufs) // 2])
+        conn.sock.shutdown(socket.SHUT_WR)  # the server reads all that was sent, then EOF
+        port = conn.sock.getsockname()[1]
+        for _ in range(500):
+            if f":{port} " not in watcher.execute_command("CLIENT", "LIST").decode():
+                break  # the server has dropped this client: it has read everything sent
+            time.sleep(0.01)
+        raise ConnectionResetError("cut off")
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(resp.Connection, "_send", send_half_then_end)
+            with pytest.raises(Unavailable):
+                await single.put_many([whole, cut])
+        keys = sorted(k.decode() for k in await single.client.keys("t:*"))
+        assert keys == sorted([single.header_key(whole[0].ref), *single.chunk_keys(whole[0].ref, SIZE)])
+        into = buffer(SIZE)
+        assert await single.get(whole[0].ref, into) == whole[0] and into == whole[1]
+    finally:
+        watcher.close()
+        await single.close()
 
 
 async def test_cluster_scan_covers_every_node(cluster_clean, block):

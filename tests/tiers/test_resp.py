@@ -57,6 +57,19 @@ def test_a_long_pipeline_of_small_replies_crosses_the_line_buffer(redis_clean):
         conn.close()
 
 
+def test_exec_replies_are_arrays_and_a_refused_command_aborts_the_transaction(redis_clean):
+    conn = Connection(Endpoint("127.0.0.1", redis_clean.port))
+    try:
+        replies = conn.execute([(b"MULTI",), (b"SET", b"a", b"1"), (b"INCR", b"n"), (b"EXEC",), (b"GET", b"a")])
+        assert replies == [b"OK", b"QUEUED", b"QUEUED", [b"OK", 1], b"1"]
+        replies = conn.execute([(b"MULTI",), (b"SET", b"b", b"2"), (b"NOSUCHCOMMAND",), (b"EXEC",), (b"EXISTS", b"b")])
+        assert replies[:2] == [b"OK", b"QUEUED"]
+        assert isinstance(replies[2], ErrorReply) and isinstance(replies[3], ErrorReply)
+        assert replies[3].code == "EXECABORT" and replies[4] == 0  # nothing of it was applied
+    finally:
+        conn.close()
+
+
 def test_authentication_and_db():
     with redis_server("--requirepass", "pw") as server:
         conn = Connection(Endpoint("127.0.0.1", server.port, password="pw", db=2))
