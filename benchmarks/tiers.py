@@ -63,7 +63,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,7 @@ class Raw:
     get: Callable[[], Awaitable[Any]]
     reset: Callable[[], Awaitable[Any]] = _nothing
     cleanup: Callable[[], Awaitable[Any]] = _nothing
+    keys: list[str] = field(default_factory=list)  # (Redis) the keys a put stores
 
 
 @dataclass
@@ -213,11 +214,29 @@ class _Bench:
                 await raw.put()
                 for p in peers:
                     await asyncio.to_thread(p.put, False)
+                if raw.keys:
+                    await self.redis_memory(tier_name, tier, raw, peers)
                 best = await self.interleaved(f"tier {tier_name} get", {"ours": ours_get, "raw": raw.get, **peer_runs("get")})
                 self.record("tier", tier_name, "get", best["ours"], best["raw"])
                 await tier.delete_many(refs)
         finally:
             await tier.close()
+
+    async def redis_memory(self, tier_name: str, tier: Any, raw: Raw, peers: list[Any]) -> None:
+        """Redis memory per byte of the blocks each side stores (the sum of ``MEMORY USAGE`` over
+        its keys, every side holding all N blocks): ``tier.<tier>.memory.{ours,raw,<peer>}``, and
+        ``memory_<tier>`` = raw's / ours (above 1: kvstore stores the same blocks in less)."""
+        keys = {"ours": [k for m, _ in self.items for k in (tier.header_key(m.ref), *tier.chunk_keys(m.ref, m.size))], "raw": raw.keys}
+        keys.update({p.label: p.stored_keys() for p in peers if p.keys is not None})
+        per_byte = {}
+        for name, names in keys.items():
+            used = sum([await tier.client.memory_usage(k) or 0 for k in names])
+            per_byte[name] = used / (self.n * self.size)
+            self.figures[f"tier.{tier_name}.memory.{name}"] = {"value": round(per_byte[name], 4), "unit": "bytes per block byte"}
+        self.ratios[f"memory_{tier_name}"] = round(per_byte["raw"] / per_byte["ours"], 3)
+        for p in peers:
+            if p.label in per_byte:
+                self.ratios[f"vs_{p.label.split('.')[0]}_memory_{tier_name}_tier"] = round(per_byte[p.label] / per_byte["ours"], 3)
 
     # ---- through the service vs raw -------------------------------------------------------------
 
@@ -419,7 +438,7 @@ class _Bench:
             await reset()
             await raw.aclose()
 
-        return Raw(put, get, reset, cleanup)
+        return Raw(put, get, reset, cleanup, keys)
 
     async def raw_s3(self, stack: contextlib.AsyncExitStack, client: Callable[[], Any]) -> Raw:
         raw = await stack.enter_async_context(client())

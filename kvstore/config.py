@@ -23,7 +23,7 @@ GiB = 1 << 30
 TIER_IN_FLIGHT = 16  # requests the sidecar's movers keep in flight to one lower tier
 SSD_IO_THREADS = 4  # files of an SSD batch written at once
 REDIS_PIPELINES = 8  # concurrent pipelines a Redis batch is split into
-REDIS_CHUNK_BYTES = 2 * MiB  # Redis value size a block is cut into (fewer, larger SETs measured faster than 1 MiB)
+REDIS_CHUNK_BYTES = 2 * MiB  # Redis memory per chunk a block is cut into (fewer, larger SETs measured faster than 1 MiB)
 
 
 class _Section(BaseModel):
@@ -92,7 +92,7 @@ class RedisConfig(_Section):
     cluster: bool = False
     key_prefix: str = "kvstore"
     ttl_s: int = Field(0, ge=0, description="expire blocks after this many seconds (0: never)")
-    chunk_bytes: int = Field(REDIS_CHUNK_BYTES, ge=64 * 1024, le=2 * MiB * 8)
+    chunk_bytes: int = Field(REDIS_CHUNK_BYTES, ge=64 * 1024, le=2 * MiB * 8, description="Redis memory per chunk (a power of two fits a jemalloc size class); each carries 64 bytes less of the block")
     retries: int = Field(3, ge=0, description="redis-py Retry attempts after a connection error")
     backoff_base_s: float = Field(0.05, gt=0, description="ExponentialBackoff base between retries")
     backoff_cap_s: float = Field(1.0, gt=0, description="ExponentialBackoff cap between retries")

@@ -217,7 +217,7 @@ class _Peer:
                 raw.delete(k.to_string() + "metadata")
 
         try:
-            with self.measured("lmcache", tier, backend, cpu, drop, ops) as b:
+            with self.measured("lmcache", tier, backend, cpu, drop, ops, lambda keys: [k.to_string() + s for k in keys for s in ("kv_bytes", "metadata")]) as b:
                 yield b
         finally:
             # No backend.close(): its executor shutdown waits on worker futures it has just
@@ -228,11 +228,13 @@ class _Peer:
 
     @contextlib.contextmanager
     def measured(
-        self, name: str, tier: str, backend: Any, cpu: Any, drop: Callable[[list[Any]], None], ops: tuple[str, ...]
+        self, name: str, tier: str, backend: Any, cpu: Any, drop: Callable[[list[Any]], None], ops: tuple[str, ...],
+        names: Callable[[list[Any]], list[str]] | None = None,
     ) -> Iterator[Backend]:
         """A :class:`Backend` for the caller's rounds (after one untimed round that warms up
-        threads and connections); its best figures of ``ops`` are recorded when the caller is done."""
-        b = Backend(self, f"{name}.{tier}", backend, self.sources(cpu), drop)
+        threads and connections); its best figures of ``ops`` are recorded when the caller is done.
+        ``names``: the Redis keys LMCache stores for its keys (remote backends)."""
+        b = Backend(self, f"{name}.{tier}", backend, self.sources(cpu), drop, names)
         try:
             b.put(record=False)
             b.get(record=False)
@@ -255,8 +257,11 @@ class Backend:
     rotation as the tier and the raw client, so all three see the same phase of this VM). Every
     call blocks: run it off the event loop."""
 
-    def __init__(self, peer: _Peer, label: str, backend: Any, objs: list[Any], drop: Callable[[list[Any]], None]) -> None:
-        self.peer, self.label, self.backend, self.objs, self._drop = peer, label, backend, objs, drop
+    def __init__(
+        self, peer: _Peer, label: str, backend: Any, objs: list[Any], drop: Callable[[list[Any]], None],
+        names: Callable[[list[Any]], list[str]] | None = None,
+    ) -> None:
+        self.peer, self.label, self.backend, self.objs, self._drop, self._names = peer, label, backend, objs, drop, names
         self.best = dict.fromkeys(("put", "put_copyin", "get", "get_copyout"), float("inf"))
         self.errors: list[str] = []
         self.stuck = False  # a put that never completed leaves the backend stuck: stop driving it
@@ -290,6 +295,11 @@ class Backend:
         if record:
             for op, t in zip(ops, times):
                 self.best[op] = min(self.best[op], t)
+
+    def stored_keys(self) -> list[str]:
+        """The Redis keys of the last put (remote backends only)."""
+        assert self._names is not None and self.keys is not None
+        return self._names(self.keys)
 
     def drop(self) -> None:
         if self.keys is not None:

@@ -3,7 +3,14 @@
 Keys, for block ``ref`` under ``key_prefix`` ``P``::
 
     P:<ns hex 16>:{<key hex 64>}:m     encode_header(meta)
-    P:<ns hex 16>:{<key hex 64>}:<i>   payload chunk i (chunk_bytes each, the last shorter)
+    P:<ns hex 16>:{<key hex 64>}:<i>   payload chunk i (stride bytes each, the last shorter)
+
+A chunk carries ``stride = chunk_bytes - VALUE_SLACK`` bytes of the block, so that Redis stores it
+in exactly ``chunk_bytes`` (a jemalloc size class when that is a power of two): Redis adds a few
+bytes to every value it allocates (the string header, and the CRLF while the value is being
+read), and a value of exactly 2 MiB lands in the next class up, 2.5 MiB. Measured with
+``MEMORY USAGE``: 2,621,488 bytes for a 2 MiB value, 2,097,200 for one of 2 MiB - 64. A 2 MiB
+block is then one full chunk and a 64-byte one: 20% less Redis memory per block.
 
 The ``{...}`` hash tag puts every key of one block on one cluster slot, so a block's chunks are
 written and read by one pipeline on one node. Writes are pipelined, each block's SETs (chunks,
@@ -47,6 +54,7 @@ from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, enc
 T = TypeVar("T")
 
 STRAY_RUN = 8  # chunk keys per DEL when a block's header does not say how many it has
+VALUE_SLACK = 64  # bytes of a chunk's allocation left to Redis's own overhead (at least 12 are used)
 
 # What "the server cannot be reached" looks like from redis-py (cluster errors included).
 _UNAVAILABLE = (
@@ -148,6 +156,7 @@ class RedisTier(TierBase):
         self.client = client
         self.key_prefix = key_prefix
         self.chunk_bytes = chunk_bytes
+        self.stride = chunk_bytes - VALUE_SLACK  # block bytes per chunk
         self.ttl_s = ttl_s or None
         self.cluster = isinstance(client, RedisCluster)
         self.pipelines = pipelines
@@ -194,7 +203,7 @@ class RedisTier(TierBase):
         return [f"{base}:{i}" for i in range(first, end)]
 
     def n_chunks(self, size: int) -> int:
-        return max(1, -(-size // self.chunk_bytes))
+        return max(1, -(-size // self.stride))
 
     def _pipeline(self) -> Any:
         return self.client.pipeline(transaction=False) if not self.cluster else self.client.pipeline()
@@ -207,7 +216,7 @@ class RedisTier(TierBase):
         return meta
 
     def _chunk_lengths(self, size: int) -> list[int]:
-        step = self.chunk_bytes
+        step = self.stride
         return [min(step, size - i * step) for i in range(self.n_chunks(size))]
 
     # ---- the commands of a read and of a write (both paths send these) -----------------------
@@ -216,7 +225,7 @@ class RedisTier(TierBase):
         """The GETs that read ``refs`` into ``into``: each block's header key (no destination),
         then its chunk keys, each with the slice of the buffer it lands in. ``into`` is at least
         the block's size, so that covers every chunk of the block."""
-        step = self.chunk_bytes
+        step = self.stride
         gets: list[tuple[str, memoryview | None]] = []
         for r, buf in zip(refs, into):
             gets.append((self.header_key(r), None))
@@ -240,7 +249,7 @@ class RedisTier(TierBase):
 
     def _sets(self, meta: BlockMeta, data: memoryview) -> list[tuple[str, bytes | memoryview]]:
         """The SETs that store one block, in one transaction: its chunks, then its header."""
-        step = self.chunk_bytes
+        step = self.stride
         sets: list[tuple[str, bytes | memoryview]] = [
             (k, data[i * step : (i + 1) * step]) for i, k in enumerate(self.chunk_keys(meta.ref, meta.size))
         ]

@@ -24,6 +24,10 @@ def test_tiers_bench_shape(tmp_path) -> None:
                 for side in ("ours", "raw"):
                     fig = result["figures"][f"{kind}.{tier}.{op}.{side}"]
                     assert fig["unit"] == "MiB/s" and fig["value"] > 0
+    for side in ("ours", "raw"):  # Redis memory per block byte, each side holding the same blocks
+        fig = result["figures"][f"tier.redis.memory.{side}"]
+        assert fig["unit"] == "bytes per block byte" and fig["value"] >= 1
+    assert result["ratios"]["memory_redis"] > 0
     assert result["figures"]["block_bytes"]["value"] == 65536
     assert result["figures"]["blocks"]["value"] == 2
 

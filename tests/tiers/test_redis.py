@@ -39,7 +39,22 @@ async def test_keys_share_one_slot_and_carry_prefix_and_namespace(single, block)
     assert len({key_slot(k.encode()) for k in keys}) == 1
     await single.put(meta, data)
     assert sorted(k.decode() for k in await single.client.keys("t:*")) == sorted(keys)
-    assert await single.client.strlen(keys[1]) == CHUNK and await single.client.strlen(keys[-1]) == 100
+    stride = CHUNK - 64
+    assert await single.client.strlen(keys[1]) == stride and await single.client.strlen(keys[-1]) == SIZE - 3 * stride
+
+
+async def test_a_full_chunk_takes_chunk_bytes_of_redis_memory(single, block):
+    """A chunk leaves room for Redis's own bytes, so its allocation is exactly ``chunk_bytes``
+    (a jemalloc size class): a block costs its size in Redis memory. A value of exactly 64 KiB
+    takes the next class up, 80 KiB."""
+    meta, data = block(5, 8 * CHUNK)
+    await single.put(meta, data)
+    keys = single.chunk_keys(meta.ref, meta.size)
+    assert len(keys) == 9  # eight full chunks and 512 bytes
+    for k in keys[:-1]:
+        assert await single.client.memory_usage(k) <= CHUNK + 256  # the key and its entry aside
+    await single.client.set("t:plain", bytes(CHUNK))
+    assert await single.client.memory_usage("t:plain") >= CHUNK * 5 // 4
 
 
 async def test_block_with_a_chunk_gone_is_a_miss(single, block):
@@ -236,7 +251,7 @@ async def test_direct_path_counts_a_chunk_of_the_wrong_length_as_a_miss(single, 
     meta, data = block(12, SIZE)
     await single.put(meta, data)
     await single.client.append(single.chunk_keys(meta.ref, SIZE)[1], b"x")  # same total bytes elsewhere: not the block
-    await single.client.set(single.chunk_keys(meta.ref, SIZE)[3], bytes(data[3 * CHUNK : -1]))
+    await single.client.set(single.chunk_keys(meta.ref, SIZE)[3], bytes(data[3 * single.stride : -1]))
     assert await single.get_many_hashed([meta.ref], [buffer(SIZE)]) == [(None, None)]
 
 
