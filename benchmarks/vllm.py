@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.testing.servers import free_port
 from kvstore.tuning import ENV as MALLOC_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -323,12 +324,6 @@ def _phases(args: argparse.Namespace, pr: dict[str, Any]) -> list[dict[str, Any]
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _p50(xs: list[float]) -> float:
     from benchmarks.common import percentile
 
@@ -510,7 +505,7 @@ class MooncakePeer:
             if master is None:
                 raise RuntimeError("mooncake_master is not on PATH")
             work.mkdir(parents=True, exist_ok=True)
-            rpc, http, metrics = _free_port(), _free_port(), _free_port()
+            rpc, http, metrics = free_port(), free_port(), free_port()
             self.log = open(work / "mooncake_master.log", "wb")  # noqa: SIM115 - closed in close()
             self.proc = subprocess.Popen(
                 [master, f"--rpc_port={rpc}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",

@@ -4,7 +4,6 @@ a namespace, and free ports. Tier servers (redis, S3) live in tests/tiers/confte
 from __future__ import annotations
 
 import signal
-import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,12 +17,6 @@ from kvstore.sidecar import Sidecar
 from kvstore.testing.sidecar import ServeProcess
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def small_config(tmp_path: Path, **overrides: Any) -> Config:

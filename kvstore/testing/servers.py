@@ -10,13 +10,14 @@ Each helper is a context manager yielding a handle with ``url``/``port`` and ``s
     with moto_server() as s3:          # python -m moto.server as a subprocess
         s3.url
 
-Nothing here talks to the system Redis on 6379: every port comes from the kernel (bind to 0).
+Nothing here talks to the system Redis on 6379: every port is one :func:`free_port` found free.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -36,11 +37,36 @@ START_TIMEOUT_S = 30.0
 MOTO_CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A loopback TCP port that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port that is free right now, taken below the kernel's ephemeral range and
+    never the same twice in one process. A port from ``bind(0)`` comes from the ephemeral range,
+    where the kernel also places the local end of every outgoing connection (cluster nodes
+    talking to each other, clients of moto and Redis): between the pick and the server's own
+    bind, such a connection can take it ("Address already in use"). Below that range only an
+    explicit bind can."""
+    top = _ephemeral_low()
+    for _ in range(1000):
+        port = random.randrange(max(1024, top - 12000), top)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port found below {top}")
 
 
 def _wait(predicate, what: str, proc: subprocess.Popen | None = None, timeout: float = START_TIMEOUT_S) -> None:

@@ -9,7 +9,8 @@ import subprocess
 import sys
 import urllib.request
 
-from tests.conftest import REPO, free_port
+from kvstore.testing.servers import free_port
+from tests.conftest import REPO
 
 WRITER = """
 import sys, numpy as np
