@@ -473,13 +473,13 @@ class Tiering:
             if meta is not None:  # a copy whose bytes do not match the commit: never served
                 log.warning("checksum mismatch on %s copy of %s; dropping it", lv.name, b.key.hex()[:16])
                 self.store.stats.tier(lv.name, "checksum_failures")
-                try:
-                    await lv.tier.delete(lv.ref(b))
-                except Unavailable as exc:
-                    self._mark_down(lv, exc)
-            else:
+            else:  # gone, or unreadable as a whole (a Redis chunk evicted, another chunk size)
                 self.store.stats.tier(lv.name, "misses")
-            self._unplaced(lv, b)  # gone or bad: that copy is no more
+            try:  # what is left of it would never be read: it goes too
+                await lv.tier.delete(lv.ref(b))
+            except Unavailable as exc:
+                self._mark_down(lv, exc)
+            self._unplaced(lv, b)  # that copy is no more
         return found
 
     async def delete(self, b: Block) -> None:

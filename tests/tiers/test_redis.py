@@ -150,7 +150,7 @@ async def test_a_put_cut_off_mid_pipeline_leaves_no_chunk_of_the_unfinished_bloc
         send(conn, bufs[: len(bufs) // 2])
         conn.sock.shutdown(socket.SHUT_WR)  # the server reads all that was sent, then EOF
         port = conn.sock.getsockname()[1]
-        for _ in range(500):
+        for _ in range(2000):
             if f":{port} " not in watcher.execute_command("CLIENT", "LIST").decode():
                 break  # the server has dropped this client: it has read everything sent
             time.sleep(0.01)

@@ -176,6 +176,35 @@ async def test_corruption_in_a_lower_tier_is_a_miss_and_never_served(tmp_path, t
         assert (await c.stats())["tiers"][tier]["checksum_failures"] == 1
 
 
+async def test_a_redis_block_missing_a_chunk_is_a_miss_and_its_other_keys_go(tmp_path, redis_clean):
+    """A chunk evicted by Redis itself (maxmemory) leaves a block that can never be read: the
+    read is a miss, and the header and the other chunks are deleted, not left for nobody."""
+    import redis as sync_redis
+
+    from kvstore.tiers.base import BlockRef
+
+    cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "tiering.chain": ["redis"], "redis.enabled": True,
+                                     "redis.url": redis_clean.url, "redis.chunk_bytes": 65536})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        a, b = chain(35, 2), chain(36, 4)
+        da = blocks_for(2, 35)
+        await c.put_blocks(NS, a, da)
+        await c.put_blocks(NS, b, blocks_for(4, 36))  # evicts a from DRAM to Redis
+        await settle(sc)
+        assert placement(sc, a) == ["redis", "redis"]
+        tier = sc.store.tiering.levels[0].tier
+        ref = BlockRef(NS.root, a[1])
+        keys = [tier.header_key(ref), *tier.chunk_keys(ref, PAGE)]
+        assert len(keys) == 3  # a header and two chunks (64 KiB - 64, then 64 bytes)
+        r = sync_redis.Redis.from_url(redis_clean.url)
+        assert r.delete(keys[2]) == 1  # as maxmemory eviction would
+        got = await c.get_blocks(NS, a)
+        assert [g.tobytes() for g in got] == da[:1]
+        assert placement(sc, a)[1] == "gone"
+        assert r.exists(*keys) == 0
+        assert (await c.stats())["tiers"]["redis"]["misses"] >= 1
+
+
 async def corrupt(sc: Sidecar, tier: str, key: bytes, request) -> None:
     from kvstore.tiers.base import BlockRef
 
