@@ -44,7 +44,9 @@ Every get, ours and raw, ends with the bytes in buffers the caller owns: the eng
 in real use (a raw client's ``bytes`` still has to be copied there, as a lease's slots do).
 
 Figures are MiB/s (best of ``--repeat``); ratios are raw time / our time (higher is better,
-1.0 = parity): ``tier_{put,get}_<tier>`` and ``service_{put,get}_<tier>``. Servers come from
+1.0 = parity): ``tier_{put,get}_<tier>`` and ``service_{put,get}_<tier>``. For Redis also the
+server memory per block byte each side's keys take (``tier.<tier>.memory.*``, ``MEMORY USAGE``
+summed) and ``memory_<tier>`` = raw's / ours. Servers come from
 :mod:`kvstore.testing.servers` unless their addresses are given (``--redis-url``,
 ``--redis-cluster-url``, ``--s3-endpoint``). ``--peers`` adds LMCache 0.5.6's storage backends
 on the same servers (see :mod:`benchmarks.peers`). Run: ``python -m benchmarks.tiers`` or
