@@ -463,7 +463,7 @@ class Tiering:
         except ChecksumMismatch:  # an unreadable copy in the batch: verify one by one
             metas = [await verified_get(lv.tier, lv.ref(b), memoryview(v), b.checksum or 0) for b, v in zip(blocks, views)]
             read = [(m, None if m is None else m.checksum) for m in metas]
-        found = []
+        found, bad = [], []
         for b, (meta, got) in zip(blocks, read):
             ok = meta is not None and meta.checksum == b.checksum and got == b.checksum
             found.append(ok)
@@ -475,11 +475,14 @@ class Tiering:
                 self.store.stats.tier(lv.name, "checksum_failures")
             else:  # gone, or unreadable as a whole (a Redis chunk evicted, another chunk size)
                 self.store.stats.tier(lv.name, "misses")
-            try:  # what is left of it would never be read: it goes too
-                await lv.tier.delete(lv.ref(b))
+            bad.append(b)
+        if bad:
+            try:  # what is left of them would never be read: it goes too, in one batch
+                await lv.tier.delete_many([lv.ref(b) for b in bad])
             except Unavailable as exc:
                 self._mark_down(lv, exc)
-            self._unplaced(lv, b)  # that copy is no more
+            for b in bad:
+                self._unplaced(lv, b)  # that copy is no more
         return found
 
     async def delete(self, b: Block) -> None:

@@ -211,13 +211,16 @@ class _Peer:
         backend = RemoteBackend(cfg, self.metadata, loop.loop, cpu)
         raw: Any = redis.RedisCluster.from_url(node) if tier == "redis_cluster" else redis.Redis.from_url(node)
 
+        def names(keys: list[Any]) -> list[str]:
+            """The Redis keys RedisConnector stores for ``keys``: payload and metadata of each."""
+            return [k.to_string() + suffix for k in keys for suffix in ("kv_bytes", "metadata")]
+
         def drop(keys: list[Any]) -> None:
-            for k in keys:  # one key at a time: in a cluster the two keys live on different slots
-                raw.delete(k.to_string() + "kv_bytes")
-                raw.delete(k.to_string() + "metadata")
+            for name in names(keys):  # one key at a time: in a cluster the two keys live on different slots
+                raw.delete(name)
 
         try:
-            with self.measured("lmcache", tier, backend, cpu, drop, ops, lambda keys: [k.to_string() + s for k in keys for s in ("kv_bytes", "metadata")]) as b:
+            with self.measured("lmcache", tier, backend, cpu, drop, ops, names) as b:
                 yield b
         finally:
             # No backend.close(): its executor shutdown waits on worker futures it has just

@@ -43,11 +43,16 @@ def _unavailable(exc: BaseException) -> bool:
     return False
 
 
-def _joined(header: bytes, data: memoryview) -> bytearray:
-    """The object: header and payload in one buffer (one copy of the payload)."""
-    body = bytearray(len(header) + len(data))
-    body[: len(header)] = header
-    body[len(header) :] = data
+def _span(header: bytes, data: memoryview, start: int, end: int) -> bytearray:
+    """Bytes ``start:end`` of the object (header, then payload) in one buffer: one copy of that
+    part of the payload. botocore takes no memoryview as a body."""
+    body = bytearray(end - start)
+    h = len(header)
+    if start < h:
+        body[: min(h, end) - start] = header[start:end]
+    if end > h:
+        lo = max(start, h)
+        body[lo - start :] = data[lo - h : end - h]
     return body
 
 
@@ -251,25 +256,26 @@ class S3Tier(TierBase):
         if len(data) != meta.size:
             raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
         header, key = encode_header(meta), self.object_key(meta.ref)
-        if len(header) + meta.size > self.multipart_threshold_bytes:
-            await self._multipart(key, memoryview(_joined(header, data)))
+        total = len(header) + meta.size
+        if total > self.multipart_threshold_bytes:
+            await self._multipart(key, header, data)
             return
-        async with self._sem:  # the body is made once a request can go: at most `concurrency` at a time
-            await self._call_held("put_object", Key=key, Body=_joined(header, data))
+        async with self._sem:  # a body is made once its request can go: at most `concurrency` at a time
+            await self._call_held("put_object", Key=key, Body=_span(header, data, 0, total))
 
-    async def _multipart(self, key: str, body: memoryview) -> None:
+    async def _multipart(self, key: str, header: bytes, data: memoryview) -> None:
         upload = await self._call("create_multipart_upload", Key=key)
         upload_id = upload["UploadId"]
-        step = self.part_bytes
+        step, total = self.part_bytes, len(header) + len(data)
 
         async def part(number: int, offset: int) -> dict[str, Any]:
-            resp = await self._call(
-                "upload_part", Key=key, UploadId=upload_id, PartNumber=number, Body=bytes(body[offset : offset + step])
-            )
+            async with self._sem:
+                body = _span(header, data, offset, min(offset + step, total))
+                resp = await self._call_held("upload_part", Key=key, UploadId=upload_id, PartNumber=number, Body=body)
             return {"PartNumber": number, "ETag": resp["ETag"]}
 
         try:
-            parts = await asyncio.gather(*(part(i + 1, off) for i, off in enumerate(range(0, len(body), step))))
+            parts = await asyncio.gather(*(part(i + 1, off) for i, off in enumerate(range(0, total, step))))
             await self._call("complete_multipart_upload", Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
         except BaseException:
             with contextlib.suppress(Exception):

@@ -50,12 +50,12 @@ async def test_a_batch_holds_at_most_concurrency_object_bodies(moto_clean, s3_cl
 
     tier = S3Tier(s3_client(moto_clean.url), bucket="kvs-bodies", concurrency=2)
     made, sent, most = [0], [0], [0]
-    real_joined, real_held = s3_module._joined, tier._call_held
+    real_span, real_held = s3_module._span, tier._call_held
 
-    def joined(header, data):
+    def span(header, data, start, end):
         made[0] += 1
         most[0] = max(most[0], made[0] - sent[0])
-        return real_joined(header, data)
+        return real_span(header, data, start, end)
 
     async def held(op, **kw):
         try:
@@ -63,7 +63,7 @@ async def test_a_batch_holds_at_most_concurrency_object_bodies(moto_clean, s3_cl
         finally:
             sent[0] += op == "put_object"
 
-    monkeypatch.setattr(s3_module, "_joined", joined)
+    monkeypatch.setattr(s3_module, "_span", span)
     monkeypatch.setattr(tier, "_call_held", held)
     try:
         blocks = [block(40 + i, 64 * 1024) for i in range(10)]
