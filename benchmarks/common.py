@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import mmap
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +31,18 @@ class Result:
         if self.notes:
             out["notes"] = self.notes
         return out
+
+
+def pages(n: int, size: int) -> tuple[list[memoryview], mmap.mmap]:
+    """N buffers of ``size`` bytes, each starting on a page of one mapping, as the sidecar's
+    slab slots and an allocator's memory objects do (LMCache's). A kernel copy into a buffer
+    that starts mid-page (a ``bytearray``, a numpy array: 16-64 bytes into their pages) runs
+    15-20% slower here: 32 page-cache reads of 2 MiB took 5.2-5.6 ms into bytearrays against
+    4.3-4.9 ms into one mapping. Keep the mapping alive as long as the views."""
+    stride = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    mapping = mmap.mmap(-1, max(1, n * stride))
+    view = memoryview(mapping)
+    return [view[i * stride : i * stride + size] for i in range(n)], mapping
 
 
 def percentile(samples: list[float], q: float) -> float:

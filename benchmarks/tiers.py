@@ -72,11 +72,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks.common import pages
 from kvstore.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef
 
 MiB = 1 << 20
-PAGE = mmap.PAGESIZE
 MIN_DRAM = 64 * 1024  # dram.capacity_bytes lower bound
 POLL_S = 0.0005
 SERVICE_TIMEOUT_S = 120.0
@@ -87,10 +87,8 @@ def _blocks(n: int, size: int) -> tuple[list[tuple[BlockMeta, memoryview]], mmap
     writes them as they are). Distinct, as an engine's KV blocks are: N sends of one 2 MiB
     buffer read it from the CPU cache, N blocks come from memory (measured here: 22 ms against
     33 ms for a put of 32 x 2 MiB to Redis)."""
-    stride = -(-size // PAGE) * PAGE
-    payload = mmap.mmap(-1, n * stride)
-    payload[:] = np.random.default_rng().integers(0, 256, n * stride, dtype=np.uint8).tobytes()
-    views = [memoryview(payload)[i * stride : i * stride + size] for i in range(n)]
+    views, payload = pages(n, size)
+    payload[:] = np.random.default_rng().integers(0, 256, len(payload), dtype=np.uint8).tobytes()
     ns = b"B" * 32
     return [(BlockMeta(BlockRef(ns, i.to_bytes(32, "big")), b"", size, checksum(v), "bench"), v) for i, v in enumerate(views)], payload
 
@@ -150,7 +148,7 @@ class _Bench:
             self.peers = Peers(args, [d for _, d in self.items])
         self.s3_concurrency, self.s3_bucket = args.s3_concurrency, args.s3_bucket
         self.run_id = uuid.uuid4().hex[:8]  # key prefix: safe on shared, given servers
-        self.bufs = [memoryview(bytearray(self.size)) for _ in range(self.n)]
+        self.bufs, self._bufs = pages(self.n, self.size)  # gets land in page-aligned buffers, as in slab slots
         self.figures: dict[str, dict[str, Any]] = {}
         self.ratios: dict[str, float] = {}
         self.notes: dict[str, Any] = {}
@@ -266,7 +264,7 @@ class _Bench:
             env["KVSTORE_TIERING__WRITE_THROUGH"] = json.dumps([label])
         ns = Namespace(model=f"bench-{self.run_id}", kv_layout="raw", dtype="uint8", block_size=1)
         blocks = [np.frombuffer(d, dtype=np.uint8) for _, d in self.items]
-        out = [np.zeros(self.size, dtype=np.uint8) for _ in range(self.n)]
+        out = [np.frombuffer(v, dtype=np.uint8) for v in pages(self.n, self.size)[0]]  # the worker's own buffers
         counter = iter(range(1, 1 << 30))
         nbytes = self.n * self.size
 

@@ -63,6 +63,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from benchmarks.common import pages
+
 MiB = 1 << 20
 GiB = 1 << 30
 CHUNK_TOKENS = 256
@@ -111,7 +113,7 @@ class _Peer:
             kv_dtype=torch.float16, kv_shape=self.shape,
         )
         self.payloads = [np.frombuffer(p, dtype=np.uint8) for p in payloads]  # kvstore's blocks, one per chunk
-        self.out = [np.zeros(self.size, dtype=np.uint8) for _ in range(self.n)]
+        self.out = [np.frombuffer(v, dtype=np.uint8) for v in pages(self.n, self.size)[0]]  # as kvstore's service get copies into
         self.figures: dict[str, dict[str, Any]] = {}
         self.failures: dict[str, list[str]] = {}
         self._hash = iter(range(1, 1 << 62))
