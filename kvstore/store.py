@@ -9,6 +9,7 @@ is None for a DRAM-only store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import operator
 import time
@@ -179,13 +180,14 @@ class BlockStore:
         reserved: list[tuple[BlockSpec, Slot]] = []
         slots: list[Slot | None] = []
         try:
-            for s, cls in zip(specs, classes):
-                if self.index.get(ns, s.key) is not None:
-                    slots.append(None)  # committed already, or being written by someone else
-                    continue
-                slot = self._take_slot(cls)
-                reserved.append((s, slot))
-                slots.append(slot)
+            with self.tiering.staging_batch() if self.tiering is not None else contextlib.nullcontext():
+                for s, cls in zip(specs, classes):
+                    if self.index.get(ns, s.key) is not None:
+                        slots.append(None)  # committed already, or being written by someone else
+                        continue
+                    slot = self._take_slot(cls)
+                    reserved.append((s, slot))
+                    slots.append(slot)
         except ResourceExhausted:
             for _, slot in reserved:
                 self.slab.free(slot)
