@@ -37,8 +37,8 @@ def pages(n: int, size: int) -> tuple[list[memoryview], mmap.mmap]:
     """N buffers of ``size`` bytes, each starting on a page of one mapping, as the sidecar's
     slab slots and an allocator's memory objects do (LMCache's). A kernel copy into a buffer
     that starts mid-page (a ``bytearray``, a numpy array: 16-64 bytes into their pages) runs
-    15-20% slower here: 32 page-cache reads of 2 MiB took 5.2-5.6 ms into bytearrays against
-    4.3-4.9 ms into one mapping. Keep the mapping alive as long as the views."""
+    15-20% slower here: 32 page-cache reads of 2 MiB took 5.2-6.2 ms into bytearrays against
+    4.1-4.9 ms into one mapping. Keep the mapping alive as long as the views."""
     stride = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
     mapping = mmap.mmap(-1, max(1, n * stride))
     view = memoryview(mapping)

@@ -209,11 +209,11 @@ class Tiering:
             self.store.stats.tier(target.name, "errors")
             return  # demotions are backed up: drop rather than hold unbounded memory
         data, buf = got
-        slot = self.store.slab.view(b.slot, b.size)  # type: ignore[arg-type]
+        src = self.store.slab.view(b.slot, b.size)  # type: ignore[arg-type]
         if self._unstaged is not None:
-            self._unstaged.append((data, slot))
+            self._unstaged.append((data, src))
         else:
-            data[:] = slot
+            data[:] = src
         self._staged[b] = data
         self._placed(target, b)
         self.store.stats.tier("dram", "demotions")
