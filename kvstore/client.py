@@ -38,7 +38,7 @@ from kvstore.checksum import checksum
 from kvstore.copying import copy_blocks, copy_blocks_async
 from kvstore.errors import KVStoreError, from_status_code
 from kvstore.keys import Namespace
-from kvstore.local import LocalChannel
+from kvstore.local import AsyncLocalChannel, LocalChannel
 from kvstore.slab import attach
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -255,20 +255,48 @@ class _LeaseState:
 # --- async ---------------------------------------------------------------------------------------
 
 
+async def _usable(channel: AsyncLocalChannel) -> AsyncLocalChannel | None:
+    """``channel`` once a Hello went through it, else None (closed)."""
+    try:
+        await channel.call("Hello", pb.HelloRequest())
+    except KVStoreError as exc:  # another host or container: the path is not ours to open
+        log.info("local socket %s not usable (%s); using gRPC", channel.path, exc)
+        await channel.aclose()
+        return None
+    return channel
+
+
 class KVStoreClient:
-    def __init__(self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = (), *, token: str = "", local: bool = True,
+    ) -> None:
+        """``local``: on the sidecar's host, send the calls over its Unix socket, as
+        :class:`SyncClient` does (an Allocate or Commit of 32 blocks: 0.6-0.8 ms there against
+        1.5-1.7 ms over gRPC). Where the socket cannot be opened the client stays on gRPC."""
         self._channel = channel
         self._stub = pb_grpc.KVStoreStub(channel)
         self._metadata = metadata
         self._wire = _Wire()
+        self._token = token
+        self._want_local = local
+        self._local: AsyncLocalChannel | None = None
+        self._local_lock: asyncio.Lock | None = None
 
     @classmethod
     def from_url(
-        cls, url: str, *, token: str = "", root_certificates: bytes | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE
+        cls, url: str, *, token: str = "", root_certificates: bytes | None = None, max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+        local: bool = True,
     ) -> KVStoreClient:
-        return cls(*_channel(url, token, root_certificates, max_message_bytes, aio=True))
+        return cls(*_channel(url, token, root_certificates, max_message_bytes, aio=True), token=token, local=local)
+
+    @property
+    def transport(self) -> str:
+        """"local" or "grpc": what the calls go over (after the first call)."""
+        return "local" if self._local is not None else "grpc"
 
     async def aclose(self) -> None:
+        if self._local is not None:
+            await self._local.aclose()
         await self._channel.close()
 
     async def __aenter__(self) -> KVStoreClient:
@@ -283,14 +311,32 @@ class KVStoreClient:
         except asyncio.TimeoutError:
             raise from_status_code(grpc.StatusCode.UNAVAILABLE, f"sidecar not reachable within {timeout}s") from None
 
-    async def _call(self, method: Any, request: Any, timeout: float | None = DEFAULT_TIMEOUT_S) -> Any:
+    async def _grpc_call(self, name: str, request: Any, timeout: float | None) -> Any:
         try:
-            return await method(request, metadata=self._metadata, timeout=timeout)
+            return await getattr(self._stub, name)(request, metadata=self._metadata, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise from_status_code(exc.code(), exc.details() or exc.code().name) from None
 
+    async def _open_local(self) -> None:
+        """Ask the sidecar for its local socket and open it; on failure stay on gRPC for good."""
+        if self._local_lock is None:
+            self._local_lock = asyncio.Lock()
+        async with self._local_lock:
+            if not self._want_local:
+                return
+            hello = await self._grpc_call("Hello", pb.HelloRequest(), DEFAULT_TIMEOUT_S)  # errors: as any call's
+            self._want_local = False
+            self._local = await _usable(AsyncLocalChannel(hello.local_socket, token=self._token)) if hello.local_socket else None
+
+    async def _call(self, name: str, request: Any, timeout: float | None = DEFAULT_TIMEOUT_S) -> Any:
+        if self._want_local:
+            await self._open_local()
+        if self._local is not None:
+            return await self._local.call(name, request, timeout)
+        return await self._grpc_call(name, request, timeout)
+
     async def lookup(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> LookupResult:
-        return _Wire.lookup_result(await self._call(self._stub.Lookup, self._wire.lookup(ns, keys, lease_ttl_ms)))
+        return _Wire.lookup_result(await self._call("Lookup", self._wire.lookup(ns, keys, lease_ttl_ms)))
 
     def allocate(
         self, ns: Namespace, keys: Sequence[bytes], sizes: Sequence[int] | int, parents: Sequence[bytes] | None = None,
@@ -304,20 +350,20 @@ class KVStoreClient:
         return Lease(self, self._wire.acquire(ns, keys, lease_ttl_ms))
 
     async def release(self, lease_id: str) -> int:
-        return (await self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id))).released
+        return (await self._call("Release", pb.ReleaseRequest(lease_id=lease_id))).released
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes] = (), *, all_keys: bool = False) -> tuple[int, int]:
-        r = await self._call(self._stub.Delete, self._wire.delete(ns, keys, all_keys))
+        r = await self._call("Delete", self._wire.delete(ns, keys, all_keys))
         return r.deleted, r.skipped_leased
 
     async def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        return (await self._call(self._stub.Prefetch, self._wire.prefetch(ns, keys), timeout=300)).ready
+        return (await self._call("Prefetch", self._wire.prefetch(ns, keys), timeout=300)).ready
 
     async def stats(self) -> dict[str, Any]:
-        return json.loads((await self._call(self._stub.Stats, pb.StatsRequest())).json)
+        return json.loads((await self._call("Stats", pb.StatsRequest())).json)
 
     async def report(self, decisions: Sequence[dict[str, Any]]) -> None:
-        await self._call(self._stub.Report, _Wire.report(decisions))
+        await self._call("Report", _Wire.report(decisions))
 
     async def put_blocks(
         self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence[Any], parents: Sequence[bytes] | None = None,
@@ -348,7 +394,7 @@ class Allocation(_AllocationState):
         self._client = client
 
     async def __aenter__(self) -> Allocation:
-        self._fill(await self._client._call(self._client._stub.Allocate, self.request))
+        self._fill(await self._client._call("Allocate", self.request))
         return self
 
     async def commit(self, indices: Sequence[int] | None = None, *, checksums: bool = False, wait_write_through: bool = False) -> int:
@@ -359,13 +405,13 @@ class Allocation(_AllocationState):
         if req is None:
             await self.abort()
             return 0
-        return self._committed(await self._client._call(self._client._stub.Commit, req))
+        return self._committed(await self._client._call("Commit", req))
 
     async def abort(self) -> None:
         self.done = True
         if self.id:
             try:
-                await self._client._call(self._client._stub.Abort, pb.AbortRequest(allocation_id=self.id))
+                await self._client._call("Abort", pb.AbortRequest(allocation_id=self.id))
             except KVStoreError:
                 pass  # already reclaimed: nothing to release
 
@@ -382,7 +428,7 @@ class Lease(_LeaseState):
         self._client = client
 
     async def __aenter__(self) -> Lease:
-        self._fill(await self._client._call(self._client._stub.Acquire, self.request))
+        self._fill(await self._client._call("Acquire", self.request))
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:

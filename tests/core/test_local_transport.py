@@ -1,11 +1,13 @@
 """The local transport (kvstore.local): the same calls over the sidecar's Unix socket.
 
-A sidecar process (`kvstore serve`), the blocking client in this process: the client finds the
-socket through the Hello RPC, and every answer -- data and errors -- is the one gRPC gives.
+A sidecar process (`kvstore serve`), the blocking and the async client in this process: a client
+finds the socket through the Hello RPC, and every answer -- data and errors -- is the one gRPC
+gives.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import stat
@@ -15,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstore.client import SyncClient
+from kvstore.client import KVStoreClient, SyncClient
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, Unauthenticated, Unavailable
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.local import LocalChannel, socket_path
@@ -169,3 +171,106 @@ def test_socket_path_falls_back_to_tmp_when_too_long(tmp_path: Path):
     assert socket_path("", tmp_path, "/kvstore-x") == tmp_path.resolve() / "kvstore.sock"
     deep = tmp_path / ("d" * 120)
     assert socket_path("", deep, "/kvstore-x").name == "kvstore-kvstore-x.sock"
+
+
+# --- the async client ----------------------------------------------------------------------------
+
+
+async def test_async_client_goes_over_the_local_socket(serve_process, tmp_path: Path):
+    sc = _serve(serve_process, tmp_path / "d")
+    keys = prefix_keys(NS, list(range(16 * 5)))
+    blocks = [np.random.default_rng(i).integers(0, 256, 5000, dtype=np.uint8) for i in range(5)]
+    async with KVStoreClient.from_url(sc.grpc) as local, KVStoreClient.from_url(sc.grpc, local=False) as remote:
+        assert (await local.put_blocks(NS, keys, blocks)).stored == 5
+        assert local.transport == "local"
+        assert (await remote.lookup(NS, keys)).matched == 5 and remote.transport == "grpc"
+        assert await local.lookup(NS, keys) == await remote.lookup(NS, keys)
+        async with local.acquire(NS, keys) as lease:
+            assert lease.verify() == 5
+            assert all(np.array_equal(v, b) for v, b in zip(lease.views, blocks))
+        assert (await local.stats())["index"] == (await remote.stats())["index"]
+        assert (await local.delete(NS, keys)) == (5, 0)
+        assert (await remote.lookup(NS, keys)).matched == 0
+
+
+async def test_async_errors_are_the_ones_grpc_gives_and_change_nothing(serve_process, tmp_path: Path):
+    sc = _serve(serve_process, tmp_path / "d")
+    keys = prefix_keys(NS, list(range(16 * 3)))
+    async with KVStoreClient.from_url(sc.grpc) as local, KVStoreClient.from_url(sc.grpc, local=False) as remote:
+        await local.put_blocks(NS, keys, [np.ones(100, np.uint8)] * 3)
+        before = await remote.stats()
+        calls = [
+            lambda c: c.lookup(NS, [b"short"]),
+            lambda c: c.release("no-such-lease"),
+            lambda c: c._call("Commit", pb.CommitRequest(allocation_id="nope")),
+            lambda c: c._call("Allocate", pb.AllocateRequest()),
+            lambda c: c.acquire(NS, [b"x" * 31]).__aenter__(),
+        ]
+        for call in calls:
+            errors = []
+            for c in (local, remote):
+                with pytest.raises(KVStoreError) as info:
+                    await call(c)
+                errors.append((type(info.value), str(info.value)))
+            assert errors[0] == errors[1]
+            assert errors[0][0] in (InvalidArgument, NotFound, FailedPrecondition)
+        after = await remote.stats()
+        assert [after[k] for k in ("index", "reads", "writes")] == [before[k] for k in ("index", "reads", "writes")]
+        assert local.transport == "local" and (await local.lookup(NS, keys)).matched == 3  # still serving
+
+
+async def test_async_calls_at_once_each_get_their_own_answer(serve_process, tmp_path: Path):
+    """Calls in flight together take a connection each; a cancelled call's connection is closed,
+    so its late answer is never read as the next call's."""
+    sc = _serve(serve_process, tmp_path / "d")
+    chains = [prefix_keys(NS, [i] * 16 * 4) for i in range(12)]
+    async with KVStoreClient.from_url(sc.grpc) as c:
+        await c.put_blocks(NS, chains[0], [np.full(64, 0, np.uint8)] * 4)
+        assert c.transport == "local"
+        stored = await asyncio.gather(*(c.put_blocks(NS, k, [np.full(64, i, np.uint8)] * 4) for i, k in enumerate(chains[1:], 1)))
+        assert [r.stored for r in stored] == [4] * 11
+        found = await asyncio.gather(*(c.lookup(NS, k[: 1 + i % 4]) for i, k in enumerate(chains)))
+        assert [f.matched for f in found] == [1 + i % 4 for i in range(12)]
+        for i, k in enumerate(chains):
+            async with c.acquire(NS, k) as lease:
+                assert len(lease.views) == 4 and all((v == i).all() for v in lease.views)
+        stats = asyncio.ensure_future(c.stats())
+        await asyncio.sleep(0)  # the Stats request is written; its answer is on the way
+        stats.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stats
+        for k in chains:  # every later call reads its own answer
+            assert (await c.lookup(NS, k)).matched == 4
+
+
+async def test_async_client_with_no_usable_socket_uses_grpc(serve_process, tmp_path: Path):
+    off = _serve(serve_process, tmp_path / "off", KVSTORE_SERVER__LOCAL_SOCKET="off")
+    async with KVStoreClient.from_url(off.grpc) as c:
+        assert (await c.lookup(NS, prefix_keys(NS, list(range(16))))).matched == 0
+        assert c.transport == "grpc"
+    elsewhere = _serve(serve_process, tmp_path / "e", KVSTORE_SERVER__LOCAL_SOCKET=str(tmp_path / "e.sock"))
+    os.unlink(tmp_path / "e.sock")  # what a client on another host sees: a path it cannot open
+    async with KVStoreClient.from_url(elsewhere.grpc) as c:
+        assert (await c.lookup(NS, prefix_keys(NS, list(range(16))))).matched == 0
+        assert c.transport == "grpc"
+    guarded = _serve(serve_process, tmp_path / "g", KVSTORE_SERVER__AUTH_TOKEN="s3cret")
+    async with KVStoreClient.from_url(guarded.grpc, token="s3cret") as c:
+        assert "index" in await c.stats() and c.transport == "local"  # the token opens the socket too
+
+
+async def test_async_client_finds_a_restarted_sidecar_again(serve_process, tmp_path: Path):
+    data = tmp_path / "d"
+    first = _serve(serve_process, data)
+    grpc_port = first.grpc.rsplit(":", 1)[1]
+    keys = prefix_keys(NS, list(range(16)))
+    c = KVStoreClient.from_url(first.grpc)
+    assert (await c.lookup(NS, keys)).matched == 0 and c.transport == "local"
+    first.stop()
+    with pytest.raises(Unavailable):
+        await c.lookup(NS, keys)
+    second = serve_process(["--grpc-address", f"127.0.0.1:{grpc_port}", "--http-address", "127.0.0.1:0",
+                            "--dram-bytes", str(8 << 20), "--data-dir", str(data)], env=ENV)
+    await c.put_blocks(NS, keys, [np.ones(64, np.uint8)])  # the idle connection broke: reopened, sent again
+    assert (await c.lookup(NS, keys)).matched == 1 and c.transport == "local"
+    await c.aclose()
+    second.stop()
