@@ -14,7 +14,7 @@ from kvstore.checksum import checksum
 from kvstore.config import Config, SsdConfig
 from kvstore.errors import ChecksumMismatch, ResourceExhausted
 from kvstore.tiers import build_tier
-from kvstore.tiers.base import BlockMeta, BlockRef
+from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef
 from kvstore.tiers import ssd as ssd_module
 from kvstore.tiers.ssd import ALIGN, SsdTier, probe_direct_io
 from kvstore.tiers.verify import verified_get
@@ -94,6 +94,32 @@ async def test_truncated_file_is_corrupt(ssd, block):
     assert await verified_get(ssd, meta.ref, memoryview(bytearray(SIZE)), meta.checksum) is None
     assert not path.exists()
     assert ssd.used_bytes == 0
+
+
+async def test_a_header_longer_than_its_page_round_trips(ssd, block):
+    """Reads take the header page and the payload in one call; a label too long for one page
+    moves the payload, and the read finds it there."""
+    meta, data = block(6, SIZE)
+    long = BlockMeta(meta.ref, meta.parent, meta.size, meta.checksum, "L" * (2 * ALIGN))
+    await ssd.put(long, data)
+    assert ssd.path_of(long.ref).read_bytes()[3 * ALIGN :] == data  # header and label span three pages
+    into = memoryview(bytearray(SIZE))
+    assert await ssd.get(long.ref, into) == long and into == data
+
+
+async def test_a_file_cut_inside_its_header_is_corrupt(tmp_path: Path, block):
+    """The label is checked against what was read, not against the last block's header page."""
+    ssd = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, io_threads=1)  # one thread: one header page
+    a, data_a = block(7, SIZE)
+    b, data_b = block(8, 0)  # no payload: only the header can tell that the file is cut
+    a = BlockMeta(a.ref, a.parent, a.size, a.checksum, "A" * 200)
+    b = BlockMeta(b.ref, b.parent, b.size, b.checksum, "B" * 200)
+    await ssd.put_many([(a, data_a), (b, data_b)])
+    assert await ssd.get(a.ref, memoryview(bytearray(SIZE))) == a  # its header page stays behind
+    os.truncate(ssd.path_of(b.ref), HEADER_FIXED + 20)  # the fixed part whole, most of the label gone
+    with pytest.raises(ChecksumMismatch):
+        await ssd.get(b.ref, memoryview(bytearray(SIZE)))
+    assert await verified_get(ssd, b.ref, memoryview(bytearray(SIZE)), b.checksum) is None and not ssd.path_of(b.ref).exists()
 
 
 async def test_file_under_another_name_is_corrupt(ssd, block):
