@@ -28,6 +28,16 @@ ARGS = ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--dra
 ENV = {"KVSTORE_SSD__ENABLED": "false"}
 
 
+# Requests the servicer rejects, for either client (the async one's calls are awaited).
+BAD_CALLS = [
+    lambda c: c.lookup(NS, [b"short"]),
+    lambda c: c.release("no-such-lease"),
+    lambda c: c._call("Commit", pb.CommitRequest(allocation_id="nope")),
+    lambda c: c._call("Allocate", pb.AllocateRequest()),
+    lambda c: c._call("Acquire", c._wire.acquire(NS, [b"x" * 31], 0)),
+]
+
+
 def _serve(serve_process, data_dir: Path, **env: str):
     return serve_process([*ARGS, "--data-dir", str(data_dir)], env={**ENV, **env})
 
@@ -77,14 +87,7 @@ def test_errors_are_the_ones_grpc_gives_and_change_nothing(serve_process, tmp_pa
     with SyncClient(sc.grpc) as local, SyncClient(sc.grpc, local=False) as remote:
         local.put_blocks(NS, keys, [np.ones(100, np.uint8)] * 3)
         before = remote.stats()
-        calls = [
-            lambda c: c.lookup(NS, [b"short"]),
-            lambda c: c.release("no-such-lease"),
-            lambda c: c._call("Commit", pb.CommitRequest(allocation_id="nope")),
-            lambda c: c._call("Allocate", pb.AllocateRequest()),
-            lambda c: c.acquire(NS, [b"x" * 31]).__enter__(),
-        ]
-        for call in calls:
+        for call in BAD_CALLS:
             errors = []
             for c in (local, remote):
                 with pytest.raises(KVStoreError) as info:
@@ -199,14 +202,7 @@ async def test_async_errors_are_the_ones_grpc_gives_and_change_nothing(serve_pro
     async with KVStoreClient.from_url(sc.grpc) as local, KVStoreClient.from_url(sc.grpc, local=False) as remote:
         await local.put_blocks(NS, keys, [np.ones(100, np.uint8)] * 3)
         before = await remote.stats()
-        calls = [
-            lambda c: c.lookup(NS, [b"short"]),
-            lambda c: c.release("no-such-lease"),
-            lambda c: c._call("Commit", pb.CommitRequest(allocation_id="nope")),
-            lambda c: c._call("Allocate", pb.AllocateRequest()),
-            lambda c: c.acquire(NS, [b"x" * 31]).__aenter__(),
-        ]
-        for call in calls:
+        for call in BAD_CALLS:
             errors = []
             for c in (local, remote):
                 with pytest.raises(KVStoreError) as info:
