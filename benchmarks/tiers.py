@@ -6,10 +6,11 @@ joins the rotation) so all see the same noise and the same phase of the machine;
 round starts after an untimed ``os.sync()``:
 
 * ``tier``     put then get of N distinct blocks (2 MiB by default) through the tier class
-               (``put_many`` / ``get_many`` into preallocated buffers).
+               (``put_many`` / ``get_many`` into preallocated page-aligned buffers).
 * ``service``  put and get through a running sidecar (``kvstore serve`` subprocess, configured
                with env overrides: chain = [that tier], the tier enabled, a DRAM slab of exactly N
-               slots). The worker is this process (KVStoreClient, shared-memory slots).
+               slots). The worker is this process (KVStoreClient, shared-memory slots, calls over
+               the sidecar's Unix socket).
 
                ssd (demotion; SSD is never written through): DRAM is first filled with N blocks F;
                "put" = ``put_blocks`` (Allocate + copy + Commit) of ``--ssd-stream`` R batches of N new blocks
