@@ -25,35 +25,33 @@ _pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvstore-copy")
 Pairs = Sequence[tuple[np.ndarray, np.ndarray]]  # (destination, source)
 
 
-def _calls(pairs: Pairs) -> list[Callable[[], None]]:
-    """The copies as one call per thread, each a contiguous run of the pairs."""
+def _run(part: Pairs) -> None:
+    for dst, src in part:
+        dst[:] = src
 
-    def run(part: Pairs) -> None:
-        for dst, src in part:
-            dst[:] = src
 
-    parts = COPY_THREADS if sum(src.nbytes for _, src in pairs) >= SPLIT_BYTES else 1
-    return [lambda a=a, b=b: run(pairs[a:b]) for a, b in split(len(pairs), parts)]
+def _threaded(pairs: Pairs) -> list[Callable[[], None]]:
+    """A large batch as one call per thread, each a contiguous run of the pairs; a small batch
+    is copied here, on the caller's thread (nothing left to run: an empty list)."""
+    parts = split(len(pairs), COPY_THREADS) if sum(src.nbytes for _, src in pairs) >= SPLIT_BYTES else []
+    if len(parts) < 2:
+        _run(pairs)
+        return []
+    return [lambda a=a, b=b: _run(pairs[a:b]) for a, b in parts]
 
 
 def copy_blocks(pairs: Pairs) -> None:
     """``dst[:] = src`` for every pair, on ``COPY_THREADS`` threads for a large batch."""
-    calls = _calls(pairs)
-    if len(calls) <= 1:
-        for c in calls:
-            c()
-        return
-    futs = [_pool.submit(c) for c in calls]
-    cf.wait(futs)  # every copy has finished with the buffers before anything is raised
-    for f in futs:
-        f.result()
+    calls = _threaded(pairs)
+    if calls:
+        futs = [_pool.submit(c) for c in calls]
+        cf.wait(futs)  # every copy has finished with the buffers before anything is raised
+        for f in futs:
+            f.result()
 
 
 async def copy_blocks_async(pairs: Pairs) -> None:
     """:func:`copy_blocks` without blocking the event loop on a large batch."""
-    calls = _calls(pairs)
-    if len(calls) <= 1:
-        for c in calls:
-            c()
-        return
-    await in_threads(_pool, calls)
+    calls = _threaded(pairs)
+    if calls:
+        await in_threads(_pool, calls)
