@@ -188,9 +188,9 @@ class _AllocationState:
             if b.present:
                 self.slots.append(_Slot(b.key, True, None, 0))
             else:
-                mem = attach(b.slot.segment)
-                ref = SlotRef(b.slot.segment, b.slot.offset, b.slot.length)
-                self.slots.append(_Slot(b.key, False, mem[b.slot.offset : b.slot.offset + b.slot.length], b.slot.slot_id, ref))
+                sd = b.slot
+                seg, off, n = sd.segment, sd.offset, sd.length
+                self.slots.append(_Slot(b.key, False, attach(seg)[off : off + n], sd.slot_id, SlotRef(seg, off, n)))
 
     def writable(self) -> Iterator[tuple[int, np.ndarray]]:
         """(index in the request, writable uint8 view) for every block that needs its bytes."""
@@ -234,9 +234,10 @@ class _LeaseState:
     def _fill(self, r: pb.AcquireResponse) -> None:
         self.id = r.lease_id
         for b in r.blocks:
-            self.slots.append(SlotRef(b.slot.segment, b.slot.offset, b.slot.length))
-            mem = attach(b.slot.segment)
-            view = mem[b.slot.offset : b.slot.offset + b.slot.length]
+            sd = b.slot
+            seg, off, n = sd.segment, sd.offset, sd.length
+            self.slots.append(SlotRef(seg, off, n))
+            view = attach(seg)[off : off + n]
             view.flags.writeable = False
             self.keys.append(b.key)
             self.views.append(view)

@@ -136,6 +136,7 @@ class Slab:
     def close(self, unlink: bool = True) -> None:
         self._epoch[0] += 1  # nothing a client learned about this slab holds any more
         del self.buf, self._epoch
+        _arrays.pop(self.name, None)
         try:
             self._shm.close()
         except BufferError:
@@ -167,6 +168,7 @@ def free_epoch(segment: str) -> np.ndarray:
 
 _attached: dict[str, shared_memory.SharedMemory] = {}
 _owned: dict[str, shared_memory.SharedMemory] = {}  # slabs this process created (an in-process sidecar)
+_arrays: dict[str, np.ndarray] = {}  # each mapping as one uint8 array: clients slice a view per block
 _attach_lock = threading.Lock()
 
 
@@ -177,6 +179,9 @@ def attach(segment: str) -> np.ndarray:
     unlinks it when this process exits; a worker must never destroy the sidecar's slab, so we
     unregister it again.
     """
+    mem = _arrays.get(segment)
+    if mem is not None:
+        return mem
     with _attach_lock:
         shm = _attached.get(segment) or _owned.get(segment)
         if shm is None:
@@ -187,7 +192,8 @@ def attach(segment: str) -> np.ndarray:
                 pass
             _prefault(shm)
             _attached[segment] = shm
-        return np.frombuffer(shm.buf, dtype=np.uint8)
+        mem = _arrays[segment] = np.frombuffer(shm.buf, dtype=np.uint8)
+        return mem
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python 3.11's mmap module
