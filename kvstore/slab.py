@@ -18,6 +18,7 @@ after its slot was freed (:mod:`connector.core.directory`).
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import uuid
@@ -170,6 +171,13 @@ _attached: dict[str, shared_memory.SharedMemory] = {}
 _owned: dict[str, shared_memory.SharedMemory] = {}  # slabs this process created (an in-process sidecar)
 _arrays: dict[str, np.ndarray] = {}  # each mapping as one uint8 array: clients slice a view per block
 _attach_lock = threading.Lock()
+
+
+@atexit.register
+def _release_arrays() -> None:
+    """Drop the cached arrays before the mappings are finalized: a mapping with a live export
+    cannot close ("BufferError: cannot close exported pointers exist" at exit)."""
+    _arrays.clear()
 
 
 def attach(segment: str) -> np.ndarray:

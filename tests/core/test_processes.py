@@ -40,7 +40,9 @@ with SyncClient(sys.argv[1]) as c:
 
 
 def run_py(code: str, *args: str) -> str:
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True, cwd=REPO).stdout.strip()
+    p = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True, cwd=REPO)
+    assert "Exception ignored" not in p.stderr, p.stderr  # e.g. a mapping that cannot close at exit
+    return p.stdout.strip()
 
 
 def test_one_process_writes_another_reads_byte_for_byte(serve_process, tmp_path):
