@@ -272,21 +272,15 @@ class AsyncLocalChannel:
                 conn[1].write(frame)
                 status, payload = await asyncio.wait_for(_read_async(conn[0]), timeout or self._timeout)
                 break
-            except (OSError, asyncio.IncompleteReadError) as exc:
+            except BaseException as exc:
                 if conn is not None:
                     self._close(conn[1])
                 conn = None
-                if reused and attempt == 0:
-                    continue
-                raise _unavailable(self.path, exc) from None
-            except asyncio.TimeoutError as exc:
-                if conn is not None:
-                    self._close(conn[1])
-                raise _unavailable(self.path, exc) from None
-            except BaseException:
-                if conn is not None:
-                    self._close(conn[1])
-                raise
+                if not isinstance(exc, (OSError, asyncio.IncompleteReadError)):
+                    raise  # cancelled, or the sidecar's own error
+                if reused and attempt == 0 and not isinstance(exc, TimeoutError):
+                    continue  # broke while idle: the call never reached the sidecar
+                raise _unavailable(self.path, exc) from None  # (a timed-out call may have: not sent again)
         self._idle.append(conn)
         return _response(name, status, payload)
 

@@ -20,7 +20,7 @@ import pytest
 from kvstore.client import KVStoreClient, SyncClient
 from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, Unauthenticated, Unavailable
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.local import LocalChannel, socket_path
+from kvstore.local import AsyncLocalChannel, LocalChannel, socket_path
 from kvstore.v1 import kvstore_pb2 as pb
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
@@ -270,3 +270,35 @@ async def test_async_client_finds_a_restarted_sidecar_again(serve_process, tmp_p
     assert (await c.lookup(NS, keys)).matched == 1 and c.transport == "local"
     await c.aclose()
     second.stop()
+
+
+async def test_async_call_that_times_out_is_not_sent_again(tmp_path: Path):
+    """A timed-out call may have reached the sidecar: it fails, it is never resent (a Commit
+    would be applied twice). A server that answers the hello and the first call, then no more."""
+    requests: list[str] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                (n,) = struct.unpack(">I", await reader.readexactly(4))
+                body = await reader.readexactly(n)
+                name = body[1 : 1 + body[0]].decode()
+                if name:
+                    requests.append(name)
+                if not name or len(requests) == 1:  # the hello, and the first call
+                    reply = b"\0" + (pb.EchoResponse().SerializeToString() if name else b"")
+                    writer.write(struct.pack(">I", len(reply)) + reply)
+        except asyncio.IncompleteReadError:
+            pass
+
+    path = str(tmp_path / "s.sock")
+    server = await asyncio.start_unix_server(serve, path=path)
+    channel = AsyncLocalChannel(path)
+    try:
+        await channel.call("Echo", pb.EchoRequest())  # leaves an idle connection to reuse
+        with pytest.raises(Unavailable):
+            await channel.call("Echo", pb.EchoRequest(), timeout=0.3)
+        assert requests == ["Echo", "Echo"]
+    finally:
+        await channel.aclose()
+        server.close()
