@@ -60,7 +60,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import mmap
 import os
 import tempfile
 import time
@@ -83,7 +82,7 @@ POLL_S = 0.0005
 SERVICE_TIMEOUT_S = 120.0
 
 
-def _blocks(n: int, size: int) -> tuple[list[tuple[BlockMeta, memoryview]], mmap.mmap]:
+def _blocks(n: int, size: int) -> list[tuple[BlockMeta, memoryview]]:
     """N distinct blocks of random bytes, each starting on a page of one mapping (raw O_DIRECT
     writes them as they are). Distinct, as an engine's KV blocks are: N sends of one 2 MiB
     buffer read it from the CPU cache, N blocks come from memory (measured here: 22 ms against
@@ -91,7 +90,7 @@ def _blocks(n: int, size: int) -> tuple[list[tuple[BlockMeta, memoryview]], mmap
     views, payload = pages(n, size)
     payload[:] = np.random.default_rng().integers(0, 256, len(payload), dtype=np.uint8).tobytes()
     ns = b"B" * 32
-    return [(BlockMeta(BlockRef(ns, i.to_bytes(32, "big")), b"", size, checksum(v), "bench"), v) for i, v in enumerate(views)], payload
+    return [(BlockMeta(BlockRef(ns, i.to_bytes(32, "big")), b"", size, checksum(v), "bench"), v) for i, v in enumerate(views)]
 
 
 async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
@@ -141,7 +140,7 @@ class _Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.n, self.size, self.repeat = args.blocks, int(args.block_mib * MiB), args.repeat
         self.ssd_stream = args.ssd_stream
-        self.items, self._payload = _blocks(self.n, self.size)
+        self.items = _blocks(self.n, self.size)
         self.peers: Any = None  # benchmarks.peers.lmcache_backends.Peers with --peers
         if args.peers:
             from benchmarks.peers.lmcache_backends import Peers
@@ -149,7 +148,7 @@ class _Bench:
             self.peers = Peers(args, [d for _, d in self.items])
         self.s3_concurrency, self.s3_bucket = args.s3_concurrency, args.s3_bucket
         self.run_id = uuid.uuid4().hex[:8]  # key prefix: safe on shared, given servers
-        self.bufs, self._bufs = pages(self.n, self.size)  # gets land in page-aligned buffers, as in slab slots
+        self.bufs = pages(self.n, self.size)[0]  # gets land in page-aligned buffers, as in slab slots
         self.figures: dict[str, dict[str, Any]] = {}
         self.ratios: dict[str, float] = {}
         self.notes: dict[str, Any] = {}
