@@ -2,7 +2,7 @@
 
 A trace is a list of requests in timestamp order; each request is the chain of its prompt's block
 ids (an id names a whole prefix, so the same id always sits behind the same parent). Mooncake's
-format, one JSON object per line::
+format, one JSON object per line, plain or gzip-compressed (the copies in ``data/traces/``)::
 
     {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [int, ...]}
 
@@ -13,11 +13,14 @@ are judged on traces they were not tuned on.
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from kvstore.errors import InvalidArgument
 
@@ -80,16 +83,34 @@ def parse_records(records: Iterable[dict], name: str = "trace", block_tokens: in
     return Trace(name, reqs, block_tokens)
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _open_text(p: Path) -> IO[str]:
+    """The file as UTF-8 text, decompressed when it is gzip (recognised by its first bytes, so
+    ``.jsonl.gz`` and ``.jsonl`` both work whatever the name says)."""
+    with open(p, "rb") as f:
+        magic = f.read(len(GZIP_MAGIC))
+    if magic == GZIP_MAGIC:
+        return gzip.open(p, "rt", encoding="utf-8")
+    return open(p, encoding="utf-8")
+
+
 def load_trace(path: str | Path, block_tokens: int = BLOCK_TOKENS) -> Trace:
+    """A Mooncake-format trace from JSONL, plain or gzip-compressed (``.jsonl.gz``)."""
     p = Path(path)
     try:
-        with open(p) as f:
+        with _open_text(p) as f:
             records = [json.loads(line) for line in f if line.strip()]
-    except OSError as exc:
-        raise InvalidArgument(f"trace: cannot read {p}: {exc.strerror}") from exc
     except json.JSONDecodeError as exc:
         raise InvalidArgument(f"trace: {p} is not JSONL ({exc})") from exc
-    name = p.name.removesuffix(".jsonl").removesuffix("_trace")
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise InvalidArgument(f"trace: {p} is not a readable gzip file ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"trace: {p} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    except OSError as exc:
+        raise InvalidArgument(f"trace: cannot read {p}: {exc.strerror or exc}") from exc
+    name = p.name.removesuffix(".gz").removesuffix(".jsonl").removesuffix("_trace")
     return parse_records(records, name, block_tokens)
 
 

@@ -1,10 +1,12 @@
 """`kvstore replay TRACE`: prefix hit rates of eviction policies on a trace, beside Belady's bound.
 
-    kvstore replay ../shared/traces/conversation_trace.jsonl --capacity 5% --policy lru --policy credit
+    kvstore replay data/traces/conversation_trace.jsonl.gz --capacity 5% --policy lru --policy credit
     kvstore replay TRACE --capacity 1% --capacity 5% --capacity 25% --plot hit.png --json
     kvstore replay TRACE --tier dram=5% --tier ssd=20%
 
-The last line of ``--json`` output is one JSON object per capacity (one line each).
+TRACE is Mooncake-format JSONL, plain or gzip-compressed; the Mooncake traces ship in
+``data/traces/`` of the repository. The last line of ``--json`` output is one JSON object per
+capacity (one line each).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("replay", help="replay a prefix-cache trace through the index and eviction policies",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("trace", help="Mooncake-format JSONL (timestamp, input_length, output_length, hash_ids)")
+    p.add_argument("trace", help="Mooncake-format JSONL, plain or .jsonl.gz (timestamp, input_length, output_length, "
+                                 "hash_ids)")
     p.add_argument("--capacity", action="append", type=_capacity, metavar="CAP",
                    help="cache size: a fraction (0.05) or percentage (5%%) of the trace's unique blocks, or a block "
                         "count; repeatable (default 5%%)")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
-import os
 import random
 from collections import OrderedDict
 from pathlib import Path
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from kvstore.belady import NEVER, belady, next_uses
+from kvstore.errors import InvalidArgument
 from kvstore.replay import replay
 from kvstore.traces import load_trace, parse_records
 
-# The shared traces sit beside the checkout (../shared/traces), for developers and CI alike;
-# KVSTORE_TRACES points elsewhere.
-TRACES = Path(os.environ.get("KVSTORE_TRACES", Path(__file__).resolve().parents[3] / "shared" / "traces"))
+# Mooncake's traces, in the repository (gzip-compressed; source and licence in their README)
+TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
 
 
 def brute_best_block_hits(reqs: list[list[int]], cap: int) -> int:
@@ -157,12 +157,11 @@ def test_replay_lru_matches_plain_lru_small() -> None:
 
 
 @pytest.mark.parametrize(("name", "lru_ref", "bound_ref"), [("conversation", 0.195, 0.366), ("synthetic", 0.155, 0.396)])
-def test_replay_lru_matches_plain_lru_on_shared(name: str, lru_ref: float, bound_ref: float) -> None:
+def test_replay_lru_matches_plain_lru_on_mooncake(name: str, lru_ref: float, bound_ref: float) -> None:
     """The replay's LRU is exactly the independent leaves-first LRU above, and both sit on the
-    published reference points (shared/traces/README.md)."""
-    path = TRACES / f"{name}_trace.jsonl"
-    assert path.exists(), f"{path} is missing: set KVSTORE_TRACES to the folder of the Mooncake traces"
-    trace = load_trace(path)
+    published reference points (data/traces/README.md), read from the repository's copies."""
+    trace = load_trace(TRACES / f"{name}_trace.jsonl.gz")
+    assert trace.name == name
     cap = int(0.05 * trace.unique_blocks())
     r = replay(trace, cap, "lru")
     assert (r.prefix_hits, r.block_hits) == plain_lru([q.keys for q in trace.requests], cap)
@@ -170,12 +169,37 @@ def test_replay_lru_matches_plain_lru_on_shared(name: str, lru_ref: float, bound
     assert abs(belady([q.keys for q in trace.requests], cap).prefix_hit_rate - bound_ref) < 0.001
 
 
-def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _records_text(n: int = 50) -> str:
+    return "".join(json.dumps({"timestamp": i, "input_length": 1500, "output_length": 1,
+                               "hash_ids": [0, 1 + i % 3, 10 + i % 5]}) + "\n" for i in range(n))
+
+
+def test_gzip_trace_reads_as_its_plain_text(tmp_path: Path) -> None:
+    plain, packed = tmp_path / "t_trace.jsonl", tmp_path / "t_trace.jsonl.gz"
+    plain.write_text(_records_text())
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    a, b = load_trace(plain), load_trace(packed)
+    assert (a.name, b.name) == ("t", "t")
+    assert a.requests == b.requests and len(a.requests) == 50
+
+
+def test_broken_gzip_trace_is_a_clear_error(tmp_path: Path) -> None:
+    p = tmp_path / "t.jsonl.gz"
+    p.write_bytes(gzip.compress(_records_text().encode())[:-20])  # truncated
+    with pytest.raises(InvalidArgument, match=r"t\.jsonl\.gz is not a readable gzip file"):
+        load_trace(p)
+    p.write_bytes(gzip.compress(b"\xff\xfe not text\n"))
+    with pytest.raises(InvalidArgument, match=r"t\.jsonl\.gz is not UTF-8 text"):
+        load_trace(p)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str], suffix: str) -> None:
     from kvstore.cli import main
 
-    p = tmp_path / "t.jsonl"
-    p.write_text("".join(json.dumps({"timestamp": i, "input_length": 1500, "output_length": 1,
-                                     "hash_ids": [0, 1 + i % 3, 10 + i % 5]}) + "\n" for i in range(50)))
+    p = tmp_path / f"t{suffix}"
+    data = _records_text().encode()
+    p.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
     assert main(["replay", str(p), "--capacity", "4", "--policy", "lru", "--policy", "credit", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["capacity_blocks"] == 4 and set(out["policies"]) == {"lru", "credit"}
