@@ -10,9 +10,10 @@ assignment, which numpy and cupy both implement:
   array: one indexed copy per layer and plane for the whole run (:func:`slot_runs`).
 * :class:`CupyTransfer` (GPU caches) runs the *same* functions on the device into a per-stream
   staging block, then moves the whole block with one DMA between the staging block and the slot,
-  which is pinned once per shared-memory mapping with ``cudaHostRegister``. Consecutive blocks
-  alternate between streams so one block's DMA overlaps the next block's device-side gather;
-  completion is a set of CUDA events. cupy is imported only when this class is built.
+  which is pinned once per shared-memory mapping with ``cudaHostRegister`` (and unregistered by
+  :meth:`CupyTransfer.close`). Consecutive blocks alternate between streams so one block's DMA
+  overlaps the next block's device-side gather; completion is a set of CUDA events. cupy is
+  imported only when this class is built.
 
 Choose by name with :func:`make_transfer` (``"numpy"`` or ``"cupy"``).
 """
@@ -190,6 +191,10 @@ class Transfer(Protocol):
         """Copy slot buffers ``slots[i]`` into ``kv`` blocks ``block_ids[i]``."""
         ...
 
+    def close(self) -> None:
+        """Wait for transfers in flight and release what the engine holds (pinned mappings)."""
+        ...
+
 
 class NumpyTransfer:
     name = "numpy"
@@ -205,6 +210,9 @@ class NumpyTransfer:
         for i, run in slot_runs(slots, kv.spec):
             scatter_batch(kv.planes, block_ids[i : i + len(run)], run)
         return DONE
+
+    def close(self) -> None:
+        return None  # synchronous, holds nothing
 
 
 class CupyTransfer:
@@ -222,22 +230,31 @@ class CupyTransfer:
         self._cp = importlib.import_module("cupy")
         self._streams = [self._cp.cuda.Stream(non_blocking=True) for _ in range(max(1, streams))]
         self._staging: dict[tuple[tuple[int, ...], str], list[Array]] = {}
-        self._pinned: set[int] = set()
+        self._pinned: set[int] = set()  # start addresses of the mappings seen, pinned by us or not
+        self._registered: list[int] = []  # those this transfer registered: unregistered at close
 
     def pin(self, buf: Array) -> None:
         """Register the whole mapping behind ``buf`` (a numpy view of a slab) as pinned memory, once."""
-        root = buf
-        while isinstance(root.base, np.ndarray):
-            root = root.base
-        addr = int(root.ctypes.data)
-        if addr in self._pinned:
+        start, end = _span(buf)
+        if start in self._pinned:
             return
         try:
-            self._cp.cuda.runtime.hostRegister(addr, int(root.nbytes), 0)
+            self._cp.cuda.runtime.hostRegister(start, end - start, 0)
+            self._registered.append(start)
         except self._cp.cuda.runtime.CUDARuntimeError as exc:  # already registered elsewhere: fine
             if "AlreadyRegistered" not in str(exc):
                 raise
-        self._pinned.add(addr)
+        self._pinned.add(start)
+
+    def close(self) -> None:
+        """Wait for every transfer in flight, then unregister the mappings this transfer pinned."""
+        for s in self._streams:
+            s.synchronize()
+        registered, self._registered = self._registered, []
+        self._pinned.clear()
+        self._staging.clear()
+        for start in registered:
+            self._cp.cuda.runtime.hostUnregister(start)
 
     def _stage(self, spec: KVSpec) -> list[Array]:
         key = (spec.slot_shape, spec.raw_dtype.str)

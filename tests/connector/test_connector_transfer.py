@@ -2,22 +2,35 @@
 
 from __future__ import annotations
 
+import importlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 
 from connector.layout import LAYOUTS, KVSpec, slot_array
 from connector.transfer import (
+    CupyTransfer,
     NumpyTransfer,
     bind_caches,
     gather_batch,
+    gather_block,
     make_transfer,
     scatter_batch,
+    scatter_block,
     slot_runs,
 )
 from kvstore.errors import InvalidArgument
+from kvstore.slab import Slab
 
 L, H, D, BS, NB = 3, 2, 8, 4, 6
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _spec(layout: str, dtype: str = "float32") -> KVSpec:
@@ -238,7 +251,126 @@ def test_slot_array_shape() -> None:
 
 
 def test_cupy_is_not_imported_on_cpu() -> None:
-    import sys
+    # a fresh interpreter: another test of this process may have imported cupy on a GPU host
+    code = ("import sys; from connector.transfer import make_transfer; make_transfer('numpy'); "
+            "print('cupy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "False"
 
-    make_transfer("numpy")
-    assert "cupy" not in sys.modules
+
+# --- gather_block / scatter_block: the per-block copy the cupy path runs on the device ------------
+
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
+
+
+@pytest.mark.parametrize("dtype", sorted(NP_DTYPES))
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_block_copies_match_the_numpy_path(layout: str, dtype: str) -> None:
+    """gather_block into a slot-shaped array gives the bytes NumpyTransfer puts in a slot, and
+    scatter_block of those bytes leaves a cache exactly as NumpyTransfer's scatter does."""
+    spec = _spec(layout, dtype)
+    src = _random_caches(layout, np.random.default_rng(10), NP_DTYPES[dtype])
+    ids_src, ids_dst = [5, 0, 3, 1], [2, 4, 0, 5]
+    ref_slots = _slots(spec, len(ids_src))
+    NumpyTransfer().gather(bind_caches(spec, src), ids_src, ref_slots)
+    staged = []
+    for b, ref in zip(ids_src, ref_slots):
+        out = np.zeros(spec.slot_shape, spec.raw_dtype)
+        gather_block(bind_caches(spec, src).planes, b, out)
+        assert out.tobytes() == ref.tobytes(), b
+        staged.append(out)
+    ref_dst, dst = _zeros_like(src), _zeros_like(src)
+    NumpyTransfer().scatter(bind_caches(spec, ref_dst), ids_dst, ref_slots)
+    for b, block in zip(ids_dst, staged):
+        scatter_block(bind_caches(spec, dst).planes, b, block)
+    assert _cache_bytes(dst) == _cache_bytes(ref_dst)  # the blocks written, and the untouched (1, 3)
+    assert _cache_bytes(dst) != _cache_bytes(_zeros_like(src))  # something was written
+
+
+def _cache_bytes(caches: list) -> list[bytes]:
+    return [t.tobytes() for c in caches for t in (c if isinstance(c, tuple) else (c,))]
+
+
+# --- CupyTransfer on a GPU -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cp() -> ModuleType:
+    """cupy with a CUDA device; the test is skipped where there is none."""
+    try:
+        cupy = importlib.import_module("cupy")
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return cupy
+    except (ImportError, RuntimeError, OSError):  # no cupy, no driver, no device
+        pass
+    pytest.skip("needs CUDA (cupy with a GPU)")
+
+
+@pytest.fixture
+def two_slabs() -> Iterator[list[Slab]]:
+    """Two real sidecar slabs: two shared-memory mappings, 4 KiB slots."""
+    slabs = [Slab(1 << 20, page_bytes=64 << 10, prefault=False, name_prefix="kvstore-gpu-test") for _ in range(2)]
+    yield slabs
+    for slab in slabs:
+        slab.close()
+
+
+def _on_device(cp: ModuleType, caches: list) -> list:
+    return [tuple(cp.asarray(t) for t in c) if isinstance(c, tuple) else cp.asarray(c) for c in caches]
+
+
+def _on_host(cp: ModuleType, caches: list) -> list:
+    return [tuple(cp.asnumpy(t) for t in c) if isinstance(c, tuple) else cp.asnumpy(c) for c in caches]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_cupy_round_trip_through_slab_slots(cp: ModuleType, two_slabs: list[Slab], layout: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six blocks, alternating between two slabs (two mappings) and between the two streams: the
+    slots get the bytes the numpy path writes, the device cache gets back what the numpy path
+    scatters; each mapping is registered once and unregistered at close."""
+    rt = cp.cuda.runtime
+    calls: dict[str, list[int]] = {"register": [], "unregister": []}
+    real_register, real_unregister = rt.hostRegister, rt.hostUnregister
+
+    def register(ptr: int, size: int, flags: int) -> Any:
+        calls["register"].append(ptr)
+        return real_register(ptr, size, flags)
+
+    def unregister(ptr: int) -> Any:
+        calls["unregister"].append(ptr)
+        return real_unregister(ptr)
+
+    monkeypatch.setattr(rt, "hostRegister", register)
+    monkeypatch.setattr(rt, "hostUnregister", unregister)
+
+    spec = _spec(layout)
+    host_src = _random_caches(layout, np.random.default_rng(12))
+    ids_src, ids_dst = [5, 0, 3, 1, 4, 2], [2, 4, 0, 5, 1]
+    slots = []
+    for i in range(len(ids_src)):
+        slab = two_slabs[i % 2]
+        slot = slab.try_alloc(slab.class_of(spec.block_bytes))
+        assert slot is not None
+        slots.append(slab.view(slot, spec.block_bytes))
+    mappings = sorted(int(slab.buf.ctypes.data) for slab in two_slabs)
+
+    ref_slots = _slots(spec, len(ids_src))
+    NumpyTransfer().gather(bind_caches(spec, host_src), ids_src, ref_slots)
+    ref_dst = _zeros_like(host_src)
+    NumpyTransfer().scatter(bind_caches(spec, ref_dst), ids_dst, ref_slots[: len(ids_dst)])
+
+    t = CupyTransfer(spec, streams=2)
+    try:
+        t.gather(bind_caches(spec, _on_device(cp, host_src)), ids_src, slots).wait()
+        assert [s.tobytes() for s in slots] == [r.tobytes() for r in ref_slots]
+        dst = _on_device(cp, _zeros_like(host_src))
+        t.scatter(bind_caches(spec, dst), ids_dst, slots[: len(ids_dst)]).wait()
+        assert _cache_bytes(_on_host(cp, dst)) == _cache_bytes(ref_dst)
+        assert sorted(calls["register"]) == mappings  # once per mapping, not per slot or per call
+        assert all(rt.pointerGetAttributes(int(s.ctypes.data)).type == rt.memoryTypeHost for s in slots)
+    finally:
+        t.close()
+    assert sorted(calls["unregister"]) == mappings
+    assert all(rt.pointerGetAttributes(m).type == rt.memoryTypeUnregistered for m in mappings)
