@@ -31,21 +31,29 @@ round starts after an untimed ``os.sync()``:
                them: read into DRAM slots, checksum verified) + a copy of every slot into this
                process's own buffers + Release.
 
-Raw baselines (the same values, the same server):
+Raw baselines (the same values, the same server, the same concurrency as the tier):
 
 * ssd    raw file I/O with the same durability (O_DIRECT + one directory fsync where the tier
-         uses O_DIRECT, else buffered writes + fdatasync of every file + directory fsync); reads
-         are buffered ``preadv`` into preallocated buffers
-* redis  raw redis-py pipelined SET/GET of the same value size (single node, and cluster), the
-         values copied into preallocated buffers
+         uses O_DIRECT, else buffered writes + fdatasync of every file + directory fsync), the
+         files written and read on the tier's ``io_threads`` threads; reads are buffered
+         ``preadv`` into preallocated buffers. Both sides write the same kind of file: ``ssd``
+         (the tier's default, deleted files recycled) against raw writes over the last put's
+         files, ``ssd_fresh`` (put only; recycling off) against raw writes of new files. The
+         service's raw stream overwrites its files, as the sidecar (recycling by default) does.
+* redis  raw redis-py pipelined SET/GET of the same value size (single node, and cluster), as
+         many pipelines at once, each on its own connection, as the tier sends (``pipelines``,
+         cut by node), the values copied into preallocated buffers
 * s3     raw aioboto3 put_object/get_object with the same concurrency and client config, the
          bodies copied into preallocated buffers
+
+Single-stream figures (one thread, one pipeline per node: ``tier.<tier>.<op>.raw_single_stream``)
+are measured in the same rounds beside them, for reference: never a ratio.
 
 Every get, ours and raw, ends with the bytes in buffers the caller owns: the engine's KV memory
 in real use (a raw client's ``bytes`` still has to be copied there, as a lease's slots do).
 
 Figures are MiB/s (best of ``--repeat``); ratios are raw time / our time (higher is better,
-1.0 = parity): ``tier_{put,get}_<tier>`` and ``service_{put,get}_<tier>``. For Redis also the
+1.0 = parity): ``tier_{put,get}_<tier>``, ``tier_put_ssd_fresh`` and ``service_{put,get}_<tier>``. For Redis also the
 server memory per block byte each side's keys take (``tier.<tier>.memory.*``, ``MEMORY USAGE``
 summed) and ``memory_<tier>`` = raw's / ours. Servers come from
 :mod:`kvstore.testing.servers` unless their addresses are given (``--redis-url``,
@@ -64,7 +72,8 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,12 +83,14 @@ from tqdm import tqdm
 
 from benchmarks.common import pages
 from kvstore.checksum import checksum
+from kvstore.threads import split
 from kvstore.tiers.base import BlockMeta, BlockRef
 
 MiB = 1 << 20
 MIN_DRAM = 64 * 1024  # dram.capacity_bytes lower bound
 POLL_S = 0.0005
 SERVICE_TIMEOUT_S = 120.0
+SINGLE = "raw_single_stream"  # the raw client on one thread / one pipeline: a figure beside the ratio, never one
 
 
 def _blocks(n: int, size: int) -> list[tuple[BlockMeta, memoryview]]:
@@ -110,6 +121,23 @@ async def _settled() -> None:
     await asyncio.to_thread(os.sync)
 
 
+def _drop_page_cache(dirs: Sequence[Path]) -> None:
+    """Every file under ``dirs`` out of the page cache (written back first: a dirty page stays),
+    so that the next read of it goes to the device, buffered or O_DIRECT alike."""
+    os.sync()
+    for d in dirs:
+        for parent, _, names in os.walk(d):
+            for name in names:
+                try:
+                    fd = os.open(os.path.join(parent, name), os.O_RDONLY)
+                except FileNotFoundError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
 def _bar(total: int, desc: str) -> tqdm:
     return tqdm(total=total, desc=desc, leave=False, disable=None)
 
@@ -124,6 +152,7 @@ class Raw:
     reset: Callable[[], Awaitable[Any]] = _nothing
     cleanup: Callable[[], Awaitable[Any]] = _nothing
     keys: list[str] = field(default_factory=list)  # (Redis) the keys a put stores
+    streams: int = 1  # threads or pipelines (connections) it runs at once
 
 
 @dataclass
@@ -157,10 +186,17 @@ class _Bench:
     def mib(self) -> float:
         return self.n * self.size / MiB
 
-    def record(self, kind: str, tier_name: str, op: str, t_ours: float, t_raw: float, batches: int = 1) -> None:
+    def record(
+        self, kind: str, tier_name: str, op: str, t_ours: float, t_raw: float, batches: int = 1,
+        single: float | None = None,
+    ) -> None:
+        """The ratio against the raw client at the tier's concurrency; ``single``: the time of the
+        raw client on one stream (a figure only)."""
         mib = batches * self.mib
         self.figures[f"{kind}.{tier_name}.{op}.ours"] = {"value": round(mib / t_ours, 1), "unit": "MiB/s"}
         self.figures[f"{kind}.{tier_name}.{op}.raw"] = {"value": round(mib / t_raw, 1), "unit": "MiB/s"}
+        if single is not None:
+            self.figures[f"{kind}.{tier_name}.{op}.{SINGLE}"] = {"value": round(mib / single, 1), "unit": "MiB/s"}
         self.ratios[f"{kind}_{op}_{tier_name}"] = round(t_raw / t_ours, 3)
 
     async def interleaved(self, desc: str, runs: dict[str, Callable[[], Awaitable[Any]]], reset: Callable = _nothing) -> dict[str, float]:
@@ -185,9 +221,18 @@ class _Bench:
 
     # ---- tier class vs raw --------------------------------------------------------------------
 
-    async def tier_vs_raw(self, tier_name: str, tier: Any, raw: Raw, url: str | None = None) -> None:
-        """``url``: the tier's server, for the peers (``--peers``) that join the same rounds."""
+    async def tier_vs_raw(
+        self, tier_name: str, tier: Any, raw: Raw, url: str | None = None, *, single: Raw | None = None,
+        get: bool = True, cold: Sequence[Path] = (),
+    ) -> None:
+        """``url``: the tier's server, for the peers (``--peers``) that join the same rounds;
+        ``single``: the raw client on one stream (one thread, one pipeline), measured in the same
+        rounds for its figures only (``tier.<tier>.<op>.raw_single_stream``), never a ratio;
+        ``get``: also the get; ``cold``: directories whose files leave the page cache before every
+        get (each side's files, the peers' too), so that every side reads from the device."""
         refs = [m.ref for m, _ in self.items]
+        raws = {"raw": raw, **({SINGLE: single} if single else {})}
+        self.notes.setdefault("raw_streams", {})[tier_name] = {k: r.streams for k, r in raws.items()}
 
         async def ours_get() -> None:
             got = await tier.get_many(refs, self.bufs)
@@ -198,26 +243,37 @@ class _Bench:
 
                 async def fresh() -> None:  # new blocks under the old names: deleted first, as by an eviction
                     await tier.delete_many(refs)
-                    await raw.reset()
+                    for r in raws.values():
+                        await r.reset()
                     for p in peers:
                         await asyncio.to_thread(p.drop)
 
-                def peer_runs(op: str) -> dict[str, Callable[[], Awaitable[Any]]]:  # (they keep their own figures)
-                    return {p.label: lambda p=p: asyncio.to_thread(getattr(p, op)) for p in peers}
+                async def every_side_holds_every_block() -> None:
+                    await fresh()
+                    await tier.put_many(self.items)
+                    for r in raws.values():
+                        await r.put()
 
-                best = await self.interleaved(
-                    f"tier {tier_name} put", {"ours": lambda: tier.put_many(self.items), "raw": raw.put, **peer_runs("put")}, fresh
-                )
-                self.record("tier", tier_name, "put", best["ours"], best["raw"])
-                await fresh()  # every side holds every block again
-                await tier.put_many(self.items)
-                await raw.put()
-                for p in peers:
-                    await asyncio.to_thread(p.put, False)
-                if raw.keys:
-                    await self.redis_memory(tier_name, tier, raw, peers)
-                best = await self.interleaved(f"tier {tier_name} get", {"ours": ours_get, "raw": raw.get, **peer_runs("get")})
-                self.record("tier", tier_name, "get", best["ours"], best["raw"])
+                def runs(op: str, ours: Callable[[], Awaitable[Any]]) -> dict[str, Callable[[], Awaitable[Any]]]:
+                    # (the peers keep their own figures)
+                    peer_runs = {p.label: lambda p=p: asyncio.to_thread(getattr(p, op)) for p in peers}
+                    return {"ours": ours, **{k: getattr(r, op) for k, r in raws.items()}, **peer_runs}
+
+                # (untimed) every side's files exist once: an overwriting side overwrites from the first round on
+                await every_side_holds_every_block()
+                put = runs("put", lambda: tier.put_many(self.items))
+                best = await self.interleaved(f"tier {tier_name} put", put, fresh)
+                self.record("tier", tier_name, "put", best["ours"], best["raw"], single=best.get(SINGLE))
+                if get:
+                    await every_side_holds_every_block()
+                    for p in peers:
+                        await asyncio.to_thread(p.put, False)
+                    if raw.keys:
+                        await self.redis_memory(tier_name, tier, raw, peers)
+                    dirs = [*cold, *(p.files_dir for p in peers if p.files_dir)]
+                    drop = (lambda: asyncio.to_thread(_drop_page_cache, dirs)) if cold else _nothing
+                    best = await self.interleaved(f"tier {tier_name} get", runs("get", ours_get), drop)
+                    self.record("tier", tier_name, "get", best["ours"], best["raw"], single=best.get(SINGLE))
                 await tier.delete_many(refs)
         finally:
             await tier.close()
@@ -331,6 +387,8 @@ class _Bench:
                     return t_put, t_get
 
                 await round_()  # warm-up: slab pages, connections, thread pools
+                await put_raw.reset()  # and the raw side's (an overwriting raw put then has its files)
+                await put_raw.put()
                 best = {"put": [float("inf"), float("inf")], "get": [float("inf"), float("inf")]}
                 names = ["ours", "raw", *peers]  # (a peer keeps its own figures)
                 with _bar(len(names) * self.repeat, f"service {tier_name}") as bar:
@@ -367,21 +425,35 @@ class _Bench:
 
     # ---- raw clients ----------------------------------------------------------------------------
 
-    def raw_ssd(self, raw_dir: Path, direct: bool, batches: int = 1, sync: bool = True) -> Raw:
-        """Raw file I/O of the N blocks (``batches`` times over, to fresh names, for a put);
-        ``sync``: made durable as the tier does (else nothing is synced)."""
+    def raw_ssd(
+        self, raw_dir: Path, direct: bool, threads: int, *, batches: int = 1, sync: bool = True, overwrite: bool = False
+    ) -> Raw:
+        """Raw file I/O of the N blocks (``batches`` times over, for a put) on ``threads`` threads,
+        as the tier spreads a batch over its ``io_threads``: a put writes one file per task, then
+        (``sync``, buffered) fdatasyncs each file and (``sync``) fsyncs the directory once, as the
+        tier does (else nothing is synced); a get reads one contiguous share of the files per
+        thread. ``overwrite``: every put writes over the last put's files in place (the tier
+        overwrites the recycled files of deleted blocks so); else ``reset`` unlinks them and
+        every put makes new files."""
         raw_dir.mkdir()
         paths = [raw_dir / f"{i}.bin" for i in range(batches * self.n)]
+        data = [d for _, d in self.items] * batches
+        flags = os.O_CREAT | os.O_WRONLY | (0 if overwrite else os.O_TRUNC) | (os.O_DIRECT if direct else 0)
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="raw-ssd")
+
+        def write(i: int) -> int:
+            fd = os.open(paths[i], flags, 0o644)
+            try:
+                done = 0
+                while done < len(data[i]):
+                    done += os.write(fd, data[i][done:])
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
 
         def put() -> None:
-            fds = []
-            flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-            for p, (_, data) in zip(paths, self.items * batches):
-                fd = os.open(p, flags, 0o644)
-                fds.append(fd)
-                done = 0
-                while done < len(data):
-                    done += os.write(fd, data[done:])
+            fds = list(pool.map(write, range(len(paths))))
             for fd in fds:
                 if sync and not direct:
                     os.fdatasync(fd)
@@ -391,42 +463,66 @@ class _Bench:
                 os.fsync(dfd)
                 os.close(dfd)
 
-        def get() -> None:
-            for p, buf in zip(paths, self.bufs):
+        def read(part: tuple[int, int]) -> None:
+            for p, buf in zip(paths[part[0] : part[1]], self.bufs[part[0] : part[1]]):
                 fd = os.open(p, os.O_RDONLY)
                 try:
                     assert os.preadv(fd, [buf], 0) == len(buf)
                 finally:
                     os.close(fd)
 
+        def get() -> None:
+            list(pool.map(read, split(self.n, threads)))
+
         async def reset() -> None:
-            for p in paths:
-                p.unlink(missing_ok=True)
+            if not overwrite:
+                for p in paths:
+                    p.unlink(missing_ok=True)
 
-        return Raw(lambda: asyncio.to_thread(put), lambda: asyncio.to_thread(get), reset)
+        async def cleanup() -> None:
+            pool.shutdown()
 
-    def raw_redis(self, url: str, cluster: bool) -> Raw:
+        return Raw(lambda: asyncio.to_thread(put), lambda: asyncio.to_thread(get), reset, cleanup, streams=threads)
+
+    async def raw_redis(self, url: str, cluster: bool, pipelines: int, tag: str = "raw") -> Raw:
+        """Pipelined SET / GET of the N values with redis-py, as ``pipelines`` pipelines at once,
+        each on its own connection, cut as the tier cuts a batch: by node (a cluster's slot map),
+        then ``pipelines`` // nodes contiguous groups per node (at least one)."""
         from redis.asyncio import Redis
         from redis.asyncio.cluster import RedisCluster
 
         raw = RedisCluster.from_url(url) if cluster else Redis.from_url(url)
-        keys = [f"kvstore-bench-{self.run_id}:raw:{{{i}}}" for i in range(self.n)]
+        keys = [f"kvstore-bench-{self.run_id}:{tag}:{{{i}}}" for i in range(self.n)]
+        by_node: dict[str, list[int]] = {"": list(range(self.n))}
+        if isinstance(raw, RedisCluster):
+            await raw.initialize()
+            by_node = {}
+            for i, k in enumerate(keys):
+                by_node.setdefault(getattr(raw.get_node_from_key(k), "name", ""), []).append(i)
+        per_node = max(1, pipelines // len(by_node))
+        groups = [idx[a:b] for idx in by_node.values() for a, b in split(len(idx), per_node)]
 
         def pipeline() -> Any:
             return raw.pipeline() if cluster else raw.pipeline(transaction=False)
 
-        async def put() -> None:
+        async def put_group(ix: list[int]) -> None:
             pipe = pipeline()
-            for k, (_, data) in zip(keys, self.items):
-                pipe.set(k, data)
+            for i in ix:
+                pipe.set(keys[i], self.items[i][1])
             await pipe.execute()
 
-        async def get() -> None:
+        async def get_group(ix: list[int]) -> None:
             pipe = pipeline()
-            for k in keys:
-                pipe.get(k)
-            for buf, value in zip(self.bufs, await pipe.execute(), strict=True):
-                buf[:] = value  # into the caller's buffers, as every get here ends
+            for i in ix:
+                pipe.get(keys[i])
+            for i, value in zip(ix, await pipe.execute(), strict=True):
+                self.bufs[i][:] = value  # into the caller's buffers, as every get here ends
+
+        async def put() -> None:
+            await asyncio.gather(*(put_group(ix) for ix in groups))
+
+        async def get() -> None:
+            await asyncio.gather(*(get_group(ix) for ix in groups))
 
         async def reset() -> None:  # fresh names, as the tier's puts get
             pipe = pipeline()
@@ -438,7 +534,7 @@ class _Bench:
             await reset()
             await raw.aclose()
 
-        return Raw(put, get, reset, cleanup, keys)
+        return Raw(put, get, reset, cleanup, keys, len(groups))
 
     async def raw_s3(self, stack: contextlib.AsyncExitStack, client: Callable[[], Any]) -> Raw:
         raw = await stack.enter_async_context(client())
@@ -464,30 +560,57 @@ class _Bench:
         async def cleanup() -> None:
             await raw.delete_objects(Bucket=self.s3_bucket, Delete={"Objects": [{"Key": f"{prefix}/{i}"} for i in range(self.n)]})
 
-        return Raw(put, get, _nothing, cleanup)
+        return Raw(put, get, _nothing, cleanup, streams=self.s3_concurrency)
 
     # ---- per tier -------------------------------------------------------------------------------
 
     async def ssd(self, root: Path, service: bool) -> None:
+        """The tier with its defaults (deleted files recycled) against raw writes over existing
+        files; the tier without recycling against raw writes of new files (put only); with
+        ``--peers``, the unsynced modes on new files, as LMCache's LocalDisk writes them."""
         from kvstore.tiers.ssd import SsdTier
 
         capacity = 4 * self.n * self.size + 64 * MiB
         tier = SsdTier(root / "tier", capacity)
-        direct = tier.direct_io
-        raw = self.raw_ssd(root / "raw", direct)
+        direct, threads = tier.direct_io, tier.io_threads
         self.figures["ssd.direct_io"] = {"value": int(direct), "unit": "bool"}
-        await self.tier_vs_raw("ssd", tier, raw)
-        if self.peers:  # LMCache's LocalDisk never fsyncs: the tier in its two modes, like for like (LMCache in the same rounds)
-            for name, want_direct in (("ssd_nofsync", False), ("ssd_direct_nofsync", True)):
-                like = SsdTier(root / name, capacity, direct_io=want_direct, fsync=False)
-                await self.tier_vs_raw(name, like, self.raw_ssd(root / f"raw-{name}", like.direct_io, sync=False))
-        if service:
-            env = {
-                "KVSTORE_SSD__ENABLED": "true",
-                "KVSTORE_SSD__PATH": str(root / "service"),
-                "KVSTORE_SSD__CAPACITY_BYTES": str(4 * self.n * self.size + 64 * MiB),
-            }
-            await self.service_vs_raw("ssd", env, raw, self.raw_ssd(root / "raw-stream", direct, self.ssd_stream))
+        self.notes["ssd"] = {
+            "threads": f"raw file I/O on the tier's io_threads ({threads}); {SINGLE}: one thread",
+            "ssd": "put: both sides overwrite the files of the last put (the tier its recycled files, as by default)",
+            "ssd_fresh": "put: both sides write new files (the tier with recycling off)",
+            "get": "buffered reads on both sides; ssd_direct_nofsync: every side's files dropped from the page cache"
+                   " first",
+        }
+        raw = self.raw_ssd(root / "raw", direct, threads, overwrite=True)
+        single = self.raw_ssd(root / "raw-single", direct, 1, overwrite=True)
+        fresh = self.raw_ssd(root / "raw-fresh", direct, threads)
+        fresh_single = self.raw_ssd(root / "raw-fresh-single", direct, 1)
+        raws = [raw, single, fresh, fresh_single]
+        try:
+            await self.tier_vs_raw("ssd", tier, raw, single=single)
+            self.figures["tier.ssd.files_reused"] = {"value": tier._free.reused, "unit": "count"}
+            no_recycling = SsdTier(root / "tier-fresh", capacity, recycle_bytes=0)
+            await self.tier_vs_raw("ssd_fresh", no_recycling, fresh, single=fresh_single, get=False)
+            self.figures["tier.ssd_fresh.files_reused"] = {"value": no_recycling._free.reused, "unit": "count"}
+            if self.peers:  # LMCache's LocalDisk never fsyncs, and writes new files: the tier so, in its two modes
+                for name, want_direct in (("ssd_nofsync", False), ("ssd_direct_nofsync", True)):
+                    like = SsdTier(root / name, capacity, direct_io=want_direct, fsync=False, recycle_bytes=0)
+                    like_raw = self.raw_ssd(root / f"raw-{name}", like.direct_io, threads, sync=False)
+                    raws.append(like_raw)
+                    cold = [like.root, root / f"raw-{name}"] if want_direct else []
+                    await self.tier_vs_raw(name, like, like_raw, cold=cold)
+            if service:  # the sidecar recycles by default: the raw stream overwrites its files too
+                env = {
+                    "KVSTORE_SSD__ENABLED": "true",
+                    "KVSTORE_SSD__PATH": str(root / "service"),
+                    "KVSTORE_SSD__CAPACITY_BYTES": str(capacity),
+                }
+                stream = self.raw_ssd(root / "raw-stream", direct, threads, batches=self.ssd_stream, overwrite=True)
+                raws.append(stream)
+                await self.service_vs_raw("ssd", env, raw, stream)
+        finally:
+            for r in raws:
+                await r.cleanup()
 
     async def redis(self, name: str, url: str, cluster: bool, service: bool) -> None:
         from kvstore.config import RedisConfig
@@ -495,9 +618,12 @@ class _Bench:
 
         prefix = f"kvstore-bench-{self.run_id}"
         tier = RedisTier.from_config(RedisConfig(url=url, cluster=cluster, key_prefix=prefix + ":tier"))
-        raw = self.raw_redis(url, cluster)
+        self.notes.setdefault("redis", f"raw redis-py on the tier's pipelines ({tier.pipelines}, cut by node as the"
+                              f" tier cuts them); {SINGLE}: one pipeline per node")
+        raw = await self.raw_redis(url, cluster, tier.pipelines)
+        single = await self.raw_redis(url, cluster, 1, tag="raw1")
         try:
-            await self.tier_vs_raw(name, tier, raw, url)
+            await self.tier_vs_raw(name, tier, raw, url, single=single)
             if service:
                 env = {
                     "KVSTORE_REDIS__ENABLED": "true",
@@ -508,6 +634,7 @@ class _Bench:
                 await self.service_vs_raw(name, env, raw, url=url)
         finally:
             await raw.cleanup()
+            await single.cleanup()
 
     async def s3(self, url: str, credentials: dict[str, str] | None, service: bool) -> None:
         import aioboto3
