@@ -34,6 +34,14 @@ ones) so drift in the machine's load hits both alike. The lookup leases the deci
 released by the connector (no workaround); the sidecar's open lease count after each tier is
 recorded in ``notes.leases_open``.
 
+Both sides run on the same CPUs: at start every thread of this process is pinned to ``--cpus``
+(default: every CPU this process may use), and everything started after it inherits that set --
+each sidecar, redis-server, moto's server. The recompute runs torch on ``--threads`` threads
+(default: one per CPU of the set); the reload runs the same torch threads plus the sidecar (and
+the tier's server) on the same CPUs, so the sidecar's work competes with the model's for the
+same cores instead of getting a core of its own. ``notes.cpus`` states the split, with the CPU
+sets read back from each process.
+
 Ratios: ``reload_<tier>_<tokens>`` = recompute TTFT / reload TTFT (p50; > 1: reloading wins) and
 ``decision_accuracy`` = fraction of cells where the decision chose the option that measured
 faster. Targets: ``reload_dram_8192`` >= 10, ``decision_accuracy`` >= 0.95.
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -72,9 +81,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1: the sidecar gets the other core; 2 threads on a shared 2-core box are slower and noisier)")
+    p.add_argument("--cpus", default="",
+                   help="CPUs for every process of the run, both sides alike (e.g. 0 or 0-1,3; default: all allowed)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: one per CPU of --cpus)")
     p.add_argument("--no-progress", action="store_true")
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """``0-1,3`` -> {0, 1, 3}; "" -> every CPU this process may use."""
+    if not spec.strip():
+        return set(os.sched_getaffinity(0))
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin(cpus: set[int]) -> None:
+    """Every thread of this process on ``cpus``; threads and processes started later inherit it."""
+    os.sched_setaffinity(0, cpus)
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def affinity(pid: int) -> list[int]:
+    """The CPUs every thread of process ``pid`` may run on (their union)."""
+    cpus: set[int] = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            cpus |= os.sched_getaffinity(int(tid))
+    return sorted(cpus)
 
 
 @dataclass
@@ -242,7 +280,10 @@ def run(args: argparse.Namespace) -> dict:
     from connector.hf import HFConnector, hf_spec
     from kvstore.client import SyncClient
 
-    torch.set_num_threads(args.threads)
+    cpus = parse_cpus(args.cpus)
+    pin(cpus)  # before torch starts its threads and before any server or sidecar starts
+    threads = args.threads or len(cpus)
+    torch.set_num_threads(threads)
     bs = args.block_size
     lengths = sorted({*(k * bs + bs // 2 for k in args.small_blocks), *args.lengths})
     model = build_model(args, max(lengths))
@@ -250,6 +291,12 @@ def run(args: argparse.Namespace) -> dict:
     reps = {n: args.reps or (5 if n < 512 else 3) for n in lengths}
     prompts = {n: prompt_of(n, vocab) for n in lengths}
     res = Result("ttft")
+    res.notes["cpus"] = {
+        "set": sorted(cpus), "torch_threads": threads,
+        "recompute": f"this process: torch on {threads} thread(s), on CPUs {sorted(cpus)}",
+        "reload": f"this process (the same torch threads) + the sidecar + the tier's server, on CPUs {sorted(cpus)}",
+        "this_process": affinity(os.getpid()), "sidecars": {}, "servers": {},
+    }
     cells: list[Cell] = []
     tiers: list[str] = list(args.tiers)
 
@@ -263,12 +310,14 @@ def run(args: argparse.Namespace) -> dict:
     total_steps = len(tiers) * (1 + sum(reps.values()))
     bar = tqdm(total=total_steps, desc="ttft", unit="step", disable=args.no_progress, file=sys.stderr)
     with tier_servers(tiers) as servers:
+        res.notes["cpus"]["servers"] = {name: affinity(s.proc.pid) for name, s in servers.items() if s.proc is not None}
         for tier in tiers:
             if tier == "dram":
                 dram = -(-sum(n // bs for n in lengths) * block_bytes * 5 // 4 // PAGE) * PAGE
             else:
                 dram = -(-biggest * 5 // 4 // PAGE) * PAGE
             with sidecar_process(dram, env=sidecar_env(tier, servers)) as sc, SyncClient(sc.grpc) as client:
+                res.notes["cpus"]["sidecars"][tier] = affinity(sc.proc.pid)
                 plain = HFConnector(model, client, model_id="bench", block_size=bs)
                 chooser = HFConnector(model, client, model_id="bench", block_size=bs, cost=cost)
                 place = Placement(client, plain.ns, tier, block_bytes, dram)
@@ -331,7 +380,7 @@ def run(args: argparse.Namespace) -> dict:
     res.notes["model"] = {
         "layers": args.layers, "hidden": args.hidden_size, "heads": args.heads, "kv_heads": args.kv_heads,
         "head_dim": args.head_dim, "intermediate": args.intermediate_size, "dtype": "float32",
-        "params": sum(p.numel() for p in model.parameters()), "threads": args.threads,
+        "params": sum(p.numel() for p in model.parameters()), "threads": threads,
     }
     res.notes["block_size"] = bs
     res.notes["kv_block_bytes"] = block_bytes
