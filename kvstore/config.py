@@ -61,6 +61,7 @@ class DramConfig(_Section):
 class IndexConfig(_Section):
     policy: str = Field(DEFAULT_POLICY, description="eviction policy name (see `kvstore replay --help`)")
     allocation_ttl_ms: int = Field(30_000, ge=1, description="abandoned allocations are reclaimed after this")
+    max_allocation_ttl_ms: int = Field(600_000, ge=1, description="longest ttl_ms an Allocate may ask for")
     lease_ttl_ms: int = Field(30_000, ge=1, description="default read-lease TTL")
     max_lease_ttl_ms: int = Field(600_000, ge=1)
     reaper_interval_ms: int = Field(500, ge=10)

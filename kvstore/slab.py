@@ -6,8 +6,12 @@ size class (powers of two from ``min_slot_bytes`` to ``page_bytes``) and split i
 that size, as memcached's slab allocator does. Workers attach to the segment once per process
 (:func:`attach`) and copy straight into and out of slots; the bytes never cross gRPC.
 
-Pages are not moved between classes once assigned; a workload whose block sizes change keeps
-the old classes' pages until restart (memcached's rebalancer is the known remedy).
+Pages move between classes (memcached's slab rebalancing): a page whose last slot is freed goes
+back to the free-page pool at once, and an owner that needs a page of another class frees every
+slot of one (:meth:`Slab.pages`, :attr:`Slot.holder` say what is in them). A page cut again for
+the class it last served gets back the same slot objects, ids included; cut for another class it
+gets new ones. A slot id therefore names one offset and capacity for the slab's life, and a slot
+is only ever handed out when no slot of another cut of its page is taken.
 
 A header page after the last slab page (the segment's last 4 KiB) holds the **free epoch** (a
 u64 at its start, :func:`free_epoch`): the sidecar adds one every time it frees a slot
@@ -22,6 +26,7 @@ import atexit
 import os
 import threading
 import uuid
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
 
@@ -36,13 +41,25 @@ class Slot:
     offset: int
     cls: int  # size-class index
     capacity: int
+    page: int  # index of the page it is cut from
+    holder: object | None = None  # the owner's record of what is in it (set by the owner); None once freed
+
+
+@dataclass(slots=True, eq=False)
+class Page:
+    index: int
+    cls: int = -1  # the size class it is cut for; -1 while in the free-page pool
+    used: int = 0  # its slots handed out and not freed
+    slots: list[Slot] = field(default_factory=list)  # its slots, as last cut
+    free: list[Slot] = field(default_factory=list)  # its free slots while cut (taken from the end)
 
 
 @dataclass(slots=True)
 class _SizeClass:
     size: int
-    free: list[Slot] = field(default_factory=list)
-    pages: int = 0
+    per_page: int
+    pages: dict[Page, None] = field(default_factory=dict)  # the pages cut for it
+    open: dict[Page, None] = field(default_factory=dict)  # those with a free slot; the last is used first
     used: int = 0
 
 
@@ -71,11 +88,12 @@ class Slab:
         self.classes: list[_SizeClass] = []
         size = min_slot_bytes
         while size <= page_bytes:
-            self.classes.append(_SizeClass(size))
+            self.classes.append(_SizeClass(size, page_bytes // size))
             size *= 2
-        self._free_pages = list(range(self.num_pages - 1, -1, -1))
-        self._slots: dict[int, Slot] = {}
+        self._pages = [Page(i) for i in range(self.num_pages)]
+        self._free_pages = self._pages[::-1]  # the pool, taken from the end
         self._next_id = 0
+        self.page_moves = 0  # pages cut for another class than the one they last served
 
     # --- size classes -------------------------------------------------------------------
 
@@ -93,29 +111,87 @@ class Slab:
 
     # --- allocation ---------------------------------------------------------------------
 
-    def try_alloc(self, cls: int) -> Slot | None:
-        """A free slot of class ``cls``, taking a fresh page if needed; None when both are gone."""
+    def try_alloc(self, cls: int, grow: bool = True) -> Slot | None:
+        """A free slot of class ``cls``, cutting a page from the pool if needed (and ``grow``);
+        None when there is neither."""
         sc = self.classes[cls]
-        if not sc.free:
-            if not self._free_pages:
-                return None
-            page = self._free_pages.pop()
-            base = page * self.page_bytes
-            per_page = self.page_bytes // sc.size
-            for i in range(per_page - 1, -1, -1):
-                slot = Slot(self._next_id, base + i * sc.size, cls, sc.size)
-                self._next_id += 1
-                self._slots[slot.slot_id] = slot
-                sc.free.append(slot)
-            sc.pages += 1
+        if not sc.open and not (grow and self.grow(cls)):
+            return None
+        page, _ = sc.open.popitem()
+        slot = page.free.pop()
+        if page.free:
+            sc.open[page] = None
+        page.used += 1
         sc.used += 1
-        return sc.free.pop()
+        return slot
+
+    def grow(self, cls: int) -> bool:
+        """Cut a page from the free-page pool into free slots of class ``cls``; False when the
+        pool is empty."""
+        if not self._free_pages:
+            return False
+        page = self._free_pages.pop()
+        sc = self.classes[cls]
+        if not page.slots or page.slots[0].cls != cls:
+            if page.slots:
+                self.page_moves += 1
+            base, first = page.index * self.page_bytes, self._next_id
+            page.slots = [Slot(first + i, base + i * sc.size, cls, sc.size, page.index) for i in range(sc.per_page)]
+            self._next_id += sc.per_page
+        page.cls = cls
+        page.free = page.slots[::-1]
+        sc.pages[page] = None
+        sc.open[page] = None
+        return True
 
     def free(self, slot: Slot) -> None:
+        """Give a slot back; the last one of its page takes the page back to the pool."""
         self._epoch[0] += 1  # before the slot can be handed out again
+        slot.holder = None
+        page = self._pages[slot.page]
         sc = self.classes[slot.cls]
         sc.used -= 1
-        sc.free.append(slot)
+        page.used -= 1
+        if not page.used:
+            sc.open.pop(page, None)
+            page.free = []
+            page.cls = -1
+            del sc.pages[page]
+            self._free_pages.append(page)
+            return
+        page.free.append(slot)
+        if len(page.free) == 1:
+            sc.open[page] = None
+
+    # --- pages ----------------------------------------------------------------------------
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def per_page(self, cls: int) -> int:
+        return self.classes[cls].per_page
+
+    def free_slots(self, cls: int) -> int:
+        """Free slots of class ``cls`` in its pages (the pool's pages not counted)."""
+        sc = self.classes[cls]
+        return len(sc.pages) * sc.per_page - sc.used
+
+    def fits(self, needs: Mapping[int, int]) -> bool:
+        """Whether ``needs`` (class -> slots) can be taken from free slots and the pool alone."""
+        pages = 0
+        for cls, n in needs.items():
+            short = n - self.free_slots(cls)
+            if short > 0:
+                pages += -(-short // self.classes[cls].per_page)
+        return pages <= len(self._free_pages)
+
+    def pages(self, cls: int) -> Iterator[Page]:
+        """The pages cut for class ``cls`` (free no slot while iterating: a page may leave)."""
+        return iter(self.classes[cls].pages)
+
+    def page_of(self, slot: Slot) -> Page:
+        return self._pages[slot.page]
 
     def view(self, slot: Slot, length: int) -> np.ndarray:
         return self.buf[slot.offset : slot.offset + length]
@@ -131,7 +207,12 @@ class Slab:
             "capacity_bytes": self.capacity_bytes,
             "used_bytes": self.used_bytes,
             "free_pages": len(self._free_pages),
-            "classes": {str(c.size): {"pages": c.pages, "used_slots": c.used, "free_slots": len(c.free)} for c in self.classes if c.pages},
+            "page_moves": self.page_moves,
+            "classes": {
+                str(c.size): {"pages": len(c.pages), "used_slots": c.used, "free_slots": self.free_slots(i)}
+                for i, c in enumerate(self.classes)
+                if c.pages
+            },
         }
 
     def close(self, unlink: bool = True) -> None:

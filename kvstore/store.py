@@ -14,7 +14,7 @@ import logging
 import operator
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,7 +24,7 @@ from kvstore.errors import ChecksumMismatch, FailedPrecondition, InvalidArgument
 from kvstore.index import DRAM, Allocation, Block, Index, Lease, NsEntry, State, top_label
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.policy import make_policy
-from kvstore.slab import Slab, Slot
+from kvstore.slab import Page, Slab, Slot
 from kvstore.stats import Stats
 
 if TYPE_CHECKING:
@@ -175,46 +175,44 @@ class BlockStore:
                 classes.append(self.slab.class_of(s.size))
             except InvalidArgument as exc:
                 raise InvalidArgument(f"blocks[{i}].{exc}") from None
+        cap = self.config.index.max_allocation_ttl_ms
+        if ttl_ms > cap:
+            raise InvalidArgument(f"ttl_ms: {ttl_ms} exceeds the maximum of {cap} (index.max_allocation_ttl_ms)")
         ttl = ttl_ms or self.config.index.allocation_ttl_ms
 
-        reserved: list[tuple[BlockSpec, Slot]] = []
-        slots: list[Slot | None] = []
-        try:
-            with self.tiering.staging_batch() if self.tiering is not None else contextlib.nullcontext():
-                for s, cls in zip(specs, classes):
-                    if self.index.get(ns, s.key) is not None:
-                        slots.append(None)  # committed already, or being written by someone else
-                        continue
-                    slot = self._take_slot(cls)
-                    reserved.append((s, slot))
-                    slots.append(slot)
-        except ResourceExhausted:
-            for _, slot in reserved:
-                self.slab.free(slot)
-            raise
+        new = [(s, cls) for s, cls in zip(specs, classes) if self.index.get(ns, s.key) is None]
+        taken = {cls: iter(got) for cls, got in self._take_slots(Counter(cls for _, cls in new)).items()}
         blocks: dict[int, Block] = {}
-        for s, slot in reserved:
+        by_key: dict[bytes, Slot] = {}
+        for s, cls in new:
+            slot = by_key[s.key] = next(taken[cls])
             b = self.index.add(ns, s.key, s.parent, s.size, State.ALLOCATED)
             b.slot = slot
+            slot.holder = b
             blocks[slot.slot_id] = b
+        slots: list[Slot | None] = [by_key.get(s.key) for s in specs]  # None: present already
         alloc = self.index.open_allocation(ns, blocks, self.clock() + ttl / 1000.0)
         self.stats.writes["allocations"] += 1
-        self.stats.writes["blocks_deduplicated"] += len(specs) - len(reserved)
+        self.stats.writes["blocks_deduplicated"] += len(specs) - len(new)
         return alloc, slots
 
-    def _take_slot(self, cls: int) -> Slot:
-        slot = self.slab.try_alloc(cls)
-        if slot is None:
-            self.drain_touches()
-        while slot is None:
-            victim = self.policy.pop_victim(lambda b: not b.pinned and b.slot.cls == cls)  # type: ignore[attr-defined]
-            if victim is None:
-                raise ResourceExhausted(
-                    f"blocks: DRAM is full ({self.slab.capacity_bytes} bytes) and every block of this size class is leased or being written"
-                )
-            self._evict_from_dram(victim)  # type: ignore[arg-type]
-            slot = self.slab.try_alloc(cls)
+    def _take_slot(self, cls: int, holder: Block | None = None) -> Slot:
+        """One slot of class ``cls`` for ``holder`` (see :meth:`_take_slots`)."""
+        slot = self._take_slots({cls: 1})[cls][0]
+        slot.holder = holder
         return slot
+
+    def _take_slots(self, needs: Mapping[int, int]) -> dict[int, list[Slot]]:
+        """Slots for ``needs`` (size class -> how many), evicting the policy's victims when free
+        slots and free pages do not cover them; refused before anything is evicted when they
+        cannot all be had (:class:`_Room`)."""
+        slab = self.slab
+        if slab.fits(needs):
+            return {cls: [slab.try_alloc(cls) for _ in range(n)] for cls, n in needs.items()}  # type: ignore[misc]
+        self.drain_touches()
+        room = _Room(self, needs)
+        with self.tiering.staging_batch() if self.tiering is not None else contextlib.nullcontext():
+            return room.take()
 
     def _evict_from_dram(self, block: Block) -> None:
         """Drop the DRAM copy of a block the policy chose; demote it first when a lower tier takes it."""
@@ -442,3 +440,183 @@ class BlockStore:
         doc = self.stats.snapshot(self.occupancy(), self.index.count())
         doc["policy"] = self.policy.name
         return doc
+
+
+def _slot_of(b: Block) -> Slot:
+    return b.slot  # type: ignore[return-value]
+
+
+def _can_evict(slot: Slot) -> bool:
+    """Whether the slot holds a committed block that may leave DRAM now."""
+    b: Block | None = slot.holder  # type: ignore[assignment]
+    return b is not None and b.slot is slot and not b.pinned
+
+
+class _Room:
+    """Room in DRAM for one request's slots, decided before anything is evicted.
+
+    A size class takes its free slots, then pages from the free-page pool, then evicts its own
+    blocks (the policy's victims). A class that cannot fit that way is *owed* pages: from the
+    pool, then from other classes, by evicting every block of a *whole* page (one whose taken
+    slots all hold blocks that may leave) -- the page of the policy's next such victim, as
+    memcached's slab rebalancing moves pages. A class of the request gives pages only while what
+    it keeps still holds its own slots. When the owed pages are not there, the request is refused
+    and nothing was evicted. Once they are taken, each class takes its slots; when it must evict,
+    the policy's next victim may also lie on a whole page of a class this request needs nothing
+    more from, and that page moves: a class whose blocks are newer grows at the expense of an
+    idle one instead of evicting its own.
+    """
+
+    def __init__(self, store: BlockStore, needs: Mapping[int, int]) -> None:
+        self.store = store
+        self.slab = store.slab
+        self.needs = dict(needs)
+        self.left = dict(needs)  # class -> slots it has still to take
+        self.owed: dict[int, int] = {}  # class -> pages it must get before taking slots
+        self.gives: dict[int, int] = {}  # class of the request -> pages it may still give to owed ones
+        self._whole: dict[Page, bool] = {}  # valid while no class takes slots (cleared before each does)
+        self._plan()
+
+    def _full(self, detail: str = "") -> ResourceExhausted:
+        return ResourceExhausted(
+            f"blocks: DRAM is full ({self.slab.capacity_bytes} bytes){detail}; the rest is leased or being written"
+        )
+
+    def _plan(self) -> None:
+        slab = self.slab
+        short = {c: max(0, n - slab.free_slots(c)) for c, n in self.needs.items()}
+        for c, n in short.items():
+            own = self._evictable(c, n)
+            if own < n:
+                self.owed[c] = -(-(n - own) // slab.per_page(c))
+        want = sum(self.owed.values()) - slab.free_pages
+        for d in range(len(slab.classes)):
+            if want <= 0:
+                return
+            if d in self.owed:
+                continue
+            if d in self.needs:  # it may give what it does not need of its free and evictable slots
+                per = slab.per_page(d)
+                spare = (slab.free_slots(d) + self._evictable(d, short[d] + want * per) - self.needs[d]) // per
+                give = self.gives[d] = self._whole_pages(d, min(spare, want))
+            else:
+                give = self._whole_pages(d, want)
+            want -= give
+        if want > 0:
+            sizes = ", ".join(f"{self.needs[c]} x {slab.classes[c].size} B" for c in self.owed)
+            raise self._full(
+                f": the new blocks ({sizes}) need {want} page(s) of {slab.page_bytes} bytes more than free space"
+                " and evictable blocks give"
+            )
+
+    def _evictable(self, cls: int, cap: int) -> int:
+        """Slots of class ``cls`` whose blocks may be evicted, counted up to ``cap``."""
+        n = 0
+        if cap <= 0:
+            return n
+        for page in self.slab.pages(cls):
+            for slot in page.slots:
+                if _can_evict(slot):
+                    n += 1
+                    if n == cap:
+                        return n
+        return n
+
+    def _is_whole(self, page: Page) -> bool:
+        got = self._whole.get(page)
+        if got is None:
+            got = self._whole[page] = page.used > 0 and sum(map(_can_evict, page.slots)) == page.used
+        return got
+
+    def _whole_pages(self, cls: int, cap: int) -> int:
+        n = 0
+        for page in self.slab.pages(cls):
+            if n >= cap:
+                break
+            n += self._is_whole(page)
+        return n
+
+    # --- taking -------------------------------------------------------------------------------
+
+    def take(self) -> dict[int, list[Slot]]:
+        slab = self.slab
+        got: dict[int, list[Slot]] = {c: [] for c in self.needs}
+        try:
+            for c, n in self.owed.items():
+                for _ in range(n):
+                    if not slab.grow(c):
+                        self._move(c, lambda d: d not in self.needs or self.gives.get(d, 0) > 0)
+            for c, n in self.needs.items():
+                self._whole.clear()  # the classes before this one took slots
+                own = self._own(c)
+                for _ in range(n):
+                    got[c].append(self._slot(c, own))
+                    self.left[c] -= 1
+        except BaseException:
+            for slots in got.values():
+                for slot in slots:
+                    slab.free(slot)
+            raise
+        return got
+
+    def _slot(self, cls: int, own: Iterator[Block]) -> Slot:
+        slab, store = self.slab, self.store
+
+        def victim_ok(b: Block) -> bool:
+            c = _slot_of(b).cls
+            return not b.pinned and (c == cls or (not self.left.get(c) and self._is_whole(slab.page_of(_slot_of(b)))))
+
+        while (slot := slab.try_alloc(cls)) is None:
+            victim: Block | None = store.policy.pop_victim(victim_ok)  # type: ignore[arg-type,assignment]
+            if victim is None:  # the policy keeps the rest for their children: take one anyway
+                victim = next(own, None)
+                if victim is None:
+                    raise self._full()
+                store.policy.remove(victim)
+            if _slot_of(victim).cls == cls:
+                store._evict_from_dram(victim)
+            else:
+                self._reclaim(slab.page_of(_slot_of(victim)), victim)
+        return slot
+
+    def _own(self, cls: int) -> Iterator[Block]:
+        """The evictable blocks of class ``cls``, in slab order, each checked when reached."""
+        for page in list(self.slab.pages(cls)):
+            for slot in page.slots:
+                if _can_evict(slot):
+                    yield slot.holder  # type: ignore[misc]
+
+    def _move(self, cls: int, donor: Callable[[int], bool]) -> None:
+        """Reclaim a whole page of a ``donor`` class (the page of the policy's next victim among
+        them; any whole one when the policy has none) and cut it for ``cls``."""
+        slab = self.slab
+
+        def victim_ok(b: Block) -> bool:
+            return not b.pinned and donor(_slot_of(b).cls) and self._is_whole(slab.page_of(_slot_of(b)))
+
+        victim: Block | None = self.store.policy.pop_victim(victim_ok)  # type: ignore[arg-type,assignment]
+        if victim is not None:
+            page: Page | None = slab.page_of(_slot_of(victim))
+        else:
+            donors = (d for d in range(len(slab.classes)) if d != cls and donor(d))
+            page = next((p for d in donors for p in slab.pages(d) if self._is_whole(p)), None)
+        if page is None:
+            raise self._full()
+        self._reclaim(page, victim)
+        if not slab.grow(cls):
+            raise self._full()
+
+    def _reclaim(self, page: Page, victim: Block | None) -> None:
+        """Evict every block of a whole page (``victim`` is one, out of the policy already): the
+        page goes back to the pool with its last slot."""
+        store = self.store
+        cls = page.cls
+        if victim is not None:
+            store._evict_from_dram(victim)
+        for slot in page.slots:
+            if _can_evict(slot):
+                b: Block = slot.holder  # type: ignore[assignment]
+                store.policy.remove(b)
+                store._evict_from_dram(b)
+        if cls in self.gives:
+            self.gives[cls] -= 1

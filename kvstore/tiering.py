@@ -417,7 +417,7 @@ class Tiering:
                         self._settle(b, fut, False)  # every copy is in a tier that is down: evict nothing for it
                         continue
                     try:
-                        slot = store._take_slot(store.slab.class_of(b.size))
+                        slot = store._take_slot(store.slab.class_of(b.size), b)
                     except KVStoreError as exc:  # DRAM full of leased blocks
                         log.info("cannot promote %s: %s", b.key.hex()[:16], exc)
                         self._settle(b, fut, False)
