@@ -5,7 +5,8 @@
 Every call must carry ``authorization: Bearer <token>`` metadata (what
 ``KVStoreClient.from_url(url, token=...)`` sends); otherwise it ends with UNAUTHENTICATED before
 reaching the servicer. The standard health service stays open so orchestrators can probe the
-sidecar without the secret. The HTTP side does the same check in :mod:`kvstore.http`.
+sidecar without the secret. :func:`token_matches` is the one comparison of a supplied secret:
+gRPC metadata here, HTTP headers in :mod:`kvstore.http`, the hello of :mod:`kvstore.local`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,15 @@ from typing import Any
 import grpc
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def _bytes(secret: str | bytes) -> bytes:
+    return secret.encode("utf-8", "surrogateescape") if isinstance(secret, str) else bytes(secret)
+
+
+def token_matches(supplied: str | bytes, expected: str | bytes) -> bool:
+    """Whether ``supplied`` equals ``expected``, in a time that does not depend on where they differ."""
+    return hmac.compare_digest(_bytes(supplied), _bytes(expected))
 
 
 def _deny(message: str) -> Callable[..., Awaitable[Any]]:
@@ -55,8 +65,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
     def authorized(self, metadata: Any) -> bool:
         for key, value in metadata or ():
             if key == "authorization":
-                supplied = value.encode() if isinstance(value, str) else bytes(value)
-                return hmac.compare_digest(supplied, self._expected)
+                return token_matches(value, self._expected)
         return False
 
     async def intercept_service(

@@ -36,6 +36,9 @@ class ServerConfig(_Section):
     http_address: str = Field("127.0.0.1:8080", description="HOST:PORT of /stats, /metrics, /healthz, dashboard")
     max_message_bytes: int = Field(64 * MiB, ge=1 * MiB, description="gRPC send/receive limit")
     max_batch_blocks: int = Field(65536, ge=1, description="most blocks in one request")
+    stats_namespaces: int = Field(
+        32, ge=1, description="namespaces with their own /stats and /metrics entry (the busiest); the rest sum as 'other'"
+    )
     auth_token: str = Field("", description="bearer token required on gRPC and HTTP when set")
     tls_cert: str = Field("", description="PEM certificate for gRPC TLS")
     tls_key: str = Field("", description="PEM private key for gRPC TLS")

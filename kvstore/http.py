@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+
+from kvstore.auth import token_matches
+from kvstore.stats import document_json
 
 if TYPE_CHECKING:
     from kvstore.sidecar import Sidecar
@@ -20,8 +22,8 @@ def build_app(sidecar: Sidecar) -> web.Application:
     @web.middleware
     async def auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
         if token and request.path not in ("/healthz", "/readyz"):
-            supplied = request.headers.get("Authorization", "")
-            if supplied != f"Bearer {token}" and request.query.get("token") != token:
+            header, query = request.headers.get("Authorization", ""), request.query.get("token", "")
+            if not (token_matches(header, f"Bearer {token}") or token_matches(query, token)):
                 return web.json_response({"error": "missing or wrong bearer token"}, status=401)
         return await handler(request)
 
@@ -33,7 +35,7 @@ def build_app(sidecar: Sidecar) -> web.Application:
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
     async def stats(_: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(sidecar.store.snapshot()), content_type="application/json")
+        return web.Response(text=document_json(sidecar.store.snapshot()), content_type="application/json")
 
     async def metrics(_: web.Request) -> web.Response:
         from kvstore.metrics import render

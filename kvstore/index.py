@@ -122,11 +122,26 @@ class Index:
 
     # --- namespaces ---------------------------------------------------------------------
 
+    # An entry lives while it holds a block: reads of a namespace that stores nothing get a
+    # detached empty entry (``find``), the first block registers it (``add``), the last one to
+    # go drops it (``drop``). Clients choose namespaces freely; only stored blocks cost memory.
+
     def namespace(self, root: bytes, label: str, namespace: Namespace | None = None) -> NsEntry:
+        """The namespace's entry, registered (created empty when it holds nothing yet)."""
         entry = self.namespaces.get(root)
         if entry is None:
             entry = self.namespaces[root] = NsEntry(root, label, namespace)
         elif namespace is not None and entry.namespace is None:
+            entry.namespace = namespace
+        return entry
+
+    def find(self, root: bytes, label: str, namespace: Namespace | None = None) -> NsEntry:
+        """The namespace's entry, or a detached empty one when it holds nothing (not registered:
+        a lookup must not make the index grow)."""
+        entry = self.namespaces.get(root)
+        if entry is None:
+            return NsEntry(root, label, namespace)
+        if namespace is not None and entry.namespace is None:
             entry.namespace = namespace
         return entry
 
@@ -152,6 +167,8 @@ class Index:
         if depth is None:
             parent_block = ns.blocks.get(parent) if parent else None
             depth = parent_block.depth + 1 if parent_block is not None else 1
+        if not ns.blocks:  # its first block: register it (again, when it was dropped on emptying)
+            ns = self.namespaces.setdefault(ns.root, ns)
         block = Block(ns, key, parent, size, depth, state)
         ns.blocks[key] = block
         if state is State.COMMITTED:
@@ -164,15 +181,17 @@ class Index:
         block.state = State.COMMITTED
         block.ns._show(block)
 
-    @staticmethod
-    def drop(block: Block) -> None:
+    def drop(self, block: Block) -> None:
         """Forget a block that no tier holds any more. A committed block whose last copy goes
-        must be dropped here: lookups trust ``visible``."""
+        must be dropped here: lookups trust ``visible``. The namespace's last block takes its
+        entry with it."""
         ns = block.ns
         if ns.blocks.get(block.key) is block:
             del ns.blocks[block.key]
             if ns.visible.get(block.key) is block:
                 ns._hide(block)
+            if not ns.blocks and self.namespaces.get(ns.root) is ns:
+                del self.namespaces[ns.root]
 
     # --- allocations --------------------------------------------------------------------
 

@@ -24,7 +24,6 @@ file is created 0600: the shared-memory slab is 0600 too, so its clients run as 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import socket
@@ -37,6 +36,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from kvstore.auth import token_matches
 from kvstore.errors import KVStoreError, from_status_code
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -135,7 +135,7 @@ class LocalServer:
                 name = body[1 : 1 + body[0]].decode("ascii", "replace")
                 payload = body[1 + body[0] :]
                 if not authed:
-                    if name or not hmac.compare_digest(payload, self._token):
+                    if name or not token_matches(payload, self._token):
                         writer.write(_frame(bytes((grpc.StatusCode.UNAUTHENTICATED.value[0],)), b"local socket: missing or wrong token"))
                         break
                     authed = True

@@ -4,7 +4,8 @@
 
 One custom collector reads the snapshot document; nothing is counted twice and there is no
 global registry. Every name starts with ``kvstore_``; per-tier series carry ``tier``, per
-namespace series ``namespace``. Counters end in ``_total``; ratios and occupancy are gauges.
+namespace series ``namespace`` (the busiest ``server.stats_namespaces`` and ``other``, as on
+/stats). Counters end in ``_total``; ratios and occupancy are gauges.
 """
 
 from __future__ import annotations
@@ -139,6 +140,9 @@ class SnapshotCollector(Collector):
         for code, n in sorted(self.doc.get("errors", {}).items()):
             errors.add_metric([code], _num(n))
         yield errors
+        bad = _counter("bad_requests", "request bodies that did not decode as their method's message")
+        bad.add_metric([], _num(self.doc.get("bad_requests")))
+        yield bad
         decisions = _counter("decisions", "reload-vs-recompute outcomes reported by connectors", ["outcome"])
         for outcome, n in sorted(self.doc.get("decisions", {}).get("counts", {}).items()):
             if outcome != "total":

@@ -2,21 +2,23 @@
 
 Errors become status codes in exactly one place, :func:`_rpc`: a :class:`KVStoreError` maps to
 its own code with its message; anything else is logged and answered INTERNAL, and the server
-keeps running.
+keeps running. Request bodies are decoded here too (:func:`method_handlers`), so one that is not
+the method's message is answered INVALID_ARGUMENT, as on the local socket, and counted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import operator
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import unknown_fields
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -25,6 +27,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.index import DRAM, REDIS, S3, SSD, TOP_TIER, Block, NsEntry
 from kvstore.keys import Namespace
 from kvstore.slab import Slab
+from kvstore.stats import check_decision, document_json
 from kvstore.store import BlockSpec, BlockStore, CommitSpec
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -38,7 +41,7 @@ _MASK_TO_PB: tuple[int, ...] = tuple(_PB_TIER[TOP_TIER[m]] for m in range(16))
 
 _TIERS = operator.attrgetter("tiers")
 _SIZE = operator.attrgetter("size")
-
+BAD_REQUEST_LOG_INTERVAL_S = 10.0  # at most one log line per this many seconds about undecodable bodies
 
 
 def _pb_tiers(run: list[Block], masks: set[int]) -> bytes:
@@ -83,7 +86,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore) -> None:
         self.store = store
         self.local_socket = ""  # set once the local transport (kvstore.local) listens
-        self._ns_cache: dict[bytes, NsEntry] = {}
+        self._ns_cache: dict[bytes, Namespace] = {}  # wire form -> validated namespace
+        self._bad_logged_at = -BAD_REQUEST_LOG_INTERVAL_S
 
     def _namespace(self, request: Any) -> NsEntry:
         """The namespace entry of a request that carries one (Lookup, Allocate, Acquire, ...)."""
@@ -91,9 +95,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             raise InvalidArgument("namespace: required")
         msg = request.namespace
         raw = msg.SerializeToString(deterministic=True)
-        entry = self._ns_cache.get(raw)
-        if entry is not None:
-            return entry
+        ns = self._ns_cache.get(raw)
+        if ns is not None:
+            return self.store.namespace(ns)
         unknown = unknown_fields.UnknownFieldSet(msg)
         if len(unknown):
             numbers = sorted({f.field_number for f in unknown})
@@ -109,11 +113,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             adapter=msg.adapter,
             cache_salt=msg.cache_salt,
         )
-        entry = self.store.namespace(ns)
         if len(self._ns_cache) > 4096:
             self._ns_cache.clear()
-        self._ns_cache[raw] = entry
-        return entry
+        self._ns_cache[raw] = ns
+        return self.store.namespace(ns)
 
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
@@ -190,26 +193,30 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     @_rpc
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        return pb.StatsResponse(json=json.dumps(self.store.snapshot()))
+        return pb.StatsResponse(json=document_json(self.store.snapshot()))
 
     @_rpc
     async def Report(self, request: pb.ReportRequest, context: grpc.aio.ServicerContext) -> pb.ReportResponse:
         if len(request.decisions) > 1024:
             raise InvalidArgument(f"decisions: {len(request.decisions)} records exceed the limit of 1024")
-        for d in request.decisions:
-            self.store.stats.decision(
-                {
-                    "namespace": d.namespace,
-                    "prompt_blocks": d.prompt_blocks,
-                    "cached_blocks": d.cached_blocks,
-                    "loaded_blocks": d.loaded_blocks,
-                    "tier": d.tier,
-                    "predicted_load_s": d.predicted_load_s,
-                    "predicted_recompute_s": d.predicted_recompute_s,
-                    "actual_s": d.actual_s,
-                    "outcome": d.outcome or "unknown",
-                }
-            )
+        records = [
+            {
+                "namespace": d.namespace,
+                "prompt_blocks": d.prompt_blocks,
+                "cached_blocks": d.cached_blocks,
+                "loaded_blocks": d.loaded_blocks,
+                "tier": d.tier,
+                "predicted_load_s": d.predicted_load_s,
+                "predicted_recompute_s": d.predicted_recompute_s,
+                "actual_s": d.actual_s,
+                "outcome": d.outcome,
+            }
+            for d in request.decisions
+        ]
+        for i, record in enumerate(records):  # all checked before any is kept
+            check_decision(record, f"decisions[{i}]")
+        for record in records:
+            self.store.stats.decision({**record, "outcome": record["outcome"] or "unknown"})
         return pb.ReportResponse()
 
     @_rpc
@@ -218,6 +225,44 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoResponse:
         return pb.EchoResponse(payload=request.payload)
+
+    def bad_request(self, method: str, request_type: type[Message], exc: Exception) -> str:
+        """Count a request body that is not its method's message; the status message to answer."""
+        stats = self.store.stats
+        stats.bad_requests += 1
+        stats.errors[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
+        now = time.monotonic()
+        if now - self._bad_logged_at >= BAD_REQUEST_LOG_INTERVAL_S:
+            self._bad_logged_at = now
+            log.warning("undecodable %s request (%d since start): %s", method, stats.bad_requests, exc)
+        return f"request: not a {request_type.__name__}: {exc}"
+
+
+def _decoding(servicer: KVStoreServicer, method: str, request_type: type[Message]) -> Callable[..., Awaitable[Any]]:
+    """The servicer's method behind a handler that takes the request's bytes."""
+    handle = getattr(servicer, method)
+
+    async def decode_and_handle(body: bytes, context: grpc.aio.ServicerContext) -> Message:
+        try:
+            request = request_type.FromString(body)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, servicer.bad_request(method, request_type, exc))
+        return await handle(request, context)
+
+    return decode_and_handle
+
+
+def method_handlers(servicer: KVStoreServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The KVStore service's handlers. grpc decodes nothing itself (its failure to would be an
+    UNKNOWN status and a logged traceback): each handler gets the body and decodes it."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["KVStore"].methods:
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _decoding(servicer, method.name, request_type), response_serializer=response_type.SerializeToString
+        )
+    return handlers
 
 
 def grpc_options(config: Config) -> list[tuple[str, int]]:
@@ -232,7 +277,9 @@ async def start_grpc(servicer: KVStoreServicer, config: Config) -> tuple[grpc.ai
 
         interceptors.append(TokenInterceptor(config.server.auth_token))
     server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)
-    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+    handlers = method_handlers(servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)

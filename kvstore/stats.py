@@ -1,17 +1,28 @@
 """Service counters, and the one JSON document served by /stats, the Stats RPC and /metrics.
 
 Counters are plain ints bumped on the event loop thread; :meth:`Stats.snapshot` turns them into
-the document. Rates are derived there, never stored.
+the document. Rates are derived there, never stored. The document is strict JSON
+(:func:`document_json`) and bounded whatever clients send: per-namespace counters are kept for a
+few namespaces (the busiest; the rest are folded into ``"other"``), and reported decisions are
+checked by :func:`check_decision` before they are kept.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.errors import InvalidArgument
+
 TIER_LABELS = ("dram", "ssd", "redis", "s3")
+OTHER = "other"  # the /stats namespace entry that sums every namespace not shown on its own
+OUTCOMES = ("loaded", "recomputed", "fallback")  # a decision's outcome: one of these, or "fallback:<reason>"
+DECISION_STRINGS = {"namespace": 1024, "tier": 16, "outcome": 64}  # longest allowed, in characters
+DECISION_SECONDS = ("predicted_load_s", "predicted_recompute_s", "actual_s")
 TIER_COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "promotions", "errors", "checksum_failures")
 
 
@@ -38,12 +49,47 @@ class LookupCounters:
             "hit_rate": self.blocks_hit / self.blocks_requested if self.blocks_requested else 0.0,
         }
 
+    def merge(self, other: LookupCounters) -> None:
+        self.calls += other.calls
+        self.blocks_requested += other.blocks_requested
+        self.blocks_hit += other.blocks_hit
+        self.full_hits += other.full_hits
+
+
+def _traffic(counters: LookupCounters) -> tuple[int, int]:
+    return counters.blocks_requested, counters.calls
+
+
+def document_json(doc: dict[str, Any]) -> str:
+    """The /stats document as strict JSON (a NaN or an infinity raises rather than leak out)."""
+    return json.dumps(doc, allow_nan=False)
+
+
+def check_decision(record: dict[str, Any], where: str) -> None:
+    """Raise InvalidArgument, naming ``where``'s field, unless ``record`` is a decision /stats can keep."""
+    for name, limit in DECISION_STRINGS.items():
+        if len(record[name]) > limit:
+            raise InvalidArgument(f"{where}.{name}: {len(record[name])} characters exceed the limit of {limit}")
+    for name in DECISION_SECONDS:
+        value = record[name]
+        if not (math.isfinite(value) and value >= 0):
+            raise InvalidArgument(f"{where}.{name}: must be a finite number of seconds >= 0, got {value!r}")
+    if record["tier"] not in ("", *TIER_LABELS):
+        raise InvalidArgument(f"{where}.tier: {record['tier']!r} is not one of {['', *TIER_LABELS]}")
+    kind, colon, _ = record["outcome"].partition(":")
+    if record["outcome"] and (kind not in OUTCOMES or (colon and kind != "fallback")):
+        allowed = f"{list(OUTCOMES)} or 'fallback:<reason>'"
+        raise InvalidArgument(f"{where}.outcome: {record['outcome']!r} is not one of {allowed}")
+
 
 @dataclass(slots=True)
 class Stats:
     started: float = field(default_factory=time.time)
     lookups: LookupCounters = field(default_factory=LookupCounters)
-    per_namespace: dict[str, LookupCounters] = field(default_factory=dict)
+    per_namespace: dict[str, LookupCounters] = field(default_factory=dict)  # at most 4 x namespaces_shown
+    other_namespaces: LookupCounters = field(default_factory=LookupCounters)  # those folded out of it
+    namespaces_shown: int = 32  # server.stats_namespaces
+    bad_requests: int = 0  # request bodies that did not decode
     tiers: dict[str, Counter[str]] = field(default_factory=lambda: {t: Counter() for t in TIER_LABELS})
     writes: Counter[str] = field(default_factory=Counter)
     reads: Counter[str] = field(default_factory=Counter)
@@ -56,8 +102,29 @@ class Stats:
         self.lookups.add(requested, hit)
         ns = self.per_namespace.get(label)
         if ns is None:
+            if len(self.per_namespace) >= 4 * self.namespaces_shown:
+                self._fold_quietest()
             ns = self.per_namespace[label] = LookupCounters()
         ns.add(requested, hit)
+
+    def _fold_quietest(self) -> None:
+        """Keep the per-namespace counters bounded: the namespace with the least traffic (the
+        longest tracked among equals, so a newcomer has a chance to grow) goes into "other"."""
+        quietest = min(self.per_namespace, key=lambda label: _traffic(self.per_namespace[label]))
+        self.other_namespaces.merge(self.per_namespace.pop(quietest))
+
+    def namespace_counters(self) -> dict[str, dict[str, Any]]:
+        """The busiest ``namespaces_shown`` namespaces by blocks requested, the others summed as "other"."""
+        ranked = sorted(self.per_namespace, key=lambda label: _traffic(self.per_namespace[label]), reverse=True)
+        shown = sorted([label for label in ranked if label != OTHER][: self.namespaces_shown])
+        other = LookupCounters()
+        other.merge(self.other_namespaces)
+        for label in set(self.per_namespace).difference(shown):
+            other.merge(self.per_namespace[label])
+        out = {label: self.per_namespace[label].as_dict() for label in shown}
+        if other.calls:
+            out[OTHER] = other.as_dict()
+        return out
 
     def tier(self, tier: str, counter: str, n: int = 1) -> None:
         self.tiers[tier][counter] += n
@@ -90,12 +157,13 @@ class Stats:
             "lookups": self.lookups.as_dict(),
             "hit_rate": self.lookups.as_dict()["hit_rate"],
             "hit_rate_by_tier": {t: (h / requested if requested else 0.0) for t, h in hits_by_tier.items()},
-            "namespaces": {label: c.as_dict() for label, c in sorted(self.per_namespace.items())},
+            "namespaces": self.namespace_counters(),
             "tiers": tiers,
             "writes": dict(self.writes),
             "reads": dict(self.reads),
             "index": index_counts,
             "errors": dict(self.errors),
+            "bad_requests": self.bad_requests,
             "decisions": {"counts": dict(self.decisions), "recent": list(self.recent_decisions)},
             "history": list(self.history),
         }

@@ -53,6 +53,7 @@ class BlockStore:
         self.config = config
         self.slab = slab
         self.stats = stats or Stats()
+        self.stats.namespaces_shown = config.server.stats_namespaces
         self.clock = clock
         self.index = Index()
         self.policy = make_policy(config.index.policy)
@@ -64,7 +65,8 @@ class BlockStore:
     # --- namespaces -----------------------------------------------------------------------
 
     def namespace(self, ns: Namespace) -> NsEntry:
-        return self.index.namespace(ns.root, ns.label, ns)
+        """Its entry; an empty detached one when it stores nothing (a write registers it)."""
+        return self.index.find(ns.root, ns.label, ns)
 
     # --- validation helpers -----------------------------------------------------------------
 
@@ -179,6 +181,7 @@ class BlockStore:
         if ttl_ms > cap:
             raise InvalidArgument(f"ttl_ms: {ttl_ms} exceeds the maximum of {cap} (index.max_allocation_ttl_ms)")
         ttl = ttl_ms or self.config.index.allocation_ttl_ms
+        ns = self.index.find(ns.root, ns.label, ns.namespace)  # the live entry: the caller's may be stale
 
         new = [(s, cls) for s, cls in zip(specs, classes) if self.index.get(ns, s.key) is None]
         taken = {cls: iter(got) for cls, got in self._take_slots(Counter(cls for _, cls in new)).items()}

@@ -107,7 +107,7 @@ async def test_reaper_reclaims_abandoned_allocations(client: KVStoreClient, side
         await asyncio.sleep(0.05)
         if not sidecar.store.index.allocations:
             break
-    assert sidecar.store.index.count() == {"namespaces": 1, "blocks": 0, "allocations": 0, "leases": 0}
+    assert sidecar.store.index.count() == {"namespaces": 0, "blocks": 0, "allocations": 0, "leases": 0}  # emptied: gone
     assert sidecar.slab.used_bytes == 0
     with pytest.raises(FailedPrecondition, match="reclaimed"):
         await alloc.commit()
