@@ -33,6 +33,13 @@ class _Section(BaseModel):
 class ServerConfig(_Section):
     grpc_address: str = Field("127.0.0.1:50051", description="HOST:PORT, or unix:/path for a Unix socket")
     local_socket: str = Field("", description="Unix socket with the same calls for clients on this host (kvstore.local); empty: <data_dir>/kvstore.sock; off: none")
+    local_max_connections: int = Field(
+        256, ge=1, description="local socket connections open at once (at most half the open-file limit); more refused"
+    )
+    local_hello_timeout_s: float = Field(5.0, gt=0, description="a local socket connection sends its hello within this")
+    local_frame_timeout_s: float = Field(
+        30.0, gt=0, description="a local socket frame, once begun, arrives in full (and an answer is taken) within this"
+    )
     http_address: str = Field("127.0.0.1:8080", description="HOST:PORT of /stats, /metrics, /healthz, dashboard")
     max_message_bytes: int = Field(64 * MiB, ge=1 * MiB, description="gRPC send/receive limit")
     max_batch_blocks: int = Field(65536, ge=1, description="most blocks in one request")

@@ -94,7 +94,7 @@ class Sidecar:
             self._grpc, self.grpc_port, self._health = await start_grpc(servicer, cfg)
             path = socket_path(cfg.server.local_socket, self.data_dir, self.slab.name)
             if path is not None:
-                self._local = LocalServer(servicer, path, token=cfg.server.auth_token, max_message_bytes=cfg.server.max_message_bytes)
+                self._local = LocalServer(servicer, path, cfg.server, self.store.stats)
                 await self._local.start()
                 servicer.local_socket = str(path)
             from kvstore.http import start_http
