@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import resource
@@ -45,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
+from kvstore.auth import token_matches
 from kvstore.errors import KVStoreError, from_status_code
 from kvstore.v1 import kvstore_pb2 as pb
 
@@ -279,7 +279,7 @@ class LocalServer:
                            f"hello: none within {self._hello_timeout} s (server.local_hello_timeout_s)") from None
         name = body[1 : 1 + body[0]].decode("ascii", "replace")
         payload = body[1 + body[0] :]
-        if name or not hmac.compare_digest(payload, self._token):
+        if name or not token_matches(payload, self._token):
             raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, "local socket: missing or wrong token")
         writer.write(_frame(b"\0"))
 
