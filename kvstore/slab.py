@@ -125,6 +125,24 @@ class Slab:
         sc.used += 1
         return slot
 
+    def take(self, cls: int, n: int) -> list[Slot]:
+        """Up to ``n`` free slots of class ``cls`` at once, cutting pages from the pool as needed
+        (all ``n`` when :meth:`fits` says so)."""
+        sc = self.classes[cls]
+        out: list[Slot] = []
+        while n > 0 and (sc.open or self.grow(cls)):
+            page, _ = sc.open.popitem()
+            free = page.free
+            k = min(n, len(free))
+            out += free[: -k - 1 : -1]  # as try_alloc would hand them out
+            del free[-k:]
+            if free:
+                sc.open[page] = None
+            page.used += k
+            sc.used += k
+            n -= k
+        return out
+
     def grow(self, cls: int) -> bool:
         """Cut a page from the free-page pool into free slots of class ``cls``; False when the
         pool is empty."""

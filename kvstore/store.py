@@ -183,17 +183,17 @@ class BlockStore:
         ttl = ttl_ms or self.config.index.allocation_ttl_ms
         ns = self.index.find(ns.root, ns.label, ns.namespace)  # the live entry: the caller's may be stale
 
-        new = [(s, cls) for s, cls in zip(specs, classes) if self.index.get(ns, s.key) is None]
-        taken = {cls: iter(got) for cls, got in self._take_slots(Counter(cls for _, cls in new)).items()}
+        get = self.index.get
+        new = [(i, s, cls) for i, (s, cls) in enumerate(zip(specs, classes)) if get(ns, s.key) is None]
+        taken = {cls: iter(got) for cls, got in self._take_slots(Counter(cls for _, _, cls in new)).items()}
         blocks: dict[int, Block] = {}
-        by_key: dict[bytes, Slot] = {}
-        for s, cls in new:
-            slot = by_key[s.key] = next(taken[cls])
+        slots: list[Slot | None] = [None] * len(specs)  # None: present already
+        for i, s, cls in new:
+            slot = slots[i] = next(taken[cls])
             b = self.index.add(ns, s.key, s.parent, s.size, State.ALLOCATED)
             b.slot = slot
             slot.holder = b
             blocks[slot.slot_id] = b
-        slots: list[Slot | None] = [by_key.get(s.key) for s in specs]  # None: present already
         alloc = self.index.open_allocation(ns, blocks, self.clock() + ttl / 1000.0)
         self.stats.writes["allocations"] += 1
         self.stats.writes["blocks_deduplicated"] += len(specs) - len(new)
@@ -211,7 +211,7 @@ class BlockStore:
         cannot all be had (:class:`_Room`)."""
         slab = self.slab
         if slab.fits(needs):
-            return {cls: [slab.try_alloc(cls) for _ in range(n)] for cls, n in needs.items()}  # type: ignore[misc]
+            return {cls: slab.take(cls, n) for cls, n in needs.items()}
         self.drain_touches()
         room = _Room(self, needs)
         with self.tiering.staging_batch() if self.tiering is not None else contextlib.nullcontext():
@@ -506,11 +506,15 @@ class _Room:
                 give = self._whole_pages(d, want)
             want -= give
         if want > 0:
-            sizes = ", ".join(f"{self.needs[c]} x {slab.classes[c].size} B" for c in self.owed)
-            raise self._full(
-                f": the new blocks ({sizes}) need {want} page(s) of {slab.page_bytes} bytes more than free space"
-                " and evictable blocks give"
-            )
+            sizes = ", ".join(f"{n} x {slab.classes[c].size} B" for c, n in self.needs.items())
+            pages = sum(-(-n // slab.per_page(c)) for c, n in self.needs.items())
+            if pages > slab.num_pages:
+                raise ResourceExhausted(
+                    f"blocks: the new blocks ({sizes}) need {pages} pages of {slab.page_bytes} bytes; DRAM has "
+                    f"{slab.num_pages} (dram.capacity_bytes)"
+                )
+            detail = f": the new blocks ({sizes}) need {want} page(s) more than free slots and evictable blocks give"
+            raise self._full(detail)
 
     def _evictable(self, cls: int, cap: int) -> int:
         """Slots of class ``cls`` whose blocks may be evicted, counted up to ``cap``."""
@@ -551,9 +555,9 @@ class _Room:
                         self._move(c, lambda d: d not in self.needs or self.gives.get(d, 0) > 0)
             for c, n in self.needs.items():
                 self._whole.clear()  # the classes before this one took slots
-                own = self._own(c)
+                take = self._taker(c)
                 for _ in range(n):
-                    got[c].append(self._slot(c, own))
+                    got[c].append(take())
                     self.left[c] -= 1
         except BaseException:
             for slots in got.values():
@@ -562,25 +566,32 @@ class _Room:
             raise
         return got
 
-    def _slot(self, cls: int, own: Iterator[Block]) -> Slot:
-        slab, store = self.slab, self.store
+    def _taker(self, cls: int) -> Callable[[], Slot]:
+        """What takes the next slot of class ``cls``, evicting when none is free."""
+        slab, store, left, whole = self.slab, self.store, self.left, self._is_whole
+        own = self._own(cls)
 
         def victim_ok(b: Block) -> bool:
-            c = _slot_of(b).cls
-            return not b.pinned and (c == cls or (not self.left.get(c) and self._is_whole(slab.page_of(_slot_of(b)))))
+            if b.pinned:
+                return False
+            slot = _slot_of(b)
+            return slot.cls == cls or (not left.get(slot.cls) and whole(slab.page_of(slot)))
 
-        while (slot := slab.try_alloc(cls)) is None:
-            victim: Block | None = store.policy.pop_victim(victim_ok)  # type: ignore[arg-type,assignment]
-            if victim is None:  # the policy keeps the rest for their children: take one anyway
-                victim = next(own, None)
-                if victim is None:
-                    raise self._full()
-                store.policy.remove(victim)
-            if _slot_of(victim).cls == cls:
-                store._evict_from_dram(victim)
-            else:
-                self._reclaim(slab.page_of(_slot_of(victim)), victim)
-        return slot
+        def take() -> Slot:
+            while (slot := slab.try_alloc(cls)) is None:
+                victim: Block | None = store.policy.pop_victim(victim_ok)  # type: ignore[arg-type,assignment]
+                if victim is None:  # the policy keeps the rest for their children: take one anyway
+                    victim = next(own, None)
+                    if victim is None:
+                        raise self._full()
+                    store.policy.remove(victim)
+                if _slot_of(victim).cls == cls:
+                    store._evict_from_dram(victim)
+                else:
+                    self._reclaim(slab.page_of(_slot_of(victim)), victim)
+            return slot
+
+        return take
 
     def _own(self, cls: int) -> Iterator[Block]:
         """The evictable blocks of class ``cls``, in slab order, each checked when reached."""

@@ -5,6 +5,7 @@ socket, plus the slab's page bookkeeping on its own."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,8 @@ async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[t
     """The issue's sidecar: `--dram-bytes 16777216`, SSD off (four 4 MiB pages)."""
     overrides = {"dram.capacity_bytes": 16 * MiB, "dram.page_bytes": 4 * MiB, "index.policy": request.param}
     cfg = small_config(tmp_path, **overrides)
-    async with Sidecar(cfg) as sc:
-        async with KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
-            yield sc, c
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        yield sc, c
 
 
 def chain(first_token: int, n: int) -> list[bytes]:
@@ -61,7 +61,7 @@ def check_slots(sc: Sidecar) -> None:
                 assert sc.slab.page_of(slot).cls == slot.cls
                 spans.append((slot.offset, slot.offset + slot.capacity))
     spans.sort()
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a[1] <= b[0] for a, b in pairwise(spans))
 
 
 async def test_a_put_that_cannot_fit_is_refused_before_it_evicts(env):
@@ -72,7 +72,8 @@ async def test_a_put_that_cannot_fit_is_refused_before_it_evicts(env):
     before = await dram(c)
     assert before["classes"] == {str(SMALL): {"pages": 1, "used_slots": 1000, "free_slots": 24}}
 
-    with pytest.raises(ResourceExhausted, match="DRAM is full"):
+    too_big = r"blocks: the new blocks \(5000 x 4096 B\) need 5 pages of 4194304 bytes; DRAM has 4"
+    with pytest.raises(ResourceExhausted, match=too_big):
         await c.put_blocks(NS, chain(10**6, 5000), [np.ones(SMALL, np.uint8)] * 5000)
 
     assert (await c.lookup(NS, first)).matched == 1000
@@ -163,6 +164,44 @@ async def test_one_request_of_two_sizes_moves_a_page_between_its_own_classes(env
                               str(BIG): {"pages": 1, "used_slots": 1, "free_slots": 1}}
     assert occ["evictions"] == 1024 + 100  # a page of small blocks for the big one, then 100 for the small ones
     check_slots(sc)
+
+
+async def test_promoted_blocks_hold_their_slots_and_their_page_can_move(tmp_path):
+    """Blocks promoted from SSD are known to their slots like written ones: their page is whole
+    and moves when it holds the policy's next victim."""
+    ssd = {"ssd.enabled": True, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity_bytes": 64 * MiB, "ssd.fsync": False}
+    cfg = small_config(tmp_path, **{"dram.capacity_bytes": 16 * MiB, "dram.page_bytes": 4 * MiB, **ssd})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        small = [chain(k * 10**5, 1024) for k in range(5)]
+        data = [blocks(1024, SMALL, seed=40 + k) for k in range(5)]
+        for keys, d in zip(small, data):
+            await c.put_blocks(NS, keys, d)  # the fifth chain sends the first to SSD
+        got = await c.get_blocks(NS, small[0], verify=True)  # back to DRAM, in the second chain's page
+        assert [g.tobytes() for g in got] == [d.tobytes() for d in data[0]]
+        check_slots(sc)
+        for keys in small[2:]:
+            await c.lookup(NS, keys)  # the promoted chain is the oldest in DRAM now
+
+        assert (await c.put_blocks(NS, chain(9 * 10**6, 1), blocks(1, BIG, seed=12))).stored == 1
+        for keys in small[2:]:
+            assert [t for t, _ in (await c.lookup(NS, keys)).blocks] == ["dram"] * 1024
+        assert (await dram(c))["classes"] == {str(SMALL): {"pages": 3, "used_slots": 3072, "free_slots": 0},
+                                              str(BIG): {"pages": 1, "used_slots": 1, "free_slots": 1}}
+        check_slots(sc)
+
+
+async def test_a_leased_leaf_does_not_keep_its_unleased_ancestors(tmp_path):
+    """The policy never picks a block whose child is resident; when only such blocks are left and
+    they are not leased, one still goes (the old code refused the write)."""
+    async with Sidecar(small_config(tmp_path)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        a, data = chain(0, 4), blocks(4, 65536, seed=50)  # the slab's four 64 KiB slots
+        await c.put_blocks(NS, a, data)
+        look = await c.lookup(NS, a[3:], lease_ttl_ms=60_000)  # the leaf only
+        assert look.matched == 1
+        assert (await c.put_blocks(NS, chain(10**5, 1), blocks(1, 65536, seed=51))).stored == 1
+        assert (await c.get_blocks(NS, a[3:]))[0].tobytes() == data[3].tobytes()
+        assert sum(k in sc.store.index.namespaces[NS.root].blocks for k in a) == 3
+        check_slots(sc)
 
 
 async def test_allocation_ttl_is_capped(tmp_path):
