@@ -45,6 +45,12 @@ NamespaceRoot = NewType("NamespaceRoot", bytes)
 KEY_BYTES = 32
 DTYPES = frozenset({"float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2", "int8", "uint8"})
 KV_LAYOUTS = frozenset({"vllm_cpu", "vllm_gpu", "hf", "raw"})
+# Characters a free-text namespace field may hold. The label built from them is kept with every
+# block (stats, SSD and remote headers, so a restart can name it): unbounded, a 60,000-character
+# model made every SSD block file 64 KiB. 256 holds any Hugging Face id (96) or a model path;
+# the label then stays under 2.1 KB of UTF-8, and an SSD block's header within its 4 KiB page.
+TEXT_FIELD_MAX = 256
+_TEXT_FIELDS = ("model", "revision", "adapter", "cache_salt")
 
 _U32 = struct.Struct("<I")
 
@@ -89,6 +95,10 @@ _FIELD_ORDER = ("model", "revision", "kv_layout", "dtype", "block_size", "rank",
 def validate_namespace(ns: Namespace) -> None:
     if not ns.model:
         raise InvalidArgument("namespace.model: required")
+    for name in _TEXT_FIELDS:
+        n = len(getattr(ns, name))
+        if n > TEXT_FIELD_MAX:
+            raise InvalidArgument(f"namespace.{name}: {n} characters exceed the limit of {TEXT_FIELD_MAX}")
     if ns.kv_layout not in KV_LAYOUTS:
         raise InvalidArgument(f"namespace.kv_layout: {ns.kv_layout!r} is not one of {sorted(KV_LAYOUTS)}")
     if ns.dtype not in DTYPES:

@@ -74,17 +74,33 @@ class Level:
     tier: Tier
     capacity: int | None  # None: the server manages its own memory (Redis maxmemory, S3)
     policy: EvictionPolicy | None
-    footprint: Callable[[int], int] = lambda size: size
+    footprint: Callable[[int, str], int] = lambda size, label: size  # (block size, namespace label)
     # Requests in flight to this tier at once: movers start one task per block, and a burst of
     # hundreds must not open hundreds of connections (redis.max_connections is sized for this).
     slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(TIER_IN_FLIGHT))
     queue: list[Staged] = field(default_factory=list)  # demotions to checksum
     ready: list[Staged] = field(default_factory=list)  # demotions to write
     sealer: asyncio.Future[None] | None = None
+    # One eviction pass at a time: a batch's put starts only once the deletes that made room
+    # for it are done (a second writer saw the room counted free while the file was still there,
+    # and its put failed "ssd tier full" at the capacity's edge).
+    evicting: asyncio.Lock = field(default_factory=asyncio.Lock)
     writing: int = 0  # demotion batches being written
     used: int = 0
     down: bool = False
     sizes: dict[Block, int] = field(default_factory=dict)
+    # Placed blocks whose demotion batch has not started writing: counted in ``used`` (lookups
+    # find them) but taking no room in the tier yet, so eviction does not wait for them. A burst
+    # of evictions bigger than the tier left ``used`` over the capacity with nothing evictable,
+    # and batch after batch failed "ssd tier full" and lost its blocks.
+    queued: set[Block] = field(default_factory=set)
+    queued_bytes: int = 0
+
+    def dequeue(self, b: Block) -> None:
+        """``b``'s bytes are being written now, or it left the tier: no longer waiting."""
+        if b in self.queued:
+            self.queued.discard(b)
+            self.queued_bytes -= self.sizes.get(b, 0)
 
     def ref(self, b: Block) -> BlockRef:
         return BlockRef(b.ns.root, b.key)
@@ -153,7 +169,7 @@ class Tiering:
         if b.tiers & lv.bit:
             return
         b.tiers |= lv.bit
-        nbytes = lv.sizes[b] = lv.footprint(b.size)
+        nbytes = lv.sizes[b] = lv.footprint(b.size, b.ns.label)
         lv.used += nbytes
         if lv.policy is not None:
             parent = b.ns.blocks.get(b.parent) if b.parent else None
@@ -163,6 +179,7 @@ class Tiering:
         if not b.tiers & lv.bit:
             return
         b.tiers &= ~lv.bit
+        lv.dequeue(b)
         lv.used -= lv.sizes.pop(b, 0)
         if lv.policy is not None and b in lv.policy:
             lv.policy.remove(b)
@@ -216,6 +233,8 @@ class Tiering:
             data[:] = src
         self._staged[b] = data
         self._placed(target, b)
+        target.queued.add(b)
+        target.queued_bytes += target.sizes[b]
         self.store.stats.tier("dram", "demotions")
         target.queue.append((b, data, buf))
         if target.sealer is None or target.sealer.done():
@@ -255,9 +274,26 @@ class Tiering:
         """Stage 2: write what is sealed, in batches (one fsync per batch, not per block), up to
         ``DEMOTE_DEPTH`` batches at once; called when blocks are sealed and when a batch lands."""
         while lv.ready and lv.writing < DEMOTE_DEPTH:
-            batch, lv.ready = lv.ready[:DEMOTE_BATCH], lv.ready[DEMOTE_BATCH:]
+            n = self._batch_length(lv)
+            batch, lv.ready = lv.ready[:n], lv.ready[n:]
             lv.writing += 1
             self._spawn(self._write_batch(lv, batch))
+
+    @staticmethod
+    def _batch_length(lv: Level) -> int:
+        """Blocks of ``lv.ready`` for the next batch: up to ``DEMOTE_BATCH``, and on a tier with a
+        capacity at most a ``2 * DEMOTE_DEPTH``-th of it (one block at least), so the batches in
+        flight, which cannot be evicted, leave half of the tier to make room in. (Two batches of
+        64 x 8 KiB filled a 1 MiB SSD: a batch found nothing to evict and was lost.)"""
+        n = min(DEMOTE_BATCH, len(lv.ready))
+        if lv.capacity is None:
+            return n
+        budget, total = lv.capacity // (2 * DEMOTE_DEPTH), 0
+        for i, (b, _, _) in enumerate(lv.ready[:n]):
+            total += lv.sizes.get(b, 0)
+            if total > budget:
+                return max(i, 1)
+        return n
 
     async def _write_batch(self, lv: Level, batch: list[Staged]) -> None:
         try:
@@ -270,6 +306,8 @@ class Tiering:
         written = False
         try:
             live = [(b, d) for b, d, _ in batch if b.tiers & lv.bit and b.ns.blocks.get(b.key) is b]
+            for b, _ in live:
+                lv.dequeue(b)
             await self._make_room(lv)  # the batch is counted already; evict others until it fits
             items = [(BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(d)) for b, d in live]
             async with lv.slots:
@@ -299,39 +337,41 @@ class Tiering:
             self._pool.give(buf)
 
     async def _make_room(self, lv: Level) -> None:
-        """Evict from a bounded tier until it fits, demoting to the next tier down."""
+        """Evict from a bounded tier until it fits, demoting to the next tier down; returns once
+        the victims' files are gone."""
         if lv.capacity is None or lv.policy is None:
             return
-        below = self.levels[self.levels.index(lv) + 1 :]
-        if lv.used > lv.capacity:
-            self.store.drain_touches()
-        while lv.used > lv.capacity:
-            victim = lv.policy.pop_victim(lambda x: not x.pinned and x not in self._staged)
-            if victim is None:
-                return
-            b: Block = victim  # type: ignore[assignment]
-            self.store.stats.tier(lv.name, "evictions")
-            target = next((t for t in below if not t.down and not b.tiers & t.bit), None)
-            if target is not None and not b.tiers & ~(DRAM | lv.bit):
-                buf = np.empty(b.size, dtype=np.uint8)
+        async with lv.evicting:
+            below = self.levels[self.levels.index(lv) + 1 :]
+            if lv.used - lv.queued_bytes > lv.capacity:
+                self.store.drain_touches()
+            while lv.used - lv.queued_bytes > lv.capacity:
+                victim = lv.policy.pop_victim(lambda x: not x.pinned and x not in self._staged)
+                if victim is None:
+                    return
+                b: Block = victim  # type: ignore[assignment]
+                self.store.stats.tier(lv.name, "evictions")
+                target = next((t for t in below if not t.down and not b.tiers & t.bit), None)
+                if target is not None and not b.tiers & ~(DRAM | lv.bit):
+                    buf = np.empty(b.size, dtype=np.uint8)
+                    try:
+                        async with lv.slots:
+                            got = await verified_get(lv.tier, lv.ref(b), memoryview(buf), b.checksum or 0)
+                        if got is not None:
+                            meta = BlockMeta(target.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label)
+                            async with target.slots:
+                                await target.tier.put(meta, memoryview(buf))
+                            self._placed(target, b)
+                            self.store.stats.tier(lv.name, "demotions")
+                    except Unavailable as exc:
+                        self._mark_down(target, exc)
+                # Unplaced (and dropped if no tier holds it) before the await: a lookup meanwhile
+                # found a visible block in no tier ("internal error: KeyError: 'none'").
+                self._unplaced(lv, b)
                 try:
-                    async with lv.slots:
-                        got = await verified_get(lv.tier, lv.ref(b), memoryview(buf), b.checksum or 0)
-                    if got is not None:
-                        async with target.slots:
-                            await target.tier.put(BlockMeta(target.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(buf))
-                        self._placed(target, b)
-                        self.store.stats.tier(lv.name, "demotions")
+                    await lv.tier.delete(lv.ref(b))
                 except Unavailable as exc:
-                    self._mark_down(target, exc)
-            lv.used -= lv.sizes.pop(b, 0)
-            b.tiers &= ~lv.bit
-            try:
-                await lv.tier.delete(lv.ref(b))
-            except Unavailable as exc:
-                self._mark_down(lv, exc)
-            if not b.tiers:
-                self.store.index.drop(b)
+                    self._mark_down(lv, exc)
 
     def committed(self, blocks: Sequence[Block]) -> list[asyncio.Future[None]]:
         """Write-through: copy freshly committed blocks to the remote tiers now. Returns the

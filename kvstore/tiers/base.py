@@ -47,10 +47,11 @@ class BlockMeta:
 # magic, version, ns(32), key(32), has_parent, parent(32), size, checksum, label length
 _HEADER = struct.Struct("<4sH32s32s?32sQQH")
 MAGIC = b"KVB1"
+LABEL_MAX = 0xFFFF  # label bytes a header keeps (its length is a u16)
 
 
 def encode_header(meta: BlockMeta) -> bytes:
-    label = meta.label.encode()[:65535]
+    label = meta.label.encode()[:LABEL_MAX]
     return (
         _HEADER.pack(
             MAGIC, 1, meta.ref.ns, meta.ref.key, bool(meta.parent), meta.parent.ljust(32, b"\0"),
@@ -128,8 +129,8 @@ class Bounded(Protocol):
 
     capacity_bytes: int
 
-    def footprint(self, size: int) -> int:
-        """Bytes of capacity that a block of ``size`` bytes takes (header, alignment)."""
+    def footprint(self, size: int, label: str) -> int:
+        """Bytes of capacity that a block of ``size`` bytes takes (header with ``label``, alignment)."""
         ...
 
 

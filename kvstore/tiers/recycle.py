@@ -12,7 +12,13 @@ that needs the room unlinks free files first (:meth:`FreeFiles.reclaim`), so the
 holds more than the capacity. Names say nothing a restart needs beyond their size, which is
 re-read from the file: a restarted tier adopts what fits and unlinks the rest.
 
-Thread-safe: the SSD tier's worker threads take and give files concurrently.
+A file moves between a block and the pool in two steps (:meth:`FreeFiles.admit` counts it in the
+pool, :meth:`FreeFiles.move_in` renames and lists it), so the tier can move its bytes out of its
+own count in the same breath as they enter the pool's: they are never counted twice (which made
+a put that fitted exactly fail "ssd tier full") nor not at all.
+
+Thread-safe: the SSD tier's worker threads take and give files concurrently. The SSD tier calls
+in with its own lock held, and nothing here calls back into it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import itertools
 import os
 import threading
 from pathlib import Path
+
+from kvstore.tiers.private import private_dir, tighten
 
 FREE_DIR = ".free"
 
@@ -42,9 +50,12 @@ class FreeFiles:
         """Files a previous process left: kept while they fit, unlinked after that."""
         if not self.dir.is_dir():
             return
+        tighten(self.dir)
         for entry in os.scandir(self.dir):
-            size = entry.stat().st_size
+            st = entry.stat()
+            size = st.st_size
             if self.bytes + size <= self.limit:
+                tighten(entry.path, st.st_mode)
                 self._by_size.setdefault(size, []).append(Path(entry.path))
                 self.bytes += size
             else:
@@ -60,21 +71,25 @@ class FreeFiles:
             self.reused += 1
             return files.pop()
 
-    def give(self, path: Path, size: int) -> bool:
-        """Move ``path`` (a deleted block's file of ``size`` bytes) into the pool; False when the
-        pool is full or the file is gone (the caller unlinks it, or has nothing to do)."""
+    def admit(self, size: int) -> Path | None:
+        """Room in the pool for a deleted block's file of ``size`` bytes, counted from now: the
+        name to :meth:`move_in` it under; None when the pool is full (the caller unlinks it)."""
         with self._lock:
             if self.bytes + size > self.limit:
-                return False
-            self.bytes += size  # reserved before the rename, so concurrent gives stay in bounds
-            dest = self.dir / f"{size}.{os.getpid()}.{next(self._ids)}"
+                return None
+            self.bytes += size  # before the rename, so concurrent admits stay in bounds
+            return self.dir / f"{size}.{os.getpid()}.{next(self._ids)}"
+
+    def move_in(self, path: Path, dest: Path, size: int) -> bool:
+        """Rename ``path`` to ``dest`` (from :meth:`admit`) and list it for reuse; False, and no
+        longer counted, when the file is gone."""
         try:
             try:
                 os.replace(path, dest)
             except FileNotFoundError:
                 if self.dir.is_dir():
                     raise  # the block's file is gone
-                self.dir.mkdir(exist_ok=True)  # the first give (made here, not at start: an unused tier stays bare)
+                private_dir(self.dir)  # the first give (made here, not at start: an unused tier stays bare)
                 os.replace(path, dest)
         except FileNotFoundError:
             with self._lock:

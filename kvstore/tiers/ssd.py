@@ -24,8 +24,12 @@ filesystem allocates no new extents (1.3-1.5x the rate of writing new files here
 
 Reads are buffered ``preadv`` straight into the caller's memoryview (the header page and the
 payload in one call), a batch spread over the ``io_threads``. Eviction is not decided here (the
-index does that): :attr:`used_bytes` / :attr:`capacity_bytes` are exposed and a put that would
-exceed the capacity raises :class:`~kvstore.errors.ResourceExhausted`.
+index does that): :attr:`used_bytes` / :attr:`capacity_bytes` are exposed, :meth:`SsdTier.footprint`
+says exactly how many bytes of them a block's file takes (a long label makes its header longer
+than a page), and a put that would exceed the capacity raises :class:`~kvstore.errors.ResourceExhausted`.
+
+Files are 0600 and directories 0700 (:mod:`kvstore.tiers.private`); a start tightens what an
+older version left readable by others.
 """
 
 from __future__ import annotations
@@ -48,7 +52,17 @@ from kvstore.checksum import checksum
 from kvstore.config import SSD_IO_THREADS, SsdConfig
 from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted
 from kvstore.threads import in_threads, split
-from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef, TierBase, decode_header, encode_header, header_size
+from kvstore.tiers.base import (
+    HEADER_FIXED,
+    LABEL_MAX,
+    BlockMeta,
+    BlockRef,
+    TierBase,
+    decode_header,
+    encode_header,
+    header_size,
+)
+from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
 
 log = logging.getLogger("kvstore.tiers.ssd")
@@ -72,6 +86,12 @@ def _read_full(fd: int, into: memoryview, offset: int) -> int:
             break
         done += n
     return done
+
+
+def file_bytes(size: int, label: str) -> int:
+    """Bytes of the file of a block of ``size`` bytes whose header carries ``label``: the header
+    (as :func:`encode_header` writes it) padded to a page, then the payload."""
+    return _align(HEADER_FIXED + min(len(label.encode()), LABEL_MAX)) + size
 
 
 def _aligned(data: memoryview) -> bool:
@@ -107,7 +127,7 @@ def probe_direct_io(directory: Path) -> bool:
     probe = directory / f".direct-probe.{os.getpid()}{TMP_SUFFIX}"
     buf = mmap.mmap(-1, ALIGN)
     try:
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | _O_DIRECT, 0o644)
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | _O_DIRECT, FILE_MODE)
         try:
             os.write(fd, buf)
         finally:
@@ -134,12 +154,17 @@ class SsdTier(TierBase):
         """``recycle_bytes``: deleted block files kept for reuse (None: up to the capacity, as a
         preallocated cache file would hold it; 0: deleted files are unlinked)."""
         self.root = Path(path)
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root, parents=True)
+        for sub in self.root.iterdir():  # namespace directories (and .free) an older version made 0755
+            if sub.is_dir():
+                tighten(sub)
         self._prefix = os.path.join(os.fspath(self.root), "")  # file names as plain strings: reads build one per block
         self.capacity_bytes = capacity_bytes
         self.direct_io = direct_io and probe_direct_io(self.root)
         self.fsync = fsync
-        self._lock = threading.Lock()  # guards _sizes and _used (updated from worker threads)
+        # Guards _sizes, _used and every move of a file into or out of the free pool (worker
+        # threads put and delete at once): bytes are counted once, as a block's or as the pool's.
+        self._lock = threading.Lock()
         # Bytes of every block file, by path: the accounting does not depend on re-stat'ing files.
         self._sizes = {str(p): self._file_size(p) for p in self.root.glob(f"*/*{SUFFIX}")}
         self._used = sum(self._sizes.values())
@@ -168,9 +193,9 @@ class SsdTier(TierBase):
         return self._used
 
     @staticmethod
-    def footprint(size: int) -> int:
-        """File bytes of a block: a header page plus the payload, 4 KiB aligned."""
-        return ALIGN + _align(size)
+    def footprint(size: int, label: str) -> int:
+        """Bytes of the capacity a block takes: its file's (:func:`file_bytes`)."""
+        return file_bytes(size, label)
 
     # ---- paths and accounting ---------------------------------------------------------------
 
@@ -182,10 +207,13 @@ class SsdTier(TierBase):
 
     @staticmethod
     def _file_size(path: Path) -> int:
+        """A block file's size, found at start (and its mode tightened if an older version made it)."""
         try:
-            return path.stat().st_size
+            st = path.stat()
         except FileNotFoundError:
             return 0
+        tighten(path, st.st_mode)
+        return st.st_size
 
     @property
     def recycled_bytes(self) -> int:
@@ -193,19 +221,20 @@ class SsdTier(TierBase):
         return self._free.bytes
 
     def _reserve(self, nbytes: int) -> Path | None:
-        """Count a file of ``nbytes`` against the capacity (free files are unlinked to make room);
-        returns a free file of that size to overwrite, if there is one."""
-        src = self._free.take(nbytes)
-        while True:
-            with self._lock:
-                over = self._used + self._free.bytes + nbytes - self.capacity_bytes
-                if over <= 0:
-                    self._used += nbytes
-                    return src
-            if not self._free.reclaim(over):
-                if src is not None:
-                    src.unlink(missing_ok=True)  # (only when the blocks alone fill the tier)
-                raise ResourceExhausted(f"ssd tier full: {self._used} + {nbytes} bytes > capacity {self.capacity_bytes}")
+        """Count a file of ``nbytes`` against the capacity; returns a free file of that size to
+        overwrite, if there is one (its bytes were counted already, as the pool's). Else free
+        files are unlinked to make room, under the lock: no other put counts on the same room."""
+        with self._lock:
+            src = self._free.take(nbytes)
+            if src is None and self._used + self._free.bytes + nbytes > self.capacity_bytes:
+                self._free.reclaim(self._used + self._free.bytes + nbytes - self.capacity_bytes)
+                if self._used + self._free.bytes + nbytes > self.capacity_bytes:
+                    raise ResourceExhausted(
+                        f"ssd tier full: {self._used} bytes of blocks + {self._free.bytes} of free files"
+                        f" + {nbytes} bytes > capacity {self.capacity_bytes}"
+                    )
+            self._used += nbytes
+            return src
 
     def _release(self, nbytes: int) -> None:
         with self._lock:
@@ -351,7 +380,7 @@ class SsdTier(TierBase):
             head = self._header_page()
             head[: len(header)] = header
             head[len(header) :] = bytes(ALIGN - len(header))
-            fd = os.open(tmp, flags | _O_DIRECT, 0o644)
+            fd = os.open(tmp, flags | _O_DIRECT, FILE_MODE)
             try:
                 n = os.writev(fd, [head, data])
                 if n < ALIGN:  # short writes: finish piecewise
@@ -368,7 +397,7 @@ class SsdTier(TierBase):
             buf[len(header) : offset] = bytes(offset - len(header))
             buf[offset:total] = data
             buf[total : _align(total)] = bytes(_align(total) - total)
-            fd = os.open(tmp, flags | _O_DIRECT, 0o644)
+            fd = os.open(tmp, flags | _O_DIRECT, FILE_MODE)
             try:
                 _write_full(fd, memoryview(buf)[: _align(total)])
                 os.ftruncate(fd, total)
@@ -376,7 +405,7 @@ class SsdTier(TierBase):
                 os.close(fd)
                 raise
             return fd
-        fd = os.open(tmp, flags, 0o644)
+        fd = os.open(tmp, flags, FILE_MODE)
         try:
             _write_full(fd, memoryview(header.ljust(offset, b"\0")))
             _write_full(fd, data)
@@ -397,12 +426,12 @@ class SsdTier(TierBase):
                 if len(data) != meta.size:
                     raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
                 header = encode_header(meta)
-                nbytes = _align(len(header)) + meta.size
+                nbytes = file_bytes(meta.size, meta.label)
                 src = self._reserve(nbytes)
                 reserved += nbytes
                 final = self.path_of(meta.ref)
                 if not final.parent.is_dir():
-                    final.parent.mkdir(exist_ok=True)
+                    final.parent.mkdir(mode=DIR_MODE, exist_ok=True)
                     new_dirs = True
                 tmp = final.with_name(f".{final.stem}.{os.getpid()}.{next(self._tmp_ids)}{TMP_SUFFIX}")
                 staged.append((tmp, final, nbytes))
@@ -447,12 +476,19 @@ class SsdTier(TierBase):
             os.close(fd)
 
     def _unlink(self, path: Path) -> None:
-        """Delete a block's file: into the free list while it has room, else unlinked."""
+        """Delete a block's file: into the free pool while it has room (its bytes move from the
+        blocks' count to the pool's in one step), else unlinked (and counted until it is gone)."""
         with self._lock:
-            nbytes = self._sizes.get(str(path))
-        if nbytes is None or not self._free.give(path, nbytes):
-            path.unlink(missing_ok=True)
-        self._settle(path, None)
+            nbytes = self._sizes.pop(str(path), None)
+            dest = None if nbytes is None else self._free.admit(nbytes)
+            if dest is not None:
+                self._used -= nbytes  # type: ignore[operator]
+        if dest is not None:
+            self._free.move_in(path, dest, nbytes)  # type: ignore[arg-type]
+            return
+        path.unlink(missing_ok=True)
+        if nbytes is not None:
+            self._release(nbytes)
 
     def _scan_dir(self, ns_dir: Path) -> list[BlockMeta]:
         metas: list[BlockMeta] = []

@@ -107,6 +107,17 @@ async def test_a_header_longer_than_its_page_round_trips(ssd, block):
     assert await ssd.get(long.ref, into) == long and into == data
 
 
+@pytest.mark.parametrize("label", ["", "m", "x" * (ALIGN - HEADER_FIXED), "x" * (ALIGN - HEADER_FIXED + 1), "é" * 30_000])
+@pytest.mark.parametrize("size", [0, 1, SIZE, 2 * ALIGN])
+async def test_footprint_is_the_files_size(ssd, block, label: str, size: int):
+    """What the index counts against the capacity for a block is its file's size, however long
+    its label (a header longer than its page moves the payload a page further per page)."""
+    meta, data = block(9, size)
+    meta = BlockMeta(meta.ref, meta.parent, meta.size, meta.checksum, label)
+    await ssd.put(meta, data)
+    assert ssd.footprint(size, label) == ssd.path_of(meta.ref).stat().st_size == ssd.used_bytes
+
+
 async def test_a_file_cut_inside_its_header_is_corrupt(tmp_path: Path, block):
     """The label is checked against what was read, not against the last block's header page."""
     ssd = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, io_threads=1)  # one thread: one header page
