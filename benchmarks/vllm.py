@@ -1,32 +1,49 @@
 """vLLM (CPU) with KV connectors: TTFT and request throughput when a long prefix was evicted from
-vLLM's own cache -- no connector (recompute) vs kvstore vs vLLM's ExampleConnector vs
-MooncakeStoreConnector.
+vLLM's own cache, or when another vLLM instance computed it -- no connector (recompute) vs kvstore
+vs vLLM's ExampleConnector vs MooncakeStoreConnector.
 
-    kvstore bench vllm [--json] [--docs 6] [--prefix-tokens 768] [--no-mooncake]
+    kvstore bench vllm [--json] [--docs 6] [--prefix-tokens 768] [--configs ...] [--no-mooncake]
 
 One run, one model (a random-weight Llama built here), the same prompts for every
-configuration. Every configuration is its own vLLM instance in its own process (in-process engine,
+configuration. Every vLLM instance runs in its own process (in-process engine,
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` for all of them, so no
-configuration gets more cores than another). Per configuration:
+configuration gets more cores than another). The configurations (``--configs``):
+
+* ``none``: no connector (the reference outputs, and recompute);
+* ``kvstore``, ``example``, ``mooncake``: one instance (``kv_both``) stores and reloads;
+  kvstore's block directory is on (its default), so a reload of blocks this process stored or
+  looked up needs no call to the sidecar;
+* ``kvstore_nodir``: the same with the directory off (``directory=false``): every lookup is an
+  ``Acquire`` round trip to the sidecar;
+* ``kvstore_pd``, ``example_pd``, ``mooncake_pd``: prefill -> decode. A ``kv_producer`` instance
+  runs ``store`` in its own process, then a ``kv_consumer`` instance in another process runs
+  every other phase, loading what the first stored. kvstore's decode instance runs with its
+  directory off: each of its hits asks the sidecar.
+
+Phases, per configuration:
 
 1. ``store``: each document's prompt (long prefix + question) runs once, so connectors store it;
-2. ``floor``: the same prompts again with the prefix still in vLLM's own cache (local hits);
+2. ``floor``: the same prompts again with the prefix in vLLM's own cache (local hits);
 3. ``repeat``: before each prompt, vLLM's cache is filled with fresh prompts (a small
    ``num_gpu_blocks_override``), then the same prompt runs alone: its KV must come from the
    connector (or be recomputed). Local hits are confirmed 0 by ``vllm:prompt_tokens_by_source``;
 4. ``prefix``: the same, with a new question behind each prefix (a prefix cache hits, vLLM's
    ExampleConnector, which matches whole prompts only, does not);
 5. ``batch``: cache filled again, then every ``repeat`` prompt in one ``generate`` call;
-   ``--batch-rounds`` times: requests/s is the median over the rounds. The rounds of all
-   configurations are interleaved (round 1 of each, in turn, then round 2, ...): every instance
-   runs phases 1-4 alone, then waits, alive, for its turns. Run one after another, the
-   configurations saw different loads on a shared 2-core machine, and a configuration's
-   throughput moved by ±15% from one run to the next.
+   ``--batch-rounds`` times: requests/s is the median over the rounds.
+
+Every instance runs ``store`` at start-up, alone. From ``floor`` on the configurations take
+turns: one request (its eviction fill, the idle gap and the request) or one batch round each,
+the order rotating every round, while the others wait, alive and idle. Run one after another,
+the configurations saw different loads on a shared 2-core machine.
 
 TTFT is ``RequestOutput.metrics.first_token_latency``. Every configuration's generated tokens are
-compared with the no-connector run. Ratios (higher is better): ``ttft_vs_best_peer`` = the best
-peer's p50 TTFT on hits / kvstore's, ``throughput_vs_best_peer`` = kvstore's requests/s / the best
-peer's, ``outputs_match`` = 1.0 when every connector's outputs equal the no-connector outputs.
+compared with the no-connector run. Ratios (higher is better), for kvstore's configuration
+against its peers in the same setting (none: ``kvstore``, ``_nodir``: ``kvstore_nodir`` against
+``example``/``mooncake``, ``_pd``: ``kvstore_pd`` against ``example_pd``/``mooncake_pd``):
+``ttft{,_nodir,_pd}_vs_best_peer`` = the best peer's p50 TTFT on hits / kvstore's,
+``throughput{,_nodir,_pd}_vs_best_peer`` = kvstore's requests/s / the best peer's;
+``outputs_match`` = 1.0 when every configuration's outputs equal the no-connector outputs.
 
 The same module runs one vLLM instance from a JSON spec (``python -m benchmarks.vllm --instance
 SPEC``); the vLLM tests use it too (:func:`run_instance`).
@@ -85,9 +102,10 @@ def run_instance(spec: dict[str, Any], *, env: dict[str, str] | None = None, tim
 
 
 class Instance:
-    """One vLLM instance in its own process. With ``paced``, its batch rounds wait for
-    :meth:`turn` (one byte each way on a pair of pipes): ``R`` = ready for a round, ``G`` = go,
-    ``D`` = its rounds are done (the next ``G`` lets it shut down: :meth:`result`)."""
+    """One vLLM instance in its own process. With ``paced``, each request or batch round of its
+    ``paced`` phases waits for :meth:`turn` (one byte each way on a pair of pipes): ``R`` = ready
+    for the next, ``G`` = go, ``D`` = all its phases are done (the next ``G`` lets it shut down:
+    :meth:`result`)."""
 
     def __init__(self, spec: dict[str, Any], *, env: dict[str, str] | None = None, paced: bool = False) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kvstore-vllm-")
@@ -162,18 +180,57 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items()}
 
 
+def _connectors(llm: Any) -> dict[str, Any]:
+    """The engine's KV connector objects by role (in-process engine only; none without one)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    conns: dict[str, Any] = {}
+    if has_kv_transfer_group():
+        conns["worker"] = get_kv_transfer_group()
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    sched = getattr(getattr(core, "scheduler", None), "connector", None)
+    if sched is not None:
+        conns["scheduler"] = sched
+    return conns
+
+
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
+         "request_finished", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished")
+
+
+class HookTimes:
+    """Wall time the engine spends in its connector's hooks (both roles), per hook: every
+    connector's instance methods are wrapped in a timer, the same for every configuration."""
+
+    def __init__(self, conns: dict[str, Any]) -> None:
+        self._s: dict[str, float] = {}
+        for conn in conns.values():
+            for name in HOOKS:
+                if hasattr(conn, name):
+                    setattr(conn, name, self._timed(name, getattr(conn, name)))
+
+    def _timed(self, name: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._s[name] = self._s.get(name, 0.0) + time.perf_counter() - t
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """Milliseconds per hook since the last call."""
+        out, self._s = {k: round(v * 1e3, 4) for k, v in self._s.items()}, {}
+        return out
+
+
 def _shutdown(llm: Any) -> dict[str, Any]:
     """Shut the engine down (connectors finish their saves) and return the kvstore connector
     counters of both roles (in-process engine only)."""
     stats: dict[str, Any] = {}
-    conns: dict[str, Any] = {}
     try:
-        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
-
-        if has_kv_transfer_group():
-            conns["worker"] = get_kv_transfer_group()
-        core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-        conns["scheduler"] = getattr(getattr(core, "scheduler", None), "connector", None)
+        conns = _connectors(llm)
         llm.llm_engine.engine_core.shutdown()
         for role, conn in conns.items():
             if conn is not None and hasattr(conn, "kvstore_stats"):
@@ -190,7 +247,8 @@ def instance_main(spec_path: str) -> None:
     Spec: ``model``, ``block_size``, ``num_blocks``, ``max_model_len``, ``dtype``,
     ``kv_transfer_config`` (dict or null), ``phases``: list of ``{name, prompts: [[token ids]],
     max_tokens, batch: bool, evict: [[token ids]] (run before each prompt, or before the batch),
-    stats: bool (per-request prompt_tokens_by_source deltas)}``, ``out``.
+    stats: bool (per-request prompt_tokens_by_source deltas), paced: bool (each request or batch
+    round waits for its turn)}``, ``out``, ``pace`` (set by :class:`Instance`).
     """
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
@@ -208,6 +266,7 @@ def instance_main(spec_path: str) -> None:
         disable_log_stats=False, seed=0, kv_transfer_config=KVTransferConfig(**kv) if kv else None,
     )
     startup = time.perf_counter() - t1
+    hooks = HookTimes(_connectors(llm))  # per measured request or batch round: "connector_ms"
 
     def gen(prompts: list[list[int]], max_tokens: int) -> tuple[list[Any], float]:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -225,38 +284,44 @@ def instance_main(spec_path: str) -> None:
         evict = ph.get("evict") or []  # fresh prompts per use: [[prompt, ...] per request or batch]
         reqs: list[dict[str, Any]] = []
         before_phase = _by_source(llm)
+        pace = spec.get("pace") if ph.get("paced") else None
         if ph.get("batch"):
-            walls = []
+            walls, round_hooks = [], []
             for fill in evict or [[]]:  # one round per eviction fill
-                _await_turn(spec.get("pace"))
+                _await_turn(pace)
                 if fill:
                     gen(fill, 1)
                 time.sleep(ph.get("gap_s", 0.0))
+                hooks.take()
                 outs, dt = gen(ph["prompts"], ph["max_tokens"])
+                round_hooks.append(hooks.take())
                 reqs += [record(o) for o in outs]
                 walls.append(dt)
             wall = sum(walls)
         else:
             wall = 0.0
             for i, p in enumerate(ph["prompts"]):
+                _await_turn(pace)
                 if evict:
                     gen(evict[i], 1)
                 if ph.get("warm"):
                     gen([p], ph["max_tokens"])  # the prompt is now in vLLM's own cache
                 time.sleep(ph.get("gap_s", 0.0))  # idle time before the request arrives
                 before = _by_source(llm) if ph.get("stats", True) else {}
+                hooks.take()
                 [o], dt = gen([p], ph["max_tokens"])
                 wall += dt
-                r = record(o)
+                r = {**record(o), "connector_ms": hooks.take()}
                 if ph.get("stats", True):
                     r["by_source"] = _delta(_by_source(llm), before)
                 reqs.append(r)
         phases[ph["name"]] = {"requests": reqs, "wall_s": wall, "by_source": _delta(_by_source(llm), before_phase)}
         if ph.get("batch"):
             phases[ph["name"]]["round_wall_s"] = walls
-            if spec.get("pace"):  # rounds done: shut down only when told, not during another's round
-                os.write(spec["pace"]["out"], b"D")
-                os.read(spec["pace"]["in"], 1)
+            phases[ph["name"]]["round_connector_ms"] = round_hooks
+    if spec.get("pace"):  # all done: shut down only when told, not during another's turn
+        os.write(spec["pace"]["out"], b"D")
+        os.read(spec["pace"]["in"], 1)
     result = {"import_s": t_import, "startup_s": startup, "phases": phases, "connector": _shutdown(llm)}
     Path(spec["out"]).write_text(json.dumps(result))
     os._exit(0)  # the engine is shut down; skip the interpreter's slow teardown
@@ -272,6 +337,16 @@ def _await_turn(pace: dict[str, int] | None) -> None:
 
 # --- the benchmark --------------------------------------------------------------------------------
 
+PEERS = ("example", "mooncake")
+# what is compared: kvstore's configuration, its peers in the same setting, the ratios' infix
+GROUPS = (
+    ("kvstore", PEERS, ""),  # one instance stores and reloads (kv_both), block directory on (the default)
+    ("kvstore_nodir", PEERS, "_nodir"),  # the same with kvstore's block directory off
+    ("kvstore_pd", tuple(f"{p}_pd" for p in PEERS), "_pd"),  # a prefill instance stores, a decode instance loads
+)
+CONFIGS = ("none", "kvstore", "kvstore_nodir", "example", "mooncake", "kvstore_pd", "example_pd", "mooncake_pd")
+REQUIRED = ("none", "kvstore", "kvstore_nodir", "kvstore_pd")  # a failure of one of these fails the run
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--docs", type=int, default=6, help="documents (long shared prefixes)")
@@ -285,8 +360,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gap", type=float, default=0.3,
                    help="idle seconds before each measured request (after the eviction prompts), same for all")
     p.add_argument("--batch-rounds", type=int, default=9, help="batch phase rounds (throughput: their median)")
-    p.add_argument("--no-mooncake", action="store_true", help="skip the MooncakeStoreConnector peer")
-    p.add_argument("--no-example", action="store_true", help="skip vLLM's ExampleConnector peer")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"configurations to run, comma-separated, of {', '.join(CONFIGS)} (none always runs)")
+    p.add_argument("--no-mooncake", action="store_true", help="skip the MooncakeStoreConnector peer (both settings)")
+    p.add_argument("--no-example", action="store_true", help="skip vLLM's ExampleConnector peer (both settings)")
 
 
 def _prompts(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -311,16 +388,20 @@ def evict_prompts(toks: Any, num_blocks: int, block_size: int, length: int = 100
 
 
 def _phases(args: argparse.Namespace, pr: dict[str, Any]) -> list[dict[str, Any]]:
-    """What every configuration runs (the same token ids); each eviction uses fresh prompts."""
+    """What every configuration runs (the same token ids); each eviction uses fresh prompts.
+    ``store`` runs at start-up; every later request (or batch round) is one turn, taken in
+    rotation with the other configurations'."""
     mt, n, gap = args.max_tokens, args.docs, args.gap
     fill = pr["fill"]
     return [
         {"name": "store", "prompts": pr["repeat"], "max_tokens": mt, "stats": False},
-        {"name": "floor", "prompts": pr["repeat"], "max_tokens": mt, "warm": True, "gap_s": gap},
-        {"name": "repeat", "prompts": pr["repeat"], "max_tokens": mt, "evict": [fill() for _ in range(n)], "gap_s": gap},
-        {"name": "prefix", "prompts": pr["prefix"], "max_tokens": mt, "evict": [fill() for _ in range(n)], "gap_s": gap},
-        {"name": "batch", "prompts": pr["repeat"], "max_tokens": mt, "evict": [fill() for _ in range(args.batch_rounds)],
-         "batch": True, "gap_s": gap},
+        {"name": "floor", "prompts": pr["repeat"], "max_tokens": mt, "warm": True, "gap_s": gap, "paced": True},
+        {"name": "repeat", "prompts": pr["repeat"], "max_tokens": mt, "evict": [fill() for _ in range(n)], "gap_s": gap,
+         "paced": True},
+        {"name": "prefix", "prompts": pr["prefix"], "max_tokens": mt, "evict": [fill() for _ in range(n)], "gap_s": gap,
+         "paced": True},
+        {"name": "batch", "prompts": pr["repeat"], "max_tokens": mt, "batch": True, "gap_s": gap, "paced": True,
+         "evict": [fill() for _ in range(args.batch_rounds)]},
     ]
 
 
@@ -328,6 +409,75 @@ def _p50(xs: list[float]) -> float:
     from benchmarks.common import percentile
 
     return percentile(xs, 50) if xs else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One configuration: the vLLM instance that is measured (``kv``: its ``kv_transfer_config``)
+    and, for prefill -> decode, the prefill instance (``producer``) that runs the ``store`` phase
+    in its own process first; the measured instance is then the decode instance, which runs every
+    other phase (its vLLM cache never held the prompts' KV but what it loaded). The prefill
+    instance stays alive, idle, until the end (Mooncake keeps blocks in its clients' segments)."""
+
+    kv: dict[str, Any] | None
+    producer: dict[str, Any] | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def specs(self, base: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+        """(the prefill instance's spec or None, the measured instance's spec)."""
+        if self.producer is None:
+            return None, {**base, "kv_transfer_config": self.kv}
+        store = [ph for ph in base["phases"] if ph["name"] == "store"]
+        rest = [ph for ph in base["phases"] if ph["name"] != "store"]
+        return ({**base, "kv_transfer_config": self.producer, "phases": store},
+                {**base, "kv_transfer_config": self.kv, "phases": rest})
+
+
+def _configs(
+    args: argparse.Namespace, url: str, work: Path, stack: contextlib.ExitStack, notes: dict[str, Any],
+) -> dict[str, Config]:
+    """The configurations asked for. Each has its own store: kvstore's its own namespace in the one
+    sidecar (``model_id``), ExampleConnector's its own directory, Mooncake's its own master. The
+    decode instance of ``kvstore_pd`` runs with its block directory off: every hit it takes asks
+    the sidecar (blocks another process stored), never places its own earlier lookups taught it."""
+    wanted = {c.strip() for c in args.configs.split(",") if c.strip()} | {"none"}
+    unknown = sorted(wanted - set(CONFIGS))
+    if unknown:
+        raise SystemExit(f"--configs: unknown {unknown}; known: {', '.join(CONFIGS)}")
+    skip = {p for p, off in (("example", args.no_example), ("mooncake", args.no_mooncake)) if off}
+    wanted = {c for c in wanted if c.removesuffix("_pd") not in skip}
+
+    def kvstore(name: str, role: str, **extra: Any) -> dict[str, Any]:
+        return kvstore_config(url, role, model_id=f"bench-{name}", **extra)
+
+    def example(name: str, role: str) -> dict[str, Any]:
+        (work / name).mkdir(exist_ok=True)
+        return {"kv_connector": "ExampleConnector", "kv_role": role,
+                "kv_connector_extra_config": {"shared_storage_path": str(work / name)}}
+
+    def mooncake(name: str, pd: bool) -> Config | None:
+        peer = MooncakePeer(work / name)
+        stack.callback(peer.close)
+        if peer.error:
+            notes[name] = peer.error
+            return None
+        if pd:
+            return Config(peer.transfer_config("kv_consumer"), peer.transfer_config("kv_producer"), peer.env)
+        return Config(peer.transfer_config("kv_both"), env=peer.env)
+
+    makers = {
+        "none": lambda: Config(None),
+        "kvstore": lambda: Config(kvstore("kvstore", "kv_both")),
+        "kvstore_nodir": lambda: Config(kvstore("kvstore_nodir", "kv_both", directory=False)),
+        "example": lambda: Config(example("example", "kv_both")),
+        "mooncake": lambda: mooncake("mooncake", pd=False),
+        "kvstore_pd": lambda: Config(kvstore("kvstore_pd", "kv_consumer", directory=False),
+                                     kvstore("kvstore_pd", "kv_producer")),
+        "example_pd": lambda: Config(example("example_pd", "kv_consumer"), example("example_pd", "kv_producer")),
+        "mooncake_pd": lambda: mooncake("mooncake_pd", pd=True),
+    }
+    configs = {name: makers[name]() for name in CONFIGS if name in wanted}
+    return {name: c for name, c in configs.items() if c is not None}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -344,27 +494,9 @@ def run(args: argparse.Namespace) -> dict:
         pr = _prompts(args, vocab=512)
         base = {"model": str(model), "block_size": args.block_size, "num_blocks": args.num_blocks,
                 "max_model_len": 1024, "dtype": "float32", "phases": _phases(args, pr)}
-        configs: dict[str, dict[str, Any] | None] = {"none": None}
-        results: dict[str, dict[str, Any]] = {}
-        with sidecar_process(1 << 30) as sc:
-            configs["kvstore"] = kvstore_config(sc.grpc)
-            if not args.no_example:
-                (work / "example").mkdir()
-                configs["example"] = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                                      "kv_connector_extra_config": {"shared_storage_path": str(work / "example")}}
-            mooncake = None
-            if not args.no_mooncake:
-                mooncake = MooncakePeer(work / "mooncake")
-                if mooncake.error:
-                    res.notes["mooncake"] = mooncake.error
-                else:
-                    configs["mooncake"] = mooncake.kv_transfer_config
-            try:
-                envs = {"mooncake": mooncake.env} if mooncake else {}
-                results.update(_run_interleaved(base, configs, envs, args.batch_rounds, res.notes))
-            finally:
-                if mooncake is not None:
-                    mooncake.close()
+        with sidecar_process(1 << 30) as sc, contextlib.ExitStack() as stack:
+            configs = _configs(args, sc.grpc, work, stack, res.notes)
+            results = _run_interleaved(base, configs, res.notes)
         _summarise(res, results, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -372,33 +504,52 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _run_interleaved(
-    base: dict[str, Any], configs: dict[str, Any], envs: dict[str, dict[str, str]], rounds: int, notes: dict[str, Any],
+    base: dict[str, Any], configs: dict[str, Config], notes: dict[str, Any],
 ) -> dict[str, dict[str, Any]]:
-    """Every configuration's instance runs its phases up to the batch alone, one after another,
-    then the batch rounds take turns (the order rotating each round). A peer that fails is
-    noted; the no-connector run and kvstore must succeed."""
+    """Every configuration's instances start one after another (a prefill instance runs ``store``
+    before its decode instance starts; a kv_both instance runs ``store`` itself); then the
+    measured instances take turns, one request (or batch round) each, the order rotating every
+    round, until all are done; shutdowns come only after that. A peer that fails is noted; the
+    no-connector run and kvstore's must succeed."""
     timeout = 900.0
     with contextlib.ExitStack() as stack:
         live: dict[str, Instance] = {}
-        for name, kv in configs.items():
-            inst = stack.enter_context(Instance({**base, "kv_transfer_config": kv}, env=envs.get(name), paced=True))
+        producers: dict[str, Instance] = {}
+        for name, config in configs.items():
+            producer, measured = config.specs(base)
+            if producer is not None:
+                prod = stack.enter_context(Instance(producer, env=config.env, paced=True))
+                if prod.signal(timeout) != b"D":
+                    _failed(f"{name} (prefill instance)", prod, timeout, notes)
+                    continue
+                producers[name] = prod
+            inst = stack.enter_context(Instance(measured, env=config.env, paced=True))
             if inst.signal(timeout) == b"R":
                 live[name] = inst
             else:
                 _failed(name, inst, timeout, notes)
-        for r in range(rounds):
+        done: dict[str, Instance] = {}
+        r = 0
+        while live:
             order = list(live)
             for name in order[r % len(order):] + order[: r % len(order)]:
-                if live[name].turn(timeout) not in (b"R", b"D"):
+                said = live[name].turn(timeout)
+                if said == b"D":
+                    done[name] = live.pop(name)
+                elif said != b"R":
                     _failed(name, live.pop(name), timeout, notes)
+            r += 1
         results = {}
-        for name, inst in live.items():
+        for name, inst in done.items():
             try:
                 results[name] = inst.result(timeout)
+                if name in producers:
+                    results[name]["producer"] = producers[name].result(timeout)
             except RuntimeError as exc:
-                if name in ("none", "kvstore"):
+                if name in REQUIRED:
                     raise
                 notes[name] = f"failed to run: {str(exc)[-1500:]}"
+                results.pop(name, None)
         return results
 
 
@@ -408,80 +559,110 @@ def _failed(name: str, inst: Instance, timeout: float, notes: dict[str, Any]) ->
         why = "stopped answering"
     except RuntimeError as exc:
         why = str(exc)[-1500:]
-    if name in ("none", "kvstore"):
+    if name.split(" ")[0] in REQUIRED:
         raise RuntimeError(f"{name}: {why}")
-    notes[name] = f"failed to run: {why}"
+    notes[name.split(" ")[0]] = f"failed to run: {why}"
+
+
+def _phase(r: dict[str, Any], phase: str) -> dict[str, Any]:
+    """A configuration's phase: ``store`` from its prefill instance when it has one."""
+    if phase == "store" and "producer" in r:
+        return r["producer"]["phases"]["store"]
+    return r["phases"][phase]
+
+
+def _hit_ttfts(r: dict[str, Any], phase: str) -> list[float]:
+    """TTFTs of the phase's requests that loaded KV from the connector."""
+    return [q["ttft_s"] for q in _phase(r, phase)["requests"]
+            if q["ttft_s"] is not None and q.get("by_source", {}).get("external_kv_transfer", 0) > 0]
+
+
+def _hooks_p50(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Per hook and in total (``all``), the median over ``samples`` of milliseconds per hook."""
+    names = sorted({k for x in samples for k in x})
+    out = {k: round(_p50([x.get(k, 0.0) for x in samples]), 3) for k in names}
+    return {**out, "all": round(_p50([sum(x.values()) for x in samples]), 3)} if samples else {}
 
 
 def _summarise(res: Any, results: dict[str, dict[str, Any]], args: argparse.Namespace) -> None:
-    ref = results["none"]["phases"]
+    ref = results["none"]
     match_all = True
-    ttft_hits: dict[str, float] = {}
     rps: dict[str, float] = {}
+    ttfts: dict[str, dict[str, float]] = {}  # config -> phase -> p50 of all its requests
     for name, r in results.items():
-        ph = r["phases"]
+        ttfts[name] = {}
         for phase in ("floor", "repeat", "prefix"):
-            ttfts = [q["ttft_s"] for q in ph[phase]["requests"] if q["ttft_s"] is not None]
-            res.figure(f"{name}_ttft_{phase}_p50", _p50(ttfts) * 1e3, "ms")
-        store = ph["store"]
+            ttfts[name][phase] = _p50([q["ttft_s"] for q in _phase(r, phase)["requests"] if q["ttft_s"] is not None])
+            res.figure(f"{name}_ttft_{phase}_p50", ttfts[name][phase] * 1e3, "ms")
+        store = _phase(r, "store")
         res.figure(f"{name}_store_throughput", len(store["requests"]) / store["wall_s"], "req/s")
-        batch = ph["batch"]
+        batch = _phase(r, "batch")
         per_round = len(batch["requests"]) // len(batch["round_wall_s"])
         rounds = [per_round / w for w in batch["round_wall_s"]]
         rps[name] = _p50(rounds)
         res.notes[f"{name}_batch_rounds_rps"] = [round(x, 1) for x in rounds]
         res.figure(f"{name}_batch_throughput", rps[name], "req/s")
         for phase in ("repeat", "prefix"):
-            ext = sum(q.get("by_source", {}).get("external_kv_transfer", 0) for q in ph[phase]["requests"])
-            local = sum(q.get("by_source", {}).get("local_cache_hit", 0) for q in ph[phase]["requests"])
+            reqs = _phase(r, phase)["requests"]
+            ext = sum(q.get("by_source", {}).get("external_kv_transfer", 0) for q in reqs)
+            local = sum(q.get("by_source", {}).get("local_cache_hit", 0) for q in reqs)
             res.notes[f"{name}_{phase}_tokens"] = {"external": ext, "local_hits": local}
-        res.notes[f"{name}_batch_tokens"] = {k: v for k, v in ph["batch"]["by_source"].items()}
+        res.notes[f"{name}_batch_tokens"] = dict(batch["by_source"])
+        if name != "none":  # time in the connector's hooks, p50 per request / per batch round
+            repeat = _phase(r, "repeat")["requests"]
+            res.notes[f"{name}_repeat_connector_ms"] = _hooks_p50([q["connector_ms"] for q in repeat])
+            res.notes[f"{name}_batch_connector_ms"] = _hooks_p50(batch["round_connector_ms"])
         matches = all(
-            [q["tokens"] for q in ph[p]["requests"]] == [q["tokens"] for q in ref[p]["requests"]]
+            [q["tokens"] for q in _phase(r, p)["requests"]] == [q["tokens"] for q in _phase(ref, p)["requests"]]
             for p in ("store", "floor", "repeat", "prefix", "batch")
         )
         res.notes[f"{name}_outputs_match"] = matches
         match_all = match_all and matches
         if name != "none":
-            hits = [q["ttft_s"] for q in ph["repeat"]["requests"]
-                    if q.get("by_source", {}).get("external_kv_transfer", 0) > 0]
-            if hits:
-                ttft_hits[name] = _p50(hits)
-            res.notes[f"{name}_repeat_requests_with_hits"] = f"{len(hits)}/{len(ph['repeat']['requests'])}"
-        if r.get("connector"):
-            res.notes[f"{name}_connector_stats"] = r["connector"]
+            n_hits, n_reqs = len(_hit_ttfts(r, "repeat")), len(_phase(r, "repeat")["requests"])
+            res.notes[f"{name}_repeat_requests_with_hits"] = f"{n_hits}/{n_reqs}"
+        for role, rr in (("", r), ("_prefill", r.get("producer"))):
+            if rr and rr.get("connector"):
+                res.notes[f"{name}{role}_connector_stats"] = rr["connector"]
         res.notes[f"{name}_startup_s"] = round(r["startup_s"], 2)
-    peers = [n for n in results if n not in ("none", "kvstore")]
-    peer_hits = {n: ttft_hits[n] for n in peers if n in ttft_hits}
-    if "kvstore" in ttft_hits and peer_hits:
-        res.ratio("ttft_vs_best_peer", min(peer_hits.values()) / ttft_hits["kvstore"])
-    # a shared prefix under a new question: only prefix caches hit (not ExampleConnector)
-    prefix_hits = {}
-    for name in results:
-        hits = [q["ttft_s"] for q in results[name]["phases"]["prefix"]["requests"]
-                if q.get("by_source", {}).get("external_kv_transfer", 0) > 0]
-        if hits and name != "none":
-            prefix_hits[name] = _p50(hits)
-    peer_prefix = [v for n, v in prefix_hits.items() if n != "kvstore"]
-    if "kvstore" in prefix_hits and peer_prefix:
-        res.ratio("ttft_prefix_vs_best_peer", min(peer_prefix) / prefix_hits["kvstore"])
-    # the connector's own cost: TTFT above the same instance's floor (prefix in vLLM's cache), which
-    # cancels most of the load other processes put on a shared machine during that instance's run
-    over = {n: _p50([q["ttft_s"] for q in results[n]["phases"]["repeat"]["requests"]])
-            - _p50([q["ttft_s"] for q in results[n]["phases"]["floor"]["requests"]]) for n in ttft_hits}
-    peer_over = [max(v, 1e-4) for n, v in over.items() if n != "kvstore"]
-    if "kvstore" in over and peer_over:
-        res.ratio("ttft_over_floor_vs_best_peer", min(peer_over) / max(over["kvstore"], 1e-4))
-    if peers:
-        res.ratio("throughput_vs_best_peer", rps["kvstore"] / max(rps[n] for n in peers))
-    res.ratio("ttft_vs_recompute", _p50([q["ttft_s"] for q in ref["repeat"]["requests"]]) / ttft_hits.get("kvstore", float("nan")))
-    res.ratio("throughput_vs_recompute", rps["kvstore"] / rps["none"])
+    for ours, peers, infix in GROUPS:
+        if ours in results:
+            _compare(res, results, rps, ttfts, ours, [p for p in peers if p in results], infix)
+    if "kvstore" in results:
+        hits = _hit_ttfts(results["kvstore"], "repeat")
+        res.ratio("ttft_vs_recompute", ttfts["none"]["repeat"] / (_p50(hits) if hits else float("nan")))
+        res.ratio("throughput_vs_recompute", rps["kvstore"] / rps["none"])
     res.ratio("outputs_match", 1.0 if match_all else 0.0)
-    res.notes["peers_run"] = peers
-    res.notes["setup"] = (f"{args.docs} docs x {args.prefix_tokens}-token prefix + {args.question_tokens}-token question, "
+    res.notes["configs_run"] = list(results)
+    res.notes["setup"] = (f"{args.docs} docs x {args.prefix_tokens}-token prefix + {args.question_tokens}-token "
+                          "question, "
                           f"{args.max_tokens} new tokens, block {args.block_size}, vLLM pool {args.num_blocks} blocks, "
                           f"tiny Llama hidden {args.hidden_size} x {args.layers} layers fp32, in-process engine, "
-                          f"VLLM_CPU_NUM_OF_RESERVED_CPU=1 everywhere, batch throughput the median of {args.batch_rounds} rounds")
+                          f"VLLM_CPU_NUM_OF_RESERVED_CPU=1 everywhere, every request and batch round interleaved "
+                          f"across configurations, batch throughput the median of {args.batch_rounds} rounds; "
+                          f"*_pd: a kv_producer instance stores, a kv_consumer instance in its own process loads")
+
+
+def _compare(res: Any, results: dict[str, dict[str, Any]], rps: dict[str, float], ttfts: dict[str, dict[str, float]],
+             ours: str, peers: list[str], infix: str) -> None:
+    """kvstore's configuration ``ours`` against the best of ``peers`` (higher is better):
+    ``ttft{infix}_vs_best_peer`` = the best peer's p50 TTFT of hits in ``repeat`` / ours,
+    ``throughput{infix}_vs_best_peer`` = our batch requests/s / the best peer's,
+    ``ttft_prefix{infix}_vs_best_peer`` (a shared prefix under a new question: prefix caches only),
+    ``ttft_over_floor{infix}_vs_best_peer`` (TTFT above the same instance's floor, the prefix in
+    vLLM's own cache: what the connector adds)."""
+    if not peers:
+        return
+    for phase, label in (("repeat", "ttft"), ("prefix", "ttft_prefix")):
+        hits = {n: _p50(h) for n in [ours, *peers] if (h := _hit_ttfts(results[n], phase))}
+        peer_hits = [v for n, v in hits.items() if n != ours]
+        if ours in hits and peer_hits:
+            res.ratio(f"{label}{infix}_vs_best_peer", min(peer_hits) / hits[ours])
+    over = {n: max(ttfts[n]["repeat"] - ttfts[n]["floor"], 1e-4) for n in [ours, *peers] if _hit_ttfts(results[n], "repeat")}
+    if ours in over and len(over) > 1:
+        res.ratio(f"ttft_over_floor{infix}_vs_best_peer", min(v for n, v in over.items() if n != ours) / over[ours])
+    res.ratio(f"throughput{infix}_vs_best_peer", rps[ours] / max(rps[n] for n in peers))
+    res.notes[f"peers{infix}"] = peers
 
 
 # --- the Mooncake peer ----------------------------------------------------------------------------
@@ -489,12 +670,11 @@ def _summarise(res: Any, results: dict[str, dict[str, Any]], args: argparse.Name
 
 class MooncakePeer:
     """A local ``mooncake_master`` (RPC + HTTP metadata server on loopback, TCP transport) and the
-    ``kv_transfer_config``/environment for vLLM's MooncakeStoreConnector; ``error`` says why not."""
+    environment for vLLM's MooncakeStoreConnector (:meth:`transfer_config`); ``error`` says why not."""
 
     def __init__(self, work: Path) -> None:
         self.error = ""
         self.proc: subprocess.Popen[bytes] | None = None
-        self.kv_transfer_config: dict[str, Any] = {}
         self.env: dict[str, str] = {}
         try:
             import importlib.util
@@ -518,11 +698,14 @@ class MooncakePeer:
                       "protocol": "tcp", "device_name": "", "global_segment_size": "512MB", "local_buffer_size": "256MB"}
             (work / "mooncake.json").write_text(json.dumps(config))
             self.env = {"MOONCAKE_CONFIG_PATH": str(work / "mooncake.json"), "VLLM_HOST_IP": "127.0.0.1"}
-            self.kv_transfer_config = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
-                                       "kv_connector_extra_config": {}}
         except Exception as exc:  # noqa: BLE001 - reported in the benchmark's notes
             self.error = f"{type(exc).__name__}: {exc}"
             self.close()
+
+    @staticmethod
+    def transfer_config(role: str) -> dict[str, Any]:
+        """``kv_transfer_config`` for an instance in ``role`` (default extra config: asynchronous loads)."""
+        return {"kv_connector": "MooncakeStoreConnector", "kv_role": role, "kv_connector_extra_config": {}}
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
