@@ -82,9 +82,9 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.common import pages
-from kvstore.checksum import checksum
-from kvstore.threads import split
+from kvstore.store.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef
+from kvstore.util.threads import split
 
 MiB = 1 << 20
 MIN_DRAM = 64 * 1024  # dram.capacity_bytes lower bound
@@ -673,7 +673,12 @@ class _Bench:
 @contextlib.contextmanager
 def servers(args: argparse.Namespace, wanted: set[str]) -> Any:
     """The servers the run needs: the given addresses, or fresh ones on free loopback ports."""
-    from kvstore.testing.servers import MOTO_CREDENTIALS, moto_server, redis_cluster, redis_server
+    from kvstore.testing.servers import (
+        MOTO_CREDENTIALS,
+        moto_server,
+        redis_cluster,
+        redis_server,
+    )
 
     with contextlib.ExitStack() as stack:
         out = Servers()
@@ -748,7 +753,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from kvstore.tuning import tune_malloc
+    from kvstore.util.tuning import tune_malloc
 
     tune_malloc()
     print(json.dumps(run(parser().parse_args(argv))))

@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.testing.servers import free_port
-from kvstore.tuning import ENV as MALLOC_ENV
+from kvstore.util.tuning import ENV as MALLOC_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -28,11 +28,11 @@ import numpy as np
 import torch
 
 from connector.core.client import ConnectorClient
+from connector.core.counters import ConnectorStats
 from connector.core.metadata import LoadResult, SaveResult, SaveSpec
 from connector.core.ops import load_blocks, save_blocks
 from connector.core.report import DecisionReporter, decision_record
 from connector.core.scheduler import SchedulerConnector
-from connector.core.stats import ConnectorStats
 from connector.cost import CostModel, Decision
 from connector.layout import KVSpec
 from connector.transfer import NumpyTransfer, Transfer, bind_caches

@@ -81,7 +81,7 @@ def wait_for_blocks(client: Any, conn: Any, prompt: list[int], deadline: float) 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from kvstore.tuning import tune_malloc
+    from kvstore.util.tuning import tune_malloc
 
     tune_malloc()
     import torch

@@ -12,8 +12,19 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from kvstore.errors import ConfigError
 from kvstore.policy import DEFAULT_POLICY, policy_names
@@ -32,7 +43,7 @@ class _Section(BaseModel):
 
 class ServerConfig(_Section):
     grpc_address: str = Field("127.0.0.1:50051", description="HOST:PORT, or unix:/path for a Unix socket")
-    local_socket: str = Field("", description="Unix socket with the same calls for clients on this host (kvstore.local); empty: <data_dir>/kvstore.sock; off: none")
+    local_socket: str = Field("", description="Unix socket with the same calls for clients on this host (kvstore.server.local_server); empty: <data_dir>/kvstore.sock; off: none")
     local_max_connections: int = Field(
         256, ge=1, description="local socket connections open at once (at most half the open-file limit); more refused"
     )

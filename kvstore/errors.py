@@ -1,7 +1,7 @@
 """One exception hierarchy for the service and its clients.
 
 Each error says whether retrying can help, and carries the gRPC status it maps to. The mapping to
-status codes happens in exactly one place: ``kvstore.server.errors_to_status``. Clients turn gRPC
+status codes happens in exactly one place: ``kvstore.server.service.errors_to_status``. Clients turn gRPC
 errors back into these classes with :func:`from_status_code`.
 """
 

@@ -81,8 +81,8 @@ TIMEOUT_S = 30.0
 
 def _import_lmcache() -> Any:
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
-    import torch  # noqa: F401  (LMCache's extension modules link against the installed torch)
     import lmcache
+    import torch  # noqa: F401  (LMCache's extension modules link against the installed torch)
 
     return lmcache
 
@@ -111,8 +111,8 @@ class _Loop:
 
 class _Peer:
     def __init__(self, args: argparse.Namespace, payloads: Sequence[memoryview]) -> None:
-        from lmcache.v1.metadata import LMCacheMetadata
         import torch
+        from lmcache.v1.metadata import LMCacheMetadata
 
         self.n, self.size, self.repeat = args.blocks, int(args.block_mib * MiB), args.repeat
         self.shape = _kv_shape(self.size)
@@ -134,8 +134,8 @@ class _Peer:
         return LMCacheEngineConfig.from_defaults(chunk_size=CHUNK_TOKENS, local_cpu=False, max_local_cpu_size=cpu_gib, **kw)
 
     def keys(self) -> list[Any]:
-        from lmcache.utils import CacheEngineKey
         import torch
+        from lmcache.utils import CacheEngineKey
 
         return [CacheEngineKey("bench", 1, 0, (self.run_id << 32) | next(self._hash), torch.float16) for _ in range(self.n)]
 
@@ -212,7 +212,6 @@ class _Peer:
     def remote(self, tier: str, url: str, node: str, ops: tuple[str, ...]) -> Iterator[Backend]:
         """``url`` in LMCache's form; ``node`` (redis://host:port) for deleting keys between rounds."""
         import redis
-
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
         from lmcache.v1.storage_backend.remote_backend import RemoteBackend
 
@@ -405,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     from benchmarks import tiers
-    from kvstore.tuning import tune_malloc
+    from kvstore.util.tuning import tune_malloc
 
     p = tiers.parser()
     p.description = __doc__

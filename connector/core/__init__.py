@@ -7,6 +7,7 @@
 * :mod:`connector.core.ops`: the single-request load/save transfers both build on.
 """
 
+from connector.core.counters import ConnectorStats
 from connector.core.metadata import (
     ConnectorMetadata,
     Failure,
@@ -18,7 +19,6 @@ from connector.core.metadata import (
 )
 from connector.core.ops import load_blocks, save_blocks
 from connector.core.scheduler import SchedulerConnector
-from connector.core.stats import ConnectorStats
 from connector.core.worker import WorkerConnector
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 The scheduler side learns where blocks lie from the sidecar's answers (``Acquire``), the worker
 side from its own saves (``Allocate`` + ``Commit``). The sidecar's slab carries a *free epoch*
-(:func:`kvstore.slab.free_epoch`) that moves whenever any slot is freed, so a block learned at
+(:func:`kvstore.dram.slab.free_epoch`) that moves whenever any slot is freed, so a block learned at
 epoch *e* is still in its slot, byte for byte, while its segment's epoch reads *e* (a committed
 block's bytes change only after its slot was freed). :meth:`BlockDirectory.find` answers a
 request whose blocks are all known at the current epoch; the worker then copies from those slots
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.client import SlotRef
-from kvstore.slab import free_epoch
+from kvstore.dram.slab import free_epoch
 
 CAPACITY = 1 << 16  # blocks remembered per sidecar
 

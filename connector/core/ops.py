@@ -21,10 +21,16 @@ from connector.core.directory import BlockDirectory, epoch_of
 from connector.core.finders import HeldLease
 from connector.core.metadata import Failure, LoadResult, LoadSpec, SaveResult, SaveSpec
 from connector.transfer import PagedKV, Transfer
-from kvstore.checksum import checksum
-from kvstore.errors import ChecksumMismatch, KVStoreError, NotFound, ResourceExhausted, Unavailable
+from kvstore.dram.slab import attach
+from kvstore.errors import (
+    ChecksumMismatch,
+    KVStoreError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from kvstore.keys import Namespace
-from kvstore.slab import attach
+from kvstore.store.checksum import checksum
 
 log = logging.getLogger(__name__)
 

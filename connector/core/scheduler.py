@@ -29,7 +29,7 @@ from connector.core.client import ConnectorClient
 from connector.core.finders import Finder, HeldLease, LookupFinder
 from connector.core.metadata import ConnectorMetadata, LoadResult, LoadSpec, Role, SaveSpec
 from connector.core.ops import classify
-from connector.core.stats import ConnectorStats
+from connector.core.counters import ConnectorStats
 from connector.cost import CostModel, Decision
 from connector.layout import KVSpec
 from kvstore.keys import BlockKey, Namespace, PrefixKeys, prefix_keys

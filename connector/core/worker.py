@@ -28,7 +28,7 @@ from connector.core.directory import BlockDirectory
 from connector.core.metadata import ConnectorMetadata, LoadResult, LoadSpec, Role, SaveResult, SaveSpec
 from connector.core.ops import classify, load_blocks, save_blocks
 from connector.core.report import DecisionReporter, decision_record
-from connector.core.stats import ConnectorStats
+from connector.core.counters import ConnectorStats
 from connector.cost import CostModel
 from connector.layout import KVSpec
 from connector.transfer import NumpyTransfer, PagedKV, Transfer, bind_caches

@@ -41,7 +41,7 @@ def suite_parser(name: str, module: object) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.tuning import tune_malloc
+    from kvstore.util.tuning import tune_malloc
 
     tune_malloc()
     module = importlib.import_module(SUITES[args.suite])

@@ -1,7 +1,7 @@
 """`kvstore demo`: the prefill -> decode handoff of a tiny Llama through an embedded sidecar.
 
 The command builds a small random-weight Llama and its tokenizer in a temporary directory (nothing
-is downloaded), starts a sidecar inside this process (`kvstore.sidecar.Sidecar` on free loopback
+is downloaded), starts a sidecar inside this process (`kvstore.server.sidecar.Sidecar` on free loopback
 ports), then runs two worker processes against it:
 
 1. a **prefill worker** computes a prompt's KV with the transformers connector and stores its
@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.tuning import tune_malloc
+    from kvstore.util.tuning import tune_malloc
 
     tune_malloc()
     summary = asyncio.run(_demo(args))
@@ -59,7 +59,7 @@ def _say(msg: str = "") -> None:
 async def _worker(role: str, spec_path: Path) -> dict[str, Any]:
     import os
 
-    from kvstore.tuning import ENV
+    from kvstore.util.tuning import ENV
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvstore.commands.demo", role, str(spec_path),
@@ -75,7 +75,7 @@ async def _worker(role: str, spec_path: Path) -> dict[str, Any]:
 
 async def _demo(args: argparse.Namespace) -> dict[str, Any]:
     from kvstore.config import load_config
-    from kvstore.sidecar import Sidecar
+    from kvstore.server.sidecar import Sidecar
     from kvstore.testing.tiny_model import build_tiny_llama, generate_corpus
 
     t_start = time.perf_counter()

@@ -63,12 +63,12 @@ def _blocks(cap: tuple[str, float], unique: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.belady import belady
     from kvstore.errors import InvalidArgument
-    from kvstore.index import TierId
     from kvstore.policy import DEFAULT_POLICY, policy_names
-    from kvstore.replay import TierSpec, replay
-    from kvstore.traces import load_trace
+    from kvstore.sim.belady import belady
+    from kvstore.sim.replay import TierSpec, replay
+    from kvstore.sim.traces import load_trace
+    from kvstore.store.index import TierId
 
     trace = load_trace(args.trace, args.block_tokens)
     unique = trace.unique_blocks()

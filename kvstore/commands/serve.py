@@ -19,9 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 def run(args: argparse.Namespace) -> int:
     from kvstore.config import load_config
-    from kvstore.logs import setup_logging
-    from kvstore.sidecar import Sidecar
-    from kvstore.tuning import tune_malloc
+    from kvstore.server.sidecar import Sidecar
+    from kvstore.util.logs import setup_logging
+    from kvstore.util.tuning import tune_malloc
 
     config = load_config(
         args.config,

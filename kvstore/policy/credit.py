@@ -24,7 +24,7 @@ so it is the first to go.
   least as often used as its descendants.
 
 The owner's commit inserts new blocks root first and then calls ``access_many`` on them deepest
-first to order them (kvstore/store.py); that first ``access`` after an ``insert`` only orders, it
+first to order them (kvstore/store/block_store.py); that first ``access`` after an ``insert`` only orders, it
 is not counted as a use (otherwise every new block would start with two uses).
 """
 

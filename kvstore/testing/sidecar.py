@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore.tuning import ENV as MALLOC_ENV
+from kvstore.util.tuning import ENV as MALLOC_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ class ServeProcess:
 def corrupt_dram_block(client: Any, ns: Any, key: bytes, timeout: float = 30.0) -> None:
     """Flip one byte of a committed block in the sidecar's shared memory, its recorded checksum
     unchanged -- once the sidecar has sealed it (checksums are computed off the commit's path)."""
-    from kvstore.slab import attach
+    from kvstore.dram.slab import attach
 
     deadline = time.monotonic() + timeout
     while True:

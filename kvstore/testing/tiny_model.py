@@ -67,7 +67,14 @@ def generate_corpus(seed: int = 0, n_lines: int = 4000) -> list[str]:
 
 
 def _train_tokenizer(seed: int, vocab_size: int, model_max_length: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=UNK))

@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from kvstore.checksum import checksums
 from kvstore.errors import ChecksumMismatch
+from kvstore.store.checksum import checksums
 
 
 @dataclass(slots=True, frozen=True)
@@ -163,7 +163,7 @@ class TierBase:
 
 
 async def with_hashes(metas: Sequence[BlockMeta | None], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
-    """Each read block's header with the xxh3_64 of the bytes it filled (:func:`kvstore.checksum.checksums`)."""
+    """Each read block's header with the xxh3_64 of the bytes it filled (:func:`kvstore.store.checksum.checksums`)."""
     read = [(i, v[: m.size]) for i, (v, m) in enumerate(zip(into, metas)) if m is not None]
     sums: list[int | None] = [None] * len(metas)
     for (i, _), c in zip(read, await checksums([v for _, v in read])):

@@ -46,12 +46,24 @@ from redis.asyncio.connection import Connection as TcpConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from kvstore.checksum import checksum
 from kvstore.config import REDIS_CHUNK_BYTES, REDIS_PIPELINES, RedisConfig
-from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted, Unavailable
-from kvstore.threads import in_threads, split
+from kvstore.errors import (
+    ChecksumMismatch,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvstore.store.checksum import checksum
 from kvstore.tiers import resp
-from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header, with_hashes
+from kvstore.tiers.base import (
+    BlockMeta,
+    BlockRef,
+    TierBase,
+    decode_header,
+    encode_header,
+    with_hashes,
+)
+from kvstore.util.threads import in_threads, split
 
 T = TypeVar("T")
 

@@ -22,7 +22,15 @@ from botocore import exceptions as bexc
 
 from kvstore.config import S3Config
 from kvstore.errors import ChecksumMismatch, InvalidArgument, Unavailable
-from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef, TierBase, decode_header, encode_header, header_size
+from kvstore.tiers.base import (
+    HEADER_FIXED,
+    BlockMeta,
+    BlockRef,
+    TierBase,
+    decode_header,
+    encode_header,
+    header_size,
+)
 
 _MISSING = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
 _RETRYABLE = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500"}

@@ -48,10 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.checksum import checksum
 from kvstore.config import SSD_IO_THREADS, SsdConfig
 from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted
-from kvstore.threads import in_threads, split
+from kvstore.store.checksum import checksum
 from kvstore.tiers.base import (
     HEADER_FIXED,
     LABEL_MAX,
@@ -64,6 +63,7 @@ from kvstore.tiers.base import (
 )
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
+from kvstore.util.threads import in_threads, split
 
 log = logging.getLogger("kvstore.tiers.ssd")
 

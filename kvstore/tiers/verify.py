@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvstore.checksum import checksum
 from kvstore.errors import ChecksumMismatch
+from kvstore.store.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef, Tier
 
 

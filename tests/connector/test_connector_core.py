@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 from connector_fakes import FakeClient
 
-from connector.core import ConnectorMetadata, Failure, Role, SchedulerConnector, WorkerConnector
+from connector.core import (
+    ConnectorMetadata,
+    Failure,
+    Role,
+    SchedulerConnector,
+    WorkerConnector,
+)
 from connector.cost import CostModel, ModelShape, TierRate
 from connector.layout import KVSpec
 from kvstore.keys import Namespace

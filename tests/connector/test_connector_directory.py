@@ -6,15 +6,16 @@ this one."""
 from __future__ import annotations
 
 import numpy as np
+from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches, stored
 
 from connector.core import SchedulerConnector, WorkerConnector
 from connector.core.directory import BlockDirectory, epoch_of
 from connector.core.finders import DirectoryFinder, LeaseFinder
 from connector.core.metadata import Failure, LoadSpec
-from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches, stored
 from kvstore.client import SlotRef, SyncClient
+from kvstore.dram.slab import attach
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.slab import attach
+
 
 def acquires(client: SyncClient) -> int:
     return client.stats()["reads"].get("acquires", 0)

@@ -8,13 +8,14 @@ import dataclasses
 import time
 
 import numpy as np
+from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches, stored
 
 from connector.core import SchedulerConnector, WorkerConnector
 from connector.core.finders import LeaseFinder
 from connector.core.metadata import Failure, LoadSpec
-from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches, stored
 from kvstore.client import SyncClient
-from kvstore.slab import attach
+from kvstore.dram.slab import attach
+
 
 def leases(client: SyncClient) -> int:
     return client.stats()["index"]["leases"]

@@ -26,8 +26,8 @@ from connector.transfer import (
     scatter_block,
     slot_runs,
 )
+from kvstore.dram.slab import Slab
 from kvstore.errors import InvalidArgument
-from kvstore.slab import Slab
 
 L, H, D, BS, NB = 3, 2, 8, 4, 6
 ROOT = Path(__file__).resolve().parents[2]

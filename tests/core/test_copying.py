@@ -1,4 +1,4 @@
-"""kvstore.copying: the client's copy of blocks into slots, split over threads when large."""
+"""kvstore.dram.copying: the client's copy of blocks into slots, split over threads when large."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore import copying
+from kvstore.dram import copying
 
 
 def _pairs(n: int, size: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVStoreClient
+from kvstore.dram.slab import Slab, Slot
 from kvstore.errors import InvalidArgument, ResourceExhausted
-from kvstore.index import DRAM
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.sidecar import Sidecar
-from kvstore.slab import Slab, Slot
+from kvstore.server.sidecar import Sidecar
+from kvstore.store.index import DRAM
 from tests.conftest import small_config
 
 MiB = 1 << 20

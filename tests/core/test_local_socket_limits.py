@@ -1,4 +1,4 @@
-"""The local socket's limits (kvstore.local.LocalServer): deadlines, the hello's size, the connection cap.
+"""The local socket's limits (kvstore.server.local_server.LocalServer): deadlines, the hello's size, the connection cap.
 
 Each test runs a sidecar process (`kvstore serve`) and talks to its Unix socket with raw frames. A
 deadline is set small in config and the test waits, with a generous socket timeout, for the
@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.client import SyncClient
+from kvstore.framing import HELLO_MAX_BYTES
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.local import HELLO_MAX_BYTES
 from kvstore.v1 import kvstore_pb2 as pb
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)

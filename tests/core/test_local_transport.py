@@ -1,4 +1,4 @@
-"""The local transport (kvstore.local): the same calls over the sidecar's Unix socket.
+"""The local transport (kvstore.framing, kvstore.server.local_server, kvstore.client.local_channel): the same calls over the sidecar's Unix socket.
 
 A sidecar process (`kvstore serve`), the blocking and the async client in this process: a client
 finds the socket through the Hello RPC, and every answer -- data and errors -- is the one gRPC
@@ -18,9 +18,17 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVStoreClient, SyncClient
-from kvstore.errors import FailedPrecondition, InvalidArgument, KVStoreError, NotFound, Unauthenticated, Unavailable
+from kvstore.client.local_channel import AsyncLocalChannel, LocalChannel
+from kvstore.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    KVStoreError,
+    NotFound,
+    Unauthenticated,
+    Unavailable,
+)
+from kvstore.framing import socket_path
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.local import AsyncLocalChannel, LocalChannel, socket_path
 from kvstore.v1 import kvstore_pb2 as pb
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)

@@ -11,7 +11,7 @@ import pytest
 from kvstore.client import namespace_pb
 from kvstore.errors import InvalidArgument
 from kvstore.keys import TEXT_FIELD_MAX, Namespace, prefix_keys
-from kvstore.sidecar import Sidecar
+from kvstore.server.sidecar import Sidecar
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import small_config

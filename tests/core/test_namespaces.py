@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.sidecar import Sidecar
+from kvstore.server.sidecar import Sidecar
 from tests.conftest import small_config
 
 SHOWN = 4

@@ -155,7 +155,7 @@ async def test_delete_keys_and_whole_namespace(client: KVStoreClient, ns):
 
 
 async def test_verify_local_reads_drops_a_corrupted_block(tmp_path, ns):
-    from kvstore.sidecar import Sidecar
+    from kvstore.server.sidecar import Sidecar
     from tests.conftest import small_config
 
     async with Sidecar(small_config(tmp_path, **{"dram.verify_local_reads": True})) as sc:
@@ -178,7 +178,7 @@ async def test_blocks_written_without_checksum_are_sealed_by_the_server(client: 
         if all(b.checksum is not None for b in sidecar.store.index.namespaces[ns.root].blocks.values()):
             break
         await asyncio.sleep(0.05)
-    from kvstore.checksum import checksum
+    from kvstore.store.checksum import checksum
 
     assert [sidecar.store.index.namespaces[ns.root].blocks[k].checksum for k in keys] == [checksum(d) for d in data]
 
@@ -192,7 +192,7 @@ def test_slab_is_private_to_its_owner(sidecar):
 async def test_every_policy_runs_in_the_server(tmp_path, ns, policy):
     """Churn DRAM under each registered policy: no errors, capacity respected, the index and the
     slab agree, and every block a lookup reports can be read back byte-exact."""
-    from kvstore.sidecar import Sidecar
+    from kvstore.server.sidecar import Sidecar
     from tests.conftest import small_config
 
     async with Sidecar(small_config(tmp_path, **{"index.policy": policy})) as sc:

@@ -17,10 +17,10 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvstore.auth import TokenInterceptor
 from kvstore.client import KVStoreClient
 from kvstore.errors import Unauthenticated, Unavailable
-from kvstore.sidecar import Sidecar
+from kvstore.server.auth import TokenInterceptor
+from kvstore.server.sidecar import Sidecar
 from tests.conftest import small_config
 
 TOKEN = "s3cret-token"

@@ -15,11 +15,11 @@ import tomllib
 import urllib.parse
 from pathlib import Path
 
+import deploy_topology as topo
 import jsonschema
 import pytest
 import yaml
 
-import deploy_topology as topo
 from kvstore.config import load_config
 
 REPO = topo.REPO

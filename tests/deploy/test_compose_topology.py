@@ -13,16 +13,16 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import deploy_topology as topo
 import numpy as np
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from traffic import NAMESPACES
 
-import deploy_topology as topo
 from kvstore.client import SyncClient
 from kvstore.keys import prefix_keys
 from kvstore.testing.servers import free_port, moto_server, redis_cluster, redis_server
 from kvstore.testing.sidecar import ServeProcess
-from traffic import NAMESPACES
 
 REPO = topo.REPO
 DOCKERFILE = topo.Dockerfile()

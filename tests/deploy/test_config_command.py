@@ -8,6 +8,7 @@ import sys
 import tomllib
 
 import deploy_topology as topo
+
 from kvstore.config import Config, load_config
 
 

@@ -11,12 +11,12 @@ import shutil
 import urllib.request
 from collections.abc import Iterator
 
+import deploy_topology as topo
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
-
-import deploy_topology as topo
-from kvstore.client import SyncClient
 from traffic import one_round
+
+from kvstore.client import SyncClient
 
 CHROMIUM = os.environ.get("KVSTORE_CHROMIUM", "/usr/bin/chromium")
 TOKEN = "dashboard-token"

@@ -6,9 +6,9 @@ import os
 import tomllib
 from pathlib import Path
 
+import deploy_topology as topo
 import yaml
 
-import deploy_topology as topo
 from kvstore.config import load_config
 
 K8S = topo.REPO / "deploy" / "k8s"

@@ -8,10 +8,10 @@ import urllib.request
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
+from traffic import NAMESPACES, one_round
 
 from kvstore.client import SyncClient
-from kvstore.metrics import render
-from traffic import NAMESPACES, one_round
+from kvstore.server.metrics import render
 
 
 def scrape(http: str) -> tuple[dict[str, dict[tuple, float]], str]:

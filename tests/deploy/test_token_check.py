@@ -1,4 +1,4 @@
-"""One constant-time token check (``kvstore.auth.token_matches``) behind every door: HTTP (header
+"""One constant-time token check (``kvstore.server.auth.token_matches``) behind every door: HTTP (header
 and ``?token=``), gRPC metadata and the local socket's hello. Time cannot be asserted here, so the
 test watches what decides: every comparison of a supplied token goes through
 ``hmac.compare_digest`` (a spy that calls the real one), none through ``==``."""
@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from kvstore.client import KVStoreClient
+from kvstore.client.local_channel import AsyncLocalChannel
 from kvstore.errors import Unauthenticated
-from kvstore.local import AsyncLocalChannel
-from kvstore.sidecar import Sidecar
+from kvstore.server.sidecar import Sidecar
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import small_config

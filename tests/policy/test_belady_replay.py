@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.belady import NEVER, belady, next_uses
 from kvstore.errors import InvalidArgument
-from kvstore.replay import replay
-from kvstore.traces import load_trace, parse_records
+from kvstore.sim.belady import NEVER, belady, next_uses
+from kvstore.sim.replay import replay
+from kvstore.sim.traces import load_trace, parse_records
 
 # Mooncake's traces, in the repository (gzip-compressed; source and licence in their README)
 TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"

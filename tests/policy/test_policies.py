@@ -160,8 +160,8 @@ def test_credit_not_below_lru_on_agentic_loops(frac: float) -> None:
     """The held-out shape that uncapped credit lost on (old steps with many uses kept while the
     next step needs the newest blocks): with the credit capped it must not fall below LRU. The
     heap version with 64 uses scored 0.432 / 0.615 here against LRU's 0.464 / 0.636."""
-    from kvstore.replay import replay
-    from kvstore.traces import agentic
+    from kvstore.sim.replay import replay
+    from kvstore.sim.traces import agentic
 
     trace = agentic(agents=100)
     cap = int(frac * trace.unique_blocks())

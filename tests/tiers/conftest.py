@@ -18,8 +18,16 @@ import redis
 import redis.asyncio
 import redis.asyncio.cluster
 
-from kvstore.testing.servers import MOTO_CREDENTIALS, MotoServer, RedisCluster, RedisServer, moto_server, redis_cluster, redis_server
-from kvstore.checksum import checksum
+from kvstore.store.checksum import checksum
+from kvstore.testing.servers import (
+    MOTO_CREDENTIALS,
+    MotoServer,
+    RedisCluster,
+    RedisServer,
+    moto_server,
+    redis_cluster,
+    redis_server,
+)
 from kvstore.tiers.base import BlockMeta, BlockRef
 from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.s3 import S3Tier, client_config

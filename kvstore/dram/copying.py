@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from kvstore.threads import in_threads, split
+from kvstore.util.threads import in_threads, split
 
 COPY_THREADS = min(2, os.cpu_count() or 1)
 SPLIT_BYTES = 8 << 20

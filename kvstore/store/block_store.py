@@ -18,19 +18,33 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstore.checksum import checksums
 from kvstore.config import Config
-from kvstore.errors import ChecksumMismatch, FailedPrecondition, InvalidArgument, ResourceExhausted
-from kvstore.index import DRAM, Allocation, Block, Index, Lease, NsEntry, State, top_label
+from kvstore.dram.slab import Page, Slab, Slot
+from kvstore.errors import (
+    ChecksumMismatch,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from kvstore.keys import KEY_BYTES, Namespace
 from kvstore.policy import make_policy
-from kvstore.slab import Page, Slab, Slot
-from kvstore.stats import Stats
+from kvstore.store.checksum import checksums
+from kvstore.store.counters import Stats
+from kvstore.store.index import (
+    DRAM,
+    Allocation,
+    Block,
+    Index,
+    Lease,
+    NsEntry,
+    State,
+    top_label,
+)
 
 if TYPE_CHECKING:
-    from kvstore.tiering import Tiering
+    from kvstore.tiers.movers import Tiering
 
-log = logging.getLogger("kvstore.store")
+log = logging.getLogger("kvstore.store.block_store")
 _TIERS = operator.attrgetter("tiers")
 
 

@@ -23,14 +23,15 @@ from types import TracebackType
 from grpc_health.v1 import health_pb2
 
 from kvstore.config import Config
+from kvstore.dram.slab import Slab, unlink_stale
 from kvstore.errors import FailedPrecondition
-from kvstore.local import LocalServer, socket_path
-from kvstore.server import SERVICE_NAME, KVStoreServicer, start_grpc
-from kvstore.slab import Slab, unlink_stale
-from kvstore.stats import Stats
-from kvstore.store import BlockStore
+from kvstore.framing import socket_path
+from kvstore.server.local_server import LocalServer
+from kvstore.server.service import SERVICE_NAME, KVStoreServicer, start_grpc
+from kvstore.store.block_store import BlockStore
+from kvstore.store.counters import Stats
 
-log = logging.getLogger("kvstore.sidecar")
+log = logging.getLogger("kvstore.server.sidecar")
 
 
 class DataDirLock:
@@ -97,7 +98,7 @@ class Sidecar:
                 self._local = LocalServer(servicer, path, cfg.server, self.store.stats)
                 await self._local.start()
                 servicer.local_socket = str(path)
-            from kvstore.http import start_http
+            from kvstore.server.http import start_http
 
             self._http, self.http_port = await start_http(self, cfg.server.http_address)
             self._tasks.append(asyncio.create_task(self._background(), name="kvstore-background"))
@@ -118,9 +119,9 @@ class Sidecar:
 
     async def _start_tiering(self) -> None:
         try:
-            from kvstore.tiering import Tiering
+            from kvstore.tiers.movers import Tiering
         except ModuleNotFoundError as exc:
-            if exc.name != "kvstore.tiering":
+            if exc.name != "kvstore.tiers.movers":
                 raise
             return
         self.store.tiering = await Tiering.start(self.store, self.config)

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from kvstore.auth import token_matches
-from kvstore.stats import document_json
+from kvstore.server.auth import token_matches
+from kvstore.store.counters import document_json
 
 if TYPE_CHECKING:
-    from kvstore.sidecar import Sidecar
+    from kvstore.server.sidecar import Sidecar
 
 STATIC = Path(__file__).parent / "static"
 
@@ -38,7 +38,7 @@ def build_app(sidecar: Sidecar) -> web.Application:
         return web.Response(text=document_json(sidecar.store.snapshot()), content_type="application/json")
 
     async def metrics(_: web.Request) -> web.Response:
-        from kvstore.metrics import render
+        from kvstore.server.metrics import render
 
         body, content_type = render(sidecar.store.snapshot())
         return web.Response(body=body, headers={"Content-Type": content_type})

@@ -1,6 +1,6 @@
 """Block metadata: state, placement per tier, leases, allocations, prefix links.
 
-Pure bookkeeping, no I/O and no bytes: the store (:mod:`kvstore.store`) drives it, and
+Pure bookkeeping, no I/O and no bytes: the store (:mod:`kvstore.store.block_store`) drives it, and
 ``kvstore replay`` drives the same code with a trace. Everything here runs on the server's event
 loop thread, so nothing is locked.
 """
@@ -57,7 +57,7 @@ class Block:
     state: State = State.ALLOCATED
     tiers: int = 0  # placement bits (DRAM | SSD | REDIS | S3)
     checksum: int | None = None  # None until sealed
-    slot: object | None = None  # kvstore.slab.Slot while in DRAM
+    slot: object | None = None  # kvstore.dram.slab.Slot while in DRAM
     leases: int = 0
     moving: int = 0  # movers reading its DRAM slot right now (write-through)
 

@@ -26,11 +26,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore.belady import HitRates
-from kvstore.index import Block, Index, NsEntry, State, TierId
 from kvstore.policy import make_policy
 from kvstore.policy.base import EvictionPolicy
-from kvstore.traces import Trace
+from kvstore.sim.belady import HitRates
+from kvstore.sim.traces import Trace
+from kvstore.store.index import Block, Index, NsEntry, State, TierId
 
 PROGRESS_EVERY = 1024  # requests between progress-bar updates
 
@@ -109,7 +109,7 @@ def replay(trace: Trace, tiers: int | Sequence[TierSpec], policy: str | Sequence
 
 
 def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: ReplayResult, bar: _Progress) -> None:
-    """One space, in the store's order of calls (kvstore/store.py): Lookup (leading run), the
+    """One space, in the store's order of calls (kvstore/store/block_store.py): Lookup (leading run), the
     run's hits via ``access_many`` deepest first, Allocate (victims popped for every new block,
     blocks added ALLOCATED), then Commit (published and inserted root first, with the parent
     Block when the policy holds it, then ``access_many`` on them deepest first). The hot loop is kept lean: no per-reference allocation beyond

@@ -6,7 +6,7 @@ Every call must carry ``authorization: Bearer <token>`` metadata (what
 ``KVStoreClient.from_url(url, token=...)`` sends); otherwise it ends with UNAUTHENTICATED before
 reaching the servicer. The standard health service stays open so orchestrators can probe the
 sidecar without the secret. :func:`token_matches` is the one comparison of a supplied secret:
-gRPC metadata here, HTTP headers in :mod:`kvstore.http`, the hello of :mod:`kvstore.local`.
+gRPC metadata here, HTTP headers in :mod:`kvstore.server.http`, the hello of :mod:`kvstore.server.local_server`.
 """
 
 from __future__ import annotations

@@ -23,16 +23,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
+from kvstore.dram.slab import Slab
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.index import DRAM, REDIS, S3, SSD, TOP_TIER, Block, NsEntry
 from kvstore.keys import Namespace
-from kvstore.slab import Slab
-from kvstore.stats import check_decision, document_json
-from kvstore.store import BlockSpec, BlockStore, CommitSpec
+from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
+from kvstore.store.counters import check_decision, document_json
+from kvstore.store.index import DRAM, REDIS, S3, SSD, TOP_TIER, Block, NsEntry
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-log = logging.getLogger("kvstore.server")
+log = logging.getLogger("kvstore.server.service")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 _PB_TIER = {0: pb.TIER_UNSPECIFIED, DRAM: pb.TIER_DRAM, SSD: pb.TIER_SSD, REDIS: pb.TIER_REDIS, S3: pb.TIER_S3}
@@ -85,7 +85,7 @@ def _slot_pb(slab: Slab, block: Block) -> pb.SlotDescriptor:
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore) -> None:
         self.store = store
-        self.local_socket = ""  # set once the local transport (kvstore.local) listens
+        self.local_socket = ""  # set once the local transport (kvstore.server.local_server) listens
         self._ns_cache: dict[bytes, Namespace] = {}  # wire form -> validated namespace
         self._bad_logged_at = -BAD_REQUEST_LOG_INTERVAL_S
 
@@ -273,7 +273,7 @@ def grpc_options(config: Config) -> list[tuple[str, int]]:
 async def start_grpc(servicer: KVStoreServicer, config: Config) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     interceptors = []
     if config.server.auth_token:
-        from kvstore.auth import TokenInterceptor
+        from kvstore.server.auth import TokenInterceptor
 
         interceptors.append(TokenInterceptor(config.server.auth_token))
     server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors)

@@ -28,23 +28,23 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstore.checksum import checksums
 from kvstore.config import TIER_IN_FLIGHT, Config
-from kvstore.copying import copy_blocks
+from kvstore.dram.copying import copy_blocks
+from kvstore.dram.slab import Slot
+from kvstore.dram.staging import StagingPool
 from kvstore.errors import ChecksumMismatch, KVStoreError, Unavailable
-from kvstore.index import DRAM, REDIS, S3, SSD, Block, State
-from kvstore.slab import Slot
 from kvstore.policy import make_policy
 from kvstore.policy.base import EvictionPolicy
-from kvstore.staging import StagingPool
+from kvstore.store.checksum import checksums
+from kvstore.store.index import DRAM, REDIS, S3, SSD, Block, State
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import BlockMeta, BlockRef, Bounded, Recoverable, Tier
 from kvstore.tiers.verify import verified_get
 
 if TYPE_CHECKING:
-    from kvstore.store import BlockStore
+    from kvstore.store.block_store import BlockStore
 
-log = logging.getLogger("kvstore.tiering")
+log = logging.getLogger("kvstore.tiers.movers")
 
 BITS = {"ssd": SSD, "redis": REDIS, "s3": S3}
 STAGING_LIMIT = 512 << 20

@@ -17,7 +17,7 @@ Both clients build the same requests and read the same responses (:class:`_Wire`
 blocking client uses gRPC's synchronous stub on the caller's own thread: an engine's scheduler
 calls it between steps, and hopping to an event-loop thread and back cost more than the RPC
 when the engine kept the GIL busy. On the sidecar's host it sends the same messages over the
-sidecar's Unix socket instead (:mod:`kvstore.local`: fewer thread wake-ups per call than gRPC).
+sidecar's Unix socket instead (:mod:`kvstore.client.local_channel`: fewer thread wake-ups per call than gRPC).
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from typing import Any
 import grpc
 import numpy as np
 
-from kvstore.checksum import checksum
-from kvstore.copying import copy_blocks, copy_blocks_async
+from kvstore.client.local_channel import AsyncLocalChannel, LocalChannel
+from kvstore.dram.copying import copy_blocks, copy_blocks_async
+from kvstore.dram.slab import attach
 from kvstore.errors import KVStoreError, from_status_code
 from kvstore.keys import Namespace
-from kvstore.local import AsyncLocalChannel, LocalChannel
-from kvstore.slab import attach
+from kvstore.store.checksum import checksum
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -371,7 +371,7 @@ class KVStoreClient:
         *, first_parent: bytes = b"", checksums: bool = False, wait_write_through: bool = False,
     ) -> PutResult:
         """Store whole blocks (anything with the buffer protocol), copied into the slots on
-        two threads when large (:mod:`kvstore.copying`). Aborts on any failure. With
+        two threads when large (:mod:`kvstore.dram.copying`). Aborts on any failure. With
         ``wait_write_through``, returns once the write-through tiers hold them too."""
         arrays = _as_uint8(blocks)
         async with self.allocate(ns, keys, [a.size for a in arrays], parents, first_parent=first_parent) as alloc:
@@ -452,7 +452,7 @@ class SyncClient:
         local: bool = True,
     ) -> None:
         """``local``: on the sidecar's host, send the calls over its Unix socket
-        (:mod:`kvstore.local`; the path comes from the ``Hello`` RPC, asked on first use). Where
+        (:mod:`kvstore.client.local_channel`; the path comes from the ``Hello`` RPC, asked on first use). Where
         the socket cannot be opened the client stays on gRPC."""
         self._channel, self._metadata = _channel(url, token, root_certificates, max_message_bytes, aio=False)
         self._stub = pb_grpc.KVStoreStub(self._channel)

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
-from kvstore.threads import in_threads, split
+from kvstore.util.threads import in_threads, split
 
 HASH_THREADS = min(4, os.cpu_count() or 1)  # xxhash releases the GIL: a batch hashes on several cores
 _pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvstore-hash")

@@ -1,0 +1,1 @@
+"""The DRAM tier: the shared-memory slab, the space that owns it, staging buffers and copies."""

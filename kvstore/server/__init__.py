@@ -1,0 +1,1 @@
+"""The sidecar process: the gRPC service, the local socket, HTTP (stats, metrics, dashboard), auth."""

@@ -1,0 +1,1 @@
+"""The sidecar's state: the block index, the block store over it, checksums and counters."""

@@ -1,0 +1,1 @@
+"""Process-wide helpers: logging, threads, allocator tuning."""
