@@ -107,7 +107,7 @@ async def _measure(
 async def _async_grpc(url: str, reqs: Requests, calls: int) -> Samples:
     async with KVStoreClient.from_url(url) as c:
         await _store(c, reqs)
-        stub = c._stub
+        stub = c._grpc.stub
         ns_pb = namespace_pb(NS)
         for kind, keys in reqs.mix:
             assert (await stub.Lookup(pb.LookupRequest(namespace=ns_pb, keys=keys))).matched == reqs.matched(kind), kind

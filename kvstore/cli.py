@@ -27,13 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstore", description="KV-cache tier service for LLM inference")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"kvstore.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"kvstore.commands.{name}":
-                continue  # command not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"kvstore.commands.{name}").register(sub)
     return parser
 
 

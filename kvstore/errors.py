@@ -1,8 +1,9 @@
 """One exception hierarchy for the service and its clients.
 
 Each error says whether retrying can help, and carries the gRPC status it maps to. The mapping to
-status codes happens in exactly one place: ``kvstore.server.service.errors_to_status``. Clients turn gRPC
-errors back into these classes with :func:`from_status_code`.
+status codes happens in exactly one place: the ``_rpc`` wrapper around every method of
+``kvstore.server.service.KVStoreServicer`` (the local socket serves the same servicer). Clients turn
+status codes back into these classes with :func:`from_status_code`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""Clients of the sidecar: an asyncio client and a blocking one with the same calls, over gRPC or,
-on the sidecar's host, the local socket (:mod:`kvstore.client.local_channel`)."""
+"""Clients of the sidecar: an asyncio client (:mod:`kvstore.client.aio`) and a blocking one
+(:mod:`kvstore.client.sync`) with the same calls, building the same messages
+(:mod:`kvstore.client.wire`), over gRPC (:mod:`kvstore.client.grpc_channel`) or, on the sidecar's
+host, its local socket (:mod:`kvstore.client.local_channel`)."""
 
-from kvstore.client.clients import (
-    DEFAULT_TIMEOUT_S,
-    Allocation,
-    KVStoreClient,
-    Lease,
-    LookupResult,
-    PutResult,
-    SlotRef,
-    SyncAllocation,
-    SyncClient,
-    SyncLease,
-    namespace_pb,
-)
+from kvstore.client.aio import Allocation, KVStoreClient, Lease
+from kvstore.client.sync import SyncAllocation, SyncClient, SyncLease
+from kvstore.client.wire import DEFAULT_TIMEOUT_S, LookupResult, PutResult, SlotRef, namespace_pb
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -1,17 +1,20 @@
 """The client ends of the local socket (wire format: :mod:`kvstore.framing`): a blocking channel
-(one connection per calling thread) and an asyncio one (a connection per call in flight)."""
+(one connection per calling thread) and an asyncio one (a connection per call in flight), each a
+transport with the one ``call(name, request, timeout)`` of :mod:`kvstore.client.wire`.
+:func:`open_local` and :func:`open_local_async` open one only where the socket answers."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import threading
 from typing import Any
 
 from google.protobuf.message import Message
 
-from kvstore.errors import from_status_code
+from kvstore.errors import KVStoreError, from_status_code
 from kvstore.framing import (
     LEN,
     STATUS,
@@ -22,10 +25,15 @@ from kvstore.framing import (
     response,
     unavailable,
 )
+from kvstore.v1 import kvstore_pb2 as pb
+
+log = logging.getLogger("kvstore.client")
 
 
 class LocalChannel:
     """The client end: one connection per calling thread (calls on it are serial), opened on first use."""
+
+    kind = "local"
 
     def __init__(self, path: str, *, token: str = "", timeout: float = 30.0) -> None:
         self.path = path
@@ -99,6 +107,8 @@ class AsyncLocalChannel:
     """The client end for asyncio: connections opened on first use, one call on each at a time
     (a call takes an idle connection, or opens one when all are busy)."""
 
+    kind = "local"
+
     def __init__(self, path: str, *, token: str = "", timeout: float = 30.0) -> None:
         self.path = path
         self._token = token.encode()
@@ -132,6 +142,7 @@ class AsyncLocalChannel:
                     conn = await self._connect()
                 conn[1].write(frame)
                 status, payload = await asyncio.wait_for(read_async(conn[0]), timeout or self._timeout)
+                self._idle.append(conn)
                 break
             except BaseException as exc:
                 if conn is not None:
@@ -142,7 +153,6 @@ class AsyncLocalChannel:
                 if reused and attempt == 0 and not isinstance(exc, TimeoutError):
                     continue  # broke while idle: the call never reached the sidecar
                 raise unavailable(self.path, exc) from None  # (a timed-out call may have: not sent again)
-        self._idle.append(conn)
         return response(name, status, payload)
 
     def _close(self, writer: asyncio.StreamWriter) -> None:
@@ -154,9 +164,29 @@ class AsyncLocalChannel:
         for w in writers:
             w.close()
         for w in writers:
-            try:
+            with contextlib.suppress(OSError):
                 await w.wait_closed()
-            except OSError:
-                pass
 
 
+def open_local(path: str, token: str) -> LocalChannel | None:
+    """A channel to the socket at ``path`` once a Hello went through it, else None."""
+    channel = LocalChannel(path, token=token)
+    try:
+        channel.call("Hello", pb.HelloRequest())
+    except KVStoreError as exc:  # another host or container: the path is not ours to open
+        log.info("local socket %s not usable (%s); using gRPC", path, exc)
+        channel.close()
+        return None
+    return channel
+
+
+async def open_local_async(path: str, token: str) -> AsyncLocalChannel | None:
+    """:func:`open_local` for asyncio."""
+    channel = AsyncLocalChannel(path, token=token)
+    try:
+        await channel.call("Hello", pb.HelloRequest())
+    except KVStoreError as exc:  # another host or container: the path is not ours to open
+        log.info("local socket %s not usable (%s); using gRPC", path, exc)
+        await channel.aclose()
+        return None
+    return channel

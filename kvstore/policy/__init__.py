@@ -1,4 +1,4 @@
-"""Eviction and admission policies, one small strategy per module, chosen by name.
+"""Eviction policies, one small strategy per module, chosen by name.
 
 ``make_policy(name)`` is the one registry: name -> (module, class), imported lazily.
 """
@@ -31,4 +31,5 @@ def make_policy(name: str, **kwargs: object) -> EvictionPolicy:
         module, cls = _REGISTRY[name]
     except KeyError:
         raise ConfigError(f"index.policy: unknown policy {name!r}; allowed: {policy_names()}") from None
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    policy: EvictionPolicy = getattr(importlib.import_module(module), cls)(**kwargs)
+    return policy

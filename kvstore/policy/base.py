@@ -3,10 +3,12 @@
 A policy orders the blocks of ONE capacity-limited space (the DRAM slab, the SSD directory, a
 replayed cache) and picks victims. It never frees anything itself: the owner of the space calls
 :meth:`EvictionPolicy.pop_victim` until it has room, and tells the policy about every insert,
-access and removal. Items are opaque hashables (the server passes its ``Block`` objects, the
-replay passes its own), and ``parent`` links let a policy stay prefix-aware: a prefix cache can
-only use the leading run of a prompt's blocks, so a block whose parent is gone is worthless and
-leaves should go before their ancestors.
+access and removal. There is no admission filter: every block the owner stores enters its space,
+and blocks used once are left to the eviction order (:mod:`kvstore.policy.credit` puts them ahead
+of reused ones). Items are opaque hashables (the server passes its ``Block`` objects, the replay
+passes its own), and ``parent`` links let a policy stay prefix-aware: a prefix cache can only use
+the leading run of a prompt's blocks, so a block whose parent is gone is worthless and leaves
+should go before their ancestors.
 
 Owners call :meth:`access` for a request's blocks deepest-first, so that an ancestor is always
 at least as recent as its descendants.
@@ -24,10 +26,6 @@ Eligible = Callable[[Item], bool]
 @runtime_checkable
 class EvictionPolicy(Protocol):
     name: ClassVar[str]
-
-    def admit(self, item: Item, parent: Item | None, depth: int, size: int) -> bool:
-        """Whether a new block should enter the space at all (admission control)."""
-        ...
 
     def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
         """A block entered the space. ``parent`` is the previous block of its prefix, if it is
@@ -54,15 +52,3 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
     def __contains__(self, item: object) -> bool: ...
-
-
-class PolicyBase:
-    """Defaults for the optional parts of :class:`EvictionPolicy`."""
-
-    def admit(self, item: Item, parent: Item | None, depth: int, size: int) -> bool:
-        return True
-
-    def access_many(self, items: Sequence[Item]) -> None:
-        access = self.access  # type: ignore[attr-defined]
-        for item in items:
-            access(item)

@@ -66,9 +66,6 @@ class CreditLRUPolicy:
         self._fresh: set[Item] = set()  # inserted, not yet ordered by the owner's commit access
         self._batch = False
 
-    def admit(self, item: Item, parent: Item | None, depth: int, size: int) -> bool:
-        return True
-
     def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
         if item in self._queue:
             self.access(item)
@@ -118,7 +115,7 @@ class CreditLRUPolicy:
             self._batch = False
             deque(map(self._queues[top].move_to_end, items), maxlen=0)
             t = self._tick
-            self._last.update(zip(items, range(t + 1, t + n + 1)))
+            self._last.update(zip(items, range(t + 1, t + n + 1), strict=True))
             self._tick = t + n
             return
         access = self.access

@@ -23,9 +23,6 @@ class LRUPolicy:
         self._parent: dict[Item, Item | None] = {}
         self._kids: dict[Item, set[Item]] = {}  # resident children of resident blocks
 
-    def admit(self, item: Item, parent: Item | None, depth: int, size: int) -> bool:
-        return True
-
     def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
         if item in self._order:
             self._order.move_to_end(item)

@@ -1,27 +1,41 @@
-"""The sidecar's HTTP side: /healthz, /readyz, /stats (JSON), /metrics (Prometheus), dashboard."""
+"""The sidecar's HTTP side: /healthz, /readyz, /stats (JSON), /metrics (Prometheus), dashboard.
+
+It sees the sidecar only through :class:`HttpSource`: the token, whether it is ready, and a
+/stats snapshot.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from kvstore.server.auth import token_matches
 from kvstore.store.counters import document_json
 
-if TYPE_CHECKING:
-    from kvstore.server.sidecar import Sidecar
-
 STATIC = Path(__file__).parent / "static"
+OPEN_PATHS = ("/healthz", "/readyz")  # probes answer without the token
 
 
-def build_app(sidecar: Sidecar) -> web.Application:
-    token = sidecar.config.server.auth_token
+@dataclass(frozen=True, slots=True)
+class HttpSource:
+    """What the HTTP side reads from the sidecar, and nothing else."""
+
+    token: str  # server.auth_token; empty: every path is open
+    ready: Callable[[], bool]  # /readyz: serving
+    snapshot: Callable[[], dict[str, Any]]  # /stats, /metrics and the dashboard: one stats document
+
+
+def build_app(source: HttpSource) -> web.Application:
+    token = source.token
 
     @web.middleware
-    async def auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
-        if token and request.path not in ("/healthz", "/readyz"):
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token and request.path not in OPEN_PATHS:
             header, query = request.headers.get("Authorization", ""), request.query.get("token", "")
             if not (token_matches(header, f"Bearer {token}") or token_matches(query, token)):
                 return web.json_response({"error": "missing or wrong bearer token"}, status=401)
@@ -31,23 +45,20 @@ def build_app(sidecar: Sidecar) -> web.Application:
         return web.json_response({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
-        ready = sidecar.ready
+        ready = source.ready()
         return web.json_response({"ready": ready}, status=200 if ready else 503)
 
     async def stats(_: web.Request) -> web.Response:
-        return web.Response(text=document_json(sidecar.store.snapshot()), content_type="application/json")
+        return web.Response(text=document_json(source.snapshot()), content_type="application/json")
 
     async def metrics(_: web.Request) -> web.Response:
         from kvstore.server.metrics import render
 
-        body, content_type = render(sidecar.store.snapshot())
+        body, content_type = render(source.snapshot())
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def dashboard(_: web.Request) -> web.StreamResponse:
-        page = STATIC / "dashboard.html"
-        if not page.exists():
-            raise web.HTTPNotFound(text="dashboard not built")
-        return web.FileResponse(page)
+        return web.FileResponse(STATIC / "dashboard.html")  # package data: ships with kvstore
 
     app = web.Application(middlewares=[auth])
     app.router.add_get("/healthz", healthz)
@@ -59,11 +70,11 @@ def build_app(sidecar: Sidecar) -> web.Application:
     return app
 
 
-async def start_http(sidecar: Sidecar, address: str) -> tuple[web.AppRunner, int]:
+async def start_http(source: HttpSource, address: str) -> tuple[web.AppRunner, int]:
     host, _, port = address.rpartition(":")
-    runner = web.AppRunner(build_app(sidecar), access_log=None)
+    runner = web.AppRunner(build_app(source), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host or "127.0.0.1", int(port))
     await site.start()
-    bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    bound: int = runner.addresses[0][1]  # (host, port) or, on IPv6, (host, port, flowinfo, scope_id)
     return runner, bound

@@ -19,7 +19,9 @@ import os
 import signal
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
+import grpc
 from grpc_health.v1 import health_pb2
 
 from kvstore.config import Config
@@ -30,6 +32,11 @@ from kvstore.server.local_server import LocalServer
 from kvstore.server.service import SERVICE_NAME, KVStoreServicer, start_grpc
 from kvstore.store.block_store import BlockStore
 from kvstore.store.counters import Stats
+from kvstore.tiers.movers import Tiering
+
+if TYPE_CHECKING:
+    from aiohttp import web
+    from grpc_health.v1 import health
 
 log = logging.getLogger("kvstore.server.sidecar")
 
@@ -72,10 +79,10 @@ class Sidecar:
         self.grpc_port = 0
         self.http_port = 0
         self.ready = False
-        self._grpc = None
+        self._grpc: grpc.aio.Server | None = None
         self._local: LocalServer | None = None
-        self._health = None
-        self._http = None
+        self._health: health.aio.HealthServicer | None = None
+        self._http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
 
@@ -98,9 +105,10 @@ class Sidecar:
                 self._local = LocalServer(servicer, path, cfg.server, self.store.stats)
                 await self._local.start()
                 servicer.local_socket = str(path)
-            from kvstore.server.http import start_http
+            from kvstore.server.http import HttpSource, start_http
 
-            self._http, self.http_port = await start_http(self, cfg.server.http_address)
+            source = HttpSource(cfg.server.auth_token, lambda: self.ready, self.store.snapshot)
+            self._http, self.http_port = await start_http(source, cfg.server.http_address)
             self._tasks.append(asyncio.create_task(self._background(), name="kvstore-background"))
             # The index holds millions of long-lived objects; default GC thresholds rescan them
             # every few requests. Collect young objects rarely (request lists are freed by
@@ -118,12 +126,6 @@ class Sidecar:
         return self
 
     async def _start_tiering(self) -> None:
-        try:
-            from kvstore.tiers.movers import Tiering
-        except ModuleNotFoundError as exc:
-            if exc.name != "kvstore.tiers.movers":
-                raise
-            return
         self.store.tiering = await Tiering.start(self.store, self.config)
 
     def _cleanup_stale_segment(self) -> None:
@@ -172,7 +174,9 @@ class Sidecar:
     async def __aenter__(self) -> Sidecar:
         return await self.start()
 
-    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None,
+    ) -> None:
         await self.stop()
 
     # --- background ---------------------------------------------------------------------------
@@ -202,12 +206,13 @@ class Sidecar:
             loop.add_signal_handler(sig, stop.set)
         async with self:
             host = self.config.server.grpc_address.rpartition(":")[0]
+            grpc_address = self.config.server.grpc_address if host.startswith("unix") else f"{host}:{self.grpc_port}"
             http_host = self.config.server.http_address.rpartition(":")[0]
             print(
                 json.dumps(
                     {
                         "event": "ready",
-                        "grpc": self.config.server.grpc_address if host.startswith("unix") else f"{host}:{self.grpc_port}",
+                        "grpc": grpc_address,
                         "http": f"{http_host}:{self.http_port}",
                         "segment": self.slab.name if self.slab else "",
                         "data_dir": str(self.data_dir),

@@ -8,12 +8,12 @@ For each request, in timestamp order, the replay does what the store does:
    descendants), in every tier space that holds it; hits in a lower tier are promoted into the
    top tier.
 3. After the request is served, each block of the prompt that no tier holds is stored: Index.add,
-   then ``policy.admit`` (a rejected block is dropped again), victims popped until there is room,
-   then ``policy.insert`` with the parent Block when the parent is resident in the same space.
+   victims popped until there is room (no admission filter, as in the store), then
+   ``policy.insert`` with the parent Block when the parent is resident in the same space.
    Like the store, victims are popped at allocation time; at commit blocks are inserted root
    first (so each parent is there to link to), then ``access_many`` on them deepest first sets
    their recency (ancestors at least as recent as descendants).
-4. A victim of an upper tier is offered to the next tier down (admit / make room / insert); a
+4. A victim of an upper tier is offered to the next tier down (make room / insert); a
    block that no tier holds is dropped from the Index.
 
 Capacities are block counts per tier space (fixed-size slots: a partial block takes a whole slot).
@@ -119,7 +119,7 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
     blocks, visible = ns.blocks, ns.visible
     leading_run = index.leading_run
     add, drop, publish = index.add, index.drop, index.publish
-    access_many, admit, insert, pop_victim = policy.access_many, policy.admit, policy.insert, policy.pop_victim
+    access_many, insert, pop_victim = policy.access_many, policy.insert, policy.pop_victim
     contains = policy.__contains__
     tier = int(spec.tier)
     untier = ~tier
@@ -148,7 +148,7 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
                 continue
             size = req.last_size if i == last else bt
             b = add(ns, key, keys[i - 1] if i else b"", size, allocated, i + 1)
-            if capacity <= 0 or not admit(b, None, i + 1, size):
+            if capacity <= 0:
                 drop(b)
                 continue
             while resident >= capacity:
@@ -191,14 +191,12 @@ class _Space:
 
 
 def _place(ns: NsEntry, index: Index, sp: _Space, b: Block) -> bool:
-    """Put ``b`` into space ``sp`` (admit, make room, insert); victims go one tier down."""
+    """Put ``b`` into space ``sp`` (make room, insert); victims go one tier down."""
     if sp.capacity <= 0:
         return False
     pb = ns.blocks.get(b.parent)
     parent = pb if pb is not None and pb.tiers & sp.tier else None
     pol = sp.policy
-    if not pol.admit(b, parent, b.depth, b.size):
-        return False
     while sp.used >= sp.capacity:
         v = pol.pop_victim(None)
         if v is None:

@@ -23,7 +23,7 @@ def chain(p: EvictionPolicy, keys: list, size: int = 512, last: int | None = Non
     new = []
     for i, k in enumerate(keys):
         s = last if (last is not None and i == len(keys) - 1) else size
-        if k not in p and p.admit(k, parent, i + 1, s):
+        if k not in p:
             p.insert(k, parent, i + 1, s)
             new.append(k)
         parent = k if k in p else None

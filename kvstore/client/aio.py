@@ -1,0 +1,222 @@
+"""The asyncio client of the sidecar (:class:`KVStoreClient`), its writes (:class:`Allocation`) and
+its reads (:class:`Lease`).
+
+    async with KVStoreClient.from_url("grpc://127.0.0.1:50051") as c:
+        await c.put_blocks(ns, keys, blocks)           # allocate -> copy into slots -> commit
+        async with c.acquire(ns, keys) as lease:       # zero-copy read-only views of the slots
+            use(lease.views)                           # released on exit
+        r = await c.lookup(ns, keys)
+
+Block bytes go through the shared-memory slab, attached once per process; only control messages
+cross the transport: gRPC, or on the sidecar's host its Unix socket
+(:mod:`kvstore.client.local_channel`), chosen on the first call. Every error comes back as a
+:mod:`kvstore.errors` exception. The blocking twin is :mod:`kvstore.client.sync`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf.message import Message
+
+from kvstore.client.grpc_channel import DEFAULT_MAX_MESSAGE, AsyncGrpcChannel, Metadata, open_channel
+from kvstore.client.local_channel import open_local_async
+from kvstore.client.wire import (
+    DEFAULT_TIMEOUT_S,
+    AllocationState,
+    AsyncCall,
+    AsyncTransport,
+    LeaseState,
+    LookupResult,
+    PutResult,
+    Wire,
+    as_uint8,
+)
+from kvstore.dram.copying import copy_blocks_async
+from kvstore.errors import KVStoreError
+from kvstore.keys import Namespace
+from kvstore.v1 import kvstore_pb2 as pb
+
+
+class KVStoreClient:
+    def __init__(
+        self, channel: grpc.aio.Channel, metadata: Metadata = (), *, token: str = "", local: bool = True,
+    ) -> None:
+        """``local``: on the sidecar's host, send the calls over its Unix socket, as
+        :class:`~kvstore.client.sync.SyncClient` does (an Allocate or Commit of 32 blocks: 0.6-0.8 ms
+        there against 1.5-1.7 ms over gRPC). Where the socket cannot be opened the client stays on gRPC."""
+        self._grpc = AsyncGrpcChannel(channel, metadata)
+        self._transport: AsyncTransport = self._grpc
+        self._wire = Wire()
+        self._token = token
+        self._want_local = local
+        self._choosing: asyncio.Lock | None = None  # made on first use, in the caller's event loop
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, token: str = "", root_certificates: bytes | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE, local: bool = True,
+    ) -> KVStoreClient:
+        return cls(*open_channel(url, token, root_certificates, max_message_bytes, aio=True), token=token, local=local)
+
+    @property
+    def transport(self) -> str:
+        """"local" or "grpc": what the calls go over (after the first call)."""
+        return self._transport.kind
+
+    async def aclose(self) -> None:
+        if self._transport is not self._grpc:
+            await self._transport.aclose()
+        await self._grpc.aclose()
+
+    async def __aenter__(self) -> KVStoreClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        await self._grpc.wait_ready(timeout)
+
+    async def _choose_transport(self) -> None:
+        """The one place the transport is chosen: ask the sidecar (over gRPC) for its local socket
+        and use it where it answers; otherwise stay on gRPC for good."""
+        if self._choosing is None:
+            self._choosing = asyncio.Lock()
+        async with self._choosing:
+            if not self._want_local:
+                return
+            hello = await self._grpc.call("Hello", pb.HelloRequest(), DEFAULT_TIMEOUT_S)  # errors: as any call's
+            self._want_local = False
+            local = await open_local_async(hello.local_socket, self._token) if hello.local_socket else None
+            if local is not None:
+                self._transport = local
+
+    async def _call(self, name: str, request: Message, timeout: float | None = DEFAULT_TIMEOUT_S) -> Any:
+        if self._want_local:
+            await self._choose_transport()
+        return await self._transport.call(name, request, timeout)
+
+    async def hello(self) -> pb.HelloResponse:
+        """Where the sidecar's local socket and shared-memory slab are."""
+        r: pb.HelloResponse = await self._call("Hello", pb.HelloRequest())
+        return r
+
+    async def lookup(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> LookupResult:
+        return Wire.lookup_result(await self._call("Lookup", self._wire.lookup(ns, keys, lease_ttl_ms)))
+
+    def allocate(
+        self, ns: Namespace, keys: Sequence[bytes], sizes: Sequence[int] | int, parents: Sequence[bytes] | None = None,
+        *, first_parent: bytes = b"", ttl_ms: int = 0,
+    ) -> Allocation:
+        """Reserve slots (``async with``); write into :meth:`Allocation.writable`, then commit."""
+        return Allocation(self._call, self._wire.allocate(ns, keys, sizes, parents, first_parent, ttl_ms))
+
+    def acquire(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> Lease:
+        """Lease the leading run of ``keys`` readable now (``async with``), as zero-copy views."""
+        return Lease(self._call, self._wire.acquire(ns, keys, lease_ttl_ms))
+
+    async def release(self, lease_id: str) -> int:
+        r: pb.ReleaseResponse = await self._call("Release", pb.ReleaseRequest(lease_id=lease_id))
+        return r.released
+
+    async def delete(self, ns: Namespace, keys: Sequence[bytes] = (), *, all_keys: bool = False) -> tuple[int, int]:
+        r = await self._call("Delete", self._wire.delete(ns, keys, all_keys))
+        return r.deleted, r.skipped_leased
+
+    async def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        r: pb.PrefetchResponse = await self._call("Prefetch", self._wire.prefetch(ns, keys), timeout=300)
+        return r.ready
+
+    async def stats(self) -> dict[str, Any]:
+        r: pb.StatsResponse = await self._call("Stats", pb.StatsRequest())
+        doc: dict[str, Any] = json.loads(r.json)
+        return doc
+
+    async def report(self, decisions: Sequence[dict[str, Any]]) -> None:
+        await self._call("Report", Wire.report(decisions))
+
+    async def put_blocks(
+        self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence[Any], parents: Sequence[bytes] | None = None,
+        *, first_parent: bytes = b"", checksums: bool = False, wait_write_through: bool = False,
+    ) -> PutResult:
+        """Store whole blocks (anything with the buffer protocol), copied into the slots on
+        two threads when large (:mod:`kvstore.dram.copying`). Aborts on any failure. With
+        ``wait_write_through``, returns once the write-through tiers hold them too."""
+        arrays = as_uint8(blocks)
+        async with self.allocate(ns, keys, [a.size for a in arrays], parents, first_parent=first_parent) as alloc:
+            await copy_blocks_async([(view, arrays[i]) for i, view in alloc.writable()])
+            stored = await alloc.commit(checksums=checksums, wait_write_through=wait_write_through)
+        return PutResult(stored, len(keys) - stored, alloc.written_through)
+
+    async def get_blocks(self, ns: Namespace, keys: Sequence[bytes], *, verify: bool = False) -> list[np.ndarray]:
+        """Copies of the leading run of ``keys`` that is readable now."""
+        async with self.acquire(ns, keys) as lease:
+            if verify:
+                lease.verify()
+            return [v.copy() for v in lease.views]
+
+
+class Allocation(AllocationState):
+    """A two-phase write in progress (``async with``). Leaving without commit aborts it."""
+
+    def __init__(self, call: AsyncCall, request: pb.AllocateRequest) -> None:
+        super().__init__(request)
+        self._send = call
+
+    async def __aenter__(self) -> Allocation:
+        self._fill(await self._send("Allocate", self.request))
+        return self
+
+    async def commit(
+        self, indices: Sequence[int] | None = None, *, checksums: bool = False, wait_write_through: bool = False,
+    ) -> int:
+        """Make the written blocks visible (all of them, or those at ``indices``). With
+        ``wait_write_through``, return once the write-through tiers hold them too; how many
+        reached every such tier is then in ``written_through``."""
+        req = self._commit_request(indices, checksums, wait_write_through)
+        if req is None:
+            await self.abort()
+            return 0
+        return self._committed(await self._send("Commit", req))
+
+    async def abort(self) -> None:
+        self.done = True
+        if self.id:
+            with contextlib.suppress(KVStoreError):  # already reclaimed: nothing to release
+                await self._send("Abort", pb.AbortRequest(allocation_id=self.id))
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None,
+    ) -> None:
+        if not self.done:
+            await self.abort()
+
+
+class Lease(LeaseState):
+    """Read lease (``async with``); released on exit."""
+
+    def __init__(self, call: AsyncCall, request: pb.AcquireRequest) -> None:
+        super().__init__(request)
+        self._send = call
+
+    async def __aenter__(self) -> Lease:
+        self._fill(await self._send("Acquire", self.request))
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None,
+    ) -> None:
+        self.views.clear()
+        if self.id:
+            with contextlib.suppress(KVStoreError):  # expired already
+                await self._send("Release", pb.ReleaseRequest(lease_id=self.id))

@@ -1,0 +1,209 @@
+"""The blocking client of the sidecar (:class:`SyncClient`), its writes (:class:`SyncAllocation`) and
+its reads (:class:`SyncLease`): the calls of :mod:`kvstore.client.aio`, blocking, for engines.
+
+    with SyncClient("grpc://127.0.0.1:50051") as c:
+        c.put_blocks(ns, keys, blocks)
+        with c.acquire(ns, keys) as lease: ...
+
+The calls run on the caller's own thread (gRPC's synchronous stub): an engine's scheduler calls
+them between steps, and hopping to an event-loop thread and back cost more than the RPC when the
+engine kept the GIL busy. On the sidecar's host the same messages go over its Unix socket
+(:mod:`kvstore.client.local_channel`: fewer thread wake-ups per call than gRPC).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import Message
+
+from kvstore.client.grpc_channel import DEFAULT_MAX_MESSAGE, GrpcChannel, open_channel
+from kvstore.client.local_channel import open_local
+from kvstore.client.wire import (
+    DEFAULT_TIMEOUT_S,
+    AllocationState,
+    Call,
+    LeaseState,
+    LookupResult,
+    PutResult,
+    Transport,
+    Wire,
+    as_uint8,
+)
+from kvstore.dram.copying import copy_blocks
+from kvstore.errors import KVStoreError
+from kvstore.keys import Namespace
+from kvstore.v1 import kvstore_pb2 as pb
+
+
+class SyncClient:
+    """The same calls, blocking, on gRPC's synchronous stub (thread-safe; no event loop)."""
+
+    def __init__(
+        self, url: str, *, token: str = "", root_certificates: bytes | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE, local: bool = True,
+    ) -> None:
+        """``local``: on the sidecar's host, send the calls over its Unix socket
+        (:mod:`kvstore.client.local_channel`; the path comes from the ``Hello`` RPC, asked on first
+        use). Where the socket cannot be opened the client stays on gRPC."""
+        self._grpc = GrpcChannel(*open_channel(url, token, root_certificates, max_message_bytes, aio=False))
+        self._transport: Transport = self._grpc
+        self._wire = Wire()
+        self._token = token
+        self._want_local = local
+        self._choosing = threading.Lock()
+
+    @property
+    def transport(self) -> str:
+        """"local" or "grpc": what the calls go over (after the first call)."""
+        return self._transport.kind
+
+    def close(self) -> None:
+        if self._transport is not self._grpc:
+            self._transport.close()
+        self._grpc.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        self._grpc.wait_ready(timeout)
+
+    def _choose_transport(self) -> None:
+        """The one place the transport is chosen: ask the sidecar (over gRPC) for its local socket
+        and use it where it answers; otherwise stay on gRPC for good."""
+        with self._choosing:
+            if not self._want_local:
+                return
+            hello = self._grpc.call("Hello", pb.HelloRequest(), DEFAULT_TIMEOUT_S)  # errors: as any call's
+            self._want_local = False
+            local = open_local(hello.local_socket, self._token) if hello.local_socket else None
+            if local is not None:
+                self._transport = local
+
+    def _call(self, name: str, request: Message, timeout: float | None = DEFAULT_TIMEOUT_S) -> Any:
+        if self._want_local:
+            self._choose_transport()
+        return self._transport.call(name, request, timeout)
+
+    def hello(self) -> pb.HelloResponse:
+        """Where the sidecar's local socket and shared-memory slab are."""
+        r: pb.HelloResponse = self._call("Hello", pb.HelloRequest())
+        return r
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> LookupResult:
+        return Wire.lookup_result(self._call("Lookup", self._wire.lookup(ns, keys, lease_ttl_ms)))
+
+    def allocate(
+        self, ns: Namespace, keys: Sequence[bytes], sizes: Sequence[int] | int, parents: Sequence[bytes] | None = None,
+        *, first_parent: bytes = b"", ttl_ms: int = 0,
+    ) -> SyncAllocation:
+        """Reserve slots (``with``); write into :meth:`SyncAllocation.writable`, then commit."""
+        return SyncAllocation(self._call, self._wire.allocate(ns, keys, sizes, parents, first_parent, ttl_ms))
+
+    def acquire(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> SyncLease:
+        """Lease the leading run of ``keys`` readable now (``with``), as zero-copy views."""
+        return SyncLease(self._call, self._wire.acquire(ns, keys, lease_ttl_ms))
+
+    def release(self, lease_id: str) -> int:
+        r: pb.ReleaseResponse = self._call("Release", pb.ReleaseRequest(lease_id=lease_id))
+        return r.released
+
+    def delete(self, ns: Namespace, keys: Sequence[bytes] = (), *, all_keys: bool = False) -> tuple[int, int]:
+        r = self._call("Delete", self._wire.delete(ns, keys, all_keys))
+        return r.deleted, r.skipped_leased
+
+    def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
+        r: pb.PrefetchResponse = self._call("Prefetch", self._wire.prefetch(ns, keys), timeout=300)
+        return r.ready
+
+    def stats(self) -> dict[str, Any]:
+        r: pb.StatsResponse = self._call("Stats", pb.StatsRequest())
+        doc: dict[str, Any] = json.loads(r.json)
+        return doc
+
+    def report(self, decisions: Sequence[dict[str, Any]]) -> None:
+        self._call("Report", Wire.report(decisions))
+
+    def put_blocks(
+        self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence[Any], parents: Sequence[bytes] | None = None,
+        *, first_parent: bytes = b"", checksums: bool = False, wait_write_through: bool = False,
+    ) -> PutResult:
+        """:meth:`KVStoreClient.put_blocks <kvstore.client.aio.KVStoreClient.put_blocks>`, blocking."""
+        arrays = as_uint8(blocks)
+        with self.allocate(ns, keys, [a.size for a in arrays], parents, first_parent=first_parent) as alloc:
+            copy_blocks([(view, arrays[i]) for i, view in alloc.writable()])
+            stored = alloc.commit(checksums=checksums, wait_write_through=wait_write_through)
+        return PutResult(stored, len(keys) - stored, alloc.written_through)
+
+    def get_blocks(self, ns: Namespace, keys: Sequence[bytes], *, verify: bool = False) -> list[np.ndarray]:
+        """Copies of the leading run of ``keys`` that is readable now."""
+        with self.acquire(ns, keys) as lease:
+            if verify:
+                lease.verify()
+            return [v.copy() for v in lease.views]
+
+
+class SyncAllocation(AllocationState):
+    """A two-phase write in progress (``with``). Leaving without commit aborts it."""
+
+    def __init__(self, call: Call, request: pb.AllocateRequest) -> None:
+        super().__init__(request)
+        self._send = call
+
+    def __enter__(self) -> SyncAllocation:
+        self._fill(self._send("Allocate", self.request))
+        return self
+
+    def commit(
+        self, indices: Sequence[int] | None = None, *, checksums: bool = False, wait_write_through: bool = False,
+    ) -> int:
+        """:meth:`Allocation.commit <kvstore.client.aio.Allocation.commit>`, blocking."""
+        req = self._commit_request(indices, checksums, wait_write_through)
+        if req is None:
+            self.abort()
+            return 0
+        return self._committed(self._send("Commit", req))
+
+    def abort(self) -> None:
+        self.done = True
+        if self.id:
+            with contextlib.suppress(KVStoreError):  # already reclaimed: nothing to release
+                self._send("Abort", pb.AbortRequest(allocation_id=self.id))
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None,
+    ) -> None:
+        if not self.done:
+            self.abort()
+
+
+class SyncLease(LeaseState):
+    """Read lease (``with``); released on exit."""
+
+    def __init__(self, call: Call, request: pb.AcquireRequest) -> None:
+        super().__init__(request)
+        self._send = call
+
+    def __enter__(self) -> SyncLease:
+        self._fill(self._send("Acquire", self.request))
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None,
+    ) -> None:
+        self.views.clear()
+        if self.id:
+            with contextlib.suppress(KVStoreError):  # expired already
+                self._send("Release", pb.ReleaseRequest(lease_id=self.id))

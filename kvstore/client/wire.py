@@ -1,0 +1,223 @@
+"""What both clients send and read, whatever carries it: request builders, results, and the state of
+an allocation or a lease. Also the shape of a transport: one ``call(name, request, timeout)``.
+
+The async client (:mod:`kvstore.client.aio`) and the blocking one (:mod:`kvstore.client.sync`) build
+the same requests and read the same responses from here; they differ only in how a call is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+from google.protobuf.message import Message
+
+from kvstore.dram.slab import attach
+from kvstore.keys import Namespace
+from kvstore.store.checksum import checksum
+from kvstore.v1 import kvstore_pb2 as pb
+
+_TIER_NAMES: dict[int, str] = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_REDIS: "redis", pb.TIER_S3: "s3"}
+DEFAULT_TIMEOUT_S = 30.0
+
+# A client's call on its chosen transport, with the default timeout: what its allocations and leases send.
+Call = Callable[[str, Message], Any]
+AsyncCall = Callable[[str, Message], Awaitable[Any]]
+
+
+class Transport(Protocol):
+    """What the blocking client sends its calls over: gRPC or the sidecar's local socket."""
+
+    kind: str  # "grpc" or "local"
+
+    def call(self, name: str, request: Message, timeout: float | None = None) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class AsyncTransport(Protocol):
+    """What the async client sends its calls over: gRPC or the sidecar's local socket."""
+
+    kind: str  # "grpc" or "local"
+
+    async def call(self, name: str, request: Message, timeout: float | None = None) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+def namespace_pb(ns: Namespace) -> pb.Namespace:
+    return pb.Namespace(
+        model=ns.model, revision=ns.revision, kv_layout=ns.kv_layout, dtype=ns.dtype, block_size=ns.block_size,
+        rank=ns.rank, world_size=ns.world_size, adapter=ns.adapter, cache_salt=ns.cache_salt,
+    )
+
+
+@dataclass(slots=True, frozen=True)
+class LookupResult:
+    matched: int
+    blocks: list[tuple[str, int]]  # (tier, size) per matched block
+    lease_id: str | None
+
+
+@dataclass(slots=True, frozen=True)
+class SlotRef:
+    """Where a block's bytes lie in the sidecar's shared memory (``attach(segment)[offset:offset + length]``)."""
+
+    segment: str
+    offset: int
+    length: int
+
+
+@dataclass(slots=True, frozen=True)
+class PutResult:
+    stored: int
+    present: int
+    written_through: int = 0  # with wait_write_through: blocks every write-through tier holds
+
+
+class Wire:
+    """Request builders and response readers shared by the async and the blocking client."""
+
+    def __init__(self) -> None:
+        self._ns_cache: dict[Namespace, pb.Namespace] = {}
+
+    def ns(self, ns: Namespace) -> pb.Namespace:
+        msg = self._ns_cache.get(ns)
+        if msg is None:
+            msg = self._ns_cache[ns] = namespace_pb(ns)
+        return msg
+
+    def lookup(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int) -> pb.LookupRequest:
+        return pb.LookupRequest(namespace=self.ns(ns), keys=keys, lease_ttl_ms=lease_ttl_ms)
+
+    @staticmethod
+    def lookup_result(r: pb.LookupResponse) -> LookupResult:
+        sizes = [r.uniform_size] * r.matched if r.uniform_size else r.sizes
+        tiers = [(_TIER_NAMES.get(t, "unknown"), s) for t, s in zip(r.tiers, sizes, strict=False)]
+        return LookupResult(r.matched, tiers, r.lease_id or None)
+
+    def allocate(
+        self, ns: Namespace, keys: Sequence[bytes], sizes: Sequence[int] | int, parents: Sequence[bytes] | None,
+        first_parent: bytes, ttl_ms: int,
+    ) -> pb.AllocateRequest:
+        if isinstance(sizes, int):
+            sizes = [sizes] * len(keys)
+        if parents is None:  # a chain: each block's parent is the key before it
+            parents = [first_parent, *keys[:-1]] if keys else []
+        specs = [pb.BlockSpec(key=k, parent=p or b"", size=s) for k, p, s in zip(keys, parents, sizes, strict=False)]
+        return pb.AllocateRequest(namespace=self.ns(ns), blocks=specs, ttl_ms=ttl_ms)
+
+    def acquire(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int) -> pb.AcquireRequest:
+        return pb.AcquireRequest(namespace=self.ns(ns), keys=keys, lease_ttl_ms=lease_ttl_ms)
+
+    def delete(self, ns: Namespace, keys: Sequence[bytes], all_keys: bool) -> pb.DeleteRequest:
+        return pb.DeleteRequest(namespace=self.ns(ns), keys=keys, all_keys=all_keys)
+
+    def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> pb.PrefetchRequest:
+        return pb.PrefetchRequest(namespace=self.ns(ns), keys=keys)
+
+    @staticmethod
+    def report(decisions: Sequence[dict[str, Any]]) -> pb.ReportRequest:
+        return pb.ReportRequest(decisions=[pb.Decision(**d) for d in decisions])
+
+
+def as_uint8(blocks: Sequence[Any]) -> list[np.ndarray]:
+    """Each block (anything with the buffer protocol) as a flat uint8 array, without a copy."""
+    return [np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8) for b in blocks]
+
+
+@dataclass(slots=True)
+class _Slot:
+    key: bytes
+    present: bool
+    view: np.ndarray | None
+    slot_id: int
+    ref: SlotRef | None = None
+
+
+class AllocationState:
+    """A two-phase write: the slots handed out, and the Commit that makes them visible."""
+
+    def __init__(self, request: pb.AllocateRequest) -> None:
+        self.request = request
+        self.id = ""
+        self.slots: list[_Slot] = []
+        self.checksums: dict[int, int] = {}  # index in the request -> checksum sent with the Commit
+        self.written_through = 0  # after commit(wait_write_through=True): blocks in every write-through tier
+        self.done = False
+
+    def _fill(self, r: pb.AllocateResponse) -> None:
+        self.id = r.allocation_id
+        for b in r.blocks:
+            if b.present:
+                self.slots.append(_Slot(b.key, True, None, 0))
+            else:
+                sd = b.slot
+                seg, off, n = sd.segment, sd.offset, sd.length
+                self.slots.append(_Slot(b.key, False, attach(seg)[off : off + n], sd.slot_id, SlotRef(seg, off, n)))
+
+    def writable(self) -> Iterator[tuple[int, np.ndarray]]:
+        """(index in the request, writable uint8 view) for every block that needs its bytes."""
+        for i, s in enumerate(self.slots):
+            if s.view is not None:
+                yield i, s.view
+
+    def slot_refs(self) -> dict[int, SlotRef]:
+        """Where each block that needs its bytes lies, by index in the request."""
+        return {i: s.ref for i, s in enumerate(self.slots) if s.ref is not None}
+
+    def _commit_request(
+        self, indices: Sequence[int] | None, checksums: bool, wait_write_through: bool,
+    ) -> pb.CommitRequest | None:
+        chosen = [i for i, s in enumerate(self.slots) if not s.present] if indices is None else list(indices)
+        blocks = []
+        for i in chosen:
+            s = self.slots[i]
+            cb = pb.CommitBlock(key=s.key, slot_id=s.slot_id)
+            if checksums:
+                cb.has_checksum = True
+                cb.checksum = self.checksums[i] = checksum(s.view)  # type: ignore[arg-type]  # None: present, caller's bug
+            blocks.append(cb)
+        self.done = True
+        if not blocks:
+            return None
+        return pb.CommitRequest(allocation_id=self.id, blocks=blocks, wait_write_through=wait_write_through)
+
+    def _committed(self, resp: pb.CommitResponse) -> int:
+        self.written_through = resp.written_through
+        return resp.committed
+
+
+class LeaseState:
+    """Read lease on the leading run of the requested keys, as zero-copy read-only views."""
+
+    def __init__(self, request: pb.AcquireRequest) -> None:
+        self.request = request
+        self.id = ""
+        self.keys: list[bytes] = []
+        self.views: list[np.ndarray] = []
+        self.checksums: list[int] = []
+        self.slots: list[SlotRef] = []  # where the views lie: another process can map them while the lease holds
+
+    def _fill(self, r: pb.AcquireResponse) -> None:
+        self.id = r.lease_id
+        for b in r.blocks:
+            sd = b.slot
+            seg, off, n = sd.segment, sd.offset, sd.length
+            self.slots.append(SlotRef(seg, off, n))
+            view = attach(seg)[off : off + n]
+            view.flags.writeable = False
+            self.keys.append(b.key)
+            self.views.append(view)
+            self.checksums.append(b.checksum)
+
+    def verify(self) -> int:
+        """Check every view against its checksum; truncate at the first bad block. Returns the
+        number of good blocks. Blocks the server has not sealed yet (checksum 0) pass."""
+        for i, (v, c) in enumerate(zip(self.views, self.checksums, strict=False)):
+            if c and checksum(v.data) != c:
+                del self.views[i:], self.keys[i:], self.checksums[i:], self.slots[i:]
+                return i
+        return len(self.views)
