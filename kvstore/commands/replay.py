@@ -3,10 +3,14 @@
     kvstore replay data/traces/conversation_trace.jsonl.gz --capacity 5% --policy lru --policy credit
     kvstore replay TRACE --capacity 1% --capacity 5% --capacity 25% --plot hit.png --json
     kvstore replay TRACE --tier dram=5% --tier ssd=20%
+    kvstore replay TRACE --nodes 8 --capacity 1% --routing round-robin --routing prefix --json
 
 TRACE is Mooncake-format JSONL, plain or gzip-compressed; the Mooncake traces ship in
 ``data/traces/`` of the repository. The last line of ``--json`` output is one JSON object per
-capacity (one line each).
+capacity (one line each). With ``--nodes N`` the capacity is each node's (default 1%), and each
+object holds, per policy, the global cache of N x the capacity and, per routing, the isolated
+nodes, the cluster, ``cluster_vs_isolated``, ``cluster_vs_global`` and the load imbalance
+(:mod:`kvstore.sim.cluster`, docs/cluster.md).
 """
 
 from __future__ import annotations
@@ -14,6 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstore.sim.traces import Trace
 
 
 def _capacity(text: str) -> tuple[str, float]:
@@ -38,6 +46,7 @@ def _tier(text: str) -> tuple[str, tuple[str, float]]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from kvstore.policy import DEFAULT_POLICY, policy_names
+    from kvstore.routing import ROUTINGS
 
     p = subparsers.add_parser("replay", help="replay a prefix-cache trace through the index and eviction policies",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -54,6 +63,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per capacity (last line: the last capacity)")
     p.add_argument("--plot", metavar="FILE.png", help="plot prefix hit rate against capacity for every policy, with the bound")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--nodes", type=_nodes, metavar="N",
+                   help="cluster replay over N nodes, --capacity each (default 1%%): isolated nodes, the cluster "
+                        "(directory + peer fetch) and one global cache of N x the capacity")
+    p.add_argument("--routing", action="append", choices=ROUTINGS,
+                   help="with --nodes: how requests reach nodes, repeatable (default: round-robin and prefix)")
+    p.add_argument("--seed", type=int, default=0, help="with --routing random: the seed (default 0)")
     p.set_defaults(func=run)
 
 
@@ -80,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
         if n not in policy_names():
             raise InvalidArgument(f"--policy: unknown policy {n!r}; allowed: {policy_names()}")
     progress = not args.no_progress and sys.stderr.isatty() and trace.references > 200_000
+    if args.nodes is not None:
+        return _run_cluster(args, trace, unique, names, progress)
     key_lists = [r.keys for r in trace.requests]
 
     runs: list[tuple[list[TierSpec], dict]] = []
@@ -122,6 +139,54 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(args.plot, trace.name, unique, names, plot_rows)
     return 0
+
+
+def _nodes(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"nodes {text!r}: want a whole number of nodes") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"nodes {text!r} must be at least 1")
+    return n
+
+
+def _run_cluster(args: argparse.Namespace, trace: Trace, unique: int, names: list[str], progress: bool) -> int:
+    """``--nodes N``: one JSON object per capacity (per node), every policy and routing in it."""
+    from kvstore.errors import InvalidArgument
+    from kvstore.sim.cluster import compare
+
+    if args.tier or args.plot:
+        raise InvalidArgument("--nodes: --tier and --plot are for the single-cache replay; use --capacity")
+    routings = list(dict.fromkeys(args.routing or ["round-robin", "prefix"]))
+    for cap in args.capacity or [("frac", 0.01)]:
+        per_node = _blocks(cap, unique)
+        policies: dict[str, Any] = {}
+        out = {"trace": trace.name, "unique_blocks": unique, "references": trace.references, "nodes": args.nodes,
+               "capacity_blocks": per_node, "policies": policies}
+        for n in names:
+            policies[n] = compare(trace, args.nodes, per_node, routings, n, args.seed, progress=progress)
+        if args.json:
+            print(json.dumps(out), flush=True)
+        else:
+            _print_cluster(out)
+    return 0
+
+
+def _print_cluster(out: dict[str, Any]) -> None:
+    cap, unique = out["capacity_blocks"], out["unique_blocks"]
+    print(f"{out['trace']}: {out['references']:,} references, {unique:,} unique blocks; {out['nodes']} nodes x "
+          f"{cap:,} blocks ({cap / max(unique, 1):.1%} each)")
+    print(f"  {'policy':<8} {'routing':<12} {'isolated':>9} {'cluster':>9} {'(peer)':>8} {'global':>8} "
+          f"{'x isol.':>8} {'x global':>8} {'busiest/mean':>12}")
+    for name, pol in out["policies"].items():
+        glob = pol["global"]["prefix_hit_rate"]
+        for routing, r in pol["routing"].items():
+            ratios = [f"{r[k]:>8.2f}" if r[k] is not None else f"{'-':>8}" for k in ("cluster_vs_isolated",
+                                                                                     "cluster_vs_global")]
+            print(f"  {name:<8} {routing:<12} {r['isolated']['prefix_hit_rate']:>9.4f} "
+                  f"{r['cluster']['prefix_hit_rate']:>9.4f} {r['cluster']['peer_hit_rate']:>8.4f} {glob:>8.4f} "
+                  f"{' '.join(ratios)} {r['imbalance']:>12.3f}")
 
 
 def _print_table(out: dict) -> None:

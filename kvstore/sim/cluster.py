@@ -1,0 +1,366 @@
+"""Cluster replay: a trace over N nodes, each with the sidecar's own index and eviction policy.
+
+``kvstore replay TRACE --nodes N --routing round-robin|random|prefix`` runs three models of the
+same N × capacity blocks, all on the replay's cache model (:mod:`kvstore.sim.replay`: an
+``Index`` per node and a ``_Space`` of one policy, filled through ``_place``, which pops victims
+until there is room and inserts the block with its parent):
+
+* **isolated**: every node its own cache; a request hits only what its node holds;
+* **cluster**: a directory of which node holds each committed block, and peer fetch. A request's
+  prefix runs on through blocks that another node holds (peer hits); those blocks are fetched and
+  kept locally as replicas, counted against the fetching node's capacity, and the read counts as
+  an access on the holder's policy (the holder serves it). Eviction prefers a block that another
+  node also holds (the policy's own order, restricted to replicated blocks: the policy's
+  ``eligible`` filter), so a replica goes before any block's last copy;
+* **global**: one cache of N × the capacity that sees every request (routing cannot matter).
+
+Each request, on its node (the same steps as the tiered replay for one space):
+
+1. the usable prefix: the leading run of its keys that the node holds, continued (cluster only)
+   through keys that another node holds;
+2. ``access`` on each block of that run, deepest first, in the policy of the node that holds it;
+3. the peer blocks are placed locally, root first (replicas);
+4. each key after the run that no node holds is added and placed (a key held behind the gap is a
+   block hit, useless to the prefix, and is not stored again).
+
+Routing: ``round-robin``, ``random`` (seeded), or ``prefix``: :func:`kvstore.routing.rank` over each
+node's usable prefix (local blocks as ``dram``; in the cluster, blocks another node holds as
+``peer``) and the requests each node has served so far.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, cast
+
+from kvstore.policy import make_policy
+from kvstore.policy.base import Eligible, EvictionPolicy, Item
+from kvstore.policy.tree import PrefixLinks
+from kvstore.routing import MAX_IMBALANCE, ROUTINGS, rank
+from kvstore.sim.belady import HitRates
+from kvstore.sim.replay import PROGRESS_EVERY, TierSpec, _place, _Progress, _Space
+from kvstore.sim.traces import Request, Trace
+from kvstore.store.index import DRAM, Block, Index, NsEntry, State, TierId
+
+MODES = ("isolated", "cluster", "global")
+
+
+class Directory:
+    """Which nodes hold each committed block. It tells a node's policy when one of its blocks gains
+    or loses its last other copy."""
+
+    __slots__ = ("holders", "policies", "visible")
+
+    def __init__(self) -> None:
+        self.holders: dict[object, list[int]] = {}
+        self.policies: list[ClusterPolicy] = []
+        self.visible: list[dict[bytes, Block]] = []  # each node's committed blocks by key
+
+    def join(self, node: Node, prefer_replicas: bool = True) -> None:
+        """Wrap the node's policy in a :class:`ClusterPolicy` and register it."""
+        pol = ClusterPolicy(node.space.policy, node.id, self, prefer_replicas)
+        node.space.policy = pol
+        self.policies.append(pol)
+        self.visible.append(node.ns.visible)
+
+    def copies(self, key: object) -> int:
+        return len(self.holders.get(key, ()))
+
+    def add(self, key: object, node: int) -> None:
+        held = self.holders.setdefault(key, [])
+        held.append(node)
+        if len(held) == 2:
+            self._replicated(held[0], key, True)
+        if len(held) >= 2:
+            self._replicated(node, key, True)
+
+    def remove(self, key: object, node: int) -> None:
+        held = self.holders[key]
+        held.remove(node)
+        if not held:
+            del self.holders[key]
+        elif len(held) == 1:
+            self._replicated(held[0], key, False)
+
+    def _replicated(self, node: int, key: object, yes: bool) -> None:
+        self.policies[node].replicated(self.visible[node][key], yes)  # type: ignore[index]
+
+
+class ClusterPolicy:
+    """One node's policy with the cluster's eviction preference: the victim is the policy's own
+    choice among this node's *spare* blocks (leaves here that another node holds too), or the
+    policy's own choice among all when there is none; every block that leaves goes out of the
+    directory. The policy orders everything; this only keeps the set of spare blocks (prefix
+    links as the policies keep them, :class:`~kvstore.policy.tree.PrefixLinks`) and offers it as
+    the policy's ``eligible`` filter."""
+
+    name: ClassVar[str] = "cluster"
+
+    def __init__(self, inner: EvictionPolicy, node: int, directory: Directory, prefer_replicas: bool = True) -> None:
+        self.inner = inner
+        self.node = node
+        self.directory = directory
+        self.prefer = prefer_replicas
+        self.links = PrefixLinks()
+        self.spare: set[Item] = set()
+        self.access = inner.access
+        self.access_many = inner.access_many
+
+    def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
+        self.inner.insert(item, parent, depth, size)
+        links = self.links
+        if item in links:
+            return
+        if parent is not None and parent in links:
+            links.link(item, parent)
+            self.spare.discard(parent)  # no longer a leaf here
+        else:
+            links.link(item, None)
+
+    def replicated(self, item: Item, yes: bool) -> None:
+        """The directory's news: another node now holds ``item`` too (or no other node does)."""
+        if not yes:
+            self.spare.discard(item)
+        elif self.prefer and item not in self.links.kids:
+            self.spare.add(item)
+
+    def pop_victim(self, eligible: Eligible | None = None) -> Item | None:
+        victim = None
+        if eligible is None and self.spare:
+            victim = self.inner.pop_victim(self.spare.__contains__)
+        if victim is None:
+            victim = self.inner.pop_victim(eligible)
+        if victim is not None:
+            self._left(victim)
+        return victim
+
+    def remove(self, item: Item) -> None:
+        if item in self.inner:
+            self.inner.remove(item)
+            self._left(item)
+
+    def _left(self, item: Item) -> None:
+        links = self.links
+        parent = links.parent.get(item)
+        links.unlink(item)
+        self.spare.discard(item)
+        self.directory.remove(item.key, self.node)  # type: ignore[attr-defined]
+        if (self.prefer and parent is not None and parent not in links.kids
+                and self.directory.copies(parent.key) > 1):  # type: ignore[attr-defined]
+            self.spare.add(parent)  # a leaf again
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self.inner
+
+
+class Node:
+    """One sidecar's index and DRAM space."""
+
+    __slots__ = ("id", "index", "ns", "requests", "space")
+
+    def __init__(self, node_id: int, capacity: int, policy: EvictionPolicy, label: str) -> None:
+        self.id = node_id
+        self.index = Index()
+        self.ns: NsEntry = self.index.namespace(b"replay", label)
+        self.space = _Space(TierSpec(TierId.DRAM, capacity), policy)
+        self.space.tier = cast(TierId, DRAM)  # a plain int: enum arithmetic would run in Python
+        self.requests = 0
+
+    def place(self, key: object, parent: object, size: int, depth: int) -> Block | None:
+        """Add a committed block and place it in the space; None (and forgotten) when it does not fit."""
+        b = self.index.add(self.ns, key, parent, size, State.COMMITTED, depth)  # type: ignore[arg-type]
+        if _place(self.ns, self.index, self.space, b):
+            return b
+        self.index.drop(b)
+        return None
+
+
+@dataclass(slots=True)
+class ClusterRun(HitRates):
+    mode: str
+    routing: str
+    capacity: int  # blocks per node
+    references: int = 0
+    prefix_hits: int = 0
+    block_hits: int = 0
+    peer_hits: int = 0  # prefix hits served by another node
+    replicas: int = 0  # fetched blocks kept locally
+    requests: list[int] = field(default_factory=list)  # per node
+    seconds: float = 0.0
+
+    @property
+    def imbalance(self) -> float:
+        """The busiest node's requests over the mean."""
+        total = sum(self.requests)
+        return max(self.requests) * len(self.requests) / total if total else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {"prefix_hit_rate": round(self.prefix_hit_rate, 6),
+                                  "block_hit_rate": round(self.block_hit_rate, 6)}
+        if self.mode == "cluster":
+            refs = self.references or 1
+            out["peer_hit_rate"] = round(self.peer_hits / refs, 6)
+            out["replicas"] = self.replicas
+        if self.mode != "global":
+            out["imbalance"] = round(self.imbalance, 4)
+            out["requests_per_node"] = list(self.requests)
+        return out
+
+
+class _Router:
+    def __init__(self, routing: str, nodes: list[Node], directory: Directory | None, seed: int,
+                 max_imbalance: float) -> None:
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing: unknown {routing!r}; allowed: {list(ROUTINGS)}")
+        self.nodes = nodes
+        self.directory = directory
+        self.max_imbalance = max_imbalance
+        self.rng = random.Random(seed)
+        self.turn = 0
+        self.pick: Callable[[Request], Node] = {"round-robin": self._round_robin, "random": self._random,
+                                                "prefix": self._prefix}[routing]
+
+    def _round_robin(self, req: Request) -> Node:
+        node = self.nodes[self.turn % len(self.nodes)]
+        self.turn += 1
+        return node
+
+    def _random(self, req: Request) -> Node:
+        return self.nodes[self.rng.randrange(len(self.nodes))]
+
+    def _prefix(self, req: Request) -> Node:
+        return self.nodes[rank(node_prefixes(self.nodes, self.directory, req.keys), [n.requests for n in self.nodes],
+                               self.max_imbalance)[0]]
+
+
+def node_prefixes(nodes: Sequence[Node], directory: Directory | None, keys: Sequence[object]) -> list[dict[str, int]]:
+    """Each node's usable prefix of ``keys`` by place: its own leading run (``dram``) or, with a
+    directory, the cluster's leading run split into the blocks it holds and those only peers hold."""
+    if directory is None:
+        return [{"dram": len(Index.leading_run(n.ns, keys))} for n in nodes]  # type: ignore[arg-type]
+    held = directory.holders
+    run = 0
+    for key in keys:
+        if key not in held:
+            break
+        run += 1
+    head = keys[:run]
+    out = []
+    for n in nodes:
+        local = sum(map(n.ns.visible.__contains__, head))
+        out.append({"dram": local, "peer": run - local})
+    return out
+
+
+def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster", routing: str = "round-robin",
+                   policy: str = "lru", seed: int = 0, max_imbalance: float = MAX_IMBALANCE,
+                   prefer_replicas: bool = True, progress: bool = False) -> ClusterRun:
+    """Replay ``trace`` over ``nodes`` nodes of ``capacity`` blocks each (``global``: one node of
+    ``nodes`` × ``capacity``), in one of :data:`MODES`."""
+    if mode not in MODES:
+        raise ValueError(f"mode: unknown {mode!r}; allowed: {list(MODES)}")
+    if nodes < 1:
+        raise ValueError("nodes: at least 1")
+    if mode == "global":
+        nodes, capacity = 1, nodes * capacity
+    directory = Directory() if mode == "cluster" else None
+    members = []
+    for i in range(nodes):
+        node = Node(i, capacity, make_policy(policy), trace.name)
+        if directory is not None:
+            directory.join(node, prefer_replicas)
+        members.append(node)
+    router = _Router(routing, members, directory, seed, max_imbalance)
+    res = ClusterRun(mode, routing, capacity)
+    bar = _Progress(trace.references, f"{mode} {routing}", progress)
+    t0 = time.perf_counter()
+    done = 0
+    try:
+        for ri, req in enumerate(trace.requests):
+            node = router.pick(req)
+            node.requests += 1
+            _serve(node, members, directory, req, trace.block_tokens, res)
+            if ri % PROGRESS_EVERY == 0:
+                bar.update(res.references - done)
+                done = res.references
+    finally:
+        bar.close()
+    res.requests = [n.requests for n in members]
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _serve(node: Node, members: list[Node], directory: Directory | None, req: Request, bt: int,
+           res: ClusterRun) -> None:
+    keys = req.keys
+    nk = len(keys)
+    last = nk - 1
+    visible = node.ns.visible
+    held = directory.holders if directory is not None else {}
+    run: list[Block] = []  # the usable prefix: this node's blocks, or the holder's for peer blocks
+    owners: list[EvictionPolicy] = []  # the policy of the node that holds each
+    own = node.space.policy
+    fetched: list[int] = []  # positions in the run served by a peer
+    for i, key in enumerate(keys):
+        b = visible.get(key)  # type: ignore[call-overload]
+        if b is None:
+            holders = held.get(key)
+            if not holders:
+                break
+            holder = members[holders[0]]  # the first node that stored it
+            b = holder.ns.visible[key]  # type: ignore[index]
+            owners.append(holder.space.policy)
+            fetched.append(i)
+        else:
+            owners.append(own)
+        run.append(b)
+    n = len(run)
+    res.references += nk
+    res.prefix_hits += n
+    res.block_hits += n
+    res.peer_hits += len(fetched)
+    for i in range(n - 1, -1, -1):  # deepest first, in the policy of the node that holds it
+        owners[i].access(run[i])
+    for i in fetched:  # replicas, root first so each parent is there to link to
+        size = req.last_size if i == last else bt
+        if node.place(keys[i], keys[i - 1] if i else b"", size, i + 1) is not None:
+            directory.add(keys[i], node.id)  # type: ignore[union-attr]
+            res.replicas += 1
+    blocks = node.ns.blocks
+    for i in range(n, nk):
+        key = keys[i]
+        if key in blocks or key in held:  # type: ignore[comparison-overlap]  # behind the gap: useless to the prefix
+            res.block_hits += 1
+            continue
+        size = req.last_size if i == last else bt
+        if node.place(key, keys[i - 1] if i else b"", size, i + 1) is not None and directory is not None:
+            directory.add(key, node.id)
+
+
+def compare(trace: Trace, nodes: int, capacity: int, routings: Sequence[str] = ("round-robin", "prefix"),
+            policy: str = "lru", seed: int = 0, max_imbalance: float = MAX_IMBALANCE,
+            progress: bool = False) -> dict[str, object]:
+    """The global cache once, then isolated nodes and the cluster for each routing, with the
+    cluster's ratios and load imbalance: the JSON of ``kvstore replay --nodes``."""
+    glob = replay_cluster(trace, nodes, capacity, "global", policy=policy, progress=progress)
+    out: dict[str, object] = {"global": {"capacity_blocks": nodes * capacity, **glob.to_json()}}
+    by_routing: dict[str, object] = {}
+    for routing in routings:
+        runs = {mode: replay_cluster(trace, nodes, capacity, mode, routing, policy, seed, max_imbalance,
+                                     progress=progress) for mode in ("isolated", "cluster")}
+        iso, clu = runs["isolated"].prefix_hit_rate, runs["cluster"].prefix_hit_rate
+        by_routing[routing] = {
+            "isolated": runs["isolated"].to_json(),
+            "cluster": runs["cluster"].to_json(),
+            "cluster_vs_isolated": round(clu / iso, 4) if iso else None,
+            "cluster_vs_global": round(clu / glob.prefix_hit_rate, 4) if glob.prefix_hit_rate else None,
+            "imbalance": round(runs["cluster"].imbalance, 4),
+        }
+    out["routing"] = by_routing
+    return out
