@@ -318,7 +318,8 @@ class BlockStore:
         writes = self.tiering.committed(blocks)
         if not wait_write_through:
             return len(chosen), 0
-        await asyncio.gather(*writes)
+        if writes:
+            await asyncio.wait(writes)  # not gather: a cancelled commit must not cancel the writes (see flush)
         return len(chosen), self.tiering.written_through(blocks)
 
     def abort(self, alloc_id: str, fate: str = "aborted") -> int:
@@ -403,19 +404,25 @@ class BlockStore:
             self._check_keys(keys, "keys")
         targets = list(ns.blocks.values()) if all_keys else [b for k in keys if (b := ns.blocks.get(k)) is not None]
         deleted = skipped = 0
+        copies = []
+        # Every target leaves the index, DRAM and the tiers' bookkeeping before the first await: a
+        # promotion in flight that landed while a delete awaited its tier put the block back in
+        # the policy after the delete had taken it out (a dead entry: the next eviction failed).
         for b in targets:
             if b.pinned:
                 skipped += 1
                 continue
             if b in self.policy:
                 self.policy.remove(b)
-            if self.tiering is not None:
-                await self.tiering.delete(b)
             self._free_dram(b)
+            if self.tiering is not None:
+                copies += self.tiering.forget(b)
             b.tiers = 0
             self.index.drop(b)
             deleted += 1
         self.stats.writes["deleted"] += deleted
+        if copies:
+            await self.tiering.delete_copies(copies)  # type: ignore[union-attr]
         return deleted, skipped
 
     # --- background ---------------------------------------------------------------------------

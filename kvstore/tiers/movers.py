@@ -202,8 +202,13 @@ class Tiering:
     def _spawn(self, coro: object) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._finished)
         return task
+
+    def _finished(self, task: asyncio.Future[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("tier mover failed", exc_info=exc)
 
     # --- hooks called by the store -------------------------------------------------------------
 
@@ -549,15 +554,25 @@ class Tiering:
                 self._unplaced(lv, b)  # that copy is no more
         return found
 
-    async def delete(self, b: Block) -> None:
+    def forget(self, b: Block) -> list[tuple[Level, BlockRef]]:
+        """Take ``b`` out of every lower tier's bookkeeping now (a delete); returns the copies
+        to remove (:meth:`delete_copies`). Nothing awaits in between, so no promotion can land
+        the block in DRAM again while it is being deleted."""
         self._staged.pop(b, None)
+        copies = [(lv, lv.ref(b)) for lv in self.levels if b.tiers & lv.bit]
+        for lv, _ in copies:
+            self._unplaced(lv, b)
+        return copies
+
+    async def delete_copies(self, copies: Sequence[tuple[Level, BlockRef]]) -> None:
+        """Remove forgotten copies from their tiers, one batch per tier."""
         for lv in self.levels:
-            if b.tiers & lv.bit:
+            refs = [ref for level, ref in copies if level is lv]
+            if refs:
                 try:
-                    await lv.tier.delete(lv.ref(b))
+                    await lv.tier.delete_many(refs)
                 except Unavailable as exc:
                     self._mark_down(lv, exc)
-                self._unplaced(lv, b)
 
     async def _probe_down_tiers(self) -> None:
         probe = BlockRef(b"\0" * 32, b"\0" * 32)
@@ -596,9 +611,12 @@ class Tiering:
         return bool(self._tasks)
 
     async def flush(self) -> None:
-        """Wait for demotions and write-throughs in flight."""
+        """Wait for demotions, promotions and write-throughs in flight. A caller that is cancelled
+        while it waits (an Allocate past its deadline) leaves them running: ``asyncio.gather``
+        cancelled its children, and a write-through cancelled before it began never unpinned its
+        blocks (their DRAM was "leased or being written" for the process's life)."""
         while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+            await asyncio.wait(list(self._tasks))
 
     async def close(self) -> None:
         if self._probe is not None:
