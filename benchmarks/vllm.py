@@ -182,7 +182,10 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 def _connectors(llm: Any) -> dict[str, Any]:
     """The engine's KV connector objects by role (in-process engine only; none without one)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    from vllm.distributed.kv_transfer import (
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
 
     conns: dict[str, Any] = {}
     if has_kv_transfer_group():
@@ -194,8 +197,9 @@ def _connectors(llm: Any) -> dict[str, Any]:
     return conns
 
 
-HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "update_connector_output",
-         "request_finished", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished")
+HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+         "update_connector_output", "request_finished", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
+         "wait_for_save", "get_finished")
 
 
 class HookTimes:

@@ -51,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connector.core import ConnectorMetadata, SchedulerConnector, WorkerConnector
 from connector.core.directory import directory_for
 from connector.core.finders import DirectoryFinder, Finder, LeaseFinder
+from connector.core.pipeline import PipelineSlot
 from connector.layout import KVSpec
 from connector.transfer import make_transfer
 from kvstore.client import SyncClient
@@ -174,7 +175,8 @@ class KVStoreConnector(KVConnectorBase_V1):
                 log.info("kvstore connector: kv_load_failure_policy %r -> %r", tc.kv_load_failure_policy,
                          self.settings.load_failure_policy)
                 tc.kv_load_failure_policy = self.settings.load_failure_policy  # read by the scheduler next
-            finder: Finder = LeaseFinder(self.client)
+            self._pipeline = PipelineSlot(self.client)
+            finder: Finder = LeaseFinder(self.client, self._pipeline)
             if self.settings.directory:
                 finder = DirectoryFinder(finder, directory_for(self.settings.url))
             self._sched = SchedulerConnector(self.client, self.ns, self.spec, lease_ttl_ms=self.settings.lease_ttl_ms,
@@ -185,9 +187,10 @@ class KVStoreConnector(KVConnectorBase_V1):
             from vllm.platforms import current_platform
 
             transfer = self.settings.transfer or ("numpy" if current_platform.is_cpu() else "cupy")
+            directory = directory_for(self.settings.url) if self.settings.directory else None
             self._worker = WorkerConnector(self.client, self.ns, self.spec, transfer=make_transfer(transfer),
                                            verify_checksums=self.settings.verify_checksums, threads=self.settings.threads,
-                                           directory=directory_for(self.settings.url) if self.settings.directory else None)
+                                           directory=directory, pipeline=PipelineSlot(self.client))
             self._failed_reqs: set[str] = set()  # loads that failed in this step
             self._had_saves: set[str] = set()  # requests handed saves (the scheduler delays their free)
             self._pending: set[str] = set()  # requests with saves possibly in flight
@@ -204,6 +207,21 @@ class KVStoreConnector(KVConnectorBase_V1):
         return core.stats.as_dict()  # type: ignore[union-attr]
 
     # --- scheduler side ---------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """Send the request's lookup now, unless vLLM holds its first block (then it has a local
+        hit, and the lookup waits until the scheduler knows its length)."""
+        assert self._sched is not None
+        if not self._load or _bypass(request) or self._cached_locally(request):
+            return
+        self._sched.on_new_request(request.request_id, request.all_token_ids)
+
+    def _cached_locally(self, request: Request) -> bool:
+        manager = getattr(self, "_kv_cache_manager", None)  # bound by vLLM after the scheduler is built
+        hashes = getattr(request, "block_hashes", None)
+        if manager is None or not hashes:
+            return False
+        return manager.block_pool.get_cached_block(hashes[0], [0]) is not None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
@@ -336,5 +354,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.wait_for_saves()
             self._worker.close()
+        else:
+            self._pipeline.close()
         log.info("kvstore connector (%s) stats: %s", self._role.name, self.kvstore_stats())
         self.client.close()

@@ -13,7 +13,10 @@
 
 Each cross-process round trip after an idle spell costs milliseconds on a busy host (both
 processes must be woken), which is why the engine adapters that wait for loads use
-:class:`LeaseFinder`.
+:class:`LeaseFinder`, and why a finder can :meth:`~LeaseFinder.begin` a lookup as soon as the
+engine has a request: the ``Acquire`` goes out on a :class:`~connector.core.pipeline.Pipeline`
+and is answered while the engine works on; :meth:`Pending.result` reads the answer when the
+engine asks.
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from typing import Any, Protocol
 
 from connector.core.client import ConnectorClient
 from connector.core.directory import BlockDirectory, epoch_of
+from connector.core.pipeline import Call, Pipeline, PipelineSlot
 from connector.cost import tier_name
+from kvstore.client import SlotRef, namespace_pb
 from kvstore.keys import BlockKey, Namespace
+from kvstore.v1 import kvstore_pb2 as pb
 
 DEFAULT_LEASE_TTL_MS = 30_000  # LeaseFinder's lease when none is configured
 
@@ -67,6 +73,22 @@ class Finder(Protocol):
         """Look ``keys`` up; the engine already holds the first ``have`` of them."""
         ...
 
+    def begin(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Pending | None:
+        """Send that lookup now, its answer read later; None: nothing to gain, use :meth:`find`."""
+        ...
+
+
+class Pending(Protocol):
+    """A lookup sent and not yet read (:meth:`LeaseFinder.begin`)."""
+
+    def result(self) -> Found:
+        """Its answer (waits for it; raises the call's error)."""
+        ...
+
+    def cancel(self) -> None:
+        """Its answer is not wanted: the lease it takes is ended when the answer comes."""
+        ...
+
 
 class LookupFinder:
     def __init__(self, client: ConnectorClient) -> None:
@@ -79,6 +101,9 @@ class LookupFinder:
         return Found(tuple(tier_name(t) for t, _ in matched), tuple(int(s) for _, s in matched),
                      HeldLease(lease_id) if lease_id else None)
 
+    def begin(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Pending | None:
+        return None
+
 
 class DirectoryFinder:
     """The engine's :class:`~connector.core.directory.BlockDirectory` first (no round trip when
@@ -89,34 +114,112 @@ class DirectoryFinder:
         self.inner, self.directory = inner, directory
 
     def find(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Found:
-        tail = keys[have:]
-        places = self.directory.find(tail)
-        if places is not None:
-            held = HeldLease("", have, tuple(p.slot for p in places), tuple(p.checksum for p in places),
-                             math.inf, places[0].epoch)
-            return Found(("dram",) * len(keys), (places[0].slot.length,) * have + tuple(p.slot.length for p in places), held)
-        found = self.inner.find(ns, keys, have, lease_ttl_ms)
+        found = self._known(keys, have)
+        if found is None:
+            found = self.learn(keys, have, self.inner.find(ns, keys, have, lease_ttl_ms))
+        return found
+
+    def begin(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Pending | None:
+        """None when the directory knows the blocks (:meth:`find` answers without a round trip)."""
+        if self._known(keys, have) is not None:
+            return None
+        pending = self.inner.begin(ns, keys, have, lease_ttl_ms)
+        return None if pending is None else _Learning(self, keys, have, pending)
+
+    def _known(self, keys: Sequence[BlockKey], have: int) -> Found | None:
+        places = self.directory.find(keys[have:])
+        if places is None:
+            return None
+        held = HeldLease("", have, tuple(p.slot for p in places), tuple(p.checksum for p in places),
+                         math.inf, places[0].epoch)
+        sizes = (places[0].slot.length,) * have + tuple(p.slot.length for p in places)
+        return Found(("dram",) * len(keys), sizes, held)
+
+    def learn(self, keys: Sequence[BlockKey], have: int, found: Found) -> Found:
+        """Remember where a leased answer's blocks lie; returns ``found``."""
         lease = found.lease
         if lease is not None and lease.slots:
             epoch = epoch_of(lease.slots[0].segment)  # read while the lease pins the blocks
             if epoch is not None:
-                self.directory.learn(tail[: len(lease.slots)], lease.slots, lease.checksums, epoch)
+                self.directory.learn(keys[have : have + len(lease.slots)], lease.slots, lease.checksums, epoch)
         return found
 
 
+@dataclass(slots=True)
+class _Learning:
+    finder: DirectoryFinder
+    keys: Sequence[BlockKey]
+    have: int
+    pending: Pending
+
+    def result(self) -> Found:
+        return self.finder.learn(self.keys, self.have, self.pending.result())
+
+    def cancel(self) -> None:
+        self.pending.cancel()
+
+
 class LeaseFinder:
-    def __init__(self, client: Any) -> None:  # kvstore.client.SyncClient (acquire with a TTL, release)
-        self.client = client
+    """``pipeline``: where the sidecar's Unix socket can be opened, every ``Acquire`` goes over
+    it (:meth:`begin`); else, and for :meth:`find` while it cannot be opened, the client's
+    blocking ``acquire``."""
+
+    def __init__(self, client: Any, pipeline: PipelineSlot | None = None) -> None:
+        self.client = client  # kvstore.client.SyncClient (acquire with a TTL, release)
+        self.pipeline = pipeline
+        self._ns: tuple[Namespace, pb.Namespace] | None = None  # the last namespace, as sent
 
     def find(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Found:
+        pending = self.begin(ns, keys, have, lease_ttl_ms)
+        if pending is not None:
+            return pending.result()
         ttl = lease_ttl_ms or DEFAULT_LEASE_TTL_MS
         deadline = time.monotonic() + ttl / 1000
         # held past this call: ended by id (release), never by leaving a with-block
         lease = self.client.acquire(ns, list(keys[have:]), lease_ttl_ms=ttl).__enter__()
-        n = len(lease.slots)
-        if not n:
-            return Found(("dram",) * have, (0,) * have)
-        size = lease.slots[0].length
-        held = HeldLease(lease.id, have, tuple(lease.slots), tuple(lease.checksums), deadline)
-        # the engine's own blocks are reported as the run's tier (nothing reads it)
-        return Found(("dram",) * (have + n), (size,) * have + tuple(s.length for s in lease.slots), held)
+        return _found(have, lease.id, list(lease.slots), list(lease.checksums), deadline)
+
+    def begin(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Pending | None:
+        """Send the ``Acquire`` of ``keys[have:]`` now; None without a pipeline."""
+        pipe = self.pipeline.get() if self.pipeline is not None else None
+        if pipe is None:
+            return None
+        ttl = lease_ttl_ms or DEFAULT_LEASE_TTL_MS
+        deadline = time.monotonic() + ttl / 1000  # before the sidecar starts the lease: on the safe side
+        if self._ns is None or self._ns[0] != ns:
+            self._ns = (ns, namespace_pb(ns))
+        request = pb.AcquireRequest(namespace=self._ns[1], keys=list(keys[have:]), lease_ttl_ms=ttl)
+        call = pipe.send("Acquire", request)
+        return _Acquiring(pipe, call, have, deadline)
+
+
+def _found(have: int, lease_id: str, slots: list[Any], checksums: list[int], deadline: float) -> Found:
+    """An ``Acquire``'s answer for keys ``[have:]`` as the run from key 0: the engine's own blocks
+    are reported as the run's tier (nothing reads it)."""
+    n = len(slots)
+    if not n:
+        return Found(("dram",) * have, (0,) * have)
+    held = HeldLease(lease_id, have, tuple(slots), tuple(checksums), deadline)
+    return Found(("dram",) * (have + n), (slots[0].length,) * have + tuple(s.length for s in slots), held)
+
+
+@dataclass(slots=True)
+class _Acquiring:
+    pipe: Pipeline
+    call: Call
+    have: int
+    deadline: float
+
+    def result(self) -> Found:
+        r = self.pipe.result(self.call)
+        slots = [SlotRef(b.slot.segment, b.slot.offset, b.slot.length) for b in r.blocks]
+        return _found(self.have, r.lease_id, slots, [b.checksum for b in r.blocks], self.deadline)
+
+    def cancel(self) -> None:
+        pipe = self.pipe
+
+        def release(answer: Any) -> None:
+            if isinstance(answer, pb.AcquireResponse) and answer.lease_id:
+                pipe.send("Release", pb.ReleaseRequest(lease_id=answer.lease_id))  # answer read later, dropped
+
+        pipe.forget(self.call, release)

@@ -26,10 +26,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from connector.core.client import ConnectorClient
-from connector.core.finders import Finder, HeldLease, LookupFinder
-from connector.core.metadata import ConnectorMetadata, LoadResult, LoadSpec, Role, SaveSpec
-from connector.core.ops import classify
 from connector.core.counters import ConnectorStats
+from connector.core.finders import Finder, Found, HeldLease, LookupFinder, Pending
+from connector.core.metadata import (
+    ConnectorMetadata,
+    LoadResult,
+    LoadSpec,
+    Role,
+    SaveSpec,
+)
+from connector.core.ops import classify
 from connector.cost import CostModel, Decision
 from connector.layout import KVSpec
 from kvstore.keys import BlockKey, Namespace, PrefixKeys, prefix_keys
@@ -74,6 +80,7 @@ class SchedulerConnector:
         self._saves: list[SaveSpec] = []
         self._saving: dict[str, int] = {}  # req -> saves handed to the worker, not yet finished
         self._keys: dict[str, PrefixKeys] = {}  # req -> its keys so far (lookup, then each save)
+        self._early: dict[str, Pending] = {}  # req -> its lookup, sent when the engine added it
 
     def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[BlockKey]:
         return prefix_keys(self.ns, token_ids)
@@ -85,6 +92,43 @@ class SchedulerConnector:
             keys = self._keys[req_id] = PrefixKeys(self.ns)
         return keys.of(token_ids)
 
+    def on_new_request(self, req_id: str, token_ids: Sequence[int] | np.ndarray) -> None:
+        """The engine has a new request and holds none of its blocks: its lookup is sent now (when
+        the finder can send it ahead, :meth:`~connector.core.finders.LeaseFinder.begin`), answered
+        while the engine works on, and read by :meth:`get_num_new_matched_tokens`. Never raises:
+        a lookup that cannot be sent is made then, as without this call."""
+        keys = self._request_keys(req_id, token_ids)
+        if not keys or req_id in self._early:
+            return
+        try:
+            pending = self.finder.begin(self.ns, keys, 0, self.lease_ttl_ms)
+        except Exception as exc:  # noqa: BLE001 - looked up again when the engine asks
+            log.debug("early lookup %s: %s", req_id, exc)
+            return
+        if pending is not None:
+            self._early[req_id] = pending
+
+    def _found(self, req_id: str, keys: list[BlockKey], have: int) -> Found:
+        """The request's blocks: from its early lookup when that reaches past the engine's own
+        ``have`` blocks (it was sent for all of them), else looked up now."""
+        early = self._early.pop(req_id, None)
+        if early is not None:
+            try:
+                found = early.result()
+            except Exception as exc:  # noqa: BLE001 - ask again below
+                log.info("early lookup %s: %s; looking up again", req_id, exc)
+            else:
+                if len(found.tiers) > have:
+                    self.stats.add(early_lookups=1)
+                    return found
+                self._release(req_id, found.lease)
+        return self.finder.find(self.ns, keys, have, self.lease_ttl_ms)
+
+    def _drop_early(self, req_id: str) -> None:
+        early = self._early.pop(req_id, None)
+        if early is not None:
+            early.cancel()
+
     def get_num_new_matched_tokens(self, req_id: str, token_ids: Sequence[int] | np.ndarray, num_computed_tokens: int) -> int:
         """Tokens beyond ``num_computed_tokens`` (the engine's own hits) to load from the sidecar."""
         bs = self.spec.block_size
@@ -95,9 +139,11 @@ class SchedulerConnector:
         tiers: list[str] = []
         sizes: list[int] = []
         lease: HeldLease | None = None
-        if len(keys) > computed_blocks:
+        if len(keys) <= computed_blocks:
+            self._drop_early(req_id)
+        else:
             try:
-                found = self.finder.find(self.ns, keys, computed_blocks, self.lease_ttl_ms)
+                found = self._found(req_id, keys, computed_blocks)
                 tiers, sizes, lease = list(found.tiers), list(found.sizes), found.lease
             except Exception as exc:  # noqa: BLE001 - unreachable sidecar: recompute
                 reason = classify(exc)
@@ -211,6 +257,7 @@ class SchedulerConnector:
             self._requests.pop(req_id, None)
             saving = req_id in self._saving
         self._keys.pop(req_id, None)
+        self._drop_early(req_id)
         self._release(req_id, lease_id)
         return saving
 

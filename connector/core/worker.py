@@ -9,38 +9,51 @@ the engine recomputes exactly those.
 
 What the sidecar is told after a load (the lease's release, or the hit of an unleased read) waits
 for the end of the *next* step (:meth:`WorkerConnector.get_finished`), or of the step in which
-the request finished, then goes on a background thread: a round trip during the loading step's
-forward pass would compete with it for the GIL and the host's cores, on the request's time to its
-first token.
+the request finished: a round trip during the loading step's forward pass would compete with it
+for the GIL and the host's cores, on the request's time to its first token. Then a background
+thread sends all of that step's calls at once on a :class:`~connector.core.pipeline.Pipeline`
+and reads their answers (or, where the sidecar's socket cannot be opened, makes one blocking
+call each).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from connector.core.client import ConnectorClient
-from connector.core.directory import BlockDirectory
-from connector.core.metadata import ConnectorMetadata, LoadResult, LoadSpec, Role, SaveResult, SaveSpec
-from connector.core.ops import classify, load_blocks, save_blocks
-from connector.core.report import DecisionReporter, decision_record
 from connector.core.counters import ConnectorStats
+from connector.core.directory import BlockDirectory
+from connector.core.metadata import (
+    ConnectorMetadata,
+    LoadResult,
+    LoadSpec,
+    Role,
+    SaveResult,
+    SaveSpec,
+)
+from connector.core.ops import classify, load_blocks, save_blocks
+from connector.core.pipeline import PipelineSlot
+from connector.core.report import DecisionReporter, decision_record
 from connector.cost import CostModel
 from connector.layout import KVSpec
 from connector.transfer import NumpyTransfer, PagedKV, Transfer, bind_caches
+from kvstore.client import namespace_pb
 from kvstore.errors import FailedPrecondition
 from kvstore.keys import Namespace
+from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 REPORT_INTERVAL_S = 1.0  # decision records go to the sidecar's /stats at most this often
 
 
-_Tell = tuple[str, Callable[[Any], None], Any]  # (request, call, argument) for the sidecar after a load
+_Tell = tuple[str, str, Any]  # (request, "release" or "touch", lease id or keys) for the sidecar after a load
 
 
 class WorkerConnector:
@@ -57,11 +70,14 @@ class WorkerConnector:
         verify_checksums: bool = True,
         threads: int = 1,
         directory: BlockDirectory | None = None,
+        pipeline: PipelineSlot | None = None,
     ) -> None:
         """``directory``: remember where saved blocks lie (:mod:`connector.core.directory`), and
-        tell the sidecar about loads that read from it without a lease."""
+        tell the sidecar about loads that read from it without a lease. ``pipeline``: what the
+        sidecar is told after loads goes over it, unanswered until a later step."""
         self.client, self.ns, self.spec = client, ns, spec
         self.directory = directory
+        self.pipeline = pipeline
         self.transfer = transfer or NumpyTransfer()
         self.cost = cost
         self.verify = verify_checksums
@@ -77,6 +93,7 @@ class WorkerConnector:
         self._tell_due: list[_Tell] = []  # after the last step's: sent at this step's end
         self.reporter = DecisionReporter(client)
         self._last_flush = time.monotonic()
+        self._ns_pb = namespace_pb(ns)
 
     def register_kv_caches(self, caches: Sequence[Any]) -> None:
         """Bind the engine's per-layer caches (zero-copy views) once, at start-up."""
@@ -107,8 +124,10 @@ class WorkerConnector:
             r = load_blocks(self.client, self.ns, kv, self.transfer, spec, verify=self.verify)
         finally:
             if spec.lease is not None:
+                lease = spec.lease
+                tell = (spec.req_id, "release", lease.id) if lease.id else (spec.req_id, "touch", list(spec.keys))
                 with self._lock:  # the scheduler's lease is ended, an unleased read reported, a step later
-                    self._tell.append((spec.req_id, self._release, spec.lease.id) if spec.lease.id else (spec.req_id, self._touch, list(spec.keys)))
+                    self._tell.append(tell)
         self.stats.record_load(r)
         if self.cost is not None and r.loaded and spec.tiers:
             per_tier: dict[str, int] = {}
@@ -135,19 +154,29 @@ class WorkerConnector:
         try:
             release(lease_id)
         except Exception as exc:  # noqa: BLE001 - the lease expires on its own
-            self.stats.failure("release", classify(exc).value)
-            log.info("release lease %s: %s", lease_id, exc)
+            self._released(lease_id, exc)
+
+    def _released(self, lease_id: str, answer: Any) -> None:
+        if isinstance(answer, Exception):  # the lease expires on its own
+            self.stats.failure("release", classify(answer).value)
+            log.info("release lease %s: %s", lease_id, answer)
 
     def _touch(self, keys: list[bytes]) -> None:
         """A Lookup of blocks read without a lease: the sidecar's policy counts the use; blocks
         it no longer has leave the directory."""
         try:
-            matched = self.client.lookup(self.ns, keys).matched
+            answer: Any = self.client.lookup(self.ns, keys)
         except Exception as exc:  # noqa: BLE001 - recency only
-            self.stats.failure("touch", classify(exc).value)
+            answer = exc
+        self._touched(keys, answer)
+
+    def _touched(self, keys: list[bytes], answer: Any) -> None:
+        """``answer``: the Lookup's result (``matched``), or the error it ended with."""
+        if isinstance(answer, Exception):  # recency only
+            self.stats.failure("touch", classify(answer).value)
             return
-        if matched < len(keys) and self.directory is not None:
-            self.directory.forget(keys[matched:])
+        if answer.matched < len(keys) and self.directory is not None:
+            self.directory.forget(keys[answer.matched :])
 
     def _save(self, kv: PagedKV, spec: SaveSpec) -> SaveResult:
         r = save_blocks(self.client, self.ns, kv, self.transfer, spec, self.directory)
@@ -190,8 +219,23 @@ class WorkerConnector:
         return saved, loaded
 
     def _send(self, tell: list[_Tell]) -> None:
-        for _, call, arg in tell:
-            self._pool.submit(call, arg)
+        if tell:
+            self._pool.submit(self._tell_sidecar, tell)
+
+    def _tell_sidecar(self, tell: list[_Tell]) -> None:
+        """On the background thread: all of a step's calls at once on the pipeline, then their
+        answers (one round trip, one wake-up of the sidecar); without one, a blocking call each."""
+        pipe = self.pipeline.get() if self.pipeline is not None else None
+        for _, kind, arg in tell:
+            if pipe is None:
+                (self._release if kind == "release" else self._touch)(arg)
+            elif kind == "release":
+                pipe.send("Release", pb.ReleaseRequest(lease_id=arg), functools.partial(self._released, arg))
+            else:
+                request = pb.LookupRequest(namespace=self._ns_pb, keys=arg)
+                pipe.send("Lookup", request, functools.partial(self._touched, arg))
+        if pipe is not None:
+            pipe.drain()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Engine blocks whose loads failed since the last call; recompute their tokens."""
@@ -205,4 +249,6 @@ class WorkerConnector:
             tell, self._tell_due, self._tell = self._tell_due + self._tell, [], []
         self._send(tell)
         self._pool.shutdown(wait=True)
+        if self.pipeline is not None:
+            self.pipeline.close()  # after its answers came
         self.reporter.flush()

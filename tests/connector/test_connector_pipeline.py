@@ -1,0 +1,171 @@
+"""Calls sent now and answered later on one connection to a real sidecar's Unix socket
+(``connector.core.pipeline``): the scheduler's lookup sent when the engine adds a request and read
+when the engine asks, and the worker's lease releases sent without waiting for their answers."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches, stored
+
+from connector.core import SchedulerConnector, WorkerConnector
+from connector.core.finders import LeaseFinder
+from connector.core.pipeline import Pipeline, PipelineSlot
+from kvstore.client import SyncClient, namespace_pb
+from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.keys import Namespace
+from kvstore.v1 import kvstore_pb2 as pb
+
+
+def leases(client: SyncClient) -> int:
+    return client.stats()["index"]["leases"]
+
+
+def acquires(client: SyncClient) -> int:
+    return client.stats()["reads"].get("acquires", 0)
+
+
+def until(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def scheduler(client: SyncClient) -> tuple[SchedulerConnector, PipelineSlot]:
+    slot = PipelineSlot(client)
+    return SchedulerConnector(client, NS, SPEC, finder=LeaseFinder(client, slot)), slot
+
+
+def test_answers_come_back_to_their_calls_in_order(client) -> None:
+    stored(client)
+    pipe = PipelineSlot(client).get()
+    assert isinstance(pipe, Pipeline)
+    keys = SchedulerConnector(client, NS, SPEC).keys(PROMPT)
+    ns = namespace_pb(NS)
+    bad = pb.AcquireRequest(namespace=namespace_pb(Namespace(model="m", kv_layout="raw", dtype="uint8", block_size=1)),
+                            keys=[b"short"])
+    calls = [pipe.send("Acquire", pb.AcquireRequest(namespace=ns, keys=keys[:n])) for n in (2, 6)]
+    wrong = pipe.send("Acquire", bad)
+    last = pipe.send("Lookup", pb.LookupRequest(namespace=ns, keys=keys))
+    assert [len(pipe.result(c).blocks) for c in calls] == [2, 6]
+    with pytest.raises(InvalidArgument, match="keys"):  # one call's error is that call's only
+        pipe.result(wrong)
+    assert pipe.result(last).matched == 6
+    heard = []
+    pipe.forget(pipe.send("Release", pb.ReleaseRequest(lease_id=pipe.result(calls[0]).lease_id)), heard.append)
+    pipe.drain()
+    assert [h.released for h in heard] == [2]
+    pipe.send("Release", pb.ReleaseRequest(lease_id=pipe.result(calls[1]).lease_id))
+    pipe.close()  # waits for that answer
+    assert leases(client) == 0
+
+
+def test_a_lookup_sent_when_the_request_arrives_is_answered_before_the_engine_asks(client) -> None:
+    src, ids = stored(client)
+    sched, slot = scheduler(client)
+    before = acquires(client)
+    sched.on_new_request("r", PROMPT)
+    assert until(lambda: acquires(client) == before + 1)  # answered while nobody waited for it
+    assert sched.get_num_new_matched_tokens("r", PROMPT, 0) == 6 * 4
+    assert acquires(client) == before + 1  # no second lookup
+    assert sched.stats["early_lookups"] == 1
+    sched.update_state_after_alloc("r", list(range(BLOCKS)), 6 * 4)
+    [load] = sched.build_connector_meta().loads
+    dst = caches(2)
+    worker = WorkerConnector(client, NS, SPEC, pipeline=PipelineSlot(client))
+    worker.register_kv_caches(dst)
+    [r] = worker.load_now([load])
+    assert r.ok and r.loaded == 6
+    for layer in range(SPEC.num_layers):
+        np.testing.assert_array_equal(dst[layer][list(load.block_ids)], src[layer][ids])
+    sched.request_finished("r")
+    worker.get_finished(finished={"r"})  # the release goes out, on the background thread
+    worker.close()  # waits for its answer
+    slot.close()
+    assert leases(client) == 0
+    assert worker.stats.as_dict()["failures"] == {}
+
+
+def test_an_early_lookup_serves_an_engine_that_meanwhile_holds_some_blocks(client) -> None:
+    src, ids = stored(client)
+    sched, slot = scheduler(client)
+    sched.on_new_request("r", PROMPT)
+    assert sched.get_num_new_matched_tokens("r", PROMPT, 2 * 4) == 4 * 4  # blocks 0-1 are the engine's now
+    sched.update_state_after_alloc("r", list(range(BLOCKS)), 4 * 4)
+    [load] = sched.build_connector_meta().loads
+    assert load.lease.first == 2 and len(load.lease.slots) == 4
+    dst = caches(2)
+    worker = WorkerConnector(client, NS, SPEC)
+    worker.register_kv_caches(dst)
+    [r] = worker.load_now([load])
+    worker.close()
+    assert r.ok and r.loaded == 4
+    for layer in range(SPEC.num_layers):
+        np.testing.assert_array_equal(dst[layer][list(load.block_ids)], src[layer][ids[2:]])
+    slot.close()
+    assert leases(client) == 0
+
+
+def test_an_early_lookup_nobody_needs_ends_its_lease(client) -> None:
+    stored(client)
+    sched, slot = scheduler(client)
+    sched.on_new_request("all-local", PROMPT)
+    assert sched.get_num_new_matched_tokens("all-local", PROMPT, 6 * 4) == 0  # the engine had every block
+    sched.on_new_request("aborted", PROMPT)
+    sched.request_finished("aborted")  # finished before it was scheduled
+    slot.get().drain()
+    assert until(lambda: leases(client) == 0)
+    assert sched.stats["early_lookups"] == 0
+    slot.close()
+
+
+def test_an_early_lookup_short_of_the_engines_blocks_is_made_again(client) -> None:
+    stored(client)
+    sched, slot = scheduler(client)
+    longer = PROMPT[:-1] + list(range(100, 100 + 4 * 4 + 1))  # blocks 0-5 stored, 6-9 not
+    sched.on_new_request("r", longer)
+    before = acquires(client)
+    # the engine holds blocks 0-7 by now, past the 6 the early answer found: asked again from block 8
+    assert sched.get_num_new_matched_tokens("r", longer, 8 * 4) == 0
+    assert acquires(client) == before + 1
+    slot.close()
+    assert until(lambda: leases(client) == 0)
+
+
+def test_a_sidecar_gone_mid_call_fails_the_calls_in_flight(client, sidecar_process) -> None:
+    stored(client)
+    slot = PipelineSlot(client)
+    pipe = slot.get()
+    keys = SchedulerConnector(client, NS, SPEC).keys(PROMPT)
+    assert pipe.result(pipe.send("Lookup", pb.LookupRequest(namespace=namespace_pb(NS), keys=keys))).matched == 6
+    sidecar_process.stop()
+    call = pipe.send("Lookup", pb.LookupRequest(namespace=namespace_pb(NS), keys=keys))
+    with pytest.raises(Unavailable):
+        pipe.result(call)
+    # the scheduler's early lookup then fails quietly and the lookup is made (and counted) as before
+    sched = SchedulerConnector(client, NS, SPEC, finder=LeaseFinder(client, slot))
+    sched.on_new_request("r", PROMPT)
+    assert sched.get_num_new_matched_tokens("r", PROMPT, 0) == 0
+    assert sched.stats["lookup.unavailable"] == 1
+    slot.close()
+
+
+def test_releases_that_fail_are_counted_when_their_answers_come(client, sidecar_process) -> None:
+    stored(client)
+    sched, slot = scheduler(client)
+    assert sched.get_num_new_matched_tokens("r", PROMPT, 0) == 6 * 4
+    sched.update_state_after_alloc("r", list(range(BLOCKS)), 6 * 4)
+    [load] = sched.build_connector_meta().loads
+    worker = WorkerConnector(client, NS, SPEC, pipeline=PipelineSlot(client))
+    worker.register_kv_caches(caches(2))
+    assert worker.load_now([load])[0].ok
+    sidecar_process.stop()
+    worker.get_finished(finished={"r"})
+    worker.close()
+    assert worker.stats["release.unavailable"] == 1
+    slot.close()
