@@ -117,7 +117,8 @@ def robust_fit(x: np.ndarray, t: np.ndarray, iterations: int = 4, huber: float =
         if s <= 1e-12:
             break
         w = np.minimum(1.0, huber * s / np.maximum(r, 1e-300))
-    return theta / scale
+    fitted: np.ndarray = theta / scale
+    return fitted
 
 
 class Samples:
@@ -529,6 +530,8 @@ def calibrate_prefill(
 
 def calibrate_flop_rate(n: int = 384, repeats: int = 3) -> float:
     """FLOP/s of a real float32 ``n×n`` matmul (torch if installed, else numpy); best of ``repeats``."""
+    a: Any  # torch.Tensor, or np.ndarray without torch
+    b: Any
     try:
         import torch
 

@@ -57,7 +57,9 @@ def hf_spec(config: Any, block_size: int, dtype: torch.dtype = torch.float32) ->
     )
 
 
-def hf_namespace(model_id: str, spec: KVSpec, *, revision: str = "", cache_salt: str = "", adapter: str = "") -> Namespace:
+def hf_namespace(
+    model_id: str, spec: KVSpec, *, revision: str = "", cache_salt: str = "", adapter: str = ""
+) -> Namespace:
     return Namespace(
         model=model_id, kv_layout="hf", dtype=spec.dtype, block_size=spec.block_size,
         revision=revision, cache_salt=cache_salt, adapter=adapter,
@@ -181,7 +183,11 @@ class HFConnector:
             return None
         keys = self.sched.keys(list(token_ids)[: n * self.spec.block_size])
         result = save_blocks(
-            self.client, self.ns, bind_caches(self.spec, kv), self.transfer, SaveSpec("hf-save", tuple(keys), tuple(range(n)))
+            self.client,
+            self.ns,
+            bind_caches(self.spec, kv),
+            self.transfer,
+            SaveSpec("hf-save", tuple(keys), tuple(range(n))),
         )
         self.stats.record_save(result)
         return result
@@ -206,7 +212,8 @@ class HFConnector:
     def _forward(self, token_ids: Sequence[int], cache: Any) -> torch.Tensor:
         ids = torch.tensor([list(token_ids)], dtype=torch.long)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-        return out.logits[0, -1].float()
+        logits: torch.Tensor = out.logits[0, -1].float()
+        return logits
 
     # --- the two roles ------------------------------------------------------------------------
 

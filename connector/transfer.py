@@ -21,7 +21,7 @@ Choose by name with :func:`make_transfer` (``"numpy"`` or ``"cupy"``).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,7 +64,9 @@ def as_raw(t: Any, spec: KVSpec) -> Array:
     """A zero-copy view of ``t`` as unsigned integers of the spec's element width."""
     if isinstance(t, np.ndarray):
         if t.itemsize != spec.itemsize:
-            raise InvalidArgument(f"cache: element size {t.itemsize}, the spec's dtype {spec.dtype} has {spec.itemsize}")
+            raise InvalidArgument(
+                f"cache: element size {t.itemsize}, the spec's dtype {spec.dtype} has {spec.itemsize}"
+            )
         return t.view(spec.raw_dtype)
     if hasattr(t, "element_size") and hasattr(t, "is_cuda"):  # torch.Tensor, without importing torch
         import torch
@@ -316,4 +318,5 @@ def make_transfer(name: str, **kwargs: Any) -> Transfer:
         module, cls = _TRANSFERS[name]
     except KeyError:
         raise InvalidArgument(f"transfer: {name!r} is not one of {sorted(_TRANSFERS)}") from None
-    return getattr(importlib.import_module(module), cls)(**kwargs)  # type: ignore[no-any-return]
+    factory: Callable[..., Transfer] = getattr(importlib.import_module(module), cls)
+    return factory(**kwargs)

@@ -34,7 +34,8 @@ GiB = 1 << 30
 TIER_IN_FLIGHT = 16  # requests the sidecar's movers keep in flight to one lower tier
 SSD_IO_THREADS = 4  # files of an SSD batch written at once
 REDIS_PIPELINES = 8  # concurrent pipelines a Redis batch is split into
-REDIS_CHUNK_BYTES = 2 * MiB  # Redis memory per chunk a block is cut into (fewer, larger SETs measured faster than 1 MiB)
+# Redis memory per chunk a block is cut into (fewer, larger SETs measured faster than 1 MiB)
+REDIS_CHUNK_BYTES = 2 * MiB
 
 
 class _Section(BaseModel):
@@ -43,7 +44,11 @@ class _Section(BaseModel):
 
 class ServerConfig(_Section):
     grpc_address: str = Field("127.0.0.1:50051", description="HOST:PORT, or unix:/path for a Unix socket")
-    local_socket: str = Field("", description="Unix socket with the same calls for clients on this host (kvstore.server.local_server); empty: <data_dir>/kvstore.sock; off: none")
+    local_socket: str = Field(
+        "",
+        description="Unix socket with the same calls for clients on this host (kvstore.server.local_server); "
+        "empty: <data_dir>/kvstore.sock; off: none",
+    )
     local_max_connections: int = Field(
         256, ge=1, description="local socket connections open at once (at most half the open-file limit); more refused"
     )
@@ -55,7 +60,9 @@ class ServerConfig(_Section):
     max_message_bytes: int = Field(64 * MiB, ge=1 * MiB, description="gRPC send/receive limit")
     max_batch_blocks: int = Field(65536, ge=1, description="most blocks in one request")
     stats_namespaces: int = Field(
-        32, ge=1, description="namespaces with their own /stats and /metrics entry (the busiest); the rest sum as 'other'"
+        32,
+        ge=1,
+        description="namespaces with their own /stats and /metrics entry (the busiest); the rest sum as 'other'",
     )
     auth_token: str = Field("", description="bearer token required on gRPC and HTTP when set")
     tls_cert: str = Field("", description="PEM certificate for gRPC TLS")
@@ -101,10 +108,20 @@ class SsdConfig(_Section):
     path: str = Field("", description="directory for blocks; default <data_dir>/ssd")
     capacity_bytes: int = Field(16 * GiB, ge=64 * 1024)
     direct_io: bool = Field(True, description="O_DIRECT where the filesystem allows it")
-    io_threads: int = Field(SSD_IO_THREADS, ge=1, le=64, description="files of a batch written at once (device queue depth)")
-    fsync: bool = Field(True, description="make each batch durable (one fsync per directory); false: survives a sidecar crash, not a power loss")
+    io_threads: int = Field(
+        SSD_IO_THREADS, ge=1, le=64, description="files of a batch written at once (device queue depth)"
+    )
+    fsync: bool = Field(
+        True,
+        description="make each batch durable (one fsync per directory); "
+        "false: survives a sidecar crash, not a power loss",
+    )
     recycle_fraction: float = Field(
-        1.0, ge=0, le=1, description="deleted block files kept to be overwritten by the next puts (no new extents), up to this share of capacity_bytes; 0: unlink"
+        1.0,
+        ge=0,
+        le=1,
+        description="deleted block files kept to be overwritten by the next puts (no new extents), "
+        "up to this share of capacity_bytes; 0: unlink",
     )
 
 
@@ -114,20 +131,35 @@ class RedisConfig(_Section):
     cluster: bool = False
     key_prefix: str = "kvstore"
     ttl_s: int = Field(0, ge=0, description="expire blocks after this many seconds (0: never)")
-    chunk_bytes: int = Field(REDIS_CHUNK_BYTES, ge=64 * 1024, le=2 * MiB * 8, description="Redis memory per chunk (a power of two fits a jemalloc size class); each carries 64 bytes less of the block")
+    chunk_bytes: int = Field(
+        REDIS_CHUNK_BYTES,
+        ge=64 * 1024,
+        le=2 * MiB * 8,
+        description="Redis memory per chunk (a power of two fits a jemalloc size class); "
+        "each carries 64 bytes less of the block",
+    )
     retries: int = Field(3, ge=0, description="redis-py Retry attempts after a connection error")
     backoff_base_s: float = Field(0.05, gt=0, description="ExponentialBackoff base between retries")
     backoff_cap_s: float = Field(1.0, gt=0, description="ExponentialBackoff cap between retries")
     socket_timeout_s: float = Field(5.0, gt=0, description="connect and read timeout")
-    pipelines: int = Field(REDIS_PIPELINES, ge=1, le=64, description="a batch is sent as this many concurrent pipelines (connections)")
-    direct_io: bool = Field(True, description="block bytes on raw sockets straight into and out of DRAM slots; false: through redis-py")
-    max_connections: int = Field(256, ge=1, description="connection pool size (per node in a cluster); >= 16 movers x pipelines")
+    pipelines: int = Field(
+        REDIS_PIPELINES, ge=1, le=64, description="a batch is sent as this many concurrent pipelines (connections)"
+    )
+    direct_io: bool = Field(
+        True, description="block bytes on raw sockets straight into and out of DRAM slots; false: through redis-py"
+    )
+    max_connections: int = Field(
+        256, ge=1, description="connection pool size (per node in a cluster); >= 16 movers x pipelines"
+    )
 
     @model_validator(mode="after")
     def _pool_fits_the_movers(self) -> RedisConfig:
         need = TIER_IN_FLIGHT * self.pipelines
         if self.max_connections < need:  # redis-py raises "Too many connections" past the pool
-            raise ValueError(f"max_connections: {self.max_connections} < {need} ({TIER_IN_FLIGHT} requests in flight x pipelines {self.pipelines})")
+            raise ValueError(
+                f"max_connections: {self.max_connections} < {need} "
+                f"({TIER_IN_FLIGHT} requests in flight x pipelines {self.pipelines})"
+            )
         return self
 
 
@@ -143,13 +175,19 @@ class S3Config(_Section):
     max_attempts: int = Field(3, ge=1, description="botocore retry attempts (standard mode)")
     timeout_s: float = Field(10.0, gt=0, description="connect and read timeout")
     sign_payload: bool = Field(
-        False, description="SigV4-sign every body (a SHA-256 of each block); off: headers signed, bodies checked by their own checksum"
+        False,
+        description="SigV4-sign every body (a SHA-256 of each block); "
+        "off: headers signed, bodies checked by their own checksum",
     )
 
 
+LowerTier = Literal["ssd", "redis", "s3"]
+DEFAULT_CHAIN: tuple[LowerTier, ...] = ("ssd", "redis", "s3")
+
+
 class TieringConfig(_Section):
-    chain: list[Literal["ssd", "redis", "s3"]] = Field(
-        default_factory=lambda: ["ssd", "redis", "s3"],
+    chain: list[LowerTier] = Field(
+        default_factory=lambda: list(DEFAULT_CHAIN),
         description="demotion order below DRAM; tiers that are not enabled are skipped",
     )
     write_through: list[Literal["redis", "s3"]] = Field(

@@ -6,10 +6,10 @@ A gRPC call after an idle spell wakes several threads on each side (C-core polle
 loop): a Lookup after 0.3 s idle took 2.9-4.3 ms on the 2-core test machine, against 0.6 ms for a
 plain Unix-socket round trip to an asyncio server. An engine's lookup sits on a request's time to
 first token, so co-located clients (``SyncClient``, which the engine connectors use, and
-``KVStoreClient``) send their calls here. Requests and responses are the kvstore.v1 protobuf messages, handled by the same
-servicer methods as over gRPC (same validation, same errors); only the framing differs. A client
-learns the socket's path from the ``Hello`` RPC; one that cannot open it (another host, another
-container) stays on gRPC.
+``KVStoreClient``) send their calls here. Requests and responses are the kvstore.v1 protobuf
+messages, handled by the same servicer methods as over gRPC (same validation, same errors); only the
+framing differs. A client learns the socket's path from the ``Hello`` RPC; one that cannot open it
+(another host, another container) stays on gRPC.
 
 Framing, both directions: a big-endian u32 length of the rest of the frame, then
 

@@ -26,7 +26,6 @@ No per-process seed and no Python ``hash()`` anywhere: two hosts compute the sam
 from __future__ import annotations
 
 import array
-import dataclasses
 import functools
 import hashlib
 import struct
@@ -129,7 +128,9 @@ def namespace_root(ns: Namespace) -> NamespaceRoot:
 def _chain(parent: bytes, data: bytes | memoryview, extra: bytes = b"") -> BlockKey:
     """The one definition of a block key: SHA-256 of the parent key, the token count (u32), the
     tokens (u32 each, ``data``), the extra's length (u32) and the extra; one SHA-256 call."""
-    return BlockKey(hashlib.sha256(b"".join((parent, _U32.pack(len(data) // 4), data, _U32.pack(len(extra)), extra))).digest())
+    return BlockKey(
+        hashlib.sha256(b"".join((parent, _U32.pack(len(data) // 4), data, _U32.pack(len(extra)), extra))).digest()
+    )
 
 
 def chain_key(parent: bytes, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> BlockKey:
@@ -178,7 +179,9 @@ def prefix_keys(
         if block_size is None:
             raise ValueError("block_size is required with a bare namespace root")
     data = token_bytes(tokens)
-    return _chain_full_blocks(root, data, block_size, 0, len(data) // (4 * block_size), None if extras is None else list(extras))
+    return _chain_full_blocks(
+        root, data, block_size, 0, len(data) // (4 * block_size), None if extras is None else list(extras)
+    )
 
 
 class PrefixKeys:
@@ -221,7 +224,3 @@ def check_key(key: bytes, field: str) -> BlockKey:
     if len(key) != KEY_BYTES:
         raise InvalidArgument(f"{field}: a block key is {KEY_BYTES} bytes, got {len(key)}")
     return BlockKey(key)
-
-
-def replace(ns: Namespace, **changes: object) -> Namespace:
-    return dataclasses.replace(ns, **changes)

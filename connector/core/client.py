@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvstore.client import SlotRef
 from kvstore.keys import BlockKey, Namespace
 
 
@@ -26,6 +27,17 @@ class AllocationLike(Protocol):
     def writable(self) -> Iterator[tuple[int, np.ndarray]]: ...
 
     def commit(self) -> Any: ...
+
+
+class PlacedAllocationLike(AllocationLike, Protocol):
+    """An allocation that also says where its slots lie (``SyncClient``'s), for the engine's
+    block directory: the slots, and the checksums its Commit sent."""
+
+    checksums: dict[int, int]  # index in the request -> checksum sent with the Commit
+
+    def commit(self, *, checksums: bool = False) -> Any: ...
+
+    def slot_refs(self) -> dict[int, SlotRef]: ...
 
 
 class LeaseLike(Protocol):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Any
 
 from connector.core.metadata import LoadResult, SaveResult
@@ -14,7 +14,7 @@ class ConnectorStats:
         self._lock = threading.Lock()
         self._n: Counter[str] = Counter()
         self._f: Counter[str] = Counter()  # failures, "load.<reason>" / "save.<reason>" / "lookup.<reason>"
-        self._seconds: Counter[str] = Counter()
+        self._seconds: defaultdict[str, float] = defaultdict(float)
 
     def add(self, **counts: int) -> None:
         with self._lock:
@@ -26,7 +26,9 @@ class ConnectorStats:
 
     def record_load(self, r: LoadResult) -> None:
         with self._lock:
-            self._n.update(loads=1, loaded_blocks=r.loaded, load_failed_blocks=len(r.failed_block_ids), loaded_bytes=r.nbytes)
+            self._n.update(
+                loads=1, loaded_blocks=r.loaded, load_failed_blocks=len(r.failed_block_ids), loaded_bytes=r.nbytes
+            )
             self._seconds["load"] += r.seconds
             if r.failure is not None:
                 self._f[f"load.{r.failure.value}"] += 1

@@ -68,20 +68,23 @@ class BlockDirectory:
         """Places of all of ``keys``, when every one is known and still valid; else None."""
         if not keys:
             return None
+        places: list[Place] = []
         with self._lock:
-            places = [self._places.get(k) for k in keys]
-            if any(p is None for p in places):
-                return None
+            for k in keys:
+                p = self._places.get(k)
+                if p is None:
+                    return None
+                places.append(p)
             for k in keys:
                 self._places.move_to_end(k)
         now: dict[str, int | None] = {}
         for p in places:
-            seg = p.slot.segment  # type: ignore[union-attr]
+            seg = p.slot.segment
             if seg not in now:
                 now[seg] = epoch_of(seg)
-            if now[seg] != p.epoch:  # type: ignore[union-attr]
+            if now[seg] != p.epoch:
                 return None
-        return places  # type: ignore[return-value]
+        return places
 
     def forget(self, keys: Sequence[bytes]) -> None:
         with self._lock:

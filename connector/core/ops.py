@@ -12,11 +12,12 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
+import numpy as np
 
-from connector.core.client import ConnectorClient
+from connector.core.client import AllocationLike, ConnectorClient, PlacedAllocationLike
 from connector.core.directory import BlockDirectory, epoch_of
 from connector.core.finders import HeldLease
 from connector.core.metadata import Failure, LoadResult, LoadSpec, SaveResult, SaveSpec
@@ -51,11 +52,11 @@ def classify(exc: BaseException) -> Failure:
     return Failure.ERROR
 
 
-def _first_bad_checksum(views: Sequence[object], sums: Sequence[int] | None) -> int | None:
+def _first_bad_checksum(views: Sequence[np.ndarray], sums: Sequence[int] | None) -> int | None:
     if sums is None:
         return None
     for i, (view, want) in enumerate(zip(views, sums)):
-        if want and checksum(memoryview(view)) != want:  # type: ignore[arg-type]
+        if want and checksum(view.data) != want:
             return i
     return None
 
@@ -121,17 +122,27 @@ def load_blocks(
             bad = _first_bad_checksum(views, getattr(lease, "checksums", None)) if verify else None
             if bad is not None:
                 n, failure = bad, Failure.CHECKSUM
-                log.warning("load %s: block %d failed its checksum; recomputing from it", spec.req_id, spec.first_block + bad)
+                log.warning(
+                    "load %s: block %d failed its checksum; recomputing from it", spec.req_id, spec.first_block + bad
+                )
             elif n < len(spec.keys):
                 failure = Failure.MISSING
-                log.info("load %s: %d of %d blocks gone since lookup; recomputing them", spec.req_id, len(spec.keys) - n, len(spec.keys))
+                log.info(
+                    "load %s: %d of %d blocks gone since lookup; recomputing them",
+                    spec.req_id,
+                    len(spec.keys) - n,
+                    len(spec.keys),
+                )
             transfer.scatter(kv, spec.block_ids[:n], views[:n]).wait()  # before the lease ends
             loaded = n
-            if epoch is not None and epoch_of(spec.lease.slots[0].segment) != epoch:  # type: ignore[union-attr]
+            # (an epoch comes only with a read at the places of spec.lease)
+            if epoch is not None and spec.lease is not None and epoch_of(spec.lease.slots[0].segment) != epoch:
                 # a slot was freed while it was copied, so it may have been rewritten: trust none
                 loaded, failure = 0, Failure.MISSING
-                log.info("load %s: the sidecar freed slots during an unleased copy; recomputing %d blocks", spec.req_id, n)
-    except Exception as exc:  # noqa: BLE001 - any failure means recompute, never wrong output
+                log.info(
+                    "load %s: the sidecar freed slots during an unleased copy; recomputing %d blocks", spec.req_id, n
+                )
+    except Exception as exc:  # any failure means recompute, never wrong output (logged below)
         loaded, failure = 0, classify(exc)
         log.warning("load %s: %s (%s); recomputing %d blocks", spec.req_id, failure.value, exc, len(spec.keys),
                     exc_info=failure is Failure.ERROR)
@@ -145,10 +156,15 @@ def load_blocks(
     )
 
 
-def _free_epoch_before_commit(alloc: Any, pairs: list[tuple[int, Any]]) -> int | None:
+def _placed(alloc: AllocationLike) -> PlacedAllocationLike | None:
+    """``alloc`` when it says where its slots lie (the real client's; test doubles need not)."""
+    return cast(PlacedAllocationLike, alloc) if hasattr(alloc, "slot_refs") else None
+
+
+def _free_epoch_before_commit(alloc: PlacedAllocationLike, pairs: list[tuple[int, Any]]) -> int | None:
     """The slab's free epoch before the Commit: until then the slots are the allocation's, so any
     free after it (even of these blocks, right after their commit) moves the epoch."""
-    refs = alloc.slot_refs() if hasattr(alloc, "slot_refs") else {}
+    refs = alloc.slot_refs()
     return epoch_of(refs[pairs[0][0]].segment) if pairs and pairs[0][0] in refs else None
 
 
@@ -166,16 +182,21 @@ def save_blocks(
         with client.allocate(ns, list(spec.keys), [size] * len(spec.keys)) as alloc:
             pairs = list(alloc.writable())
             transfer.gather(kv, [spec.block_ids[i] for i, _ in pairs], [v for _, v in pairs]).wait()
-            epoch = _free_epoch_before_commit(alloc, pairs) if directory is not None else None
-            if epoch is None:
+            placed = _placed(alloc) if directory is not None else None
+            epoch = _free_epoch_before_commit(placed, pairs) if placed is not None else None
+            if directory is None or placed is None or epoch is None:
                 alloc.commit()
             else:  # the checksums go with the Commit (the sidecar verifies them) and into the directory
-                alloc.commit(checksums=True)
-                refs = alloc.slot_refs()
-                directory.learn([spec.keys[i] for i, _ in pairs], [refs[i] for i, _ in pairs],  # type: ignore[union-attr]
-                                [alloc.checksums[i] for i, _ in pairs], epoch)
+                placed.commit(checksums=True)
+                refs = placed.slot_refs()
+                directory.learn(
+                    [spec.keys[i] for i, _ in pairs],
+                    [refs[i] for i, _ in pairs],
+                    [placed.checksums[i] for i, _ in pairs],
+                    epoch,
+                )
             written, present = len(pairs), len(spec.keys) - len(pairs)
-    except Exception as exc:  # noqa: BLE001 - a lost save costs a future recompute, nothing more
+    except Exception as exc:  # a lost save costs a future recompute, nothing more (logged below)
         failure = classify(exc)
         log.warning("save %s: %s (%s); %d blocks not stored", spec.req_id, failure.value, exc, len(spec.keys),
                     exc_info=failure is Failure.ERROR)

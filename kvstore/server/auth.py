@@ -12,12 +12,16 @@ gRPC metadata here, HTTP headers in :mod:`kvstore.server.http`, the hello of :mo
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Context = grpc.aio.ServicerContext[Any, Any]
 
 
 def _bytes(secret: str | bytes) -> bytes:
@@ -29,31 +33,31 @@ def token_matches(supplied: str | bytes, expected: str | bytes) -> bool:
     return hmac.compare_digest(_bytes(supplied), _bytes(expected))
 
 
-def _deny(message: str) -> Callable[..., Awaitable[Any]]:
-    async def deny(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+def _deny(message: str) -> Callable[[Any, Context], Awaitable[Any]]:
+    async def deny(request_or_iterator: Any, context: Context) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     return deny
 
 
-def _deny_stream(message: str) -> Callable[..., Any]:
-    async def deny(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+def _deny_stream(message: str) -> Callable[[Any, Context], AsyncIterator[Any]]:
+    async def deny(request_or_iterator: Any, context: Context) -> AsyncIterator[Any]:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator, as streaming handlers are
 
     return deny
 
 
-def _rejecting(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def _rejecting(handler: grpc.RpcMethodHandler[Req, Resp], message: str) -> grpc.RpcMethodHandler[Req, Resp]:
     """A handler of the same shape as ``handler`` that answers UNAUTHENTICATED."""
-    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    deser, ser = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(_deny_stream(message), **kw)
+        return grpc.stream_stream_rpc_method_handler(_deny_stream(message), deser, ser)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(_deny(message), **kw)
+        return grpc.stream_unary_rpc_method_handler(_deny(message), deser, ser)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(_deny_stream(message), **kw)
-    return grpc.unary_unary_rpc_method_handler(_deny(message), **kw)
+        return grpc.unary_stream_rpc_method_handler(_deny_stream(message), deser, ser)
+    return grpc.unary_unary_rpc_method_handler(_deny(message), deser, ser)
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -70,9 +74,9 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Req, Resp] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Req, Resp] | None:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method or ""
         if handler is None or method.startswith(OPEN_PREFIXES):

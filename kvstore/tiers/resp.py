@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 Command = Sequence[Buffer]
-Reply = Union[bytes, int, None, "ErrorReply", "Overflow", list["Reply"]]
+# a bulk string read with no destination arrives as a bytearray; simple strings (+OK) are bytes
+Reply = Union[bytes, bytearray, int, None, "ErrorReply", "Overflow", list["Reply"]]
 
 _IOV_MAX = 512  # buffers per sendmsg (the kernel allows 1024)
 _READ_BYTES = 64 * 1024  # the line buffer; bulk payloads bypass it
@@ -101,7 +102,11 @@ class Connection:
             self._lo = self._hi = 0
             hello: list[Command] = []
             if ep.password is not None:
-                hello.append((b"AUTH", ep.username.encode(), ep.password.encode()) if ep.username else (b"AUTH", ep.password.encode()))
+                hello.append(
+                    (b"AUTH", ep.username.encode(), ep.password.encode())
+                    if ep.username
+                    else (b"AUTH", ep.password.encode())
+                )
             if ep.db:
                 hello.append((b"SELECT", str(ep.db).encode()))
             for reply in self.execute(hello) if hello else ():
@@ -196,10 +201,10 @@ class Connection:
             if n < 0:
                 return None
             if dest is None:
-                data = memoryview(bytearray(n))
-                self._exactly(data)
+                data = bytearray(n)
+                self._exactly(memoryview(data))
                 self._crlf()
-                return data.obj  # type: ignore[return-value]
+                return data
             if n > len(dest):
                 self._skip(n)
                 self._crlf()
@@ -242,7 +247,9 @@ class Pool:
                 pass  # stale: try once on a fresh connection
         return self._run(Connection(self.ep), commands, into)
 
-    def _run(self, conn: Connection, commands: Sequence[Command], into: Sequence[memoryview | None] | None) -> list[Reply]:
+    def _run(
+        self, conn: Connection, commands: Sequence[Command], into: Sequence[memoryview | None] | None
+    ) -> list[Reply]:
         try:
             replies = conn.execute(commands, into)
         except BaseException:

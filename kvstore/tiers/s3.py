@@ -43,7 +43,9 @@ def _code(exc: bexc.ClientError) -> str:
 
 
 def _unavailable(exc: BaseException) -> bool:
-    if isinstance(exc, (bexc.ConnectionError, bexc.HTTPClientError, aiohttp.ClientError, asyncio.TimeoutError, OSError)):
+    if isinstance(
+        exc, (bexc.ConnectionError, bexc.HTTPClientError, aiohttp.ClientError, asyncio.TimeoutError, OSError)
+    ):
         return True
     if isinstance(exc, bexc.ClientError):
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
@@ -69,7 +71,11 @@ def _missing(exc: BaseException) -> bool:
 
 
 def client_config(
-    concurrency: int, max_attempts: int = 3, timeout_s: float = 10.0, path_style: bool = True, sign_payload: bool = False
+    concurrency: int,
+    max_attempts: int = 3,
+    timeout_s: float = 10.0,
+    path_style: bool = True,
+    sign_payload: bool = False,
 ) -> AioConfig:
     """The botocore config the tier uses (the benchmark's raw baseline uses the same one).
 
@@ -137,7 +143,11 @@ class S3Tier(TierBase):
                 endpoint_url=cfg.endpoint_url or None,
                 region_name=cfg.region,
                 config=client_config(
-                    cfg.concurrency, cfg.max_attempts, cfg.timeout_s, path_style=bool(cfg.endpoint_url), sign_payload=cfg.sign_payload
+                    cfg.concurrency,
+                    cfg.max_attempts,
+                    cfg.timeout_s,
+                    path_style=bool(cfg.endpoint_url),
+                    sign_payload=cfg.sign_payload,
                 ),
             )
 
@@ -224,7 +234,7 @@ class S3Tier(TierBase):
                 raise
             try:
                 return await self._read_body(ref, resp, into)
-            except (bexc.HTTPClientError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, bexc.HTTPClientError, aiohttp.ClientError) as exc:
                 raise Unavailable(f"s3 get_object body: {exc}") from exc
             finally:
                 resp["Body"].close()
@@ -337,8 +347,9 @@ class S3Tier(TierBase):
         async with self._sem:
             resp = await self._call_held("get_object", Key=key, Range=f"bytes=0-{nbytes - 1}")
             try:
-                return await resp["Body"].read()
-            except (bexc.HTTPClientError, aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                data: bytes = await resp["Body"].read()  # aiobotocore's StreamingBody: untyped
+                return data
+            except (TimeoutError, bexc.HTTPClientError, aiohttp.ClientError) as exc:
                 raise Unavailable(f"s3 get_object body: {exc}") from exc
             finally:
                 resp["Body"].close()

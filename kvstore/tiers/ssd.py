@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import itertools
 import logging
 import mmap
@@ -148,7 +149,13 @@ class SsdTier(TierBase):
     name = "ssd"
 
     def __init__(
-        self, path: str | Path, capacity_bytes: int, *, direct_io: bool = True, io_threads: int = SSD_IO_THREADS, fsync: bool = True,
+        self,
+        path: str | Path,
+        capacity_bytes: int,
+        *,
+        direct_io: bool = True,
+        io_threads: int = SSD_IO_THREADS,
+        fsync: bool = True,
         recycle_bytes: int | None = None,
     ) -> None:
         """``recycle_bytes``: deleted block files kept for reuse (None: up to the capacity, as a
@@ -180,7 +187,11 @@ class SsdTier(TierBase):
     def from_config(cls, cfg: SsdConfig, data_dir: str | Path = "./kvstore-data") -> SsdTier:
         """``cfg.path``, or ``<data_dir>/ssd`` when it is empty (as ``Config.ssd_path``)."""
         return cls(
-            cfg.path or Path(data_dir) / "ssd", cfg.capacity_bytes, direct_io=cfg.direct_io, io_threads=cfg.io_threads, fsync=cfg.fsync,
+            cfg.path or Path(data_dir) / "ssd",
+            cfg.capacity_bytes,
+            direct_io=cfg.direct_io,
+            io_threads=cfg.io_threads,
+            fsync=cfg.fsync,
             recycle_bytes=int(cfg.capacity_bytes * cfg.recycle_fraction),
         )
 
@@ -262,10 +273,14 @@ class SsdTier(TierBase):
     async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
         return [m for m, _ in await self._read_many(refs, into, hashed=False)]
 
-    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
+    async def get_many_hashed(
+        self, refs: Sequence[BlockRef], into: Sequence[memoryview]
+    ) -> list[tuple[BlockMeta | None, int | None]]:
         return await self._read_many(refs, into, hashed=True)
 
-    async def _read_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool) -> list[tuple[BlockMeta | None, int | None]]:
+    async def _read_many(
+        self, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool
+    ) -> list[tuple[BlockMeta | None, int | None]]:
         """The blocks split over the ``io_threads`` (a device answers several reads at once,
         and page-cache copies run on several cores); each hashed by the thread that read it."""
 
@@ -276,7 +291,8 @@ class SsdTier(TierBase):
                 out.append((meta, checksum(buf[: meta.size]) if hashed and meta is not None else None))
             return out
 
-        parts = await in_threads(self._io, [lambda a=a, b=b: read(a, b) for a, b in split(len(refs), self.io_threads)])
+        calls = [functools.partial(read, a, b) for a, b in split(len(refs), self.io_threads)]
+        parts = await in_threads(self._io, calls)
         return [got for part in parts for got in part]
 
     async def put(self, meta: BlockMeta, data: memoryview) -> None:
@@ -290,7 +306,7 @@ class SsdTier(TierBase):
         await self.delete_many([ref])
 
     async def delete_many(self, refs: Sequence[BlockRef]) -> None:
-        await asyncio.to_thread(lambda: [self._unlink(self.path_of(r)) for r in refs])
+        await asyncio.to_thread(self._unlink_many, refs)
 
     async def close(self) -> None:
         self._io.shutdown(wait=True)  # no file handles are held between calls
@@ -298,7 +314,9 @@ class SsdTier(TierBase):
     async def scan(self) -> AsyncIterator[BlockMeta]:
         """Every block's header; removes temp files a crash left behind, and files whose header
         is unreadable (their room goes back to the tier)."""
-        for ns_dir in await asyncio.to_thread(lambda: sorted(p for p in self.root.iterdir() if p.is_dir() and p.name != FREE_DIR)):
+        for ns_dir in await asyncio.to_thread(
+            lambda: sorted(p for p in self.root.iterdir() if p.is_dir() and p.name != FREE_DIR)
+        ):
             metas = await asyncio.to_thread(self._scan_dir, ns_dir)
             for meta in metas:
                 yield meta
@@ -475,16 +493,20 @@ class SsdTier(TierBase):
         finally:
             os.close(fd)
 
+    def _unlink_many(self, refs: Sequence[BlockRef]) -> None:
+        for r in refs:
+            self._unlink(self.path_of(r))
+
     def _unlink(self, path: Path) -> None:
         """Delete a block's file: into the free pool while it has room (its bytes move from the
         blocks' count to the pool's in one step), else unlinked (and counted until it is gone)."""
         with self._lock:
             nbytes = self._sizes.pop(str(path), None)
             dest = None if nbytes is None else self._free.admit(nbytes)
-            if dest is not None:
-                self._used -= nbytes  # type: ignore[operator]
-        if dest is not None:
-            self._free.move_in(path, dest, nbytes)  # type: ignore[arg-type]
+            if nbytes is not None and dest is not None:
+                self._used -= nbytes
+        if nbytes is not None and dest is not None:
+            self._free.move_in(path, dest, nbytes)
             return
         path.unlink(missing_ok=True)
         if nbytes is not None:

@@ -31,6 +31,7 @@ async def in_threads(executor: Executor, calls: Sequence[Callable[[], T]]) -> li
         await asyncio.wait(futs)
         raise
     for f in futs:
-        if f.exception() is not None:
-            raise f.exception()  # type: ignore[misc]
+        exc = f.exception()
+        if exc is not None:
+            raise exc
     return [f.result() for f in futs]

@@ -24,6 +24,8 @@ def tune_malloc() -> bool:
         return False
     try:
         libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        )
     except (OSError, AttributeError):
         return False
