@@ -43,7 +43,9 @@ def _copy(dst: list[np.ndarray], src: list[np.ndarray]) -> float:
     return time.perf_counter() - t
 
 
-async def _ours(c: KVStoreClient, ns: Namespace, keys: list[bytes], blocks: list[np.ndarray], out: list[np.ndarray]) -> tuple[float, float]:
+async def _ours(
+    c: KVStoreClient, ns: Namespace, keys: list[bytes], blocks: list[np.ndarray], out: list[np.ndarray]
+) -> tuple[float, float]:
     t = time.perf_counter()
     async with c.allocate(ns, keys, blocks[0].size) as alloc:
         for i, view in alloc.writable():
@@ -60,7 +62,9 @@ async def _ours(c: KVStoreClient, ns: Namespace, keys: list[bytes], blocks: list
     return put, get
 
 
-async def _rounds(urls: dict[str, str], blocks: list[np.ndarray], out: list[np.ndarray], rounds: int) -> dict[str, dict[str, float]]:
+async def _rounds(
+    urls: dict[str, str], blocks: list[np.ndarray], out: list[np.ndarray], rounds: int
+) -> dict[str, dict[str, float]]:
     """Best put and get time of each side: ``raw``, and ours under every name in ``urls``."""
     size = blocks[0].size
     shm = shared_memory.SharedMemory(create=True, size=size * len(blocks))

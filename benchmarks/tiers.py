@@ -101,7 +101,10 @@ def _blocks(n: int, size: int) -> list[tuple[BlockMeta, memoryview]]:
     views, payload = pages(n, size)
     payload[:] = np.random.default_rng().integers(0, 256, len(payload), dtype=np.uint8).tobytes()
     ns = b"B" * 32
-    return [(BlockMeta(BlockRef(ns, i.to_bytes(32, "big")), b"", size, checksum(v), "bench"), v) for i, v in enumerate(views)]
+    return [
+        (BlockMeta(BlockRef(ns, i.to_bytes(32, "big")), b"", size, checksum(v), "bench"), v)
+        for i, v in enumerate(views)
+    ]
 
 
 async def _timed(fn: Callable[[], Awaitable[Any]]) -> float:
@@ -199,7 +202,9 @@ class _Bench:
             self.figures[f"{kind}.{tier_name}.{op}.{SINGLE}"] = {"value": round(mib / single, 1), "unit": "MiB/s"}
         self.ratios[f"{kind}_{op}_{tier_name}"] = round(t_raw / t_ours, 3)
 
-    async def interleaved(self, desc: str, runs: dict[str, Callable[[], Awaitable[Any]]], reset: Callable = _nothing) -> dict[str, float]:
+    async def interleaved(
+        self, desc: str, runs: dict[str, Callable[[], Awaitable[Any]]], reset: Callable = _nothing
+    ) -> dict[str, float]:
         """Best time of each run, their order rotating every round (ours, raw, ... then raw, ...,
         ours) so all see the same noise of this shared 2-core box and its phases; ``reset`` and a
         :func:`_settled` run untimed before each."""
@@ -282,21 +287,31 @@ class _Bench:
         """Redis memory per byte of the blocks each side stores (the sum of ``MEMORY USAGE`` over
         its keys, every side holding all N blocks): ``tier.<tier>.memory.{ours,raw,<peer>}``, and
         ``memory_<tier>`` = raw's / ours (above 1: kvstore stores the same blocks in less)."""
-        keys = {"ours": [k for m, _ in self.items for k in (tier.header_key(m.ref), *tier.chunk_keys(m.ref, m.size))], "raw": raw.keys}
+        keys = {
+            "ours": [k for m, _ in self.items for k in (tier.header_key(m.ref), *tier.chunk_keys(m.ref, m.size))],
+            "raw": raw.keys,
+        }
         keys.update({p.label: p.stored_keys() for p in peers if p.keys is not None})
         per_byte = {}
         for name, names in keys.items():
             used = sum([await tier.client.memory_usage(k) or 0 for k in names])
             per_byte[name] = used / (self.n * self.size)
-            self.figures[f"tier.{tier_name}.memory.{name}"] = {"value": round(per_byte[name], 4), "unit": "bytes per block byte"}
+            self.figures[f"tier.{tier_name}.memory.{name}"] = {
+                "value": round(per_byte[name], 4),
+                "unit": "bytes per block byte",
+            }
         self.ratios[f"memory_{tier_name}"] = round(per_byte["raw"] / per_byte["ours"], 3)
         for p in peers:
             if p.label in per_byte:
-                self.ratios[f"vs_{p.label.split('.')[0]}_memory_{tier_name}_tier"] = round(per_byte[p.label] / per_byte["ours"], 3)
+                self.ratios[f"vs_{p.label.split('.')[0]}_memory_{tier_name}_tier"] = round(
+                    per_byte[p.label] / per_byte["ours"], 3
+                )
 
     # ---- through the service vs raw -------------------------------------------------------------
 
-    async def service_vs_raw(self, tier_name: str, env: dict[str, str], raw: Raw, raw_put: Raw | None = None, url: str | None = None) -> None:
+    async def service_vs_raw(
+        self, tier_name: str, env: dict[str, str], raw: Raw, raw_put: Raw | None = None, url: str | None = None
+    ) -> None:
         """``raw_put``: the raw client whose put is the baseline for the service's put (the ssd
         stream writes R batches), default ``raw``; ``url``: the tier's server, for the peers
         that join the same rounds."""
@@ -308,7 +323,9 @@ class _Bench:
         label = "ssd" if tier_name == "ssd" else ("s3" if tier_name == "s3" else "redis")
         page = max(4096, 1 << (self.size - 1).bit_length())  # one slot per page: exactly N slots
         if self.n * page < MIN_DRAM:
-            raise ValueError(f"service benchmark: {self.n} blocks of {self.size} bytes is under the 64 KiB DRAM minimum")
+            raise ValueError(
+                f"service benchmark: {self.n} blocks of {self.size} bytes is under the 64 KiB DRAM minimum"
+            )
         env = {
             **env,
             "KVSTORE_TIERING__CHAIN": json.dumps([label]),
@@ -341,17 +358,23 @@ class _Bench:
                     deadline = time.perf_counter() + SERVICE_TIMEOUT_S
                     while await bytes_in() < target:
                         if time.perf_counter() > deadline:
-                            raise TimeoutError(f"{tier_name}: blocks did not reach the tier; sidecar log:\n{sc.logs()[-4000:]}")
+                            raise TimeoutError(
+                                f"{tier_name}: blocks did not reach the tier; sidecar log:\n{sc.logs()[-4000:]}"
+                            )
                         await asyncio.sleep(POLL_S)
 
                 async def put(keys: list[bytes], wait_write_through: bool = False) -> None:
                     r = await c.put_blocks(ns, keys, blocks, wait_write_through=wait_write_through)
                     assert r.stored == self.n, f"{tier_name}: {r.stored} of {self.n} blocks stored"
-                    assert r.written_through == (self.n if wait_write_through else 0), f"{tier_name}: write-through failed"
+                    assert r.written_through == (self.n if wait_write_through else 0), (
+                        f"{tier_name}: write-through failed"
+                    )
 
                 async def get(keys: list[bytes]) -> None:
                     async with c.acquire(ns, keys) as lease:
-                        assert len(lease.views) == self.n, f"{tier_name}: {len(lease.views)} of {self.n} blocks readable"
+                        assert len(lease.views) == self.n, (
+                            f"{tier_name}: {len(lease.views)} of {self.n} blocks readable"
+                        )
                         for o, v in zip(out, lease.views):
                             o[:] = v
 
@@ -421,7 +444,9 @@ class _Bench:
                             best["get"][j] = min(best["get"][j], t_get)
                             bar.update()
                 for op, (t_ours, t_raw) in best.items():
-                    self.record("service", tier_name, op, t_ours, t_raw, self.ssd_stream if demote and op == "put" else 1)
+                    self.record(
+                        "service", tier_name, op, t_ours, t_raw, self.ssd_stream if demote and op == "put" else 1
+                    )
 
     # ---- raw clients ----------------------------------------------------------------------------
 
@@ -558,7 +583,9 @@ class _Bench:
             await asyncio.gather(*(get_one(i) for i in range(self.n)))
 
         async def cleanup() -> None:
-            await raw.delete_objects(Bucket=self.s3_bucket, Delete={"Objects": [{"Key": f"{prefix}/{i}"} for i in range(self.n)]})
+            await raw.delete_objects(
+                Bucket=self.s3_bucket, Delete={"Objects": [{"Key": f"{prefix}/{i}"} for i in range(self.n)]}
+            )
 
         return Raw(put, get, _nothing, cleanup, streams=self.s3_concurrency)
 
@@ -737,13 +764,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tiers", default="ssd,redis,redis_cluster,s3", help="comma-separated subset")
     p.add_argument("--s3-concurrency", type=int, default=8)
     p.add_argument("--s3-bucket", default="bench")
-    p.add_argument("--ssd-stream", type=int, default=4, help="batches per timed service put to SSD (the eviction stream)")
+    p.add_argument(
+        "--ssd-stream", type=int, default=4, help="batches per timed service put to SSD (the eviction stream)"
+    )
     p.add_argument("--ssd-dir", default=None, help="directory on the filesystem to test (default: $TMPDIR)")
     p.add_argument("--redis-url", default=None, help="use this Redis (redis://host:port/db) instead of starting one")
-    p.add_argument("--redis-cluster-url", default=None, help="any node of an existing Redis Cluster (redis://host:port)")
-    p.add_argument("--s3-endpoint", default=None, help="an existing S3 endpoint (http://host:port); credentials from the environment")
+    p.add_argument(
+        "--redis-cluster-url", default=None, help="any node of an existing Redis Cluster (redis://host:port)"
+    )
+    p.add_argument(
+        "--s3-endpoint",
+        default=None,
+        help="an existing S3 endpoint (http://host:port); credentials from the environment",
+    )
     p.add_argument("--no-service", action="store_true", help="only the tier classes, not through a sidecar")
-    p.add_argument("--peers", action="store_true", help="also LMCache 0.5.6's LocalDisk and Redis backends (benchmarks.peers)")
+    p.add_argument(
+        "--peers", action="store_true", help="also LMCache 0.5.6's LocalDisk and Redis backends (benchmarks.peers)"
+    )
 
 
 def parser() -> argparse.ArgumentParser:

@@ -357,8 +357,14 @@ def run(args: argparse.Namespace) -> dict:
                                 continue
                             place.evict(keys)
                             t, load_s, loaded = reload(model, plain, prompt)
-                            if loaded.result is None or loaded.result.failure is not None or set(loaded.tiers) != {tier}:
-                                raise RuntimeError(f"{tier} {n}: reload did not load from {tier}: {loaded.result} {loaded.tiers}")
+                            if (
+                                loaded.result is None
+                                or loaded.result.failure is not None
+                                or set(loaded.tiers) != {tier}
+                            ):
+                                raise RuntimeError(
+                                    f"{tier} {n}: reload did not load from {tier}: {loaded.result} {loaded.tiers}"
+                                )
                             cell.reload_s.append(t)
                             cell.loaded_blocks = loaded.result.loaded
                             seen.append(("reload", t - load_s, load_s, loaded.tokens))

@@ -65,7 +65,10 @@ def ensure_model(model_dir: Path, seed: int = 0) -> Path:
 def make_prompts(n: int, seed: int, block_size: int, vocab: int) -> list[list[int]]:
     rng = random.Random(seed)
     system = [rng.randrange(4, vocab) for _ in range(4 * block_size)]
-    return [system + [rng.randrange(4, vocab) for _ in range(2 * block_size + rng.randrange(1, block_size))] for _ in range(n)]
+    return [
+        system + [rng.randrange(4, vocab) for _ in range(2 * block_size + rng.randrange(1, block_size))]
+        for _ in range(n)
+    ]
 
 
 def wait_for_blocks(client: Any, conn: Any, prompt: list[int], deadline: float) -> int:

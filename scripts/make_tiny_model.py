@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstore.testing.tiny_model import build_tiny_llama  # noqa: E402
+from kvstore.testing.tiny_model import build_tiny_llama
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.vllm import VLLM_ENV  # noqa: E402  (the settings every vLLM run here uses)
+from benchmarks.vllm import VLLM_ENV  # the settings every vLLM run here uses
 
 # Multiprocess by default here (--in-process turns it off), with threads bound to cores.
 ENV_DEFAULTS = {k: v for k, v in VLLM_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in llm.get_metrics():
             if any(s in m.name for s in ("prefix_cache", "prompt_tokens")):
                 print(f"  {m}")
-    except Exception as e:  # pragma: no cover - informational only
+    except Exception as e:  # noqa: BLE001 - informational only
         print(f"[smoke] get_metrics() unavailable: {e!r}")
 
     print(f"[smoke] OK  import={t_import:.1f}s startup={t_start:.1f}s")

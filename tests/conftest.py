@@ -4,7 +4,7 @@ a namespace, and free ports. Tier servers (redis, S3) live in tests/tiers/confte
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ async def client(sidecar: Sidecar) -> AsyncIterator[KVStoreClient]:
 
 
 @pytest.fixture
-def serve_process(tmp_path: Path) -> Iterator[type[ServeProcess]]:
+def serve_process(tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
     started: list[ServeProcess] = []
 
     def start(args: list[str], env: dict[str, str] | None = None) -> ServeProcess:
@@ -62,7 +62,7 @@ def serve_process(tmp_path: Path) -> Iterator[type[ServeProcess]]:
         started.append(p)
         return p
 
-    yield start  # type: ignore[misc]
+    yield start
     for p in started:
         if p.proc.poll() is None:
             p.stop(signal.SIGKILL)

@@ -121,7 +121,9 @@ class _Peer:
             kv_dtype=torch.float16, kv_shape=self.shape,
         )
         self.payloads = [np.frombuffer(p, dtype=np.uint8) for p in payloads]  # kvstore's blocks, one per chunk
-        self.out = [np.frombuffer(v, dtype=np.uint8) for v in pages(self.n, self.size)[0]]  # as kvstore's service get copies into
+        self.out = [
+            np.frombuffer(v, dtype=np.uint8) for v in pages(self.n, self.size)[0]
+        ]  # as kvstore's service get copies into
         self.figures: dict[str, dict[str, Any]] = {}
         self.failures: dict[str, list[str]] = {}
         self._hash = iter(range(1, 1 << 62))
@@ -131,13 +133,17 @@ class _Peer:
         from lmcache.v1.config import LMCacheEngineConfig
 
         cpu_gib = (4 * self.n * self.size + 256 * MiB) / GiB  # put sources + get results, with room
-        return LMCacheEngineConfig.from_defaults(chunk_size=CHUNK_TOKENS, local_cpu=False, max_local_cpu_size=cpu_gib, **kw)
+        return LMCacheEngineConfig.from_defaults(
+            chunk_size=CHUNK_TOKENS, local_cpu=False, max_local_cpu_size=cpu_gib, **kw
+        )
 
     def keys(self) -> list[Any]:
         import torch
         from lmcache.utils import CacheEngineKey
 
-        return [CacheEngineKey("bench", 1, 0, (self.run_id << 32) | next(self._hash), torch.float16) for _ in range(self.n)]
+        return [
+            CacheEngineKey("bench", 1, 0, (self.run_id << 32) | next(self._hash), torch.float16) for _ in range(self.n)
+        ]
 
     def sources(self, cpu: Any) -> list[Any]:
         from lmcache.v1.memory_management import MemoryFormat
@@ -153,7 +159,9 @@ class _Peer:
         """(put of the filled memory objects, copy of the payload into them + put)."""
         done = threading.Semaphore(0)
         t0 = time.perf_counter()
-        for obj, payload in zip(objs, self.payloads):  # the engine's KV copied into LMCache's memory objects, as a worker fills kvstore's slots
+        for obj, payload in zip(
+            objs, self.payloads
+        ):  # the engine's KV copied into LMCache's memory objects, as a worker fills kvstore's slots
             np.frombuffer(obj.byte_array, dtype=np.uint8)[:] = payload
         t1 = time.perf_counter()
         backend.batched_submit_put_task(keys, objs, on_complete_callback=lambda _key: done.release())
@@ -200,7 +208,14 @@ class _Peer:
             loop = _Loop()  # one per backend: a closed backend can leave its loop's workers stuck
             disk = LocalDiskBackend(cfg, loop.loop, cpu)
             try:
-                with self.measured("lmcache_odirect" if odirect else "lmcache", "ssd", disk, cpu, lambda keys: [disk.remove(k) for k in keys], ops) as b:
+                with self.measured(
+                    "lmcache_odirect" if odirect else "lmcache",
+                    "ssd",
+                    disk,
+                    cpu,
+                    lambda keys: [disk.remove(k) for k in keys],
+                    ops,
+                ) as b:
                     b.files_dir = d  # (its files leave the page cache with kvstore's before a cold get)
                     yield b
             finally:
@@ -274,7 +289,14 @@ class Backend:
         self, peer: _Peer, label: str, backend: Any, objs: list[Any], drop: Callable[[list[Any]], None],
         names: Callable[[list[Any]], list[str]] | None = None,
     ) -> None:
-        self.peer, self.label, self.backend, self.objs, self._drop, self._names = peer, label, backend, objs, drop, names
+        self.peer, self.label, self.backend, self.objs, self._drop, self._names = (
+            peer,
+            label,
+            backend,
+            objs,
+            drop,
+            names,
+        )
         self.best = dict.fromkeys(("put", "put_copyin", "get", "get_copyout"), float("inf"))
         self.errors: list[str] = []
         self.stuck = False  # a put that never completed leaves the backend stuck: stop driving it
@@ -363,11 +385,14 @@ class Peers:
             lmcache = _import_lmcache()
             from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend  # noqa: F401
             from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: F401
-        except Exception as exc:  # not installed, or its imports fail here: say exactly why
+        except Exception as exc:  # noqa: BLE001 - not installed, or its imports fail here: say exactly why
             self.note = f"not run: {type(exc).__name__}: {exc}"
             return
         self.peer = _Peer(args, payloads)
-        self.note = f"lmcache {getattr(lmcache, '__version__', '?')}; kv_shape {self.peer.shape} fp16; LocalDisk puts are not fsynced"
+        self.note = (
+            f"lmcache {getattr(lmcache, '__version__', '?')}; kv_shape {self.peer.shape} fp16; "
+            "LocalDisk puts are not fsynced"
+        )
 
     @contextlib.contextmanager
     def backends(self, tier: str, url: str | None = None, service: bool = False) -> Iterator[list[Backend]]:
@@ -386,7 +411,11 @@ class Peers:
                     opened.append(stack.enter_context(self.peer.remote("redis", url, url, ops)))
                 elif tier == "redis_cluster" and url:
                     node = urlsplit(url)
-                    opened.append(stack.enter_context(self.peer.remote("redis_cluster", f"redis-cluster://{node.hostname}:{node.port}", url, ops)))
+                    opened.append(
+                        stack.enter_context(
+                            self.peer.remote("redis_cluster", f"redis-cluster://{node.hostname}:{node.port}", url, ops)
+                        )
+                    )
             yield opened
 
     def result(self, ours: dict[str, dict[str, Any]]) -> dict[str, Any]:

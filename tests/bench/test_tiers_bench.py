@@ -110,7 +110,20 @@ def test_peers_absent_says_why_and_the_run_goes_on(tmp_path, monkeypatch) -> Non
 
     monkeypatch.setattr(lmcache_backends, "_import_lmcache", missing)
     args = tiers.parser().parse_args(
-        ["--blocks", "2", "--block-mib", "0.0625", "--repeat", "1", "--tiers", "ssd", "--no-service", "--peers", "--ssd-dir", str(tmp_path)]
+        [
+            "--blocks",
+            "2",
+            "--block-mib",
+            "0.0625",
+            "--repeat",
+            "1",
+            "--tiers",
+            "ssd",
+            "--no-service",
+            "--peers",
+            "--ssd-dir",
+            str(tmp_path),
+        ]
     )
     result = tiers.run(args)
     assert result["notes"]["lmcache"] == "not run: ModuleNotFoundError: No module named 'lmcache'"

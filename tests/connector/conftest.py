@@ -31,7 +31,7 @@ def sidecar_process(tmp_path: Path) -> Iterator[ServeProcess]:
     """``.url`` (= ``.grpc``) is its address; ``.stop()`` takes it down (tests do, to make it
     unreachable; stopping twice is harmless)."""
     sc = ServeProcess(serve_args(tmp_path / "kvstore-data"))
-    sc.url = sc.grpc  # type: ignore[attr-defined]
+    sc.url = sc.grpc  # type: ignore[attr-defined]  # an alias the connector tests read
     yield sc
     sc.stop()
 

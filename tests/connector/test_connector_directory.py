@@ -109,7 +109,7 @@ def test_the_epoch_moving_mid_copy_reports_every_block(client, monkeypatch) -> N
         return e if len(calls) == 1 or e is None else e + 1
 
     monkeypatch.setattr(ops, "epoch_of", moving)
-    dst, r = load(client, spec, directory)
+    _, r = load(client, spec, directory)
     assert (r.loaded, r.failure) == (0, Failure.MISSING)
     assert r.failed_block_ids == spec.block_ids
 
@@ -120,7 +120,7 @@ def test_a_corrupted_slot_is_caught_on_the_unleased_path(client) -> None:
     spec = lookup(client, directory)
     slot = spec.lease.slots[2]
     attach(slot.segment)[slot.offset + 3] ^= 0xFF
-    dst, r = load(client, spec, directory)
+    _, r = load(client, spec, directory)
     assert (r.loaded, r.failure) == (2, Failure.CHECKSUM)
     assert r.failed_block_ids == spec.block_ids[2:]
 

@@ -92,8 +92,12 @@ def test_tier_down_recomputes_and_says_so(model_and_tok, redis, redis_sidecar, c
         filler = prefix_keys(writer.ns, list(range(10_000, 10_000 + SLOTS * BS)))
         client.put_blocks(writer.ns, filler, [np.zeros(block_bytes, np.uint8)] * SLOTS)
         keys = writer.sched.keys(prompt)
-        wait_until(lambda: [t for t, _ in client.lookup(writer.ns, keys).blocks] == ["redis"] * n, "prompt only in redis")
-        wait_until(lambda: http_stats(redis_sidecar)["tiers"]["redis"]["bytes_in"] >= n * block_bytes, "demotions written")
+        wait_until(
+            lambda: [t for t, _ in client.lookup(writer.ns, keys).blocks] == ["redis"] * n, "prompt only in redis"
+        )
+        wait_until(
+            lambda: http_stats(redis_sidecar)["tiers"]["redis"]["bytes_in"] >= n * block_bytes, "demotions written"
+        )
         assert redis.cli("DBSIZE").strip() != "0"
 
         redis.stop()

@@ -29,7 +29,9 @@ from kvstore.testing.sidecar import corrupt_dram_block
 HERE = Path(__file__).resolve().parent
 BS = 16
 NEW = 12
-TEXT_1 = "The quick brown fox jumps over the lazy dog. A cache key value block token prefix model layer tier store. " * 2
+TEXT_1 = (
+    "The quick brown fox jumps over the lazy dog. A cache key value block token prefix model layer tier store. " * 2
+)
 TEXT_2 = " Hello world, one two three four five: load save prompt request hit miss."
 
 

@@ -108,7 +108,9 @@ def test_hf_slot_holds_token_block() -> None:
     slot = _slots(spec, 1)[0]
     NumpyTransfer().gather(bind_caches(spec, caches), [2], [slot])
     expected = b"".join(
-        np.ascontiguousarray(caches[layer][kv][0, :, 2 * BS : 3 * BS, :]).tobytes() for layer in range(L) for kv in (0, 1)
+        np.ascontiguousarray(caches[layer][kv][0, :, 2 * BS : 3 * BS, :]).tobytes()
+        for layer in range(L)
+        for kv in (0, 1)
     )
     assert slot.tobytes() == expected
 
@@ -205,7 +207,11 @@ def test_runs_of_slots_round_trip_like_single_slots(layout: str) -> None:
     assert [s.tobytes() for s in slots] == [s.tobytes() for s in alone]
     buf.flags.writeable = False
     dst = _zeros_like(src)
-    NumpyTransfer().scatter(bind_caches(spec, dst), ids, [np.frombuffer(memoryview(buf), np.uint8)[s.ctypes.data - buf.ctypes.data :][:bb] for s in slots])
+    NumpyTransfer().scatter(
+        bind_caches(spec, dst),
+        ids,
+        [np.frombuffer(memoryview(buf), np.uint8)[s.ctypes.data - buf.ctypes.data :][:bb] for s in slots],
+    )
     a, b = bind_caches(spec, src), bind_caches(spec, dst)
     for layer in range(L):
         for pa, pb in zip(a.planes[layer], b.planes[layer]):

@@ -29,8 +29,8 @@ def test_scheme_matches_the_written_spec():
     assert namespace_root(NS) == h0
     toks = [1, 2, 3, 70000]
     h1 = hashlib.sha256(h0 + struct.pack("<I", 4) + struct.pack("<4I", *toks) + struct.pack("<I", 0)).digest()
-    assert prefix_keys(NS, toks + [5, 6])[0] == h1
-    assert len(prefix_keys(NS, toks + [5, 6])) == 1  # the partial block is not keyed
+    assert prefix_keys(NS, [*toks, 5, 6])[0] == h1
+    assert len(prefix_keys(NS, [*toks, 5, 6])) == 1  # the partial block is not keyed
 
 
 def test_keys_chain_so_one_key_certifies_the_prefix():
@@ -55,13 +55,16 @@ def test_prefix_keys_of_a_growing_sequence_hash_each_block_once_and_notice_chang
     assert keys.of(toks[:9]) == prefix_keys(NS, toks[:9])  # 2 blocks
     assert keys.of(toks) == prefix_keys(NS, toks)  # 7 blocks: 5 more hashed
     assert keys.of(toks[:12]) == prefix_keys(NS, toks[:12])  # a prefix: served from what is known
-    changed = toks[:5] + [0] + toks[6:]
+    changed = [*toks[:5], 0, *toks[6:]]
     assert keys.of(changed) == prefix_keys(NS, changed)  # other tokens: keyed from scratch
     assert keys.of(toks) == prefix_keys(NS, toks)
 
 
-@pytest.mark.parametrize("field,value", [("model", "m2"), ("revision", "r2"), ("kv_layout", "vllm_gpu"), ("dtype", "float16"),
-                                         ("block_size", 8), ("adapter", "lora1"), ("cache_salt", "tenant-b")])
+@pytest.mark.parametrize(
+    "field,value",
+    [("model", "m2"), ("revision", "r2"), ("kv_layout", "vllm_gpu"), ("dtype", "float16"), ("block_size", 8),
+     ("adapter", "lora1"), ("cache_salt", "tenant-b")],
+)
 def test_every_namespace_field_changes_the_root(field, value):
     import dataclasses
 
@@ -72,13 +75,16 @@ def test_every_namespace_field_changes_the_root(field, value):
 def test_rank_changes_the_root():
     import dataclasses
 
-    assert namespace_root(dataclasses.replace(NS, rank=1, world_size=2)) != namespace_root(dataclasses.replace(NS, world_size=2))
+    assert namespace_root(dataclasses.replace(NS, rank=1, world_size=2)) != namespace_root(
+        dataclasses.replace(NS, world_size=2)
+    )
 
 
 def test_keys_are_identical_in_another_process():
     code = (
         "from kvstore.keys import Namespace, prefix_keys;"
-        "ns = Namespace(model='m', kv_layout='vllm_cpu', dtype='bfloat16', block_size=4, revision='r1', cache_salt='tenant-a');"
+        "ns = Namespace(model='m', kv_layout='vllm_cpu', dtype='bfloat16', block_size=4, revision='r1',"
+        " cache_salt='tenant-a');"
         "print(','.join(k.hex() for k in prefix_keys(ns, list(range(1000, 1013)))))"
     )
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

@@ -1,4 +1,5 @@
-"""The local transport (kvstore.framing, kvstore.server.local_server, kvstore.client.local_channel): the same calls over the sidecar's Unix socket.
+"""The local transport (kvstore.framing, kvstore.server.local_server, kvstore.client.local_channel): the same calls
+over the sidecar's Unix socket.
 
 A sidecar process (`kvstore serve`), the blocking and the async client in this process: a client
 finds the socket through the Hello RPC, and every answer -- data and errors -- is the one gRPC
@@ -231,7 +232,9 @@ async def test_async_calls_at_once_each_get_their_own_answer(serve_process, tmp_
     async with KVStoreClient.from_url(sc.grpc) as c:
         await c.put_blocks(NS, chains[0], [np.full(64, 0, np.uint8)] * 4)
         assert c.transport == "local"
-        stored = await asyncio.gather(*(c.put_blocks(NS, k, [np.full(64, i, np.uint8)] * 4) for i, k in enumerate(chains[1:], 1)))
+        stored = await asyncio.gather(
+            *(c.put_blocks(NS, k, [np.full(64, i, np.uint8)] * 4) for i, k in enumerate(chains[1:], 1))
+        )
         assert [r.stored for r in stored] == [4] * 11
         found = await asyncio.gather(*(c.lookup(NS, k[: 1 + i % 4]) for i, k in enumerate(chains)))
         assert [f.matched for f in found] == [1 + i % 4 for i in range(12)]

@@ -55,7 +55,9 @@ def test_one_process_writes_another_reads_byte_for_byte(serve_process, tmp_path)
     assert run_py(WRITER, sc.grpc) == "6"
     # The writer has exited: the slab must survive it.
     rng = np.random.default_rng(7)
-    expected = hashlib.sha256(b"".join(rng.integers(0, 256, 100_000, dtype=np.uint8).tobytes() for _ in range(6))).hexdigest()
+    expected = hashlib.sha256(
+        b"".join(rng.integers(0, 256, 100_000, dtype=np.uint8).tobytes() for _ in range(6))
+    ).hexdigest()
     assert run_py(READER, sc.grpc) == f"6 {expected}"
     assert run_py(READER, sc.grpc) == f"6 {expected}"  # and the first reader's exit changed nothing
     stats = json.loads(urllib.request.urlopen(f"http://{sc.http}/stats").read())
@@ -85,9 +87,26 @@ def test_http_endpoints_and_stats_cli(serve_process, tmp_path):
 def test_second_sidecar_refuses_a_data_dir_in_use(serve_process, tmp_path):
     serve_process(["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"),
                    "--dram-bytes", str(4 << 20)])
-    p = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--grpc-address", f"127.0.0.1:{free_port()}",
-                        "--http-address", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"), "--dram-bytes", str(4 << 20)],
-                       capture_output=True, text=True, cwd=REPO, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore",
+            "serve",
+            "--grpc-address",
+            f"127.0.0.1:{free_port()}",
+            "--http-address",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--dram-bytes",
+            str(4 << 20),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert p.returncode == 2
     assert "data_dir" in p.stderr and "in use" in p.stderr
 
@@ -101,14 +120,23 @@ def test_kill_9_leaves_no_claims_and_restart_cleans_the_slab(serve_process, tmp_
     sc.stop(signal.SIGKILL)
     sc2 = serve_process(args)
     assert not os.path.exists(f"/dev/shm/{old}")
-    out = run_py("import sys; from kvstore.client import SyncClient; from kvstore.keys import Namespace, prefix_keys;"
-                 "ns = Namespace(model='tiny-llama', kv_layout='raw', dtype='float16', block_size=16);"
-                 "c = SyncClient(sys.argv[1]); print(c.lookup(ns, prefix_keys(ns, list(range(96)))).matched); c.close()", sc2.grpc)
+    out = run_py(
+        "import sys; from kvstore.client import SyncClient; from kvstore.keys import Namespace, prefix_keys;"
+        "ns = Namespace(model='tiny-llama', kv_layout='raw', dtype='float16', block_size=16);"
+        "c = SyncClient(sys.argv[1]); print(c.lookup(ns, prefix_keys(ns, list(range(96)))).matched); c.close()",
+        sc2.grpc,
+    )
     assert out == "0"  # DRAM blocks died with the process; nothing claims them
 
 
 def test_invalid_config_fails_at_start_naming_the_field(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "kvstore", "serve", "--data-dir", str(tmp_path), "--grpc-address", "127.0.0.1:0"],
-                       capture_output=True, text=True, cwd=REPO, env={**os.environ, "KVSTORE_INDEX__POLICY": "nonsense"}, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvstore", "serve", "--data-dir", str(tmp_path), "--grpc-address", "127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "KVSTORE_INDEX__POLICY": "nonsense"},
+        timeout=60,
+    )
     assert p.returncode == 2
     assert "index.policy" in p.stderr

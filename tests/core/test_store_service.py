@@ -158,16 +158,18 @@ async def test_verify_local_reads_drops_a_corrupted_block(tmp_path, ns):
     from kvstore.server.sidecar import Sidecar
     from tests.conftest import small_config
 
-    async with Sidecar(small_config(tmp_path, **{"dram.verify_local_reads": True})) as sc:
-        async with KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
-            keys = chain(ns, 70, 3)
-            await c.put_blocks(ns, keys, blocks_for(3, 4096, 70), checksums=True)
-            block = sc.store.index.namespaces[ns.root].blocks[keys[1]]
-            sc.slab.view(block.slot, 4096)[100] ^= 0xFF  # a stray write into the slab
-            got = await c.get_blocks(ns, keys)
-            assert len(got) == 1  # the corrupted block and everything after it are a miss
-            assert (await c.lookup(ns, keys)).matched == 1
-            assert (await c.stats())["tiers"]["dram"]["checksum_failures"] == 1
+    async with (
+        Sidecar(small_config(tmp_path, **{"dram.verify_local_reads": True})) as sc,
+        KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c,
+    ):
+        keys = chain(ns, 70, 3)
+        await c.put_blocks(ns, keys, blocks_for(3, 4096, 70), checksums=True)
+        block = sc.store.index.namespaces[ns.root].blocks[keys[1]]
+        sc.slab.view(block.slot, 4096)[100] ^= 0xFF  # a stray write into the slab
+        got = await c.get_blocks(ns, keys)
+        assert len(got) == 1  # the corrupted block and everything after it are a miss
+        assert (await c.lookup(ns, keys)).matched == 1
+        assert (await c.stats())["tiers"]["dram"]["checksum_failures"] == 1
 
 
 async def test_blocks_written_without_checksum_are_sealed_by_the_server(client: KVStoreClient, sidecar, ns):
@@ -195,18 +197,20 @@ async def test_every_policy_runs_in_the_server(tmp_path, ns, policy):
     from kvstore.server.sidecar import Sidecar
     from tests.conftest import small_config
 
-    async with Sidecar(small_config(tmp_path, **{"index.policy": policy})) as sc:
-        async with KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
-            chains = [chain(ns, 100 + i % 7, 2) for i in range(30)]
-            for i, keys in enumerate(chains):
-                await c.lookup(ns, keys)
-                await c.put_blocks(ns, keys, blocks_for(2, 32768, 100 + i % 7))
-            assert sc.slab.used_bytes <= sc.slab.capacity_bytes
-            resident = [b for b in sc.store.index.namespaces[ns.root].blocks.values()]
-            assert len(resident) == len(sc.store.policy) == sc.slab.used_bytes // 32768
-            for i in range(7):
-                got = await c.get_blocks(ns, chain(ns, 100 + i, 2))
-                assert [g.tobytes() for g in got] == blocks_for(2, 32768, 100 + i)[: len(got)]
+    async with (
+        Sidecar(small_config(tmp_path, **{"index.policy": policy})) as sc,
+        KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c,
+    ):
+        chains = [chain(ns, 100 + i % 7, 2) for i in range(30)]
+        for i, keys in enumerate(chains):
+            await c.lookup(ns, keys)
+            await c.put_blocks(ns, keys, blocks_for(2, 32768, 100 + i % 7))
+        assert sc.slab.used_bytes <= sc.slab.capacity_bytes
+        resident = [b for b in sc.store.index.namespaces[ns.root].blocks.values()]
+        assert len(resident) == len(sc.store.policy) == sc.slab.used_bytes // 32768
+        for i in range(7):
+            got = await c.get_blocks(ns, chain(ns, 100 + i, 2))
+            assert [g.tobytes() for g in got] == blocks_for(2, 32768, 100 + i)[: len(got)]
 
 
 async def test_lookup_reports_each_size_when_sizes_differ(client: KVStoreClient, ns):

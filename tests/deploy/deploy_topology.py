@@ -26,7 +26,9 @@ COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
 SCHEMA = Path(__file__).with_name("compose_spec.json")
 
-_VAR = re.compile(r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+_VAR = re.compile(
+    r"\$(?:\$|\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
+)
 
 
 def interpolate(value: Any, env: Mapping[str, str]) -> Any:

@@ -29,19 +29,27 @@ TOKEN = "s3cret-token"
 def self_signed(tmp_path: Path) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvstore-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
-        .subject_name(name).issuer_name(name).public_key(key.public_key())
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
     cert_path, key_path = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_path, key_path
 
 
@@ -98,7 +106,9 @@ async def test_http_requires_the_bearer_token_except_health(tmp_path):
 
 async def test_grpc_over_tls_with_a_token(tmp_path):
     cert, key = self_signed(tmp_path)
-    cfg = small_config(tmp_path, **{"server.auth_token": TOKEN, "server.tls_cert": str(cert), "server.tls_key": str(key)})
+    cfg = small_config(
+        tmp_path, **{"server.auth_token": TOKEN, "server.tls_cert": str(cert), "server.tls_key": str(key)}
+    )
     async with Sidecar(cfg) as sc:
         url = f"grpcs://127.0.0.1:{sc.grpc_port}"
         async with KVStoreClient.from_url(url, token=TOKEN, root_certificates=cert.read_bytes()) as c:

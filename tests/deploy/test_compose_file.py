@@ -118,7 +118,10 @@ def test_sidecar_environment_and_file_form_a_valid_config_wired_to_the_services(
     assert "/data" in topo.command(SERVICES["minio"])  # MinIO serves :9000 by default
     env = topo.environment(SERVICES["kvstore"])
     minio = topo.environment(SERVICES["minio"])
-    assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) == (minio["MINIO_ROOT_USER"], minio["MINIO_ROOT_PASSWORD"])
+    assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) == (
+        minio["MINIO_ROOT_USER"],
+        minio["MINIO_ROOT_PASSWORD"],
+    )
 
 
 def test_the_redis_cluster_profile_is_a_valid_config_too():
@@ -127,7 +130,7 @@ def test_the_redis_cluster_profile_is_a_valid_config_too():
     cfg = _with_env(REPO / "deploy" / "kvstore.toml", topo.environment(svc))
     assert cfg.redis.cluster and urllib.parse.urlparse(cfg.redis.url).hostname == "redis-node-1"
     init = SERVICES["redis-cluster-init"]
-    script = [m for m in topo.mounts(init) if m.bind][0]
+    script = next(m for m in topo.mounts(init) if m.bind)
     assert (REPO / script.source).is_file()
     text = (REPO / script.source).read_text()
     nodes = [n for n, s in SERVICES.items() if "redis-cluster" in s.get("profiles", []) and n.startswith("redis-node")]
@@ -154,7 +157,9 @@ def test_dependencies_exist_are_started_with_their_dependents_and_have_healthche
             for dep, condition in topo.depends_on(svc).items():
                 assert dep in running, f"profiles {enabled}: {name} depends on {dep}, which is not started"
                 if condition == "service_healthy":
-                    assert "healthcheck" in SERVICES[dep], f"{name} waits for {dep} to be healthy; it has no healthcheck"
+                    assert "healthcheck" in SERVICES[dep], (
+                        f"{name} waits for {dep} to be healthy; it has no healthcheck"
+                    )
                 if condition == "service_completed_successfully":
                     assert SERVICES[dep].get("restart", "no") == "no", f"{dep} must run once"
 

@@ -142,7 +142,9 @@ def test_redis_cluster_profile_as_processes(tmp_path):
             token = topo.environment(services["kvstore"])["KVSTORE_SERVER__AUTH_TOKEN"]
             keys = prefix_keys(NAMESPACES[0], list(range(16 * 12)))
             with SyncClient(sidecar.grpc, token=token) as c:
-                c.put_blocks(NAMESPACES[0], keys, [np.full(4096, i, np.uint8) for i in range(len(keys))], checksums=True)
+                c.put_blocks(
+                    NAMESPACES[0], keys, [np.full(4096, i, np.uint8) for i in range(len(keys))], checksums=True
+                )
                 doc = c.stats()
             assert doc["tiers"]["redis"]["enabled"] and not doc["tiers"]["redis"]["down"]
             per_node = [int(n.cli("DBSIZE").strip()) for n in cluster.nodes]

@@ -27,7 +27,9 @@ TIERS = ("dram", "ssd", "redis", "s3")
 def browser() -> Iterator[Browser]:
     assert os.path.exists(CHROMIUM), f"{CHROMIUM} missing: run scripts/setup_env.sh"
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        b = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+        )
         yield b
         b.close()
 
@@ -75,12 +77,15 @@ def expected(doc: dict, path: str) -> tuple[float | str, str]:
 
 
 def wait_for_calls(page: Page, calls: int) -> None:
-    page.wait_for_function("n => { const d = window.kvstoreDashboard.doc; return d && d.lookups.calls >= n; }", arg=calls)
+    page.wait_for_function(
+        "n => { const d = window.kvstoreDashboard.doc; return d && d.lookups.calls >= n; }", arg=calls
+    )
 
 
 def painted_pixels(page: Page, canvas_id: str) -> int:
     return page.evaluate(
-        """id => { const c = document.getElementById(id); const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        """id => { const c = document.getElementById(id);
+                   const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
                    let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n; }""",
         canvas_id,
     )
@@ -106,7 +111,9 @@ def test_dashboard_renders_live_charts_that_match_stats(browser, serve_process, 
             wait_for_calls(page, r + 1)
     doc = stats(sc.http)
     wait_for_calls(page, doc["lookups"]["calls"])
-    page.wait_for_function("n => window.kvstoreDashboard.renders > n", arg=page.evaluate("window.kvstoreDashboard.renders"))
+    page.wait_for_function(
+        "n => window.kvstoreDashboard.renders > n", arg=page.evaluate("window.kvstoreDashboard.renders")
+    )
 
     # the numbers shown are /stats's numbers (the traffic has stopped, so they are stable)
     shown = page.eval_on_selector_all(
@@ -119,14 +126,19 @@ def test_dashboard_renders_live_charts_that_match_stats(browser, serve_process, 
         assert (value if path == "policy" else float(value)) == pytest.approx(want_value), path
         assert text == want_text, path
     ns_rows = page.eval_on_selector_all(
-        "#namespaces tbody tr", "rows => rows.map(r => [r.dataset.namespace, ...[...r.cells].slice(1).map(c => c.textContent)])")
+        "#namespaces tbody tr",
+        "rows => rows.map(r => [r.dataset.namespace, ...[...r.cells].slice(1).map(c => c.textContent)])",
+    )
     assert ns_rows == [[label, str(c["calls"]), str(c["blocks_requested"]), str(c["blocks_hit"]), pct(c["hit_rate"])]
                        for label, c in doc["namespaces"].items()]
     latest = page.eval_on_selector_all("#decisions tbody tr", "rows => rows.map(r => r.cells[1].textContent)")
     assert latest == [d["outcome"] for d in reversed(doc["decisions"]["recent"][-8:])]
 
     # the charts rendered: data points, and pixels on every canvas
-    points = {c: int(page.get_attribute(f"#{c}", "data-points")) for c in ("chart-hitrate", "chart-occupancy", "chart-decisions")}
+    points = {
+        c: int(page.get_attribute(f"#{c}", "data-points"))
+        for c in ("chart-hitrate", "chart-occupancy", "chart-decisions")
+    }
     # How many points the hit-rate line has depends on when the server's 2 s history samples
     # fell between the rounds (timing); a line needs at least two.
     assert points["chart-hitrate"] >= 2
@@ -146,8 +158,19 @@ def test_dashboard_renders_live_charts_that_match_stats(browser, serve_process, 
 
 
 def test_dashboard_needs_the_token(browser, serve_process, tmp_path):
-    sc = serve_process(["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"),
-                        "--dram-bytes", str(1 << 20)], {"KVSTORE_SERVER__AUTH_TOKEN": TOKEN, "KVSTORE_DRAM__PAGE_BYTES": "65536"})
+    sc = serve_process(
+        [
+            "--grpc-address",
+            "127.0.0.1:0",
+            "--http-address",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--dram-bytes",
+            str(1 << 20),
+        ],
+        {"KVSTORE_SERVER__AUTH_TOKEN": TOKEN, "KVSTORE_DRAM__PAGE_BYTES": "65536"},
+    )
     page = browser.new_page()
     resp = page.goto(f"http://{sc.http}/dashboard")
     assert resp is not None and resp.status == 401

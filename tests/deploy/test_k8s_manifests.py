@@ -63,7 +63,9 @@ def test_configmap_holds_a_valid_config_and_the_daemonset_mounts_it(tmp_path: Pa
 def test_probes_hit_the_sidecar_endpoints():
     assert SIDECAR["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert SIDECAR["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
-    assert SIDECAR["startupProbe"]["grpc"]["port"] == next(p["containerPort"] for p in SIDECAR["ports"] if p["name"] == "grpc")
+    assert SIDECAR["startupProbe"]["grpc"]["port"] == next(
+        p["containerPort"] for p in SIDECAR["ports"] if p["name"] == "grpc"
+    )
     ann = DS["spec"]["template"]["metadata"]["annotations"]
     assert ann["prometheus.io/path"] == "/metrics" and ann["prometheus.io/port"] == "8080"
 

@@ -57,7 +57,9 @@ def test_metrics_match_stats(busy_sidecar):
     for outcome, n in doc["decisions"]["counts"].items():
         if outcome != "total":
             assert m["kvstore_decisions_total"][(("outcome", outcome),)] == n
-    assert sum(m["kvstore_decisions_total"].values()) == doc["decisions"]["counts"]["total"] == 4  # rounds 2..5 found a prefix
+    assert (
+        sum(m["kvstore_decisions_total"].values()) == doc["decisions"]["counts"]["total"] == 4
+    )  # rounds 2..5 found a prefix
     assert m["kvstore_writes_total"][(("event", "blocks_committed"),)] == doc["writes"]["blocks_committed"]
     assert m["kvstore_policy_info"][(("policy", doc["policy"]),)] == 1
 
@@ -73,9 +75,12 @@ def test_render_covers_every_section_of_a_snapshot():
         "writes": {"commits": 1}, "reads": {"bytes": 9}, "errors": {"NOT_FOUND": 2},
         "decisions": {"counts": {"loaded": 1, "fallback": 1, "total": 2}, "recent": []},
     }
-    body, ctype = render(doc)
+    body, _ = render(doc)
     fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
-    assert fams["kvstore_tier_down"].samples[1].labels == {"tier": "ssd"} and fams["kvstore_tier_down"].samples[1].value == 1
+    assert (
+        fams["kvstore_tier_down"].samples[1].labels == {"tier": "ssd"}
+        and fams["kvstore_tier_down"].samples[1].value == 1
+    )
     assert fams["kvstore_tier_demotions"].type == "counter"
     assert fams["kvstore_namespace_blocks_hit"].samples[0].labels == {"namespace": 'm "quoted"\\ns'}
     assert fams["kvstore_errors"].samples[0].labels == {"code": "NOT_FOUND"}

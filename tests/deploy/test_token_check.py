@@ -27,7 +27,7 @@ def compared(monkeypatch) -> list[tuple[bytes, bytes]]:
     seen: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest
 
-    def spy(a, b):  # type: ignore[no-untyped-def]
+    def spy(a: bytes, b: bytes) -> bool:
         seen.append((bytes(a), bytes(b)))
         return real(a, b)
 

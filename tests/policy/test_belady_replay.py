@@ -156,7 +156,9 @@ def test_replay_lru_matches_plain_lru_small() -> None:
         assert (r.prefix_hits, r.block_hits) == plain_lru([q.keys for q in trace.requests], cap), cap
 
 
-@pytest.mark.parametrize(("name", "lru_ref", "bound_ref"), [("conversation", 0.195, 0.366), ("synthetic", 0.155, 0.396)])
+@pytest.mark.parametrize(
+    ("name", "lru_ref", "bound_ref"), [("conversation", 0.195, 0.366), ("synthetic", 0.155, 0.396)]
+)
 def test_replay_lru_matches_plain_lru_on_mooncake(name: str, lru_ref: float, bound_ref: float) -> None:
     """The replay's LRU is exactly the independent leaves-first LRU above, and both sit on the
     published reference points (data/traces/README.md), read from the repository's copies."""

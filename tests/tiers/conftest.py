@@ -155,7 +155,9 @@ async def tier_env(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
         server = request.getfixturevalue("moto_clean")
         env = TierEnv(
             kind,
-            lambda: S3Tier(make_s3_client(server.url), bucket="kvs-test", multipart_threshold_bytes=MULTIPART, part_bytes=MULTIPART),
+            lambda: S3Tier(
+                make_s3_client(server.url), bucket="kvs-test", multipart_threshold_bytes=MULTIPART, part_bytes=MULTIPART
+            ),
             _corrupt_s3,
         )
     yield env

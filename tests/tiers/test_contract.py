@@ -24,7 +24,19 @@ PROTOCOL_METHODS = [
 
 def test_protocol_surface_is_what_we_think():
     assert sorted(n for _, n in PROTOCOL_METHODS) == sorted(
-        ["contains", "get", "put", "delete", "close", "contains_many", "get_many", "get_many_hashed", "put_many", "delete_many", "scan"]
+        [
+            "contains",
+            "get",
+            "put",
+            "delete",
+            "close",
+            "contains_many",
+            "get_many",
+            "get_many_hashed",
+            "put_many",
+            "delete_many",
+            "scan",
+        ]
     )
 
 
@@ -57,7 +69,8 @@ def test_unknown_tier_is_a_config_error():
 def test_registry_is_lazy(tmp_path):
     code = (
         "import sys, kvstore.tiers, kvstore.tiers.verify, kvstore.config;"
-        "bad = [m for m in ('redis', 'aioboto3', 'aiobotocore', 'kvstore.tiers.redis', 'kvstore.tiers.s3') if m in sys.modules];"
+        "bad = [m for m in ('redis', 'aioboto3', 'aiobotocore', 'kvstore.tiers.redis', 'kvstore.tiers.s3')"
+        " if m in sys.modules];"
         "assert not bad, bad;"
         "kvstore.tiers.build_tier('ssd', kvstore.config.SsdConfig(path=sys.argv[1]));"
         "assert 'redis' not in sys.modules and 'aioboto3' not in sys.modules"

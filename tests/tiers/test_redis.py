@@ -259,7 +259,9 @@ async def test_direct_path_authenticates_and_selects_the_db(block):
     with redis_server("--requirepass", "s3cret") as server:
         url = f"redis://:s3cret@127.0.0.1:{server.port}/3"
         tier = RedisTier(redis.asyncio.Redis.from_url(url), key_prefix="t", chunk_bytes=CHUNK)
-        wrong = RedisTier(redis.asyncio.Redis.from_url(url.replace("s3cret", "nope")), key_prefix="t", chunk_bytes=CHUNK)
+        wrong = RedisTier(
+            redis.asyncio.Redis.from_url(url.replace("s3cret", "nope")), key_prefix="t", chunk_bytes=CHUNK
+        )
         try:
             assert tier.direct_io
             meta, data = block(13, SIZE)
@@ -267,7 +269,7 @@ async def test_direct_path_authenticates_and_selects_the_db(block):
             assert len(server.cli("-n", "3", "KEYS", "t:*").split()) == 5  # in db 3
             into = buffer(SIZE)
             assert await tier.get(meta.ref, into) == meta and into == data
-            with pytest.raises(Unavailable, match="WRONGPASS|invalid"):
+            with pytest.raises(Unavailable, match=r"WRONGPASS|invalid"):
                 await wrong.get(meta.ref, buffer(SIZE))
         finally:
             await tier.close()

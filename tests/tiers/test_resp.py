@@ -32,7 +32,14 @@ def test_replies_land_in_their_buffers_and_errors_are_values(redis_clean):
         into = memoryview(bytearray(len(payload) + 10))
         tight = memoryview(bytearray(100))
         replies = conn.execute(
-            [(b"GET", b"big"), (b"GET", b"small"), (b"GET", b"missing"), (b"GET", b"list"), (b"GET", b"big"), (b"INCR", b"n")],
+            [
+                (b"GET", b"big"),
+                (b"GET", b"small"),
+                (b"GET", b"missing"),
+                (b"GET", b"list"),
+                (b"GET", b"big"),
+                (b"INCR", b"n"),
+            ],
             [into, None, None, None, tight, None],
         )
         assert replies[0] == len(payload) and into[: len(payload)] == payload
@@ -78,7 +85,7 @@ def test_authentication_and_db():
         finally:
             conn.close()
         assert redis.Redis(port=server.port, password="pw", db=2).get("k") == b"v"
-        with pytest.raises(ConnectionRefusedError, match="WRONGPASS|invalid"):
+        with pytest.raises(ConnectionRefusedError, match=r"WRONGPASS|invalid"):
             Connection(Endpoint("127.0.0.1", server.port, password="wrong"))
 
 

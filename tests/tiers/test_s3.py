@@ -20,7 +20,13 @@ def buffer(n: int) -> memoryview:
 
 @pytest.fixture
 async def s3(moto_clean, s3_client):
-    tier = S3Tier(s3_client(moto_clean.url), bucket="kvs-specific", prefix="pfx", multipart_threshold_bytes=5 * MiB, part_bytes=5 * MiB)
+    tier = S3Tier(
+        s3_client(moto_clean.url),
+        bucket="kvs-specific",
+        prefix="pfx",
+        multipart_threshold_bytes=5 * MiB,
+        part_bytes=5 * MiB,
+    )
     yield tier
     await tier.close()
 
@@ -90,7 +96,8 @@ async def test_bodies_are_signed_only_when_configured(moto_clean, aws_env, block
         meta, data = block(50, 100_000)
         await tier.contains(meta.ref)  # opens the client (and makes the bucket)
         tier._client.meta.events.register(
-            "before-send.s3.PutObject", lambda request, **_: sent.append(request.headers["x-amz-content-sha256"].decode())
+            "before-send.s3.PutObject",
+            lambda request, **_: sent.append(request.headers["x-amz-content-sha256"].decode()),
         )
         await tier.put(meta, data)
         body = (await tier._client.get_object(Bucket="kvs-signing", Key=tier.object_key(meta.ref)))["Body"]

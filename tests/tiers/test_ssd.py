@@ -53,7 +53,7 @@ async def test_page_aligned_source_round_trips(ssd):
 
 
 async def test_crash_leftover_temp_file_is_invisible_and_removed_by_scan(ssd, block):
-    meta, data = block(2, SIZE)
+    meta, _ = block(2, SIZE)
     final = ssd.path_of(meta.ref)
     final.parent.mkdir(parents=True)
     tmp = final.with_name(f".{final.stem}.12345.0.tmp")
@@ -74,7 +74,7 @@ async def test_capacity_accounting(ssd, block):
     await ssd.put(*blocks[0])  # an overwrite does not count twice
     assert ssd.used_bytes == 9 * FILE_BYTES
     with pytest.raises(ResourceExhausted):
-        await ssd.put_many(blocks[9:] + [block(99, SIZE)])
+        await ssd.put_many([*blocks[9:], block(99, SIZE)])
     assert ssd.used_bytes == 9 * FILE_BYTES  # a refused batch reserves nothing
     assert not await ssd.contains(blocks[9][0].ref)  # and leaves nothing visible
     assert not any(p.name.endswith(".tmp") for p in ssd.root.rglob("*"))
@@ -107,7 +107,9 @@ async def test_a_header_longer_than_its_page_round_trips(ssd, block):
     assert await ssd.get(long.ref, into) == long and into == data
 
 
-@pytest.mark.parametrize("label", ["", "m", "x" * (ALIGN - HEADER_FIXED), "x" * (ALIGN - HEADER_FIXED + 1), "é" * 30_000])
+@pytest.mark.parametrize(
+    "label", ["", "m", "x" * (ALIGN - HEADER_FIXED), "x" * (ALIGN - HEADER_FIXED + 1), "é" * 30_000]
+)
 @pytest.mark.parametrize("size", [0, 1, SIZE, 2 * ALIGN])
 async def test_footprint_is_the_files_size(ssd, block, label: str, size: int):
     """What the index counts against the capacity for a block is its file's size, however long
@@ -130,7 +132,10 @@ async def test_a_file_cut_inside_its_header_is_corrupt(tmp_path: Path, block):
     os.truncate(ssd.path_of(b.ref), HEADER_FIXED + 20)  # the fixed part whole, most of the label gone
     with pytest.raises(ChecksumMismatch):
         await ssd.get(b.ref, memoryview(bytearray(SIZE)))
-    assert await verified_get(ssd, b.ref, memoryview(bytearray(SIZE)), b.checksum) is None and not ssd.path_of(b.ref).exists()
+    assert (
+        await verified_get(ssd, b.ref, memoryview(bytearray(SIZE)), b.checksum) is None
+        and not ssd.path_of(b.ref).exists()
+    )
 
 
 async def test_file_under_another_name_is_corrupt(ssd, block):
@@ -185,7 +190,9 @@ async def test_build_from_config(tmp_path: Path, block):
 
 
 @pytest.mark.parametrize("io_threads", [1, 4])
-async def test_failed_write_in_a_batch_leaves_nothing(tmp_path: Path, block, monkeypatch: pytest.MonkeyPatch, io_threads: int):
+async def test_failed_write_in_a_batch_leaves_nothing(
+    tmp_path: Path, block, monkeypatch: pytest.MonkeyPatch, io_threads: int
+):
     """One file of a batch fails (ENOSPC) while the others are written at the same time: the
     error surfaces, no block of the batch becomes visible, no temp file or fd is left behind."""
     tier = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, io_threads=io_threads)
@@ -225,7 +232,9 @@ async def test_failed_write_in_a_batch_leaves_nothing(tmp_path: Path, block, mon
 
 @pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("fsync", [True, False], ids=["fsync", "no-fsync"])
-async def test_fsync_setting_decides_the_sync_calls(tmp_path: Path, block, monkeypatch: pytest.MonkeyPatch, direct_io: bool, fsync: bool):
+async def test_fsync_setting_decides_the_sync_calls(
+    tmp_path: Path, block, monkeypatch: pytest.MonkeyPatch, direct_io: bool, fsync: bool
+):
     """One batch: with ``fsync`` every touched directory is fsync'ed (and, buffered, every file
     fdatasync'ed); without it nothing is synced. The blocks read back and a new tier object (a
     restarted sidecar) finds them either way."""

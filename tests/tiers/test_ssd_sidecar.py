@@ -64,7 +64,7 @@ def assert_books_balance(sc: Sidecar, root: Path) -> None:
     files = block_files(root)
     assert placed == set(files)
     on_disk = sum(p.stat().st_size for p in files)
-    assert lv.used == lv.tier.used_bytes == on_disk <= lv.capacity  # type: ignore[operator]
+    assert lv.used == lv.tier.used_bytes == on_disk <= lv.capacity  # type: ignore[operator]  # the SSD's is set
 
 
 # ---- files only the sidecar's user can read ----------------------------------------------------

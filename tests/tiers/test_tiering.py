@@ -78,7 +78,9 @@ async def test_prefetch_reports_readiness(tmp_path):
 
 
 async def test_ssd_full_demotes_to_redis(tmp_path, redis_clean):
-    cfg = tiered_config(tmp_path, **{"ssd.capacity_bytes": 2 * PAGE + 8192, "redis.enabled": True, "redis.url": redis_clean.url})
+    cfg = tiered_config(
+        tmp_path, **{"ssd.capacity_bytes": 2 * PAGE + 8192, "redis.enabled": True, "redis.url": redis_clean.url}
+    )
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         chains = [chain(10 + i, 2) for i in range(4)]
         data = [blocks_for(2, 10 + i) for i in range(4)]
@@ -103,7 +105,10 @@ async def test_write_through_lets_another_host_read_at_once(tmp_path, moto_clean
         await settle(sa)
         assert (await ca.stats())["tiers"]["s3"]["bytes_in"] == 3 * PAGE
         # host b: another sidecar with its own DRAM, the same bucket
-        async with Sidecar(tiered_config(tmp_path / "b", **s3)) as sb, KVStoreClient.from_url(f"127.0.0.1:{sb.grpc_port}") as cb:
+        async with (
+            Sidecar(tiered_config(tmp_path / "b", **s3)) as sb,
+            KVStoreClient.from_url(f"127.0.0.1:{sb.grpc_port}") as cb,
+        ):
             look = await cb.lookup(NS, keys)
             assert look.matched == 3 and {t for t, _ in look.blocks} == {"s3"}
             assert [g.tobytes() for g in await cb.get_blocks(NS, keys)] == data
@@ -228,7 +233,9 @@ async def corrupt(sc: Sidecar, tier: str, key: bytes, request) -> None:
 
         from kvstore.testing.servers import MOTO_CREDENTIALS
 
-        s3 = boto3.client("s3", endpoint_url=request.getfixturevalue("moto_clean").url, region_name="us-east-1", **MOTO_CREDENTIALS)
+        s3 = boto3.client(
+            "s3", endpoint_url=request.getfixturevalue("moto_clean").url, region_name="us-east-1", **MOTO_CREDENTIALS
+        )
         key = lv.tier.object_key(ref)
         body = bytearray(s3.get_object(Bucket=lv.tier.bucket, Key=key)["Body"].read())
         body[-5] ^= 0xFF
@@ -302,7 +309,9 @@ with SyncClient(sys.argv[1]) as c:
 """
 
 
-def test_kill_9_and_restart_finds_every_block_in_ssd_redis_and_s3(tmp_path, serve_process, redis_clean, moto_clean, aws_env):
+def test_kill_9_and_restart_finds_every_block_in_ssd_redis_and_s3(
+    tmp_path, serve_process, redis_clean, moto_clean, aws_env
+):
     import hashlib
     import json
     import signal
@@ -332,11 +341,13 @@ write_through = ["redis", "s3"]
     sc = serve_process(args)
     data = blocks_for(8, 60)
     writer = (
-        "import sys, numpy as np; from kvstore.client import SyncClient; from kvstore.keys import Namespace, prefix_keys;"
+        "import sys, numpy as np; from kvstore.client import SyncClient;"
+        " from kvstore.keys import Namespace, prefix_keys;"
         "ns = Namespace(model='tiny-llama', kv_layout='raw', dtype='float16', block_size=16);"
         "keys = prefix_keys(ns, [60] * (16 * 8)); rng = np.random.default_rng(60);"
         "blocks = [rng.integers(0, 256, 65536, dtype=np.uint8) for _ in range(8)];"
-        "c = SyncClient(sys.argv[1]); [c.put_blocks(ns, keys[i:i+2], blocks[i:i+2], first_parent=keys[i-1] if i else b'') for i in range(0, 8, 2)];"
+        "c = SyncClient(sys.argv[1]);"
+        " [c.put_blocks(ns, keys[i:i+2], blocks[i:i+2], first_parent=keys[i-1] if i else b'') for i in range(0, 8, 2)];"
         "import time; time.sleep(0.5); c.close()"
     )
     subprocess.run([sys.executable, "-c", writer, sc.grpc], check=True, cwd=REPO)
@@ -344,7 +355,11 @@ write_through = ["redis", "s3"]
 
     for _ in range(100):
         before = json.loads(urllib.request.urlopen(f"http://{sc.http}/stats").read())
-        if before["tiers"]["redis"]["blocks"] == 8 and before["tiers"]["s3"]["blocks"] == 8 and before["tiers"]["ssd"]["blocks"] == 4:
+        if (
+            before["tiers"]["redis"]["blocks"] == 8
+            and before["tiers"]["s3"]["blocks"] == 8
+            and before["tiers"]["ssd"]["blocks"] == 4
+        ):
             break
         import time
 

@@ -33,7 +33,9 @@ def fill(seed: int) -> list[list[int]]:
     return evict_prompts(lambda n: rng.integers(4, 512, n).tolist(), POOL, BS)
 
 
-def instance(model: Path, kv: dict[str, Any] | None, phases: list[dict[str, Any]], env: dict[str, str] | None = None) -> dict[str, Any]:
+def instance(
+    model: Path, kv: dict[str, Any] | None, phases: list[dict[str, Any]], env: dict[str, str] | None = None
+) -> dict[str, Any]:
     from benchmarks.vllm import run_instance
 
     spec = {"model": str(model), "block_size": BS, "num_blocks": POOL, "max_model_len": 1024, "dtype": "float32",
