@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
+from kvstore.keys import NamespaceRoot
 from kvstore.policy import make_policy
 from kvstore.policy.base import Eligible, EvictionPolicy, Item
 from kvstore.policy.tree import PrefixLinks
@@ -167,7 +168,7 @@ class Node:
     def __init__(self, node_id: int, capacity: int, policy: EvictionPolicy, label: str) -> None:
         self.id = node_id
         self.index = Index()
-        self.ns: NsEntry = self.index.namespace(b"replay", label)
+        self.ns: NsEntry = self.index.namespace(NamespaceRoot(b"replay"), label)
         self.space = _Space(TierSpec(TierId.DRAM, capacity), policy)
         self.space.tier = cast(TierId, DRAM)  # a plain int: enum arithmetic would run in Python
         self.requests = 0
