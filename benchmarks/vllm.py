@@ -290,14 +290,16 @@ def instance_main(spec_path: str) -> None:
         before_phase = _by_source(llm)
         pace = spec.get("pace") if ph.get("paced") else None
         if ph.get("batch"):
-            walls, round_hooks = [], []
+            walls, round_hooks, round_cpu = [], [], []
             for fill in evict or [[]]:  # one round per eviction fill
                 _await_turn(pace)
                 if fill:
                     gen(fill, 1)
                 time.sleep(ph.get("gap_s", 0.0))
                 hooks.take()
+                cpu = time.process_time()
                 outs, dt = gen(ph["prompts"], ph["max_tokens"])
+                round_cpu.append(time.process_time() - cpu)
                 round_hooks.append(hooks.take())
                 reqs += [record(o) for o in outs]
                 walls.append(dt)
@@ -323,6 +325,7 @@ def instance_main(spec_path: str) -> None:
         if ph.get("batch"):
             phases[ph["name"]]["round_wall_s"] = walls
             phases[ph["name"]]["round_connector_ms"] = round_hooks
+            phases[ph["name"]]["round_cpu_s"] = round_cpu  # the instance's CPU time, all its threads
     if spec.get("pace"):  # all done: shut down only when told, not during another's turn
         os.write(spec["pace"]["out"], b"D")
         os.read(spec["pace"]["in"], 1)
@@ -500,21 +503,35 @@ def run(args: argparse.Namespace) -> dict:
                 "max_model_len": 1024, "dtype": "float32", "phases": _phases(args, pr)}
         with sidecar_process(1 << 30) as sc, contextlib.ExitStack() as stack:
             configs = _configs(args, sc.grpc, work, stack, res.notes)
-            results = _run_interleaved(base, configs, res.notes)
+            results = _run_interleaved(base, configs, res.notes, sidecar_pid=sc.proc.pid)
         _summarise(res, results, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return res.as_dict()
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time of process ``pid`` so far, all its threads (``/proc/PID/task/*/schedstat``, ns); 0
+    where that cannot be read."""
+    total = 0
+    try:
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int(Path(task.path, "schedstat").read_text().split()[0])
+    except OSError:
+        return 0.0
+    return total / 1e9
+
+
 def _run_interleaved(
-    base: dict[str, Any], configs: dict[str, Config], notes: dict[str, Any],
+    base: dict[str, Any], configs: dict[str, Config], notes: dict[str, Any], sidecar_pid: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """Every configuration's instances start one after another (a prefill instance runs ``store``
     before its decode instance starts; a kv_both instance runs ``store`` itself); then the
     measured instances take turns, one request (or batch round) each, the order rotating every
     round, until all are done; shutdowns come only after that. A peer that fails is noted; the
-    no-connector run and kvstore's must succeed."""
+    no-connector run and kvstore's must succeed. The sidecar's CPU time during each turn is kept
+    (``sidecar_cpu_s``, one entry per turn): work a kvstore configuration has done outside vLLM."""
     timeout = 900.0
     with contextlib.ExitStack() as stack:
         live: dict[str, Instance] = {}
@@ -533,11 +550,14 @@ def _run_interleaved(
             else:
                 _failed(name, inst, timeout, notes)
         done: dict[str, Instance] = {}
+        sidecar_cpu: dict[str, list[float]] = {name: [] for name in live}
         r = 0
         while live:
             order = list(live)
             for name in order[r % len(order):] + order[: r % len(order)]:
+                cpu = cpu_seconds(sidecar_pid)
                 said = live[name].turn(timeout)
+                sidecar_cpu[name].append(cpu_seconds(sidecar_pid) - cpu)
                 if said == b"D":
                     done[name] = live.pop(name)
                 elif said != b"R":
@@ -546,7 +566,7 @@ def _run_interleaved(
         results = {}
         for name, inst in done.items():
             try:
-                results[name] = inst.result(timeout)
+                results[name] = {**inst.result(timeout), "sidecar_cpu_s": sidecar_cpu[name]}
                 if name in producers:
                     results[name]["producer"] = producers[name].result(timeout)
             except RuntimeError as exc:
@@ -616,6 +636,11 @@ def _summarise(res: Any, results: dict[str, dict[str, Any]], args: argparse.Name
             repeat = _phase(r, "repeat")["requests"]
             res.notes[f"{name}_repeat_connector_ms"] = _hooks_p50([q["connector_ms"] for q in repeat])
             res.notes[f"{name}_batch_connector_ms"] = _hooks_p50(batch["round_connector_ms"])
+        # CPU per batch round (p50): the vLLM instance's own, and the sidecar's during that turn
+        # (its fill included; the sidecar is shared, so it also shows background work of others)
+        res.notes[f"{name}_batch_cpu_ms"] = round(_p50(batch["round_cpu_s"]) * 1e3, 2)
+        turns = r.get("sidecar_cpu_s", [])[-len(batch["round_wall_s"]):]
+        res.notes[f"{name}_batch_turn_sidecar_cpu_ms"] = round(_p50(turns) * 1e3, 2) if turns else None
         matches = all(
             [q["tokens"] for q in _phase(r, p)["requests"]] == [q["tokens"] for q in _phase(ref, p)["requests"]]
             for p in ("store", "floor", "repeat", "prefix", "batch")

@@ -109,8 +109,9 @@ class SchedulerConnector:
             self._early[req_id] = pending
 
     def _found(self, req_id: str, keys: list[BlockKey], have: int) -> Found:
-        """The request's blocks: from its early lookup when that reaches past the engine's own
-        ``have`` blocks (it was sent for all of them), else looked up now."""
+        """The request's blocks: from its early lookup (sent for all of them) when the engine
+        holds none or the answer reaches past the engine's own ``have`` blocks, else looked up now
+        from ``have`` on."""
         early = self._early.pop(req_id, None)
         if early is not None:
             try:
@@ -118,7 +119,7 @@ class SchedulerConnector:
             except Exception as exc:  # noqa: BLE001 - ask again below
                 log.info("early lookup %s: %s; looking up again", req_id, exc)
             else:
-                if len(found.tiers) > have:
+                if have == 0 or len(found.tiers) > have:
                     self.stats.add(early_lookups=1)
                     return found
                 self._release(req_id, found.lease)

@@ -124,6 +124,17 @@ def test_an_early_lookup_nobody_needs_ends_its_lease(client) -> None:
     slot.close()
 
 
+def test_a_miss_answered_early_is_not_asked_again(client) -> None:
+    stored(client)
+    sched, slot = scheduler(client)
+    fresh = list(range(300, 300 + 6 * 4 + 1))  # nothing of it stored
+    before = acquires(client)
+    sched.on_new_request("r", fresh)
+    assert sched.get_num_new_matched_tokens("r", fresh, 0) == 0
+    assert acquires(client) == before + 1  # the early answer was the answer
+    slot.close()
+
+
 def test_an_early_lookup_short_of_the_engines_blocks_is_made_again(client) -> None:
     stored(client)
     sched, slot = scheduler(client)
