@@ -9,6 +9,7 @@ more than it saves there.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,7 @@ def _threaded(pairs: Pairs) -> list[Callable[[], None]]:
     if len(parts) < 2:
         _run(pairs)
         return []
-    return [lambda a=a, b=b: _run(pairs[a:b]) for a, b in parts]
+    return [functools.partial(_run, pairs[a:b]) for a, b in parts]
 
 
 def copy_blocks(pairs: Pairs) -> None:

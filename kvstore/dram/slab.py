@@ -15,24 +15,29 @@ is only ever handed out when no slot of another cut of its page is taken.
 
 A header page after the last slab page (the segment's last 4 KiB) holds the **free epoch** (a
 u64 at its start, :func:`free_epoch`): the sidecar adds one every time it frees a slot
-(eviction, delete, abort, shutdown). A client that read the epoch before learning where committed blocks lie may read them
-there without a lease as long as the epoch has not moved: a committed block's bytes only change
-after its slot was freed (:mod:`connector.core.directory`).
+(eviction, delete, abort, shutdown). A client that read the epoch before learning where committed
+blocks lie may read them there without a lease as long as the epoch has not moved: a committed
+block's bytes only change after its slot was freed (:mod:`connector.core.directory`).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvstore.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from kvstore.store.index import Block
 
 
 @dataclass(slots=True, eq=False)
@@ -42,7 +47,7 @@ class Slot:
     cls: int  # size-class index
     capacity: int
     page: int  # index of the page it is cut from
-    holder: object | None = None  # the owner's record of what is in it (set by the owner); None once freed
+    holder: Block | None = None  # the block written into it (set by its owner, kvstore.store.space); None once freed
 
 
 @dataclass(slots=True, eq=False)
@@ -81,8 +86,9 @@ class Slab:
         self.name = f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=self.capacity_bytes + HEADER_BYTES)
         _owned[self.name] = self._shm
-        self.buf = np.frombuffer(self._shm.buf, dtype=np.uint8, count=self.capacity_bytes)
-        self._epoch = epoch_view(self._shm.buf, self.capacity_bytes)
+        mapped = _mapping(self._shm)
+        self.buf = np.frombuffer(mapped, dtype=np.uint8, count=self.capacity_bytes)
+        self._epoch = epoch_view(mapped, self.capacity_bytes)
         if prefault:
             self.buf[:: 4096] = 0
         self.classes: list[_SizeClass] = []
@@ -105,7 +111,9 @@ class Slab:
         if size <= 0:
             raise InvalidArgument(f"size: must be positive, got {size}")
         if size > self.max_slot_bytes:
-            raise InvalidArgument(f"size: {size} bytes exceeds the largest slot ({self.max_slot_bytes}); raise dram.page_bytes")
+            raise InvalidArgument(
+                f"size: {size} bytes exceeds the largest slot ({self.max_slot_bytes}); raise dram.page_bytes"
+            )
         idx = max(0, (size - 1).bit_length() - self.classes[0].size.bit_length() + 1)
         return idx
 
@@ -237,17 +245,13 @@ class Slab:
         self._epoch[0] += 1  # nothing a client learned about this slab holds any more
         del self.buf, self._epoch
         _arrays.pop(self.name, None)
-        try:
+        with contextlib.suppress(BufferError):  # views still referenced (a traceback): the mapping goes with them
             self._shm.close()
-        except BufferError:
-            pass  # views still referenced somewhere (a traceback); the mapping goes with them
         _owned.pop(self.name, None)
         _attached.pop(self.name, None)
         if unlink:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 self._shm.unlink()
-            except FileNotFoundError:
-                pass
 
 
 # --- worker side ----------------------------------------------------------------------------
@@ -255,9 +259,9 @@ class Slab:
 HEADER_BYTES = 4096  # after the slab pages: the free epoch
 
 
-def epoch_view(buf: object, offset: int) -> np.ndarray:
+def epoch_view(buf: memoryview | np.ndarray, offset: int) -> np.ndarray:
     """The slab's free epoch (one u64, see the module docstring) in a mapping of the segment."""
-    return np.ndarray((1,), dtype=np.uint64, buffer=buf, offset=offset)  # type: ignore[call-overload]
+    return np.ndarray((1,), dtype=np.uint64, buffer=buf, offset=offset)
 
 
 def free_epoch(segment: str) -> np.ndarray:
@@ -293,14 +297,17 @@ def attach(segment: str) -> np.ndarray:
         shm = _attached.get(segment) or _owned.get(segment)
         if shm is None:
             shm = shared_memory.SharedMemory(name=segment, create=False)
-            try:
-                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-            except Exception:  # tracker not running in this process
-                pass
+            _untrack(shm)
             _prefault(shm)
             _attached[segment] = shm
-        mem = _arrays[segment] = np.frombuffer(shm.buf, dtype=np.uint8)
+        mem = _arrays[segment] = np.frombuffer(_mapping(shm), dtype=np.uint8)
         return mem
+
+
+def _mapping(shm: shared_memory.SharedMemory) -> memoryview:
+    buf = shm.buf
+    assert buf is not None, "a closed shared-memory segment has no mapping"
+    return buf
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python 3.11's mmap module
@@ -309,10 +316,14 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python 3.11's mmap modu
 def _prefault(shm: shared_memory.SharedMemory) -> None:
     """Map every page of the slab into this process now, writable, without touching the data:
     otherwise each worker pays a page fault per 4 KiB on its first copy into a slot."""
-    try:
-        shm._mmap.madvise(MADV_POPULATE_WRITE)  # type: ignore[attr-defined]
-    except (OSError, AttributeError, ValueError):
-        pass  # older kernel: pages fault in on first use
+    with contextlib.suppress(OSError, AttributeError, ValueError):  # older kernel: pages fault in on first use
+        shm._mmap.madvise(MADV_POPULATE_WRITE)  # type: ignore[attr-defined]  # SharedMemory keeps its mmap private
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    """Take ``shm`` off this process's resource tracker: it must not unlink the sidecar's slab at exit."""
+    with contextlib.suppress(Exception):  # the tracker is not running in this process: nothing to undo
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # its private name
 
 
 def unlink_stale(segment: str) -> bool:
@@ -321,10 +332,7 @@ def unlink_stale(segment: str) -> bool:
         shm = shared_memory.SharedMemory(name=segment, create=False)
     except FileNotFoundError:
         return False
-    try:
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:
-        pass
+    _untrack(shm)
     shm.close()
     shm.unlink()
     return True

@@ -30,6 +30,7 @@ from kvstore.errors import FailedPrecondition
 from kvstore.framing import socket_path
 from kvstore.server.local_server import LocalServer
 from kvstore.server.service import SERVICE_NAME, KVStoreServicer, start_grpc
+from kvstore.store.below import NoMovers
 from kvstore.store.block_store import BlockStore
 from kvstore.store.counters import Stats
 from kvstore.tiers.movers import Tiering
@@ -126,7 +127,7 @@ class Sidecar:
         return self
 
     async def _start_tiering(self) -> None:
-        self.store.tiering = await Tiering.start(self.store, self.config)
+        self.store.tiering = await Tiering.start(self.store.space, self.config)
 
     def _cleanup_stale_segment(self) -> None:
         marker = self.data_dir / "segment"
@@ -160,9 +161,8 @@ class Sidecar:
                 self.store.index.release_lease(lease_id)
             for alloc_id in list(self.store.index.allocations):
                 self.store.abort(alloc_id)
-            if self.store.tiering is not None:
-                await self.store.tiering.close()
-                self.store.tiering = None
+            await self.store.tiering.close()
+            self.store.tiering = NoMovers()
         if self.slab is not None:
             self.slab.close(unlink=True)
             self.slab = None

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvstore.keys import NamespaceRoot
 from kvstore.policy import make_policy
 from kvstore.policy.base import EvictionPolicy
 from kvstore.sim.belady import HitRates
@@ -115,7 +116,7 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
     Block when the policy holds it, then ``access_many`` on them deepest first). The hot loop is kept lean: no per-reference allocation beyond
     the new Blocks themselves."""
     index = Index()
-    ns = index.namespace(b"replay", trace.name)
+    ns = index.namespace(NamespaceRoot(b"replay"), trace.name)
     blocks, visible = ns.blocks, ns.visible
     leading_run = index.leading_run
     add, drop, publish = index.add, index.drop, index.publish
@@ -222,7 +223,7 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
                    res: ReplayResult, bar: _Progress) -> None:
     """Several spaces, top first: inclusive of promoted copies, demotion on eviction."""
     index = Index()
-    ns = index.namespace(b"replay", trace.name)
+    ns = index.namespace(NamespaceRoot(b"replay"), trace.name)
     blocks = ns.blocks
     spaces = [_Space(s, p) for s, p in zip(specs, policies)]
     for a, b in zip(spaces, spaces[1:]):

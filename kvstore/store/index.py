@@ -11,9 +11,13 @@ import enum
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import FailedPrecondition, NotFound
-from kvstore.keys import Namespace
+from kvstore.keys import BlockKey, Namespace, NamespaceRoot
+
+if TYPE_CHECKING:
+    from kvstore.dram.slab import Slot
 
 
 class State(enum.IntEnum):
@@ -50,14 +54,14 @@ def top_label(mask: int) -> str:
 @dataclass(slots=True, eq=False)
 class Block:
     ns: NsEntry
-    key: bytes
-    parent: bytes
+    key: BlockKey
+    parent: bytes  # the previous block's key in its prefix, b"" for the first
     size: int
     depth: int = 1
     state: State = State.ALLOCATED
     tiers: int = 0  # placement bits (DRAM | SSD | REDIS | S3)
     checksum: int | None = None  # None until sealed
-    slot: object | None = None  # kvstore.dram.slab.Slot while in DRAM
+    slot: Slot | None = None  # while its bytes are in DRAM or being written there (kvstore.store.space)
     leases: int = 0
     moving: int = 0  # movers reading its DRAM slot right now (write-through)
 
@@ -72,7 +76,7 @@ class Block:
 
 @dataclass(slots=True, eq=False)
 class NsEntry:
-    root: bytes
+    root: NamespaceRoot
     label: str
     namespace: Namespace | None
     blocks: dict[bytes, Block] = field(default_factory=dict)  # every block, allocated or committed
@@ -116,7 +120,7 @@ class Lease:
 
 class Index:
     def __init__(self) -> None:
-        self.namespaces: dict[bytes, NsEntry] = {}
+        self.namespaces: dict[NamespaceRoot, NsEntry] = {}
         self.allocations: dict[str, Allocation] = {}
         self.leases: dict[str, Lease] = {}
 
@@ -126,7 +130,7 @@ class Index:
     # detached empty entry (``find``), the first block registers it (``add``), the last one to
     # go drops it (``drop``). Clients choose namespaces freely; only stored blocks cost memory.
 
-    def namespace(self, root: bytes, label: str, namespace: Namespace | None = None) -> NsEntry:
+    def namespace(self, root: NamespaceRoot, label: str, namespace: Namespace | None = None) -> NsEntry:
         """The namespace's entry, registered (created empty when it holds nothing yet)."""
         entry = self.namespaces.get(root)
         if entry is None:
@@ -135,7 +139,7 @@ class Index:
             entry.namespace = namespace
         return entry
 
-    def find(self, root: bytes, label: str, namespace: Namespace | None = None) -> NsEntry:
+    def find(self, root: NamespaceRoot, label: str, namespace: Namespace | None = None) -> NsEntry:
         """The namespace's entry, or a detached empty one when it holds nothing (not registered:
         a lookup must not make the index grow)."""
         entry = self.namespaces.get(root)
@@ -152,7 +156,7 @@ class Index:
         """The committed blocks at the head of ``keys``, in order.
 
         The hot path of every Lookup: dictionary probes run in C (``map``), no Python loop."""
-        found = list(map(ns.visible.get, keys))
+        found: list[Any] = list(map(ns.visible.get, keys))  # Blocks up to the first None
         try:
             return found[: found.index(None)]
         except ValueError:
@@ -161,7 +165,9 @@ class Index:
     def get(self, ns: NsEntry, key: bytes) -> Block | None:
         return ns.blocks.get(key)
 
-    def add(self, ns: NsEntry, key: bytes, parent: bytes, size: int, state: State, depth: int | None = None) -> Block:
+    def add(
+        self, ns: NsEntry, key: BlockKey, parent: bytes, size: int, state: State, depth: int | None = None
+    ) -> Block:
         """Record a block. ``depth`` is its 1-based position in the prompt when the caller knows
         it (the parent may have been evicted); otherwise it is derived from the parent."""
         if depth is None:
@@ -192,6 +198,11 @@ class Index:
                 ns._hide(block)
             if not ns.blocks and self.namespaces.get(ns.root) is ns:
                 del self.namespaces[ns.root]
+
+    def drop_if_gone(self, block: Block) -> None:
+        """:meth:`drop` ``block`` when no tier holds a copy of it any more."""
+        if not block.tiers:
+            self.drop(block)
 
     # --- allocations --------------------------------------------------------------------
 
@@ -237,7 +248,8 @@ class Index:
     # --- counts -------------------------------------------------------------------------
 
     def count(self) -> dict[str, int]:
-        out = {"namespaces": len(self.namespaces), "blocks": 0, "allocations": len(self.allocations), "leases": len(self.leases)}
+        out = {"namespaces": len(self.namespaces), "blocks": 0, "allocations": len(self.allocations),
+               "leases": len(self.leases)}
         for ns in self.namespaces.values():
             out["blocks"] += len(ns.blocks)
         return out

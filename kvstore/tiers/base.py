@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from kvstore.errors import ChecksumMismatch
+from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.store.checksum import checksums
 
 
@@ -24,8 +25,8 @@ from kvstore.store.checksum import checksums
 class BlockRef:
     """A block's identity in every tier: its namespace root and its 32-byte key."""
 
-    ns: bytes
-    key: bytes
+    ns: NamespaceRoot
+    key: BlockKey
 
     @property
     def name(self) -> str:

@@ -1,4 +1,7 @@
-"""Tiering: the tiers below DRAM, and the movers between them.
+"""Tiering: the tiers below DRAM, and the movers between them and the DRAM space.
+
+The movers work on :class:`~kvstore.store.space.DramSpace` (slots, placement) and the index; the
+block store knows them only as a :class:`~kvstore.store.below.Movers`, wired in by the sidecar.
 
 * DRAM eviction demotes: the block's bytes are staged (copied out of its slot) and written to the
   first lower tier in the background, in two stages per tier: a sealer checksums what the server
@@ -22,9 +25,9 @@ import asyncio
 import contextlib
 import logging
 import mmap
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
@@ -33,16 +36,16 @@ from kvstore.dram.copying import copy_blocks
 from kvstore.dram.slab import Slot
 from kvstore.dram.staging import StagingPool
 from kvstore.errors import ChecksumMismatch, KVStoreError, Unavailable
+from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.policy import make_policy
 from kvstore.policy.base import EvictionPolicy
+from kvstore.store.below import Movers, NoMovers
 from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, REDIS, S3, SSD, Block, State
+from kvstore.store.space import DramSpace, enter, pop_victim
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import BlockMeta, BlockRef, Bounded, Recoverable, Tier
 from kvstore.tiers.verify import verified_get
-
-if TYPE_CHECKING:
-    from kvstore.store.block_store import BlockStore
 
 log = logging.getLogger("kvstore.tiers.movers")
 
@@ -107,12 +110,17 @@ class Level:
 
 
 class Tiering:
-    def __init__(self, store: BlockStore, levels: list[Level], write_through: list[Level]) -> None:
-        self.store = store
+    """The movers between the DRAM space and the tiers below it (a :class:`~kvstore.store.below.Movers`)."""
+
+    def __init__(self, space: DramSpace, levels: list[Level], write_through: list[Level]) -> None:
+        self.space = space
+        self.index = space.index
+        self.stats = space.stats
         self.levels = levels
         self.write_through = write_through
         self._staged: dict[Block, np.ndarray] = {}  # demotions in flight, readable meanwhile
-        self._unstaged: list[tuple[np.ndarray, np.ndarray]] | None = None  # (staging, slot) copies a staging_batch() defers
+        # (staging, slot) copies a staging_batch() defers
+        self._unstaged: list[tuple[np.ndarray, np.ndarray]] | None = None
         self._pool = StagingPool(STAGING_LIMIT)
         self._promoting: dict[Block, asyncio.Future[bool]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -121,27 +129,30 @@ class Tiering:
     # --- construction ----------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, store: BlockStore, config: Config) -> Tiering | None:
+    async def start(cls, space: DramSpace, config: Config) -> Movers:
+        """The configured chain below ``space``, its blocks recovered; :class:`NoMovers` when
+        no tier is enabled."""
         enabled = {"ssd": config.ssd.enabled, "redis": config.redis.enabled, "s3": config.s3.enabled}
         names = [n for n in config.tiering.chain if enabled[n]]
         if not names:
-            return None
+            return NoMovers()
         levels = []
         for name in names:
             tier = build_tier(name, config)
             if isinstance(tier, Bounded):
-                levels.append(Level(name, BITS[name], tier, tier.capacity_bytes, make_policy(config.index.policy), tier.footprint))
+                policy = make_policy(config.index.policy)
+                levels.append(Level(name, BITS[name], tier, tier.capacity_bytes, policy, tier.footprint))
             else:
                 levels.append(Level(name, BITS[name], tier, None, None))
         wt = [lv for lv in levels if lv.name in config.tiering.write_through]
-        self = cls(store, levels, wt)
+        self = cls(space, levels, wt)
         await self.recover()
         self._probe = asyncio.create_task(self._probe_down_tiers(), name="kvstore-tier-probe")
         return self
 
     async def recover(self) -> int:
         """Re-enter every block a Recoverable tier holds into the index (restart)."""
-        index = self.store.index
+        index = self.index
         found = 0
         for lv in self.levels:
             if not isinstance(lv.tier, Recoverable):
@@ -172,8 +183,7 @@ class Tiering:
         nbytes = lv.sizes[b] = lv.footprint(b.size, b.ns.label)
         lv.used += nbytes
         if lv.policy is not None:
-            parent = b.ns.blocks.get(b.parent) if b.parent else None
-            lv.policy.insert(b, parent if parent is not None and parent in lv.policy else None, b.depth, b.size)
+            enter(lv.policy, b)
 
     def _unplaced(self, lv: Level, b: Block) -> None:
         if not b.tiers & lv.bit:
@@ -183,8 +193,7 @@ class Tiering:
         lv.used -= lv.sizes.pop(b, 0)
         if lv.policy is not None and b in lv.policy:
             lv.policy.remove(b)
-        if not b.tiers and b.state is State.COMMITTED:
-            self.store.index.drop(b)
+        self.index.drop_if_gone(b)  # (a block with no tier bit is committed: only those are placed)
 
     def down_mask(self) -> int:
         mask = 0
@@ -194,18 +203,23 @@ class Tiering:
         return mask
 
     def _mark_down(self, lv: Level, exc: BaseException) -> None:
-        self.store.stats.tier(lv.name, "errors")
+        self.stats.tier(lv.name, "errors")
         if not lv.down:
             log.warning("tier %s unavailable, serving without it: %s", lv.name, exc)
         lv.down = True
 
-    def _spawn(self, coro: object) -> asyncio.Future[None]:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._finished)
         return task
 
-    def _finished(self, task: asyncio.Future[None]) -> None:
+    @staticmethod
+    def _meta(lv: Level, b: Block) -> BlockMeta:
+        """What ``lv`` keeps next to ``b``'s bytes."""
+        return BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("tier mover failed", exc_info=exc)
@@ -228,10 +242,10 @@ class Tiering:
             return  # nowhere to go, or the next tier down has it already
         got = self._pool.take(b.size)
         if got is None:
-            self.store.stats.tier(target.name, "errors")
+            self.stats.tier(target.name, "errors")
             return  # demotions are backed up: drop rather than hold unbounded memory
         data, buf = got
-        src = self.store.slab.view(b.slot, b.size)  # type: ignore[arg-type]
+        src = self.space.view(b)
         if self._unstaged is not None:
             self._unstaged.append((data, src))
         else:
@@ -240,7 +254,7 @@ class Tiering:
         self._placed(target, b)
         target.queued.add(b)
         target.queued_bytes += target.sizes[b]
-        self.store.stats.tier("dram", "demotions")
+        self.stats.tier("dram", "demotions")
         target.queue.append((b, data, buf))
         if target.sealer is None or target.sealer.done():
             target.sealer = self._spawn(self._seal_queue(target))
@@ -314,16 +328,16 @@ class Tiering:
             for b, _ in live:
                 lv.dequeue(b)
             await self._make_room(lv)  # the batch is counted already; evict others until it fits
-            items = [(BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(d)) for b, d in live]
+            items = [(self._meta(lv, b), d.data) for b, d in live]
             async with lv.slots:
                 await lv.tier.put_many(items)
-            self.store.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
+            self.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
             written = True
         except Unavailable as exc:
             self._mark_down(lv, exc)
         except Exception:
             log.exception("demotion of %d blocks to %s failed", len(batch), lv.name)
-            self.store.stats.tier(lv.name, "errors")
+            self.stats.tier(lv.name, "errors")
         finally:
             if written:
                 self._release_staged(batch)
@@ -349,25 +363,24 @@ class Tiering:
         async with lv.evicting:
             below = self.levels[self.levels.index(lv) + 1 :]
             if lv.used - lv.queued_bytes > lv.capacity:
-                self.store.drain_touches()
+                self.space.drain_touches()
             while lv.used - lv.queued_bytes > lv.capacity:
-                victim = lv.policy.pop_victim(lambda x: not x.pinned and x not in self._staged)
-                if victim is None:
+                b = pop_victim(lv.policy, lambda x: not x.pinned and x not in self._staged)
+                if b is None:
                     return
-                b: Block = victim  # type: ignore[assignment]
-                self.store.stats.tier(lv.name, "evictions")
+                self.stats.tier(lv.name, "evictions")
                 target = next((t for t in below if not t.down and not b.tiers & t.bit), None)
                 if target is not None and not b.tiers & ~(DRAM | lv.bit):
                     buf = np.empty(b.size, dtype=np.uint8)
                     try:
                         async with lv.slots:
-                            got = await verified_get(lv.tier, lv.ref(b), memoryview(buf), b.checksum or 0)
+                            got = await verified_get(lv.tier, lv.ref(b), buf.data, b.checksum or 0)
                         if got is not None:
-                            meta = BlockMeta(target.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label)
+                            meta = self._meta(target, b)
                             async with target.slots:
-                                await target.tier.put(meta, memoryview(buf))
+                                await target.tier.put(meta, buf.data)
                             self._placed(target, b)
-                            self.store.stats.tier(lv.name, "demotions")
+                            self.stats.tier(lv.name, "demotions")
                     except Unavailable as exc:
                         self._mark_down(target, exc)
                 # Unplaced (and dropped if no tier holds it) before the await: a lookup meanwhile
@@ -381,7 +394,7 @@ class Tiering:
     def committed(self, blocks: Sequence[Block]) -> list[asyncio.Future[None]]:
         """Write-through: copy freshly committed blocks to the remote tiers now. Returns the
         writes started (they never raise: a failure is counted and marks the tier down)."""
-        started = []
+        started: list[asyncio.Future[None]] = []
         for lv in self.write_through:
             if lv.down:
                 continue
@@ -399,20 +412,20 @@ class Tiering:
 
     async def _write_through(self, lv: Level, blocks: list[Block]) -> None:
         try:
-            views = [self.store.slab.view(b.slot, b.size) for b in blocks]  # type: ignore[arg-type]
+            views = [self.space.view(b) for b in blocks]
             await _seal(blocks, views)
-            items = [(BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label), memoryview(v)) for b, v in zip(blocks, views)]
+            items = [(self._meta(lv, b), v.data) for b, v in zip(blocks, views)]
             async with lv.slots:
                 await lv.tier.put_many(items)
             for b in blocks:
                 if b.ns.blocks.get(b.key) is b:  # not deleted meanwhile
                     self._placed(lv, b)
-            self.store.stats.tier(lv.name, "bytes_in", sum(b.size for b in blocks))
+            self.stats.tier(lv.name, "bytes_in", sum(b.size for b in blocks))
         except Unavailable as exc:
             self._mark_down(lv, exc)
         except Exception:
             log.exception("write-through to %s failed", lv.name)
-            self.store.stats.tier(lv.name, "errors")
+            self.stats.tier(lv.name, "errors")
         finally:
             for b in blocks:
                 b.moving -= 1
@@ -452,7 +465,7 @@ class Tiering:
                 b.leases -= 1
 
     async def _promote_batch(self, batch: list[tuple[Block, asyncio.Future[bool]]]) -> None:
-        store = self.store
+        space = self.space
         taken: list[tuple[Block, asyncio.Future[bool], Slot, np.ndarray]] = []
         try:
             with self.staging_batch():  # evictions for these slots copy out together
@@ -462,28 +475,25 @@ class Tiering:
                         self._settle(b, fut, False)  # every copy is in a tier that is down: evict nothing for it
                         continue
                     try:
-                        slot = store._take_slot(store.slab.class_of(b.size), b)
+                        slot = space.take_slot(b)
                     except KVStoreError as exc:  # DRAM full of leased blocks
                         log.info("cannot promote %s: %s", b.key.hex()[:16], exc)
                         self._settle(b, fut, False)
                         continue
-                    taken.append((b, fut, slot, store.slab.view(slot, b.size)))
+                    taken.append((b, fut, slot, space.slab.view(slot, b.size)))
             found = await self._read_into([(b, view) for b, _, _, view in taken])
             for (b, fut, slot, _), source in zip(taken, found):
-                ok = source is not None and b.state is State.COMMITTED and b.ns.blocks.get(b.key) is b
-                if ok:
-                    b.slot = slot
-                    b.tiers |= DRAM
-                    parent = b.ns.blocks.get(b.parent) if b.parent else None
-                    store.policy.insert(b, parent if parent is not None and parent in store.policy else None, b.depth, b.size)
-                    store.stats.tier(source, "promotions")
-                else:
-                    store.slab.free(slot)
-                self._settle(b, fut, ok)
+                if source is not None and b.state is State.COMMITTED and b.ns.blocks.get(b.key) is b:
+                    space.place(b, slot)
+                    self._settle(b, fut, True)  # before anything that may raise: the slot is b's now
+                    self.stats.tier(source, "promotions")
+                else:  # no good copy, or deleted meanwhile
+                    space.release(slot)
+                    self._settle(b, fut, False)
         except BaseException:
             for b, fut, slot, _ in taken:
                 if not fut.done():
-                    store.slab.free(slot)
+                    space.release(slot)
                     self._settle(b, fut, False)
             for b, fut in batch:
                 self._settle(b, fut, False)
@@ -525,25 +535,25 @@ class Tiering:
         views = [v for _, v in items]
         try:
             async with lv.slots:
-                read = await lv.tier.get_many_hashed([lv.ref(b) for b in blocks], [memoryview(v) for v in views])
+                read = await lv.tier.get_many_hashed([lv.ref(b) for b in blocks], [v.data for v in views])
         except Unavailable as exc:
             self._mark_down(lv, exc)
             return [False] * len(items)
         except ChecksumMismatch:  # an unreadable copy in the batch: verify one by one
-            metas = [await verified_get(lv.tier, lv.ref(b), memoryview(v), b.checksum or 0) for b, v in zip(blocks, views)]
+            metas = [await verified_get(lv.tier, lv.ref(b), v.data, b.checksum or 0) for b, v in zip(blocks, views)]
             read = [(m, None if m is None else m.checksum) for m in metas]
         found, bad = [], []
         for b, (meta, got) in zip(blocks, read):
             ok = meta is not None and meta.checksum == b.checksum and got == b.checksum
             found.append(ok)
             if ok:
-                self.store.stats.tier(lv.name, "bytes_out", b.size)
+                self.stats.tier(lv.name, "bytes_out", b.size)
                 continue
             if meta is not None:  # a copy whose bytes do not match the commit: never served
                 log.warning("checksum mismatch on %s copy of %s; dropping it", lv.name, b.key.hex()[:16])
-                self.store.stats.tier(lv.name, "checksum_failures")
+                self.stats.tier(lv.name, "checksum_failures")
             else:  # gone, or unreadable as a whole (a Redis chunk evicted, another chunk size)
-                self.store.stats.tier(lv.name, "misses")
+                self.stats.tier(lv.name, "misses")
             bad.append(b)
         if bad:
             try:  # what is left of them would never be read: it goes too, in one batch
@@ -554,20 +564,21 @@ class Tiering:
                 self._unplaced(lv, b)  # that copy is no more
         return found
 
-    def forget(self, b: Block) -> list[tuple[Level, BlockRef]]:
-        """Take ``b`` out of every lower tier's bookkeeping now (a delete); returns the copies
-        to remove (:meth:`delete_copies`). Nothing awaits in between, so no promotion can land
-        the block in DRAM again while it is being deleted."""
-        self._staged.pop(b, None)
-        copies = [(lv, lv.ref(b)) for lv in self.levels if b.tiers & lv.bit]
-        for lv, _ in copies:
-            self._unplaced(lv, b)
-        return copies
+    def forget(self, blocks: Sequence[Block]) -> Coroutine[Any, Any, None]:
+        """Take ``blocks`` out of every lower tier's bookkeeping now (a delete); awaiting the
+        result removes their copies, one batch per tier. Nothing awaits before the bookkeeping
+        is done, so no promotion in flight can land a deleted block in DRAM again."""
+        copies: dict[Level, list[BlockRef]] = {}
+        for b in blocks:
+            self._staged.pop(b, None)
+            for lv in self.levels:
+                if b.tiers & lv.bit:
+                    copies.setdefault(lv, []).append(lv.ref(b))
+                    self._unplaced(lv, b)
+        return self._delete_copies(copies)
 
-    async def delete_copies(self, copies: Sequence[tuple[Level, BlockRef]]) -> None:
-        """Remove forgotten copies from their tiers, one batch per tier."""
-        for lv in self.levels:
-            refs = [ref for level, ref in copies if level is lv]
+    async def _delete_copies(self, copies: dict[Level, list[BlockRef]]) -> None:
+        for lv, refs in copies.items():
             if refs:
                 try:
                     await lv.tier.delete_many(refs)
@@ -575,7 +586,7 @@ class Tiering:
                     self._mark_down(lv, exc)
 
     async def _probe_down_tiers(self) -> None:
-        probe = BlockRef(b"\0" * 32, b"\0" * 32)
+        probe = BlockRef(NamespaceRoot(bytes(32)), BlockKey(bytes(32)))
         while True:
             await asyncio.sleep(1.0)
             for lv in self.levels:

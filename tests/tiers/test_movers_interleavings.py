@@ -30,8 +30,8 @@ def dram_blocks(sc: Sidecar) -> set[object]:
 def check_policy(sc: Sidecar) -> None:
     """The DRAM policy orders exactly the blocks in DRAM (what evictions pick from)."""
     resident = dram_blocks(sc)
-    assert all(b in sc.store.policy for b in resident)
-    assert len(sc.store.policy) == len(resident)
+    assert all(b in sc.store.space.policy for b in resident)
+    assert len(sc.store.space.policy) == len(resident)
 
 
 def write(sc: Sidecar, keys: list[bytes], data: list[bytes]) -> str:

@@ -1,0 +1,112 @@
+"""What the block store and the DRAM space ask of the tiers below DRAM: the :class:`Movers`
+interface, and :class:`NoMovers`, the nothing-below of a DRAM-only store.
+
+The real movers are :class:`kvstore.tiers.movers.Tiering`; the sidecar wires them in
+(``BlockStore.tiering``). The state layer never imports the tiers: this Protocol is all it knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvstore.store.index import Block
+
+
+class Movers(Protocol):
+    """The tiers below DRAM and the work that moves blocks between them and DRAM."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether moves are in flight (their pins may be all that stands in a write's way)."""
+        ...
+
+    def down_mask(self) -> int:
+        """Placement bits of the tiers that are down (lookups treat them as a miss)."""
+        ...
+
+    def touch(self, run: Sequence[Block]) -> None:
+        """Hits on ``run``, for the policies of the tiers that hold its blocks."""
+        ...
+
+    def on_dram_evict(self, b: Block) -> None:
+        """``b`` is about to leave DRAM: keep its bytes below when nothing there does."""
+        ...
+
+    def staging_batch(self) -> AbstractContextManager[None]:
+        """Evictions inside copy their blocks out together when the block ends."""
+        ...
+
+    def committed(self, blocks: Sequence[Block]) -> list[asyncio.Future[None]]:
+        """Freshly committed ``blocks``: the write-throughs started for them."""
+        ...
+
+    def written_through(self, blocks: Sequence[Block]) -> int:
+        """How many of ``blocks`` every write-through tier holds."""
+        ...
+
+    async def promote(self, run: list[Block]) -> list[Block]:
+        """Bring ``run``'s blocks that are only below DRAM up; the leading part now in DRAM."""
+        ...
+
+    def forget(self, blocks: Sequence[Block]) -> Awaitable[None]:
+        """Take ``blocks`` out of every lower tier's bookkeeping now (a delete); awaiting the
+        result removes their copies."""
+        ...
+
+    async def flush(self) -> None:
+        """Wait for the moves in flight."""
+        ...
+
+    def occupancy(self) -> dict[str, dict[str, object]]:
+        """Each lower tier's occupancy, by name."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class NoMovers:
+    """A DRAM-only store: nothing below, nothing moves, nothing is ever down."""
+
+    busy = False
+
+    def down_mask(self) -> int:
+        return 0
+
+    def touch(self, run: Sequence[Block]) -> None:
+        pass
+
+    def on_dram_evict(self, b: Block) -> None:
+        pass
+
+    def staging_batch(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def committed(self, blocks: Sequence[Block]) -> list[asyncio.Future[None]]:
+        return []
+
+    def written_through(self, blocks: Sequence[Block]) -> int:
+        return 0
+
+    async def promote(self, run: list[Block]) -> list[Block]:
+        return run
+
+    def forget(self, blocks: Sequence[Block]) -> Awaitable[None]:
+        return _nothing()
+
+    async def flush(self) -> None:
+        pass
+
+    def occupancy(self) -> dict[str, dict[str, object]]:
+        return {}
+
+    async def close(self) -> None:
+        pass
+
+
+async def _nothing() -> None:
+    pass

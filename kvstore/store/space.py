@@ -1,0 +1,331 @@
+"""The DRAM space: one owner for the slab, its eviction policy and the blocks placed in it.
+
+Whatever takes a slot, places a block in DRAM, frees one or evicts one goes through
+:class:`DramSpace`: the block store (writes, reads, deletes) and the tier movers (promotions) alike.
+It also buffers the hits the policies learn of (applied before every eviction decision) and hands
+each block it evicts to the movers, which keep its bytes below DRAM (:class:`~kvstore.store.below.Movers`).
+
+A slot's :attr:`~kvstore.dram.slab.Slot.holder` is the block written into it. A block is *in DRAM*
+once its bytes are there (the DRAM bit, :meth:`DramSpace.place`); until then (an allocation being
+written, a promotion being read) it holds its slot and cannot be evicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import cast
+
+import numpy as np
+
+from kvstore.dram.slab import Page, Slab, Slot
+from kvstore.errors import ResourceExhausted
+from kvstore.policy.base import Eligible, EvictionPolicy
+from kvstore.store.below import Movers, NoMovers
+from kvstore.store.counters import Stats
+from kvstore.store.index import DRAM, Block, Index
+
+
+def enter(policy: EvictionPolicy, b: Block) -> None:
+    """``b`` entered the space ``policy`` orders (DRAM, or a tier below it), linked to its parent
+    when that space holds the parent too (the prefix-aware policies evict leaves first)."""
+    parent = b.ns.blocks.get(b.parent) if b.parent else None
+    policy.insert(b, parent if parent is not None and parent in policy else None, b.depth, b.size)
+
+
+def pop_victim(policy: EvictionPolicy, ok: Callable[[Block], bool]) -> Block | None:
+    """The policy's next victim among the blocks ``ok`` accepts (removed from the policy)."""
+    return cast("Block | None", policy.pop_victim(cast("Eligible", ok)))
+
+
+class DramSpace:
+    def __init__(self, slab: Slab, policy: EvictionPolicy, index: Index, stats: Stats) -> None:
+        self.slab = slab
+        self.policy = policy
+        self.index = index
+        self.stats = stats
+        self.movers: Movers = NoMovers()  # the tiers below DRAM, once the sidecar wires them
+        self._touches: list[tuple[list[Block], bool]] = []
+
+    # --- hits -----------------------------------------------------------------------------
+
+    def touch(self, run: list[Block], all_in_dram: bool = False) -> None:
+        """Record hits for the policies (this space's and the tiers'). Applied lazily (a read
+        buffer, as Caffeine does): off the request's critical path, and always before the next
+        eviction decision."""
+        if run:
+            touches = self._touches
+            if touches and touches[-1][0] == run:
+                return  # the same run again (a hot prefix): touching it twice in a row = once
+            touches.append((run, all_in_dram))
+            if len(touches) >= 256:
+                self.drain_touches()
+
+    def drain_touches(self) -> None:
+        touches, self._touches = self._touches, []
+        access_many, touch_below = self.policy.access_many, self.movers.touch
+        for run, all_in_dram in touches:
+            # Deepest first, so that an ancestor is always at least as recent as its descendants.
+            access_many(run[::-1] if all_in_dram else [b for b in reversed(run) if b.tiers & DRAM])
+            touch_below(run)
+
+    # --- slots ------------------------------------------------------------------------------
+
+    def take(self, needs: Mapping[int, int]) -> dict[int, list[Slot]]:
+        """Slots for ``needs`` (size class -> how many), evicting the policy's victims when free
+        slots and free pages do not cover them; refused before anything is evicted when they
+        cannot all be had (:class:`_Room`). The caller makes each slot's block its holder."""
+        slab = self.slab
+        if slab.fits(needs):
+            return {cls: slab.take(cls, n) for cls, n in needs.items()}
+        self.drain_touches()
+        room = _Room(self, needs)
+        with self.movers.staging_batch():
+            return room.take()
+
+    def take_slot(self, holder: Block) -> Slot:
+        """One slot for ``holder``'s bytes (see :meth:`take`); it holds the slot from now on."""
+        cls = self.slab.class_of(holder.size)
+        slot = self.take({cls: 1})[cls][0]
+        slot.holder = holder
+        return slot
+
+    def view(self, b: Block) -> np.ndarray:
+        """The bytes of ``b``'s slot (``b`` holds one)."""
+        slot = b.slot
+        assert slot is not None, "a block without a slot has no bytes in DRAM"
+        return self.slab.view(slot, b.size)
+
+    # --- placement --------------------------------------------------------------------------
+
+    def place(self, b: Block, slot: Slot | None = None) -> None:
+        """``b``'s bytes are in ``slot`` now (by default the slot it was allocated): it is in DRAM
+        and the policy orders it."""
+        if slot is not None:
+            b.slot = slot
+            slot.holder = b
+        b.tiers |= DRAM
+        enter(self.policy, b)
+
+    def release(self, slot: Slot) -> None:
+        """Give back a slot that never held a placed block (a promotion that found no good copy)."""
+        self.slab.free(slot)
+
+    def free(self, b: Block) -> None:
+        """``b`` leaves DRAM (the policy no longer holds it); a block no tier holds leaves the index."""
+        if b.slot is not None:
+            self.slab.free(b.slot)
+            b.slot = None
+        b.tiers &= ~DRAM
+        self.index.drop_if_gone(b)
+
+    def remove(self, b: Block) -> None:
+        """``b`` leaves DRAM for another reason than eviction (a delete, a corrupt copy)."""
+        if b in self.policy:
+            self.policy.remove(b)
+        self.free(b)
+
+    def evict(self, b: Block) -> None:
+        """Drop the DRAM copy of a block the policy chose (out of it already); the movers keep its
+        bytes below DRAM first when a lower tier takes them."""
+        self.stats.tier("dram", "evictions")
+        self.movers.on_dram_evict(b)
+        self.free(b)
+
+    # --- reporting ---------------------------------------------------------------------------
+
+    def occupancy(self) -> dict[str, object]:
+        return {**self.slab.occupancy(), "blocks": len(self.policy)}
+
+
+def _can_evict(slot: Slot) -> bool:
+    """Whether the slot holds a block in DRAM that may leave it now."""
+    b = slot.holder
+    return b is not None and b.slot is slot and not b.pinned
+
+
+def _slot_of(b: Block) -> Slot:
+    slot = b.slot
+    assert slot is not None, "the policy holds only blocks in DRAM"
+    return slot
+
+
+class _Room:
+    """Room in DRAM for one request's slots, decided before anything is evicted.
+
+    A size class takes its free slots, then pages from the free-page pool, then evicts its own
+    blocks (the policy's victims). A class that cannot fit that way is *owed* pages: from the
+    pool, then from other classes, by evicting every block of a *whole* page (one whose taken
+    slots all hold blocks that may leave) -- the page of the policy's next such victim, as
+    memcached's slab rebalancing moves pages. A class of the request gives pages only while what
+    it keeps still holds its own slots. When the owed pages are not there, the request is refused
+    and nothing was evicted. Once they are taken, each class takes its slots; when it must evict,
+    the policy's next victim may also lie on a whole page of a class this request needs nothing
+    more from, and that page moves: a class whose blocks are newer grows at the expense of an
+    idle one instead of evicting its own.
+    """
+
+    def __init__(self, space: DramSpace, needs: Mapping[int, int]) -> None:
+        self.space = space
+        self.slab = space.slab
+        self.needs = dict(needs)
+        self.left = dict(needs)  # class -> slots it has still to take
+        self.owed: dict[int, int] = {}  # class -> pages it must get before taking slots
+        self.gives: dict[int, int] = {}  # class of the request -> pages it may still give to owed ones
+        self._whole: dict[Page, bool] = {}  # valid while no class takes slots (cleared before each does)
+        self._plan()
+
+    def _full(self, detail: str = "") -> ResourceExhausted:
+        return ResourceExhausted(
+            f"blocks: DRAM is full ({self.slab.capacity_bytes} bytes){detail}; the rest is leased or being written"
+        )
+
+    def _plan(self) -> None:
+        slab = self.slab
+        short = {c: max(0, n - slab.free_slots(c)) for c, n in self.needs.items()}
+        for c, n in short.items():
+            own = self._evictable(c, n)
+            if own < n:
+                self.owed[c] = -(-(n - own) // slab.per_page(c))
+        want = sum(self.owed.values()) - slab.free_pages
+        for d in range(len(slab.classes)):
+            if want <= 0:
+                return
+            if d in self.owed:
+                continue
+            if d in self.needs:  # it may give what it does not need of its free and evictable slots
+                per = slab.per_page(d)
+                spare = (slab.free_slots(d) + self._evictable(d, short[d] + want * per) - self.needs[d]) // per
+                give = self.gives[d] = self._whole_pages(d, min(spare, want))
+            else:
+                give = self._whole_pages(d, want)
+            want -= give
+        if want > 0:
+            sizes = ", ".join(f"{n} x {slab.classes[c].size} B" for c, n in self.needs.items())
+            pages = sum(-(-n // slab.per_page(c)) for c, n in self.needs.items())
+            if pages > slab.num_pages:
+                raise ResourceExhausted(
+                    f"blocks: the new blocks ({sizes}) need {pages} pages of {slab.page_bytes} bytes; DRAM has "
+                    f"{slab.num_pages} (dram.capacity_bytes)"
+                )
+            detail = f": the new blocks ({sizes}) need {want} page(s) more than free slots and evictable blocks give"
+            raise self._full(detail)
+
+    def _evictable(self, cls: int, cap: int) -> int:
+        """Slots of class ``cls`` whose blocks may be evicted, counted up to ``cap``."""
+        n = 0
+        if cap <= 0:
+            return n
+        for page in self.slab.pages(cls):
+            for slot in page.slots:
+                if _can_evict(slot):
+                    n += 1
+                    if n == cap:
+                        return n
+        return n
+
+    def _is_whole(self, page: Page) -> bool:
+        got = self._whole.get(page)
+        if got is None:
+            got = self._whole[page] = page.used > 0 and sum(map(_can_evict, page.slots)) == page.used
+        return got
+
+    def _whole_pages(self, cls: int, cap: int) -> int:
+        n = 0
+        for page in self.slab.pages(cls):
+            if n >= cap:
+                break
+            n += self._is_whole(page)
+        return n
+
+    # --- taking -------------------------------------------------------------------------------
+
+    def take(self) -> dict[int, list[Slot]]:
+        slab = self.slab
+        got: dict[int, list[Slot]] = {c: [] for c in self.needs}
+        try:
+            for c, n in self.owed.items():
+                for _ in range(n):
+                    if not slab.grow(c):
+                        self._move(c, lambda d: d not in self.needs or self.gives.get(d, 0) > 0)
+            for c, n in self.needs.items():
+                self._whole.clear()  # the classes before this one took slots
+                take = self._taker(c)
+                for _ in range(n):
+                    got[c].append(take())
+                    self.left[c] -= 1
+        except BaseException:
+            for slots in got.values():
+                for slot in slots:
+                    slab.free(slot)
+            raise
+        return got
+
+    def _taker(self, cls: int) -> Callable[[], Slot]:
+        """What takes the next slot of class ``cls``, evicting when none is free."""
+        slab, space, left, whole = self.slab, self.space, self.left, self._is_whole
+        policy = space.policy
+        own = self._own(cls)
+
+        def victim_ok(b: Block) -> bool:
+            if b.pinned:
+                return False
+            slot = _slot_of(b)
+            return slot.cls == cls or (not left.get(slot.cls) and whole(slab.page_of(slot)))
+
+        def take() -> Slot:
+            while (slot := slab.try_alloc(cls)) is None:
+                victim = pop_victim(policy, victim_ok)
+                if victim is None:  # the policy keeps the rest for their children: take one anyway
+                    victim = next(own, None)
+                    if victim is None:
+                        raise self._full()
+                    policy.remove(victim)
+                if _slot_of(victim).cls == cls:
+                    space.evict(victim)
+                else:
+                    self._reclaim(slab.page_of(_slot_of(victim)), victim)
+            return slot
+
+        return take
+
+    def _own(self, cls: int) -> Iterator[Block]:
+        """The evictable blocks of class ``cls``, in slab order, each checked when reached."""
+        for page in list(self.slab.pages(cls)):
+            for slot in page.slots:
+                if _can_evict(slot):
+                    yield cast(Block, slot.holder)
+
+    def _move(self, cls: int, donor: Callable[[int], bool]) -> None:
+        """Reclaim a whole page of a ``donor`` class (the page of the policy's next victim among
+        them; any whole one when the policy has none) and cut it for ``cls``."""
+        slab = self.slab
+
+        def victim_ok(b: Block) -> bool:
+            return not b.pinned and donor(_slot_of(b).cls) and self._is_whole(slab.page_of(_slot_of(b)))
+
+        victim = pop_victim(self.space.policy, victim_ok)
+        if victim is not None:
+            page: Page | None = slab.page_of(_slot_of(victim))
+        else:
+            donors = (d for d in range(len(slab.classes)) if d != cls and donor(d))
+            page = next((p for d in donors for p in slab.pages(d) if self._is_whole(p)), None)
+        if page is None:
+            raise self._full()
+        self._reclaim(page, victim)
+        if not slab.grow(cls):
+            raise self._full()
+
+    def _reclaim(self, page: Page, victim: Block | None) -> None:
+        """Evict every block of a whole page (``victim`` is one, out of the policy already): the
+        page goes back to the pool with its last slot."""
+        space = self.space
+        cls = page.cls
+        if victim is not None:
+            space.evict(victim)
+        for slot in page.slots:
+            if _can_evict(slot):
+                b = cast(Block, slot.holder)
+                space.policy.remove(b)
+                space.evict(b)
+        if cls in self.gives:
+            self.gives[cls] -= 1
