@@ -14,13 +14,19 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvstore.client import SlotRef
-from kvstore.keys import BlockKey, Namespace
+from kvstore.keys import Namespace
 
 
-class LookupResultLike(Protocol):
-    matched: int
-    blocks: list[tuple[str, int]]  # (tier, size) per matched block
-    lease_id: str | None
+class LookupResultLike(Protocol):  # read-only members: the client's LookupResult is frozen
+    @property
+    def matched(self) -> int: ...
+
+    @property
+    def blocks(self) -> list[tuple[str, int]]:  # (tier, size) per matched block
+        ...
+
+    @property
+    def lease_id(self) -> str | None: ...
 
 
 class AllocationLike(Protocol):
@@ -41,18 +47,20 @@ class PlacedAllocationLike(AllocationLike, Protocol):
 
 
 class LeaseLike(Protocol):
-    views: Sequence[np.ndarray]
+    @property
+    def views(self) -> Sequence[np.ndarray]: ...
 
 
 class ConnectorClient(Protocol):
-    def lookup(self, ns: Namespace, keys: Sequence[BlockKey], lease_ttl_ms: int = 0) -> LookupResultLike: ...
+    # keys are BlockKeys; typed bytes, as the clients take them
+    def lookup(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> LookupResultLike: ...
 
     def allocate(
         self,
         ns: Namespace,
-        keys: Sequence[BlockKey],
+        keys: Sequence[bytes],
         sizes: Sequence[int],
-        parents: Sequence[BlockKey | None] | None = None,
+        parents: Sequence[bytes] | None = None,
     ) -> AbstractContextManager[AllocationLike]: ...
 
-    def acquire(self, ns: Namespace, keys: Sequence[BlockKey]) -> AbstractContextManager[LeaseLike]: ...
+    def acquire(self, ns: Namespace, keys: Sequence[bytes]) -> AbstractContextManager[LeaseLike]: ...
