@@ -22,9 +22,11 @@ Block ``size`` is the block's token count, so policies can tell a partial tail f
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.keys import NamespaceRoot
 from kvstore.policy import make_policy
@@ -55,8 +57,11 @@ class ReplayResult(HitRates):
     def refs_per_s(self) -> float:
         return self.references / self.seconds if self.seconds else 0.0
 
-    def to_json(self) -> dict:
-        out: dict = {"prefix_hit_rate": round(self.prefix_hit_rate, 6), "block_hit_rate": round(self.block_hit_rate, 6)}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prefix_hit_rate": round(self.prefix_hit_rate, 6),
+            "block_hit_rate": round(self.block_hit_rate, 6),
+        }
         if len(self.tier_prefix_hits) > 1:
             refs = self.references or 1
             out["tiers"] = {t: {"prefix_hit_rate": round(h / refs, 6)} for t, h in self.tier_prefix_hits.items()}
@@ -113,8 +118,8 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
     """One space, in the store's order of calls (kvstore/store/block_store.py): Lookup (leading run), the
     run's hits via ``access_many`` deepest first, Allocate (victims popped for every new block,
     blocks added ALLOCATED), then Commit (published and inserted root first, with the parent
-    Block when the policy holds it, then ``access_many`` on them deepest first). The hot loop is kept lean: no per-reference allocation beyond
-    the new Blocks themselves."""
+    Block when the policy holds it, then ``access_many`` on them deepest first). The hot loop is kept
+    lean: no per-reference allocation beyond the new Blocks themselves."""
     index = Index()
     ns = index.namespace(NamespaceRoot(b"replay"), trace.name)
     blocks, visible = ns.blocks, ns.visible
@@ -181,7 +186,7 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
 
 
 class _Space:
-    __slots__ = ("tier", "capacity", "policy", "used", "below")
+    __slots__ = ("below", "capacity", "policy", "tier", "used")
 
     def __init__(self, spec: TierSpec, policy: EvictionPolicy) -> None:
         self.tier = spec.tier
@@ -226,8 +231,8 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
     ns = index.namespace(NamespaceRoot(b"replay"), trace.name)
     blocks = ns.blocks
     spaces = [_Space(s, p) for s, p in zip(specs, policies)]
-    for a, b in zip(spaces, spaces[1:]):
-        a.below = b
+    for upper, lower in itertools.pairwise(spaces):
+        upper.below = lower
     top = spaces[0]
     labels = [(sp.tier, sp.tier.label) for sp in spaces]
     tier_hits = res.tier_prefix_hits
