@@ -87,7 +87,8 @@ class Directory:
             self._replicated(held[0], key, False)
 
     def _replicated(self, node: int, key: object, yes: bool) -> None:
-        self.policies[node].replicated(self.visible[node][key], yes)  # type: ignore[index]
+        block = self.visible[node][key]  # type: ignore[index]  # trace keys are ints, the Index is typed for BlockKeys
+        self.policies[node].replicated(block, yes)
 
 
 class ClusterPolicy:
@@ -148,9 +149,9 @@ class ClusterPolicy:
         parent = links.parent.get(item)
         links.unlink(item)
         self.spare.discard(item)
-        self.directory.remove(item.key, self.node)  # type: ignore[attr-defined]
+        self.directory.remove(item.key, self.node)  # type: ignore[attr-defined]  # policy items are Blocks
         if (self.prefer and parent is not None and parent not in links.kids
-                and self.directory.copies(parent.key) > 1):  # type: ignore[attr-defined]
+                and self.directory.copies(parent.key) > 1):  # type: ignore[attr-defined]  # a Block
             self.spare.add(parent)  # a leaf again
 
     def __len__(self) -> int:
@@ -175,7 +176,7 @@ class Node:
 
     def place(self, key: object, parent: object, size: int, depth: int) -> Block | None:
         """Add a committed block and place it in the space; None (and forgotten) when it does not fit."""
-        b = self.index.add(self.ns, key, parent, size, State.COMMITTED, depth)  # type: ignore[arg-type]
+        b = self.index.add(self.ns, key, parent, size, State.COMMITTED, depth)  # type: ignore[arg-type]  # int keys
         if _place(self.ns, self.index, self.space, b):
             return b
         self.index.drop(b)
@@ -244,7 +245,7 @@ def node_prefixes(nodes: Sequence[Node], directory: Directory | None, keys: Sequ
     """Each node's usable prefix of ``keys`` by place: its own leading run (``dram``) or, with a
     directory, the cluster's leading run split into the blocks it holds and those only peers hold."""
     if directory is None:
-        return [{"dram": len(Index.leading_run(n.ns, keys))} for n in nodes]  # type: ignore[arg-type]
+        return [{"dram": len(Index.leading_run(n.ns, keys))} for n in nodes]  # type: ignore[arg-type]  # int keys
     held = directory.holders
     run = 0
     for key in keys:
@@ -309,13 +310,13 @@ def _serve(node: Node, members: list[Node], directory: Directory | None, req: Re
     own = node.space.policy
     fetched: list[int] = []  # positions in the run served by a peer
     for i, key in enumerate(keys):
-        b = visible.get(key)  # type: ignore[call-overload]
+        b = visible.get(key)  # type: ignore[call-overload]  # trace keys are ints, the Index is typed for BlockKeys
         if b is None:
             holders = held.get(key)
             if not holders:
                 break
             holder = members[holders[0]]  # the first node that stored it
-            b = holder.ns.visible[key]  # type: ignore[index]
+            b = holder.ns.visible[key]  # type: ignore[index]  # trace keys are ints, the Index is typed for BlockKeys
             owners.append(holder.space.policy)
             fetched.append(i)
         else:
@@ -331,7 +332,7 @@ def _serve(node: Node, members: list[Node], directory: Directory | None, req: Re
     for i in fetched:  # replicas, root first so each parent is there to link to
         size = req.last_size if i == last else bt
         if node.place(keys[i], keys[i - 1] if i else b"", size, i + 1) is not None:
-            directory.add(keys[i], node.id)  # type: ignore[union-attr]
+            directory.add(keys[i], node.id)  # type: ignore[union-attr]  # peer hits come only with a directory
             res.replicas += 1
     blocks = node.ns.blocks
     for i in range(n, nk):

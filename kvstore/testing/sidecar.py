@@ -23,7 +23,9 @@ class ServeProcess:
     def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         # stderr (structured logs) goes to a file: a pipe nobody reads would block the server.
         # closed in stop(); read after the process is gone
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvstore-serve-", suffix=".log", delete=False)  # noqa: SIM115
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            "w+", prefix="kvstore-serve-", suffix=".log", delete=False
+        )
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvstore", "serve", *args],
             stdout=subprocess.PIPE,
