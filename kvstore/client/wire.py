@@ -178,7 +178,8 @@ class AllocationState:
             cb = pb.CommitBlock(key=s.key, slot_id=s.slot_id)
             if checksums:
                 cb.has_checksum = True
-                cb.checksum = self.checksums[i] = checksum(s.view)  # type: ignore[arg-type]  # None: present, caller's bug
+                c = checksum(s.view)  # type: ignore[arg-type]  # None: present, caller's bug
+                cb.checksum = self.checksums[i] = c
             blocks.append(cb)
         self.done = True
         if not blocks:

@@ -76,7 +76,7 @@ class Sidecar:
         self.data_dir = Path(config.data_dir)
         self.lock = DataDirLock(self.data_dir)
         self.slab: Slab | None = None
-        self.store: BlockStore = None  # type: ignore[assignment]
+        self.store: BlockStore = None  # type: ignore[assignment]  # None until start(); stop() checks
         self.grpc_port = 0
         self.http_port = 0
         self.ready = False
@@ -95,7 +95,9 @@ class Sidecar:
         try:
             self._cleanup_stale_segment()
             d = cfg.dram
-            self.slab = Slab(d.capacity_bytes, d.page_bytes, d.min_slot_bytes, prefault=d.prefault, name_prefix=d.segment_prefix)
+            self.slab = Slab(
+                d.capacity_bytes, d.page_bytes, d.min_slot_bytes, prefault=d.prefault, name_prefix=d.segment_prefix,
+            )
             (self.data_dir / "segment").write_text(self.slab.name)
             self.store = BlockStore(cfg, self.slab, Stats())
             await self._start_tiering()

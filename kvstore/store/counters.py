@@ -23,7 +23,9 @@ OTHER = "other"  # the /stats namespace entry that sums every namespace not show
 OUTCOMES = ("loaded", "recomputed", "fallback")  # a decision's outcome: one of these, or "fallback:<reason>"
 DECISION_STRINGS = {"namespace": 1024, "tier": 16, "outcome": 64}  # longest allowed, in characters
 DECISION_SECONDS = ("predicted_load_s", "predicted_recompute_s", "actual_s")
-TIER_COUNTERS = ("hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "promotions", "errors", "checksum_failures")
+TIER_COUNTERS = (
+    "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "promotions", "errors", "checksum_failures",
+)
 
 
 @dataclass(slots=True)

@@ -35,7 +35,7 @@ class TierId(enum.IntFlag):
 
     @property
     def label(self) -> str:
-        return self.name.lower()  # type: ignore[union-attr]
+        return self.name.lower()  # type: ignore[union-attr]  # a combined flag has no name; single tiers all do
 
 
 TIER_ORDER: tuple[TierId, ...] = (TierId.DRAM, TierId.SSD, TierId.REDIS, TierId.S3)

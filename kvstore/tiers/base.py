@@ -49,6 +49,7 @@ class BlockMeta:
 _HEADER = struct.Struct("<4sH32s32s?32sQQH")
 MAGIC = b"KVB1"
 LABEL_MAX = 0xFFFF  # label bytes a header keeps (its length is a u16)
+HashedRead = tuple[BlockMeta | None, int | None]  # a block's header (None on a miss) and the xxh3_64 of its bytes
 
 
 def encode_header(meta: BlockMeta) -> bytes:
@@ -62,17 +63,17 @@ def encode_header(meta: BlockMeta) -> bytes:
     )
 
 
-def header_size(buf: bytes | memoryview) -> int:
+def header_size(buf: bytes | bytearray | memoryview) -> int:
     """Total header length (fixed part + label) given at least the fixed part."""
     if len(buf) < _HEADER.size:
         raise ChecksumMismatch(f"block header truncated ({len(buf)} of {_HEADER.size} bytes)")
-    return _HEADER.size + _HEADER.unpack_from(buf)[-1]
+    return _HEADER.size + int(_HEADER.unpack_from(buf)[-1])
 
 
 HEADER_FIXED = _HEADER.size
 
 
-def decode_header(buf: bytes | memoryview) -> BlockMeta:
+def decode_header(buf: bytes | bytearray | memoryview) -> BlockMeta:
     """The header at the start of ``buf``; :class:`ChecksumMismatch` when it is not one."""
     if len(buf) < _HEADER.size:
         raise ChecksumMismatch(f"block header truncated ({len(buf)} of {_HEADER.size} bytes)")
@@ -107,7 +108,7 @@ class Tier(Protocol):
 
     async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]: ...
 
-    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
+    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[HashedRead]:
         """``get_many`` plus the xxh3_64 of each block's bytes as read (None on a miss), for the
         tiering layer to compare with the commit's checksum."""
         ...
@@ -142,28 +143,28 @@ class TierBase:
     def from_app_config(cls, config: Any) -> Any:
         """Build from the whole :class:`kvstore.config.Config`: its section named ``cls.name``
         goes to ``cls.from_config``. Tiers that need shared settings override this."""
-        return cls.from_config(getattr(config, cls.name))  # type: ignore[attr-defined]
+        return cls.from_config(getattr(config, cls.name))  # type: ignore[attr-defined]  # each tier class has its own
 
     async def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
-        return [await self.contains(r) for r in refs]  # type: ignore[attr-defined]
+        return [await self.contains(r) for r in refs]  # type: ignore[attr-defined]  # a Tier method (mixin)
 
     async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
-        return [await self.get(r, b) for r, b in zip(refs, into)]  # type: ignore[attr-defined]
+        return [await self.get(r, b) for r, b in zip(refs, into)]  # type: ignore[attr-defined]  # a Tier method (mixin)
 
-    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
+    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[HashedRead]:
         """Read, then hash (:func:`with_hashes`); tiers that can hash while the bytes arrive override it."""
         return await with_hashes(await self.get_many(refs, into), into)
 
     async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
         for meta, data in items:
-            await self.put(meta, data)  # type: ignore[attr-defined]
+            await self.put(meta, data)  # type: ignore[attr-defined]  # a Tier method (mixin)
 
     async def delete_many(self, refs: Sequence[BlockRef]) -> None:
         for r in refs:
-            await self.delete(r)  # type: ignore[attr-defined]
+            await self.delete(r)  # type: ignore[attr-defined]  # a Tier method (mixin)
 
 
-async def with_hashes(metas: Sequence[BlockMeta | None], into: Sequence[memoryview]) -> list[tuple[BlockMeta | None, int | None]]:
+async def with_hashes(metas: Sequence[BlockMeta | None], into: Sequence[memoryview]) -> list[HashedRead]:
     """Each read block's header with the xxh3_64 of the bytes it filled (:func:`kvstore.store.checksum.checksums`)."""
     read = [(i, v[: m.size]) for i, (v, m) in enumerate(zip(into, metas)) if m is not None]
     sums: list[int | None] = [None] * len(metas)
