@@ -10,6 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstore.commands import Subparsers
 
 SUITES = {
     "lookup": "benchmarks.lookup",
@@ -20,7 +24,7 @@ SUITES = {
 }
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: Subparsers) -> None:
     p = sub.add_parser(
         "bench",
         help="run a benchmark suite: " + ", ".join(SUITES),
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_table(result: dict) -> str:
+def format_table(result: dict[str, Any]) -> str:
     lines = [f"suite: {result['suite']}"]
     for name, fig in result["figures"].items():
         lines.append(f"  {name:<40} {fig['value']:>14.4g} {fig['unit']}")

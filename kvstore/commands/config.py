@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstore.commands import Subparsers
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("config", help="print the default configuration or validate a config file")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--print-defaults", action="store_true", help="print the defaults as TOML, with descriptions")

@@ -25,15 +25,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-MODEL = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
+if TYPE_CHECKING:
+    from kvstore.commands import Subparsers
+
+MODEL: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096}
 MODEL_ID = "kvstore-demo-llama"
 FOLLOW_UP = " Hello world, one two three four five: load save prompt request hit miss."
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("demo", help="prefill -> decode handoff of a tiny Llama through an embedded sidecar")
     p.add_argument("--tokens", type=int, default=1544, help="prompt length in tokens (default 1544)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens to decode per turn")
@@ -68,7 +71,7 @@ async def _worker(role: str, spec_path: Path) -> dict[str, Any]:
     out, err = await proc.communicate()  # the sidecar keeps serving on this loop meanwhile
     if proc.returncode != 0:
         raise RuntimeError(f"{role} worker exited with {proc.returncode}:\n{err.decode()[-4000:]}")
-    result = json.loads(out.decode().strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
     result["pid"] = proc.pid
     return result
 
@@ -102,7 +105,8 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
         })
         async with Sidecar(config) as sc:
             url = f"127.0.0.1:{sc.grpc_port}"
-            _say(f"embedded sidecar: gRPC {url}, HTTP 127.0.0.1:{sc.http_port} (/stats), DRAM slab 64 MiB in shared memory")
+            _say(f"embedded sidecar: gRPC {url}, HTTP 127.0.0.1:{sc.http_port} (/stats), "
+                 "DRAM slab 64 MiB in shared memory")
             spec = {"model_dir": str(model_dir), "url": url, "prompt": prompt, "follow_up": follow_up,
                     "new_tokens": args.new_tokens, "block_size": args.block_size}
             spec_path = d / "spec.json"
@@ -113,8 +117,8 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
 
             pre = await _worker("prefill", spec_path)
             _say(f"[prefill worker, pid {pre['pid']}] computed all {pre['computed_tokens']} prompt tokens in "
-                 f"{pre['prefill_ms']:.0f} ms; stored {pre['saved_blocks']} blocks ({pre['saved_bytes'] / 2**20:.1f} MiB) "
-                 f"in {pre['save_ms']:.1f} ms")
+                 f"{pre['prefill_ms']:.0f} ms; stored {pre['saved_blocks']} blocks "
+                 f"({pre['saved_bytes'] / 2**20:.1f} MiB) in {pre['save_ms']:.1f} ms")
             _say()
 
             dec = await _worker("decode", spec_path)
@@ -132,7 +136,7 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
                  f"recomputed {t2['computed_tokens']}; outputs match full recompute: {'yes' if t2['match'] else 'NO'}")
             _say()
 
-            stats = sc.store.snapshot()
+            stats: dict[str, Any] = sc.store.snapshot()  # a JSON document
             lk = stats["lookups"]
             counts = {k: v for k, v in stats["decisions"]["counts"].items() if k != "total"}
             _say(f"sidecar /stats: {lk['calls']} lookups, {lk['blocks_hit']} of {lk['blocks_requested']} blocks hit "
@@ -152,7 +156,8 @@ def _load_model(model_dir: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)  # the sidecar has the other core of a small machine
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
 
 
 def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -228,7 +233,8 @@ def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
             "prompt_tokens": len(prompt2), "loaded_tokens": gen2.prefill.loaded_tokens,
             "loaded_blocks": gen2.prefill.loaded_tokens // bs, "computed_tokens": gen2.prefill.computed_tokens,
             "tokens": gen2.tokens,
-            "match": gen2.tokens == ref2_tokens and bool(torch.allclose(gen2.logits, ref2_logits, atol=1e-4, rtol=1e-4)),
+            "match": (gen2.tokens == ref2_tokens
+                      and bool(torch.allclose(gen2.logits, ref2_logits, atol=1e-4, rtol=1e-4))),
         }
         stats = conn.stats.as_dict()
     return {"turn1": turn1, "turn2": turn2, "connector_stats": stats}

@@ -21,6 +21,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvstore.commands import Subparsers
     from kvstore.sim.traces import Trace
 
 
@@ -31,7 +32,9 @@ def _capacity(text: str) -> tuple[str, float]:
             return ("frac", float(t[:-1]) / 100.0)
         v = float(t)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"capacity {text!r}: want a fraction (0.05), a percentage (5%) or a block count") from None
+        raise argparse.ArgumentTypeError(
+            f"capacity {text!r}: want a fraction (0.05), a percentage (5%) or a block count"
+        ) from None
     if v <= 0:
         raise argparse.ArgumentTypeError(f"capacity {text!r} must be positive")
     return ("frac", v) if v < 1 else ("blocks", v)
@@ -44,7 +47,7 @@ def _tier(text: str) -> tuple[str, tuple[str, float]]:
     return name.strip().upper(), _capacity(cap)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: Subparsers) -> None:
     from kvstore.policy import DEFAULT_POLICY, policy_names
     from kvstore.routing import ROUTINGS
 
@@ -58,10 +61,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tier", action="append", type=_tier, metavar="NAME=CAP",
                    help="per-tier capacities, top tier first (dram=5%%, ssd=20%%); replaces --capacity")
     p.add_argument("--policy", action="append", metavar="NAME",
-                   help=f"policy to replay, repeatable; one of {policy_names()} or 'all' (default: lru and {DEFAULT_POLICY})")
+                   help=f"policy to replay, repeatable; one of {policy_names()} or 'all' "
+                        f"(default: lru and {DEFAULT_POLICY})")
     p.add_argument("--block-tokens", type=int, default=512, help="tokens per block in the trace (default 512)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per capacity (last line: the last capacity)")
-    p.add_argument("--plot", metavar="FILE.png", help="plot prefix hit rate against capacity for every policy, with the bound")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per capacity (last line: the last capacity)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="plot prefix hit rate against capacity for every policy, with the bound")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--nodes", type=_nodes, metavar="N",
                    help="cluster replay over N nodes, --capacity each (default 1%%): isolated nodes, the cluster "
@@ -99,14 +105,15 @@ def run(args: argparse.Namespace) -> int:
         return _run_cluster(args, trace, unique, names, progress)
     key_lists = [r.keys for r in trace.requests]
 
-    runs: list[tuple[list[TierSpec], dict]] = []
+    runs: list[tuple[list[TierSpec], dict[str, Any]]] = []
     if args.tier:
         specs = []
         for name, cap in args.tier:
             try:
                 tier = TierId[name]
             except KeyError:
-                raise InvalidArgument(f"--tier: unknown tier {name!r}; allowed: {[t.name.lower() for t in TierId]}") from None
+                allowed = [t.label for t in TierId]
+                raise InvalidArgument(f"--tier: unknown tier {name!r}; allowed: {allowed}") from None
             specs.append(TierSpec(tier, _blocks(cap, unique)))
         runs.append((specs, {}))
     else:
@@ -117,14 +124,15 @@ def run(args: argparse.Namespace) -> int:
     for specs, _ in runs:
         total = sum(s.capacity for s in specs)
         bound = belady(key_lists, total)
-        out = {
+        out: dict[str, Any] = {
             "trace": trace.name,
             "unique_blocks": unique,
             "references": trace.references,
             "capacity_blocks": total,
             "default_policy": DEFAULT_POLICY,
             "policies": {},
-            "belady": {"prefix_hit_rate": round(bound.prefix_hit_rate, 6), "block_hit_rate": round(bound.block_hit_rate, 6)},
+            "belady": {"prefix_hit_rate": round(bound.prefix_hit_rate, 6),
+                       "block_hit_rate": round(bound.block_hit_rate, 6)},
         }
         if len(specs) > 1:
             out["tiers"] = {s.tier.label: s.capacity for s in specs}
@@ -189,7 +197,7 @@ def _print_cluster(out: dict[str, Any]) -> None:
                   f"{' '.join(ratios)} {r['imbalance']:>12.3f}")
 
 
-def _print_table(out: dict) -> None:
+def _print_table(out: dict[str, Any]) -> None:
     cap = out["capacity_blocks"]
     print(f"{out['trace']}: {out['references']:,} references, {out['unique_blocks']:,} unique blocks, "
           f"capacity {cap:,} blocks ({cap / max(out['unique_blocks'], 1):.1%})")
@@ -207,7 +215,8 @@ def _print_table(out: dict) -> None:
     print(f"  {'belady':<10} {bound:>10.4f} {out['belady']['block_hit_rate']:>10.4f}   (offline bound)")
 
 
-def _plot(path: str, trace: str, unique: int, names: list[str], rows: list[tuple[int, dict[str, float], float]]) -> None:
+def _plot(path: str, trace: str, unique: int, names: list[str],
+          rows: list[tuple[int, dict[str, float], float]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,7 +227,7 @@ def _plot(path: str, trace: str, unique: int, names: list[str], rows: list[tuple
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ax.plot(xs, [b for _, _, b in rows], "k--", marker="o", label="Belady (bound)")
     for n in names:
-        style = {"color": "tab:gray"} if n == "lru" else {}
+        style: dict[str, Any] = {"color": "tab:gray"} if n == "lru" else {}
         ax.plot(xs, [r[n] for _, r, _ in rows], marker="o", label=n, **style)
     ax.set_xlabel("capacity (% of unique blocks)")
     ax.set_ylabel("prefix hit rate")

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstore.commands import Subparsers
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("serve", help="run the sidecar (embedded defaults: DRAM + local SSD directory)")
     p.add_argument("--config", help="TOML config file (see `kvstore config --print-defaults`)")
     p.add_argument("--grpc-address", help="HOST:PORT or unix:/path (default 127.0.0.1:50051)")
-    p.add_argument("--http-address", help="HOST:PORT for /stats, /metrics, /healthz and the dashboard (default 127.0.0.1:8080)")
+    p.add_argument("--http-address",
+                   help="HOST:PORT for /stats, /metrics, /healthz and the dashboard (default 127.0.0.1:8080)")
     p.add_argument("--data-dir", help="directory for SSD blocks and state (default ./kvstore-data)")
     p.add_argument("--dram-bytes", type=int, help="size of the shared-memory slab in bytes")
     p.add_argument("--log-format", choices=("json", "text"), default="json")

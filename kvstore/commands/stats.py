@@ -6,10 +6,13 @@ import argparse
 import asyncio
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvstore.commands import Subparsers
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: Subparsers) -> None:
     p = sub.add_parser("stats", help="print hit rates of a running sidecar")
     p.add_argument("--url", default="grpc://127.0.0.1:50051", help="sidecar gRPC address")
     p.add_argument("--token", default="", help="bearer token, if the sidecar requires one")
@@ -40,9 +43,11 @@ def _bytes(n: float) -> str:
 def render(doc: dict[str, Any]) -> str:
     lk = doc["lookups"]
     lines = [
-        f"lookups {lk['calls']}   blocks requested {lk['blocks_requested']}   hit {lk['blocks_hit']}   hit rate {_pct(lk['hit_rate'])}",
+        f"lookups {lk['calls']}   blocks requested {lk['blocks_requested']}   hit {lk['blocks_hit']}   "
+        f"hit rate {_pct(lk['hit_rate'])}",
         "",
-        f"{'tier':<6} {'hit rate':>9} {'hits':>9} {'used':>11} {'capacity':>11} {'evict':>7} {'demote':>7} {'promote':>7} {'errors':>7} {'bad sum':>7}",
+        f"{'tier':<6} {'hit rate':>9} {'hits':>9} {'used':>11} {'capacity':>11} {'evict':>7} {'demote':>7} "
+        f"{'promote':>7} {'errors':>7} {'bad sum':>7}",
     ]
     for name, t in doc["tiers"].items():
         if not t.get("enabled"):
@@ -55,7 +60,8 @@ def render(doc: dict[str, Any]) -> str:
     if doc["namespaces"]:
         lines += ["", f"{'namespace':<40} {'lookups':>8} {'requested':>10} {'hit':>8} {'hit rate':>9}"]
         for label, c in doc["namespaces"].items():
-            lines.append(f"{label[:40]:<40} {c['calls']:>8} {c['blocks_requested']:>10} {c['blocks_hit']:>8} {_pct(c['hit_rate']):>9}")
+            lines.append(f"{label[:40]:<40} {c['calls']:>8} {c['blocks_requested']:>10} {c['blocks_hit']:>8} "
+                         f"{_pct(c['hit_rate']):>9}")
     d = doc["decisions"]["counts"]
     if d:
         lines += ["", "reload-vs-recompute decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(d.items()))]
