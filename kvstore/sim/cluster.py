@@ -2,7 +2,7 @@
 
 ``kvstore replay TRACE --nodes N --routing round-robin|random|prefix`` runs three models of the
 same N × capacity blocks, all on the replay's cache model (:mod:`kvstore.sim.replay`: an
-``Index`` per node and a ``_Space`` of one policy, filled through ``_place``, which pops victims
+``Index`` per node and a ``Space`` of one policy, filled through ``place``, which pops victims
 until there is room and inserts the block with its parent):
 
 * **isolated**: every node its own cache; a request hits only what its node holds;
@@ -36,13 +36,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
-from kvstore.keys import NamespaceRoot
+from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.policy import make_policy
 from kvstore.policy.base import Eligible, EvictionPolicy, Item
 from kvstore.policy.tree import PrefixLinks
 from kvstore.routing import MAX_IMBALANCE, ROUTINGS, rank
 from kvstore.sim.belady import HitRates
-from kvstore.sim.replay import PROGRESS_EVERY, TierSpec, _place, _Progress, _Space
+from kvstore.sim.replay import PROGRESS_EVERY, Progress, Space, TierSpec, index_keys, place
 from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import DRAM, Block, Index, NsEntry, State, TierId
 
@@ -56,7 +56,7 @@ class Directory:
     __slots__ = ("holders", "policies", "visible")
 
     def __init__(self) -> None:
-        self.holders: dict[object, list[int]] = {}
+        self.holders: dict[BlockKey, list[int]] = {}
         self.policies: list[ClusterPolicy] = []
         self.visible: list[dict[bytes, Block]] = []  # each node's committed blocks by key
 
@@ -67,10 +67,10 @@ class Directory:
         self.policies.append(pol)
         self.visible.append(node.ns.visible)
 
-    def copies(self, key: object) -> int:
+    def copies(self, key: BlockKey) -> int:
         return len(self.holders.get(key, ()))
 
-    def add(self, key: object, node: int) -> None:
+    def add(self, key: BlockKey, node: int) -> None:
         held = self.holders.setdefault(key, [])
         held.append(node)
         if len(held) == 2:
@@ -78,7 +78,7 @@ class Directory:
         if len(held) >= 2:
             self._replicated(node, key, True)
 
-    def remove(self, key: object, node: int) -> None:
+    def remove(self, key: BlockKey, node: int) -> None:
         held = self.holders[key]
         held.remove(node)
         if not held:
@@ -86,8 +86,8 @@ class Directory:
         elif len(held) == 1:
             self._replicated(held[0], key, False)
 
-    def _replicated(self, node: int, key: object, yes: bool) -> None:
-        block = self.visible[node][key]  # type: ignore[index]  # trace keys are ints, the Index is typed for BlockKeys
+    def _replicated(self, node: int, key: BlockKey, yes: bool) -> None:
+        block = self.visible[node][key]
         self.policies[node].replicated(block, yes)
 
 
@@ -170,14 +170,14 @@ class Node:
         self.id = node_id
         self.index = Index()
         self.ns: NsEntry = self.index.namespace(NamespaceRoot(b"replay"), label)
-        self.space = _Space(TierSpec(TierId.DRAM, capacity), policy)
+        self.space = Space(TierSpec(TierId.DRAM, capacity), policy)
         self.space.tier = cast(TierId, DRAM)  # a plain int: enum arithmetic would run in Python
         self.requests = 0
 
-    def place(self, key: object, parent: object, size: int, depth: int) -> Block | None:
+    def place(self, key: BlockKey, parent: bytes, size: int, depth: int) -> Block | None:
         """Add a committed block and place it in the space; None (and forgotten) when it does not fit."""
-        b = self.index.add(self.ns, key, parent, size, State.COMMITTED, depth)  # type: ignore[arg-type]  # int keys
-        if _place(self.ns, self.index, self.space, b):
+        b = self.index.add(self.ns, key, parent, size, State.COMMITTED, depth)
+        if place(self.ns, self.index, self.space, b):
             return b
         self.index.drop(b)
         return None
@@ -237,15 +237,15 @@ class _Router:
         return self.nodes[self.rng.randrange(len(self.nodes))]
 
     def _prefix(self, req: Request) -> Node:
-        return self.nodes[rank(node_prefixes(self.nodes, self.directory, req.keys), [n.requests for n in self.nodes],
-                               self.max_imbalance)[0]]
+        prefixes = node_prefixes(self.nodes, self.directory, index_keys(req))
+        return self.nodes[rank(prefixes, [n.requests for n in self.nodes], self.max_imbalance)[0]]
 
 
-def node_prefixes(nodes: Sequence[Node], directory: Directory | None, keys: Sequence[object]) -> list[dict[str, int]]:
+def node_prefixes(nodes: Sequence[Node], directory: Directory | None, keys: Sequence[BlockKey]) -> list[dict[str, int]]:
     """Each node's usable prefix of ``keys`` by place: its own leading run (``dram``) or, with a
     directory, the cluster's leading run split into the blocks it holds and those only peers hold."""
     if directory is None:
-        return [{"dram": len(Index.leading_run(n.ns, keys))} for n in nodes]  # type: ignore[arg-type]  # int keys
+        return [{"dram": len(Index.leading_run(n.ns, keys))} for n in nodes]
     held = directory.holders
     run = 0
     for key in keys:
@@ -280,7 +280,7 @@ def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster
         members.append(node)
     router = _Router(routing, members, directory, seed, max_imbalance)
     res = ClusterRun(mode, routing, capacity)
-    bar = _Progress(trace.references, f"{mode} {routing}", progress)
+    bar = Progress(trace.references, f"{mode} {routing}", progress)
     t0 = time.perf_counter()
     done = 0
     try:
@@ -300,7 +300,7 @@ def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster
 
 def _serve(node: Node, members: list[Node], directory: Directory | None, req: Request, bt: int,
            res: ClusterRun) -> None:
-    keys = req.keys
+    keys = index_keys(req)
     nk = len(keys)
     last = nk - 1
     visible = node.ns.visible
@@ -310,13 +310,13 @@ def _serve(node: Node, members: list[Node], directory: Directory | None, req: Re
     own = node.space.policy
     fetched: list[int] = []  # positions in the run served by a peer
     for i, key in enumerate(keys):
-        b = visible.get(key)  # type: ignore[call-overload]  # trace keys are ints, the Index is typed for BlockKeys
+        b = visible.get(key)
         if b is None:
             holders = held.get(key)
             if not holders:
                 break
             holder = members[holders[0]]  # the first node that stored it
-            b = holder.ns.visible[key]  # type: ignore[index]  # trace keys are ints, the Index is typed for BlockKeys
+            b = holder.ns.visible[key]
             owners.append(holder.space.policy)
             fetched.append(i)
         else:
@@ -337,7 +337,7 @@ def _serve(node: Node, members: list[Node], directory: Directory | None, req: Re
     blocks = node.ns.blocks
     for i in range(n, nk):
         key = keys[i]
-        if key in blocks or key in held:  # type: ignore[comparison-overlap]  # behind the gap: useless to the prefix
+        if key in blocks or key in held:  # behind the gap: useless to the prefix
             res.block_hits += 1
             continue
         size = req.last_size if i == last else bt

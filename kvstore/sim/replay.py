@@ -24,18 +24,25 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from kvstore.keys import NamespaceRoot
+from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.policy import make_policy
-from kvstore.policy.base import EvictionPolicy
+from kvstore.policy.base import Eligible, EvictionPolicy
 from kvstore.sim.belady import HitRates
-from kvstore.sim.traces import Trace
+from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import Block, Index, NsEntry, State, TierId
 
 PROGRESS_EVERY = 1024  # requests between progress-bar updates
+
+
+def index_keys(req: Request) -> Sequence[BlockKey]:
+    """The request's block keys as the Index takes them. A trace names its blocks by integer ids; the
+    Index only hashes and compares keys, so the ids stand in for ``BlockKey`` as they are (making bytes
+    of each would slow the replay and change no hit). This is the one place the replay says so."""
+    return cast("Sequence[BlockKey]", req.keys)
 
 
 @dataclass(slots=True)
@@ -69,7 +76,7 @@ class ReplayResult(HitRates):
         return out
 
 
-class _Progress:
+class Progress:
     def __init__(self, total: int, desc: str, enabled: bool) -> None:
         self.bar = None
         if enabled:
@@ -101,7 +108,7 @@ def replay(trace: Trace, tiers: int | Sequence[TierSpec], policy: str | Sequence
     if len(policies) != len(specs):
         raise ValueError("replay: one policy per tier space")
     result = ReplayResult(name, tier_prefix_hits={s.tier.label: 0 for s in specs})
-    bar = _Progress(trace.references, f"{name}", progress)
+    bar = Progress(trace.references, f"{name}", progress)
     t0 = time.perf_counter()
     try:
         if len(specs) == 1:
@@ -114,7 +121,7 @@ def replay(trace: Trace, tiers: int | Sequence[TierSpec], policy: str | Sequence
     return result
 
 
-def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: ReplayResult, bar: _Progress) -> None:
+def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: ReplayResult, bar: Progress) -> None:
     """One space, in the store's order of calls (kvstore/store/block_store.py): Lookup (leading run), the
     run's hits via ``access_many`` deepest first, Allocate (victims popped for every new block,
     blocks added ALLOCATED), then Commit (published and inserted root first, with the parent
@@ -125,7 +132,9 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
     blocks, visible = ns.blocks, ns.visible
     leading_run = index.leading_run
     add, drop, publish = index.add, index.drop, index.publish
-    access_many, insert, pop_victim = policy.access_many, policy.insert, policy.pop_victim
+    access_many, insert = policy.access_many, policy.insert
+    # The policy's items are this replay's Blocks (the Protocol types them as any hashable).
+    pop_victim = cast("Callable[[Eligible | None], Block | None]", policy.pop_victim)
     contains = policy.__contains__
     tier = int(spec.tier)
     untier = ~tier
@@ -136,7 +145,7 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
     refs = prefix = hits = 0
     since = 0
     for ri, req in enumerate(trace.requests):
-        keys = req.keys
+        keys = index_keys(req)
         nk = len(keys)
         refs += nk
         run = leading_run(ns, keys)
@@ -185,7 +194,7 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
     res.tier_prefix_hits[spec.tier.label] = prefix
 
 
-class _Space:
+class Space:
     __slots__ = ("below", "capacity", "policy", "tier", "used")
 
     def __init__(self, spec: TierSpec, policy: EvictionPolicy) -> None:
@@ -193,10 +202,10 @@ class _Space:
         self.capacity = spec.capacity
         self.policy = policy
         self.used = 0
-        self.below: _Space | None = None
+        self.below: Space | None = None
 
 
-def _place(ns: NsEntry, index: Index, sp: _Space, b: Block) -> bool:
+def place(ns: NsEntry, index: Index, sp: Space, b: Block) -> bool:
     """Put ``b`` into space ``sp`` (make room, insert); victims go one tier down."""
     if sp.capacity <= 0:
         return False
@@ -204,7 +213,7 @@ def _place(ns: NsEntry, index: Index, sp: _Space, b: Block) -> bool:
     parent = pb if pb is not None and pb.tiers & sp.tier else None
     pol = sp.policy
     while sp.used >= sp.capacity:
-        v = pol.pop_victim(None)
+        v = cast("Block | None", pol.pop_victim(None))  # a replayed space holds Blocks
         if v is None:
             return False
         sp.used -= 1
@@ -213,7 +222,7 @@ def _place(ns: NsEntry, index: Index, sp: _Space, b: Block) -> bool:
             parent = None
         below = sp.below
         while below is not None and not v.tiers & below.tier:
-            if _place(ns, index, below, v):
+            if place(ns, index, below, v):
                 break
             below = below.below
         if not v.tiers:
@@ -225,12 +234,12 @@ def _place(ns: NsEntry, index: Index, sp: _Space, b: Block) -> bool:
 
 
 def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[EvictionPolicy],
-                   res: ReplayResult, bar: _Progress) -> None:
+                   res: ReplayResult, bar: Progress) -> None:
     """Several spaces, top first: inclusive of promoted copies, demotion on eviction."""
     index = Index()
     ns = index.namespace(NamespaceRoot(b"replay"), trace.name)
     blocks = ns.blocks
-    spaces = [_Space(s, p) for s, p in zip(specs, policies)]
+    spaces = [Space(s, p) for s, p in zip(specs, policies)]
     for upper, lower in itertools.pairwise(spaces):
         upper.below = lower
     top = spaces[0]
@@ -240,7 +249,7 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
     bt = trace.block_tokens
     refs = prefix = hits = 0
     for ri, req in enumerate(trace.requests):
-        keys = req.keys
+        keys = index_keys(req)
         nk = len(keys)
         refs += nk
         run = index.leading_run(ns, keys)
@@ -259,7 +268,7 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
                     sp.policy.access(b)
         for b in run:  # promote lower-tier hits into the top tier (root first, so parents link)
             if not b.tiers & top.tier:
-                _place(ns, index, top, b)
+                place(ns, index, top, b)
         for i in range(n, nk):
             key = keys[i]
             if key in blocks:
@@ -267,7 +276,7 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
                 continue
             size = req.last_size if i == nk - 1 else bt
             b = index.add(ns, key, keys[i - 1] if i else b"", size, committed, i + 1)
-            if not _place(ns, index, top, b):
+            if not place(ns, index, top, b):
                 index.drop(b)
         if ri % PROGRESS_EVERY == 0:
             bar.update(refs - res.references)

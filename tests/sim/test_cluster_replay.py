@@ -111,14 +111,14 @@ def test_one_node_is_the_single_cache_replay(policy: str) -> None:
 def test_compare_json_shape() -> None:
     out = compare(SHARED, 2, 3, ["round-robin", "random"], "lru")
     assert out["global"] == {"capacity_blocks": 6, "prefix_hit_rate": 0.5, "block_hit_rate": 0.5}
-    rr = out["routing"]["round-robin"]  # type: ignore[index]
+    rr = out["routing"]["round-robin"]  # type: ignore[index]  # compare() is typed dict[str, object]
     assert rr["isolated"] == {"prefix_hit_rate": round(4 / 12, 6), "block_hit_rate": round(4 / 12, 6),
                               "imbalance": 1.0, "requests_per_node": [2, 2]}
     assert rr["cluster"]["peer_hit_rate"] == round(2 / 12, 6)
     assert rr["cluster_vs_isolated"] == 1.5
     assert rr["cluster_vs_global"] == 1.0
     assert rr["imbalance"] == 1.0
-    assert set(out["routing"]) == {"round-robin", "random"}  # type: ignore[arg-type]
+    assert set(out["routing"]) == {"round-robin", "random"}  # type: ignore[arg-type]  # a dict, typed object
 
 
 def test_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
