@@ -16,12 +16,17 @@ from benchmarks import ttft
 
 @pytest.fixture
 def restore_affinity() -> Iterator[None]:
-    """The run pins this (pytest's) process: every thread gets its CPUs back afterwards."""
-    saved = os.sched_getaffinity(0)
+    """The run pins this (pytest's) process and sets torch's thread count: both are put back
+    afterwards (a later test comparing logits computed here with a subprocess's, bit for bit,
+    failed when this process kept one torch thread: the reductions split differently)."""
+    import torch
+
+    saved, threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
         yield
     finally:
         ttft.pin(saved)
+        torch.set_num_threads(threads)
 
 
 def test_parse_cpus() -> None:
