@@ -124,7 +124,8 @@ class Instance:
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "benchmarks.vllm", "--instance", str(path)], cwd=REPO, pass_fds=fds,
-                env={**os.environ, **VLLM_ENV, "PYTHONPATH": pythonpath, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, **VLLM_ENV, "PYTHONPATH": pythonpath, **(env or {})}, stdout=log,
+                stderr=subprocess.STDOUT,
             )
         for fd in fds:
             os.close(fd)  # the child's ends
@@ -496,7 +497,8 @@ def run(args: argparse.Namespace) -> dict:
     try:
         model = build_tiny_llama(
             work / "model", hidden_size=args.hidden_size, intermediate_size=2 * args.hidden_size,
-            num_hidden_layers=args.layers, num_attention_heads=args.hidden_size // 32, num_key_value_heads=2, head_dim=32,
+            num_hidden_layers=args.layers, num_attention_heads=args.hidden_size // 32, num_key_value_heads=2,
+            head_dim=32,
         )
         pr = _prompts(args, vocab=512)
         base = {"model": str(model), "block_size": args.block_size, "num_blocks": args.num_blocks,
@@ -687,7 +689,8 @@ def _compare(res: Any, results: dict[str, dict[str, Any]], rps: dict[str, float]
         peer_hits = [v for n, v in hits.items() if n != ours]
         if ours in hits and peer_hits:
             res.ratio(f"{label}{infix}_vs_best_peer", min(peer_hits) / hits[ours])
-    over = {n: max(ttfts[n]["repeat"] - ttfts[n]["floor"], 1e-4) for n in [ours, *peers] if _hit_ttfts(results[n], "repeat")}
+    over = {n: max(ttfts[n]["repeat"] - ttfts[n]["floor"], 1e-4)
+            for n in [ours, *peers] if _hit_ttfts(results[n], "repeat")}
     if ours in over and len(over) > 1:
         res.ratio(f"ttft_over_floor{infix}_vs_best_peer", min(v for n, v in over.items() if n != ours) / over[ours])
     res.ratio(f"throughput{infix}_vs_best_peer", rps[ours] / max(rps[n] for n in peers))
@@ -709,7 +712,9 @@ class MooncakePeer:
             import importlib.util
 
             if importlib.util.find_spec("mooncake") is None:
-                raise RuntimeError("python package mooncake (pip install mooncake-transfer-engine-non-cuda) is not installed")
+                raise RuntimeError(
+                    "python package mooncake (pip install mooncake-transfer-engine-non-cuda) is not installed"
+                )
             master = shutil.which("mooncake_master")
             if master is None:
                 raise RuntimeError("mooncake_master is not on PATH")
@@ -723,8 +728,9 @@ class MooncakePeer:
                 stdout=self.log, stderr=subprocess.STDOUT)
             _wait_port(http, self.proc, work / "mooncake_master.log")
             _wait_port(rpc, self.proc, work / "mooncake_master.log")
-            config = {"metadata_server": f"http://127.0.0.1:{http}/metadata", "master_server_address": f"127.0.0.1:{rpc}",
-                      "protocol": "tcp", "device_name": "", "global_segment_size": "512MB", "local_buffer_size": "256MB"}
+            config = {"metadata_server": f"http://127.0.0.1:{http}/metadata",
+                      "master_server_address": f"127.0.0.1:{rpc}", "protocol": "tcp", "device_name": "",
+                      "global_segment_size": "512MB", "local_buffer_size": "256MB"}
             (work / "mooncake.json").write_text(json.dumps(config))
             self.env = {"MOONCAKE_CONFIG_PATH": str(work / "mooncake.json"), "VLLM_HOST_IP": "127.0.0.1"}
         except Exception as exc:  # noqa: BLE001 - reported in the benchmark's notes

@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -85,7 +85,7 @@ class Settings:
     verify_checksums: bool = True  # check loaded blocks against their checksums
     lease_ttl_ms: int = 30_000  # the lookup's lease on the blocks it found, until they are loaded
     lookup_reuse_ms: int = 1_000  # a waiting request's lookup answer is reused this long
-    load_failure_policy: str = "recompute"  # applied to vLLM's kv_load_failure_policy
+    load_failure_policy: Literal["recompute", "fail"] = "recompute"  # applied to vLLM's kv_load_failure_policy
     transfer: str = ""  # "numpy" | "cupy"; default by device
     threads: int = 1  # transfer threads in the worker
     directory: bool = True  # remember where this engine's blocks lie: lookups without a round trip
@@ -109,9 +109,12 @@ def _dtype_name(dtype: Any) -> str:
     return _DTYPES[name]
 
 
-def kv_spec_and_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: Settings) -> tuple[KVSpec, Namespace, list[str]]:
+def kv_spec_and_namespace(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: Settings
+) -> tuple[KVSpec, Namespace, list[str]]:
     """The KV spec, namespace and ordered attention layer names of this engine (both roles)."""
     from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import AttentionSpec
 
     par = vllm_config.parallel_config
     if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
@@ -120,6 +123,8 @@ def kv_spec_and_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     if len(groups) != 1:
         raise NotImplementedError(f"kvstore connector: one KV-cache group supported, got {len(groups)}")
     attn = groups[0].kv_cache_spec
+    if not isinstance(attn, AttentionSpec):
+        raise NotImplementedError(f"kvstore connector: attention KV caches only, got {type(attn).__name__}")
     layers = list(groups[0].layer_names)
     dtype = _dtype_name(attn.dtype)
     revision = settings.revision or (vllm_config.model_config.revision or "")
@@ -158,12 +163,14 @@ def _bypass(request: Request) -> bool:
 
 
 class KVStoreConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        if kv_cache_config is None:
+            raise ValueError("kvstore connector: needs kv_cache_config (vLLM >= 0.32)")
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.settings = Settings.from_extra(tc.kv_connector_extra_config)
-        if kv_cache_config is None:
-            raise ValueError("kvstore connector: needs kv_cache_config (vLLM >= 0.32)")
         self.spec, self.ns, self._layers = kv_spec_and_namespace(vllm_config, kv_cache_config, self.settings)
         self._load = tc.is_kv_consumer  # kv_consumer or kv_both
         self._save = tc.is_kv_producer  # kv_producer or kv_both
@@ -176,9 +183,10 @@ class KVStoreConnector(KVConnectorBase_V1):
                          self.settings.load_failure_policy)
                 tc.kv_load_failure_policy = self.settings.load_failure_policy  # read by the scheduler next
             self._pipeline = PipelineSlot(self.client)
-            finder: Finder = LeaseFinder(self.client, self._pipeline)
+            lease_finder = LeaseFinder(self.client, self._pipeline)
+            finder: Finder = lease_finder
             if self.settings.directory:
-                finder = DirectoryFinder(finder, directory_for(self.settings.url))
+                finder = DirectoryFinder(lease_finder, directory_for(self.settings.url))
             self._sched = SchedulerConnector(self.client, self.ns, self.spec, lease_ttl_ms=self.settings.lease_ttl_ms,
                                              finder=finder)
             self._reqs: dict[str, _Req] = {}
@@ -189,7 +197,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             transfer = self.settings.transfer or ("numpy" if current_platform.is_cpu() else "cupy")
             directory = directory_for(self.settings.url) if self.settings.directory else None
             self._worker = WorkerConnector(self.client, self.ns, self.spec, transfer=make_transfer(transfer),
-                                           verify_checksums=self.settings.verify_checksums, threads=self.settings.threads,
+                                           verify_checksums=self.settings.verify_checksums,
+                                           threads=self.settings.threads,
                                            directory=directory, pipeline=PipelineSlot(self.client))
             self._failed_reqs: set[str] = set()  # loads that failed in this step
             self._had_saves: set[str] = set()  # requests handed saves (the scheduler delays their free)
@@ -204,7 +213,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def kvstore_stats(self) -> dict[str, Any]:
         """This role's counters (loads, saves, failures by reason)."""
         core = self._sched if self._sched is not None else self._worker
-        return core.stats.as_dict()  # type: ignore[union-attr]
+        assert core is not None  # one of the two is set by __init__, by role
+        return core.stats.as_dict()
 
     # --- scheduler side ---------------------------------------------------------------------
 
@@ -233,10 +243,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         # while (a block evicted meanwhile fails its load and is recomputed).
         now = time.monotonic()
         cached = self._lookups.get(request.request_id)
-        if cached is not None and cached[0] == num_computed_tokens and cached[1] == request.num_tokens and now < cached[3]:
+        if (cached is not None and cached[0] == num_computed_tokens and cached[1] == request.num_tokens
+                and now < cached[3]):
             return cached[2], False
         n = self._sched.get_num_new_matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens)
-        self._lookups[request.request_id] = (num_computed_tokens, request.num_tokens, n, now + self.settings.lookup_reuse_ms / 1000)
+        until = now + self.settings.lookup_reuse_ms / 1000
+        self._lookups[request.request_id] = (num_computed_tokens, request.num_tokens, n, until)
         return n, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -95,6 +95,13 @@ async def read_async(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     return body[0], body[1:]
 
 
+def read_frame(s: socket.socket) -> tuple[int, bytes]:
+    """One frame from a blocking socket: its status byte and the rest."""
+    head = recv_exactly(s, 4)
+    body = recv_exactly(s, LEN.unpack(head)[0])
+    return body[0], body[1:]
+
+
 def recv_exactly(s: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)

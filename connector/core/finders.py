@@ -55,7 +55,8 @@ class HeldLease:
         """The same lease, describing only keys ``[first, first + n)``."""
         i = first - self.first
         if i < 0 or i + n > len(self.slots):
-            raise ValueError(f"lease covers keys {self.first}..{self.first + len(self.slots)}, not {first}..{first + n}")
+            covered = f"{self.first}..{self.first + len(self.slots)}"
+            raise ValueError(f"lease covers keys {covered}, not {first}..{first + n}")
         return HeldLease(self.id, first, self.slots[i : i + n], self.checksums[i : i + n], self.deadline, self.epoch)
 
 

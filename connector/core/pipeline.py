@@ -32,6 +32,7 @@ from kvstore.client import DEFAULT_TIMEOUT_S
 from kvstore.client.local_channel import LocalChannel
 from kvstore.errors import KVStoreError
 from kvstore.framing import (  # the wire format, one place
+    read_frame,
     request_frame,
     response,
     unavailable,
@@ -138,7 +139,9 @@ class Pipeline:
     def _read_next(self) -> None:
         call = self._pending[0]
         try:
-            status, payload = self._opener._read(self._sock)  # type: ignore[arg-type]
+            if self._sock is None:  # calls are pending only on an open socket; treat a lost one as broken
+                raise ConnectionResetError("local socket closed with answers pending")
+            status, payload = read_frame(self._sock)
         except OSError as exc:
             self._broken(exc)
             return
@@ -173,7 +176,7 @@ class Pipeline:
 def _deliver(then: Then, answer: Any) -> None:
     try:
         then(answer)
-    except Exception:  # noqa: BLE001 - a callback's bug must not break the connection's bookkeeping
+    except Exception:
         log.exception("kvstore pipeline: answer callback failed")
 
 

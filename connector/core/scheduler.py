@@ -1,8 +1,9 @@
 """Scheduler side: decides, per request, how many leading tokens to load and which blocks to save.
 
 ``get_num_new_matched_tokens`` asks the sidecar (one batched Lookup, or Acquire: see
-:mod:`connector.core.finders`) how many leading blocks it has and where, and lets the cost model choose how many are worth loading. After the engine has
-allocated blocks, ``update_state_after_alloc`` turns that into a :class:`LoadSpec`;
+:mod:`connector.core.finders`) how many leading blocks it has and where, and lets the cost
+model choose how many are worth loading. After the engine has allocated blocks,
+``update_state_after_alloc`` turns that into a :class:`LoadSpec`;
 ``schedule_save`` after prefill turns computed full blocks into a :class:`SaveSpec`. Each step,
 ``build_connector_meta`` hands everything queued to the worker side, once.
 
@@ -130,7 +131,9 @@ class SchedulerConnector:
         if early is not None:
             early.cancel()
 
-    def get_num_new_matched_tokens(self, req_id: str, token_ids: Sequence[int] | np.ndarray, num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(
+        self, req_id: str, token_ids: Sequence[int] | np.ndarray, num_computed_tokens: int
+    ) -> int:
         """Tokens beyond ``num_computed_tokens`` (the engine's own hits) to load from the sidecar."""
         bs = self.spec.block_size
         keys = self._request_keys(req_id, token_ids)

@@ -138,7 +138,8 @@ class WorkerConnector:
         self.reporter.add(
             decision_record(
                 self.ns.label, decision,
-                prompt_blocks=decision.prompt_tokens // spec.block_size if decision else spec.first_block + len(spec.keys),
+                prompt_blocks=(decision.prompt_tokens // spec.block_size if decision
+                               else spec.first_block + len(spec.keys)),
                 cached_blocks=decision.available if decision else spec.first_block + len(spec.keys),
                 tiers=spec.tiers, load=r,
             )

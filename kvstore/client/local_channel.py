@@ -16,11 +16,10 @@ from google.protobuf.message import Message
 
 from kvstore.errors import KVStoreError, from_status_code
 from kvstore.framing import (
-    LEN,
     STATUS,
     frame,
     read_async,
-    recv_exactly,
+    read_frame,
     request_frame,
     response,
     unavailable,
@@ -50,7 +49,7 @@ class LocalChannel:
             s.connect(self.path)
             with contextlib.suppress(BrokenPipeError):  # refused at once (too many connections): read why
                 s.sendall(frame(b"\0", self._token))
-            status, message = self._read(s)
+            status, message = read_frame(s)
             if status:
                 raise from_status_code(STATUS[status], message.decode())
         except BaseException:
@@ -59,12 +58,6 @@ class LocalChannel:
         with self._lock:
             self._socks.append(s)
         return s
-
-    @staticmethod
-    def _read(s: socket.socket) -> tuple[int, bytes]:
-        head = recv_exactly(s, 4)
-        body = recv_exactly(s, LEN.unpack(head)[0])
-        return body[0], body[1:]
 
     def call(self, name: str, request: Message, timeout: float | None = None) -> Any:
         """One call; a connection that broke while idle (the sidecar restarted) is reopened and
@@ -78,7 +71,7 @@ class LocalChannel:
                     s = self._local.sock = self._connect()
                 s.settimeout(timeout or self._timeout)
                 s.sendall(frame)
-                status, payload = self._read(s)
+                status, payload = read_frame(s)
                 break
             except OSError as exc:
                 self._drop(s)
