@@ -59,6 +59,7 @@ from kvstore.tiers import resp
 from kvstore.tiers.base import (
     BlockMeta,
     BlockRef,
+    HashedRead,
     TierBase,
     decode_header,
     encode_header,
@@ -355,9 +356,7 @@ class RedisTier(TierBase):
         got = await self._get_direct(refs, into, hashed=False)
         return [m for m, _ in got] if got is not None else await self._get_many_redis_py(refs, into)
 
-    async def get_many_hashed(
-        self, refs: Sequence[BlockRef], into: Sequence[memoryview]
-    ) -> list[tuple[BlockMeta | None, int | None]]:
+    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[HashedRead]:
         got = await self._get_direct(refs, into, hashed=True)
         return got if got is not None else await with_hashes(await self._get_many_redis_py(refs, into), into)
 

@@ -57,6 +57,7 @@ from kvstore.tiers.base import (
     LABEL_MAX,
     BlockMeta,
     BlockRef,
+    HashedRead,
     TierBase,
     decode_header,
     encode_header,
@@ -273,9 +274,7 @@ class SsdTier(TierBase):
     async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
         return [m for m, _ in await self._read_many(refs, into, hashed=False)]
 
-    async def get_many_hashed(
-        self, refs: Sequence[BlockRef], into: Sequence[memoryview]
-    ) -> list[tuple[BlockMeta | None, int | None]]:
+    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[HashedRead]:
         return await self._read_many(refs, into, hashed=True)
 
     async def _read_many(
