@@ -119,7 +119,11 @@ async def test_demoted_blocks_are_unreadable_by_other_users(tmp_path, shared_dir
         dirs = [ssd, kept[0].parent, ssd / FREE_DIR]
         assert [mode(p) for p in dirs] == [0o700] * 3
         assert [mode(p) for p in kept + free] == [0o600] * 4
-        assert denied(read_as_nobody([*dirs, *kept, *free]))
+        got = read_as_nobody([*dirs, *kept, *free])
+        assert "read" not in got.values(), got
+        # The directories and the kept blocks stay where they are; a free-pool file may be taken back
+        # by the tier's I/O threads meanwhile (then it is gone, not readable): the others must say why.
+        assert {p: r for p, r in got.items() if "Permission denied" not in r and p not in map(str, free)} == {}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a child as another uid needs root (CI runs as root)")
