@@ -292,6 +292,7 @@ def instance_main(spec_path: str) -> None:
         pace = spec.get("pace") if ph.get("paced") else None
         if ph.get("batch"):
             walls, round_hooks, round_cpu = [], [], []
+            threads_before = thread_cpu_seconds(os.getpid())
             for fill in evict or [[]]:  # one round per eviction fill
                 _await_turn(pace)
                 if fill:
@@ -327,6 +328,8 @@ def instance_main(spec_path: str) -> None:
             phases[ph["name"]]["round_wall_s"] = walls
             phases[ph["name"]]["round_connector_ms"] = round_hooks
             phases[ph["name"]]["round_cpu_s"] = round_cpu  # the instance's CPU time, all its threads
+            threads = thread_cpu_seconds(os.getpid())  # over the whole phase, fills and gaps included
+            phases[ph["name"]]["thread_cpu_s"] = {k: v - threads_before.get(k, 0.0) for k, v in threads.items()}
     if spec.get("pace"):  # all done: shut down only when told, not during another's turn
         os.write(spec["pace"]["out"], b"D")
         os.read(spec["pace"]["in"], 1)
@@ -512,17 +515,23 @@ def run(args: argparse.Namespace) -> dict:
     return res.as_dict()
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time of process ``pid`` so far, all its threads (``/proc/PID/task/*/schedstat``, ns); 0
-    where that cannot be read."""
-    total = 0
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU time of process ``pid`` so far, per thread name (``/proc/PID/task/*/schedstat``, ns);
+    empty where that cannot be read."""
+    out: dict[str, float] = {}
     try:
         for task in os.scandir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError, ValueError, IndexError):
-                total += int(Path(task.path, "schedstat").read_text().split()[0])
+                name = Path(task.path, "comm").read_text().strip()
+                out[name] = out.get(name, 0.0) + int(Path(task.path, "schedstat").read_text().split()[0]) / 1e9
     except OSError:
-        return 0.0
-    return total / 1e9
+        return {}
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of process ``pid`` so far, all its threads; 0 where that cannot be read."""
+    return sum(thread_cpu_seconds(pid).values())
 
 
 def _run_interleaved(
@@ -641,6 +650,8 @@ def _summarise(res: Any, results: dict[str, dict[str, Any]], args: argparse.Name
         # CPU per batch round (p50): the vLLM instance's own, and the sidecar's during that turn
         # (its fill included; the sidecar is shared, so it also shows background work of others)
         res.notes[f"{name}_batch_cpu_ms"] = round(_p50(batch["round_cpu_s"]) * 1e3, 2)
+        res.notes[f"{name}_batch_phase_thread_cpu_ms"] = {k: round(v * 1e3, 1) for k, v in batch["thread_cpu_s"].items()
+                                                           if v >= 1e-3}
         turns = r.get("sidecar_cpu_s", [])[-len(batch["round_wall_s"]):]
         res.notes[f"{name}_batch_turn_sidecar_cpu_ms"] = round(_p50(turns) * 1e3, 2) if turns else None
         matches = all(
