@@ -111,9 +111,9 @@ async def test_bodies_are_signed_only_when_configured(moto_clean, aws_env, block
 
 async def test_existing_bucket_is_reused(moto_clean, s3_client, block):
     meta, data = block(3, 1000)
-    first = S3Tier(s3_client(moto_clean.url), bucket="shared")
+    first = S3Tier(s3_client(moto_clean.url), bucket="reused")
     await first.put(meta, data)
-    second = S3Tier(s3_client(moto_clean.url), bucket="shared")
+    second = S3Tier(s3_client(moto_clean.url), bucket="reused")
     try:
         assert await second.contains(meta.ref)
     finally:
