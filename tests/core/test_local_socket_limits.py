@@ -23,6 +23,7 @@ from kvstore.client import SyncClient
 from kvstore.framing import HELLO_MAX_BYTES
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.v1 import kvstore_pb2 as pb
+from tests.core.raw_frames import recv_frame, send_frame
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
 ARGS = ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--dram-bytes", str(8 << 20)]
@@ -43,26 +44,14 @@ def _connect(path: Path) -> socket.socket:
     return s
 
 
-def _send(s: socket.socket, name: str, payload: bytes) -> None:
-    body = bytes((len(name),)) + name.encode() + payload
-    s.sendall(struct.pack(">I", len(body)) + body)
-
-
-def _recv(s: socket.socket) -> tuple[int, bytes]:
-    """The next frame as (status, payload); (-1, b"") once the sidecar closed the connection."""
-    head = s.recv(4, socket.MSG_WAITALL)
-    if not head:
-        return -1, b""
-    body = s.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL)
-    return body[0], body[1:]
 
 
 def _greet(path: Path) -> tuple[socket.socket, int]:
     """A connection and the status its hello (no token) was answered with."""
     s = _connect(path)
     with contextlib.suppress(BrokenPipeError):  # refused at once: the refusal is still there to read
-        _send(s, "", b"")
-    return s, _recv(s)[0]
+        send_frame(s, "", b"")
+    return s, recv_frame(s)[0]
 
 
 def _greeted(path: Path) -> socket.socket:
@@ -74,8 +63,8 @@ def _greeted(path: Path) -> socket.socket:
 
 def _refused(s: socket.socket) -> tuple[int, str]:
     """The sidecar's error frame, then the close."""
-    status, msg = _recv(s)
-    assert _recv(s) == (-1, b"")
+    status, msg = recv_frame(s)
+    assert recv_frame(s) == (-1, b"")
     s.close()
     return status, msg.decode()
 
@@ -94,8 +83,8 @@ def test_a_connection_that_never_says_hello_is_closed(serve_process, tmp_path: P
     for s in (silent, partial):
         status, msg = _refused(s)
         assert status == DEADLINE_EXCEEDED and msg == "hello: none within 0.2 s (server.local_hello_timeout_s)"
-    _send(idle, "Echo", ECHO)
-    assert _recv(idle) == ECHOED
+    send_frame(idle, "Echo", ECHO)
+    assert recv_frame(idle) == ECHOED
     idle.close()
     with SyncClient(sc.grpc, local=False) as c:
         assert c.stats()["errors"]["DEADLINE_EXCEEDED"] == 2
@@ -113,8 +102,8 @@ def test_a_half_sent_frame_is_closed(serve_process, tmp_path: Path):
         assert status == DEADLINE_EXCEEDED
         assert msg == "frame: not complete within 0.2 s (server.local_frame_timeout_s)"
     whole = _greeted(path)  # a frame sent in full is answered as before
-    _send(whole, "Echo", ECHO)
-    assert _recv(whole) == ECHOED
+    send_frame(whole, "Echo", ECHO)
+    assert recv_frame(whole) == ECHOED
 
 
 def test_a_huge_hello_is_refused_before_its_bytes_are_sent(serve_process, tmp_path: Path):
@@ -125,8 +114,8 @@ def test_a_huge_hello_is_refused_before_its_bytes_are_sent(serve_process, tmp_pa
     s.sendall(struct.pack(">I", 60 << 20))
     assert _refused(s) == (RESOURCE_EXHAUSTED, f"hello: {60 << 20} bytes, limit {HELLO_MAX_BYTES}")
     s = _connect(path)
-    _send(s, "", b"s3cret")  # the right token in a hello of ordinary size
-    assert _recv(s) == (0, b"")
+    send_frame(s, "", b"s3cret")  # the right token in a hello of ordinary size
+    assert recv_frame(s) == (0, b"")
 
 
 def test_over_the_cap_new_connections_are_refused_and_the_rest_keeps_serving(serve_process, tmp_path: Path):
@@ -144,13 +133,13 @@ def test_over_the_cap_new_connections_are_refused_and_the_rest_keeps_serving(ser
             assert late.lookup(NS, keys).matched == 0 and late.transport == "grpc"
         assert _healthz(sc) == {"status": "ok"}
         assert first.lookup(NS, keys).matched == 0 and first.transport == "local"  # still served
-        _send(held[0], "Echo", ECHO)
-        assert _recv(held[0]) == ECHOED
+        send_frame(held[0], "Echo", ECHO)
+        assert recv_frame(held[0]) == ECHOED
         assert first.stats()["errors"]["RESOURCE_EXHAUSTED"] == 6
         held.pop().close()
     again = _greeted_once_room(path)
-    _send(again, "Echo", ECHO)
-    assert _recv(again) == ECHOED
+    send_frame(again, "Echo", ECHO)
+    assert recv_frame(again) == ECHOED
 
 
 def _greeted_once_room(path: Path) -> socket.socket:
@@ -239,5 +228,5 @@ def test_out_of_descriptors_the_accept_loop_backs_off_and_recovers(serve_process
         for s in flood:
             s.close()
         again = _greeted_once_room(path)
-        _send(again, "Echo", ECHO)
-        assert _recv(again) == ECHOED
+        send_frame(again, "Echo", ECHO)
+        assert recv_frame(again) == ECHOED

@@ -31,6 +31,7 @@ from kvstore.errors import (
 from kvstore.framing import socket_path
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.v1 import kvstore_pb2 as pb
+from tests.core.raw_frames import recv_frame, send_frame
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
 ARGS = ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--dram-bytes", str(8 << 20)]
@@ -55,21 +56,10 @@ def _raw(path: str, token: bytes = b"") -> socket.socket:
     s = socket.socket(socket.AF_UNIX)
     s.settimeout(10)
     s.connect(path)
-    _send(s, "", token)
+    send_frame(s, "", token)
     return s
 
 
-def _send(s: socket.socket, name: str, payload: bytes) -> None:
-    body = bytes((len(name),)) + name.encode() + payload
-    s.sendall(struct.pack(">I", len(body)) + body)
-
-
-def _recv(s: socket.socket) -> tuple[int, bytes]:
-    head = s.recv(4, socket.MSG_WAITALL)
-    if not head:
-        return -1, b""  # closed
-    body = s.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL)
-    return body[0], body[1:]
 
 
 def test_blocking_client_goes_over_the_local_socket(serve_process, tmp_path: Path):
@@ -113,22 +103,22 @@ def test_malformed_frames_get_a_status_and_the_server_keeps_serving(serve_proces
     sc = _serve(serve_process, tmp_path / "d")
     path = str(tmp_path / "d" / "kvstore.sock")
     s = _raw(path)
-    assert _recv(s) == (0, b"")  # hello accepted (no token configured)
-    _send(s, "Frobnicate", b"")
-    status, msg = _recv(s)
+    assert recv_frame(s) == (0, b"")  # hello accepted (no token configured)
+    send_frame(s, "Frobnicate", b"")
+    status, msg = recv_frame(s)
     assert status == 12 and b"method: unknown 'Frobnicate'" in msg  # UNIMPLEMENTED
-    _send(s, "Lookup", b"\xff\xff\xff")
-    status, msg = _recv(s)
+    send_frame(s, "Lookup", b"\xff\xff\xff")
+    status, msg = recv_frame(s)
     assert status == 3 and b"request: not a LookupRequest" in msg  # INVALID_ARGUMENT
-    _send(s, "Lookup", pb.LookupRequest(keys=[b"k" * 32]).SerializeToString())
-    status, msg = _recv(s)
+    send_frame(s, "Lookup", pb.LookupRequest(keys=[b"k" * 32]).SerializeToString())
+    status, msg = recv_frame(s)
     assert status == 3 and msg == b"namespace: required"  # the servicer's own validation
-    _send(s, "Echo", pb.EchoRequest(payload=b"hi").SerializeToString())
-    assert _recv(s) == (0, pb.EchoResponse(payload=b"hi").SerializeToString())  # same connection still works
+    send_frame(s, "Echo", pb.EchoRequest(payload=b"hi").SerializeToString())
+    assert recv_frame(s) == (0, pb.EchoResponse(payload=b"hi").SerializeToString())  # same connection still works
     s.sendall(struct.pack(">I", 1 << 30))  # a frame over server.max_message_bytes
-    status, msg = _recv(s)
+    status, msg = recv_frame(s)
     assert status == 8 and b"limit" in msg  # RESOURCE_EXHAUSTED, then closed
-    assert _recv(s) == (-1, b"")
+    assert recv_frame(s) == (-1, b"")
     s.close()
     with SyncClient(sc.grpc) as c:
         assert c.stats()["index"]["blocks"] == 0 and c.transport == "local"
@@ -138,9 +128,9 @@ def test_the_token_guards_the_local_socket(serve_process, tmp_path: Path):
     sc = _serve(serve_process, tmp_path / "d", KVSTORE_SERVER__AUTH_TOKEN="s3cret")
     path = str(tmp_path / "d" / "kvstore.sock")
     s = _raw(path, b"wrong")
-    status, msg = _recv(s)
+    status, msg = recv_frame(s)
     assert status == 16 and b"token" in msg  # UNAUTHENTICATED
-    assert _recv(s) == (-1, b"")
+    assert recv_frame(s) == (-1, b"")
     with pytest.raises(Unauthenticated):
         LocalChannel(path, token="").call("Stats", pb.StatsRequest())
     with SyncClient(sc.grpc, token="s3cret") as c:
