@@ -9,7 +9,6 @@ import logging
 import os
 import resource
 import socket
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +17,7 @@ from google.protobuf.message import DecodeError
 
 from kvstore.framing import HELLO_MAX_BYTES, LEN, METHODS, error_frame, frame
 from kvstore.server.auth import token_matches
+from kvstore.util.logs import Throttled
 from kvstore.v1 import kvstore_pb2 as pb
 
 if TYPE_CHECKING:
@@ -57,25 +57,6 @@ def connection_cap(configured: int) -> int:
     return configured if soft == resource.RLIM_INFINITY else max(1, min(configured, soft // 2))
 
 
-class _Throttled:
-    """A warning logged at most once per ``interval`` seconds, with how many were held back."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self._interval = interval
-        self._last = -interval
-        self._held = 0
-
-    def warning(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last < self._interval:
-            self._held += 1
-            return
-        held, self._held, self._last = self._held, 0, now
-        if held:
-            msg, args = msg + " (%d more since the last warning)", (*args, held)
-        log.warning(msg, *args)
-
-
 class LocalServer:
     """Serves the servicer's unary methods on a Unix socket (one task per connection).
 
@@ -98,13 +79,14 @@ class LocalServer:
             log.warning("local socket: at most %d connections (server.local_max_connections %d is over half the "
                         "open-file limit)", self._cap, config.local_max_connections)
         self._stats = stats
+        self._servicer = servicer
         self._handlers = {name: (getattr(servicer, name), getattr(pb, f"{name}Request")) for name in METHODS}
         self._context = _Context()
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._connections: set[asyncio.Task[None]] = set()
-        self._refused_warning = _Throttled()
-        self._accept_warning = _Throttled()
+        self._refused_warning = Throttled(log)
+        self._accept_warning = Throttled(log)
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,8 +215,8 @@ class LocalServer:
         method, request_type = handler
         try:
             request = request_type.FromString(payload)
-        except DecodeError as exc:
-            return error_frame(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a {request_type.__name__}: {exc}")
+        except DecodeError as exc:  # counted and logged as over gRPC
+            return error_frame(grpc.StatusCode.INVALID_ARGUMENT, self._servicer.bad_request(name, request_type, exc))
         try:
             response = await method(request, self._context)
         except _Abort as exc:

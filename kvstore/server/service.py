@@ -12,7 +12,6 @@ import asyncio
 import functools
 import logging
 import operator
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -29,6 +28,7 @@ from kvstore.keys import Namespace
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
 from kvstore.store.counters import check_decision, document_json
 from kvstore.store.index import DRAM, REDIS, S3, SSD, TOP_TIER, Block, NsEntry
+from kvstore.util.logs import Throttled
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
@@ -41,7 +41,6 @@ _MASK_TO_PB: tuple[int, ...] = tuple(_PB_TIER[TOP_TIER[m]] for m in range(16))
 
 _TIERS = operator.attrgetter("tiers")
 _SIZE = operator.attrgetter("size")
-BAD_REQUEST_LOG_INTERVAL_S = 10.0  # at most one log line per this many seconds about undecodable bodies
 
 
 def _pb_tiers(run: list[Block], masks: set[int]) -> bytes:
@@ -89,7 +88,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.store = store
         self.local_socket = ""  # set once the local transport (kvstore.server.local_server) listens
         self._ns_cache: dict[bytes, Namespace] = {}  # wire form -> validated namespace
-        self._bad_logged_at = -BAD_REQUEST_LOG_INTERVAL_S
+        self._bad_warning = Throttled(log)  # undecodable bodies: one line per 10 s at most
 
     def _namespace(self, request: Any) -> NsEntry:
         """The namespace entry of a request that carries one (Lookup, Allocate, Acquire, ...)."""
@@ -237,10 +236,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         stats = self.store.stats
         stats.bad_requests += 1
         stats.errors[grpc.StatusCode.INVALID_ARGUMENT.name] += 1
-        now = time.monotonic()
-        if now - self._bad_logged_at >= BAD_REQUEST_LOG_INTERVAL_S:
-            self._bad_logged_at = now
-            log.warning("undecodable %s request (%d since start): %s", method, stats.bad_requests, exc)
+        self._bad_warning.warning("undecodable %s request (%d since start): %s", method, stats.bad_requests, exc)
         return f"request: not a {request_type.__name__}: {exc}"
 
 

@@ -7,6 +7,28 @@ import logging
 import sys
 import time
 
+
+class Throttled:
+    """Warnings to ``logger`` at most once per ``interval`` seconds, each saying how many were held
+    back since the last one (a flood of bad input must not flood the log)."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 10.0) -> None:
+        self._log = logger
+        self._interval = interval
+        self._last = -interval
+        self._held = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last < self._interval:
+            self._held += 1
+            return
+        held, self._held, self._last = self._held, 0, now
+        if held:
+            msg, args = msg + " (%d more since the last warning)", (*args, held)
+        self._log.warning(msg, *args)
+
+
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
 
 
