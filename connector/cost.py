@@ -284,6 +284,7 @@ DEFAULT_TIERS: dict[str, tuple[float, float]] = {
     "ssd": (1000 * MB, 0.002),
     "redis": (500 * MB, 0.002),
     "s3": (100 * MB, 0.03),
+    "peer": (1000 * MB, 0.002),  # another node's DRAM or SSD over the peer data path (kvstore/cluster/)
 }
 
 

@@ -181,6 +181,41 @@ class S3Config(_Section):
     )
 
 
+class ClusterConfig(_Section):
+    """Many sidecars, one cache (kvstore/cluster/): a directory in Redis says which node holds each
+    block; nodes fetch each other's blocks over the peer data path."""
+
+    enabled: bool = False
+    directory_url: str = Field(
+        "redis://127.0.0.1:6379/0", description="redis:// URL of the directory; with directory_cluster any node of it"
+    )
+    directory_cluster: bool = Field(False, description="the directory is a Redis Cluster")
+    key_prefix: str = Field("kvstore", description="prefix of the directory's keys (one cluster per prefix)")
+    node_id: str = Field("", description="this node's name in the cluster, unique; empty: the host name")
+    peer_address: str = Field("0.0.0.0:50061", description="HOST:PORT the peer data path listens on (port 0: any)")
+    advertise_address: str = Field(
+        "", description="HOST:PORT other nodes reach the peer data path at; empty: peer_address's host and bound port"
+    )
+    token: str = Field("", description="shared secret every node presents on the peer data path (required)")
+    lease_ms: int = Field(
+        6000, ge=500, le=60_000, description="a node that stops heartbeating stops being offered after this"
+    )
+    heartbeat_ms: int = Field(1000, ge=100, description="membership heartbeat interval (< lease_ms / 2)")
+    publish_interval_ms: int = Field(5, ge=1, le=1000, description="directory writes are batched over this long")
+    fetch_timeout_s: float = Field(
+        5.0, gt=0, description="deadline of one peer fetch; blocks not in by then are misses"
+    )
+    directory_timeout_s: float = Field(2.0, gt=0, description="deadline of one directory round trip")
+
+    @model_validator(mode="after")
+    def _complete(self) -> ClusterConfig:
+        if self.enabled and not self.token:
+            raise ValueError("token: required when the cluster is enabled (cluster.token)")
+        if self.heartbeat_ms * 2 > self.lease_ms:
+            raise ValueError(f"heartbeat_ms: {self.heartbeat_ms} must be at most half of lease_ms ({self.lease_ms})")
+        return self
+
+
 LowerTier = Literal["ssd", "redis", "s3"]
 DEFAULT_CHAIN: tuple[LowerTier, ...] = ("ssd", "redis", "s3")
 
@@ -207,6 +242,7 @@ class Config(BaseSettings):
     redis: RedisConfig = Field(default_factory=RedisConfig)
     s3: S3Config = Field(default_factory=S3Config)
     tiering: TieringConfig = Field(default_factory=TieringConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @classmethod
     def settings_customise_sources(

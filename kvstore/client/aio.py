@@ -148,14 +148,18 @@ class KVStoreClient:
     async def put_blocks(
         self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence[Any], parents: Sequence[bytes] | None = None,
         *, first_parent: bytes = b"", checksums: bool = False, wait_write_through: bool = False,
+        wait_published: bool = False,
     ) -> PutResult:
         """Store whole blocks (anything with the buffer protocol), copied into the slots on
         two threads when large (:mod:`kvstore.dram.copying`). Aborts on any failure. With
-        ``wait_write_through``, returns once the write-through tiers hold them too."""
+        ``wait_write_through``, returns once the write-through tiers hold them too; with
+        ``wait_published``, once the cluster directory lists them (every node finds them)."""
         arrays = as_uint8(blocks)
         async with self.allocate(ns, keys, [a.size for a in arrays], parents, first_parent=first_parent) as alloc:
             await copy_blocks_async([(view, arrays[i]) for i, view in alloc.writable()])
-            stored = await alloc.commit(checksums=checksums, wait_write_through=wait_write_through)
+            stored = await alloc.commit(
+                checksums=checksums, wait_write_through=wait_write_through, wait_published=wait_published
+            )
         return PutResult(stored, len(keys) - stored, alloc.written_through)
 
     async def get_blocks(self, ns: Namespace, keys: Sequence[bytes], *, verify: bool = False) -> list[np.ndarray]:
@@ -179,11 +183,13 @@ class Allocation(AllocationState):
 
     async def commit(
         self, indices: Sequence[int] | None = None, *, checksums: bool = False, wait_write_through: bool = False,
+        wait_published: bool = False,
     ) -> int:
         """Make the written blocks visible (all of them, or those at ``indices``). With
         ``wait_write_through``, return once the write-through tiers hold them too; how many
-        reached every such tier is then in ``written_through``."""
-        req = self._commit_request(indices, checksums, wait_write_through)
+        reached every such tier is then in ``written_through``. With ``wait_published``, return
+        once the cluster directory lists them, so every node of the cluster finds them."""
+        req = self._commit_request(indices, checksums, wait_write_through, wait_published)
         if req is None:
             await self.abort()
             return 0

@@ -139,12 +139,15 @@ class SyncClient:
     def put_blocks(
         self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence[Any], parents: Sequence[bytes] | None = None,
         *, first_parent: bytes = b"", checksums: bool = False, wait_write_through: bool = False,
+        wait_published: bool = False,
     ) -> PutResult:
         """:meth:`KVStoreClient.put_blocks <kvstore.client.aio.KVStoreClient.put_blocks>`, blocking."""
         arrays = as_uint8(blocks)
         with self.allocate(ns, keys, [a.size for a in arrays], parents, first_parent=first_parent) as alloc:
             copy_blocks([(view, arrays[i]) for i, view in alloc.writable()])
-            stored = alloc.commit(checksums=checksums, wait_write_through=wait_write_through)
+            stored = alloc.commit(
+                checksums=checksums, wait_write_through=wait_write_through, wait_published=wait_published
+            )
         return PutResult(stored, len(keys) - stored, alloc.written_through)
 
     def get_blocks(self, ns: Namespace, keys: Sequence[bytes], *, verify: bool = False) -> list[np.ndarray]:
@@ -168,9 +171,10 @@ class SyncAllocation(AllocationState):
 
     def commit(
         self, indices: Sequence[int] | None = None, *, checksums: bool = False, wait_write_through: bool = False,
+        wait_published: bool = False,
     ) -> int:
         """:meth:`Allocation.commit <kvstore.client.aio.Allocation.commit>`, blocking."""
-        req = self._commit_request(indices, checksums, wait_write_through)
+        req = self._commit_request(indices, checksums, wait_write_through, wait_published)
         if req is None:
             self.abort()
             return 0

@@ -19,7 +19,9 @@ from kvstore.keys import Namespace
 from kvstore.store.checksum import checksum
 from kvstore.v1 import kvstore_pb2 as pb
 
-_TIER_NAMES: dict[int, str] = {pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_REDIS: "redis", pb.TIER_S3: "s3"}
+_TIER_NAMES: dict[int, str] = {
+    pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_REDIS: "redis", pb.TIER_S3: "s3", pb.TIER_PEER: "peer",
+}
 DEFAULT_TIMEOUT_S = 30.0
 
 # A client's call on its chosen transport, with the default timeout: what its allocations and leases send.
@@ -169,7 +171,7 @@ class AllocationState:
         return {i: s.ref for i, s in enumerate(self.slots) if s.ref is not None}
 
     def _commit_request(
-        self, indices: Sequence[int] | None, checksums: bool, wait_write_through: bool,
+        self, indices: Sequence[int] | None, checksums: bool, wait_write_through: bool, wait_published: bool = False,
     ) -> pb.CommitRequest | None:
         chosen = [i for i, s in enumerate(self.slots) if not s.present] if indices is None else list(indices)
         blocks = []
@@ -184,7 +186,9 @@ class AllocationState:
         self.done = True
         if not blocks:
             return None
-        return pb.CommitRequest(allocation_id=self.id, blocks=blocks, wait_write_through=wait_write_through)
+        return pb.CommitRequest(
+            allocation_id=self.id, blocks=blocks, wait_write_through=wait_write_through, wait_published=wait_published
+        )
 
     def _committed(self, resp: pb.CommitResponse) -> int:
         self.written_through = resp.written_through

@@ -131,6 +131,7 @@ class SnapshotCollector(Collector):
         for section, name, doc in (
             ("writes", "writes", "write-path events (allocations, commits, blocks committed, ...)"),
             ("reads", "reads", "read-path events (acquires, blocks, bytes, expired leases)"),
+            ("cluster", "cluster", "cluster events (directory round trips, peer hits, blocks fetched, ...)"),
         ):
             c = _counter(name, doc, ["event"])
             for event, n in sorted(self.doc.get(section, {}).items()):

@@ -27,7 +27,8 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
 from kvstore.store.counters import check_decision, document_json
-from kvstore.store.index import DRAM, REDIS, S3, SSD, TOP_TIER, Block, NsEntry
+from kvstore.store.index import DRAM, REDIS, S3, SSD, TOP_TIER, Block, Lease, NsEntry
+from kvstore.store.remote import PeerBlock
 from kvstore.util.logs import Throttled
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -47,6 +48,28 @@ def _pb_tiers(run: list[Block], masks: set[int]) -> bytes:
     if len(masks) == 1:  # the common case: one tier for the whole run
         return bytes((_MASK_TO_PB[next(iter(masks))],)) * len(run)
     return bytes(map(_MASK_TO_PB.__getitem__, map(_TIERS, run)))
+
+
+def _cluster_lookup(
+    run: list[Block], masks: set[int], lease: Lease | None, peers: list[PeerBlock]
+) -> pb.LookupResponse:
+    """A Lookup's answer whose run goes on through other nodes' blocks (``peers``)."""
+    sizes = [*map(_SIZE, run), *(p.size for p in peers)]
+    uniform = sizes[0] if sizes and sizes.count(sizes[0]) == len(sizes) else 0
+    nodes: dict[str, int] = {}
+    for p in peers:
+        nodes.setdefault(p.node, len(nodes))
+    return pb.LookupResponse(
+        matched=len(sizes),
+        local=len(run),
+        tiers=_pb_tiers(run, masks) + bytes((pb.TIER_PEER,)) * len(peers),
+        sizes=() if uniform else sizes,
+        uniform_size=uniform,
+        lease_id=lease.id if lease else "",
+        nodes=list(nodes),
+        holders=bytes(nodes[p.node] for p in peers),
+        peer_tiers=bytes(_MASK_TO_PB[p.tiers & 15] for p in peers),
+    )
 
 
 Req = TypeVar("Req")
@@ -122,14 +145,19 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Lookup(self, request: pb.LookupRequest, context: Context) -> pb.LookupResponse:
         ns = self._namespace(request)
-        run, masks, lease = self.store.lookup(ns, list(request.keys), request.lease_ttl_ms)
-        return pb.LookupResponse(
-            matched=len(run),
-            tiers=_pb_tiers(run, masks),
-            sizes=() if (uniform := ns.uniform_size) else list(map(_SIZE, run)),
-            uniform_size=uniform,
-            lease_id=lease.id if lease else "",
-        )
+        keys = list(request.keys)
+        if not self.store.remote.active:
+            run, masks, lease = self.store.lookup(ns, keys, request.lease_ttl_ms)
+            return pb.LookupResponse(
+                matched=len(run),
+                local=len(run),
+                tiers=_pb_tiers(run, masks),
+                sizes=() if (uniform := ns.uniform_size) else list(map(_SIZE, run)),
+                uniform_size=uniform,
+                lease_id=lease.id if lease else "",
+            )
+        run, masks, lease, peers = await self.store.lookup_cluster(ns, keys, request.lease_ttl_ms)
+        return _cluster_lookup(run, masks, lease, peers)
 
     @_rpc
     async def Allocate(self, request: pb.AllocateRequest, context: Context) -> pb.AllocateResponse:
@@ -158,7 +186,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             raise InvalidArgument("allocation_id: required")
         specs = [CommitSpec(b.key, b.slot_id, b.checksum if b.has_checksum else None) for b in request.blocks]
         committed, written = await self.store.commit(
-            request.allocation_id, specs, wait_write_through=request.wait_write_through
+            request.allocation_id,
+            specs,
+            wait_write_through=request.wait_write_through,
+            wait_published=request.wait_published,
         )
         return pb.CommitResponse(committed=committed, written_through=written)
 

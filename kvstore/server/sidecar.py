@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from aiohttp import web
     from grpc_health.v1 import health
 
+    from kvstore.cluster.node import ClusterNode
+
 log = logging.getLogger("kvstore.server.sidecar")
 
 
@@ -86,6 +88,7 @@ class Sidecar:
         self._http: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
+        self.cluster: ClusterNode | None = None
 
     # --- start / stop -----------------------------------------------------------------------
 
@@ -101,6 +104,10 @@ class Sidecar:
             (self.data_dir / "segment").write_text(self.slab.name)
             self.store = BlockStore(cfg, self.slab, Stats())
             await self._start_tiering()
+            if cfg.cluster.enabled:
+                from kvstore.cluster.node import ClusterNode
+
+                self.cluster = await ClusterNode.start(self.store, cfg)
             servicer = KVStoreServicer(self.store)
             self._grpc, self.grpc_port, self._health = await start_grpc(servicer, cfg)
             path = socket_path(cfg.server.local_socket, self.data_dir, self.slab.name)
@@ -158,6 +165,9 @@ class Sidecar:
         if self._http is not None:
             await self._http.cleanup()
             self._http = None
+        if self.cluster is not None:
+            await self.cluster.close()
+            self.cluster = None
         if self.store is not None:
             for lease_id in list(self.store.index.leases):
                 self.store.index.release_lease(lease_id)
@@ -218,6 +228,7 @@ class Sidecar:
                         "http": f"{http_host}:{self.http_port}",
                         "segment": self.slab.name if self.slab else "",
                         "data_dir": str(self.data_dir),
+                        **({"peer": self.cluster.address, "node": self.cluster.node} if self.cluster else {}),
                     }
                 ),
                 flush=True,

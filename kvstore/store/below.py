@@ -33,6 +33,11 @@ class Movers(Protocol):
         """Hits on ``run``, for the policies of the tiers that hold its blocks."""
         ...
 
+    def adopt(self, b: Block, mask: int) -> int:
+        """Place ``b`` in the shared tiers of ``mask`` (written by another node of a cluster) that
+        this node has and that are up; the placement bits it has there now."""
+        ...
+
     def on_dram_evict(self, b: Block) -> None:
         """``b`` is about to leave DRAM: keep its bytes below when nothing there does."""
         ...
@@ -79,6 +84,9 @@ class NoMovers:
 
     def touch(self, run: Sequence[Block]) -> None:
         pass
+
+    def adopt(self, b: Block, mask: int) -> int:
+        return 0
 
     def on_dram_evict(self, b: Block) -> None:
         pass

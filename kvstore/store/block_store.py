@@ -41,6 +41,7 @@ from kvstore.store.index import (
     State,
     top_label,
 )
+from kvstore.store.remote import NoRemote, PeerBlock, Remote
 from kvstore.store.space import DramSpace
 
 log = logging.getLogger("kvstore.store.block_store")
@@ -74,6 +75,7 @@ class BlockStore:
         self.space = DramSpace(slab, make_policy(config.index.policy), self.index, self.stats)
         self._closed_allocations: OrderedDict[str, str] = OrderedDict()  # id -> "committed" | "aborted" | "reclaimed"
         self._unsealed: list[Block] = []
+        self.remote: Remote = NoRemote()  # the rest of the cluster, once the sidecar wires it
 
     @property
     def tiering(self) -> Movers:
@@ -145,6 +147,43 @@ class BlockStore:
         self.space.touch(run, all_in_dram=all(m & DRAM for m in masks))
         lease = self.index.take_lease(run, deadline) if deadline is not None and run else None
         return run, masks, lease
+
+    async def lookup_cluster(
+        self, ns: NsEntry, keys: Sequence[bytes], lease_ttl_ms: int = 0
+    ) -> tuple[list[Block], set[int], Lease | None, list[PeerBlock]]:
+        """:meth:`lookup`, the run continued through the blocks the rest of the cluster holds: those
+        in a shared tier this node has join the local run, the others come back as
+        :class:`PeerBlock` s after it. A full local hit asks nobody; a miss costs one directory
+        round trip."""
+        remote = self.remote
+        peers: list[PeerBlock] = []
+        if remote.active:
+            self._check_batch(len(keys), "keys")
+            have = len(self.index.leading_run(ns, keys))
+            if have < len(keys):
+                self._check_keys(keys, "keys")
+                if lease_ttl_ms:
+                    self._lease_deadline(lease_ttl_ms)  # rejected before anything is asked
+                adopted, peers = await remote.find(ns, keys[have:], keys[have - 1] if have else b"", have + 1)
+                if adopted:
+                    ns = self.index.find(ns.root, ns.label, ns.namespace)
+                run, masks, lease = self.lookup(ns, keys, lease_ttl_ms)
+                if len(run) != have + adopted:  # cut short (a tier went down): the peers' run does not join
+                    peers = []
+                self.stats.cluster["peer_blocks_found"] += len(peers)
+                return run, masks, lease, peers
+        run, masks, lease = self.lookup(ns, keys, lease_ttl_ms)
+        return run, masks, lease, peers
+
+    async def _with_cluster(self, ns: NsEntry, keys: Sequence[bytes]) -> tuple[NsEntry, list[Block]]:
+        """The leading run of ``keys`` here, first completed from the rest of the cluster."""
+        run = self.index.leading_run(ns, keys)
+        if len(run) < len(keys) and self.remote.active:
+            parent = keys[len(run) - 1] if run else b""
+            if await self.remote.fetch(ns, keys[len(run) :], parent, len(run) + 1):
+                ns = self.index.find(ns.root, ns.label, ns.namespace)
+                run = self.index.leading_run(ns, keys)
+        return ns, run
 
     @staticmethod
     def _reachable(run: list[Block], down: int) -> list[Block]:
@@ -229,11 +268,17 @@ class BlockStore:
             self._closed_allocations.popitem(last=False)
 
     async def commit(
-        self, alloc_id: str, specs: Sequence[CommitSpec], *, wait_write_through: bool = False
+        self,
+        alloc_id: str,
+        specs: Sequence[CommitSpec],
+        *,
+        wait_write_through: bool = False,
+        wait_published: bool = False,
     ) -> tuple[int, int]:
         """Publish the listed blocks (release the rest of the allocation). Returns (committed,
         written_through): with ``wait_write_through``, once the write-through tiers' writes of
-        these blocks have finished, how many of them every such tier now holds; else 0."""
+        these blocks have finished, how many of them every such tier now holds; else 0. With
+        ``wait_published``, once the cluster directory lists them (or its write failed)."""
         self._closed(alloc_id)
         alloc = self.index.allocation(alloc_id)
         self._check_batch(len(specs), "blocks")
@@ -287,6 +332,8 @@ class BlockStore:
         self.stats.tier("dram", "bytes_in", nbytes)
         blocks = [b for b, _ in chosen]
         writes = space.movers.committed(blocks)
+        if wait_published and (listed := self.remote.published(blocks)) is not None:
+            await asyncio.wait([listed])  # a cancelled commit must not cancel the publish
         if not wait_write_through:
             return len(chosen), 0
         if writes:
@@ -312,7 +359,8 @@ class BlockStore:
         self._check_batch(len(keys), "keys")
         self._check_keys(keys, "keys")
         deadline = self._lease_deadline(ttl_ms)
-        run = await self.space.movers.promote(self.index.leading_run(ns, keys))
+        ns, run = await self._with_cluster(ns, keys)
+        run = await self.space.movers.promote(run)
         readable: list[Block] = []
         for b in run:
             if not (b.tiers & DRAM) or b.state is not State.COMMITTED:
@@ -334,7 +382,8 @@ class BlockStore:
         """Promote the leading run of ``keys`` into DRAM; how many leading blocks are there now."""
         self._check_batch(len(keys), "keys")
         self._check_keys(keys, "keys")
-        run = await self.space.movers.promote(self.index.leading_run(ns, keys))
+        ns, run = await self._with_cluster(ns, keys)
+        run = await self.space.movers.promote(run)
         ready = 0
         for b in run:
             if not b.tiers & DRAM:

@@ -22,6 +22,7 @@ TIER_LABELS = ("dram", "ssd", "redis", "s3")
 OTHER = "other"  # the /stats namespace entry that sums every namespace not shown on its own
 OUTCOMES = ("loaded", "recomputed", "fallback")  # a decision's outcome: one of these, or "fallback:<reason>"
 DECISION_STRINGS = {"namespace": 1024, "tier": 16, "outcome": 64}  # longest allowed, in characters
+DECISION_TIERS = ("", *TIER_LABELS, "peer")  # a decision's slowest tier ("peer": another node's copy)
 DECISION_SECONDS = ("predicted_load_s", "predicted_recompute_s", "actual_s")
 TIER_COUNTERS = (
     "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "promotions", "errors", "checksum_failures",
@@ -76,8 +77,8 @@ def check_decision(record: dict[str, Any], where: str) -> None:
         value = record[name]
         if not (math.isfinite(value) and value >= 0):
             raise InvalidArgument(f"{where}.{name}: must be a finite number of seconds >= 0, got {value!r}")
-    if record["tier"] not in ("", *TIER_LABELS):
-        raise InvalidArgument(f"{where}.tier: {record['tier']!r} is not one of {['', *TIER_LABELS]}")
+    if record["tier"] not in DECISION_TIERS:
+        raise InvalidArgument(f"{where}.tier: {record['tier']!r} is not one of {list(DECISION_TIERS)}")
     kind, colon, _ = record["outcome"].partition(":")
     if record["outcome"] and (kind not in OUTCOMES or (colon and kind != "fallback")):
         allowed = f"{list(OUTCOMES)} or 'fallback:<reason>'"
@@ -95,6 +96,7 @@ class Stats:
     tiers: dict[str, Counter[str]] = field(default_factory=lambda: {t: Counter() for t in TIER_LABELS})
     writes: Counter[str] = field(default_factory=Counter)
     reads: Counter[str] = field(default_factory=Counter)
+    cluster: Counter[str] = field(default_factory=Counter)  # kvstore/cluster/: directory, peers, fetches
     errors: Counter[str] = field(default_factory=Counter)
     decisions: Counter[str] = field(default_factory=Counter)
     recent_decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))
@@ -163,6 +165,7 @@ class Stats:
             "tiers": tiers,
             "writes": dict(self.writes),
             "reads": dict(self.reads),
+            "cluster": dict(self.cluster),
             "index": index_counts,
             "errors": dict(self.errors),
             "bad_requests": self.bad_requests,

@@ -64,6 +64,7 @@ class Block:
     slot: Slot | None = None  # while its bytes are in DRAM or being written there (kvstore.store.space)
     leases: int = 0
     moving: int = 0  # movers reading its DRAM slot right now (write-through)
+    replica: bool = False  # fetched from another node of the cluster, which holds it too
 
     @property
     def top_tier(self) -> int:
@@ -123,6 +124,9 @@ class Index:
         self.namespaces: dict[NamespaceRoot, NsEntry] = {}
         self.allocations: dict[str, Allocation] = {}
         self.leases: dict[str, Lease] = {}
+        # Blocks whose visibility or placement changed since the cluster's publisher last looked
+        # (an ordered set); None when nothing watches (no cluster).
+        self.changed: dict[Block, None] | None = None
 
     # --- namespaces ---------------------------------------------------------------------
 
@@ -179,13 +183,19 @@ class Index:
         ns.blocks[key] = block
         if state is State.COMMITTED:
             ns._show(block)
+            self.moved(block)
         return block
 
-    @staticmethod
-    def publish(block: Block) -> None:
+    def moved(self, block: Block) -> None:
+        """``block``'s visibility or placement changed (for the cluster directory, when one watches)."""
+        if self.changed is not None:
+            self.changed[block] = None
+
+    def publish(self, block: Block) -> None:
         """ALLOCATED -> COMMITTED: the block becomes visible to lookups."""
         block.state = State.COMMITTED
         block.ns._show(block)
+        self.moved(block)
 
     def drop(self, block: Block) -> None:
         """Forget a block that no tier holds any more. A committed block whose last copy goes
@@ -196,6 +206,7 @@ class Index:
             del ns.blocks[block.key]
             if ns.visible.get(block.key) is block:
                 ns._hide(block)
+                self.moved(block)
             if not ns.blocks and self.namespaces.get(ns.root) is ns:
                 del self.namespaces[ns.root]
 

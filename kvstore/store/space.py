@@ -105,6 +105,7 @@ class DramSpace:
             slot.holder = b
         b.tiers |= DRAM
         enter(self.policy, b)
+        self.index.moved(b)
 
     def release(self, slot: Slot) -> None:
         """Give back a slot that never held a placed block (a promotion that found no good copy)."""
@@ -116,6 +117,7 @@ class DramSpace:
             self.slab.free(b.slot)
             b.slot = None
         b.tiers &= ~DRAM
+        self.index.moved(b)
         self.index.drop_if_gone(b)
 
     def remove(self, b: Block) -> None:

@@ -50,6 +50,7 @@ from kvstore.tiers.verify import verified_get
 log = logging.getLogger("kvstore.tiers.movers")
 
 BITS = {"ssd": SSD, "redis": REDIS, "s3": S3}
+SHARED = REDIS | S3  # tiers every node of a cluster reaches (a node's SSD is its own)
 STAGING_LIMIT = 512 << 20
 DEMOTE_BATCH = 64  # blocks per put_many of a demotion batch
 # Batches a demotion writer keeps in flight: the next batch's files are written while the one
@@ -180,6 +181,7 @@ class Tiering:
         if b.tiers & lv.bit:
             return
         b.tiers |= lv.bit
+        self.index.moved(b)
         nbytes = lv.sizes[b] = lv.footprint(b.size, b.ns.label)
         lv.used += nbytes
         if lv.policy is not None:
@@ -189,6 +191,7 @@ class Tiering:
         if not b.tiers & lv.bit:
             return
         b.tiers &= ~lv.bit
+        self.index.moved(b)
         lv.dequeue(b)
         lv.used -= lv.sizes.pop(b, 0)
         if lv.policy is not None and b in lv.policy:
@@ -231,12 +234,22 @@ class Tiering:
             if lv.policy is not None:
                 lv.policy.access_many([b for b in reversed(run) if b.tiers & lv.bit])
 
+    def adopt(self, b: Block, mask: int) -> int:
+        """Place ``b`` in the shared tiers of ``mask`` (Redis, S3: written by another node) that
+        this node has and that are up; the bits it is placed in now."""
+        for lv in self.levels:
+            if lv.bit & mask & SHARED and not lv.down:
+                self._placed(lv, b)
+        return b.tiers & SHARED
+
     def on_dram_evict(self, b: Block) -> None:
         """The store is about to free ``b``'s slot: keep the bytes below DRAM if nothing does.
 
         The bytes are staged (one copy into a pooled page-aligned buffer) and queued; the queue
         is written in batches, so a burst of evictions costs an fsync per batch, not per block.
         The block stays findable meanwhile and is served from the staging copy."""
+        if b.replica:
+            return  # fetched from another node, which holds it: drop this copy, spend no tier on it
         target = next((lv for lv in self.levels if not lv.down), None)
         if target is None or b.tiers & target.bit:
             return  # nowhere to go, or the next tier down has it already

@@ -14,11 +14,13 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_SSD: _ClassVar[Tier]
     TIER_REDIS: _ClassVar[Tier]
     TIER_S3: _ClassVar[Tier]
+    TIER_PEER: _ClassVar[Tier]
 TIER_UNSPECIFIED: Tier
 TIER_DRAM: Tier
 TIER_SSD: Tier
 TIER_REDIS: Tier
 TIER_S3: Tier
+TIER_PEER: Tier
 
 class Namespace(_message.Message):
     __slots__ = ("model", "revision", "kv_layout", "dtype", "block_size", "rank", "world_size", "adapter", "cache_salt")
@@ -65,18 +67,26 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("matched", "tiers", "sizes", "lease_id", "uniform_size")
+    __slots__ = ("matched", "tiers", "sizes", "lease_id", "uniform_size", "local", "nodes", "holders", "peer_tiers")
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     UNIFORM_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    PEER_TIERS_FIELD_NUMBER: _ClassVar[int]
     matched: int
     tiers: bytes
     sizes: _containers.RepeatedScalarFieldContainer[int]
     lease_id: str
     uniform_size: int
-    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., uniform_size: _Optional[int] = ...) -> None: ...
+    local: int
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    holders: bytes
+    peer_tiers: bytes
+    def __init__(self, matched: _Optional[int] = ..., tiers: _Optional[bytes] = ..., sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[str] = ..., uniform_size: _Optional[int] = ..., local: _Optional[int] = ..., nodes: _Optional[_Iterable[str]] = ..., holders: _Optional[bytes] = ..., peer_tiers: _Optional[bytes] = ...) -> None: ...
 
 class BlockSpec(_message.Message):
     __slots__ = ("key", "parent", "size")
@@ -129,14 +139,16 @@ class CommitBlock(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., slot_id: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("allocation_id", "blocks", "wait_write_through")
+    __slots__ = ("allocation_id", "blocks", "wait_write_through", "wait_published")
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WAIT_WRITE_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    WAIT_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     allocation_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[CommitBlock]
     wait_write_through: bool
-    def __init__(self, allocation_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CommitBlock, _Mapping]]] = ..., wait_write_through: _Optional[bool] = ...) -> None: ...
+    wait_published: bool
+    def __init__(self, allocation_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CommitBlock, _Mapping]]] = ..., wait_write_through: _Optional[bool] = ..., wait_published: _Optional[bool] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed", "written_through")

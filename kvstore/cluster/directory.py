@@ -1,0 +1,191 @@
+"""The cluster directory: which node holds which block, and who is alive, in Redis or Redis Cluster.
+
+Layout (every key starts with ``{key_prefix}:``):
+
+- ``d:`` + namespace root (16 bytes) + block key (32 bytes), binary: a hash, one field per node that
+  holds the block (the node id), valued with a packed :class:`Record` (the node's incarnation,
+  where the block lies on it, its size and checksum). 21 bytes a record. A node writes and
+  deletes only its own fields; Redis drops the key with its last field. Keys spread over a Redis
+  Cluster's slots by block, so a prompt's lookup is one pipeline that the cluster client sends to
+  every shard at once.
+- ``members``: a hash, node id -> ``address|incarnation|expiry_ms``, the expiry in the directory
+  server's own clock (``TIME``), written by each node's heartbeat (:data:`HEARTBEAT`, a script:
+  one round trip writes this node's lease and reads everyone's, with the server's time, so no
+  two hosts' clocks are compared).
+
+A record is offered only while its node's lease runs and its incarnation is the node's current one:
+a node that restarts is a new incarnation, and every record of its past life is void at once.
+Stale fields cost a miss (and are deleted by whoever meets them), never a wrong block: the fetch
+checks the bytes against the record's checksum.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis, RedisCluster
+from redis.exceptions import RedisError
+
+from kvstore.config import ClusterConfig
+from kvstore.errors import Unavailable
+
+_RECORD = struct.Struct("<IBQQ")  # incarnation, placement bits, size, checksum (0: not sealed)
+ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
+
+# KEYS[1] the members hash; ARGV: node id, address, incarnation, lease ms, forget-after ms.
+# Returns the server's time (ms) and every member's entry, and drops entries long expired.
+HEARTBEAT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[1] ~= '' then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. '|' .. ARGV[3] .. '|' .. (now + tonumber(ARGV[4])))
+end
+local all = redis.call('HGETALL', KEYS[1])
+local out = {}
+for i = 1, #all, 2 do
+  local expiry = tonumber(string.match(all[i + 1], '|(%d+)$'))
+  if expiry ~= nil and expiry + tonumber(ARGV[5]) < now then
+    redis.call('HDEL', KEYS[1], all[i])
+  else
+    out[#out + 1] = all[i]
+    out[#out + 1] = all[i + 1]
+  end
+end
+return {now, out}
+"""
+FORGET_AFTER_MS = 3_600_000  # a member silent this long leaves the members hash
+
+
+@dataclass(slots=True, frozen=True)
+class Record:
+    """What the directory says of one node's copy of a block."""
+
+    incarnation: int
+    tiers: int  # placement bits on that node (kvstore.store.index: DRAM | SSD | REDIS | S3)
+    size: int
+    checksum: int  # 0 while the holder has not sealed it
+
+    def pack(self) -> bytes:
+        return _RECORD.pack(self.incarnation, self.tiers, self.size, self.checksum)
+
+    @staticmethod
+    def unpack(raw: bytes) -> Record | None:
+        if len(raw) != _RECORD.size:
+            return None  # another version's record: not ours to read
+        return Record(*_RECORD.unpack(raw))
+
+
+@dataclass(slots=True, frozen=True)
+class Member:
+    node: str
+    address: str  # HOST:PORT of its peer data path
+    incarnation: int
+    expiry_ms: int  # in the directory server's clock
+
+
+def parse_members(entries: Sequence[Any]) -> dict[str, Member]:
+    out: dict[str, Member] = {}
+    for i in range(0, len(entries) - 1, 2):
+        node = _text(entries[i])
+        parts = _text(entries[i + 1]).rsplit("|", 2)
+        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+            continue  # not an entry this version writes
+        out[node] = Member(node, parts[0], int(parts[1]), int(parts[2]))
+    return out
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class Directory:
+    """The directory's Redis calls; every one is a single round trip (a pipeline or a script).
+    A Redis that cannot be reached raises :class:`~kvstore.errors.Unavailable`."""
+
+    def __init__(self, client: Redis | RedisCluster, prefix: str, node: str) -> None:
+        self.client = client
+        self.prefix = prefix.encode()
+        self.node = node
+        self.members_key = prefix + ":members"
+        self._heartbeat = client.register_script(HEARTBEAT)
+
+    @classmethod
+    def from_config(cls, cfg: ClusterConfig, node: str) -> Directory:
+        timeout = cfg.directory_timeout_s
+        options: dict[str, Any] = {
+            "socket_timeout": timeout, "socket_connect_timeout": timeout, "decode_responses": False,
+        }
+        client: Redis | RedisCluster
+        if cfg.directory_cluster:
+            client = RedisCluster.from_url(cfg.directory_url, **options)
+        else:
+            client = Redis.from_url(cfg.directory_url, retry_on_timeout=False, **options)
+        return cls(client, cfg.key_prefix, node)
+
+    def key(self, root: bytes, key: bytes) -> bytes:
+        return self.prefix + b":d:" + root[:ROOT_BYTES] + key
+
+    async def _pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        if not commands:
+            return []
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for cmd in commands:
+                pipe.execute_command(*cmd)
+            return list(await pipe.execute(raise_on_error=False))
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
+
+    async def heartbeat(self, address: str, incarnation: int, lease_ms: int) -> tuple[int, dict[str, Member]]:
+        """Renew this node's lease; the directory's time (ms) and every member."""
+        try:
+            now, entries = await self._heartbeat(
+                keys=[self.members_key], args=[self.node, address, incarnation, lease_ms, FORGET_AFTER_MS]
+            )
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
+        return int(now), parse_members(entries)
+
+    async def leave(self) -> None:
+        """Take this node out of the members now (a clean stop); its records die with it."""
+        try:
+            await self.client.hdel(self.members_key, self.node)  # type: ignore[misc]  # redis-py's async stubs
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
+
+    async def publish(
+        self, puts: Sequence[tuple[bytes, bytes, Record]], removes: Sequence[tuple[bytes, bytes]]
+    ) -> None:
+        """This node holds ``puts`` (root, key, record) and no longer holds ``removes`` (root, key)."""
+        node = self.node.encode()
+        cmds: list[tuple[Any, ...]] = [("HSET", self.key(r, k), node, rec.pack()) for r, k, rec in puts]
+        cmds += [("HDEL", self.key(r, k), node) for r, k in removes]
+        for reply in await self._pipeline(cmds):
+            if isinstance(reply, Exception):
+                raise Unavailable(f"cluster directory: {type(reply).__name__}: {reply}")
+
+    async def find(self, root: bytes, keys: Sequence[bytes]) -> list[dict[str, Record]]:
+        """Every node's record of each key (empty where none)."""
+        replies = await self._pipeline([("HGETALL", self.key(root, k)) for k in keys])
+        out: list[dict[str, Record]] = []
+        for reply in replies:
+            holders: dict[str, Record] = {}
+            if isinstance(reply, dict):
+                for field, raw in reply.items():
+                    rec = Record.unpack(raw)
+                    if rec is not None:
+                        holders[_text(field)] = rec
+            elif isinstance(reply, Exception):
+                raise Unavailable(f"cluster directory: {type(reply).__name__}: {reply}")
+            out.append(holders)
+        return out
+
+    async def forget(self, stale: Sequence[tuple[bytes, bytes, str]]) -> None:
+        """Delete records (root, key, node) found void (a dead incarnation, a holder without it)."""
+        await self._pipeline([("HDEL", self.key(r, k), n.encode()) for r, k, n in stale])
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,408 @@
+"""This sidecar as a node of a cluster: the block store's :class:`~kvstore.store.remote.Remote`.
+
+Three jobs, all on the event loop:
+
+- **Publish.** The index marks every block whose visibility or placement changes
+  (``Index.changed``); every ``publish_interval_ms`` the publisher writes those records to the
+  directory in one pipeline (HSET for a block this node holds, HDEL for one it no longer does).
+  A failed write keeps the changes for the next pass; when the directory comes back, the node
+  re-publishes everything it holds.
+- **Membership.** A heartbeat every ``heartbeat_ms`` renews this node's lease and reads every
+  member's (:data:`kvstore.cluster.directory.HEARTBEAT`). A record counts only while its node's
+  lease runs in the directory's clock (estimated here from the last heartbeat) and its incarnation
+  is the node's current one.
+- **Find and fetch.** A lookup that ends short of the request asks the directory about the rest
+  (one pipeline). A block in a shared tier this node has (Redis, S3) joins the local index as
+  placed there (the movers read and verify it as any promotion); a block only another node holds
+  is fetched from it over the peer data path straight into a local slot, checked against the
+  holder's checksum and the directory's, and kept as a replica (``Block.replica``: dropped, not
+  demoted, when DRAM evicts it).
+
+The holder's side of a fetch is :meth:`ClusterNode.lend`, served by
+:class:`~kvstore.cluster.peer_server.PeerServer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvstore.cluster.directory import Directory, Member, Record
+from kvstore.cluster.peer_client import PeerClient
+from kvstore.cluster.peer_server import PeerServer
+from kvstore.config import Config
+from kvstore.errors import ResourceExhausted, Unavailable
+from kvstore.store.block_store import BlockStore
+from kvstore.store.checksum import checksums
+from kvstore.store.index import DRAM, REDIS, S3, Block, NsEntry, State
+from kvstore.store.remote import PeerBlock
+from kvstore.util.logs import Throttled
+
+log = logging.getLogger("kvstore.cluster.node")
+SHARED = REDIS | S3
+
+
+def _rank(tiers: int) -> int:
+    """Which holder to read from: its copy in DRAM first, then anywhere else."""
+    return 0 if tiers & DRAM else 1
+
+
+class ClusterNode:
+    def __init__(self, store: BlockStore, config: Config, directory: Directory, node: str) -> None:
+        self.store = store
+        self.config = config
+        self.cfg = config.cluster
+        self.directory = directory
+        self.node = node
+        self.incarnation = secrets.randbits(32)
+        self.address = ""
+        self.stats = store.stats.cluster
+        self.server = PeerServer(self, self.cfg.token)
+        self.max_blocks = config.server.max_batch_blocks
+        self._members: dict[str, Member] = {}
+        self._clock: tuple[int, float] = (0, 0.0)  # (directory ms, local monotonic) at the last heartbeat
+        self._up = False
+        self._peers: dict[str, PeerClient] = {}
+        self._waiters: list[asyncio.Future[None]] = []
+        self._stale: list[tuple[bytes, bytes, str]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._warn = Throttled(log)
+
+    # --- life cycle -------------------------------------------------------------------------
+
+    @classmethod
+    async def start(cls, store: BlockStore, config: Config) -> ClusterNode:
+        node_id = config.cluster.node_id or socket.gethostname()
+        self = cls(store, config, Directory.from_config(config.cluster, node_id), node_id)
+        port = await self.server.start(config.cluster.peer_address)
+        self.address = config.cluster.advertise_address or _advertised(config.cluster.peer_address, port)
+        store.index.changed = {}
+        self._republish_all()
+        await self._heartbeat()
+        self._tasks = [
+            asyncio.create_task(self._heartbeats(), name="kvstore-cluster-heartbeat"),
+            asyncio.create_task(self._publisher(), name="kvstore-cluster-publish"),
+        ]
+        store.remote = self
+        log.info(
+            "cluster node %s (incarnation %08x) serving peers at %s; directory %s",
+            node_id, self.incarnation, self.address, "up" if self._up else "DOWN",
+        )
+        return self
+
+    async def close(self) -> None:
+        """Leave the cluster: stop offering this node's blocks, then stop serving them."""
+        from kvstore.store.remote import NoRemote
+
+        self.store.remote = NoRemote()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        with contextlib.suppress(Unavailable, TimeoutError):
+            async with asyncio.timeout(self.cfg.directory_timeout_s):
+                await self.directory.leave()
+        await self.server.close()
+        for p in self._peers.values():
+            p.close()
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self.store.index.changed = None
+        await self.directory.close()
+
+    @property
+    def active(self) -> bool:
+        return self._up
+
+    # --- membership -------------------------------------------------------------------------
+
+    def _now_ms(self) -> float:
+        server_ms, local = self._clock
+        return server_ms + (time.monotonic() - local) * 1000.0
+
+    def _live(self, node: str, rec: Record, now_ms: float) -> Member | None:
+        m = self._members.get(node)
+        if m is None or m.incarnation != rec.incarnation or m.expiry_ms <= now_ms:
+            return None
+        return m
+
+    async def _heartbeat(self) -> None:
+        was_up = self._up
+        try:
+            async with asyncio.timeout(self.cfg.directory_timeout_s):
+                sent = time.monotonic()
+                now, members = await self.directory.heartbeat(self.address, self.incarnation, self.cfg.lease_ms)
+            self._clock = (now, (sent + time.monotonic()) / 2)
+            self._members = members
+            self._up = True
+            self.stats["heartbeats"] += 1
+            if not was_up and self.stats["heartbeats"] > 1:
+                log.info("cluster directory is back; re-publishing what this node holds")
+                self._republish_all()
+        except (Unavailable, TimeoutError) as exc:
+            self._up = False
+            self.stats["directory_errors"] += 1
+            self._warn.warning("cluster directory unreachable (serving local and shared tiers only): %s", exc)
+
+    async def _heartbeats(self) -> None:
+        interval = self.cfg.heartbeat_ms / 1000.0
+        while True:
+            await asyncio.sleep(interval)
+            await self._heartbeat()
+
+    def live_members(self) -> list[Member]:
+        now = self._now_ms()
+        return [m for m in self._members.values() if m.expiry_ms > now]
+
+    # --- publishing ---------------------------------------------------------------------------
+
+    def _republish_all(self) -> None:
+        changed = self.store.index.changed
+        if changed is None:
+            return
+        for ns in self.store.index.namespaces.values():
+            for b in ns.visible.values():
+                changed[b] = None
+
+    def published(self, blocks: Sequence[Block]) -> asyncio.Future[None] | None:
+        if not self._up:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        return fut
+
+    async def _publisher(self) -> None:
+        interval = self.cfg.publish_interval_ms / 1000.0
+        while True:
+            await asyncio.sleep(interval)
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Write the changes gathered since the last pass (and the void records met meanwhile)."""
+        index = self.store.index
+        changed = index.changed
+        if changed is None or not (changed or self._stale or self._waiters) or not self._up:
+            return
+        index.changed = {}
+        waiters, self._waiters = self._waiters, []
+        stale, self._stale = self._stale, []
+        puts: list[tuple[bytes, bytes, Record]] = []
+        removes: list[tuple[bytes, bytes]] = []
+        for b in changed:
+            ns = b.ns
+            if b.tiers and ns.visible.get(b.key) is b:
+                puts.append((ns.root, b.key, Record(self.incarnation, b.tiers, b.size, b.checksum or 0)))
+            elif ns.visible.get(b.key) is None:  # (another record under the key: its own entry says)
+                removes.append((ns.root, b.key))
+        try:
+            async with asyncio.timeout(self.cfg.directory_timeout_s):
+                await self.directory.publish(puts, removes)
+                if stale:
+                    await self.directory.forget(stale)
+            self.stats["records_published"] += len(puts)
+            self.stats["records_removed"] += len(removes)
+        except (Unavailable, TimeoutError) as exc:
+            self._up = False
+            self.stats["directory_errors"] += 1
+            self._warn.warning("cluster directory write failed (kept for the next pass): %s", exc)
+            merged = dict.fromkeys(changed)
+            merged.update(index.changed or {})
+            index.changed = merged
+        finally:
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+    # --- find ---------------------------------------------------------------------------------
+
+    async def _records(self, root: bytes, keys: Sequence[bytes]) -> list[dict[str, Record]] | None:
+        try:
+            async with asyncio.timeout(self.cfg.directory_timeout_s):
+                found = await self.directory.find(root, keys)
+        except (Unavailable, TimeoutError) as exc:
+            self._up = False
+            self.stats["directory_errors"] += 1
+            self._warn.warning("cluster directory lookup failed (a miss): %s", exc)
+            return None
+        self.stats["directory_lookups"] += 1
+        return found
+
+    async def find(
+        self, ns: NsEntry, keys: Sequence[bytes], parent: bytes = b"", depth: int = 1
+    ) -> tuple[int, list[PeerBlock]]:
+        found = await self._records(ns.root, keys)
+        if found is None:
+            return 0, []
+        now = self._now_ms()
+        index, movers = self.store.index, self.store.space.movers
+        adopted = 0
+        peers: list[PeerBlock] = []
+        previous = ""
+        for i, holders in enumerate(found):
+            key = keys[i]
+            live: list[tuple[Member, Record]] = []
+            shared: Record | None = None
+            for node, rec in holders.items():
+                if node == self.node:
+                    continue  # this node's own record (it does not hold the block any more, or it would have matched)
+                m = self._live(node, rec, now)
+                if m is not None:
+                    live.append((m, rec))
+                elif (old := self._members.get(node)) is not None and (
+                    old.expiry_ms <= now or old.incarnation != rec.incarnation
+                ):
+                    self._stale.append((ns.root, key, node))  # a dead node's, or its past life's: void
+                if rec.tiers & SHARED and rec.checksum and shared is None:
+                    shared = rec
+            if not peers and shared is not None and index.get(ns, key) is None:
+                b = index.add(ns, key, keys[i - 1] if i else parent, shared.size, State.COMMITTED, depth + i)
+                b.checksum = shared.checksum
+                if movers.adopt(b, shared.tiers):
+                    ns = b.ns
+                    adopted += 1
+                    continue
+                index.drop(b)  # this node lacks that tier, or it is down
+            if not live or index.get(ns, key) is not None:
+                break
+            m, rec = min(live, key=lambda mr: (mr[0].node != previous, _rank(mr[1].tiers), mr[0].node))
+            previous = m.node
+            peers.append(PeerBlock(m.node, rec.tiers, rec.size, rec.checksum))
+        self.stats["blocks_adopted"] += adopted
+        return adopted, peers
+
+    # --- fetch ----------------------------------------------------------------------------------
+
+    async def fetch(self, ns: NsEntry, keys: Sequence[bytes], parent: bytes, depth: int) -> int:
+        adopted, peers = await self.find(ns, keys, parent, depth)
+        if not peers:
+            return adopted
+        if adopted:
+            ns = self.store.index.find(ns.root, ns.label, ns.namespace)
+        index, space = self.store.index, self.store.space
+        pending: list[tuple[Block, PeerBlock]] = []
+        for i, pb in enumerate(peers, start=adopted):
+            key = keys[i]
+            if index.get(ns, key) is not None:
+                break  # written or fetched here meanwhile
+            b = index.add(ns, key, keys[i - 1] if i else parent, pb.size, State.ALLOCATED, depth + i)
+            try:
+                b.slot = space.take_slot(b)
+            except ResourceExhausted:
+                index.drop(b)
+                break
+            pending.append((b, pb))
+        groups: list[list[tuple[Block, PeerBlock]]] = []
+        for item in pending:
+            if groups and groups[-1][0][1].node == item[1].node:
+                groups[-1].append(item)
+            else:
+                groups.append([item])
+        counts = await asyncio.gather(*(self._fetch_group(ns.root, g) for g in groups))
+        placed = 0
+        cut = False
+        for group, n in zip(groups, counts):
+            for j, (b, _) in enumerate(group):
+                if cut or j >= n:
+                    cut = True
+                    space.free(b)  # never visible: the slot goes back, the block leaves the index
+                    continue
+                b.replica = True
+                index.publish(b)
+                space.place(b)
+                placed += 1
+        self.stats["blocks_fetched"] += placed
+        self.stats["bytes_fetched"] += sum(b.size for b, _ in pending[:placed])
+        return adopted + placed
+
+    def _client(self, node: str) -> PeerClient | None:
+        m = self._members.get(node)
+        if m is None:
+            return None
+        client = self._peers.get(node)
+        if client is None or client.address != m.address:
+            if client is not None:
+                client.close()
+            client = self._peers[node] = PeerClient(m.address, self.cfg.token, self.node)
+        return client
+
+    async def _fetch_group(self, root: bytes, group: list[tuple[Block, PeerBlock]]) -> int:
+        """Fetch one holder's consecutive blocks; how many leading ones arrived intact."""
+        node = group[0][1].node
+        client = self._client(node)
+        if client is None:
+            return 0
+        views = [self.store.space.view(b) for b, _ in group]
+        result = await client.fetch(root, [b.key for b, _ in group], views, self.cfg.fetch_timeout_s)
+        got = result.checksums
+        if result.error:
+            self.stats["fetch_failures"] += 1
+            self._warn.warning("peer fetch from %s ended after %d of %d blocks: %s",
+                               node, len(got), len(group), result.error)
+        elif len(got) < len(group):
+            self.stats["fetch_misses"] += len(group) - len(got)
+            self._stale += [(root, b.key, node) for b, _ in group[len(got) : len(got) + 1]]
+        sums = await checksums(views[: len(got)])
+        for j, (sent, actual) in enumerate(zip(got, sums)):
+            expected = group[j][1].checksum
+            if actual != sent or (expected and actual != expected):
+                self.stats["checksum_failures"] += 1
+                log.warning(
+                    "block %s from %s failed its checksum (%#x, holder says %#x, directory %#x): a miss",
+                    group[j][0].key.hex()[:16], node, actual, sent, expected,
+                )
+                return j
+            group[j][0].checksum = actual
+        return len(got)
+
+    # --- the holder's side ------------------------------------------------------------------------
+
+    async def lend(self, root: bytes, keys: Sequence[bytes]) -> tuple[list[tuple[int, np.ndarray]], Callable[[], None]]:
+        """The leading run of ``keys`` this node holds, brought into DRAM and leased while sent."""
+        store = self.store
+        ns = store.index.namespaces.get(root)  # type: ignore[call-overload]  # raw root bytes off the wire
+        if ns is None:
+            return [], _nothing
+        run = store.index.leading_run(ns, keys)
+        run = await store.space.movers.promote(run)
+        readable: list[Block] = []
+        for b in run:
+            if not b.tiers & DRAM or b.state is not State.COMMITTED or b.slot is None:
+                break
+            readable.append(b)
+        if not readable:
+            return [], _nothing
+        lease = store.index.take_lease(readable, store.clock() + self.cfg.fetch_timeout_s * 2)
+        unsealed = [b for b in readable if b.checksum is None]
+        if unsealed:
+            for b, c in zip(unsealed, await checksums([store.space.view(b) for b in unsealed])):
+                if b.checksum is None:
+                    b.checksum = c
+        store.space.touch(readable)
+        self.stats["blocks_lent"] += len(readable)
+
+        def done() -> None:
+            if lease.id in store.index.leases:
+                store.index.release_lease(lease.id)
+
+        return [(b.checksum or 0, store.space.view(b)) for b in readable], done
+
+
+def _nothing() -> None:
+    pass
+
+
+def _advertised(peer_address: str, port: int) -> str:
+    host = peer_address.rpartition(":")[0].strip("[]")
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+

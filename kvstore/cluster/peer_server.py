@@ -1,0 +1,153 @@
+"""The holder's end of the peer data path: serves this node's blocks to the other nodes.
+
+Each connection says hello with the cluster token (compared in constant time) within
+``HELLO_TIMEOUT_S``, then sends requests (:mod:`kvstore.cluster.peer_wire`). The blocks of a
+request are lent by the node (:class:`Lender`: promoted into DRAM and leased while they are sent)
+and written from their slots with ``sock_sendall``. A malformed request, a wrong token or a broken
+connection ends that connection only; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import socket
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from kvstore.cluster import peer_wire as w
+from kvstore.util.logs import Throttled
+
+log = logging.getLogger("kvstore.cluster.peer_server")
+HELLO_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 256
+
+
+class Lender(Protocol):
+    """What the server serves from: the node's blocks, lent while they are sent."""
+
+    max_blocks: int
+
+    async def lend(
+        self, root: bytes, keys: Sequence[bytes]
+    ) -> tuple[list[tuple[int, np.ndarray]], Callable[[], None]]:
+        """The leading run of ``keys`` readable here, as (checksum, bytes) each, and what to call
+        once they are sent (the lease's release)."""
+        ...
+
+
+class PeerServer:
+    def __init__(self, lender: Lender, token: str) -> None:
+        self.lender = lender
+        self._token = token.encode()
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self._warn = Throttled(log)
+        self.port = 0
+        self.refused = 0  # connections dropped: wrong token, bad request, too many
+        self.served_blocks = 0
+
+    async def start(self, address: str) -> int:
+        host, _, port = address.rpartition(":")
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), int(port)))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        self._accepting = asyncio.create_task(self._accept(), name="kvstore-peer-accept")
+        return self.port
+
+    async def _accept(self) -> None:
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._sock)
+            if len(self._conns) >= MAX_CONNECTIONS:
+                self.refused += 1
+                self._warn.warning("peer data path: %d connections open; refusing more", len(self._conns))
+                conn.close()
+                continue
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = asyncio.create_task(self._serve(conn), name="kvstore-peer-conn")
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                node = await self._hello(conn)
+            if node is None:
+                self.refused += 1
+                return
+            while True:
+                if not await self._answer(conn):
+                    return
+        except w.PeerProtocolError as exc:
+            self.refused += 1
+            self._warn.warning("peer data path: dropped a connection: %s", exc)
+        except (ConnectionError, TimeoutError, OSError):
+            pass  # the fetcher went away or gave up: nothing is owed to it
+        finally:
+            conn.close()
+
+    async def _hello(self, conn: socket.socket) -> str | None:
+        magic, tlen, nlen = w.HELLO.unpack(await w.recv_bytes(conn, w.HELLO.size))
+        if magic != w.MAGIC or tlen > w.MAX_TOKEN or nlen > w.MAX_NODE:
+            raise w.PeerProtocolError(f"not a kvstore peer hello ({magic!r})")
+        token = await w.recv_bytes(conn, tlen)
+        node = (await w.recv_bytes(conn, nlen)).decode(errors="replace")
+        if not hmac.compare_digest(token, self._token):
+            self._warn.warning("peer data path: wrong cluster token from a node calling itself %r", node[:64])
+            return None
+        await asyncio.get_running_loop().sock_sendall(conn, w.WELCOME)
+        return node
+
+    async def _answer(self, conn: socket.socket) -> bool:
+        loop = asyncio.get_running_loop()
+        head = bytearray(w.REQUEST.size)
+        first = await loop.sock_recv_into(conn, head)
+        if first == 0:
+            return False  # closed between requests: a clean end
+        if first < len(head):
+            await w.recv_exactly(conn, memoryview(head)[first:])
+        (n,) = w.REQUEST.unpack(head)
+        if not 0 < n <= self.lender.max_blocks:
+            raise w.PeerProtocolError(f"request for {n} blocks (1..{self.lender.max_blocks})")
+        body = await w.recv_bytes(conn, w.ROOT_BYTES + n * w.KEY_BYTES)
+        root = body[: w.ROOT_BYTES]
+        keys = [body[i : i + w.KEY_BYTES] for i in range(w.ROOT_BYTES, len(body), w.KEY_BYTES)]
+        blocks, done = await self.lender.lend(root, keys)
+        try:
+            for checksum, data in blocks:
+                await loop.sock_sendall(conn, w.BLOCK.pack(w.OK, data.nbytes, checksum))
+                await loop.sock_sendall(conn, memoryview(data))  # type: ignore[arg-type]  # a uint8 array is a buffer
+            if len(blocks) < n:
+                await loop.sock_sendall(conn, w.BLOCK.pack(w.MISSING, 0, 0))
+        finally:
+            done()
+        self.served_blocks += len(blocks)
+        return True
+
+    async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+        for task in list(self._conns):
+            task.cancel()
+        for task in list(self._conns):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
