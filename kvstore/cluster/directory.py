@@ -4,7 +4,7 @@ Layout (every key starts with ``{key_prefix}:``):
 
 - ``d:`` + namespace root (16 bytes) + block key (32 bytes), binary: a hash, one field per node that
   holds the block (the node id), valued with a packed :class:`Record` (the node's incarnation,
-  where the block lies on it, its size and checksum). 21 bytes a record. A node writes and
+  where the block lies on it, its size and checksum). 25 bytes a record. A node writes and
   deletes only its own fields; Redis drops the key with its last field. Keys spread over a Redis
   Cluster's slots by block, so a prompt's lookup is one pipeline that the cluster client sends to
   every shard at once.
@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 from kvstore.config import ClusterConfig
 from kvstore.errors import Unavailable
 
-_RECORD = struct.Struct("<IBQQ")  # incarnation, placement bits, size, checksum (0: not sealed)
+_RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum (0: not sealed)
 ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
 
 # KEYS[1] the members hash; ARGV: node id, address, incarnation, lease ms, forget-after ms.
@@ -63,7 +63,7 @@ FORGET_AFTER_MS = 3_600_000  # a member silent this long leaves the members hash
 class Record:
     """What the directory says of one node's copy of a block."""
 
-    incarnation: int
+    incarnation: int  # the holder's start, in ms since the epoch: a later life has a larger one
     tiers: int  # placement bits on that node (kvstore.store.index: DRAM | SSD | REDIS | S3)
     size: int
     checksum: int  # 0 while the holder has not sealed it

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -61,7 +60,7 @@ class ClusterNode:
         self.cfg = config.cluster
         self.directory = directory
         self.node = node
-        self.incarnation = secrets.randbits(32)
+        self.incarnation = time.time_ns() // 1_000_000  # ms: each start of a node is a later life
         self.address = ""
         self.stats = store.stats.cluster
         self.server = PeerServer(self, self.cfg.token)
@@ -92,7 +91,7 @@ class ClusterNode:
         ]
         store.remote = self
         log.info(
-            "cluster node %s (incarnation %08x) serving peers at %s; directory %s",
+            "cluster node %s (incarnation %d) serving peers at %s; directory %s",
             node_id, self.incarnation, self.address, "up" if self._up else "DOWN",
         )
         return self
@@ -258,7 +257,7 @@ class ClusterNode:
                 if m is not None:
                     live.append((m, rec))
                 elif (old := self._members.get(node)) is not None and (
-                    old.expiry_ms <= now or old.incarnation != rec.incarnation
+                    old.expiry_ms <= now or old.incarnation > rec.incarnation
                 ):
                     self._stale.append((ns.root, key, node))  # a dead node's, or its past life's: void
                 if rec.tiers & SHARED and rec.checksum and shared is None:
