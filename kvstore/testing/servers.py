@@ -96,9 +96,9 @@ def _kill(proc: subprocess.Popen[bytes] | None) -> None:
     proc.wait(timeout=10)
 
 
-def _redis_cli(port: int, *args: str) -> str:
+def _redis_cli(port: int, *args: str, host: str = "127.0.0.1") -> str:
     out = subprocess.run(
-        [REDIS_CLI, "-h", "127.0.0.1", "-p", str(port), *args],
+        [REDIS_CLI, "-h", host, "-p", str(port), *args],
         capture_output=True, text=True, timeout=30, check=False,
     )
     return out.stdout
@@ -112,10 +112,11 @@ class RedisServer:
     workdir: Path
     extra_args: Sequence[str] = ()
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    host: str = "127.0.0.1"  # another address of this machine: a test host's bridge (kvstore.testing.hosts)
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     @property
     def _auth(self) -> list[str]:
@@ -129,7 +130,7 @@ class RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             return
         args = [
-            REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "no",
+            REDIS_SERVER, "--port", str(self.port), "--bind", self.host, "--protected-mode", "no",
             "--save", "", "--appendonly", "no", "--dir", str(self.workdir), "--logfile", "",
             *self.extra_args,
         ]
@@ -142,14 +143,14 @@ class RedisServer:
         self.proc = None
 
     def cli(self, *args: str) -> str:
-        return _redis_cli(self.port, *self._auth, *args)
+        return _redis_cli(self.port, *self._auth, *args, host=self.host)
 
 
 @contextlib.contextmanager
-def redis_server(*extra_args: str) -> Iterator[RedisServer]:
+def redis_server(*extra_args: str, host: str = "127.0.0.1") -> Iterator[RedisServer]:
     """A single-node Redis on a free port; ``extra_args`` go to redis-server (e.g. --maxmemory)."""
     with tempfile.TemporaryDirectory(prefix="kvstore-redis-") as d:
-        server = RedisServer(free_port(), Path(d), extra_args)
+        server = RedisServer(free_port(), Path(d), extra_args, host=host)
         server.start()
         try:
             yield server
@@ -186,7 +187,7 @@ class RedisCluster:
 
 
 @contextlib.contextmanager
-def redis_cluster(n: int = 3) -> Iterator[RedisCluster]:
+def redis_cluster(n: int = 3, host: str = "127.0.0.1") -> Iterator[RedisCluster]:
     with tempfile.TemporaryDirectory(prefix="kvstore-cluster-") as d:
         nodes = []
         for i in range(n):
@@ -196,13 +197,13 @@ def redis_cluster(n: int = 3) -> Iterator[RedisCluster]:
             nodes.append(RedisServer(port, workdir, (
                 "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                 "--cluster-port", str(bus), "--cluster-node-timeout", "5000",
-            )))
+            ), host=host))
         cluster = RedisCluster(nodes)
         try:
             for node in nodes:
                 node.start()
             out = subprocess.run(
-                [REDIS_CLI, "--cluster", "create", *(f"127.0.0.1:{p}" for p in cluster.ports),
+                [REDIS_CLI, "--cluster", "create", *(f"{host}:{p}" for p in cluster.ports),
                  "--cluster-replicas", "0", "--cluster-yes"],
                 capture_output=True, text=True, timeout=60, check=False,
             )
