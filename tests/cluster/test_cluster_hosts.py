@@ -27,7 +27,7 @@ from kvstore.testing.hosts import Host, Hosts
 from kvstore.testing.servers import RedisServer, redis_cluster, redis_server
 
 sys.path.insert(0, str(Path(__file__).parent))
-from host_client import make_blocks  # noqa: E402
+from host_client import make_blocks
 
 REPO = Path(__file__).resolve().parents[2]
 CLIENT = str(Path(__file__).parent / "host_client.py")

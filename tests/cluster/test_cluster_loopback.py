@@ -179,7 +179,9 @@ async def test_a_wrong_token_gets_nothing(tmp_path: Path, directory: RedisServer
             assert a.cluster is not None and a.cluster.server.refused == 1
 
 
-async def test_garbage_on_the_peer_port_drops_that_connection_only(pair: tuple[Sidecar, Sidecar], ns: Namespace) -> None:
+async def test_garbage_on_the_peer_port_drops_that_connection_only(
+    pair: tuple[Sidecar, Sidecar], ns: Namespace
+) -> None:
     from kvstore.cluster import peer_wire as w
 
     a, b = pair
