@@ -152,7 +152,7 @@ class Directory:
     async def leave(self) -> None:
         """Take this node out of the members now (a clean stop); its records die with it."""
         try:
-            await self.client.hdel(self.members_key, self.node)  # type: ignore[misc]  # redis-py's async stubs
+            await self.client.hdel(self.members_key, self.node)
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
 

@@ -38,6 +38,7 @@ from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.peer_server import PeerServer
 from kvstore.config import Config
 from kvstore.errors import ResourceExhausted, Unavailable
+from kvstore.keys import BlockKey
 from kvstore.store.block_store import BlockStore
 from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, REDIS, S3, Block, NsEntry, State
@@ -263,7 +264,7 @@ class ClusterNode:
                 if rec.tiers & SHARED and rec.checksum and shared is None:
                     shared = rec
             if not peers and shared is not None and index.get(ns, key) is None:
-                b = index.add(ns, key, keys[i - 1] if i else parent, shared.size, State.COMMITTED, depth + i)
+                b = index.add(ns, BlockKey(key), keys[i - 1] if i else parent, shared.size, State.COMMITTED, depth + i)
                 b.checksum = shared.checksum
                 if movers.adopt(b, shared.tiers):
                     ns = b.ns
@@ -292,7 +293,7 @@ class ClusterNode:
             key = keys[i]
             if index.get(ns, key) is not None:
                 break  # written or fetched here meanwhile
-            b = index.add(ns, key, keys[i - 1] if i else parent, pb.size, State.ALLOCATED, depth + i)
+            b = index.add(ns, BlockKey(key), keys[i - 1] if i else parent, pb.size, State.ALLOCATED, depth + i)
             try:
                 b.slot = space.take_slot(b)
             except ResourceExhausted:
