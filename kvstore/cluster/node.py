@@ -41,7 +41,7 @@ from kvstore.errors import ResourceExhausted, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.store.block_store import BlockStore
 from kvstore.store.checksum import checksums
-from kvstore.store.index import DRAM, REDIS, S3, Block, NsEntry, State
+from kvstore.store.index import DRAM, REDIS, S3, Block, NsEntry, State, top_label
 from kvstore.store.remote import PeerBlock
 from kvstore.util.logs import Throttled
 
@@ -278,6 +278,30 @@ class ClusterNode:
             peers.append(PeerBlock(m.node, rec.tiers, rec.size, rec.checksum))
         self.stats["blocks_adopted"] += adopted
         return adopted, peers
+
+    async def prefixes(self, ns: NsEntry, keys: Sequence[bytes]) -> dict[str, dict[str, int]]:
+        found = await self._records(ns.root, keys) if self._up else None
+        now = self._now_ms()
+        own = self.store.index.leading_run(ns, keys)
+        # where each live node holds each key: node -> placement bits, per key
+        holders: list[dict[str, int]] = []
+        for i in range(len(keys)):
+            here = {self.node: own[i].tiers} if i < len(own) else {}
+            for node, rec in (found[i] if found is not None else {}).items():
+                if node != self.node and self._live(node, rec, now) is not None:
+                    here[node] = rec.tiers
+            if not here:
+                break
+            holders.append(here)
+        nodes = [self.node, *(m.node for m in self.live_members() if m.node != self.node)]
+        out: dict[str, dict[str, int]] = {}
+        for node in nodes:
+            counts: dict[str, int] = {}
+            for here in holders:
+                label = top_label(here[node] & 15) if node in here else "peer"
+                counts[label] = counts.get(label, 0) + 1
+            out[node] = counts
+        return out
 
     # --- fetch ----------------------------------------------------------------------------------
 

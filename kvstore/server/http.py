@@ -1,12 +1,14 @@
-"""The sidecar's HTTP side: /healthz, /readyz, /stats (JSON), /metrics (Prometheus), dashboard.
+"""The sidecar's HTTP side: /healthz, /readyz, /stats (JSON), /metrics (Prometheus), dashboard,
+/route (KV-aware routing: POST a JSON RouteRequest, or GET with it in ``?q=``).
 
-It sees the sidecar only through :class:`HttpSource`: the token, whether it is ready, and a
-/stats snapshot.
+It sees the sidecar only through :class:`HttpSource`: the token, whether it is ready, a /stats
+snapshot and the route call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ class HttpSource:
     token: str  # server.auth_token; empty: every path is open
     ready: Callable[[], bool]  # /readyz: serving
     snapshot: Callable[[], dict[str, Any]]  # /stats, /metrics and the dashboard: one stats document
+    route: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None  # /route (a JSON RouteRequest)
 
 
 def build_app(source: HttpSource) -> web.Application:
@@ -60,7 +63,25 @@ def build_app(source: HttpSource) -> web.Application:
     async def dashboard(_: web.Request) -> web.StreamResponse:
         return web.FileResponse(STATIC / "dashboard.html")  # package data: ships with kvstore
 
+    async def route(request: web.Request) -> web.Response:
+        from kvstore.errors import KVStoreError
+
+        if source.route is None:
+            return web.json_response({"error": "routing is not served here"}, status=404)
+        try:
+            body = await request.json() if request.can_read_body else json.loads(request.query.get("q", "{}"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return web.json_response({"error": f"request: not JSON: {exc}"}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": "request: a JSON object"}, status=400)
+        try:
+            return web.json_response(await source.route(body))
+        except KVStoreError as exc:
+            return web.json_response({"error": str(exc)}, status=400 if exc.code.name == "INVALID_ARGUMENT" else 503)
+
     app = web.Application(middlewares=[auth])
+    app.router.add_get("/route", route)
+    app.router.add_post("/route", route)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/stats", stats)

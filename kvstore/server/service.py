@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import operator
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf import unknown_fields
+from google.protobuf import json_format, unknown_fields
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -24,7 +25,8 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.config import Config
 from kvstore.dram.slab import Slab, Slot
 from kvstore.errors import InvalidArgument, KVStoreError
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, prefix_keys
+from kvstore.routing import prefix_score, rank
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
 from kvstore.store.counters import check_decision, document_json
 from kvstore.store.index import DRAM, REDIS, S3, SSD, TOP_TIER, Block, Lease, NsEntry
@@ -258,6 +260,59 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Hello(self, request: pb.HelloRequest, context: Context) -> pb.HelloResponse:
         return pb.HelloResponse(local_socket=self.local_socket, segment=self.store.slab.name)
+
+    @_rpc
+    async def Route(self, request: pb.RouteRequest, context: Context) -> pb.RouteResponse:
+        return await self.route(request)
+
+    async def route(self, request: pb.RouteRequest) -> pb.RouteResponse:
+        """Every live node, best first for this request (the Route RPC and ``/route``)."""
+        ns = self._namespace(request)
+        for node, load in request.loads.items():
+            if not math.isfinite(load) or load < 0:
+                raise InvalidArgument(f"loads[{node!r}]: must be a finite number >= 0, got {load!r}")
+        prefixes = await self.store.prefixes(ns, list(request.keys))
+        names = list(prefixes)
+        loads = [request.loads.get(n, 0.0) for n in names]
+        counts = [prefixes[n] for n in names]
+        order = rank(counts, loads)
+        return pb.RouteResponse(nodes=[
+            pb.RouteNode(
+                node=names[i],
+                prefix=sum(counts[i].values()),
+                dram=counts[i].get("dram", 0),
+                ssd=sum(counts[i].get(t, 0) for t in ("ssd", "redis", "s3")),
+                peer=counts[i].get("peer", 0),
+                score=prefix_score(counts[i]),
+                load=loads[i],
+            )
+            for i in order
+        ])
+
+    async def route_json(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``/route``: a RouteRequest as JSON, the block keys as hex strings (``keys``) or the
+        prompt's token ids (``tokens``, cut into the namespace's blocks); the answer as JSON."""
+        keys, tokens = body.pop("keys", None), body.pop("tokens", None)
+        try:
+            request = json_format.ParseDict(body, pb.RouteRequest())
+        except json_format.ParseError as exc:
+            raise InvalidArgument(f"request: {exc}") from None
+        if tokens is not None:
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
+                raise InvalidArgument("tokens: a list of token ids (0 <= id < 2^32)")
+            ns = self._namespace(request).namespace
+            if ns is None or ns.block_size <= 0:
+                raise InvalidArgument("namespace.block_size: required with tokens")
+            request.keys.extend(prefix_keys(ns, tokens))
+        elif isinstance(keys, list):
+            try:
+                request.keys.extend(bytes.fromhex(k) for k in keys)
+            except (TypeError, ValueError):
+                raise InvalidArgument("keys: a list of hex strings") from None
+        else:
+            raise InvalidArgument("keys: required (hex block keys), or tokens")
+        answer = await self.route(request)
+        return json_format.MessageToDict(answer, always_print_fields_with_no_presence=True)
 
     async def Echo(self, request: pb.EchoRequest, context: Context) -> pb.EchoResponse:
         return pb.EchoResponse(payload=request.payload)

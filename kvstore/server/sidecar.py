@@ -117,7 +117,7 @@ class Sidecar:
                 servicer.local_socket = str(path)
             from kvstore.server.http import HttpSource, start_http
 
-            source = HttpSource(cfg.server.auth_token, lambda: self.ready, self.store.snapshot)
+            source = HttpSource(cfg.server.auth_token, lambda: self.ready, self.store.snapshot, servicer.route_json)
             self._http, self.http_port = await start_http(source, cfg.server.http_address)
             self._tasks.append(asyncio.create_task(self._background(), name="kvstore-background"))
             # The index holds millions of long-lived objects; default GC thresholds rescan them

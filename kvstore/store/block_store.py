@@ -175,6 +175,15 @@ class BlockStore:
         run, masks, lease = self.lookup(ns, keys, lease_ttl_ms)
         return run, masks, lease, peers
 
+    async def prefixes(self, ns: NsEntry, keys: Sequence[bytes]) -> dict[str, dict[str, int]]:
+        """Per node of the cluster, the leading run of ``keys`` it can serve by where it lies
+        (:meth:`Remote.prefixes`); a node on its own answers for itself as ``""``."""
+        self._check_batch(len(keys), "keys")
+        self._check_keys(keys, "keys")
+        if self.remote.active:
+            return await self.remote.prefixes(ns, keys)
+        return {"": dict(Counter(top_label(b.tiers) for b in self.index.leading_run(ns, keys)))}
+
     async def _with_cluster(self, ns: NsEntry, keys: Sequence[bytes]) -> tuple[NsEntry, list[Block]]:
         """The leading run of ``keys`` here, first completed from the rest of the cluster."""
         run = self.index.leading_run(ns, keys)

@@ -58,6 +58,12 @@ class Remote(Protocol):
         """A future done once the directory lists ``blocks`` (None: nothing to wait for)."""
         ...
 
+    async def prefixes(self, ns: NsEntry, keys: Sequence[bytes]) -> dict[str, dict[str, int]]:
+        """Per live node (this one included), the leading run of ``keys`` it can serve, counted
+        by where each block lies from that node (its own tiers by name, ``peer`` for another
+        node's): what a router ranks nodes by (``kvstore.routing``). One directory round trip."""
+        ...
+
 
 class NoRemote:
     """A node on its own: nothing beyond it."""
@@ -74,3 +80,6 @@ class NoRemote:
 
     def published(self, blocks: Sequence[Block]) -> asyncio.Future[None] | None:
         return None
+
+    async def prefixes(self, ns: NsEntry, keys: Sequence[bytes]) -> dict[str, dict[str, int]]:
+        return {}

@@ -296,6 +296,47 @@ class HelloResponse(_message.Message):
     segment: str
     def __init__(self, local_socket: _Optional[str] = ..., segment: _Optional[str] = ...) -> None: ...
 
+class RouteRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "loads")
+    class LoadsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    loads: _containers.ScalarMap[str, float]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., loads: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class RouteNode(_message.Message):
+    __slots__ = ("node", "prefix", "dram", "ssd", "peer", "score", "load")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    DRAM_FIELD_NUMBER: _ClassVar[int]
+    SSD_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    prefix: int
+    dram: int
+    ssd: int
+    peer: int
+    score: float
+    load: float
+    def __init__(self, node: _Optional[str] = ..., prefix: _Optional[int] = ..., dram: _Optional[int] = ..., ssd: _Optional[int] = ..., peer: _Optional[int] = ..., score: _Optional[float] = ..., load: _Optional[float] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[RouteNode]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[RouteNode, _Mapping]]] = ...) -> None: ...
+
 class EchoRequest(_message.Message):
     __slots__ = ("payload", "keys")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]

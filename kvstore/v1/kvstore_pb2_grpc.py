@@ -89,6 +89,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.HelloRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.HelloResponse.FromString,
                 _registered_method=True)
+        self.Route = channel.unary_unary(
+                '/kvstore.v1.KVStore/Route',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RouteRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RouteResponse.FromString,
+                _registered_method=True)
         self.Echo = channel.unary_unary(
                 '/kvstore.v1.KVStore/Echo',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.EchoRequest.SerializeToString,
@@ -165,6 +170,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Route(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Echo(self, request, context):
         """Bare round trip, used as the baseline of `kvstore bench lookup`.
         """
@@ -229,6 +240,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Hello,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.HelloRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.HelloResponse.SerializeToString,
+            ),
+            'Route': grpc.unary_unary_rpc_method_handler(
+                    servicer.Route,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RouteRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RouteResponse.SerializeToString,
             ),
             'Echo': grpc.unary_unary_rpc_method_handler(
                     servicer.Echo,
@@ -533,6 +549,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Hello',
             kvstore_dot_v1_dot_kvstore__pb2.HelloRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.HelloResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Route(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Route',
+            kvstore_dot_v1_dot_kvstore__pb2.RouteRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.RouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

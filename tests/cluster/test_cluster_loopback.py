@@ -6,65 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-import pytest
-
-from kvstore.client import KVStoreClient
-from kvstore.keys import Namespace, prefix_keys
+from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
 from kvstore.testing.servers import RedisServer, redis_server
-from tests.conftest import small_config
-
-TOKEN = "cluster-secret"
-BLOCK = 8192
-
-
-@pytest.fixture(scope="module")
-def directory() -> Iterator[RedisServer]:
-    with redis_server() as server:
-        yield server
-
-
-def node_config(tmp_path: Path, name: str, directory: RedisServer, **extra: Any) -> Any:
-    return small_config(
-        tmp_path / name,
-        **{
-            "cluster.enabled": True,
-            "cluster.directory_url": directory.url,
-            "cluster.node_id": name,
-            "cluster.peer_address": "127.0.0.1:0",
-            "cluster.token": TOKEN,
-            "cluster.key_prefix": f"t{abs(hash(tmp_path)) % 10**8}",
-            "cluster.publish_interval_ms": 2,
-            "cluster.heartbeat_ms": 100,
-            "cluster.lease_ms": 1000,
-            **extra,
-        },
-    )
-
-
-@pytest.fixture
-async def pair(tmp_path: Path, directory: RedisServer) -> AsyncIterator[tuple[Sidecar, Sidecar]]:
-    async with Sidecar(node_config(tmp_path, "a", directory)) as a, Sidecar(node_config(tmp_path, "b", directory)) as b:
-        await asyncio.sleep(0.25)  # a heartbeat each: both see the other
-        yield a, b
-
-
-def blocks(n: int, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(n)]
-
-
-def keys_for(ns: Namespace, n: int, seed: int = 0) -> list[bytes]:
-    return prefix_keys(ns, list(range(seed * 1000, seed * 1000 + n * ns.block_size)))
-
-
-def client_of(sc: Sidecar) -> KVStoreClient:
-    return KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}")
+from tests.cluster.nodes import TOKEN, blocks, client_of, keys_for, node_config
 
 
 async def test_a_block_put_on_one_node_is_found_and_fetched_on_another(

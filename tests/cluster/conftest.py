@@ -1,0 +1,26 @@
+"""Fixtures of the in-process cluster tests: one redis-server as the directory, two sidecars."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.server.sidecar import Sidecar
+from kvstore.testing.servers import RedisServer, redis_server
+from tests.cluster.nodes import node_config
+
+
+@pytest.fixture(scope="module")
+def directory() -> Iterator[RedisServer]:
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture
+async def pair(tmp_path: Path, directory: RedisServer) -> AsyncIterator[tuple[Sidecar, Sidecar]]:
+    async with Sidecar(node_config(tmp_path, "a", directory)) as a, Sidecar(node_config(tmp_path, "b", directory)) as b:
+        await asyncio.sleep(0.25)  # a heartbeat each: both see the other
+        yield a, b
