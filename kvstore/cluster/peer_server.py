@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import socket
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ import numpy as np
 
 from kvstore.cluster import peer_wire as w
 from kvstore.util.logs import Throttled
+from kvstore.util.tokens import token_matches
 
 log = logging.getLogger("kvstore.cluster.peer_server")
 HELLO_TIMEOUT_S = 5.0
@@ -105,7 +105,7 @@ class PeerServer:
             raise w.PeerProtocolError(f"not a kvstore peer hello ({magic!r})")
         token = await w.recv_bytes(conn, tlen)
         node = (await w.recv_bytes(conn, nlen)).decode(errors="replace")
-        if not hmac.compare_digest(token, self._token):
+        if not token_matches(token, self._token):
             self._warn.warning("peer data path: wrong cluster token from a node calling itself %r", node[:64])
             return None
         await asyncio.get_running_loop().sock_sendall(conn, w.WELCOME)

@@ -5,32 +5,27 @@
 Every call must carry ``authorization: Bearer <token>`` metadata (what
 ``KVStoreClient.from_url(url, token=...)`` sends); otherwise it ends with UNAUTHENTICATED before
 reaching the servicer. The standard health service stays open so orchestrators can probe the
-sidecar without the secret. :func:`token_matches` is the one comparison of a supplied secret:
-gRPC metadata here, HTTP headers in :mod:`kvstore.server.http`, the hello of :mod:`kvstore.server.local_server`.
+sidecar without the secret. :func:`~kvstore.util.tokens.token_matches` is the one comparison of a
+supplied secret: gRPC metadata here, HTTP headers in :mod:`kvstore.server.http`, the hello of
+:mod:`kvstore.server.local_server`, the cluster token in :mod:`kvstore.cluster.peer_server`.
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+
+from kvstore.util.tokens import token_matches
+
+__all__ = ["OPEN_PREFIXES", "TokenInterceptor", "token_matches"]
 
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Context = grpc.aio.ServicerContext[Any, Any]
-
-
-def _bytes(secret: str | bytes) -> bytes:
-    return secret.encode("utf-8", "surrogateescape") if isinstance(secret, str) else bytes(secret)
-
-
-def token_matches(supplied: str | bytes, expected: str | bytes) -> bool:
-    """Whether ``supplied`` equals ``expected``, in a time that does not depend on where they differ."""
-    return hmac.compare_digest(_bytes(supplied), _bytes(expected))
 
 
 def _deny(message: str) -> Callable[[Any, Context], Awaitable[Any]]:

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+import pytest
+
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
 from kvstore.testing.servers import RedisServer, redis_server
@@ -113,7 +115,19 @@ async def test_a_corrupted_peer_block_is_never_served(pair: tuple[Sidecar, Sidec
         assert stats["checksum_failures"] == 1 and stats["blocks_fetched"] == 1
 
 
-async def test_a_wrong_token_gets_nothing(tmp_path: Path, directory: RedisServer, ns: Namespace) -> None:
+async def test_a_wrong_token_gets_nothing(
+    tmp_path: Path, directory: RedisServer, ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hmac
+
+    compared: list[tuple[bytes, bytes]] = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        compared.append((bytes(a), bytes(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
     keys = keys_for(ns, 2, seed=7)
     async with Sidecar(node_config(tmp_path, "a", directory)) as a, \
             Sidecar(node_config(tmp_path, "b", directory, **{"cluster.token": "not-the-token"})) as b:
@@ -124,6 +138,7 @@ async def test_a_wrong_token_gets_nothing(tmp_path: Path, directory: RedisServer
             assert await cb.get_blocks(ns, keys) == []  # ... but A serves nobody without the token
             assert (await cb.stats())["cluster"]["fetch_failures"] == 1
             assert a.cluster is not None and a.cluster.server.refused == 1
+            assert (b"not-the-token", TOKEN.encode()) in compared  # the one constant-time check
 
 
 async def test_garbage_on_the_peer_port_drops_that_connection_only(
