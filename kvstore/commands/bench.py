@@ -21,6 +21,7 @@ SUITES = {
     "tiers": "benchmarks.tiers",
     "ttft": "benchmarks.ttft",
     "vllm": "benchmarks.vllm",
+    "cluster": "benchmarks.cluster",
 }
 
 
@@ -63,5 +64,5 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"  {name:<40} {fig['value']:>14.4g} {fig['unit']}")
     lines.append("ratios (ours / raw baseline, higher is better):")
     for name, r in result["ratios"].items():
-        lines.append(f"  {name:<40} {r:>14.3f}")
+        lines.append(f"  {name:<40} {'n/a' if r is None else format(r, '.3f'):>14}")  # None: not measured here
     return "\n".join(lines)
