@@ -181,6 +181,25 @@ class S3Config(_Section):
     )
 
 
+class TenantsConfig(_Section):
+    """Tenant quotas (kvstore/store/tenants.py): a tenant is a namespace's cache_salt."""
+
+    dram_quota_bytes: int = Field(
+        0, ge=0, description="every tenant's share of DRAM (committed block bytes); 0: no quota"
+    )
+    dram_quotas: dict[str, int] = Field(
+        default_factory=dict, description="per cache_salt ('' for none): its DRAM quota in bytes, over the default"
+    )
+
+    @field_validator("dram_quotas")
+    @classmethod
+    def _non_negative(cls, v: dict[str, int]) -> dict[str, int]:
+        bad = {k: n for k, n in v.items() if n < 0}
+        if bad:
+            raise ValueError(f"quotas are bytes >= 0, got {bad}")
+        return v
+
+
 class ClusterConfig(_Section):
     """Many sidecars, one cache (kvstore/cluster/): a directory in Redis says which node holds each
     block; nodes fetch each other's blocks over the peer data path."""
@@ -243,6 +262,7 @@ class Config(BaseSettings):
     s3: S3Config = Field(default_factory=S3Config)
     tiering: TieringConfig = Field(default_factory=TieringConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    tenants: TenantsConfig = Field(default_factory=TenantsConfig)
 
     @classmethod
     def settings_customise_sources(
@@ -328,4 +348,6 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -63,6 +63,20 @@ class SnapshotCollector(Collector):
         yield from self._namespaces()
         yield from self._tiers()
         yield from self._events()
+        yield from self._tenants()
+
+    def _tenants(self) -> Iterator[Metric]:
+        tenants: Mapping[str, Any] = self.doc.get("tenants", {})
+        if not tenants:
+            return
+        used = _gauge("tenant_dram_bytes", "committed block bytes in DRAM per tenant (cache_salt tag)", ["tenant"])
+        quota = _gauge("tenant_dram_quota_bytes", "DRAM quota per tenant (0: none)", ["tenant"])
+        ev = _counter("tenant_dram_evictions", "DRAM evictions of each tenant's blocks", ["tenant"])
+        for t, c in sorted(tenants.items()):
+            used.add_metric([t], _num(c.get("dram_bytes")))
+            quota.add_metric([t], _num(c.get("dram_quota_bytes")))
+            ev.add_metric([t], _num(c.get("evictions")))
+        yield from (used, quota, ev)
 
     def _service(self) -> Iterator[Metric]:
         g = _gauge("uptime_seconds", "seconds since the sidecar started")

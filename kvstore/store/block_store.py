@@ -43,6 +43,7 @@ from kvstore.store.index import (
 )
 from kvstore.store.remote import NoRemote, PeerBlock, Remote
 from kvstore.store.space import DramSpace
+from kvstore.store.tenants import Quotas
 
 log = logging.getLogger("kvstore.store.block_store")
 _TIERS = operator.attrgetter("tiers")
@@ -73,6 +74,7 @@ class BlockStore:
         self.clock = clock
         self.index = Index()
         self.space = DramSpace(slab, make_policy(config.index.policy), self.index, self.stats)
+        self.space.quotas = Quotas.from_config(config.tenants.dram_quota_bytes, config.tenants.dram_quotas)
         self._closed_allocations: OrderedDict[str, str] = OrderedDict()  # id -> "committed" | "aborted" | "reclaimed"
         self._unsealed: list[Block] = []
         self.remote: Remote = NoRemote()  # the rest of the cluster, once the sidecar wires it
@@ -251,7 +253,10 @@ class BlockStore:
 
         get = self.index.get
         new = [(i, s, cls) for i, (s, cls) in enumerate(zip(specs, classes)) if get(ns, s.key) is None]
-        taken = {cls: iter(got) for cls, got in self.space.take(Counter(cls for _, _, cls in new)).items()}
+        quotas = self.space.quotas
+        tenant = quotas.of_label(ns.label) if quotas is not None else ""
+        need = Counter(cls for _, _, cls in new)
+        taken = {cls: iter(got) for cls, got in self.space.take(need, tenant, sum(s.size for _, s, _ in new)).items()}
         blocks: dict[int, Block] = {}
         slots: list[Slot | None] = [None] * len(specs)  # None: present already
         for i, s, cls in new:
@@ -472,4 +477,6 @@ class BlockStore:
     def snapshot(self) -> dict[str, object]:
         doc = self.stats.snapshot(self.occupancy(), self.index.count())
         doc["policy"] = self.space.policy.name
+        if self.space.quotas is not None:
+            doc["tenants"] = self.space.quotas.snapshot(self.config.server.stats_namespaces)
         return doc

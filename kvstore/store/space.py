@@ -23,6 +23,7 @@ from kvstore.policy.base import Eligible, EvictionPolicy
 from kvstore.store.below import Movers, NoMovers
 from kvstore.store.counters import Stats
 from kvstore.store.index import DRAM, Block, Index
+from kvstore.store.tenants import Quotas
 
 
 def enter(policy: EvictionPolicy, b: Block) -> None:
@@ -44,6 +45,7 @@ class DramSpace:
         self.index = index
         self.stats = stats
         self.movers: Movers = NoMovers()  # the tiers below DRAM, once the sidecar wires them
+        self.quotas: Quotas | None = None  # tenant quotas (kvstore.store.tenants), when configured
         self._touches: list[tuple[list[Block], bool]] = []
 
     # --- hits -----------------------------------------------------------------------------
@@ -70,22 +72,62 @@ class DramSpace:
 
     # --- slots ------------------------------------------------------------------------------
 
-    def take(self, needs: Mapping[int, int]) -> dict[int, list[Slot]]:
+    def take(self, needs: Mapping[int, int], tenant: str = "", nbytes: int = 0) -> dict[int, list[Slot]]:
         """Slots for ``needs`` (size class -> how many), evicting the policy's victims when free
         slots and free pages do not cover them; refused before anything is evicted when they
-        cannot all be had (:class:`_Room`). The caller makes each slot's block its holder."""
+        cannot all be had (:class:`_Room`). The caller makes each slot's block its holder. With
+        tenant quotas, ``nbytes`` of ``tenant``'s blocks are on their way in: it first evicts its
+        own blocks past its quota, and evicts no block of a tenant within its quota."""
         slab = self.slab
+        may_evict = None
+        if self.quotas is not None:
+            with self.movers.staging_batch():
+                self._within_quota(tenant, nbytes)
+            may_evict = self.quotas.evictable_for(tenant)
         if slab.fits(needs):
             return {cls: slab.take(cls, n) for cls, n in needs.items()}
         self.drain_touches()
-        room = _Room(self, needs)
+        room = _Room(self, needs, may_evict)
         with self.movers.staging_batch():
             return room.take()
+
+    def _within_quota(self, tenant: str, nbytes: int) -> None:
+        """Evict ``tenant``'s own blocks until ``nbytes`` more fit its quota; refused first when
+        its unpinned blocks cannot make that room."""
+        quotas = self.quotas
+        assert quotas is not None
+        excess = quotas.excess(tenant, nbytes)
+        if not excess:
+            return
+        self.drain_touches()
+
+        def own(b: Block) -> bool:
+            return not b.pinned and quotas.tenant(b) == tenant
+
+        evictable = sum(b.size for b in self.policy_blocks() if own(b))
+        if evictable < excess:
+            raise ResourceExhausted(
+                f"blocks: tenant {tenant or '-'!r} would pass its DRAM quota of {quotas.quota(tenant)} bytes "
+                f"(tenants.dram_quota_bytes) by {excess} bytes, and only {evictable} bytes of its blocks may leave"
+            )
+        while quotas.excess(tenant, nbytes):
+            victim = pop_victim(self.policy, own)
+            if victim is None:  # the policy keeps the rest for their children: take one anyway
+                victim = next(b for b in self.policy_blocks() if own(b))
+                self.policy.remove(victim)
+            self.evict(victim)
+
+    def policy_blocks(self) -> list[Block]:
+        """The blocks in DRAM (placed), in slab order."""
+        slab = self.slab
+        return [cast(Block, s.holder) for c in range(len(slab.classes)) for p in slab.pages(c) for s in p.slots
+                if _placed(s)]
 
     def take_slot(self, holder: Block) -> Slot:
         """One slot for ``holder``'s bytes (see :meth:`take`); it holds the slot from now on."""
         cls = self.slab.class_of(holder.size)
-        slot = self.take({cls: 1})[cls][0]
+        tenant = self.quotas.tenant(holder) if self.quotas is not None else ""
+        slot = self.take({cls: 1}, tenant, holder.size)[cls][0]
         slot.holder = holder
         return slot
 
@@ -103,6 +145,8 @@ class DramSpace:
         if slot is not None:
             b.slot = slot
             slot.holder = b
+        if self.quotas is not None and not b.tiers & DRAM:
+            self.quotas.placed(b)
         b.tiers |= DRAM
         enter(self.policy, b)
         self.index.moved(b)
@@ -116,6 +160,8 @@ class DramSpace:
         if b.slot is not None:
             self.slab.free(b.slot)
             b.slot = None
+        if self.quotas is not None and b.tiers & DRAM:
+            self.quotas.freed(b)
         b.tiers &= ~DRAM
         self.index.moved(b)
         self.index.drop_if_gone(b)
@@ -130,6 +176,8 @@ class DramSpace:
         """Drop the DRAM copy of a block the policy chose (out of it already); the movers keep its
         bytes below DRAM first when a lower tier takes them."""
         self.stats.tier("dram", "evictions")
+        if self.quotas is not None:
+            self.quotas.evictions[self.quotas.tenant(b)] += 1
         self.movers.on_dram_evict(b)
         self.free(b)
 
@@ -137,6 +185,12 @@ class DramSpace:
 
     def occupancy(self) -> dict[str, object]:
         return {**self.slab.occupancy(), "blocks": len(self.policy)}
+
+
+def _placed(slot: Slot) -> bool:
+    """Whether the slot holds a block placed in DRAM."""
+    b = slot.holder
+    return b is not None and b.slot is slot and bool(b.tiers & DRAM)
 
 
 def _can_evict(slot: Slot) -> bool:
@@ -166,8 +220,11 @@ class _Room:
     idle one instead of evicting its own.
     """
 
-    def __init__(self, space: DramSpace, needs: Mapping[int, int]) -> None:
+    def __init__(
+        self, space: DramSpace, needs: Mapping[int, int], may_evict: Callable[[Block], bool] | None = None
+    ) -> None:
         self.space = space
+        self.may_evict = may_evict  # whose blocks this request may evict (tenant quotas); None: anyone's
         self.slab = space.slab
         self.needs = dict(needs)
         self.left = dict(needs)  # class -> slots it has still to take
@@ -175,6 +232,12 @@ class _Room:
         self.gives: dict[int, int] = {}  # class of the request -> pages it may still give to owed ones
         self._whole: dict[Page, bool] = {}  # valid while no class takes slots (cleared before each does)
         self._plan()
+
+    def _can(self, slot: Slot) -> bool:
+        """Whether this request may evict the block in ``slot`` now."""
+        if not _can_evict(slot):
+            return False
+        return self.may_evict is None or self.may_evict(cast(Block, slot.holder))
 
     def _full(self, detail: str = "") -> ResourceExhausted:
         return ResourceExhausted(
@@ -219,7 +282,7 @@ class _Room:
             return n
         for page in self.slab.pages(cls):
             for slot in page.slots:
-                if _can_evict(slot):
+                if self._can(slot):
                     n += 1
                     if n == cap:
                         return n
@@ -228,7 +291,7 @@ class _Room:
     def _is_whole(self, page: Page) -> bool:
         got = self._whole.get(page)
         if got is None:
-            got = self._whole[page] = page.used > 0 and sum(map(_can_evict, page.slots)) == page.used
+            got = self._whole[page] = page.used > 0 and sum(map(self._can, page.slots)) == page.used
         return got
 
     def _whole_pages(self, cls: int, cap: int) -> int:
@@ -268,8 +331,10 @@ class _Room:
         policy = space.policy
         own = self._own(cls)
 
+        may_evict = self.may_evict
+
         def victim_ok(b: Block) -> bool:
-            if b.pinned:
+            if b.pinned or (may_evict is not None and not may_evict(b)):
                 return False
             slot = _slot_of(b)
             return slot.cls == cls or (not left.get(slot.cls) and whole(slab.page_of(slot)))
@@ -294,7 +359,7 @@ class _Room:
         """The evictable blocks of class ``cls``, in slab order, each checked when reached."""
         for page in list(self.slab.pages(cls)):
             for slot in page.slots:
-                if _can_evict(slot):
+                if self._can(slot):
                     yield cast(Block, slot.holder)
 
     def _move(self, cls: int, donor: Callable[[int], bool]) -> None:
@@ -302,8 +367,11 @@ class _Room:
         them; any whole one when the policy has none) and cut it for ``cls``."""
         slab = self.slab
 
+        may_evict = self.may_evict
+
         def victim_ok(b: Block) -> bool:
-            return not b.pinned and donor(_slot_of(b).cls) and self._is_whole(slab.page_of(_slot_of(b)))
+            return (not b.pinned and (may_evict is None or may_evict(b)) and donor(_slot_of(b).cls)
+                    and self._is_whole(slab.page_of(_slot_of(b))))
 
         victim = pop_victim(self.space.policy, victim_ok)
         if victim is not None:
@@ -325,7 +393,7 @@ class _Room:
         if victim is not None:
             space.evict(victim)
         for slot in page.slots:
-            if _can_evict(slot):
+            if self._can(slot):
                 b = cast(Block, slot.holder)
                 space.policy.remove(b)
                 space.evict(b)

@@ -1,0 +1,111 @@
+"""Tenant quotas and isolation (a tenant is a namespace's cache_salt): a tenant within its DRAM
+quota is never evicted for another; a tenant over it evicts its own blocks first; a tenant that
+knows another's keys can neither read, evict, delete nor probe for them. Real sidecar, real gRPC."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+
+from kvstore.client import KVStoreClient
+from kvstore.errors import ResourceExhausted
+from kvstore.keys import Namespace, prefix_keys
+from kvstore.server.sidecar import Sidecar
+from kvstore.store.tenants import salt_tag
+from tests.conftest import small_config
+
+BLOCK = 16 * 1024  # 4 to a 64 KiB page: the slab holds 16
+A = Namespace(model="m", kv_layout="raw", dtype="float16", block_size=16, cache_salt="tenant-a")
+B = Namespace(model="m", kv_layout="raw", dtype="float16", block_size=16, cache_salt="tenant-b")
+QUOTA_A = 4 * BLOCK
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[tuple[Sidecar, KVStoreClient]]:
+    cfg = small_config(tmp_path, **{"tenants.dram_quotas": {"tenant-a": QUOTA_A}})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        yield sc, c
+
+
+def keys(ns: Namespace, n: int, seed: int) -> list[bytes]:
+    return prefix_keys(ns, list(range(seed * 10_000, seed * 10_000 + n * 16)))
+
+
+def data(n: int, seed: int) -> list[np.ndarray]:
+    return [np.full(BLOCK, (seed * 31 + i) % 251, dtype=np.uint8) for i in range(n)]
+
+
+async def test_a_flooding_tenant_cannot_push_another_below_its_quota(env: tuple[Sidecar, KVStoreClient]) -> None:
+    _, c = env
+    mine = keys(A, 4, 1)
+    await c.put_blocks(A, mine, data(4, 1))
+    for seed in range(2, 12):  # 40 blocks of tenant B through a 16-block slab
+        await c.put_blocks(B, keys(B, 4, seed), data(4, seed))
+    assert (await c.lookup(A, mine)).matched == 4  # all of A's quota is still there
+    got = await c.get_blocks(A, mine)
+    assert [bytes(g) for g in got] == [bytes(d) for d in data(4, 1)]
+    assert (await c.lookup(B, keys(B, 4, 2))).matched == 0  # B made room from its own blocks
+
+
+async def test_a_tenant_over_its_quota_evicts_its_own_blocks_first(env: tuple[Sidecar, KVStoreClient]) -> None:
+    _, c = env
+    theirs = keys(B, 4, 3)
+    await c.put_blocks(B, theirs, data(4, 3))
+    first, second = keys(A, 4, 4), keys(A, 2, 5)
+    await c.put_blocks(A, first, data(4, 4))
+    await c.put_blocks(A, second, data(2, 5))  # 2 over the quota, with free slots left
+    assert (await c.lookup(B, theirs)).matched == 4  # B untouched
+    assert (await c.lookup(A, second)).matched == 2
+    held = [(await c.lookup(A, [k])).matched for k in first]
+    assert sum(held) == 2  # two of A's first blocks made the room
+    stats = await c.stats()
+    assert stats["tenants"][salt_tag("tenant-a")] == {"dram_bytes": QUOTA_A, "dram_quota_bytes": QUOTA_A,
+                                                      "evictions": 2}
+
+
+async def test_a_tenant_whose_blocks_are_all_leased_is_refused_and_nothing_changes(
+    env: tuple[Sidecar, KVStoreClient],
+) -> None:
+    sc, c = env
+    mine, theirs = keys(A, 4, 6), keys(B, 2, 7)
+    await c.put_blocks(A, mine, data(4, 6))
+    await c.put_blocks(B, theirs, data(2, 7))
+    before = sc.store.snapshot()
+    async with c.acquire(A, mine):
+        with pytest.raises(ResourceExhausted, match="DRAM quota of 65536 bytes"):
+            await c.put_blocks(A, keys(A, 1, 8), data(1, 8))
+    after = sc.store.snapshot()
+    assert after["tiers"]["dram"]["evictions"] == before["tiers"]["dram"]["evictions"]
+    assert (await c.lookup(A, mine)).matched == 4 and (await c.lookup(B, theirs)).matched == 2
+
+
+async def test_a_tenant_knowing_anothers_keys_can_neither_read_evict_delete_nor_probe(
+    env: tuple[Sidecar, KVStoreClient],
+) -> None:
+    _, c = env
+    mine = keys(A, 3, 9)
+    await c.put_blocks(A, mine, data(3, 9))
+    assert (await c.lookup(B, mine)).matched == 0  # probe by lookup
+    assert await c.get_blocks(B, mine) == []  # read
+    assert (await c.delete(B, mine)) == (0, 0)  # delete
+    async with c.allocate(B, mine, [BLOCK] * 3) as alloc:  # probe by a write: nothing is "present"
+        assert [i for i, _ in alloc.writable()] == [0, 1, 2]
+        await alloc.abort()
+    assert (await c.lookup(A, mine)).matched == 3
+
+
+async def test_tenants_are_on_stats_and_metrics(env: tuple[Sidecar, KVStoreClient]) -> None:
+    sc, c = env
+    await c.put_blocks(A, keys(A, 2, 10), data(2, 10))
+    await c.put_blocks(B, keys(B, 1, 11), data(1, 11))
+    tenants = (await c.stats())["tenants"]
+    assert tenants[salt_tag("tenant-a")]["dram_bytes"] == 2 * BLOCK
+    assert tenants[salt_tag("tenant-b")] == {"dram_bytes": BLOCK, "dram_quota_bytes": 0, "evictions": 0}
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{sc.http_port}/metrics") as r:
+        text = await r.text()
+    assert f'kvstore_tenant_dram_bytes{{tenant="{salt_tag("tenant-a")}"}} {float(2 * BLOCK)}' in text
+    assert f'kvstore_tenant_dram_quota_bytes{{tenant="{salt_tag("tenant-a")}"}} {float(QUOTA_A)}' in text
