@@ -563,8 +563,9 @@ def _op_serve(st: AgentState, ip: str) -> dict[str, Any]:
                 while True:
                     _recv_into(conn, memoryview(head))
                     set_id, n = REQ.unpack(head)
-                    for v in st.round(set_id)[:n]:
-                        conn.sendall(w.BLOCK.pack(w.OK, len(v), 0))
+                    views = st.round(set_id)[:n]
+                    conn.sendall(w.answer_head([(len(v), 0) for v in views]))  # the peer path's answer format
+                    for v in views:
                         conn.sendall(v)
 
     threading.Thread(target=serve_raw, name="raw-tcp-server", daemon=True).start()
@@ -613,15 +614,15 @@ def _check(views: list[memoryview], set_id: int, side: str) -> None:
 def _op_raw(st: AgentState, set_id: int) -> dict[str, Any]:
     views = st.round(set_id)
     _clear(views)
-    sock, head = st.raw, bytearray(w.BLOCK.size)
+    sock, head = st.raw, bytearray(w.COUNT.size + len(views) * w.ENTRY.size)
     assert sock is not None
     t = time.perf_counter()
     sock.sendall(REQ.pack(set_id, len(views)))
-    for v in views:
-        _recv_into(sock, memoryview(head))
-        status, size, _ = w.BLOCK.unpack(head)
-        if status != w.OK or size != len(v):
-            raise RuntimeError(f"raw TCP: block header {status}, {size}")
+    _recv_into(sock, memoryview(head))
+    for i, v in enumerate(views):
+        size, _ = w.ENTRY.unpack_from(head, w.COUNT.size + i * w.ENTRY.size)
+        if size != len(v):
+            raise RuntimeError(f"raw TCP: block {i} of {size} bytes")
         _recv_into(sock, v)
     seconds = time.perf_counter() - t
     _check(views, set_id, "raw TCP")

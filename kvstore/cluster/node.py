@@ -47,6 +47,12 @@ from kvstore.util.logs import Throttled
 
 log = logging.getLogger("kvstore.cluster.node")
 SHARED = REDIS | S3
+PUBLISH_BATCH = 4096  # directory records in one pipeline
+COUNTERS = (  # /stats "cluster": every one shown from the start, 0 until it happens
+    "heartbeats", "directory_errors", "directory_lookups", "records_published", "records_removed",
+    "peer_blocks_found", "blocks_adopted", "blocks_fetched", "bytes_fetched", "fetch_failures", "fetch_misses",
+    "checksum_failures", "blocks_lent",
+)
 
 
 def _rank(tiers: int) -> int:
@@ -64,6 +70,8 @@ class ClusterNode:
         self.incarnation = time.time_ns() // 1_000_000  # ms: each start of a node is a later life
         self.address = ""
         self.stats = store.stats.cluster
+        for name in COUNTERS:
+            self.stats[name] += 0
         self.server = PeerServer(self, self.cfg.token)
         self.max_blocks = config.server.max_batch_blocks
         self._members: dict[str, Member] = {}
@@ -203,18 +211,24 @@ class ClusterNode:
                 puts.append((ns.root, b.key, Record(self.incarnation, b.tiers, b.size, b.checksum or 0)))
             elif ns.visible.get(b.key) is None:  # (another record under the key: its own entry says)
                 removes.append((ns.root, b.key))
+        pending = list(changed)
         try:
-            async with asyncio.timeout(self.cfg.directory_timeout_s):
-                await self.directory.publish(puts, removes)
-                if stale:
+            # in pipelines of PUBLISH_BATCH records, each under the deadline: a node re-publishing
+            # millions of blocks after an outage gets there in steps instead of timing out whole
+            for i in range(0, max(len(puts), len(removes)), PUBLISH_BATCH):
+                async with asyncio.timeout(self.cfg.directory_timeout_s):
+                    await self.directory.publish(puts[i : i + PUBLISH_BATCH], removes[i : i + PUBLISH_BATCH])
+                self.stats["records_published"] += len(puts[i : i + PUBLISH_BATCH])
+                self.stats["records_removed"] += len(removes[i : i + PUBLISH_BATCH])
+            pending = []
+            if stale:
+                async with asyncio.timeout(self.cfg.directory_timeout_s):
                     await self.directory.forget(stale)
-            self.stats["records_published"] += len(puts)
-            self.stats["records_removed"] += len(removes)
         except (Unavailable, TimeoutError) as exc:
             self._up = False
             self.stats["directory_errors"] += 1
             self._warn.warning("cluster directory write failed (kept for the next pass): %s", exc)
-            merged = dict.fromkeys(changed)
+            merged = dict.fromkeys(pending)  # re-writing a batch that did land is harmless
             merged.update(index.changed or {})
             index.changed = merged
         finally:
@@ -374,7 +388,7 @@ class ClusterNode:
         elif len(got) < len(group):
             self.stats["fetch_misses"] += len(group) - len(got)
             self._stale += [(root, b.key, node) for b, _ in group[len(got) : len(got) + 1]]
-        sums = await checksums(views[: len(got)])
+        sums = result.hashes
         for j, (sent, actual) in enumerate(zip(got, sums)):
             expected = group[j][1].checksum
             if actual != sent or (expected and actual != expected):
@@ -385,7 +399,7 @@ class ClusterNode:
                 )
                 return j
             group[j][0].checksum = actual
-        return len(got)
+        return min(len(got), len(sums))
 
     # --- the holder's side ------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from kvstore.util.tokens import token_matches
 
 log = logging.getLogger("kvstore.cluster.peer_server")
 HELLO_TIMEOUT_S = 5.0
+IDLE_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 256
 
 
@@ -95,7 +96,10 @@ class PeerServer:
             self.refused += 1
             self._warn.warning("peer data path: dropped a connection: %s", exc)
         except (ConnectionError, TimeoutError, OSError):
-            pass  # the fetcher went away or gave up: nothing is owed to it
+            pass  # the fetcher went away, gave up or fell idle: nothing is owed to it
+        except Exception:
+            self.refused += 1
+            log.exception("peer data path: dropped a connection on an internal error")
         finally:
             conn.close()
 
@@ -114,7 +118,8 @@ class PeerServer:
     async def _answer(self, conn: socket.socket) -> bool:
         loop = asyncio.get_running_loop()
         head = bytearray(w.REQUEST.size)
-        first = await loop.sock_recv_into(conn, head)
+        async with asyncio.timeout(IDLE_TIMEOUT_S):  # an idle connection goes (its fetcher reconnects)
+            first = await loop.sock_recv_into(conn, head)
         if first == 0:
             return False  # closed between requests: a clean end
         if first < len(head):
@@ -127,11 +132,8 @@ class PeerServer:
         keys = [body[i : i + w.KEY_BYTES] for i in range(w.ROOT_BYTES, len(body), w.KEY_BYTES)]
         blocks, done = await self.lender.lend(root, keys)
         try:
-            for checksum, data in blocks:
-                await loop.sock_sendall(conn, w.BLOCK.pack(w.OK, data.nbytes, checksum))
-                await loop.sock_sendall(conn, memoryview(data))  # type: ignore[arg-type]  # a uint8 array is a buffer
-            if len(blocks) < n:
-                await loop.sock_sendall(conn, w.BLOCK.pack(w.MISSING, 0, 0))
+            head = w.answer_head([(data.nbytes, checksum) for checksum, data in blocks])
+            await w.send_all(conn, [memoryview(head), *(memoryview(data) for _, data in blocks)])  # type: ignore[misc]
         finally:
             done()
         self.served_blocks += len(blocks)
