@@ -132,8 +132,10 @@ class PeerServer:
         keys = [body[i : i + w.KEY_BYTES] for i in range(w.ROOT_BYTES, len(body), w.KEY_BYTES)]
         blocks, done = await self.lender.lend(root, keys)
         try:
-            head = w.answer_head([(data.nbytes, checksum) for checksum, data in blocks])
-            await w.send_all(conn, [memoryview(head), *(memoryview(data) for _, data in blocks)])  # type: ignore[misc]
+            answer = w.answer_head([(data.nbytes, checksum) for checksum, data in blocks])
+            # (a 1-D uint8 array is a buffer; numpy's stubs do not say so before Python 3.12)
+            payload = [memoryview(data) for _, data in blocks]  # type: ignore[arg-type]
+            await w.send_all(conn, [memoryview(answer), *payload])
         finally:
             done()
         self.served_blocks += len(blocks)
