@@ -15,16 +15,14 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvstore.cluster import peer_wire as w
-from kvstore.store.checksum import checksum
+from kvstore.store.checksum import checksum_soon
 
 IDLE_CONNECTIONS = 4
-_HASHER = ThreadPoolExecutor(2, thread_name_prefix="kvstore-peer-hash")  # xxh3 releases the GIL
 
 
 @dataclass(slots=True)
@@ -106,7 +104,7 @@ class PeerClient:
             for (_, sent), view in zip(heads, into):
                 await w.recv_exactly(sock, memoryview(view).cast("B"))  # type: ignore[arg-type]
                 out.checksums.append(sent)
-                hashing.append(loop.run_in_executor(_HASHER, checksum, view))
+                hashing.append(checksum_soon(view))
         except BaseException:
             sock.close()
             raise
