@@ -36,12 +36,14 @@ _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum 
 ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
 
 # KEYS[1] the members hash; ARGV: node id, address, incarnation, lease ms, forget-after ms.
-# Returns the server's time (ms) and every member's entry, and drops entries long expired.
+# Returns the server's time (ms), every member's entry, and 1 when this node's entry was not
+# there (a new member, or a directory that lost its data); drops entries long expired.
 HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local created = 0
 if ARGV[1] ~= '' then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. '|' .. ARGV[3] .. '|' .. (now + tonumber(ARGV[4])))
+  created = redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. '|' .. ARGV[3] .. '|' .. (now + tonumber(ARGV[4])))
 end
 local all = redis.call('HGETALL', KEYS[1])
 local out = {}
@@ -54,7 +56,7 @@ for i = 1, #all, 2 do
     out[#out + 1] = all[i + 1]
   end
 end
-return {now, out}
+return {now, out, created}
 """
 FORGET_AFTER_MS = 3_600_000  # a member silent this long leaves the members hash
 
@@ -139,15 +141,18 @@ class Directory:
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
 
-    async def heartbeat(self, address: str, incarnation: int, lease_ms: int) -> tuple[int, dict[str, Member]]:
-        """Renew this node's lease; the directory's time (ms) and every member."""
+    async def heartbeat(
+        self, address: str, incarnation: int, lease_ms: int
+    ) -> tuple[int, dict[str, Member], bool]:
+        """Renew this node's lease; the directory's time (ms), every member, and whether this
+        node's entry had to be created (it was not there)."""
         try:
-            now, entries = await self._heartbeat(
+            now, entries, created = await self._heartbeat(
                 keys=[self.members_key], args=[self.node, address, incarnation, lease_ms, FORGET_AFTER_MS]
             )
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
-        return int(now), parse_members(entries)
+        return int(now), parse_members(entries), bool(created)
 
     async def leave(self) -> None:
         """Take this node out of the members now (a clean stop); its records die with it."""

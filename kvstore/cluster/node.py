@@ -37,7 +37,7 @@ from kvstore.cluster.directory import Directory, Member, Record
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.peer_server import PeerServer
 from kvstore.config import Config
-from kvstore.errors import ResourceExhausted, Unavailable
+from kvstore.errors import KVStoreError, Unavailable
 from kvstore.keys import BlockKey
 from kvstore.store.block_store import BlockStore
 from kvstore.store.checksum import checksums
@@ -80,6 +80,7 @@ class ClusterNode:
         self._peers: dict[str, PeerClient] = {}
         self._waiters: list[asyncio.Future[None]] = []
         self._stale: list[tuple[bytes, bytes, str]] = []
+        self._unheld: set[tuple[bytes, bytes]] = set()  # keys peers asked for that this node does not hold
         self._tasks: list[asyncio.Task[None]] = []
         self._warn = Throttled(log)
 
@@ -118,6 +119,11 @@ class ClusterNode:
         with contextlib.suppress(Unavailable, TimeoutError):
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 await self.directory.leave()
+            # then its records, within a few deadlines (what is left is void: its member entry is gone)
+            held = [(ns.root, b.key) for ns in self.store.index.namespaces.values() for b in ns.visible.values()]
+            async with asyncio.timeout(4 * self.cfg.directory_timeout_s):
+                for i in range(0, len(held), PUBLISH_BATCH):
+                    await self.directory.publish([], held[i : i + PUBLISH_BATCH])
         await self.server.close()
         for p in self._peers.values():
             p.close()
@@ -143,18 +149,32 @@ class ClusterNode:
             return None
         return m
 
+    def _void(self, node: str, rec: Record, now_ms: float) -> bool:
+        """Whether a record not offered (its node not live in it) can be deleted: its node's lease
+        ran out, or the node lives a later life. A node missing from the members may have joined
+        (or re-joined a directory that lost its data) since this node's last heartbeat: not void."""
+        m = self._members.get(node)
+        if m is None:  # left cleanly (it took its records along), forgotten, or not yet seen: leave it
+            return False
+        return m.expiry_ms <= now_ms or m.incarnation > rec.incarnation
+
     async def _heartbeat(self) -> None:
         was_up = self._up
         try:
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 sent = time.monotonic()
-                now, members = await self.directory.heartbeat(self.address, self.incarnation, self.cfg.lease_ms)
+                now, members, created = await self.directory.heartbeat(
+                    self.address, self.incarnation, self.cfg.lease_ms
+                )
             self._clock = (now, (sent + time.monotonic()) / 2)
             self._members = members
             self._up = True
             self.stats["heartbeats"] += 1
-            if not was_up and self.stats["heartbeats"] > 1:
-                log.info("cluster directory is back; re-publishing what this node holds")
+            if self.stats["heartbeats"] > 1 and (not was_up or created):
+                # back after calls failed, or back without a word (restarted, failed over: our own
+                # member entry was gone): either way what it held may be gone
+                log.info("cluster directory is back%s; re-publishing what this node holds",
+                         " and had lost this node's entry" if created else "")
                 self._republish_all()
         except (Unavailable, TimeoutError) as exc:
             self._up = False
@@ -198,19 +218,35 @@ class ClusterNode:
         """Write the changes gathered since the last pass (and the void records met meanwhile)."""
         index = self.store.index
         changed = index.changed
-        if changed is None or not (changed or self._stale or self._waiters) or not self._up:
+        if changed is None:
+            return
+        if not self._up:  # nothing is written while the directory is away: whoever waits is told now
+            self._resolve()
+            return
+        if not (changed or self._stale or self._waiters or self._unheld):
             return
         index.changed = {}
         waiters, self._waiters = self._waiters, []
         stale, self._stale = self._stale, []
         puts: list[tuple[bytes, bytes, Record]] = []
         removes: list[tuple[bytes, bytes]] = []
-        for b in changed:
-            ns = b.ns
-            if b.tiers and ns.visible.get(b.key) is b:
-                puts.append((ns.root, b.key, Record(self.incarnation, b.tiers, b.size, b.checksum or 0)))
-            elif ns.visible.get(b.key) is None:  # (another record under the key: its own entry says)
-                removes.append((ns.root, b.key))
+        seen: set[tuple[bytes, bytes]] = set()
+        for b in changed:  # one record per key, as the index has it now (not per Block object:
+            where = (b.ns.root, b.key)  # a key deleted and written again is two Blocks, one record)
+            if where in seen:
+                continue
+            seen.add(where)
+            live = index.namespaces.get(b.ns.root)
+            now = live.visible.get(b.key) if live is not None else None
+            if now is not None and now.tiers:
+                puts.append((b.ns.root, b.key, Record(self.incarnation, now.tiers, now.size, now.checksum or 0)))
+            else:
+                removes.append(where)
+        unheld, self._unheld = self._unheld, set()
+        for where in unheld - seen:
+            live = index.namespaces.get(where[0])  # type: ignore[call-overload]  # raw root bytes
+            if live is None or where[1] not in live.visible:
+                removes.append(where)
         pending = list(changed)
         try:
             # in pipelines of PUBLISH_BATCH records, each under the deadline: a node re-publishing
@@ -232,9 +268,15 @@ class ClusterNode:
             merged.update(index.changed or {})
             index.changed = merged
         finally:
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(None)
+            self._resolve(waiters)
+
+    def _resolve(self, waiters: list[asyncio.Future[None]] | None = None) -> None:
+        """Wake the commits waiting for a publish (``waiters``; all of them by default)."""
+        if waiters is None:
+            waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     # --- find ---------------------------------------------------------------------------------
 
@@ -257,7 +299,8 @@ class ClusterNode:
         if found is None:
             return 0, []
         now = self._now_ms()
-        index, movers = self.store.index, self.store.space.movers
+        index, movers, slab = self.store.index, self.store.space.movers, self.store.slab
+        ns = index.find(ns.root, ns.label, ns.namespace)  # the live entry: a write meanwhile may have made it
         adopted = 0
         peers: list[PeerBlock] = []
         previous = ""
@@ -271,13 +314,11 @@ class ClusterNode:
                 m = self._live(node, rec, now)
                 if m is not None:
                     live.append((m, rec))
-                elif (old := self._members.get(node)) is not None and (
-                    old.expiry_ms <= now or old.incarnation > rec.incarnation
-                ):
-                    self._stale.append((ns.root, key, node))  # a dead node's, or its past life's: void
+                elif self._void(node, rec, now):
+                    self._stale.append((ns.root, key, node))  # a dead or departed node's, or its past life's
                 if rec.tiers & SHARED and rec.checksum and shared is None:
                     shared = rec
-            if not peers and shared is not None and index.get(ns, key) is None:
+            if not peers and shared is not None and index.get(ns, key) is None and slab.holds(shared.size):
                 b = index.add(ns, BlockKey(key), keys[i - 1] if i else parent, shared.size, State.COMMITTED, depth + i)
                 b.checksum = shared.checksum
                 if movers.adopt(b, shared.tiers):
@@ -288,6 +329,8 @@ class ClusterNode:
             if not live or index.get(ns, key) is not None:
                 break
             m, rec = min(live, key=lambda mr: (mr[0].node != previous, _rank(mr[1].tiers), mr[0].node))
+            if not slab.holds(rec.size):
+                break  # a block larger than any slot here (the holder has larger pages): a miss
             previous = m.node
             peers.append(PeerBlock(m.node, rec.tiers, rec.size, rec.checksum))
         self.stats["blocks_adopted"] += adopted
@@ -323,43 +366,54 @@ class ClusterNode:
         adopted, peers = await self.find(ns, keys, parent, depth)
         if not peers:
             return adopted
-        if adopted:
-            ns = self.store.index.find(ns.root, ns.label, ns.namespace)
         index, space = self.store.index, self.store.space
+        ns = index.find(ns.root, ns.label, ns.namespace)
         pending: list[tuple[Block, PeerBlock]] = []
         for i, pb in enumerate(peers, start=adopted):
             key = keys[i]
             if index.get(ns, key) is not None:
                 break  # written or fetched here meanwhile
             b = index.add(ns, BlockKey(key), keys[i - 1] if i else parent, pb.size, State.ALLOCATED, depth + i)
+            ns = b.ns
             try:
                 b.slot = space.take_slot(b)
-            except ResourceExhausted:
+            except KVStoreError:  # DRAM full of pinned blocks, or a size this slab has no class for
                 index.drop(b)
                 break
             pending.append((b, pb))
+        # The fetch runs on whatever happens to the caller: a cancelled Acquire must not leave
+        # the blocks ALLOCATED with their slots; they are placed (or freed) all the same.
+        return adopted + await asyncio.shield(self._fetch_into(ns, pending))
+
+    async def _fetch_into(self, ns: NsEntry, pending: list[tuple[Block, PeerBlock]]) -> int:
+        """Fetch ``pending`` (blocks holding slots) from their holders; place the leading run
+        that arrived intact as replicas, free the rest. How many were placed."""
+        index, space = self.store.index, self.store.space
         groups: list[list[tuple[Block, PeerBlock]]] = []
         for item in pending:
             if groups and groups[-1][0][1].node == item[1].node:
                 groups[-1].append(item)
             else:
                 groups.append([item])
-        counts = await asyncio.gather(*(self._fetch_group(ns.root, g) for g in groups))
-        placed = 0
-        cut = False
-        for group, n in zip(groups, counts):
-            for j, (b, _) in enumerate(group):
-                if cut or j >= n:
-                    cut = True
-                    space.free(b)  # never visible: the slot goes back, the block leaves the index
-                    continue
-                b.replica = True
-                index.publish(b)
-                space.place(b)
-                placed += 1
-        self.stats["blocks_fetched"] += placed
-        self.stats["bytes_fetched"] += sum(b.size for b, _ in pending[:placed])
-        return adopted + placed
+        counts: list[int] = [0] * len(groups)
+        try:
+            counts = list(await asyncio.gather(*(self._fetch_group(ns.root, g) for g in groups)))
+        finally:
+            placed = 0
+            cut = False
+            for group, n in zip(groups, counts):
+                for j, (b, _) in enumerate(group):
+                    if cut or j >= n:
+                        cut = True
+                        space.free(b)  # never visible: the slot goes back, the block leaves the index
+                        continue
+                    b.replica = True
+                    index.publish(b)
+                    space.place(b)
+                    placed += 1
+            self.stats["blocks_fetched"] += placed
+            self.stats["bytes_fetched"] += sum(b.size for b, _ in pending[:placed])
+        return placed
 
     def _client(self, node: str) -> PeerClient | None:
         m = self._members.get(node)
@@ -385,9 +439,8 @@ class ClusterNode:
             self.stats["fetch_failures"] += 1
             self._warn.warning("peer fetch from %s ended after %d of %d blocks: %s",
                                node, len(got), len(group), result.error)
-        elif len(got) < len(group):
-            self.stats["fetch_misses"] += len(group) - len(got)
-            self._stale += [(root, b.key, node) for b, _ in group[len(got) : len(got) + 1]]
+        elif len(got) < len(group):  # the holder could not lend the rest now (or no longer holds it:
+            self.stats["fetch_misses"] += len(group) - len(got)  # then it unlists it itself, see lend)
         sums = result.hashes
         for j, (sent, actual) in enumerate(zip(got, sums)):
             expected = group[j][1].checksum
@@ -410,6 +463,8 @@ class ClusterNode:
         if ns is None:
             return [], _nothing
         run = store.index.leading_run(ns, keys)
+        if len(run) < len(keys):
+            self._unheld.add((root, keys[len(run)]))  # asked for what it does not hold: its record goes
         run = await store.space.movers.promote(run)
         readable: list[Block] = []
         for b in run:

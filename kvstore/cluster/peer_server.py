@@ -24,6 +24,7 @@ from kvstore.util.tokens import token_matches
 
 log = logging.getLogger("kvstore.cluster.peer_server")
 HELLO_TIMEOUT_S = 5.0
+MAX_PENDING = 64  # connections that have not said hello yet; past it the oldest is dropped
 IDLE_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 256
 
@@ -48,6 +49,7 @@ class PeerServer:
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._pending: dict[asyncio.Task[None], None] = {}  # before their hello, oldest first
         self._warn = Throttled(log)
         self.port = 0
         self.refused = 0  # connections dropped: wrong token, bad request, too many
@@ -71,7 +73,12 @@ class PeerServer:
         loop = asyncio.get_running_loop()
         while True:
             conn, _ = await loop.sock_accept(self._sock)
-            if len(self._conns) >= MAX_CONNECTIONS:
+            if len(self._pending) >= MAX_PENDING:  # silent connections must not lock real peers out
+                oldest = next(iter(self._pending))
+                del self._pending[oldest]
+                oldest.cancel()
+                self.refused += 1
+            if len(self._conns) - len(self._pending) >= MAX_CONNECTIONS:
                 self.refused += 1
                 self._warn.warning("peer data path: %d connections open; refusing more", len(self._conns))
                 conn.close()
@@ -80,12 +87,20 @@ class PeerServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             task = asyncio.create_task(self._serve(conn), name="kvstore-peer-conn")
             self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+            self._pending[task] = None
+            task.add_done_callback(self._gone)
+
+    def _gone(self, task: asyncio.Task[None]) -> None:
+        self._conns.discard(task)
+        self._pending.pop(task, None)
 
     async def _serve(self, conn: socket.socket) -> None:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 node = await self._hello(conn)
+            current = asyncio.current_task()
+            if current is not None:
+                self._pending.pop(current, None)  # it said hello: a connection like any other now
             if node is None:
                 self.refused += 1
                 return

@@ -107,6 +107,10 @@ class Slab:
     def max_slot_bytes(self) -> int:
         return self.classes[-1].size
 
+    def holds(self, size: int) -> bool:
+        """Whether a block of ``size`` bytes fits a slot of this slab."""
+        return 0 < size <= self.max_slot_bytes
+
     def class_of(self, size: int) -> int:
         if size <= 0:
             raise InvalidArgument(f"size: must be positive, got {size}")

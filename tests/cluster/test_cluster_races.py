@@ -1,0 +1,414 @@
+"""Races and faults of the cluster found by an adversarial review: each test failed on the code
+as it first landed (the defect is named in the comment above it, "DEFECT: ..." saying what went
+wrong then) and passes since its fix. Same setup as test_cluster_loopback.py: a real redis-server
+as the directory, real Sidecars in-process on loopback, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from kvstore.client import KVStoreClient
+from kvstore.keys import Namespace, prefix_keys
+from kvstore.server.sidecar import Sidecar
+from kvstore.store.block_store import BlockSpec, CommitSpec
+from kvstore.store.index import State
+from kvstore.testing.servers import RedisServer, redis_server
+from tests.conftest import small_config
+
+TOKEN = "cluster-secret"
+BLOCK = 8192
+
+
+@pytest.fixture(scope="module")
+def directory() -> Iterator[RedisServer]:
+    with redis_server() as server:
+        yield server
+
+
+def node_config(tmp_path: Path, name: str, directory: RedisServer, **extra: Any) -> Any:
+    return small_config(
+        tmp_path / name,
+        **{
+            "cluster.enabled": True,
+            "cluster.directory_url": directory.url,
+            "cluster.node_id": name,
+            "cluster.peer_address": "127.0.0.1:0",
+            "cluster.token": TOKEN,
+            "cluster.key_prefix": f"r{abs(hash(tmp_path)) % 10**8}",
+            "cluster.publish_interval_ms": 2,
+            "cluster.heartbeat_ms": 100,
+            "cluster.lease_ms": 1000,
+            **extra,
+        },
+    )
+
+
+@pytest.fixture
+async def pair(tmp_path: Path, directory: RedisServer) -> AsyncIterator[tuple[Sidecar, Sidecar]]:
+    async with Sidecar(node_config(tmp_path, "a", directory)) as a, Sidecar(node_config(tmp_path, "b", directory)) as b:
+        await asyncio.sleep(0.25)  # a heartbeat each: both see the other
+        yield a, b
+
+
+def blocks(n: int, seed: int = 0, size: int = BLOCK) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+
+
+def keys_for(ns: Namespace, n: int, seed: int = 0) -> list[bytes]:
+    return list(prefix_keys(ns, list(range(seed * 1000, seed * 1000 + n * ns.block_size))))
+
+
+def client_of(sc: Sidecar) -> KVStoreClient:
+    return KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}")
+
+
+def dir_key(sc: Sidecar, ns: Namespace, key: bytes) -> bytes:
+    assert sc.cluster is not None and sc.store is not None
+    return sc.cluster.directory.key(sc.store.namespace(ns).root, key)
+
+
+def allocated_orphans(sc: Sidecar) -> list[Any]:
+    """Blocks in ALLOCATED state that no open allocation owns: nothing will ever commit, abort or
+    reap them (their slots are gone for good and their keys are 'present already' to writers)."""
+    assert sc.store is not None
+    owned = {id(b) for a in sc.store.index.allocations.values() for b in a.blocks.values()}
+    return [
+        b for e in sc.store.index.namespaces.values() for b in e.blocks.values()
+        if b.state is State.ALLOCATED and id(b) not in owned
+    ]
+
+
+def check_index(sc: Sidecar) -> None:
+    """index <-> slab <-> policy agree: every visible block is its entry's block, the size counts
+    match, and every slot in use is held by a block the index knows."""
+    assert sc.store is not None
+    store = sc.store
+    for e in store.index.namespaces.values():
+        for k, b in e.visible.items():
+            assert e.blocks.get(k) is b, "a visible block the index does not hold under its key"
+        sizes: dict[int, int] = {}
+        for b in e.visible.values():
+            sizes[b.size] = sizes.get(b.size, 0) + 1
+        assert sizes == e.visible_sizes, f"visible_sizes {e.visible_sizes} != {sizes}"
+    in_dram = [b for e in store.index.namespaces.values() for b in e.blocks.values() if b.tiers & 1]
+    assert len(store.policy) == len(in_dram), "the DRAM policy orders blocks the index no longer has"
+
+
+# --- 1 -----------------------------------------------------------------------------------------
+# DEFECT: ClusterNode.fetch (node.py ~295-323) makes ALLOCATED blocks with slots, then awaits the
+# peers. An Acquire cancelled meanwhile (client deadline, disconnect) skips the code that publishes
+# or frees them: the blocks stay ALLOCATED forever (no allocation owns them, the reaper never
+# sees them), their slots are lost, and a writer of those keys is told they are "present already".
+async def test_a_cancelled_acquire_during_a_peer_fetch_leaks_allocated_blocks(
+    pair: tuple[Sidecar, Sidecar], ns: Namespace
+) -> None:
+    a, b = pair
+    assert a.cluster is not None and b.store is not None
+    keys, data = keys_for(ns, 3, seed=21), blocks(3, seed=21)
+    async with client_of(a) as ca, client_of(b) as cb:
+        await ca.put_blocks(ns, keys, data, wait_published=True)
+        entered, go = asyncio.Event(), asyncio.Event()
+        real_lend = a.cluster.lend
+
+        async def slow_lend(root: bytes, ks: Any) -> Any:  # a holder busy promoting from its SSD
+            entered.set()
+            await go.wait()
+            return await real_lend(root, ks)
+
+        a.cluster.lend = slow_lend  # type: ignore[method-assign,assignment]
+        task = asyncio.create_task(b.store.acquire(b.store.namespace(ns), keys))
+        await asyncio.wait_for(entered.wait(), 5)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        go.set()
+        await asyncio.sleep(0.3)  # reapers run every 50 ms
+        assert allocated_orphans(b) == [], "fetched blocks left ALLOCATED with their slots forever"
+        entry = b.store.namespace(ns)
+        assert all(blk.state is State.COMMITTED for blk in entry.blocks.values())
+        # the keys are usable on B: readable (placed after all) or writable (freed)
+        got = await cb.get_blocks(ns, keys, verify=True)
+        if not got:
+            assert (await cb.put_blocks(ns, keys, data)).stored == 3
+        else:
+            assert [bytes(g) for g in got] == [bytes(d) for d in data]
+
+
+# --- 2 -----------------------------------------------------------------------------------------
+# DEFECT: ClusterNode.fetch/find (node.py ~265, ~293-295) check "is the key here already?" on the
+# NsEntry the caller passed before the directory round trip. When the namespace held nothing on
+# this node, that entry is a detached empty one (Index.find); a local write during the await
+# registers the real entry, and Index.add then OVERWRITES the written block under its key.
+# visible_sizes counts two blocks for one key, the written block is in the policy but not the index.
+async def test_a_local_write_during_the_directory_round_trip_is_overwritten_by_the_fetch(
+    pair: tuple[Sidecar, Sidecar], ns: Namespace
+) -> None:
+    a, b = pair
+    assert b.cluster is not None and b.store is not None
+    keys, data = keys_for(ns, 2, seed=22), blocks(2, seed=22)
+    async with client_of(a) as ca:
+        await ca.put_blocks(ns, keys, data, wait_published=True)
+    entered, go = asyncio.Event(), asyncio.Event()
+    real_find = b.cluster.directory.find
+
+    async def gated_find(root: bytes, ks: Any) -> Any:  # the directory answers, a bit later
+        out = await real_find(root, ks)
+        entered.set()
+        await go.wait()
+        return out
+
+    b.cluster.directory.find = gated_find  # type: ignore[method-assign,assignment]
+    store = b.store
+    task = asyncio.create_task(store.acquire(store.namespace(ns), keys))
+    await asyncio.wait_for(entered.wait(), 5)
+    # meanwhile a writer on B stores the first block itself
+    alloc, slots = store.allocate_now(store.namespace(ns), [BlockSpec(keys[0], b"", BLOCK)])
+    slot = slots[0]
+    assert slot is not None
+    store.slab.view(slot, BLOCK)[:] = data[0]
+    await store.commit(alloc.id, [CommitSpec(keys[0], slot.slot_id, None)])
+    go.set()
+    await task
+    check_index(b)
+
+
+# --- 3 -----------------------------------------------------------------------------------------
+# DEFECT: ClusterNode.flush (node.py ~199-207) decides put/remove per Block object using b.ns. A
+# namespace whose last block goes is dropped from the index; a new write of the same key makes a
+# new NsEntry. In the same publish pass the old Block (old entry: key not visible there) gives an
+# HDEL and the new one an HSET for the SAME directory key, and publish sends the HSETs first: the
+# HDEL wins and the directory loses the record of a block this node holds.
+async def test_delete_then_rewrite_in_one_publish_pass_loses_the_record(
+    pair: tuple[Sidecar, Sidecar], ns: Namespace
+) -> None:
+    a, b = pair
+    assert a.store is not None and a.cluster is not None
+    keys, data = keys_for(ns, 1, seed=23), blocks(1, seed=23)
+    async with client_of(a) as ca, client_of(b) as cb:
+        await ca.put_blocks(ns, keys, data, wait_published=True)
+        store = a.store
+        await store.delete(store.namespace(ns), keys, False)  # its namespace's only block: entry dropped
+        alloc, slots = store.allocate_now(store.namespace(ns), [BlockSpec(keys[0], b"", BLOCK)])
+        slot = slots[0]
+        assert slot is not None
+        store.slab.view(slot, BLOCK)[:] = data[0]
+        await store.commit(alloc.id, [CommitSpec(keys[0], slot.slot_id, None)], wait_published=True)
+        await a.cluster.flush()
+        assert (await ca.lookup(ns, keys)).matched == 1  # A holds it ...
+        with redis.Redis.from_url(a.config.cluster.directory_url) as r:
+            assert r.hgetall(dir_key(a, ns, keys[0])) != {}, "... but the directory has no record of it"
+        assert (await cb.lookup(ns, keys)).matched == 1
+
+
+# --- 4 -----------------------------------------------------------------------------------------
+# DEFECT: directory records of a node that left (clean stop: Directory.leave drops only its member
+# entry) are never deleted: ClusterNode.find (node.py ~259) marks a record stale only when its node
+# is still in the members hash; a node absent from it (left, or forgotten after FORGET_AFTER_MS)
+# keeps every one of its d: fields in Redis forever, and every lookup of those keys reads them.
+async def test_the_records_of_a_node_that_left_are_never_cleaned_up(
+    pair: tuple[Sidecar, Sidecar], ns: Namespace
+) -> None:
+    a, b = pair
+    assert b.cluster is not None
+    keys = keys_for(ns, 2, seed=24)
+    async with client_of(a) as ca:
+        await ca.put_blocks(ns, keys, blocks(2, seed=24), wait_published=True)
+    k0 = dir_key(a, ns, keys[0])
+    await a.stop()
+    await asyncio.sleep(0.3)  # B's heartbeats read the members without A
+    async with client_of(b) as cb:
+        for _ in range(3):
+            assert (await cb.lookup(ns, keys)).matched == 0
+            await asyncio.sleep(0.05)
+    await b.cluster.flush()
+    with redis.Redis.from_url(b.config.cluster.directory_url) as r:
+        assert r.hgetall(k0) == {}, "the departed node's records stay in the directory forever"
+
+
+# --- 5 ---------------------------------------------------------------------------------------------
+# DEFECT: a directory that loses its data without any call of this node failing (a Redis Cluster
+# failover to a replica that lagged its master, a restart behind a proxy that keeps the client's
+# connection, a flush; simulated here with FLUSHDB) is never repopulated. ClusterNode re-publishes
+# only when one of its own calls failed (_heartbeat: "not was_up", node.py ~147); the heartbeat
+# script silently re-creates the member entry (its HSET says the field was new, nobody looks), so
+# every record of a live node is gone for good.
+async def test_a_directory_that_lost_its_data_is_never_repopulated(tmp_path: Path, ns: Namespace) -> None:
+    with redis_server() as own:
+        async with Sidecar(node_config(tmp_path, "a", own)) as a, Sidecar(node_config(tmp_path, "b", own)) as b:
+            await asyncio.sleep(0.25)
+            assert a.cluster is not None and b.cluster is not None
+            keys, data = keys_for(ns, 2, seed=25), blocks(2, seed=25)
+            async with client_of(a) as ca, client_of(b) as cb:
+                await ca.put_blocks(ns, keys, data, wait_published=True)
+                assert (await cb.lookup(ns, keys)).matched == 2
+                with redis.Redis(host="127.0.0.1", port=own.port) as r:
+                    r.flushdb()  # the members hash and every record gone, no connection broken
+                await asyncio.sleep(0.5)  # several heartbeats of each node: both members again
+                assert {m.node for m in b.cluster.live_members()} == {"a", "b"}
+                assert a.cluster.stats["directory_errors"] == 0  # nobody saw a failure
+                assert (await cb.lookup(ns, keys)).matched == 2, "A is live and holds them; the directory forgot"
+
+
+# --- 6 -----------------------------------------------------------------------------------------
+# DEFECT: Commit(wait_published) can wait for the whole directory outage. A waiter added while
+# a publish is in flight (ClusterNode.published checks only _up) belongs to the next pass; when
+# the in-flight pass fails, _up goes False and flush() returns before it resolves any waiter
+# ("or not self._up"), so the commit hangs until the directory is back (forever if it is not).
+async def test_wait_published_hangs_for_the_whole_directory_outage(tmp_path: Path, ns: Namespace) -> None:
+    with redis_server() as own:
+        cfg = node_config(tmp_path, "a", own, **{"cluster.directory_timeout_s": 0.5})
+        async with Sidecar(cfg) as a:
+            await asyncio.sleep(0.15)
+            pauser = redis.Redis(host="127.0.0.1", port=own.port)
+            async with client_of(a) as ca:
+                try:
+                    pauser.execute_command("CLIENT", "PAUSE", "8000", "ALL")  # type: ignore[no-untyped-call]  # unresponsive
+                    first = asyncio.create_task(
+                        ca.put_blocks(ns, keys_for(ns, 1, seed=26), blocks(1, seed=26), wait_published=True)
+                    )
+                    await asyncio.sleep(0.15)  # the first commit's publish is in flight
+                    second = asyncio.create_task(
+                        ca.put_blocks(ns, keys_for(ns, 1, seed=27), blocks(1, seed=27), wait_published=True)
+                    )
+                    await asyncio.wait_for(first, 3)  # its write failed: it returns
+                    await asyncio.wait_for(second, 3)  # ... and this one should too
+                finally:
+                    pauser.execute_command("CLIENT", "UNPAUSE")  # type: ignore[no-untyped-call]
+                    pauser.close()
+
+
+# --- 7 -----------------------------------------------------------------------------------------
+# DEFECT: PeerServer (peer_server.py ~75-88) counts connections that have not said hello against
+# MAX_CONNECTIONS (256) and keeps each for HELLO_TIMEOUT_S (5 s). Anyone who can reach the peer
+# port, without the token, holds 256 silent connections and every real node is refused.
+async def test_silent_unauthenticated_connections_lock_real_peers_out(
+    pair: tuple[Sidecar, Sidecar], ns: Namespace
+) -> None:
+    from kvstore.cluster import peer_server
+
+    a, b = pair
+    assert a.cluster is not None
+    keys, data = keys_for(ns, 2, seed=28), blocks(2, seed=28)
+    async with client_of(a) as ca, client_of(b) as cb:
+        await ca.put_blocks(ns, keys, data, wait_published=True)
+        silent: list[asyncio.StreamWriter] = []
+        try:
+            for _ in range(peer_server.MAX_CONNECTIONS):
+                _, writer = await asyncio.open_connection("127.0.0.1", a.cluster.server.port)
+                silent.append(writer)  # says nothing: no hello, no token
+            await asyncio.sleep(0.2)  # accepted, each waiting up to HELLO_TIMEOUT_S for a hello
+            got = await cb.get_blocks(ns, keys, verify=True)
+            assert [bytes(g) for g in got] == [bytes(d) for d in data], "the real peer was refused"
+        finally:
+            for w in silent:
+                w.close()
+            for w in silent:
+                with contextlib.suppress(OSError):
+                    await w.wait_closed()
+
+
+# --- 8 -----------------------------------------------------------------------------------------
+# DEFECT: ClusterNode.fetch (node.py ~296-300) catches only ResourceExhausted from take_slot. A
+# record of a size this node's slab has no class for (another node with a larger dram.page_bytes)
+# raises InvalidArgument out of the Acquire after the blocks before it were made ALLOCATED with
+# slots: those leak forever, and the client's Acquire fails with an error about a size it never
+# sent, while Lookup had answered that the block was there ("peer").
+async def test_a_peer_block_larger_than_any_local_slot_fails_acquire_and_leaks(
+    tmp_path: Path, directory: RedisServer, ns: Namespace
+) -> None:
+    big = {"dram.page_bytes": 262144, "dram.capacity_bytes": 4 * 262144}
+    async with Sidecar(node_config(tmp_path, "a", directory, **big)) as a, \
+            Sidecar(node_config(tmp_path, "b", directory)) as b:
+        await asyncio.sleep(0.25)
+        keys = keys_for(ns, 2, seed=29)
+        data = [blocks(1, seed=29)[0], blocks(1, seed=30, size=128 * 1024)[0]]
+        async with client_of(a) as ca, client_of(b) as cb:
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            offered = (await cb.lookup(ns, keys)).matched
+            error = ""
+            got: list[np.ndarray] = []
+            try:
+                got = await cb.get_blocks(ns, keys)
+            except Exception as exc:  # noqa: BLE001  # ... Acquire fails outright (any error)
+                error = f"{type(exc).__name__}: {exc}"
+            orphans = allocated_orphans(b)
+            assert (error, len(orphans)) == ("", 0), "Acquire failed and left fetched blocks ALLOCATED"
+            assert [bytes(g) for g in got] == [bytes(data[0])]  # the run ends before the block B cannot hold
+            assert offered == len(got)  # and Lookup says what Acquire then delivers
+
+
+# --- 9 -----------------------------------------------------------------------------------------
+# DEFECT: a holder's MISSING answer makes the fetcher delete the holder's CURRENT record
+# (ClusterNode._fetch_group: "self._stale += ...", node.py ~437-439), though "not lendable right
+# now" is not "not held": a holder whose DRAM is full of leased blocks cannot promote a block from
+# its SSD for the peer, answers without it, and the fetcher erases its live record. The holder
+# still has the block and never re-publishes it (nothing changed on its side): the cluster never
+# offers it again.
+async def test_a_holder_too_busy_to_promote_loses_its_directory_record(
+    tmp_path: Path, directory: RedisServer, ns: Namespace
+) -> None:
+    ssd = {"ssd.enabled": True, "ssd.path": str(tmp_path / "a-ssd"), "ssd.capacity_bytes": 8 << 20,
+           "ssd.direct_io": False}
+    async with Sidecar(node_config(tmp_path, "a", directory, **ssd)) as a, \
+            Sidecar(node_config(tmp_path, "b", directory)) as b:
+        await asyncio.sleep(0.25)
+        assert a.store is not None and a.cluster is not None
+        keys, data = keys_for(ns, 2, seed=31), blocks(2, seed=31)
+        async with client_of(a) as ca, client_of(b) as cb:
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            filler = [keys_for(ns, 8, seed=40 + i) for i in range(4)]  # 32 blocks: A's whole DRAM
+            for i, ks in enumerate(filler):
+                await ca.put_blocks(ns, ks, blocks(8, seed=40 + i))
+            await a.store.tiering.flush()
+            assert not any(a.store.namespace(ns).blocks[k].tiers & 1 for k in keys)  # on A's SSD now
+            await a.cluster.flush()
+            assert (await cb.lookup(ns, keys)).matched == 2
+            async with contextlib.AsyncExitStack() as pins:  # A's DRAM leased whole for a moment
+                for ks in filler:
+                    await pins.enter_async_context(ca.acquire(ns, ks))
+                assert await cb.get_blocks(ns, keys) == []  # a miss now: fine
+                await asyncio.sleep(0.1)  # B's publisher writes what it "learned"
+            assert (await ca.lookup(ns, keys)).matched == 2  # A still has them (on its SSD)
+            await asyncio.sleep(0.1)
+            assert (await cb.lookup(ns, keys)).matched == 2, "B erased A's live record; nobody offers it"
+
+
+# --- 10 ----------------------------------------------------------------------------------------
+# DEFECT (in the new _void, node.py ~152-159): a record of a node absent from THIS node's last
+# members read counts as void once its incarnation is older than VOID_AFTER_MS. After a directory
+# lost its data (FLUSHDB here; a failover), every node re-registers and re-publishes, but a
+# node whose members view was read before the holder came back (up to heartbeat_ms stale) meets
+# the re-published records, finds the holder absent and deletes them: the repopulation is undone,
+# and the holder does not publish them again. (VOID_AFTER_MS is shortened to stand for a node that
+# has been running longer than a minute.)
+async def test_records_republished_after_a_directory_loss_are_deleted_by_a_stale_members_view(
+    tmp_path: Path, ns: Namespace
+) -> None:
+    with redis_server() as own:
+        async with Sidecar(node_config(tmp_path, "a", own)) as a, \
+                Sidecar(node_config(tmp_path, "b", own, **{"cluster.heartbeat_ms": 2000,
+                                                          "cluster.lease_ms": 5000})) as b:
+            await asyncio.sleep(0.5)
+            assert a.cluster is not None and b.cluster is not None
+            keys, data = keys_for(ns, 2, seed=32), blocks(2, seed=32)
+            async with client_of(a) as ca, client_of(b) as cb:
+                await ca.put_blocks(ns, keys, data, wait_published=True)
+                with redis.Redis(host="127.0.0.1", port=own.port) as r:
+                    r.flushdb()
+                await b.cluster._heartbeat()  # B reads the members first: only itself
+                await asyncio.sleep(0.3)  # A's heartbeat: its entry and records are back
+                with redis.Redis(host="127.0.0.1", port=own.port) as r:
+                    assert r.hgetall(dir_key(a, ns, keys[0])) != {}  # re-published
+                await cb.lookup(ns, keys)  # B, with its view from before A came back
+                await asyncio.sleep(0.1)
+                await b.cluster._heartbeat()  # B's next heartbeat: A is a member again
+                assert (await cb.lookup(ns, keys)).matched == 2, "B deleted A's re-published records"
