@@ -38,7 +38,7 @@ from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.peer_server import PeerServer
 from kvstore.config import Config
 from kvstore.errors import KVStoreError, Unavailable
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.store.block_store import BlockStore
 from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, REDIS, S3, Block, NsEntry, State, top_label
@@ -232,7 +232,7 @@ class ClusterNode:
         removes: list[tuple[bytes, bytes]] = []
         seen: set[tuple[bytes, bytes]] = set()
         for b in changed:  # one record per key, as the index has it now (not per Block object:
-            where = (b.ns.root, b.key)  # a key deleted and written again is two Blocks, one record)
+            where: tuple[bytes, bytes] = (b.ns.root, b.key)  # a key deleted and written again: two Blocks)
             if where in seen:
                 continue
             seen.add(where)
@@ -244,7 +244,7 @@ class ClusterNode:
                 removes.append(where)
         unheld, self._unheld = self._unheld, set()
         for where in unheld - seen:
-            live = index.namespaces.get(where[0])  # type: ignore[call-overload]  # raw root bytes
+            live = index.namespaces.get(NamespaceRoot(where[0]))
             if live is None or where[1] not in live.visible:
                 removes.append(where)
         pending = list(changed)
@@ -459,7 +459,7 @@ class ClusterNode:
     async def lend(self, root: bytes, keys: Sequence[bytes]) -> tuple[list[tuple[int, np.ndarray]], Callable[[], None]]:
         """The leading run of ``keys`` this node holds, brought into DRAM and leased while sent."""
         store = self.store
-        ns = store.index.namespaces.get(root)  # type: ignore[call-overload]  # raw root bytes off the wire
+        ns = store.index.namespaces.get(NamespaceRoot(root))  # raw root bytes off the wire
         if ns is None:
             return [], _nothing
         run = store.index.leading_run(ns, keys)
