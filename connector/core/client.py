@@ -32,7 +32,8 @@ class LookupResultLike(Protocol):  # read-only members: the client's LookupResul
 class AllocationLike(Protocol):
     def writable(self) -> Iterator[tuple[int, np.ndarray]]: ...
 
-    def commit(self) -> Any: ...
+    # the flags are passed only when set (test doubles may take none)
+    def commit(self, *, wait_published: bool = False, wait_write_through: bool = False) -> Any: ...
 
 
 class PlacedAllocationLike(AllocationLike, Protocol):
@@ -41,7 +42,9 @@ class PlacedAllocationLike(AllocationLike, Protocol):
 
     checksums: dict[int, int]  # index in the request -> checksum sent with the Commit
 
-    def commit(self, *, checksums: bool = False) -> Any: ...
+    def commit(
+        self, *, checksums: bool = False, wait_published: bool = False, wait_write_through: bool = False
+    ) -> Any: ...
 
     def slot_refs(self) -> dict[int, SlotRef]: ...
 

@@ -170,10 +170,15 @@ def _free_epoch_before_commit(alloc: PlacedAllocationLike, pairs: list[tuple[int
 
 def save_blocks(
     client: ConnectorClient, ns: Namespace, kv: PagedKV, transfer: Transfer, spec: SaveSpec,
-    directory: BlockDirectory | None = None,
+    directory: BlockDirectory | None = None, *, wait_published: bool = False, wait_write_through: bool = False,
 ) -> SaveResult:
     """Store ``spec.block_ids`` under ``spec.keys``; blocks the sidecar already has are skipped.
-    With a ``directory``, the written blocks' places and checksums are remembered in it."""
+    With a ``directory``, the written blocks' places and checksums are remembered in it.
+    ``wait_published``: the Commit returns once the cluster directory lists the blocks (every node
+    of the cluster finds them; at once on a sidecar without a cluster); ``wait_write_through``:
+    once the write-through tiers (Redis, S3) hold them."""
+    flags = {k: True for k, on in (("wait_published", wait_published), ("wait_write_through", wait_write_through))
+             if on}
     t0 = time.perf_counter()
     size = kv.spec.block_bytes
     written = present = 0
@@ -185,9 +190,9 @@ def save_blocks(
             placed = _placed(alloc) if directory is not None else None
             epoch = _free_epoch_before_commit(placed, pairs) if placed is not None else None
             if directory is None or placed is None or epoch is None:
-                alloc.commit()
+                alloc.commit(**flags)
             else:  # the checksums go with the Commit (the sidecar verifies them) and into the directory
-                placed.commit(checksums=True)
+                placed.commit(checksums=True, **flags)
                 refs = placed.slot_refs()
                 directory.learn(
                     [spec.keys[i] for i, _ in pairs],

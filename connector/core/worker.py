@@ -71,16 +71,22 @@ class WorkerConnector:
         threads: int = 1,
         directory: BlockDirectory | None = None,
         pipeline: PipelineSlot | None = None,
+        wait_published: bool = False,
+        wait_write_through: bool = False,
     ) -> None:
         """``directory``: remember where saved blocks lie (:mod:`connector.core.directory`), and
         tell the sidecar about loads that read from it without a lease. ``pipeline``: what the
-        sidecar is told after loads goes over it, unanswered until a later step."""
+        sidecar is told after loads goes over it, unanswered until a later step.
+        ``wait_published`` / ``wait_write_through``: a save is done (:meth:`get_finished`) only
+        once the cluster directory lists its blocks / the write-through tiers hold them
+        (:func:`~connector.core.ops.save_blocks`)."""
         self.client, self.ns, self.spec = client, ns, spec
         self.directory = directory
         self.pipeline = pipeline
         self.transfer = transfer or NumpyTransfer()
         self.cost = cost
         self.verify = verify_checksums
+        self.wait_published, self.wait_write_through = wait_published, wait_write_through
         self.stats = ConnectorStats()
         self._kv: PagedKV | None = None
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-connector")
@@ -180,7 +186,8 @@ class WorkerConnector:
             self.directory.forget(keys[answer.matched :])
 
     def _save(self, kv: PagedKV, spec: SaveSpec) -> SaveResult:
-        r = save_blocks(self.client, self.ns, kv, self.transfer, spec, self.directory)
+        r = save_blocks(self.client, self.ns, kv, self.transfer, spec, self.directory,
+                        wait_published=self.wait_published, wait_write_through=self.wait_write_through)
         self.stats.record_save(r)
         return r
 
