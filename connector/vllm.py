@@ -29,7 +29,17 @@ What this module adds is only vLLM's call protocol:
 * **Saves run after the forward** (``wait_for_save``), on the worker's transfer thread, while
   vLLM goes on. A finished request keeps its blocks (``request_finished`` returns True) until the
   worker reports its saves done in ``finished_sending``; a preemption waits for in-flight saves
-  before the freed blocks can be reused.
+  before the freed blocks can be reused. On a ``kv_producer`` each Commit waits until the cluster
+  directory lists the blocks (``wait_published``), so ``finished_sending`` means every node finds
+  them.
+* **Handoff**: vLLM emits a finished request's output in the step it finishes, while its saves
+  may still be in flight, so a prefill's "done" can reach a proxy before its blocks are stored.
+  ``request_finished`` therefore returns ``kv_transfer_params`` ``{"kvstore": {"blocks": N,
+  "root": ...}}`` (the prompt's full blocks this instance stores). A proxy passes them on to the
+  decode request (``SamplingParams.extra_args["kv_transfer_params"]``, as vLLM's P/D proxies do);
+  the decode instance's scheduler then answers "not yet" (``None``: vLLM asks again next step)
+  while fewer of those blocks are found, for at most ``handoff_wait_ms``, asking the sidecar
+  again every :data:`HANDOFF_POLL_S`, and afterwards loads what is there and recomputes the rest.
 
 Requests with LoRA adapters, multimodal inputs, prompt embeddings or a ``cache_salt`` bypass the
 connector (their KV depends on more than the token ids). Tensor/pipeline parallel size must be 1.
@@ -69,6 +79,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SUPPORTED_VLLM = ("0.32.0",)  # the KV-connector API is experimental and changes between releases
+HANDOFF_KEY = "kvstore"  # this connector's entry in kv_transfer_params
+HANDOFF_POLL_S = 0.005  # a decode request waiting for its prefill's blocks asks the sidecar this often
 
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
            "float8_e4m3fn": "float8_e4m3", "float8_e5m2": "float8_e5m2", "int8": "int8", "uint8": "uint8"}
@@ -89,6 +101,9 @@ class Settings:
     transfer: str = ""  # "numpy" | "cupy"; default by device
     threads: int = 1  # transfer threads in the worker
     directory: bool = True  # remember where this engine's blocks lie: lookups without a round trip
+    wait_published: bool | None = None  # a save is done once the cluster directory lists it; None: kv_producer only
+    wait_write_through: bool = False  # a save is done once the write-through tiers (Redis, S3) hold it
+    handoff_wait_ms: int = 1_000  # how long a request whose kv_transfer_params announce blocks waits for them
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -99,6 +114,9 @@ class Settings:
             raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
         if extra.get("load_failure_policy", "recompute") not in ("recompute", "fail"):
             raise ValueError("kv_connector_extra_config.load_failure_policy: 'recompute' or 'fail'")
+        wait = extra.get("handoff_wait_ms", 0)
+        if not isinstance(wait, int) or isinstance(wait, bool) or wait < 0:
+            raise ValueError("kv_connector_extra_config.handoff_wait_ms: milliseconds, an integer >= 0")
         return cls(**extra)
 
 
@@ -150,6 +168,15 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
 
 
 @dataclass(slots=True)
+class _Wait:
+    """A request waiting for the blocks its kv_transfer_params announce (a prefill elsewhere)."""
+
+    since: float
+    deadline: float
+    next_poll: float = 0.0
+
+
+@dataclass(slots=True)
 class _Req:
     request: Any  # vllm.v1.request.Request (live object in the scheduler's process)
     block_ids: list[int] = field(default_factory=list)
@@ -191,15 +218,23 @@ class KVStoreConnector(KVConnectorBase_V1):
                                              finder=finder)
             self._reqs: dict[str, _Req] = {}
             self._lookups: dict[str, tuple[int, int, int, float]] = {}  # req -> (computed, tokens, n, until)
+            self._waits: dict[str, _Wait] = {}  # requests waiting for announced blocks
+            self._handed: set[str] = set()  # requests whose announced blocks were waited for (once each)
+            self._root = self.ns.root.hex()
         else:
             from vllm.platforms import current_platform
 
             transfer = self.settings.transfer or ("numpy" if current_platform.is_cpu() else "cupy")
             directory = directory_for(self.settings.url) if self.settings.directory else None
+            wait_published = self.settings.wait_published
+            if wait_published is None:
+                wait_published = tc.kv_role == "kv_producer"  # a prefill instance: decode hosts find its blocks
             self._worker = WorkerConnector(self.client, self.ns, self.spec, transfer=make_transfer(transfer),
                                            verify_checksums=self.settings.verify_checksums,
                                            threads=self.settings.threads,
-                                           directory=directory, pipeline=PipelineSlot(self.client))
+                                           directory=directory, pipeline=PipelineSlot(self.client),
+                                           wait_published=wait_published,
+                                           wait_write_through=self.settings.wait_write_through)
             self._failed_reqs: set[str] = set()  # loads that failed in this step
             self._had_saves: set[str] = set()  # requests handed saves (the scheduler delays their free)
             self._pending: set[str] = set()  # requests with saves possibly in flight
@@ -242,14 +277,52 @@ class KVStoreConnector(KVConnectorBase_V1):
         # vLLM asks again every step while a request waits for free blocks: reuse the answer for a
         # while (a block evicted meanwhile fails its load and is recomputed).
         now = time.monotonic()
-        cached = self._lookups.get(request.request_id)
+        req_id = request.request_id
+        cached = self._lookups.get(req_id)
         if (cached is not None and cached[0] == num_computed_tokens and cached[1] == request.num_tokens
                 and now < cached[3]):
             return cached[2], False
-        n = self._sched.get_num_new_matched_tokens(request.request_id, request.all_token_ids, num_computed_tokens)
+        wait = self._waits.get(req_id)
+        if wait is not None and now < wait.next_poll:
+            return None, False  # waiting for a prefill's blocks: asked again shortly
+        n = self._sched.get_num_new_matched_tokens(req_id, request.all_token_ids, num_computed_tokens)
+        announced = self._announced(request) if req_id not in self._handed else 0
+        if announced and (num_computed_tokens + n) // self.spec.block_size < announced:
+            if wait is None:
+                wait = self._waits[req_id] = _Wait(now, now + self.settings.handoff_wait_ms / 1000)
+                self._sched.stats.add(handoff_waits=1)
+            if now < wait.deadline:
+                wait.next_poll = now + HANDOFF_POLL_S
+                self._sched.stats.add(handoff_polls=1)
+                return None, False  # its lease goes with the next lookup (or request_finished)
+            self._sched.stats.add(handoff_timeouts=1)
+            log.info("request %s: %d of the %d announced blocks found after %.0f ms; recomputing the rest",
+                     req_id, (num_computed_tokens + n) // self.spec.block_size, announced,
+                     (now - wait.since) * 1e3)
+        if announced:
+            self._handed.add(req_id)  # asked again later (preempted, say): what is there, no wait
+        if wait is not None:
+            del self._waits[req_id]
+            self._sched.stats.add(handoff_waited_ms=round((now - wait.since) * 1e3))
         until = now + self.settings.lookup_reuse_ms / 1000
-        self._lookups[request.request_id] = (num_computed_tokens, request.num_tokens, n, until)
+        self._lookups[req_id] = (num_computed_tokens, request.num_tokens, n, until)
         return n, False
+
+    def _announced(self, request: Request) -> int:
+        """Loadable blocks the request's kv_transfer_params say a prefill stored for it (0: none,
+        or another namespace's): what its lookup waits for."""
+        params = getattr(request, "kv_transfer_params", None)
+        ours = params.get(HANDOFF_KEY) if isinstance(params, dict) else None
+        if not isinstance(ours, dict) or self.settings.handoff_wait_ms <= 0:
+            return 0
+        blocks = ours.get("blocks")
+        if not isinstance(blocks, int) or blocks <= 0:
+            return 0
+        if ours.get("root") != self._root:
+            assert self._sched is not None
+            self._sched.stats.add(handoff_other_namespace=1)  # another model or layout: nothing to wait for
+            return 0
+        return min(blocks, (request.num_tokens - 1) // self.spec.block_size)  # the last token is computed
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
@@ -304,10 +377,20 @@ class KVStoreConnector(KVConnectorBase_V1):
                     req.offered = 0  # the recomputed blocks are offered again when full
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """True while its saves are in flight (vLLM keeps its blocks until ``finished_sending``).
+        The output vLLM emits now carries ``kv_transfer_params`` naming the prompt's full blocks
+        this instance stores, for a decode instance to wait for (the saves may still be running)."""
         assert self._sched is not None
-        self._reqs.pop(request.request_id, None)
+        req = self._reqs.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
-        return self._sched.request_finished(request.request_id), None
+        self._waits.pop(request.request_id, None)
+        self._handed.discard(request.request_id)
+        params = None
+        if req is not None and self._save and not _bypass(request):
+            blocks = min(req.offered, request.num_prompt_tokens // self.spec.block_size)
+            if blocks > 0:
+                params = {HANDOFF_KEY: {"blocks": blocks, "root": self._root}}
+        return self._sched.request_finished(request.request_id), params
 
     # --- worker side ------------------------------------------------------------------------
 
