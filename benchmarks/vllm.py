@@ -19,6 +19,12 @@ configuration gets more cores than another). The configurations (``--configs``):
   runs ``store`` in its own process, then a ``kv_consumer`` instance in another process runs
   every other phase, loading what the first stored. kvstore's decode instance runs with its
   directory off: each of its hits asks the sidecar.
+* ``kvstore_xhost``: prefill -> decode across hosts (:class:`CrossHost`, needs root): the
+  prefill instance and its sidecar on test host A, the decode instance and its sidecar on host
+  B (network namespaces, private /dev/shm), one cluster through a redis-server on the bridge
+  (the directory only). The decode instance runs ``repeat`` first, so each of those requests
+  finds its blocks only on A: B's sidecar fetches them over the peer data path. Without root it
+  is left out and the reason noted.
 
 Phases, per configuration:
 
@@ -43,7 +49,9 @@ against its peers in the same setting (none: ``kvstore``, ``_nodir``: ``kvstore_
 ``example``/``mooncake``, ``_pd``: ``kvstore_pd`` against ``example_pd``/``mooncake_pd``):
 ``ttft{,_nodir,_pd}_vs_best_peer`` = the best peer's p50 TTFT on hits / kvstore's,
 ``throughput{,_nodir,_pd}_vs_best_peer`` = kvstore's requests/s / the best peer's;
-``outputs_match`` = 1.0 when every configuration's outputs equal the no-connector outputs.
+``outputs_match`` = 1.0 when every configuration's outputs equal the no-connector outputs;
+``ttft_xhost_vs_recompute`` = the no-connector p50 TTFT of ``repeat`` / ``kvstore_xhost``'s p50
+TTFT of its ``repeat`` hits (decode side, blocks fetched from the other host).
 
 The same module runs one vLLM instance from a JSON spec (``python -m benchmarks.vllm --instance
 SPEC``); the vLLM tests use it too (:func:`run_instance`).
@@ -63,6 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,9 +104,11 @@ def kvstore_config(url: str, role: str = "kv_both", **extra: Any) -> dict[str, A
             "kv_connector_extra_config": {"url": url, **extra}}
 
 
-def run_instance(spec: dict[str, Any], *, env: dict[str, str] | None = None, timeout: float = 600) -> dict[str, Any]:
+def run_instance(
+    spec: dict[str, Any], *, env: dict[str, str] | None = None, timeout: float = 600, prefix: Sequence[str] = (),
+) -> dict[str, Any]:
     """Run one vLLM instance in a fresh process (see :func:`instance_main`); returns its results."""
-    with Instance(spec, env=env) as inst:
+    with Instance(spec, env=env, prefix=prefix) as inst:
         return inst.result(timeout)
 
 
@@ -105,9 +116,14 @@ class Instance:
     """One vLLM instance in its own process. With ``paced``, each request or batch round of its
     ``paced`` phases waits for :meth:`turn` (one byte each way on a pair of pipes): ``R`` = ready
     for the next, ``G`` = go, ``D`` = all its phases are done (the next ``G`` lets it shut down:
-    :meth:`result`)."""
+    :meth:`result`). ``prefix``: the command line starts with it, e.g. ``["nsenter", "-t", PID,
+    "-m", "-n"]`` to run the instance on a test host, in its sidecar's namespaces
+    (:meth:`CrossHost.nsenter`)."""
 
-    def __init__(self, spec: dict[str, Any], *, env: dict[str, str] | None = None, paced: bool = False) -> None:
+    def __init__(
+        self, spec: dict[str, Any], *, env: dict[str, str] | None = None, paced: bool = False,
+        prefix: Sequence[str] = (),
+    ) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="kvstore-vllm-")
         path = Path(self._dir.name) / "spec.json"
         self.out = Path(self._dir.name) / "out.json"
@@ -123,7 +139,7 @@ class Instance:
         pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.vllm", "--instance", str(path)], cwd=REPO, pass_fds=fds,
+                [*prefix, sys.executable, "-m", "benchmarks.vllm", "--instance", str(path)], cwd=REPO, pass_fds=fds,
                 env={**os.environ, **VLLM_ENV, "PYTHONPATH": pythonpath, **(env or {})}, stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -135,9 +151,15 @@ class Instance:
         ready, _, _ = select.select([self._ready], [], [], timeout)
         return os.read(self._ready, 1) if ready else b""
 
-    def turn(self, timeout: float) -> bytes:
-        """Let it run one batch round; returns what it says afterwards."""
+    def go(self) -> None:
+        """Let it run its next request (or batch round), without waiting: :meth:`signal` says
+        when it is done."""
+        assert self._go is not None, "not a paced instance"
         os.write(self._go, b"G")
+
+    def turn(self, timeout: float) -> bytes:
+        """Let it run one request or batch round; returns what it says afterwards."""
+        self.go()
         return self.signal(timeout)
 
     def result(self, timeout: float) -> dict[str, Any]:
@@ -165,6 +187,145 @@ class Instance:
             os.close(self._go)
             os.close(self._ready)
         self._dir.cleanup()
+
+
+class CrossHost:
+    """Two separate hosts on this machine, one sidecar each, one cache: the cross-host P/D rig.
+
+    Two network namespaces with private ``/dev/shm`` on a bridge (:class:`kvstore.testing.hosts.Hosts`),
+    a ``kvstore serve`` on each (its own TOML config, gRPC/HTTP/peer ports on its host's address),
+    forming one cluster through a ``redis-server`` on the bridge (the directory). With
+    ``redis_tier``, that redis-server is also a Redis tier both sidecars write through to
+    (``tiering.write_through = ["redis"]``); otherwise blocks move between the hosts only by peer
+    fetch. A vLLM instance runs on host ``i`` with ``Instance(..., prefix=rig.nsenter(i))`` and
+    reaches its sidecar at :meth:`url`. Needs root (namespaces); raises RuntimeError saying why not."""
+
+    TOKEN = "kvstore-cross-host"
+
+    def __init__(self, work: Path, *, redis_tier: bool = False, dram_bytes: int = 256 << 20,
+                 lease_ms: int = 3000, heartbeat_ms: int = 500) -> None:
+        from kvstore.testing.hosts import Hosts
+        from kvstore.testing.servers import redis_server
+
+        self._stack = contextlib.ExitStack()
+        self.work = work
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            if os.geteuid() != 0:
+                raise RuntimeError("needs root: it creates network namespaces (ip netns) and mounts a /dev/shm "
+                                   "per host")
+            missing = [t for t in ("ip", "nsenter", "unshare") if shutil.which(t) is None]
+            if missing:
+                raise RuntimeError(f"needs {', '.join(missing)} (util-linux, iproute2) on PATH")
+            self.hosts = self._stack.enter_context(Hosts(2, prefix="kvx"))
+            self.redis = self._stack.enter_context(redis_server(host=self.hosts.bridge_ip))
+            self.procs: list[subprocess.Popen[str]] = []
+            self.ready: list[dict[str, str]] = []
+            for i, name in enumerate(("a", "b")):
+                self._start(i, name, redis_tier, dram_bytes, lease_ms, heartbeat_ms)
+            time.sleep(2 * heartbeat_ms / 1000)  # each node has heard of the other
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, i: int, name: str, redis_tier: bool, dram_bytes: int, lease_ms: int, heartbeat_ms: int) -> None:
+        host = self.hosts[i]
+        tier = f"""
+[redis]
+enabled = true
+url = "{self.redis.url}"
+key_prefix = "xhost-tier"
+[tiering]
+write_through = ["redis"]
+""" if redis_tier else ""
+        config = self.work / f"sidecar-{name}.toml"
+        config.write_text(f"""data_dir = "{self.work / f"sidecar-{name}"}"
+log_level = "warning"
+[server]
+grpc_address = "{host.ip}:0"
+http_address = "{host.ip}:0"
+[dram]
+capacity_bytes = {dram_bytes}
+[ssd]
+enabled = false
+[cluster]
+enabled = true
+directory_url = "{self.redis.url}"
+key_prefix = "xhost"
+node_id = "{name}"
+peer_address = "{host.ip}:0"
+token = "{self.TOKEN}"
+lease_ms = {lease_ms}
+heartbeat_ms = {heartbeat_ms}
+fetch_timeout_s = 2.0
+{tier}""")
+        log = (self.work / f"sidecar-{name}.log").open("a")
+        self._stack.callback(log.close)
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        proc: subprocess.Popen[str] = host.popen(
+            [sys.executable, "-m", "kvstore", "serve", "--config", str(config)], stdout=subprocess.PIPE, stderr=log,
+            text=True, cwd=REPO, env={**os.environ, **MALLOC_ENV, "PYTHONPATH": pythonpath},
+        )
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line:
+            log.flush()
+            raise RuntimeError(f"sidecar {name} on {host.name} exited {proc.wait()}: "
+                               f"{(self.work / f'sidecar-{name}.log').read_text()[-3000:]}")
+        self.ready.append(json.loads(line))
+
+    def url(self, i: int) -> str:
+        """Host ``i``'s sidecar's gRPC address (reachable from that host; the connector then finds
+        the sidecar's Unix socket and shared memory there)."""
+        return self.ready[i]["grpc"]
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self.procs)
+
+    def nsenter(self, i: int) -> list[str]:
+        """The command prefix that runs a program on host ``i``, in its sidecar's network and mount
+        namespaces (its address, its /dev/shm)."""
+        return ["nsenter", "-t", str(self.procs[i].pid), "-m", "-n", f"--wd={REPO}"]
+
+    def stats(self, i: int) -> dict[str, Any]:
+        """Host ``i``'s sidecar's ``/stats`` (over the bridge, from this namespace)."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://{self.ready[i]['http']}/stats", timeout=10) as r:
+            doc: dict[str, Any] = json.loads(r.read())
+        return doc
+
+    def cluster(self, i: int) -> dict[str, int]:
+        """Host ``i``'s sidecar's cluster counters (blocks_fetched, blocks_lent, blocks_adopted, ...)."""
+        return dict(self.stats(i).get("cluster", {}))
+
+    def kill(self, i: int) -> None:
+        """kill -9 host ``i``'s sidecar."""
+        proc = self.procs[i]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def close(self) -> None:
+        for proc in getattr(self, "procs", []):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self._stack.close()  # redis-server, then the hosts
+
+    def __enter__(self) -> CrossHost:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _by_source(llm: Any) -> dict[str, int]:
@@ -253,12 +414,18 @@ def instance_main(spec_path: str) -> None:
     ``kv_transfer_config`` (dict or null), ``phases``: list of ``{name, prompts: [[token ids]],
     max_tokens, batch: bool, evict: [[token ids]] (run before each prompt, or before the batch),
     stats: bool (per-request prompt_tokens_by_source deltas), paced: bool (each request or batch
-    round waits for its turn)}``, ``out``, ``pace`` (set by :class:`Instance`).
+    round waits for its turn), handoff_out: DIR (after request i, its output's
+    ``kv_transfer_params`` go to DIR/i.json), handoff_in: DIR (request i is sent with the
+    ``kv_transfer_params`` in DIR/i.json, as a P/D proxy passes a prefill's on to the decode
+    request), skip_cache: bool (``skip_reading_prefix_cache``: nothing is loaded, neither from
+    vLLM's own cache nor from the connector -- a recompute)}``, ``out``, ``pace`` (set by
+    :class:`Instance`).
     """
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
 
     t_import = time.perf_counter() - t0
     kv = spec.get("kv_transfer_config")
@@ -273,16 +440,21 @@ def instance_main(spec_path: str) -> None:
     startup = time.perf_counter() - t1
     hooks = HookTimes(_connectors(llm))  # per measured request or batch round: "connector_ms"
 
-    def gen(prompts: list[list[int]], max_tokens: int) -> tuple[list[Any], float]:
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    def gen(
+        prompts: list[list[int]], max_tokens: int, params: dict[str, Any] | None = None, skip: bool = False,
+    ) -> tuple[list[Any], float]:
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"kv_transfer_params": params} if params else None,
+                            skip_reading_prefix_cache=True if skip else None)
         t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         return outs, time.perf_counter() - t
 
     def record(o: Any) -> dict[str, Any]:
         m = o.metrics
         return {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
-                "ttft_s": getattr(m, "first_token_latency", None) if m is not None else None}
+                "ttft_s": getattr(m, "first_token_latency", None) if m is not None else None,
+                "kv_transfer_params": o.kv_transfer_params}
 
     phases: dict[str, Any] = {}
     for ph in spec["phases"]:
@@ -315,10 +487,13 @@ def instance_main(spec_path: str) -> None:
                 if ph.get("warm"):
                     gen([p], ph["max_tokens"])  # the prompt is now in vLLM's own cache
                 time.sleep(ph.get("gap_s", 0.0))  # idle time before the request arrives
+                params = read_handoff(ph["handoff_in"], i) if ph.get("handoff_in") else None
                 before = _by_source(llm) if ph.get("stats", True) else {}
                 hooks.take()
-                [o], dt = gen([p], ph["max_tokens"])
+                [o], dt = gen([p], ph["max_tokens"], params, bool(ph.get("skip_cache")))
                 wall += dt
+                if ph.get("handoff_out"):
+                    write_handoff(ph["handoff_out"], i, o.kv_transfer_params)
                 r = {**record(o), "connector_ms": hooks.take()}
                 if ph.get("stats", True):
                     r["by_source"] = _delta(_by_source(llm), before)
@@ -338,6 +513,21 @@ def instance_main(spec_path: str) -> None:
     os._exit(0)  # the engine is shut down; skip the interpreter's slow teardown
 
 
+def write_handoff(directory: str | Path, i: int, params: dict[str, Any] | None) -> None:
+    """Request ``i``'s ``kv_transfer_params`` for the other side of a handoff (see :func:`read_handoff`)."""
+    path = Path(directory, f"{i}.json")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(params))
+    tmp.replace(path)  # whole or not at all
+
+
+def read_handoff(directory: str | Path, i: int) -> dict[str, Any] | None:
+    """What :func:`write_handoff` wrote for request ``i`` (None: nothing, or no file)."""
+    path = Path(directory, f"{i}.json")
+    params: dict[str, Any] | None = json.loads(path.read_text()) if path.exists() else None
+    return params
+
+
 def _await_turn(pace: dict[str, int] | None) -> None:
     """A paced instance says it is ready and waits for its turn."""
     if pace:
@@ -355,8 +545,10 @@ GROUPS = (
     ("kvstore_nodir", PEERS, "_nodir"),  # the same with kvstore's block directory off
     ("kvstore_pd", tuple(f"{p}_pd" for p in PEERS), "_pd"),  # a prefill instance stores, a decode instance loads
 )
-CONFIGS = ("none", "kvstore", "kvstore_nodir", "example", "mooncake", "kvstore_pd", "example_pd", "mooncake_pd")
+CONFIGS = ("none", "kvstore", "kvstore_nodir", "example", "mooncake", "kvstore_pd", "example_pd", "mooncake_pd",
+           "kvstore_xhost")
 REQUIRED = ("none", "kvstore", "kvstore_nodir", "kvstore_pd")  # a failure of one of these fails the run
+XHOST = "kvstore_xhost"  # prefill on one test host, decode on another (CrossHost; needs root)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -383,7 +575,8 @@ def _prompts(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     rng = np.random.default_rng(0)
 
     def toks(n: int) -> list[int]:
-        return rng.integers(4, vocab, n).tolist()
+        out: list[int] = rng.integers(4, vocab, n).tolist()
+        return out
 
     prefixes = [toks(args.prefix_tokens) for _ in range(args.docs)]
     repeat = [p + toks(args.question_tokens) for p in prefixes]
@@ -433,6 +626,10 @@ class Config:
     kv: dict[str, Any] | None
     producer: dict[str, Any] | None = None
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    prefix: tuple[str, ...] = ()  # the measured instance's command prefix (Instance)
+    producer_prefix: tuple[str, ...] = ()
+    first: str = ""  # a phase the measured instance runs first
+    cpu_pids: tuple[int, ...] = ()  # sidecars whose CPU time counts in its turns; empty: the shared one
 
     def specs(self, base: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
         """(the prefill instance's spec or None, the measured instance's spec)."""
@@ -440,17 +637,23 @@ class Config:
             return None, {**base, "kv_transfer_config": self.kv}
         store = [ph for ph in base["phases"] if ph["name"] == "store"]
         rest = [ph for ph in base["phases"] if ph["name"] != "store"]
+        rest.sort(key=lambda ph: ph["name"] != self.first)  # stable: the others keep their order
         return ({**base, "kv_transfer_config": self.producer, "phases": store},
                 {**base, "kv_transfer_config": self.kv, "phases": rest})
 
 
 def _configs(
     args: argparse.Namespace, url: str, work: Path, stack: contextlib.ExitStack, notes: dict[str, Any],
+    rigs: dict[str, CrossHost] | None = None,
 ) -> dict[str, Config]:
     """The configurations asked for. Each has its own store: kvstore's its own namespace in the one
     sidecar (``model_id``), ExampleConnector's its own directory, Mooncake's its own master. The
     decode instance of ``kvstore_pd`` runs with its block directory off: every hit it takes asks
-    the sidecar (blocks another process stored), never places its own earlier lookups taught it."""
+    the sidecar (blocks another process stored), never places its own earlier lookups taught it.
+    ``kvstore_xhost`` has two sidecars of its own on two test hosts (:class:`CrossHost`, kept in
+    ``rigs``): its prefill instance stores on host A, its decode instance (directory off) runs on
+    host B and runs ``repeat`` first, so each of those requests finds its blocks only on A (peer
+    fetch); its later phases find them in B's own DRAM (the fetched replicas)."""
     wanted = {c.strip() for c in args.configs.split(",") if c.strip()} | {"none"}
     unknown = sorted(wanted - set(CONFIGS))
     if unknown:
@@ -466,6 +669,19 @@ def _configs(
         return {"kv_connector": "ExampleConnector", "kv_role": role,
                 "kv_connector_extra_config": {"shared_storage_path": str(work / name)}}
 
+    def xhost(name: str) -> Config | None:
+        try:
+            rig = stack.enter_context(CrossHost(work / name))
+        except Exception as exc:  # noqa: BLE001 - not root, no iproute2: noted, the rest runs
+            notes[name] = f"cannot run: {exc}"
+            return None
+        if rigs is not None:
+            rigs[name] = rig
+        return Config(kvstore_config(rig.url(1), "kv_consumer", model_id=f"bench-{name}", directory=False),
+                      kvstore_config(rig.url(0), "kv_producer", model_id=f"bench-{name}"),
+                      prefix=tuple(rig.nsenter(1)), producer_prefix=tuple(rig.nsenter(0)), first="repeat",
+                      cpu_pids=rig.pids)
+
     def mooncake(name: str, pd: bool) -> Config | None:
         peer = MooncakePeer(work / name)
         stack.callback(peer.close)
@@ -476,7 +692,7 @@ def _configs(
             return Config(peer.transfer_config("kv_consumer"), peer.transfer_config("kv_producer"), peer.env)
         return Config(peer.transfer_config("kv_both"), env=peer.env)
 
-    makers = {
+    makers: dict[str, Callable[[], Config | None]] = {
         "none": lambda: Config(None),
         "kvstore": lambda: Config(kvstore("kvstore", "kv_both")),
         "kvstore_nodir": lambda: Config(kvstore("kvstore_nodir", "kv_both", directory=False)),
@@ -486,12 +702,13 @@ def _configs(
                                      kvstore("kvstore_pd", "kv_producer")),
         "example_pd": lambda: Config(example("example_pd", "kv_consumer"), example("example_pd", "kv_producer")),
         "mooncake_pd": lambda: mooncake("mooncake_pd", pd=True),
+        XHOST: lambda: xhost(XHOST),
     }
     configs = {name: makers[name]() for name in CONFIGS if name in wanted}
     return {name: c for name, c in configs.items() if c is not None}
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.common import Result, sidecar_process
     from kvstore.testing.tiny_model import build_tiny_llama
 
@@ -507,8 +724,11 @@ def run(args: argparse.Namespace) -> dict:
         base = {"model": str(model), "block_size": args.block_size, "num_blocks": args.num_blocks,
                 "max_model_len": 1024, "dtype": "float32", "phases": _phases(args, pr)}
         with sidecar_process(1 << 30) as sc, contextlib.ExitStack() as stack:
-            configs = _configs(args, sc.grpc, work, stack, res.notes)
+            rigs: dict[str, CrossHost] = {}
+            configs = _configs(args, sc.grpc, work, stack, res.notes, rigs)
             results = _run_interleaved(base, configs, res.notes, sidecar_pid=sc.proc.pid)
+            for name, rig in rigs.items():  # where the decode host's blocks came from
+                res.notes[f"{name}_cluster"] = {"prefill_host": rig.cluster(0), "decode_host": rig.cluster(1)}
         _summarise(res, results, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -550,25 +770,27 @@ def _run_interleaved(
         for name, config in configs.items():
             producer, measured = config.specs(base)
             if producer is not None:
-                prod = stack.enter_context(Instance(producer, env=config.env, paced=True))
+                prod = stack.enter_context(Instance(producer, env=config.env, paced=True,
+                                                    prefix=config.producer_prefix))
                 if prod.signal(timeout) != b"D":
                     _failed(f"{name} (prefill instance)", prod, timeout, notes)
                     continue
                 producers[name] = prod
-            inst = stack.enter_context(Instance(measured, env=config.env, paced=True))
+            inst = stack.enter_context(Instance(measured, env=config.env, paced=True, prefix=config.prefix))
             if inst.signal(timeout) == b"R":
                 live[name] = inst
             else:
                 _failed(name, inst, timeout, notes)
         done: dict[str, Instance] = {}
         sidecar_cpu: dict[str, list[float]] = {name: [] for name in live}
+        pids = {name: configs[name].cpu_pids or (sidecar_pid,) for name in live}
         r = 0
         while live:
             order = list(live)
             for name in order[r % len(order):] + order[: r % len(order)]:
-                cpu = cpu_seconds(sidecar_pid)
+                cpu = sum(cpu_seconds(p) for p in pids[name])
                 said = live[name].turn(timeout)
-                sidecar_cpu[name].append(cpu_seconds(sidecar_pid) - cpu)
+                sidecar_cpu[name].append(sum(cpu_seconds(p) for p in pids[name]) - cpu)
                 if said == b"D":
                     done[name] = live.pop(name)
                 elif said != b"R":
@@ -601,9 +823,9 @@ def _failed(name: str, inst: Instance, timeout: float, notes: dict[str, Any]) ->
 
 def _phase(r: dict[str, Any], phase: str) -> dict[str, Any]:
     """A configuration's phase: ``store`` from its prefill instance when it has one."""
-    if phase == "store" and "producer" in r:
-        return r["producer"]["phases"]["store"]
-    return r["phases"][phase]
+    source = r["producer"] if phase == "store" and "producer" in r else r
+    ph: dict[str, Any] = source["phases"][phase]
+    return ph
 
 
 def _hit_ttfts(r: dict[str, Any], phase: str) -> list[float]:
@@ -674,6 +896,13 @@ def _summarise(res: Any, results: dict[str, dict[str, Any]], args: argparse.Name
         hits = _hit_ttfts(results["kvstore"], "repeat")
         res.ratio("ttft_vs_recompute", ttfts["none"]["repeat"] / (_p50(hits) if hits else float("nan")))
         res.ratio("throughput_vs_recompute", rps["kvstore"] / rps["none"])
+    if XHOST in results:  # the decode host's repeat requests: every block fetched from the prefill host
+        hits = _hit_ttfts(results[XHOST], "repeat")
+        res.figure(f"{XHOST}_ttft_repeat_hits_p50", _p50(hits) * 1e3 if hits else float("nan"), "ms")
+        res.ratio("ttft_xhost_vs_recompute", ttfts["none"]["repeat"] / (_p50(hits) if hits else float("nan")))
+        if "kvstore_pd" in results and hits:
+            pd = _hit_ttfts(results["kvstore_pd"], "repeat")
+            res.ratio("ttft_xhost_vs_pd", _p50(pd) / _p50(hits) if pd else float("nan"))
     res.ratio("outputs_match", 1.0 if match_all else 0.0)
     res.notes["configs_run"] = list(results)
     res.notes["setup"] = (f"{args.docs} docs x {args.prefix_tokens}-token prefix + {args.question_tokens}-token "
@@ -682,7 +911,10 @@ def _summarise(res: Any, results: dict[str, dict[str, Any]], args: argparse.Name
                           f"tiny Llama hidden {args.hidden_size} x {args.layers} layers fp32, in-process engine, "
                           f"VLLM_CPU_NUM_OF_RESERVED_CPU=1 everywhere, every request and batch round interleaved "
                           f"across configurations, batch throughput the median of {args.batch_rounds} rounds; "
-                          f"*_pd: a kv_producer instance stores, a kv_consumer instance in its own process loads")
+                          f"*_pd: a kv_producer instance stores, a kv_consumer instance in its own process loads; "
+                          f"{XHOST}: the same on two test hosts (network namespaces, private /dev/shm), one sidecar "
+                          "each, one cluster (directory in a redis-server on the bridge), the decode host's "
+                          "repeat phase first: its blocks come from the prefill host by peer fetch")
 
 
 def _compare(res: Any, results: dict[str, dict[str, Any]], rps: dict[str, float], ttfts: dict[str, dict[str, float]],
