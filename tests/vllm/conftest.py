@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_cases import NEW, PROMPTS, instance, outputs
+from vllm_cases import NEW, PROMPTS, instance, outputs, stop_tqdm_monitors
 
 from kvstore.testing.sidecar import ServeProcess
 
@@ -24,7 +24,9 @@ if importlib.util.find_spec("vllm") is None:  # a setup defect, not a reason to 
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvstore.testing.tiny_model import build_tiny_llama
 
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-vllm"), seed=0)
+    path = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-vllm"), seed=0)
+    stop_tqdm_monitors()
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -45,3 +45,15 @@ def instance(
 
 def outputs(result: dict[str, Any], phase: str) -> list[list[int]]:
     return [r["tokens"] for r in result["phases"][phase]["requests"]]
+
+
+def stop_tqdm_monitors() -> None:
+    """Stop the monitor thread tqdm starts with its first progress bar (building the tiny model
+    shows one): nothing of the build is left running in the test process."""
+    import threading
+
+    from tqdm._monitor import TMonitor
+
+    for t in threading.enumerate():
+        if isinstance(t, TMonitor):
+            t.exit()
