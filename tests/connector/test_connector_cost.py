@@ -225,7 +225,7 @@ def test_history_is_bounded() -> None:
 def test_calibration_measures_positive_rates() -> None:
     assert calibrate_flop_rate(n=64, repeats=1) > 0
     assert calibrate_memcpy_bandwidth(nbytes=1 << 20, repeats=1) > 0
-    assert set(CostModel(SHAPE, flop_rate=1e12).tiers) == {"dram", "ssd", "redis", "s3"}
+    assert set(CostModel(SHAPE, flop_rate=1e12).tiers) == {"dram", "ssd", "redis", "s3", "peer"}
 
 
 def test_small_loads_alone_fit_the_latency_not_a_bandwidth() -> None:
