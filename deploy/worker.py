@@ -2,6 +2,7 @@
 
     python deploy/worker.py prefill --url grpc://kvstore:50051 --model-dir /models/tiny-llama
     python deploy/worker.py decode  --url grpc://kvstore:50051 --model-dir /models/tiny-llama --expect-hits
+    python deploy/worker.py model   --model-dir /models/tiny-llama     # only build the model (for vLLM)
 
 Both roles derive the same prompts from ``--seed`` (a shared system prompt plus a per-request
 tail), so the decode worker finds the blocks the prefill worker stored. The prefill worker
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="kvstore example worker (prefill or decode)")
-    p.add_argument("role", choices=("prefill", "decode"))
+    p.add_argument("role", choices=("prefill", "decode", "model"))
     p.add_argument("--url", default=os.environ.get("KVSTORE_URL", "grpc://127.0.0.1:50051"))
     p.add_argument("--token", default=os.environ.get("KVSTORE_TOKEN", ""))
     p.add_argument("--ca", default=os.environ.get("KVSTORE_CA", ""), help="PEM root certificate for grpcs://")
@@ -84,6 +85,9 @@ def wait_for_blocks(client: Any, conn: Any, prompt: list[int], deadline: float) 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.role == "model":  # the model directory for other services (the cluster profile's vLLM servers)
+        print(json.dumps({"role": "model", "model_dir": str(ensure_model(args.model_dir, args.seed))}), flush=True)
+        return 0
     from kvstore.util.tuning import tune_malloc
 
     tune_malloc()

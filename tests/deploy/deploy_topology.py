@@ -204,3 +204,73 @@ class Rewriter:
 
     def env(self, env: Mapping[str, str]) -> dict[str, str]:
         return {k: self(v) for k, v in env.items()}
+
+
+# --- a multi-service profile as processes ----------------------------------------------------------
+
+_SERVICE_PORT = re.compile(r"(?<![\w.-])(?P<host>[A-Za-z][\w.-]*|\d+\.\d+\.\d+\.\d+):(?P<port>\d{2,5})\b")
+
+
+def strings(service: Mapping[str, Any]) -> list[str]:
+    """Every string of a service's command, entrypoint, environment and healthcheck."""
+    out = command(service) + command(service, "entrypoint") + list(environment(service).values())
+    hc = service.get("healthcheck") or {}
+    return out + [str(t) for t in hc.get("test", [])]
+
+
+def references(service: Mapping[str, Any], names: Iterable[str]) -> set[tuple[str, int]]:
+    """The (service, port) pairs a service's strings name, as ``host:port`` with a service as host."""
+    names = set(names)
+    return {(m["host"], int(m["port"])) for s in strings(service) for m in _SERVICE_PORT.finditer(s)
+            if m["host"] in names}
+
+
+def listens(service: Mapping[str, Any]) -> set[int]:
+    """Ports a service binds by the wildcard address in its strings (``0.0.0.0:P``)."""
+    return {int(m["port"]) for s in strings(service) for m in _SERVICE_PORT.finditer(s) if m["host"] == "0.0.0.0"}
+
+
+def networks(service: Mapping[str, Any]) -> set[str]:
+    nets = service.get("networks")
+    if service.get("network_mode"):
+        return set()
+    if nets is None:
+        return {"default"}
+    return set(nets)
+
+
+class Loopback:
+    """Each (service, container port) of a set of services on its own free loopback port, and a
+    :class:`Rewriter` per service: other services' ``name:port``, its own ``0.0.0.0:port`` and
+    ``127.0.0.1:port`` (its healthcheck), and its mounts' container paths (bind mounts: the file
+    in the repository; volumes: a directory under ``root/volumes``, shared by name)."""
+
+    def __init__(self, services: Mapping[str, Any], names: Iterable[str], root: Path,
+                 free_port: Any) -> None:
+        self.services = services
+        self.names = list(names)
+        self.root = root
+        self.ports: dict[tuple[str, int], int] = {}
+        for name in self.names:
+            svc = services[name]
+            for key in references(svc, self.names) | {(name, p) for p in listens(svc)}:
+                if key not in self.ports:
+                    self.ports[key] = free_port()
+
+    def addr(self, name: str, port: int) -> str:
+        return f"127.0.0.1:{self.ports[(name, port)]}"
+
+    def volume(self, name: str) -> Path:
+        path = self.root / "volumes" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def paths(self, name: str) -> dict[str, Path]:
+        return {m.target: REPO / m.source if m.bind else self.volume(m.source) for m in mounts(self.services[name])}
+
+    def rewriter(self, name: str, extra: Mapping[str, str] | None = None) -> Rewriter:
+        addresses = {f"{svc}:{port}": f"127.0.0.1:{local}" for (svc, port), local in self.ports.items()}
+        for (svc, port), local in self.ports.items():
+            if svc == name:
+                addresses[f"0.0.0.0:{port}"] = addresses[f"127.0.0.1:{port}"] = f"127.0.0.1:{local}"
+        return Rewriter({**addresses, **(extra or {})}, self.paths(name))

@@ -241,3 +241,142 @@ def test_deploy_config_file_is_valid_on_its_own():
 def test_k8s_manifests_parse(path):
     docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
     assert docs and all("kind" in d and "apiVersion" in d for d in docs)
+
+
+# --- profile "cluster": two nodes, a directory, vLLM servers and the router -----------------------
+
+CLUSTER_SIDECARS = {"kvstore-a": "node-a", "kvstore-b": "node-b"}
+
+
+def _router_args():
+    sys.path.insert(0, str(REPO / "deploy"))
+    try:
+        import router
+    finally:
+        sys.path.remove(str(REPO / "deploy"))
+    return router.parse_args(topo.command(SERVICES["router"]))
+
+
+def cluster_config(name: str):
+    svc = SERVICES[name]
+    [toml] = [m for m in topo.mounts(svc) if m.target.endswith(".toml")]
+    args = topo.command(svc)
+    assert args[args.index("--config") + 1] == toml.target
+    return _with_env(REPO / toml.source, topo.environment(svc))
+
+
+def test_services_reach_what_they_name_on_a_network_they_share():
+    for name, svc in SERVICES.items():
+        for target, _ in topo.references(svc, SERVICES):
+            if target == name:
+                continue
+            assert topo.networks(svc) & topo.networks(SERVICES[target]), f"{name} names {target}: no shared network"
+
+
+def test_cluster_nodes_share_only_the_cluster_network_and_the_router():
+    nets = {n: topo.networks(SERVICES[n]) for n in SERVICES}
+    assert nets["directory"] == {"cluster"}
+    assert nets["kvstore-a"] & nets["kvstore-b"] == {"cluster"}
+    for a, b in (("node-a", "node-b"), ("node-b", "node-a")):
+        on_a = [n for n, s in nets.items() if a in s]
+        assert {"node-a", "node-b"} <= nets["router"]
+        for n in on_a:
+            if n != "router":
+                assert b not in nets[n], f"{n} is on both nodes"
+    # the decode worker and node b's engine reach node a only through their own sidecar
+    for n in ("decode-b", "vllm-b"):
+        assert not nets[n] & nets["kvstore-a"]
+    for n in ("prefill-a", "vllm-a"):
+        assert not nets[n] & nets["kvstore-b"]
+    assert set(DOC["networks"]) == {"cluster", "node-a", "node-b"}
+    assert all("cluster" in s.get("profiles", []) for n, s in SERVICES.items() if nets[n] - {"default"}
+               or s.get("network_mode"))
+
+
+def test_cluster_sidecars_form_one_cluster_with_the_directory():
+    cfgs = {n: cluster_config(n) for n in CLUSTER_SIDECARS}
+    for name, node in CLUSTER_SIDECARS.items():
+        svc, cfg = SERVICES[name], cfgs[name]
+        assert svc["profiles"] == ["cluster"]
+        c = cfg.cluster
+        assert c.enabled and c.node_id == node and c.token
+        host, _, port = c.advertise_address.rpartition(":")
+        assert host == name and int(port) == int(c.peer_address.rpartition(":")[2])
+        assert int(port) in topo.listens(svc)
+        directory = urllib.parse.urlparse(c.directory_url)
+        assert (directory.hostname, directory.port) == ("directory", 6379) and not c.directory_cluster
+        assert not cfg.redis.enabled and not cfg.s3.enabled and cfg.tiering.chain == ["ssd"]
+        assert _bytes(svc["shm_size"]) > cfg.dram.capacity_bytes and svc["ipc"] == "shareable"
+        mounts = {m.target: m.source for m in topo.mounts(svc)}
+        assert cfg.data_dir in mounts and str(Path(cfg.server.local_socket).parent) in mounts
+        # no bearer token (the vLLM connector cannot send one yet): nothing of it is published
+        assert not cfg.server.auth_token and not svc.get("ports")
+    assert topo.command(SERVICES["directory"])[0] == "redis-server"
+    a, b = cfgs.values()
+    assert a.cluster.token == b.cluster.token and a.cluster.key_prefix == b.cluster.key_prefix
+    data = {m.source for n in CLUSTER_SIDECARS for m in topo.mounts(SERVICES[n]) if m.target == a.data_dir}
+    assert len(data) == 2, "one data directory per node"
+    env = {"KVSTORE_CLUSTER_TOKEN": "from-the-environment"}
+    assert _with_env(REPO / "deploy" / "kvstore-cluster.toml", topo.environment(
+        topo.load_compose(env)["services"]["kvstore-b"])).cluster.token == "from-the-environment"
+
+
+def test_cluster_workers_and_engines_use_their_own_nodes_sidecar():
+    sys.path.insert(0, str(REPO / "deploy"))
+    try:
+        import worker
+    finally:
+        sys.path.remove(str(REPO / "deploy"))
+    sidecar_user = DOCKERFILE.stages["sidecar"].user
+    for name, svc in SERVICES.items():
+        ipc = svc.get("ipc", "")
+        if ipc.startswith("service:"):
+            target = ipc.removeprefix("service:")
+            assert SERVICES[target]["ipc"] == "shareable", name
+            assert DOCKERFILE.stages[svc["build"]["target"]].user == sidecar_user, f"{name}: not the slab's uid"
+            run = {m.source for m in topo.mounts(SERVICES[target]) if m.target == "/run/kvstore"}
+            assert run <= {m.source for m in topo.mounts(svc) if m.target == "/run/kvstore"}, f"{name}: socket"
+            sidecars_named = {n for n, _ in topo.references(svc, SERVICES) if n in {"kvstore", *CLUSTER_SIDECARS}}
+            assert sidecars_named == {target}, f"{name} shares {target}'s slab but talks to {sidecars_named}"
+    for name, sidecar in (("prefill-a", "kvstore-a"), ("decode-b", "kvstore-b")):
+        args = worker.parse_args(topo.command(SERVICES[name]))
+        url = urllib.parse.urlparse(args.url)
+        assert (url.scheme, url.hostname, url.port) == ("grpc", sidecar, 50051) and args.role in name
+        assert not topo.environment(SERVICES[name])["KVSTORE_TOKEN"]
+    assert worker.parse_args(topo.command(SERVICES["decode-b"])).expect_hits
+    assert topo.depends_on(SERVICES["decode-b"])["prefill-a"] == "service_completed_successfully"
+    model = worker.parse_args(topo.command(SERVICES["tiny-model"]))
+    assert model.role == "model"
+    for name in ("prefill-a", "decode-b", "vllm-a", "vllm-b"):
+        svc = SERVICES[name]
+        assert topo.depends_on(svc).get("tiny-model", "service_completed_successfully") == \
+            "service_completed_successfully"
+        cmd = topo.command(svc)
+        model_dir = cmd[cmd.index("--model-dir" if "--model-dir" in cmd else "--model") + 1]
+        assert model_dir == str(model.model_dir) and any(model_dir.startswith(m.target) for m in topo.mounts(svc))
+
+
+def test_the_router_fronts_each_nodes_engine_with_that_nodes_sidecar():
+    args = _router_args()
+    svc = SERVICES["router"]
+    assert [b.node for b in args.backends] == list(CLUSTER_SIDECARS.values())
+    for b, sidecar in zip(args.backends, CLUSTER_SIDECARS):
+        engine, side = urllib.parse.urlparse(b.engine), urllib.parse.urlparse(b.sidecar)
+        vllm = SERVICES[engine.hostname]
+        cmd = topo.command(vllm)
+        assert engine.port == int(cmd[cmd.index("--port") + 1]) and vllm["ipc"] == f"service:{sidecar}"
+        connector = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+        assert connector["kv_connector_extra_config"]["url"] == f"grpc://{sidecar}:50051"
+        assert connector["kv_connector_extra_config"]["model_id"] == args.model_id
+        assert int(cmd[cmd.index("--block-size") + 1]) == args.block_size
+        assert cmd[cmd.index("--dtype") + 1] == args.dtype
+        assert side.hostname == sidecar and side.port == int(cluster_config(sidecar).server.http_address.rpartition(
+            ":")[2])
+        assert topo.depends_on(svc)[engine.hostname] == "service_healthy"
+    assert args.kv_layout == "vllm_cpu" and args.revision.startswith("+cpu_attn=")
+    listen = int(args.listen.rpartition(":")[2])
+    assert [p.container for p in topo.ports(svc)] == [listen]
+    assert listen in DOCKERFILE.stages["router"].expose
+    assert f"127.0.0.1:{listen}/healthz" in " ".join(svc["healthcheck"]["test"])
+    assert svc["healthcheck"]["test"][1:] == DOCKERFILE.stages["router"].healthcheck
+    assert "KVSTORE_ROUTER_REVISION" in topo.raw_compose()["services"]["router"]["command"][-1]

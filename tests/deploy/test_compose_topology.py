@@ -152,3 +152,51 @@ def test_redis_cluster_profile_as_processes(tmp_path):
         finally:
             code = sidecar.stop(signal.SIGTERM)
         assert code == 0
+
+
+def test_cluster_profile_handoff_across_nodes_as_processes(tmp_path):
+    """directory, kvstore-a, kvstore-b, tiny-model, prefill-a, decode-b: the prefill worker stores
+    on node a, the decode worker on node b loads every prompt's prefix through its own sidecar,
+    which fetches the blocks from node a over the peer data path (no shared block tier)."""
+    services = topo.load_compose({})["services"]
+    names = ("directory", "kvstore-a", "kvstore-b", "tiny-model", "prefill-a", "decode-b")
+    lb = topo.Loopback(services, names, tmp_path, free_port)
+    dir_args = topo.command(services["directory"])
+    assert dir_args[0] == "redis-server"
+    workdir = {DOCKERFILE.stages["worker"].workdir: str(REPO)}
+    with redis_server(*dir_args[1:]) as directory:
+        lb.ports[("directory", 6379)] = directory.port
+        sidecars = {}
+        try:
+            for name in ("kvstore-a", "kvstore-b"):
+                rw = lb.rewriter(name)
+                cmd = rw.all(topo.command(services[name]))
+                assert cmd[0] == "serve"
+                env = rw.env(topo.environment(services[name]))
+                env["KVSTORE_DRAM__CAPACITY_BYTES"] = str(128 << 20)  # a smaller slab on a shared test machine
+                sidecars[name] = ServeProcess(cmd[1:], env)
+                run_healthcheck(services, name, rw)
+            # depends_on order: tiny-model, prefill-a to completion, then decode-b
+            outputs = {}
+            for name in ("tiny-model", "prefill-a", "decode-b"):
+                rw = lb.rewriter(name, workdir)
+                entry = rw.all(DOCKERFILE.stages[services[name]["build"]["target"]].entrypoint)
+                env = {**os.environ, **rw.env(topo.environment(services[name]))}
+                p = subprocess.run([sys.executable, *entry[1:], *rw.all(topo.command(services[name]))],
+                                   capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+                assert p.returncode == 0, f"{name} exited {p.returncode}:\n{p.stdout}\n{p.stderr[-3000:]}"
+                outputs[name] = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+            d = outputs["decode-b"][-1]["summary"]
+            assert d["prompts"] == 8 and d["mismatches"] == 0 and d["misses"] == 0
+            assert d["loaded_tokens"] > d["computed_tokens"]
+            docs = {}
+            for name, sc in sidecars.items():
+                status, body = http_get(f"http://{sc.http}/stats")  # no bearer token in this profile
+                assert status == 200
+                docs[name] = json.loads(body)
+            a, b = docs["kvstore-a"]["cluster"], docs["kvstore-b"]["cluster"]
+            assert b["blocks_fetched"] > 0 and a["blocks_lent"] >= b["blocks_fetched"], (a, b)
+            assert docs["kvstore-b"]["writes"].get("blocks_committed", 0) == 0, "decode-b stores nothing itself"
+        finally:
+            codes = {name: sc.stop(signal.SIGTERM) for name, sc in sidecars.items()}
+    assert all(code == 0 for code in codes.values()), codes

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import tomllib
+import urllib.parse
 from pathlib import Path
 
 import deploy_topology as topo
@@ -83,3 +85,56 @@ def test_inference_pods_share_ipc_and_uid_with_the_sidecar_and_reach_it_on_the_n
         assert env["KVSTORE_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "kvstore-token", "key": "token"}
     selector = OBJ[("Service", "kvstore-sidecar")]["spec"]["selector"]
     assert selector.items() <= DS["spec"]["template"]["metadata"]["labels"].items()
+
+
+def pod_env(container: dict, downward: dict[str, str], secrets: dict[tuple[str, str], str]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: values, fieldRefs, secretKeyRefs, and
+    ``$(VAR)`` expanded from the entries before it (only those: Kubernetes' rule)."""
+    out: dict[str, str] = {}
+    for e in container["env"]:
+        if "value" in e:
+            value = re.sub(r"\$\((\w+)\)", lambda m: out.get(m.group(1), m.group(0)), e["value"])
+        elif "fieldRef" in e["valueFrom"]:
+            value = downward[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            ref = e["valueFrom"]["secretKeyRef"]
+            value = secrets[(ref["name"], ref["key"])]
+        out[e["name"]] = value
+    return out
+
+
+def test_sidecars_form_one_cluster_named_after_their_nodes(tmp_path: Path):
+    secret = OBJ[("Secret", "kvstore-token")]["stringData"]
+    secrets = {("kvstore-token", k): f"{k}-value" for k in secret}
+    env = pod_env(SIDECAR, {"status.hostIP": "10.1.2.3", "spec.nodeName": "gpu-node-7"}, secrets)
+    assert "$(" not in "".join(env.values()), "every $(VAR) refers to an earlier entry"
+    toml = tmp_path / "kvstore.toml"
+    toml.write_text(OBJ[("ConfigMap", "kvstore-config")]["data"]["kvstore.toml"])
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        cfg = load_config(toml)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    c = cfg.cluster
+    assert c.enabled and c.node_id == "gpu-node-7" and c.token == "cluster-token-value"
+    assert c.token != cfg.server.auth_token, "the peer path's secret is not the API token"
+    peer = next(p for p in SIDECAR["ports"] if p["name"] == "peer")
+    assert peer["hostPort"] == peer["containerPort"] == int(c.peer_address.rpartition(":")[2])
+    assert c.advertise_address == f"10.1.2.3:{peer['hostPort']}", "other nodes reach it at its node's address"
+    # the directory: the kvstore-directory Service in the kustomization's namespace
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    svc = OBJ[("Service", "kvstore-directory")]
+    url = urllib.parse.urlparse(c.directory_url)
+    assert url.hostname == f"{svc['metadata']['name']}.{kust['namespace']}.svc"
+    assert url.port == svc["spec"]["ports"][0]["port"] and not c.directory_cluster
+    dep = OBJ[("Deployment", "kvstore-directory")]
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    [redis] = dep["spec"]["template"]["spec"]["containers"]
+    assert redis["args"][0] == "redis-server" and "allkeys-lru" in redis["args"]
+    assert redis["ports"][0]["name"] == svc["spec"]["ports"][0]["targetPort"]
+    maxmemory = redis["args"][redis["args"].index("--maxmemory") + 1]
+    limit = redis["resources"]["limits"]["memory"]
+    assert maxmemory.endswith("gb") and limit.endswith("Mi")
+    assert int(maxmemory[:-2]) << 30 < int(limit[:-2]) << 20, "Redis' own overhead fits under the memory limit"
