@@ -346,13 +346,16 @@ class BlockStore:
         self.stats.tier("dram", "bytes_in", nbytes)
         blocks = [b for b, _ in chosen]
         writes = space.movers.committed(blocks)
+        written = 0
+        if wait_write_through:
+            if writes:
+                await asyncio.wait(writes)  # not gather: a cancelled commit must not cancel the writes
+            written = space.movers.written_through(blocks)
+        # After the write-through: the record then lists the shared tiers too (a reader elsewhere
+        # reads them from there rather than from this node).
         if wait_published and (listed := self.remote.published(blocks)) is not None:
             await asyncio.wait([listed])  # a cancelled commit must not cancel the publish
-        if not wait_write_through:
-            return len(chosen), 0
-        if writes:
-            await asyncio.wait(writes)  # not gather: a cancelled commit must not cancel the writes
-        return len(chosen), space.movers.written_through(blocks)
+        return len(chosen), written
 
     def abort(self, alloc_id: str, fate: str = "aborted") -> int:
         self._closed(alloc_id)
