@@ -48,6 +48,7 @@ connector (their KV depends on more than the token ids). Tensor/pipeline paralle
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -91,6 +92,7 @@ class Settings:
     """``kv_connector_extra_config`` keys (all optional)."""
 
     url: str = "grpc://127.0.0.1:50051"  # the sidecar's gRPC address
+    token: str = ""  # the sidecar's server.auth_token; empty: $KVSTORE_TOKEN, if set
     model_id: str = ""  # namespace model name; default: vLLM's model path/name
     revision: str = ""  # namespace revision; default: vLLM's model revision
     save_decode: bool = True  # also store blocks filled by generated tokens
@@ -201,7 +203,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.spec, self.ns, self._layers = kv_spec_and_namespace(vllm_config, kv_cache_config, self.settings)
         self._load = tc.is_kv_consumer  # kv_consumer or kv_both
         self._save = tc.is_kv_producer  # kv_producer or kv_both
-        self.client = SyncClient(self.settings.url)
+        self.client = SyncClient(self.settings.url, token=self.settings.token or os.environ.get("KVSTORE_TOKEN", ""))
         self._sched: SchedulerConnector | None = None
         self._worker: WorkerConnector | None = None
         if role == KVConnectorRole.SCHEDULER:
