@@ -18,6 +18,10 @@ from kvstore.testing.sidecar import ServeProcess
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Every test is checked for leaked fds, threads, processes, shared memory, temp files and running
+# sidecars (tests/leaks.py; opt out with @pytest.mark.leaks_allowed("why"), skip with --no-leak-check).
+pytest_plugins = ["tests.leaks"]
+
 
 def small_config(tmp_path: Path, **overrides: Any) -> Config:
     """A sidecar with a tiny slab: 4 pages of 64 KiB, slots from 4 KiB."""
@@ -66,3 +70,5 @@ def serve_process(tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
     for p in started:
         if p.proc.poll() is None:
             p.stop(signal.SIGKILL)
+        p.log.close()
+        Path(p.log.name).unlink(missing_ok=True)  # ServeProcess never removes its log (tests/leaks.py)
