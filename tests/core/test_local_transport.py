@@ -277,8 +277,10 @@ async def test_async_call_that_times_out_is_not_sent_again(tmp_path: Path):
     """A timed-out call may have reached the sidecar: it fails, it is never resent (a Commit
     would be applied twice). A server that answers the hello and the first call, then no more."""
     requests: list[str] = []
+    writers: list[asyncio.StreamWriter] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
         try:
             while True:
                 (n,) = struct.unpack(">I", await reader.readexactly(4))
@@ -303,3 +305,6 @@ async def test_async_call_that_times_out_is_not_sent_again(tmp_path: Path):
     finally:
         await channel.aclose()
         server.close()
+        for w in writers:  # server.close() leaves accepted connections open (the one that timed out too)
+            w.close()
+        await server.wait_closed()
