@@ -22,6 +22,7 @@ SUITES = {
     "ttft": "benchmarks.ttft",
     "vllm": "benchmarks.vllm",
     "cluster": "benchmarks.cluster",
+    "soak": "benchmarks.soak",
 }
 
 
