@@ -98,7 +98,7 @@ async def test_sidecar_left_running(tmp_path):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def shared_sidecar(tmp_path_factory):
-    async with Sidecar(config(tmp_path_factory.mktemp("shared"))) as sc:
+    async with Sidecar(config(tmp_path_factory.mktemp("module-sidecar"))) as sc:
         yield sc
 
 
