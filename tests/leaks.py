@@ -86,7 +86,7 @@ from typing import Any
 import pytest
 
 KINDS = ("shm", "fds", "threads", "processes", "tmp", "sidecars")
-GRACE_S = float(os.environ.get("KVSTORE_LEAK_GRACE_S", "5"))  # see "Leaks are looked for after" above
+GRACE_S = float(os.environ.get("KVSTORE_LEAK_GRACE_S", "5"))  # how long what is on its way out may take
 ENV_MARKER = "KVSTORE_LEAK_SESSION"
 SHM_DIR = "/dev/shm"
 # Names of the temp entries the project makes (kvstore.testing: kvstore-serve-*.log, kvstore-redis-*,
@@ -400,8 +400,8 @@ def _process_wide() -> Owned:
       log capture until the test ends, its traceback's frames hold slot views, and the in-process
       sidecar stops while they are alive. Allowed by exactly the fds on a slab this process created
       and has since closed and unlinked (``/dev/shm/<name> (deleted)``, no longer in ``_owned``).
-    * tqdm's monitor thread (``tqdm.tqdm.monitor``), and ``threading._DummyThread`` entries: see
-      the comments in the code.
+    * tqdm's monitor threads (``TMonitor``, one per tqdm class), and ``threading._DummyThread``
+      entries: see the comments in the code.
     """
     wide = Owned()
     fds = _fds()
@@ -424,12 +424,12 @@ def _process_wide() -> Owned:
     owned_now = set(getattr(slab, "_owned", {}))
     closed = {f"{SHM_DIR}/{n} (deleted)" for n in _own_shm if n not in owned_now and _ours_by_name(n, {os.getpid()})}
     wide.fds.update((fd, t) for fd, t in fds.items() if t in closed)
-    # tqdm's monitor thread: one per process (the class attribute tqdm.monitor), started with the first
-    # progress bar (benchmarks.*, kvstore.sim.replay) and, in this tqdm, never stopped
-    tqdm = sys.modules.get("tqdm.std")
-    monitor = getattr(getattr(tqdm, "tqdm", None), "monitor", None)
-    if isinstance(monitor, threading.Thread):
-        wide.threads.add(id(monitor))
+    # tqdm's monitor threads: one per tqdm class (the class attribute ``monitor``: tqdm's own, and
+    # subclasses such as huggingface_hub's), started with its first progress bar (benchmarks.*,
+    # kvstore.sim.replay, transformers saving the tiny model) and, in this tqdm, never stopped
+    monitor_cls = getattr(sys.modules.get("tqdm._monitor"), "TMonitor", None)
+    if isinstance(monitor_cls, type):
+        wide.threads.update(id(t) for t in threading.enumerate() if isinstance(t, monitor_cls))
     # threads Python did not start: a C library's own thread that called into Python (gRPC core's
     # executor running the client's metadata plugin for a token over TLS) is listed by
     # threading.enumerate() as a _DummyThread for the rest of the process; it cannot be joined and
