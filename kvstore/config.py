@@ -67,7 +67,10 @@ class ServerConfig(_Section):
     auth_token: str = Field("", description="bearer token required on gRPC and HTTP when set")
     tls_cert: str = Field("", description="PEM certificate for gRPC TLS")
     tls_key: str = Field("", description="PEM private key for gRPC TLS")
-    shutdown_grace_s: float = Field(5.0, ge=0)
+    shutdown_grace_s: float = Field(5.0, ge=0, description="how long in-flight gRPC calls may finish after SIGTERM")
+    shutdown_watchdog_s: float = Field(
+        15.0, gt=0, description="beyond shutdown_grace_s: a shutdown still under way is ended, stacks logged (exit 70)",
+    )
 
 
 class DramConfig(_Section):

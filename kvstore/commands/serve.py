@@ -39,5 +39,11 @@ def run(args: argparse.Namespace) -> int:
     )
     setup_logging(config.log_level, args.log_format)
     tune_malloc()
-    asyncio.run(Sidecar(config).serve_forever())
+    sidecar = Sidecar(config)
+    try:
+        # past server.shutdown_grace_s + server.shutdown_watchdog_s after the signal, a shutdown
+        # still under way is ended with its stacks logged (kvstore/server/watchdog.py)
+        asyncio.run(sidecar.serve_forever())
+    finally:
+        sidecar.finished()
     return 0

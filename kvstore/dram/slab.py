@@ -336,7 +336,6 @@ def unlink_stale(segment: str) -> bool:
         shm = shared_memory.SharedMemory(name=segment, create=False)
     except FileNotFoundError:
         return False
-    _untrack(shm)
     shm.close()
-    shm.unlink()
+    shm.unlink()  # and off the resource tracker, which the attach put it on (no second unregister)
     return True

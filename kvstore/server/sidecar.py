@@ -30,6 +30,7 @@ from kvstore.errors import FailedPrecondition
 from kvstore.framing import socket_path
 from kvstore.server.local_server import LocalServer
 from kvstore.server.service import SERVICE_NAME, KVStoreServicer, start_grpc
+from kvstore.server.watchdog import ShutdownWatchdog
 from kvstore.store.below import NoMovers
 from kvstore.store.block_store import BlockStore
 from kvstore.store.counters import Stats
@@ -89,6 +90,8 @@ class Sidecar:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
         self.cluster: ClusterNode | None = None
+        self.phase = ""  # the step stop() is in: what a stuck shutdown's watchdog names
+        self._watchdog: ShutdownWatchdog | None = None
 
     # --- start / stop -----------------------------------------------------------------------
 
@@ -146,16 +149,23 @@ class Sidecar:
                 log.warning("removed shared memory %s left by a sidecar that did not shut down cleanly", name)
             marker.unlink()
 
+    def _step(self, phase: str) -> None:
+        log.debug("shutdown: %s", phase)
+        self.phase = phase
+
     async def stop(self) -> None:
         self.ready = False
         if self._health is not None:
             await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._local is not None:
+            self._step("closing the local socket's connections")
             await self._local.close()
             self._local = None
         if self._grpc is not None:
-            await self._grpc.stop(self.config.server.shutdown_grace_s)  # drains in-flight calls
+            self._step(f"draining gRPC calls (grace {self.config.server.shutdown_grace_s} s)")
+            await self._grpc.stop(self.config.server.shutdown_grace_s)
             self._grpc = None
+        self._step("stopping background tasks")
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -163,9 +173,11 @@ class Sidecar:
                 await t
         self._tasks.clear()
         if self._http is not None:
+            self._step("stopping the HTTP server")
             await self._http.cleanup()
             self._http = None
         if self.cluster is not None:
+            self._step("leaving the cluster")
             await self.cluster.close()
             self.cluster = None
         if self.store is not None:
@@ -173,13 +185,16 @@ class Sidecar:
                 self.store.index.release_lease(lease_id)
             for alloc_id in list(self.store.index.allocations):
                 self.store.abort(alloc_id)
+            self._step("finishing tier moves and closing the tiers")
             await self.store.tiering.close()
             self.store.tiering = NoMovers()
         if self.slab is not None:
+            self._step("unlinking the slab")
             self.slab.close(unlink=True)
             self.slab = None
             with contextlib.suppress(FileNotFoundError):
                 (self.data_dir / "segment").unlink()
+        self._step("stopped")
         self.lock.release()
         self._stopped.set()
 
@@ -235,3 +250,15 @@ class Sidecar:
             )
             await stop.wait()
             log.info("signal received; draining")
+            self._step("signalled")
+            slab = self.slab
+            limit = self.config.server.shutdown_grace_s + self.config.server.shutdown_watchdog_s
+            self._watchdog = ShutdownWatchdog(loop, limit, lambda: self.phase, lambda: slab.name if slab else "")
+            self._watchdog.start()
+        self._step("ending the event loop (asyncio.run cancels leftover tasks, joins the default executor)")
+
+    def finished(self) -> None:
+        """The process is about to exit (``asyncio.run`` has returned): the watchdog stands down."""
+        if self._watchdog is not None:
+            self._watchdog.finished()
+            self._watchdog = None

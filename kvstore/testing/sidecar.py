@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvstore.server.watchdog import EXIT_STUCK
 from kvstore.util.tuning import ENV as MALLOC_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,10 +45,22 @@ class ServeProcess:
         self.grpc: str = self.ready["grpc"]
         self.http: str = self.ready["http"]
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        """Signal the sidecar and wait for it; its exit status. A sidecar whose shutdown stuck
+        (its watchdog's exit status, or still running after ``timeout``: then it is killed) has its
+        log's tail printed to stderr, where pytest shows it beside the failure."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        code = self.proc.wait(30)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            print(f"kvstore serve did not exit {timeout} s after signal {sig}; its log ends:\n{self.logs()[-20000:]}",
+                  file=sys.stderr)
+            raise
+        if code == EXIT_STUCK:
+            print(f"kvstore serve's shutdown stuck; its log ends:\n{self.logs()[-20000:]}", file=sys.stderr)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self.log.close()
