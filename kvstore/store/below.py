@@ -104,7 +104,7 @@ class NoMovers:
         return run
 
     def forget(self, blocks: Sequence[Block]) -> Awaitable[None]:
-        return _nothing()
+        return nothing()
 
     async def flush(self) -> None:
         pass
@@ -116,5 +116,5 @@ class NoMovers:
         pass
 
 
-async def _nothing() -> None:
+async def nothing() -> None:
     pass

@@ -30,8 +30,9 @@ async def in_threads(executor: Executor, calls: Sequence[Callable[[], T]]) -> li
     except asyncio.CancelledError:
         await asyncio.wait(futs)
         raise
-    for f in futs:
-        exc = f.exception()
-        if exc is not None:
-            raise exc
+    # every failure is retrieved (else asyncio logs "Future exception was never retrieved" for
+    # each one after the first); the first is raised
+    failures = [exc for f in futs if (exc := f.exception()) is not None]
+    if failures:
+        raise failures[0]
     return [f.result() for f in futs]

@@ -1,7 +1,9 @@
 """Smoke test: ``benchmarks.soak`` runs a short soak end to end (two client processes, a Redis kill
 and a sidecar kill) and returns its JSON shape, with no corrupt read and no lost durable block.
 No timed assertions. Also: the pieces it relies on (block content, the verifier, the slow-Redis
-proxy), and a product bug the soak found (xfail, strict)."""
+proxy), and regression tests of the product bugs the soak found (``in_threads`` leaving failures
+unretrieved; a Delete racing a demotion into the SSD: ``kvstore.tiers.movers.Level.releasing`` and
+``Level.doomed``)."""
 
 from __future__ import annotations
 
@@ -103,12 +105,6 @@ def test_delay_proxy_forwards_and_delays() -> None:
             proxy.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug (found by the soak): kvstore.util.threads.in_threads raises the first failed call's "
-    "exception and never retrieves the others', so asyncio logs 'Future exception was never retrieved' at "
-    "ERROR for each further failed pipeline (96 such log lines in a 1-minute soak, at each Redis kill)",
-)
 async def test_in_threads_retrieves_every_failure(caplog: pytest.LogCaptureFixture) -> None:
     from kvstore.util.threads import in_threads
 
@@ -123,13 +119,6 @@ async def test_in_threads_retrieves_every_failure(caplog: pytest.LogCaptureFixtu
     assert "exception was never retrieved" not in caplog.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug (found by the soak): a client Delete takes its blocks out of the movers' SSD accounting "
-    "(Tiering.forget -> _unplaced) before their files are gone (delete_many runs later, on a thread), so a demotion "
-    "in between finds room that SsdTier._reserve still counts as used: 'ssd tier full', the whole batch is "
-    "dropped (one of the two causes of the soak's 'ssd tier full' demotion failures; the other: the test below)",
-)
 async def test_a_delete_in_flight_does_not_fail_a_demotion_into_the_room_it_frees(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -189,15 +178,6 @@ async def _delete_during_a_demotion(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     return errors, gone, victim
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug (found by the soak): a Delete of a block whose demotion batch is being written "
-    "(SsdTier._write_batch on its thread) unplaces it and unlinks a file that is not there yet; the write then "
-    "lands: an orphan file the movers no longer count but the SSD tier does (its room is lost for good: once "
-    "at capacity the movers see room, evict nothing, and every demotion batch fails: 25,218 "
-    "'ssd tier full' failures in the 10-minute soak, with the race above), and a restart recovers the deleted "
-    "block from it",
-)
 async def test_a_block_deleted_while_its_demotion_is_written_stays_deleted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
