@@ -10,6 +10,19 @@ from __future__ import annotations
 
 import grpc
 
+SHOWN_CHARS = 64  # of a client-sent value an error message repeats
+MAX_MESSAGE_CHARS = 2048  # of a status message: far under gRPC's 16 KiB metadata limit
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, cut to ``SHOWN_CHARS`` characters: a message repeats
+    what the client sent, and a status message over gRPC's 16 KiB metadata limit reaches the
+    client as RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit"), not its code."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
 
 class KVStoreError(Exception):
     """Base class. ``retryable`` says whether the same call may succeed later."""

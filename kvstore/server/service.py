@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore.config import Config
 from kvstore.dram.slab import Slab, Slot
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import MAX_MESSAGE_CHARS, InvalidArgument, KVStoreError, shown
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.routing import prefix_score, rank
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
@@ -89,7 +89,7 @@ def _rpc(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
             return await method(self, request, context)
         except KVStoreError as exc:
             self.store.stats.errors[exc.code.name] += 1
-            await context.abort(exc.code, str(exc))
+            await context.abort(exc.code, str(exc)[:MAX_MESSAGE_CHARS])  # (values in it are shown())
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug: keep serving, say so loudly
@@ -270,7 +270,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         ns = self._namespace(request)
         for node, load in request.loads.items():
             if not math.isfinite(load) or load < 0:
-                raise InvalidArgument(f"loads[{node!r}]: must be a finite number >= 0, got {load!r}")
+                raise InvalidArgument(f"loads[{shown(node)}]: must be a finite number >= 0, got {load!r}")
         prefixes = await self.store.prefixes(ns, list(request.keys))
         names = list(prefixes)
         loads = [request.loads.get(n, 0.0) for n in names]

@@ -24,6 +24,7 @@ from kvstore.errors import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
+    shown,
 )
 from kvstore.keys import KEY_BYTES, Namespace, check_key
 from kvstore.policy import make_policy
@@ -273,7 +274,7 @@ class BlockStore:
     def _closed(self, alloc_id: str) -> None:
         fate = self._closed_allocations.get(alloc_id)
         if fate is not None:
-            raise FailedPrecondition(f"allocation_id: {alloc_id!r} was already {fate}")
+            raise FailedPrecondition(f"allocation_id: {shown(alloc_id)} was already {fate}")
 
     def _remember(self, alloc: Allocation, fate: str) -> None:
         self.index.close_allocation(alloc)
@@ -322,7 +323,7 @@ class BlockStore:
                     )
             if self.index.allocations.get(alloc_id) is not alloc:  # aborted or reaped while we hashed
                 self._closed(alloc_id)
-                raise FailedPrecondition(f"allocation_id: {alloc_id!r} was reclaimed during commit")
+                raise FailedPrecondition(f"allocation_id: {shown(alloc_id)} was reclaimed during commit")
         # Apply: the listed blocks become visible, the rest of the allocation is released.
         space = self.space
         committed = {id(b) for b, _ in chosen}
@@ -383,17 +384,18 @@ class BlockStore:
             if not (b.tiers & DRAM) or b.state is not State.COMMITTED:
                 break
             readable.append(b)
-        if self.config.dram.verify_local_reads and readable:
-            readable = await self._verified(readable)
+        # Leased before any await: while the run is hashed (dram.verify_local_reads) no Allocate
+        # may evict it and no Delete take it (an Acquire leased blocks that had left DRAM).
+        lease = self.index.take_lease(readable, deadline) if readable else None
+        if lease is not None and self.config.dram.verify_local_reads:
+            lease, readable = await self._verified(lease, deadline)
         self.space.touch(readable)
         self.stats.reads["acquires"] += 1
         self.stats.reads["blocks"] += len(readable)
         nbytes = sum(b.size for b in readable)
         self.stats.reads["bytes"] += nbytes
         self.stats.tier("dram", "bytes_out", nbytes)
-        if not readable:
-            return None, []
-        return self.index.take_lease(readable, deadline), readable
+        return lease, readable
 
     async def prefetch(self, ns: NsEntry, keys: Sequence[bytes]) -> int:
         """Promote the leading run of ``keys`` into DRAM; how many leading blocks are there now."""
@@ -408,17 +410,30 @@ class BlockStore:
             ready += 1
         return ready
 
-    async def _verified(self, run: list[Block]) -> list[Block]:
-        sums = await checksums([self.space.view(b) for b in run])
+    async def _verified(self, lease: Lease, deadline: float) -> tuple[Lease | None, list[Block]]:
+        """Hash a leased run's DRAM copies; the lease and run cut before the first block whose
+        bytes no longer match its checksum (that copy is dropped)."""
+        run = lease.blocks
+        try:
+            sums = await checksums([self.space.view(b) for b in run])
+        except BaseException:
+            self._end_lease(lease)
+            raise
         for i, (b, got) in enumerate(zip(run, sums)):
             if b.checksum is None:
                 b.checksum = got  # sealed now; nothing earlier to compare with
             elif got != b.checksum:
                 log.warning("checksum mismatch on DRAM block %s; dropping it", b.key.hex()[:16])
                 self.stats.tier("dram", "checksum_failures")
+                self._end_lease(lease)
                 self.space.remove(b)
-                return run[:i]
-        return run
+                good = run[:i]
+                return (self.index.take_lease(good, deadline) if good else None), good
+        return lease, run
+
+    def _end_lease(self, lease: Lease) -> None:
+        if lease.id in self.index.leases:  # (the reaper may have ended a very short one meanwhile)
+            self.index.release_lease(lease.id)
 
     def release(self, lease_id: str) -> int:
         return len(self.index.release_lease(lease_id).blocks)
@@ -431,7 +446,9 @@ class BlockStore:
         if not all_keys:
             self._check_batch(len(keys), "keys")
             self._check_keys(keys, "keys")
-        targets = list(ns.blocks.values()) if all_keys else [b for k in keys if (b := ns.blocks.get(k)) is not None]
+        # counted per block: a key named twice is one block deleted (or skipped), as Lookup counts per key
+        targets = list(ns.blocks.values()) if all_keys else [
+            b for k in dict.fromkeys(keys) if (b := ns.blocks.get(k)) is not None]
         gone = [b for b in targets if not b.pinned]
         # Every target leaves DRAM, the tiers' bookkeeping and the index before the first await: a
         # promotion in flight that landed while a delete awaited its tier put the block back in

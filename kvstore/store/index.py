@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore.errors import FailedPrecondition, NotFound
+from kvstore.errors import FailedPrecondition, NotFound, shown
 from kvstore.keys import BlockKey, Namespace, NamespaceRoot
 
 if TYPE_CHECKING:
@@ -226,7 +226,8 @@ class Index:
         alloc = self.allocations.get(alloc_id)
         if alloc is None:
             raise NotFound(
-                f"allocation_id: {alloc_id!r} is unknown (never allocated, already committed, aborted or reclaimed)"
+                f"allocation_id: {shown(alloc_id)} is unknown "
+                "(never allocated, already committed, aborted or reclaimed)"
             )
         return alloc
 
@@ -248,7 +249,7 @@ class Index:
     def release_lease(self, lease_id: str) -> Lease:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
-            raise NotFound(f"lease_id: {lease_id!r} is unknown (never taken, released or expired)")
+            raise NotFound(f"lease_id: {shown(lease_id)} is unknown (never taken, released or expired)")
         for b in lease.blocks:
             b.leases -= 1
         return lease
