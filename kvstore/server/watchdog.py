@@ -53,17 +53,17 @@ class ShutdownWatchdog:
         err = sys.stderr
         log.critical("shutdown did not finish within %.0f s (stuck in: %s); exiting with %d; stacks follow",
                      self._limit, self._phase(), EXIT_STUCK)
-        with contextlib.suppress(Exception):  # diagnostics on the way out must not stop it
+        with _quietly():
             faulthandler.dump_traceback(file=err, all_threads=True)
-        with contextlib.suppress(Exception):  # diagnostics on the way out must not stop it
+        with _quietly():
             for task in list(asyncio.all_tasks(self._loop)):  # read from another thread: a best effort
                 print(f"--- asyncio task {task.get_name()} (innermost await last) ---", file=err)
                 print("".join(traceback.format_list(_awaiting(task.get_coro()))), end="", file=err)
-        with contextlib.suppress(Exception):  # diagnostics on the way out must not stop it
+        with _quietly():
             name = self._segment()
             if name:
                 unlink_stale(name)
-        with contextlib.suppress(Exception):  # diagnostics on the way out must not stop it
+        with _quietly():
             err.flush()
         os._exit(EXIT_STUCK)
 
@@ -76,3 +76,8 @@ def _awaiting(coro: Any) -> traceback.StackSummary:
         frames.append((coro.cr_frame, coro.cr_frame.f_lineno))
         coro = coro.cr_await
     return traceback.StackSummary.extract(iter(frames))
+
+
+def _quietly() -> contextlib.suppress:
+    """Diagnostics on the way out must not stop the way out."""
+    return contextlib.suppress(Exception)

@@ -349,18 +349,22 @@ class Tiering:
         written = False
         live: list[tuple[Block, np.ndarray]] = []
         try:
-            with self._failures(lv, f"demotion of {len(batch)} blocks to"):
-                for b, _, _ in batch:
-                    lv.dequeue(b)
-                await self._make_room(lv)  # the batch is counted already; evict others until it fits
-                # (what a delete took meanwhile is not written at all)
-                live = [(b, d) for b, d, _ in batch if b.tiers & lv.bit and b.ns.blocks.get(b.key) is b]
-                lv.putting.update(b for b, _ in live)
-                items = [(self._meta(lv, b), d.data) for b, d in live]
-                async with lv.slots:
-                    await lv.tier.put_many(items)
-                self.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
-                written = True
+            for b, _, _ in batch:
+                lv.dequeue(b)
+            await self._make_room(lv)  # the batch is counted already; evict others until it fits
+            # (what a delete took meanwhile is not written at all)
+            live = [(b, d) for b, d, _ in batch if b.tiers & lv.bit and b.ns.blocks.get(b.key) is b]
+            lv.putting.update(b for b, _ in live)
+            items = [(self._meta(lv, b), d.data) for b, d in live]
+            async with lv.slots:
+                await lv.tier.put_many(items)
+            self.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
+            written = True
+        except Unavailable as exc:
+            self._mark_down(lv, exc)
+        except Exception:
+            log.exception("demotion of %d blocks to %s failed", len(batch), lv.name)
+            self.stats.tier(lv.name, "errors")
         finally:
             lv.putting.difference_update(b for b, _ in live)
             doomed = {b: lv.doomed.pop(b) for b, _ in live if b in lv.doomed}
@@ -625,23 +629,15 @@ class Tiering:
         once its delete has ended, however it ended."""
         for lv, (refs, nbytes) in copies.items():
             try:
-                with self._failures(lv, f"deleting {len(refs)} blocks from"):
-                    await lv.tier.delete_many(refs)
+                await lv.tier.delete_many(refs)
+            except Unavailable as exc:
+                self._mark_down(lv, exc)
+            except Exception:
+                log.exception("deleting %d blocks from %s failed", len(refs), lv.name)
+                self.stats.tier(lv.name, "errors")
             finally:
                 lv.releasing -= nbytes
                 lv.released.set()
-
-    @contextlib.contextmanager
-    def _failures(self, lv: Level, what: str) -> Iterator[None]:
-        """A background call to ``lv`` that fails: a tier out of reach is marked down; any other
-        failure is logged (``what`` ``lv.name`` failed) and counted in the tier's errors."""
-        try:
-            yield
-        except Unavailable as exc:
-            self._mark_down(lv, exc)
-        except Exception:
-            log.exception("%s %s failed", what, lv.name)
-            self.stats.tier(lv.name, "errors")
 
     async def _probe_down_tiers(self) -> None:
         probe = BlockRef(NamespaceRoot(bytes(32)), BlockKey(bytes(32)))
