@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 SUITES = {
     "lookup": "benchmarks.lookup",
+    "acquire": "benchmarks.acquire",
     "dram": "benchmarks.dram",
     "tiers": "benchmarks.tiers",
     "ttft": "benchmarks.ttft",
