@@ -24,9 +24,11 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 from kvstore.errors import ConfigError
+from kvstore.keys import TEXT_FIELD_MAX
 from kvstore.policy import DEFAULT_POLICY, policy_names
 
 MiB = 1 << 20
@@ -94,9 +96,16 @@ class IndexConfig(_Section):
     allocation_ttl_ms: int = Field(30_000, ge=1, description="abandoned allocations are reclaimed after this")
     max_allocation_ttl_ms: int = Field(600_000, ge=1, description="longest ttl_ms an Allocate may ask for")
     lease_ttl_ms: int = Field(30_000, ge=1, description="default read-lease TTL")
-    max_lease_ttl_ms: int = Field(600_000, ge=1)
+    max_lease_ttl_ms: int = Field(600_000, ge=1, description="longest lease_ttl_ms a read may ask for")
     reaper_interval_ms: int = Field(500, ge=10)
 
+    @model_validator(mode="after")
+    def _defaults_within_their_caps(self) -> IndexConfig:
+        """A default above its own cap would refuse every call that takes the default."""
+        for default, cap in (("allocation_ttl_ms", "max_allocation_ttl_ms"), ("lease_ttl_ms", "max_lease_ttl_ms")):
+            if getattr(self, default) > getattr(self, cap):
+                raise ValueError(f"{default} ({getattr(self, default)}) exceeds {cap} ({getattr(self, cap)})")
+        return self
 
     @field_validator("policy")
     @classmethod
@@ -184,8 +193,13 @@ class S3Config(_Section):
     )
 
 
+QUOTA_TIERS = ("dram", "ssd", "redis", "s3")  # the tiers a tenant quota may be set for
+
+
 class TenantsConfig(_Section):
-    """Tenant quotas (kvstore/store/tenants.py): a tenant is a namespace's cache_salt."""
+    """Tenant quotas (kvstore/store/tenants.py): a tenant is a namespace's cache_salt. Each tier has
+    a quota for every tenant (``<tier>_quota_bytes``) and per-salt ones over it (``<tier>_quotas``;
+    a salt given 0 has none); 0: no quota. :meth:`quota` is the one place that reads them."""
 
     dram_quota_bytes: int = Field(
         0, ge=0, description="every tenant's share of DRAM (committed block bytes); 0: no quota"
@@ -193,14 +207,45 @@ class TenantsConfig(_Section):
     dram_quotas: dict[str, int] = Field(
         default_factory=dict, description="per cache_salt ('' for none): its DRAM quota in bytes, over the default"
     )
+    ssd_quota_bytes: int = Field(
+        0, ge=0, description="every tenant's share of the SSD tier (block files' bytes, as ssd.capacity_bytes "
+        "counts them); 0: no quota"
+    )
+    ssd_quotas: dict[str, int] = Field(
+        default_factory=dict, description="per cache_salt ('' for none): its SSD quota in bytes, over the default"
+    )
+    redis_quota_bytes: int = Field(
+        0, ge=0, description="every tenant's cap in Redis (block bytes this sidecar writes or knows of there); "
+        "0: no cap"
+    )
+    redis_quotas: dict[str, int] = Field(
+        default_factory=dict, description="per cache_salt ('' for none): its Redis cap in bytes, over the default"
+    )
+    s3_quota_bytes: int = Field(
+        0, ge=0, description="every tenant's cap in S3 (block bytes this sidecar writes or knows of there); 0: no cap"
+    )
+    s3_quotas: dict[str, int] = Field(
+        default_factory=dict, description="per cache_salt ('' for none): its S3 cap in bytes, over the default"
+    )
 
-    @field_validator("dram_quotas")
+    @field_validator("dram_quotas", "ssd_quotas", "redis_quotas", "s3_quotas")
     @classmethod
     def _non_negative(cls, v: dict[str, int]) -> dict[str, int]:
         bad = {k: n for k, n in v.items() if n < 0}
         if bad:
             raise ValueError(f"quotas are bytes >= 0, got {bad}")
+        long = [k[:32] + "..." for k in v if len(k) > TEXT_FIELD_MAX]
+        if long:
+            raise ValueError(f"a cache_salt is at most {TEXT_FIELD_MAX} characters (no namespace carries {long})")
         return v
+
+    def quota(self, tier: str) -> tuple[int, dict[str, int]]:
+        """``tier``'s quota for every tenant and its per-salt quotas."""
+        if tier not in QUOTA_TIERS:
+            raise ConfigError(f"tenants: no quota for tier {tier!r} (known: {', '.join(QUOTA_TIERS)})")
+        default: int = getattr(self, f"{tier}_quota_bytes")
+        per_salt: dict[str, int] = getattr(self, f"{tier}_quotas")
+        return default, per_salt
 
 
 class ClusterConfig(_Section):
@@ -309,6 +354,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             cfg = Config.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc)) from None
+    except SettingsError as exc:  # an environment value that does not parse (bad JSON for a table)
+        raise ConfigError(f"invalid configuration: {exc}: {exc.__cause__}") from None
     return cfg
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvstore.client import KVStoreClient
 from kvstore.dram.slab import Slab, Slot
-from kvstore.errors import InvalidArgument, ResourceExhausted
+from kvstore.errors import ConfigError, InvalidArgument, ResourceExhausted
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.index import DRAM
@@ -205,7 +205,7 @@ async def test_a_leased_leaf_does_not_keep_its_unleased_ancestors(tmp_path):
 
 
 async def test_allocation_ttl_is_capped(tmp_path):
-    cfg = small_config(tmp_path, **{"index.max_allocation_ttl_ms": 5_000})
+    cfg = small_config(tmp_path, **{"index.allocation_ttl_ms": 5_000, "index.max_allocation_ttl_ms": 5_000})
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         keys = chain(0, 1)
         for ttl in (5_001, 2**32 - 1):
@@ -218,6 +218,14 @@ async def test_allocation_ttl_is_capped(tmp_path):
             assert sc.store.index.count()["allocations"] == 1
             await alloc.commit()
         assert (await c.lookup(NS, keys)).matched == 1
+
+
+@pytest.mark.parametrize("default, cap", [("allocation_ttl_ms", "max_allocation_ttl_ms"),
+                                          ("lease_ttl_ms", "max_lease_ttl_ms")])
+def test_a_default_ttl_above_its_cap_is_refused_at_start(tmp_path, default: str, cap: str):
+    """Otherwise every call that takes the default would be refused INVALID_ARGUMENT."""
+    with pytest.raises(ConfigError, match=rf"index: .*{default} \(30000\) exceeds {cap} \(5000\)"):
+        small_config(tmp_path, **{f"index.{cap}": 5_000})
 
 
 async def test_the_default_allocation_ttl_cap_is_the_lease_cap(tmp_path):
