@@ -19,8 +19,12 @@ Framing, both directions: a big-endian u32 length of the rest of the frame, then
   (OK) or the UTF-8 error message.
 
 The first frame of a connection is the hello: method name ``""``, payload the bearer token
-(``server.auth_token``, empty when none), answered OK or UNAUTHENTICATED (and closed). The socket
-file is created 0600: the shared-memory slab is 0600 too, so its clients run as the same user.
+(``server.auth_token``, empty when none), answered OK or UNAUTHENTICATED (and closed). The OK
+answer's payload is the longest call frame the sidecar takes (``server.max_message_bytes``, a
+big-endian u32; absent from older sidecars): a client refuses a longer call itself, before sending
+any of it, with the RESOURCE_EXHAUSTED the sidecar would give (as a gRPC client refuses a message
+over its limit). The socket file is created 0600: the shared-memory slab is 0600 too, so its
+clients run as the same user.
 
 Limits, each answered with an error frame and the close: a hello over ``HELLO_MAX_BYTES`` (refused
 on its length, before its bytes are read) or not in within ``server.local_hello_timeout_s``; a frame
@@ -73,6 +77,23 @@ def error_frame(code: grpc.StatusCode, details: str) -> bytes:
     return frame(bytes((code.value[0],)), details.encode())
 
 
+def hello_answer(limit: int) -> bytes:
+    """The hello's OK answer: the longest call frame the sidecar takes (its length prefix aside)."""
+    return frame(b"\0", LEN.pack(min(limit, (1 << 32) - 1)))
+
+
+def hello_limit(payload: bytes) -> int:
+    """The limit a hello's OK answer carries; 0 when it carries none (an older sidecar)."""
+    return LEN.unpack(payload[: LEN.size])[0] if len(payload) >= LEN.size else 0
+
+
+def frame_refusal(n: int, limit: int) -> str:
+    """Why a call frame of ``n`` bytes (its length prefix aside) is refused under ``limit``
+    (``server.max_message_bytes``), answered RESOURCE_EXHAUSTED; "" when it is not. The sidecar
+    decides with it on a frame's length, a client on its request before it sends any of it."""
+    return "" if 0 < n <= limit else f"frame: {n} bytes, limit {limit} (server.max_message_bytes)"
+
+
 def request_frame(name: str, request: Message) -> bytes:
     wire = name.encode()
     return frame(bytes((len(wire),)), wire, request.SerializeToString())
@@ -89,10 +110,24 @@ def unavailable(path: str, exc: BaseException) -> KVStoreError:
     return from_status_code(grpc.StatusCode.UNAVAILABLE, f"local socket {path}: {str(exc) or type(exc).__name__}")
 
 
-async def read_async(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    head = await reader.readexactly(4)
-    body = await reader.readexactly(LEN.unpack(head)[0])
+async def read_async(s: socket.socket) -> tuple[int, bytes]:
+    """:func:`read_frame` from a non-blocking socket, on the running loop."""
+    head = await _recv_exactly_async(s, 4)
+    body = await _recv_exactly_async(s, LEN.unpack(head)[0])
     return body[0], body[1:]
+
+
+async def _recv_exactly_async(s: socket.socket, n: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = await loop.sock_recv_into(s, view[got:])
+        if not k:
+            raise _closed()
+        got += k
+    return bytes(buf)
 
 
 def read_frame(s: socket.socket) -> tuple[int, bytes]:
@@ -109,6 +144,10 @@ def recv_exactly(s: socket.socket, n: int) -> bytes:
     while got < n:
         k = s.recv_into(view[got:])
         if not k:
-            raise ConnectionResetError("sidecar closed the local socket")
+            raise _closed()
         got += k
     return bytes(buf)
+
+
+def _closed() -> ConnectionResetError:
+    return ConnectionResetError("sidecar closed the local socket")

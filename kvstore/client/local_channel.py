@@ -1,7 +1,15 @@
 """The client ends of the local socket (wire format: :mod:`kvstore.framing`): a blocking channel
 (one connection per calling thread) and an asyncio one (a connection per call in flight), each a
 transport with the one ``call(name, request, timeout)`` of :mod:`kvstore.client.wire`.
-:func:`open_local` and :func:`open_local_async` open one only where the socket answers."""
+:func:`open_local` and :func:`open_local_async` open one only where the socket answers.
+
+Both ends treat a call alike. A request over the limit the sidecar gave at hello is refused before
+any of it is sent (RESOURCE_EXHAUSTED, what the sidecar would answer, as a gRPC client refuses a
+message over its limit). A call whose sending fails reads the answer the sidecar wrote before it
+closed the connection (a refusal), if one waits in the socket, and raises that. A call is sent once
+more only when nothing of it went out on a pooled connection that broke while idle (the sidecar
+restarted); once any of it went out, or it timed out, it fails UNAVAILABLE: the sidecar may have
+applied it (a Commit must not be applied twice)."""
 
 from __future__ import annotations
 
@@ -12,12 +20,16 @@ import socket
 import threading
 from typing import Any
 
+import grpc
 from google.protobuf.message import Message
 
 from kvstore.errors import KVStoreError, from_status_code
 from kvstore.framing import (
+    LEN,
     STATUS,
     frame,
+    frame_refusal,
+    hello_limit,
     read_async,
     read_frame,
     request_frame,
@@ -29,6 +41,26 @@ from kvstore.v1 import kvstore_pb2 as pb
 log = logging.getLogger("kvstore.client")
 
 
+def within_limit(request: bytes, limit: int) -> None:
+    """Refuse a request frame over ``limit`` (0: none known) as the sidecar would."""
+    if limit and (why := frame_refusal(len(request) - LEN.size, limit)):
+        raise from_status_code(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+
+
+def after_failure(path: str, s: socket.socket | None, exc: OSError, idle_break: bool) -> tuple[int, bytes] | None:
+    """What a call that failed with ``exc`` on ``s`` (None: not connected) comes to: the answer the
+    sidecar wrote before it closed the connection, read whole from the socket; else None, to send
+    the call once more, when ``idle_break`` (a pooled connection, nothing of the call sent); else
+    UNAVAILABLE, raised. A timed-out call's connection is still open: its answer is not awaited."""
+    if s is not None and not isinstance(exc, TimeoutError):
+        s.setblocking(False)  # what the sidecar wrote before it closed is in the socket already
+        with contextlib.suppress(OSError):
+            return read_frame(s)
+    if idle_break and not isinstance(exc, TimeoutError):
+        return None
+    raise unavailable(path, exc) from None
+
+
 class LocalChannel:
     """The client end: one connection per calling thread (calls on it are serial), opened on first use."""
 
@@ -38,6 +70,7 @@ class LocalChannel:
         self.path = path
         self._token = token.encode()
         self._timeout = timeout
+        self._limit = 0  # the longest call frame the sidecar takes, from its hello (0: not known)
         self._local = threading.local()
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
@@ -55,30 +88,36 @@ class LocalChannel:
         except BaseException:
             s.close()
             raise
+        self._limit = hello_limit(message)
         with self._lock:
             self._socks.append(s)
         return s
 
     def call(self, name: str, request: Message, timeout: float | None = None) -> Any:
-        """One call; a connection that broke while idle (the sidecar restarted) is reopened and
-        the call sent once more (a sidecar that died mid-call took the call's effects with it)."""
+        """One call (the module's docstring says when it is sent again)."""
         s: socket.socket | None = getattr(self._local, "sock", None)
         frame = request_frame(name, request)
+        within_limit(frame, self._limit)
         for attempt in (0, 1):
-            reused = s is not None
+            reused, sent = s is not None, False
             try:
                 if s is None:
                     s = self._local.sock = self._connect()
                 s.settimeout(timeout or self._timeout)
-                s.sendall(frame)
+                n = s.send(frame)
+                sent = True
+                s.sendall(memoryview(frame)[n:])
                 status, payload = read_frame(s)
                 break
             except OSError as exc:
-                self._drop(s)
-                s = None
-                if reused and attempt == 0 and not isinstance(exc, TimeoutError):
-                    continue
-                raise unavailable(self.path, exc) from None
+                try:
+                    answer = after_failure(self.path, s, exc, reused and attempt == 0 and not sent)
+                finally:
+                    self._drop(s)
+                    s = None
+                if answer is not None:
+                    status, payload = answer
+                    break
         return response(name, status, payload)
 
     def _drop(self, s: socket.socket | None) -> None:
@@ -97,8 +136,8 @@ class LocalChannel:
 
 
 class AsyncLocalChannel:
-    """The client end for asyncio: connections opened on first use, one call on each at a time
-    (a call takes an idle connection, or opens one when all are busy)."""
+    """The client end for asyncio: non-blocking sockets on the running loop, opened on first use,
+    one call on each at a time (a call takes an idle connection, or opens one when all are busy)."""
 
     kind = "local"
 
@@ -106,59 +145,75 @@ class AsyncLocalChannel:
         self.path = path
         self._token = token.encode()
         self._timeout = timeout
-        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        self._open: set[asyncio.StreamWriter] = set()
+        self._limit = 0  # the longest call frame the sidecar takes, from its hello (0: not known)
+        self._idle: list[socket.socket] = []
+        self._open: set[socket.socket] = set()
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path), self._timeout)
-        self._open.add(writer)
+    async def _connect(self) -> socket.socket:
+        loop = asyncio.get_running_loop()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        self._open.add(s)
         try:
-            writer.write(frame(b"\0", self._token))
-            status, message = await asyncio.wait_for(read_async(reader), self._timeout)
+            async with asyncio.timeout(self._timeout):
+                await loop.sock_connect(s, self.path)
+                with contextlib.suppress(BrokenPipeError):  # refused at once (too many connections): read why
+                    await loop.sock_sendall(s, frame(b"\0", self._token))
+                status, message = await read_async(s)
             if status:
                 raise from_status_code(STATUS[status], message.decode())
         except BaseException:
-            self._close(writer)
+            self._close(s)
             raise
-        return reader, writer
+        self._limit = hello_limit(message)
+        return s
 
     async def call(self, name: str, request: Message, timeout: float | None = None) -> Any:
-        """One call; a connection that broke while idle (the sidecar restarted) is reopened and
-        the call sent once more. A call that times out or is cancelled closes its connection:
-        its answer may still be on the way."""
-        conn = self._idle.pop() if self._idle else None
+        """One call (the module's docstring says when it is sent again). A call that times out or
+        is cancelled closes its connection: its answer may still be on the way."""
+        loop = asyncio.get_running_loop()
         frame = request_frame(name, request)
+        within_limit(frame, self._limit)
+        s = self._idle.pop() if self._idle else None
         for attempt in (0, 1):
-            reused = conn is not None
+            reused, sent = s is not None, False
             try:
-                if conn is None:
-                    conn = await self._connect()
-                conn[1].write(frame)
-                status, payload = await asyncio.wait_for(read_async(conn[0]), timeout or self._timeout)
-                self._idle.append(conn)
+                if s is None:
+                    s = await self._connect()
+                async with asyncio.timeout(timeout or self._timeout):
+                    try:
+                        n = s.send(frame)
+                    except BlockingIOError:
+                        n = 0
+                    sent = True
+                    await loop.sock_sendall(s, memoryview(frame)[n:])
+                    status, payload = await read_async(s)
+                self._idle.append(s)
                 break
-            except BaseException as exc:
-                if conn is not None:
-                    self._close(conn[1])
-                conn = None
-                if not isinstance(exc, (OSError, asyncio.IncompleteReadError)):
-                    raise  # cancelled, or the sidecar's own error
-                if reused and attempt == 0 and not isinstance(exc, TimeoutError):
-                    continue  # broke while idle: the call never reached the sidecar
-                raise unavailable(self.path, exc) from None  # (a timed-out call may have: not sent again)
+            except OSError as exc:
+                try:
+                    answer = after_failure(self.path, s, exc, reused and attempt == 0 and not sent)
+                finally:
+                    if s is not None:
+                        self._close(s)
+                    s = None
+                if answer is not None:
+                    status, payload = answer
+                    break
+            except BaseException:  # cancelled, or the sidecar's own error at hello
+                if s is not None:
+                    self._close(s)
+                raise
         return response(name, status, payload)
 
-    def _close(self, writer: asyncio.StreamWriter) -> None:
-        self._open.discard(writer)
-        writer.close()
+    def _close(self, s: socket.socket) -> None:
+        self._open.discard(s)
+        s.close()
 
     async def aclose(self) -> None:
-        writers, self._open, self._idle = list(self._open), set(), []
-        for w in writers:
-            w.close()
-        for w in writers:
-            with contextlib.suppress(OSError):
-                await w.wait_closed()
+        socks, self._open, self._idle = list(self._open), set(), []
+        for s in socks:
+            s.close()
 
 
 def open_local(path: str, token: str) -> LocalChannel | None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvstore.framing import HELLO_MAX_BYTES, LEN, METHODS, error_frame, frame
+from kvstore.framing import HELLO_MAX_BYTES, LEN, METHODS, error_frame, frame, frame_refusal, hello_answer
 from kvstore.server.auth import token_matches
 from kvstore.util.logs import Throttled
 from kvstore.v1 import kvstore_pb2 as pb
@@ -192,16 +192,15 @@ class LocalServer:
         payload = body[1 + body[0] :]
         if name or not token_matches(payload, self._token):
             raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, "local socket: missing or wrong token")
-        writer.write(frame(b"\0"))
+        writer.write(hello_answer(self._max))
 
     async def _read_call(self, reader: asyncio.StreamReader, first: bytes) -> tuple[str, bytes]:
         """The rest of a call's frame, whose first byte is ``first``, in ``local_frame_timeout_s``."""
         try:
             async with asyncio.timeout(self._frame_timeout):
                 (n,) = LEN.unpack(first + await reader.readexactly(3))
-                if n > self._max or n == 0:
-                    raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"frame: {n} bytes, limit {self._max} (server.max_message_bytes)")
+                if why := frame_refusal(n, self._max):
+                    raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
                 body = await reader.readexactly(n)
         except TimeoutError:
             raise _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, f"frame: not complete within {self._frame_timeout} s "

@@ -9,6 +9,7 @@ gives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import stat
@@ -25,6 +26,7 @@ from kvstore.errors import (
     InvalidArgument,
     KVStoreError,
     NotFound,
+    ResourceExhausted,
     Unauthenticated,
     Unavailable,
 )
@@ -36,6 +38,9 @@ from tests.core.raw_frames import recv_frame, send_frame
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
 ARGS = ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--dram-bytes", str(8 << 20)]
 ENV = {"KVSTORE_SSD__ENABLED": "false"}
+HELLO_OK = (0, struct.pack(">I", 64 << 20))  # OK, and the longest call frame taken (server.max_message_bytes)
+SMALL_LIMIT = {"KVSTORE_SERVER__MAX_MESSAGE_BYTES": str(1 << 20)}
+OVERSIZE = pb.EchoRequest(payload=b"x" * (4 << 20))  # over SMALL_LIMIT, and over what a socket's buffers hold
 
 
 # Requests the servicer rejects, for either client (the async one's calls are awaited).
@@ -103,7 +108,7 @@ def test_malformed_frames_get_a_status_and_the_server_keeps_serving(serve_proces
     sc = _serve(serve_process, tmp_path / "d")
     path = str(tmp_path / "d" / "kvstore.sock")
     s = _raw(path)
-    assert recv_frame(s) == (0, b"")  # hello accepted (no token configured)
+    assert recv_frame(s) == HELLO_OK  # hello accepted (no token configured)
     send_frame(s, "Frobnicate", b"")
     status, msg = recv_frame(s)
     assert status == 12 and b"method: unknown 'Frobnicate'" in msg  # UNIMPLEMENTED
@@ -149,21 +154,45 @@ def test_no_usable_socket_means_grpc(serve_process, tmp_path: Path):
         assert c.transport == "grpc"
 
 
+def test_a_request_over_the_limit_is_refused_as_over_grpc_and_the_connection_kept(serve_process, tmp_path: Path):
+    """Refused before any of it is sent (the limit came with the hello): nothing reaches the
+    sidecar, and the same connection serves the next call."""
+    sc = _serve(serve_process, tmp_path / "d", **SMALL_LIMIT)
+    with SyncClient(sc.grpc) as local, SyncClient(sc.grpc, local=False) as remote:
+        assert local.stats()["errors"] == {} and local.transport == "local"
+        for c in (local, remote):
+            with pytest.raises(ResourceExhausted):
+                c._call("Echo", OVERSIZE)
+        assert "RESOURCE_EXHAUSTED" not in local.stats()["errors"]  # the local one never reached the sidecar
+        assert local._transport._socks == [local._transport._local.sock]  # one connection, still open
+
+
 def test_a_restarted_sidecar_is_found_again(serve_process, tmp_path: Path):
     data = tmp_path / "d"
     first = _serve(serve_process, data)
     grpc_port = first.grpc.rsplit(":", 1)[1]
     keys = prefix_keys(NS, list(range(16)))
-    c = SyncClient(first.grpc)
+    c, idle = SyncClient(first.grpc), SyncClient(first.grpc)
     assert c.lookup(NS, keys).matched == 0 and c.transport == "local"
+    assert idle.lookup(NS, keys).matched == 0 and idle.transport == "local"
     first.stop()
     with pytest.raises(Unavailable):
         c.lookup(NS, keys)
     second = serve_process(["--grpc-address", f"127.0.0.1:{grpc_port}", "--http-address", "127.0.0.1:0",
-                            "--dram-bytes", str(8 << 20), "--data-dir", str(data)], env=ENV)
-    c.put_blocks(NS, keys, [np.ones(64, np.uint8)])  # the idle connection broke: reopened, sent again
+                            "--dram-bytes", str(8 << 20), "--data-dir", str(data)], env={**ENV, **SMALL_LIMIT})
+    c.put_blocks(NS, keys, [np.ones(64, np.uint8)])
     assert c.lookup(NS, keys).matched == 1 and c.transport == "local"
+    # idle's connection broke while idle: nothing of the call went out, so it is sent on a new one,
+    # where the new sidecar refuses it on its length (a limit idle did not know yet) and closes
+    # while it is being sent: idle reads that answer instead of failing UNAVAILABLE
+    with pytest.raises(ResourceExhausted):
+        idle._call("Echo", OVERSIZE)
+    assert idle.stats()["errors"] == {"RESOURCE_EXHAUSTED": 1}
+    with pytest.raises(ResourceExhausted):  # the new hello's limit: refused before sending
+        idle._call("Echo", OVERSIZE)
+    assert idle.stats()["errors"] == {"RESOURCE_EXHAUSTED": 1}
     c.close()
+    idle.close()
     second.stop()
 
 
@@ -231,11 +260,15 @@ async def test_async_calls_at_once_each_get_their_own_answer(serve_process, tmp_
         for i, k in enumerate(chains):
             async with c.acquire(NS, k) as lease:
                 assert len(lease.views) == 4 and all((v == i).all() for v in lease.views)
-        stats = asyncio.ensure_future(c.stats())
-        await asyncio.sleep(0)  # the Stats request is written; its answer is on the way
-        stats.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await stats
+        for _ in range(100):  # (a sidecar quick enough answers within the step that sent the request)
+            stats = asyncio.ensure_future(c.stats())
+            await asyncio.sleep(0)  # the Stats request is written; its answer is on the way
+            stats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stats
+            if stats.cancelled():
+                break
+        assert stats.cancelled(), "no Stats call was cancelled in flight"
         for k in chains:  # every later call reads its own answer
             assert (await c.lookup(NS, k)).matched == 4
 
@@ -255,21 +288,43 @@ async def test_async_client_with_no_usable_socket_uses_grpc(serve_process, tmp_p
         assert "index" in await c.stats() and c.transport == "local"  # the token opens the socket too
 
 
+async def test_async_request_over_the_limit_is_refused_as_over_grpc_and_the_connection_kept(
+    serve_process, tmp_path: Path,
+):
+    sc = _serve(serve_process, tmp_path / "d", **SMALL_LIMIT)
+    async with KVStoreClient.from_url(sc.grpc) as local, KVStoreClient.from_url(sc.grpc, local=False) as remote:
+        assert (await local.stats())["errors"] == {} and local.transport == "local"
+        for c in (local, remote):
+            with pytest.raises(ResourceExhausted):
+                await c._call("Echo", OVERSIZE)
+        assert "RESOURCE_EXHAUSTED" not in (await local.stats())["errors"]  # the local one never reached the sidecar
+        assert len(local._transport._open) == 1 and local._transport._idle == list(local._transport._open)
+
+
 async def test_async_client_finds_a_restarted_sidecar_again(serve_process, tmp_path: Path):
     data = tmp_path / "d"
     first = _serve(serve_process, data)
     grpc_port = first.grpc.rsplit(":", 1)[1]
     keys = prefix_keys(NS, list(range(16)))
-    c = KVStoreClient.from_url(first.grpc)
+    c, idle = KVStoreClient.from_url(first.grpc), KVStoreClient.from_url(first.grpc)
     assert (await c.lookup(NS, keys)).matched == 0 and c.transport == "local"
+    assert (await idle.lookup(NS, keys)).matched == 0 and idle.transport == "local"
     first.stop()
     with pytest.raises(Unavailable):
         await c.lookup(NS, keys)
     second = serve_process(["--grpc-address", f"127.0.0.1:{grpc_port}", "--http-address", "127.0.0.1:0",
-                            "--dram-bytes", str(8 << 20), "--data-dir", str(data)], env=ENV)
-    await c.put_blocks(NS, keys, [np.ones(64, np.uint8)])  # the idle connection broke: reopened, sent again
+                            "--dram-bytes", str(8 << 20), "--data-dir", str(data)], env={**ENV, **SMALL_LIMIT})
+    await c.put_blocks(NS, keys, [np.ones(64, np.uint8)])
     assert (await c.lookup(NS, keys)).matched == 1 and c.transport == "local"
+    # as test_a_restarted_sidecar_is_found_again: sent again on a new connection, refused while being sent
+    with pytest.raises(ResourceExhausted):
+        await idle._call("Echo", OVERSIZE)
+    assert (await idle.stats())["errors"] == {"RESOURCE_EXHAUSTED": 1}
+    with pytest.raises(ResourceExhausted):  # the new hello's limit: refused before sending
+        await idle._call("Echo", OVERSIZE)
+    assert (await idle.stats())["errors"] == {"RESOURCE_EXHAUSTED": 1}
     await c.aclose()
+    await idle.aclose()
     second.stop()
 
 
