@@ -20,7 +20,9 @@ host a batch round's time follows CPU time, and the sidecar shares the engine's 
 echo / acquire (1.0: a hit costs no more than two bare round trips).
 
 ``inproc_*``: the servicer's handlers called directly in this process on an in-process sidecar
-(no transport): µs per ``Acquire`` of one request's blocks, per ``Release``, per ``Echo``.
+(no transport): µs per ``Acquire`` of one request's blocks answered packed (``AcquireRequest.packed``,
+what the clients ask for) and, ``inproc_acquire_blocks``, with one ``AcquiredBlock`` per block (what
+a client older than that field gets); per ``Release``; per ``Echo``.
 
     kvstore bench acquire --json
 """
@@ -147,22 +149,26 @@ async def _in_process(args: argparse.Namespace, keys: list[list[BlockKey]]) -> d
                     await c.put_blocks(NS, k, [np.full(args.block_bytes, 7, np.uint8)] * len(k), checksums=True)
             servicer = KVStoreServicer(sc.store)
             ns = namespace_pb(NS)
-            acquires = [pb.AcquireRequest(namespace=ns, keys=k, lease_ttl_ms=TTL_MS) for k in keys]
+            acquires = {
+                name: [pb.AcquireRequest(namespace=ns, keys=k, lease_ttl_ms=TTL_MS, packed=packed) for k in keys]
+                for name, packed in (("acquire", True), ("acquire_blocks", False))
+            }
             echoes = [pb.EchoRequest(keys=k) for k in keys]
             ctx: Any = None  # the handlers touch their context only to fail a call
             n = args.inproc_calls
-            took = {"acquire": 0.0, "release": 0.0, "echo": 0.0}
+            took = {"acquire": 0.0, "acquire_blocks": 0.0, "release": 0.0, "echo": 0.0}
             for i in range(n):
+                for name, requests in acquires.items():
+                    t0 = time.perf_counter()
+                    r = await servicer.Acquire(requests[i % len(requests)], ctx)
+                    t1 = time.perf_counter()
+                    await servicer.Release(pb.ReleaseRequest(lease_id=r.lease_id), ctx)
+                    took[name] += t1 - t0
+                    took["release"] += time.perf_counter() - t1
                 t0 = time.perf_counter()
-                r = await servicer.Acquire(acquires[i % len(acquires)], ctx)
-                t1 = time.perf_counter()
-                await servicer.Release(pb.ReleaseRequest(lease_id=r.lease_id), ctx)
-                t2 = time.perf_counter()
                 await servicer.Echo(echoes[i % len(echoes)], ctx)
-                t3 = time.perf_counter()
-                took["acquire"] += t1 - t0
-                took["release"] += t2 - t1
-                took["echo"] += t3 - t2
+                took["echo"] += time.perf_counter() - t0
+            took["release"] /= 2
             return {name: s / n * 1e6 for name, s in took.items()}
 
 
@@ -181,8 +187,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res.ratio("acquire_client_cpu_vs_echo", echo.client_cpu / acq.client_cpu)
     if acq.sidecar_cpu > 0:  # (counted in clock ticks: a tiny run may see none)
         res.ratio("acquire_sidecar_cpu_vs_echo", echo.sidecar_cpu / acq.sidecar_cpu)
-    for name, us in asyncio.run(_in_process(args, keys)).items():
+    inproc = asyncio.run(_in_process(args, keys))
+    for name, us in inproc.items():
         res.figure(f"inproc_{name}", us, "us")
+    res.ratio("inproc_acquire_packed_vs_blocks", inproc["acquire_blocks"] / inproc["acquire"])
     res.figure("blocks_per_request", args.blocks, "blocks")
     res.figure("hits_per_series", hits, "count")
     res.notes["hit"] = ("Acquire (LeaseFinder over the pipeline) + Release vs Echo(same keys) + Echo, "

@@ -22,6 +22,7 @@ engine asks.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,10 +33,12 @@ from connector.core.directory import BlockDirectory, epoch_of
 from connector.core.pipeline import Call, Pipeline, PipelineSlot
 from connector.cost import tier_name
 from kvstore.client import SlotRef, namespace_pb
+from kvstore.client.wire import acquired
 from kvstore.keys import BlockKey, Namespace
 from kvstore.v1 import kvstore_pb2 as pb
 
 DEFAULT_LEASE_TTL_MS = 30_000  # LeaseFinder's lease when none is configured
+_LENGTH = operator.attrgetter("length")
 
 
 @dataclass(slots=True, frozen=True)
@@ -189,19 +192,19 @@ class LeaseFinder:
         deadline = time.monotonic() + ttl / 1000  # before the sidecar starts the lease: on the safe side
         if self._ns is None or self._ns[0] != ns:
             self._ns = (ns, namespace_pb(ns))
-        request = pb.AcquireRequest(namespace=self._ns[1], keys=list(keys[have:]), lease_ttl_ms=ttl)
+        request = pb.AcquireRequest(namespace=self._ns[1], keys=list(keys[have:]), lease_ttl_ms=ttl, packed=True)
         call = pipe.send("Acquire", request)
-        return _Acquiring(pipe, call, have, deadline)
+        return _Acquiring(pipe, call, have, len(keys) - have, deadline)
 
 
-def _found(have: int, lease_id: str, slots: list[Any], checksums: list[int], deadline: float) -> Found:
+def _found(have: int, lease_id: str, slots: list[SlotRef], checksums: list[int], deadline: float) -> Found:
     """An ``Acquire``'s answer for keys ``[have:]`` as the run from key 0: the engine's own blocks
     are reported as the run's tier (nothing reads it)."""
     n = len(slots)
     if not n:
         return Found(("dram",) * have, (0,) * have)
     held = HeldLease(lease_id, have, tuple(slots), tuple(checksums), deadline)
-    return Found(("dram",) * (have + n), (slots[0].length,) * have + tuple(s.length for s in slots), held)
+    return Found(("dram",) * (have + n), (slots[0].length,) * have + tuple(map(_LENGTH, slots)), held)
 
 
 @dataclass(slots=True)
@@ -209,12 +212,13 @@ class _Acquiring:
     pipe: Pipeline
     call: Call
     have: int
+    asked: int
     deadline: float
 
     def result(self) -> Found:
         r = self.pipe.result(self.call)
-        slots = [SlotRef(b.slot.segment, b.slot.offset, b.slot.length) for b in r.blocks]
-        return _found(self.have, r.lease_id, slots, [b.checksum for b in r.blocks], self.deadline)
+        slots, checksums = acquired(r, self.asked)
+        return _found(self.have, r.lease_id, slots, checksums, self.deadline)
 
     def cancel(self) -> None:
         pipe = self.pipe

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 from google.protobuf.message import Message
 
 from kvstore.dram.slab import attach
+from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.store.checksum import checksum
 from kvstore.v1 import kvstore_pb2 as pb
@@ -63,13 +64,31 @@ class LookupResult:
     lease_id: str | None
 
 
-@dataclass(slots=True, frozen=True)
-class SlotRef:
-    """Where a block's bytes lie in the sidecar's shared memory (``attach(segment)[offset:offset + length]``)."""
+class SlotRef(NamedTuple):
+    """Where a block's bytes lie in the sidecar's shared memory (``attach(segment)[offset:offset + length]``).
+    (A named tuple: an Acquire's answer makes one per block, at half a frozen dataclass's cost.)"""
 
     segment: str
     offset: int
     length: int
+
+
+def acquired(r: pb.AcquireResponse, asked: int) -> tuple[list[SlotRef], list[int]]:
+    """Where an Acquire's run lies and each block's checksum, from the packed answer or from one
+    ``AcquiredBlock`` per block (a server older than ``AcquireRequest.packed``). ``asked``: keys in
+    the request. A packed answer whose arrays disagree raises, naming the field."""
+    if r.blocks:
+        return [SlotRef(b.slot.segment, b.slot.offset, b.slot.length) for b in r.blocks], [b.checksum for b in r.blocks]
+    n = len(r.offsets)
+    for field, got in (("lengths", len(r.lengths)), ("checksums", len(r.checksums))):
+        if got != n:
+            raise KVStoreError(f"Acquire answer: {field} has {got} entries for {n} offsets")
+    if n > asked:
+        raise KVStoreError(f"Acquire answer: offsets has {n} entries for {asked} keys asked")
+    if n and not r.segment:
+        raise KVStoreError("Acquire answer: segment: empty with blocks in the run")
+    seg = r.segment
+    return [SlotRef(seg, o, length) for o, length in zip(r.offsets, r.lengths)], list(r.checksums)
 
 
 @dataclass(slots=True, frozen=True)
@@ -112,7 +131,7 @@ class Wire:
         return pb.AllocateRequest(namespace=self.ns(ns), blocks=specs, ttl_ms=ttl_ms)
 
     def acquire(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int) -> pb.AcquireRequest:
-        return pb.AcquireRequest(namespace=self.ns(ns), keys=keys, lease_ttl_ms=lease_ttl_ms)
+        return pb.AcquireRequest(namespace=self.ns(ns), keys=keys, lease_ttl_ms=lease_ttl_ms, packed=True)
 
     def delete(self, ns: Namespace, keys: Sequence[bytes], all_keys: bool) -> pb.DeleteRequest:
         return pb.DeleteRequest(namespace=self.ns(ns), keys=keys, all_keys=all_keys)
@@ -208,15 +227,15 @@ class LeaseState:
 
     def _fill(self, r: pb.AcquireResponse) -> None:
         self.id = r.lease_id
-        for b in r.blocks:
-            sd = b.slot
-            seg, off, n = sd.segment, sd.offset, sd.length
-            self.slots.append(SlotRef(seg, off, n))
-            view = attach(seg)[off : off + n]
-            view.flags.writeable = False
-            self.keys.append(b.key)
-            self.views.append(view)
-            self.checksums.append(b.checksum)
+        self.slots, self.checksums = acquired(r, len(self.request.keys))
+        self.keys = list(self.request.keys[: len(self.slots)])  # the run is the leading keys asked for
+        mapped: dict[str, np.ndarray] = {}  # segment -> a read-only view of its mapping (slices stay read-only)
+        for seg, off, n in self.slots:
+            mem = mapped.get(seg)
+            if mem is None:
+                mem = mapped[seg] = attach(seg).view()
+                mem.flags.writeable = False
+            self.views.append(mem[off : off + n])
 
     def verify(self) -> int:
         """Check every view against its checksum; truncate at the first bad block. Returns the

@@ -108,6 +108,22 @@ def _slot_pb(slab: Slab, block: Block) -> pb.SlotDescriptor:
     return pb.SlotDescriptor(segment=slab.name, offset=slot.offset, length=block.size, slot_id=slot.slot_id)
 
 
+_OFFSET = operator.attrgetter("slot.offset")
+
+
+def _packed_acquire(lease_id: str, slab: Slab, run: list[Block]) -> pb.AcquireResponse:
+    """An Acquire's answer as arrays (``AcquireRequest.packed``): three lists, no message per block."""
+    if not run:
+        return pb.AcquireResponse(lease_id=lease_id)
+    return pb.AcquireResponse(
+        lease_id=lease_id,
+        segment=slab.name,
+        offsets=list(map(_OFFSET, run)),
+        lengths=list(map(_SIZE, run)),
+        checksums=[b.checksum or 0 for b in run],
+    )
+
+
 class KVStoreServicer(pb_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore) -> None:
         self.store = store
@@ -205,9 +221,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         ns = self._namespace(request)
         lease, blocks = await self.store.acquire(ns, request.keys, request.lease_ttl_ms)
+        lease_id = lease.id if lease else ""
         slab = self.store.slab
+        if request.packed:
+            return _packed_acquire(lease_id, slab, blocks)
         return pb.AcquireResponse(
-            lease_id=lease.id if lease else "",
+            lease_id=lease_id,
             blocks=[pb.AcquiredBlock(key=b.key, slot=_slot_pb(slab, b), checksum=b.checksum or 0) for b in blocks],
         )
 

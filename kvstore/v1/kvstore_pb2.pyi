@@ -171,14 +171,16 @@ class AbortResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease_ttl_ms")
+    __slots__ = ("namespace", "keys", "lease_ttl_ms", "packed")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_ms: int
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    packed: bool
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class AcquiredBlock(_message.Message):
     __slots__ = ("key", "slot", "checksum")
@@ -191,12 +193,20 @@ class AcquiredBlock(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., slot: _Optional[_Union[SlotDescriptor, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "blocks")
+    __slots__ = ("lease_id", "blocks", "segment", "offsets", "lengths", "checksums")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[AcquiredBlock]
-    def __init__(self, lease_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[AcquiredBlock, _Mapping]]] = ...) -> None: ...
+    segment: str
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[AcquiredBlock, _Mapping]]] = ..., segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

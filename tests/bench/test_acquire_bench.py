@@ -23,10 +23,11 @@ def test_acquire_bench_shape() -> None:
         assert figures[f"{name}_p50"]["unit"] == "ms" and figures[f"{name}_p50"]["value"] > 0
         assert figures[f"{name}_client_cpu"]["value"] > 0
         assert figures[f"{name}_sidecar_cpu"]["unit"] == "ms/hit"
-    for name in ("acquire", "release", "echo"):
+    for name in ("acquire", "acquire_blocks", "release", "echo"):
         assert figures[f"inproc_{name}"]["value"] > 0
     assert figures["hits_per_series"]["value"] == 16
-    assert result["ratios"]["acquire_p50_vs_echo"] > 0 and result["ratios"]["acquire_client_cpu_vs_echo"] > 0
+    for ratio in ("acquire_p50_vs_echo", "acquire_client_cpu_vs_echo", "inproc_acquire_packed_vs_blocks"):
+        assert result["ratios"][ratio] > 0
 
 
 def test_prompts_differ() -> None:

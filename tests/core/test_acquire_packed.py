@@ -1,0 +1,71 @@
+"""The packed Acquire answer (``AcquireRequest.packed``): the same run as one ``AcquiredBlock`` per
+block, as arrays; the clients read either form (:func:`kvstore.client.wire.acquired`), and an
+answer whose arrays disagree is refused, naming the field."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from kvstore.client import KVStoreClient, SlotRef, namespace_pb
+from kvstore.client.wire import acquired
+from kvstore.errors import KVStoreError
+from kvstore.keys import Namespace, prefix_keys
+from kvstore.server.sidecar import Sidecar
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+
+
+async def test_both_forms_say_the_same_and_the_clients_read_either(
+    sidecar: Sidecar, client: KVStoreClient, ns: Namespace,
+) -> None:
+    keys = prefix_keys(ns, list(range(16 * 4)))
+    blocks = [np.full(4096 - 64 * i, i + 1, np.uint8) for i in range(3)]  # sizes differ block to block
+    await client.put_blocks(ns, keys[:3], blocks, checksums=True)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}") as ch:
+        stub = pb_grpc.KVStoreStub(ch)
+        answers = {}
+        for packed in (False, True):
+            r = await stub.Acquire(pb.AcquireRequest(namespace=namespace_pb(ns), keys=keys, packed=packed))
+            answers[packed] = r
+            await stub.Release(pb.ReleaseRequest(lease_id=r.lease_id))
+        old, new = answers[False], answers[True]
+        assert len(old.blocks) == 3 and not old.offsets and not old.segment
+        assert not new.blocks and len(new.offsets) == len(new.lengths) == len(new.checksums) == 3
+        assert new.segment == sidecar.store.slab.name and list(new.lengths) == [b.size for b in blocks]
+        assert all(new.checksums)  # sealed by the Commit's checksums
+        assert acquired(new, len(keys)) == acquired(old, len(keys))
+        assert acquired(new, len(keys))[0] == [
+            SlotRef(b.slot.segment, b.slot.offset, b.slot.length) for b in old.blocks]
+        assert [b.key for b in old.blocks] == keys[:3]
+        miss = await stub.Acquire(pb.AcquireRequest(namespace=namespace_pb(ns), keys=keys[3:], packed=True))
+        assert (miss.lease_id, miss.segment, len(miss.offsets)) == ("", "", 0)
+        assert acquired(miss, 1) == ([], [])
+    async with client.acquire(ns, keys) as lease:  # the client asks for the packed form
+        assert lease.request.packed and lease.keys == keys[:3]
+        assert [v.tobytes() for v in lease.views] == [b.tobytes() for b in blocks]
+        assert not any(v.flags.writeable for v in lease.views)
+        assert lease.verify() == 3
+
+
+def _packed(n: int, **fields: object) -> pb.AcquireResponse:
+    base: dict[str, object] = {"lease_id": "l", "segment": "/kvstore-x", "offsets": [4096 * i for i in range(n)],
+                               "lengths": [4096] * n, "checksums": [7] * n}
+    return pb.AcquireResponse(**{**base, **fields})
+
+
+@pytest.mark.parametrize(("answer", "asked", "field"), [
+    (_packed(3, lengths=[4096] * 2), 3, "lengths has 2 entries for 3 offsets"),
+    (_packed(3, checksums=[7] * 4), 3, "checksums has 4 entries for 3 offsets"),
+    (_packed(3, checksums=[]), 3, "checksums has 0 entries for 3 offsets"),
+    (_packed(3), 2, "offsets has 3 entries for 2 keys asked"),
+    (_packed(2, segment=""), 2, "segment: empty"),
+])
+def test_a_packed_answer_whose_arrays_disagree_is_refused_naming_the_field(
+    answer: pb.AcquireResponse, asked: int, field: str,
+) -> None:
+    wire = pb.AcquireResponse.FromString(answer.SerializeToString())  # as it arrives
+    with pytest.raises(KVStoreError, match=field) as info:
+        acquired(wire, asked)
+    assert info.value.code == grpc.StatusCode.INTERNAL  # the server's fault, as gRPC says of an unreadable answer
