@@ -58,6 +58,10 @@ class Movers(Protocol):
         """Bring ``run``'s blocks that are only below DRAM up; the leading part now in DRAM."""
         ...
 
+    async def writes_ended(self, blocks: Sequence[Block]) -> None:
+        """Wait until no write-through in flight reads any of ``blocks`` (``Block.moving``)."""
+        ...
+
     def forget(self, blocks: Sequence[Block]) -> Awaitable[None]:
         """Take ``blocks`` out of every lower tier's bookkeeping now (a delete); awaiting the
         result removes their copies."""
@@ -102,6 +106,9 @@ class NoMovers:
 
     async def promote(self, run: list[Block]) -> list[Block]:
         return run
+
+    async def writes_ended(self, blocks: Sequence[Block]) -> None:
+        pass
 
     def forget(self, blocks: Sequence[Block]) -> Awaitable[None]:
         return nothing()

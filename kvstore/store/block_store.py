@@ -449,6 +449,12 @@ class BlockStore:
         # counted per block: a key named twice is one block deleted (or skipped), as Lookup counts per key
         targets = list(ns.blocks.values()) if all_keys else [
             b for k in dict.fromkeys(keys) if (b := ns.blocks.get(k)) is not None]
+        if any(b.moving and not b.leases for b in targets):
+            # A write-through in flight reads these blocks' slots (a Commit that did not wait for
+            # it): the delete waits for it, then deletes them everywhere, the copy it made too.
+            # Only a reader's lease keeps a block (skipped_leased); an open allocation its own.
+            await self.space.movers.writes_ended([b for b in targets if b.moving and not b.leases])
+            targets = [b for b in targets if ns.blocks.get(b.key) is b]  # (another delete's meanwhile: not ours)
         gone = [b for b in targets if not b.pinned]
         # Every target leaves DRAM, the tiers' bookkeeping and the index before the first await: a
         # promotion in flight that landed while a delete awaited its tier put the block back in

@@ -135,6 +135,7 @@ class Tiering:
         self._unstaged: list[tuple[np.ndarray, np.ndarray]] | None = None
         self._pool = StagingPool(STAGING_LIMIT)
         self._promoting: dict[Block, asyncio.Future[bool]] = {}
+        self._through_ended = asyncio.Event()  # set as each write-through ends (its blocks' ``moving`` down)
         self._tasks: set[asyncio.Task[None]] = set()
         self._probe: asyncio.Task[None] | None = None
 
@@ -464,6 +465,15 @@ class Tiering:
         finally:
             for b in blocks:
                 b.moving -= 1
+            self._through_ended.set()
+
+    async def writes_ended(self, blocks: Sequence[Block]) -> None:
+        """Wait until no write-through reads any of ``blocks`` (a delete's, before it takes them:
+        its slot must not be freed under the reader, nor its copy land after the delete removed
+        the others). A write-through ends within its tier's own timeouts, so this wait does too."""
+        while any(b.moving for b in blocks):
+            self._through_ended.clear()
+            await self._through_ended.wait()
 
     async def promote(self, run: list[Block]) -> list[Block]:
         """Bring the blocks of ``run`` that are only below DRAM into DRAM slots. Returns the

@@ -404,7 +404,6 @@ class Stored:
 
     data: bytes
     surely: bool = True
-    moving: bool = False  # its write-through may be in flight (a write-through tier): Delete skips it
 
 
 @dataclass
@@ -478,14 +477,7 @@ class Model:
         return False
 
     def pinned(self, ns: int, key: bytes, *, surely: bool) -> bool:
-        if not surely and (s := self.stored.get((ns, key))) is not None and s.moving:
-            return True
         return self.leased(ns, key, surely=surely) or self.allocated(ns, key, surely=surely)
-
-    def flushed(self) -> None:
-        """The movers finished (``Movers.flush``): no write-through is in flight."""
-        for s in self.stored.values():
-            s.moving = False
 
     def committed_surely(self, ns: int, key: bytes) -> bool:
         """Surely a visible block under ``key`` now."""

@@ -26,9 +26,9 @@ interleavings of the block store's calls from several clients, against one real 
   calls change nothing; at the end of each run, everything deleted, the slab and the tiers are
   empty.
 
-The defects the fuzzer found are at the end of this file, each a minimal repro marked
-``xfail(strict=True)``; where the fuzz tests could meet one again they tolerate exactly its
-symptom (or leave out its interleaving) and say so, naming the repro.
+The defects the fuzzer found are at the end of this file, each a minimal repro (marked
+``xfail(strict=True)`` while it is open; where the fuzz tests could meet an open one they tolerate
+exactly its symptom, or leave out its interleaving, and say so, naming the repro). None is open.
 
 Budget: the bounded run (the suite's) takes under a minute and is derandomized (the same examples
 each time, so CI does not fail on what a lucky draw found; thread timing still varies). For a long,
@@ -84,6 +84,7 @@ from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
 from kvstore.store.checksum import checksum
 from kvstore.store.index import DRAM
 from kvstore.testing.servers import redis_server
+from kvstore.tiers.base import BlockRef
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.conftest import small_config
 from tests.core.fuzz_model import (
@@ -600,13 +601,10 @@ class StoreMachine(RuleBasedStateMachine):
         if until:
             self.srv.settle(until)
             self.model.settled()
-            self.model.flushed()
 
     def fingerprint(self) -> Fingerprint:
         """The store's fingerprint, once the movers are done (so the write-throughs too)."""
-        fp = self.srv.fingerprint()
-        self.model.flushed()
-        return fp
+        return self.srv.fingerprint()
 
     def fill(self, w: Write) -> None:
         for i, view in w.handle.writable():
@@ -736,7 +734,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert n == len(chosen)
         self.count("commit", n)
         for i in chosen:
-            model.stored[(w.ns, w.keys[i])] = Stored(w.data[i], moving=self.mode.redis)
+            model.stored[(w.ns, w.keys[i])] = Stored(w.data[i])
         model.closed[w.id] = "committed" if chosen else "aborted"
         model.writes.remove(w)
 
@@ -976,7 +974,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert committed == len(w.new), committed
                 assert isinstance(aborted, FailedPrecondition), repr(aborted)
                 for i in w.new:
-                    model.stored[(w.ns, w.keys[i])] = Stored(w.data[i], moving=self.mode.redis)
+                    model.stored[(w.ns, w.keys[i])] = Stored(w.data[i])
                 model.closed[w.id] = "committed"
                 self.count("race committed")
             return
@@ -989,7 +987,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert committed == len(w.new)
             model.writes.remove(w)
             for i in w.new:
-                model.stored[(w.ns, w.keys[i])] = Stored(w.data[i], moving=self.mode.redis)
+                model.stored[(w.ns, w.keys[i])] = Stored(w.data[i])
             model.closed[w.id] = "committed"
             self.took_lease(b, ns, keys, lease, 0, False, "race acquire")
             return
@@ -1087,7 +1085,6 @@ class StoreMachine(RuleBasedStateMachine):
         self.step()
         self.settle_shorts()
         self.srv.settle()
-        self.model.flushed()
         problems = self.srv.audit(quiescent=True)
         assert problems == [], problems
 
@@ -1114,10 +1111,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert w.short
         model.leases.clear()
         model.writes.clear()  # their views map the slab
-        # First the write-throughs in flight: a Delete skips their blocks (KNOWN DEFECT,
-        # test_a_delete_right_after_a_commit_deletes_blocks_that_are_being_written_through).
-        self.srv.settle()
-        for ns in NSES:
+        for ns in NSES:  # (write-throughs may be in flight: a Delete waits for them)
             self.drivers[0].delete(ns, all_keys=True)
         self.srv.settle()
 
@@ -1275,13 +1269,6 @@ async def test_an_acquire_that_verifies_its_blocks_leases_none_that_left_dram_me
         slab.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "DEFECT: kvstore/store/block_store.py BlockStore.delete skips every pinned block (Block.pinned), and "
-    "a block is pinned while its write-through is in flight (Block.moving, kvstore/tiers/movers.py "
-    "Tiering.committed: every commit with a write-through tier, Redis or S3, returns before the write "
-    "ends unless wait_write_through): a Delete right after a Commit deletes nothing and answers the "
-    "blocks as skipped_leased, though nobody leases them; the caller cannot tell that a retry would "
-    "delete them. Found by test_random_interleavings_keep_the_store_consistent[ssd-redis]."))
 async def test_a_delete_right_after_a_commit_deletes_blocks_that_are_being_written_through(tmp_path):
     with redis_server() as redis:
         cfg = small_config(tmp_path, **{"redis.enabled": True, "redis.url": redis.url,
@@ -1293,9 +1280,14 @@ async def test_a_delete_right_after_a_commit_deletes_blocks_that_are_being_writt
                                                                BlockSpec(keys[1], keys[0], 4096)])
             await store.commit(alloc.id, [CommitSpec(b.key, slot_id, None) for slot_id, b in alloc.blocks.items()])
             # the write-through to Redis has started, not ended (no wait_write_through): as over the RPC
+            assert all(b.moving for b in alloc.blocks.values())
             assert await store.delete(store.namespace(NS), keys, False) == (2, 0)
+            assert store.index.count()["blocks"] == 0 and store.slab.used_bytes == 0
             await store.tiering.flush()
             assert store.index.count()["blocks"] == 0
+            assert store.tiering.occupancy()["redis"]["blocks"] == 0  # its copies too: nothing left to resurrect
+            redis_tier = next(lv.tier for lv in store.tiering.levels if lv.name == "redis")
+            assert await redis_tier.contains_many([BlockRef(NS.root, k) for k in keys]) == [False, False]
 
 
 async def test_a_delete_that_names_a_key_twice_counts_its_block_once(tmp_path):
