@@ -73,7 +73,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvstore.testing.servers import free_port
 from kvstore.util.tuning import ENV as MALLOC_ENV
@@ -195,17 +195,18 @@ class CrossHost:
     Two network namespaces with private ``/dev/shm`` on a bridge (:class:`kvstore.testing.hosts.Hosts`),
     a ``kvstore serve`` on each (its own TOML config, gRPC/HTTP/peer ports on its host's address),
     forming one cluster through a ``redis-server`` on the bridge (the directory). With
-    ``redis_tier``, that redis-server is also a Redis tier both sidecars write through to
-    (``tiering.write_through = ["redis"]``); otherwise blocks move between the hosts only by peer
-    fetch. A vLLM instance runs on host ``i`` with ``Instance(..., prefix=rig.nsenter(i))`` and
+    ``redis_tier="redis"``, that redis-server is also a Redis tier both sidecars write through to
+    (``tiering.write_through = ["redis"]``); with ``redis_tier="cluster"`` a 3-master Redis Cluster on
+    the bridge is both the directory and that shared tier; with ``None`` blocks move between the
+    hosts only by peer fetch. A vLLM instance runs on host ``i`` with ``Instance(..., prefix=rig.nsenter(i))`` and
     reaches its sidecar at :meth:`url`. Needs root (namespaces); raises RuntimeError saying why not."""
 
     TOKEN = "kvstore-cross-host"
 
-    def __init__(self, work: Path, *, redis_tier: bool = False, dram_bytes: int = 256 << 20,
-                 lease_ms: int = 3000, heartbeat_ms: int = 500) -> None:
+    def __init__(self, work: Path, *, redis_tier: Literal["redis", "cluster"] | None = None,
+                 dram_bytes: int = 256 << 20, lease_ms: int = 3000, heartbeat_ms: int = 500) -> None:
         from kvstore.testing.hosts import Hosts
-        from kvstore.testing.servers import redis_server
+        from kvstore.testing.servers import RedisCluster, RedisServer, redis_cluster, redis_server
 
         self._stack = contextlib.ExitStack()
         self.work = work
@@ -218,7 +219,12 @@ class CrossHost:
             if missing:
                 raise RuntimeError(f"needs {', '.join(missing)} (util-linux, iproute2) on PATH")
             self.hosts = self._stack.enter_context(Hosts(2, prefix="kvx"))
-            self.redis = self._stack.enter_context(redis_server(host=self.hosts.bridge_ip))
+            bridge = self.hosts.bridge_ip
+            self.redis: RedisServer | RedisCluster
+            if redis_tier == "cluster":
+                self.redis = self._stack.enter_context(redis_cluster(3, host=bridge))
+            else:
+                self.redis = self._stack.enter_context(redis_server(host=bridge))
             self.procs: list[subprocess.Popen[str]] = []
             self.ready: list[dict[str, str]] = []
             for i, name in enumerate(("a", "b")):
@@ -228,12 +234,15 @@ class CrossHost:
             self.close()
             raise
 
-    def _start(self, i: int, name: str, redis_tier: bool, dram_bytes: int, lease_ms: int, heartbeat_ms: int) -> None:
+    def _start(self, i: int, name: str, redis_tier: Literal["redis", "cluster"] | None, dram_bytes: int,
+               lease_ms: int, heartbeat_ms: int) -> None:
         host = self.hosts[i]
+        cluster = "true" if redis_tier == "cluster" else "false"
         tier = f"""
 [redis]
 enabled = true
 url = "{self.redis.url}"
+cluster = {cluster}
 key_prefix = "xhost-tier"
 [tiering]
 write_through = ["redis"]
@@ -251,6 +260,7 @@ enabled = false
 [cluster]
 enabled = true
 directory_url = "{self.redis.url}"
+directory_cluster = {cluster}
 key_prefix = "xhost"
 node_id = "{name}"
 peer_address = "{host.ip}:0"

@@ -69,14 +69,18 @@ class SnapshotCollector(Collector):
         tenants: Mapping[str, Any] = self.doc.get("tenants", {})
         if not tenants:
             return
-        used = _gauge("tenant_dram_bytes", "committed block bytes in DRAM per tenant (cache_salt tag)", ["tenant"])
-        quota = _gauge("tenant_dram_quota_bytes", "DRAM quota per tenant (0: none)", ["tenant"])
-        ev = _counter("tenant_dram_evictions", "DRAM evictions of each tenant's blocks", ["tenant"])
-        for t, c in sorted(tenants.items()):
-            used.add_metric([t], _num(c.get("dram_bytes")))
-            quota.add_metric([t], _num(c.get("dram_quota_bytes")))
-            ev.add_metric([t], _num(c.get("evictions")))
-        yield from (used, quota, ev)
+        labels = ["tenant", "tier"]
+        used = _gauge("tenant_bytes", "bytes of each tenant's (cache_salt tag's) blocks per tier with quotas", labels)
+        quota = _gauge("tenant_quota_bytes", "each tenant's quota in each tier (0: none)", labels)
+        ev = _counter("tenant_evictions", "evictions of each tenant's blocks from each tier with quotas", labels)
+        refused = _counter("tenant_refused_blocks", "blocks a tenant's quota kept out of a tier", labels)
+        for t, tiers in sorted(tenants.items()):
+            for tier, c in sorted(tiers.items()):
+                used.add_metric([t, tier], _num(c.get("bytes")))
+                quota.add_metric([t, tier], _num(c.get("quota_bytes")))
+                ev.add_metric([t, tier], _num(c.get("evictions")))
+                refused.add_metric([t, tier], _num(c.get("refused")))
+        yield from (used, quota, ev, refused)
 
     def _service(self) -> Iterator[Metric]:
         g = _gauge("uptime_seconds", "seconds since the sidecar started")

@@ -28,6 +28,8 @@ may call it after every request. What it checks:
   fetch (``kvstore/cluster/node.py``) holds ALLOCATED blocks of no allocation while it awaits the
   peer; on a store with a cluster wired in such a block is allowed (with a slot, in no tier) unless
   ``quiescent`` says no request is in flight.
+* **Tenant quotas** -- each tier's quotas count, per tenant, exactly the bytes of its blocks there
+  (DRAM: the sizes of the blocks with the DRAM bit; a level: what the level counts for them).
 * **Index <-> tiers** (a store with movers that have ``levels``, i.e. ``kvstore.tiers.movers.Tiering``)
   -- a level counts (``sizes``) exactly the blocks with its bit, none the index has dropped;
   ``used`` and ``queued_bytes`` add up; a bounded level's policy orders its blocks; a block lies
@@ -41,6 +43,7 @@ its capacity and its policy orders every block it holds.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
     from kvstore.dram.slab import Page, Slot
     from kvstore.policy.base import EvictionPolicy
     from kvstore.store.block_store import BlockStore
+    from kvstore.store.tenants import Quotas
 
 ALL_TIERS = 15  # DRAM | SSD | REDIS | S3
 MAX_FINDINGS = 200  # past this, one sentence says how many more
@@ -70,6 +74,7 @@ class _Level(Protocol):
     sizes: dict[Block, int]
     queued: set[Block]
     queued_bytes: int
+    quotas: Quotas | None
 
 
 def _name(b: Block) -> str:
@@ -113,6 +118,7 @@ def audit(store: BlockStore, *, quiescent: bool = False) -> list[str]:
     _leases(store, blocks, quiescent, bad)
     _allocations(store, blocks, quiescent, bad)
     _tiers(store, blocks, quiescent, bad)
+    _quotas(store, blocks, bad)
     return bad.result()
 
 
@@ -403,3 +409,18 @@ def _tiers(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findin
         for b in blocks:
             if b.moving:
                 bad(f"{_name(b)} is pinned by {b.moving} write-through(s) with no mover in flight")
+
+
+def _quotas(store: BlockStore, blocks: list[Block], bad: _Findings) -> None:
+    counted: list[tuple[str, Quotas, Mapping[Block, int]]] = []
+    if store.space.quotas is not None:
+        counted.append(("DRAM", store.space.quotas, {b: b.size for b in blocks if b.tiers & DRAM}))
+    for lv in list(getattr(store.space.movers, "levels", None) or []):
+        if lv.quotas is not None:
+            counted.append((lv.name, lv.quotas, lv.sizes))
+    for name, quotas, sizes in counted:
+        held: Counter[str] = Counter()
+        for b, n in sizes.items():
+            held[quotas.tenant(b)] += n
+        if +held != +quotas.used:
+            bad(f"the {name} quotas count {dict(+quotas.used)} bytes per tenant, its blocks take {dict(+held)}")

@@ -81,8 +81,12 @@ class DramSpace:
         slab = self.slab
         may_evict = None
         if self.quotas is not None:
-            with self.movers.staging_batch():
-                self._within_quota(tenant, nbytes)
+            try:
+                with self.movers.staging_batch():
+                    self._within_quota(tenant, nbytes)
+            except ResourceExhausted:
+                self.quotas.refused[tenant] += sum(needs.values())
+                raise
             may_evict = self.quotas.evictable_for(tenant)
         if slab.fits(needs):
             return {cls: slab.take(cls, n) for cls, n in needs.items()}

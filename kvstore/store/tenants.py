@@ -1,10 +1,13 @@
-"""Tenant quotas in DRAM: each tenant's share, its own blocks evicted first when it is over.
+"""Tenant quotas, per tier: each tenant's share, its own blocks evicted first when it is over.
 
 A tenant is a namespace's ``cache_salt`` (vLLM's per-tenant salt), named by the tag its
 namespace label carries (``#`` + the salt's SHA-256, 6 hex digits; "" for no salt), so blocks
-recovered from a tier's headers know their tenant too. ``tenants.dram_quota_bytes`` (every tenant)
-and ``tenants.dram_quotas`` (per salt) give each tenant a quota of committed DRAM bytes, as
-LMCache's ``IsolatedLRU`` does per salt:
+recovered from a tier's headers know their tenant too. ``[tenants]`` gives each tier a quota for
+every tenant and per-salt ones (``TenantsConfig.quota``), as LMCache's ``IsolatedLRU`` does per
+salt; :class:`Tenants` holds one :class:`Quotas` per tier that has any.
+
+DRAM (:class:`~kvstore.store.space.DramSpace`), counting committed blocks' bytes (``Block.size``)
+while they are in DRAM (slots of open allocations count from their commit):
 
 * a tenant that would pass its quota with a new write (or promotion, or peer fetch) makes room by
   evicting **its own** blocks first, in the policy's order; when its own unpinned blocks cannot
@@ -14,8 +17,13 @@ LMCache's ``IsolatedLRU`` does per salt:
   tenants without a quota, or over theirs, are (the set is fixed when the request starts, so the
   DRAM space's plan and its evictions agree).
 
-Quotas count committed blocks' bytes (``Block.size``) while they are in DRAM; slots of open
-allocations are not counted until their commit.
+The tiers below (:mod:`kvstore.tiers.movers`), counting what each tier counts against its capacity
+(the SSD: block files; Redis, S3: block bytes), blocks on their way in included: before a
+demotion batch, a write-through or a demotion from the tier above is written, a tenant past its
+quota there loses its own oldest blocks in that tier (demoted further down, or dropped, as any
+eviction from it); what its own blocks cannot make room for is not written there (a demotion goes
+on down the chain). A bounded tier (SSD) making room for capacity evicts no block of a tenant
+within its quota.
 """
 
 from __future__ import annotations
@@ -25,7 +33,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvstore.config import QUOTA_TIERS
+
 if TYPE_CHECKING:
+    from kvstore.config import TenantsConfig
     from kvstore.store.index import Block
 
 
@@ -43,8 +54,9 @@ class Quotas:
     def __init__(self, default_bytes: int, per_salt: Mapping[str, int]) -> None:
         self.default = default_bytes
         self.quotas = {salt_tag(s): n for s, n in per_salt.items()}
-        self.used: Counter[str] = Counter()  # tenant -> committed bytes in DRAM
-        self.evictions: Counter[str] = Counter()
+        self.used: Counter[str] = Counter()  # tenant -> bytes in the tier
+        self.evictions: Counter[str] = Counter()  # tenant -> its blocks evicted from the tier
+        self.refused: Counter[str] = Counter()  # tenant -> its blocks kept out of the tier by its quota
         self._labels: dict[str, str] = {}  # namespace label -> tenant
 
     @classmethod
@@ -67,12 +79,13 @@ class Quotas:
         """Its quota in bytes; 0 when it has none."""
         return self.quotas.get(tenant, self.default)
 
-    def placed(self, b: Block) -> None:
-        self.used[self.tenant(b)] += b.size
+    def placed(self, b: Block, nbytes: int | None = None) -> None:
+        """``b`` takes ``nbytes`` of the tier now (by default its size)."""
+        self.used[self.tenant(b)] += b.size if nbytes is None else nbytes
 
-    def freed(self, b: Block) -> None:
+    def freed(self, b: Block, nbytes: int | None = None) -> None:
         t = self.tenant(b)
-        self.used[t] -= b.size
+        self.used[t] -= b.size if nbytes is None else nbytes
         if self.used[t] <= 0:
             del self.used[t]
 
@@ -81,9 +94,14 @@ class Quotas:
         q = self.quota(tenant)
         return max(0, self.used[tenant] + nbytes - q) if q else 0
 
-    def evictable_for(self, tenant: str) -> Callable[[Block], bool]:
+    def over(self) -> list[str]:
+        """The tenants past their quota now."""
+        return [t for t in self.used if self.used[t] > self.quota(t) > 0]
+
+    def evictable_for(self, tenant: str | None) -> Callable[[Block], bool]:
         """Whose blocks a request of ``tenant`` may evict: its own, and those of tenants without a
-        quota or over theirs (fixed now, for the whole request)."""
+        quota or over theirs (fixed now, for the whole request); ``None``: a request of no tenant
+        (a tier making room for its capacity)."""
         open_ = {t for t in self.used if t != tenant and self.used[t] > self.quota(t) > 0}
         quotas, default, tenant_of = self.quotas, self.default, self.tenant
 
@@ -93,11 +111,40 @@ class Quotas:
 
         return ok
 
+    def entry(self, tenant: str) -> dict[str, int]:
+        """``tenant``'s line of this tier in /stats."""
+        return {"bytes": self.used.get(tenant, 0), "quota_bytes": self.quota(tenant),
+                "evictions": self.evictions.get(tenant, 0), "refused": self.refused.get(tenant, 0)}
+
+
+class Tenants:
+    """Every tier's quotas: one :class:`Quotas` per tier that has a quota configured; a tier
+    reports on /stats once its space or level has taken them (:meth:`attach`)."""
+
+    def __init__(self, by_tier: Mapping[str, Quotas]) -> None:
+        self.by_tier = dict(by_tier)
+        self.attached: dict[str, Quotas] = {}
+
+    @classmethod
+    def from_config(cls, cfg: TenantsConfig) -> Tenants:
+        made = {tier: Quotas.from_config(*cfg.quota(tier)) for tier in QUOTA_TIERS}
+        return cls({tier: q for tier, q in made.items() if q is not None})
+
+    def attach(self, tier: str) -> Quotas | None:
+        """The quotas of ``tier``, which a space or level of it enforces from now on; None: none."""
+        q = self.by_tier.get(tier)
+        if q is not None:
+            self.attached[tier] = q
+        return q
+
     def snapshot(self, shown: int) -> dict[str, Any]:
-        """The ``tenants`` entry of /stats: the tenants with a quota, and the busiest others."""
-        tenants = set(self.quotas) | {t for t, _ in self.used.most_common(shown)}
-        return {
-            (t or "-"): {"dram_bytes": self.used.get(t, 0), "dram_quota_bytes": self.quota(t),
-                         "evictions": self.evictions.get(t, 0)}
-            for t in sorted(tenants)
-        }
+        """The ``tenants`` entry of /stats: per tenant tag ("-" for no salt), per tier with quotas,
+        its bytes, quota, evictions and refused blocks; the tenants with a quota in any tier, and
+        the ``shown`` busiest others."""
+        tiers = self.attached
+        total: Counter[str] = Counter()
+        for q in tiers.values():
+            total.update(q.used)
+        named = {t for q in tiers.values() for t in q.quotas}
+        tenants = named | {t for t, _ in total.most_common(shown)}
+        return {(t or "-"): {tier: q.entry(t) for tier, q in tiers.items()} for t in sorted(tenants)}

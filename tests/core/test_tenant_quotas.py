@@ -63,8 +63,8 @@ async def test_a_tenant_over_its_quota_evicts_its_own_blocks_first(env: tuple[Si
     held = [(await c.lookup(A, [k])).matched for k in first]
     assert sum(held) == 2  # two of A's first blocks made the room
     stats = await c.stats()
-    assert stats["tenants"][salt_tag("tenant-a")] == {"dram_bytes": QUOTA_A, "dram_quota_bytes": QUOTA_A,
-                                                      "evictions": 2}
+    assert stats["tenants"][salt_tag("tenant-a")] == {
+        "dram": {"bytes": QUOTA_A, "quota_bytes": QUOTA_A, "evictions": 2, "refused": 0}}
 
 
 async def test_a_tenant_whose_blocks_are_all_leased_is_refused_and_nothing_changes(
@@ -80,6 +80,7 @@ async def test_a_tenant_whose_blocks_are_all_leased_is_refused_and_nothing_chang
             await c.put_blocks(A, keys(A, 1, 8), data(1, 8))
     after = sc.store.snapshot()
     assert after["tiers"]["dram"]["evictions"] == before["tiers"]["dram"]["evictions"]
+    assert after["tenants"][salt_tag("tenant-a")]["dram"]["refused"] == 1  # the one block asked for
     assert (await c.lookup(A, mine)).matched == 4 and (await c.lookup(B, theirs)).matched == 2
 
 
@@ -103,9 +104,10 @@ async def test_tenants_are_on_stats_and_metrics(env: tuple[Sidecar, KVStoreClien
     await c.put_blocks(A, keys(A, 2, 10), data(2, 10))
     await c.put_blocks(B, keys(B, 1, 11), data(1, 11))
     tenants = (await c.stats())["tenants"]
-    assert tenants[salt_tag("tenant-a")]["dram_bytes"] == 2 * BLOCK
-    assert tenants[salt_tag("tenant-b")] == {"dram_bytes": BLOCK, "dram_quota_bytes": 0, "evictions": 0}
+    assert tenants[salt_tag("tenant-a")]["dram"]["bytes"] == 2 * BLOCK
+    assert tenants[salt_tag("tenant-b")] == {"dram": {"bytes": BLOCK, "quota_bytes": 0, "evictions": 0, "refused": 0}}
     async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{sc.http_port}/metrics") as r:
         text = await r.text()
-    assert f'kvstore_tenant_dram_bytes{{tenant="{salt_tag("tenant-a")}"}} {float(2 * BLOCK)}' in text
-    assert f'kvstore_tenant_dram_quota_bytes{{tenant="{salt_tag("tenant-a")}"}} {float(QUOTA_A)}' in text
+    a = salt_tag("tenant-a")
+    assert f'kvstore_tenant_bytes{{tenant="{a}",tier="dram"}} {float(2 * BLOCK)}' in text
+    assert f'kvstore_tenant_quota_bytes{{tenant="{a}",tier="dram"}} {float(QUOTA_A)}' in text

@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from vllm_cases import BS, DOC_1, DOC_2, DOC_3, NEW, POOL
@@ -171,14 +171,15 @@ def test_prefill_hosts_sidecar_killed_after_the_prefill_decode_recomputes(
     assert after["blocks_fetched"] == before["blocks_fetched"]  # nothing arrived from the dead host
 
 
-def _directory_lists_in_redis(rig: CrossHost, ns: Namespace, prompts: list[list[int]]) -> bool:
+def _directory_lists_in_redis(rig: CrossHost, ns: Namespace, prompts: list[list[int]], cluster: bool) -> bool:
     """Every full block of ``prompts`` is listed by the directory as in the shared Redis tier."""
     from kvstore.cluster.directory import Directory
     from kvstore.config import ClusterConfig
     from kvstore.store.index import REDIS
 
     async def check() -> bool:
-        cfg = ClusterConfig(enabled=True, directory_url=rig.redis.url, key_prefix="xhost", token=CrossHost.TOKEN)
+        cfg = ClusterConfig(enabled=True, directory_url=rig.redis.url, directory_cluster=cluster, key_prefix="xhost",
+                            token=CrossHost.TOKEN)
         directory = Directory.from_config(cfg, "test")
         try:
             for p in prompts:
@@ -192,11 +193,14 @@ def _directory_lists_in_redis(rig: CrossHost, ns: Namespace, prompts: list[list[
     return asyncio.run(check())
 
 
+@pytest.mark.parametrize("shared", ["redis", "cluster"])
 def test_write_through_to_a_shared_redis_decode_host_reads_the_tier(
-    tiny_model: Path, reference, tmp_path: Path
+    tiny_model: Path, reference, tmp_path: Path, shared: Literal["redis", "cluster"]
 ) -> None:
+    """The shared tier is one redis-server (also the directory) or a 3-master Redis Cluster (also the
+    directory)."""
     prompts = [DOC_1]
-    with CrossHost(tmp_path / "rig", redis_tier=True) as rig:
+    with CrossHost(tmp_path / "rig", redis_tier=shared) as rig:
         kv = kvstore_config(rig.url(0), "kv_producer", wait_write_through=True)
         a = run_instance(spec(tiny_model, kv, [{"name": "prefill", "prompts": prompts, "max_tokens": 1}]),
                          prefix=rig.nsenter(0), timeout=TIMEOUT)
@@ -204,7 +208,8 @@ def test_write_through_to_a_shared_redis_decode_host_reads_the_tier(
         ns = Namespace(**a["connector"]["namespace"])
         # the saves reached Redis before the instance finished (wait_write_through); the directory
         # lists that a moment later (the record is published again once the tier holds the block)
-        eventually("the directory lists the shared tier", lambda: _directory_lists_in_redis(rig, ns, prompts))
+        eventually("the directory lists the shared tier",
+                   lambda: _directory_lists_in_redis(rig, ns, prompts, shared == "cluster"))
         params = a["phases"]["prefill"]["requests"][0]["kv_transfer_params"]
         handoff = tmp_path / "handoff"
         handoff.mkdir()
