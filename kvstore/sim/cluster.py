@@ -2,8 +2,9 @@
 
 ``kvstore replay TRACE --nodes N --routing round-robin|random|prefix`` runs three models of the
 same N × capacity blocks, all on the replay's cache model (:mod:`kvstore.sim.replay`: an
-``Index`` per node and a ``Space`` of one policy, filled through ``place``, which pops victims
-until there is room and inserts the block with its parent):
+``Index`` per node and a ``Space`` of one policy), making the store's calls in the store's order
+as the single-space replay does (``Node.allocate`` pops victims until a request's blocks fit,
+``Node.commit`` inserts them root first with their parents, then ``access_many`` deepest first):
 
 * **isolated**: every node its own cache; a request hits only what its node holds;
 * **cluster**: a directory of which node holds each committed block, and peer fetch. A request's
@@ -14,14 +15,15 @@ until there is room and inserts the block with its parent):
   ``eligible`` filter), so a replica goes before any block's last copy;
 * **global**: one cache of N × the capacity that sees every request (routing cannot matter).
 
-Each request, on its node (the same steps as the tiered replay for one space):
+Each request, on its node (with one node, exactly the single-space replay's calls):
 
 1. the usable prefix: the leading run of its keys that the node holds, continued (cluster only)
    through keys that another node holds;
 2. ``access`` on each block of that run, deepest first, in the policy of the node that holds it;
-3. the peer blocks are placed locally, root first (replicas);
-4. each key after the run that no node holds is added and placed (a key held behind the gap is a
-   block hit, useless to the prefix, and is not stored again).
+3. the peer blocks are placed locally, root first (replicas), as the store's peer fetch does:
+   room made for all of them, then inserted, with no commit ``access``;
+4. each key after the run that no node holds is allocated and committed (a key held behind the
+   gap is a block hit, useless to the prefix, and is not stored again).
 
 Routing: ``round-robin``, ``random`` (seeded), or ``prefix``: :func:`kvstore.routing.rank` over each
 node's usable prefix (local blocks as ``dram``; in the cluster, blocks another node holds as
@@ -42,7 +44,7 @@ from kvstore.policy.base import Eligible, EvictionPolicy, Item
 from kvstore.policy.tree import PrefixLinks
 from kvstore.routing import MAX_IMBALANCE, ROUTINGS, rank
 from kvstore.sim.belady import HitRates
-from kvstore.sim.replay import PROGRESS_EVERY, Progress, Space, TierSpec, index_keys, place
+from kvstore.sim.replay import PROGRESS_EVERY, Progress, Space, TierSpec, index_keys
 from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import DRAM, Block, Index, NsEntry, State, TierId
 
@@ -174,13 +176,34 @@ class Node:
         self.space.tier = cast(TierId, DRAM)  # a plain int: enum arithmetic would run in Python
         self.requests = 0
 
-    def place(self, key: BlockKey, parent: bytes, size: int, depth: int) -> Block | None:
-        """Add a committed block and place it in the space; None (and forgotten) when it does not fit."""
-        b = self.index.add(self.ns, key, parent, size, State.COMMITTED, depth)
-        if place(self.ns, self.index, self.space, b):
-            return b
-        self.index.drop(b)
-        return None
+    def allocate(self, n: int) -> int:
+        """The store's Allocate: victims popped until ``n`` more blocks fit (or none is left to
+        pop); how many of the ``n`` fit."""
+        sp = self.space
+        pop_victim = cast("Callable[[Eligible | None], Block | None]", sp.policy.pop_victim)  # a node holds Blocks
+        while sp.used + n > sp.capacity:
+            v = pop_victim(None)
+            if v is None:
+                break
+            sp.used -= 1
+            v.tiers &= ~sp.tier
+            self.index.drop(v)
+        return max(0, min(n, sp.capacity - sp.used))
+
+    def commit(self, specs: Sequence[tuple[BlockKey, bytes, int, int]]) -> list[Block]:
+        """The store's Commit of allocated blocks, ``(key, parent key, size, depth)`` root first: each
+        added and inserted with its parent Block when the policy holds it."""
+        sp, blocks = self.space, self.ns.blocks
+        pol = sp.policy
+        out = []
+        for key, parent, size, depth in specs:
+            b = self.index.add(self.ns, key, parent, size, State.COMMITTED, depth)
+            pb = blocks.get(parent)
+            b.tiers |= sp.tier
+            pol.insert(b, pb if pb is not None and pb in pol else None, depth, size)
+            sp.used += 1
+            out.append(b)
+        return out
 
 
 @dataclass(slots=True)
@@ -329,20 +352,32 @@ def _serve(node: Node, members: list[Node], directory: Directory | None, req: Re
     res.peer_hits += len(fetched)
     for i in range(n - 1, -1, -1):  # deepest first, in the policy of the node that holds it
         owners[i].access(run[i])
-    for i in fetched:  # replicas, root first so each parent is there to link to
-        size = req.last_size if i == last else bt
-        if node.place(keys[i], keys[i - 1] if i else b"", size, i + 1) is not None:
-            directory.add(keys[i], node.id)  # type: ignore[union-attr]  # peer hits come only with a directory
-            res.replicas += 1
+    bt_of = [bt] * nk
+    bt_of[last] = req.last_size
+    if fetched:  # replicas, as the store's peer fetch: slots first, then placed root first
+        room = node.allocate(len(fetched))
+        replicas = node.commit([(keys[i], keys[i - 1] if i else b"", bt_of[i], i + 1) for i in fetched[:room]])
+        for b in replicas:
+            directory.add(b.key, node.id)  # type: ignore[union-attr]  # peer hits come only with a directory
+        res.replicas += len(replicas)
     blocks = node.ns.blocks
+    new: list[int] = []
     for i in range(n, nk):
-        key = keys[i]
-        if key in blocks or key in held:  # behind the gap: useless to the prefix
+        if keys[i] in blocks or keys[i] in held:  # behind the gap: useless to the prefix
             res.block_hits += 1
-            continue
-        size = req.last_size if i == last else bt
-        if node.place(key, keys[i - 1] if i else b"", size, i + 1) is not None and directory is not None:
-            directory.add(key, node.id)
+        else:
+            new.append(i)
+    if not new:
+        return
+    # The store's Allocate (victims popped for every new block), then Commit: inserted root first,
+    # then ``access_many`` deepest first (ancestors at least as recent as descendants), the order
+    # kvstore/sim/replay.py's single-space replay follows.
+    room = node.allocate(len(new))
+    committed = node.commit([(keys[i], keys[i - 1] if i else b"", bt_of[i], i + 1) for i in new[:room]])
+    if directory is not None:
+        for b in committed:
+            directory.add(b.key, node.id)
+    node.space.policy.access_many(committed[::-1])
 
 
 def compare(trace: Trace, nodes: int, capacity: int, routings: Sequence[str] = ("round-robin", "prefix"),
