@@ -44,7 +44,7 @@ from kvstore.store.index import (
 )
 from kvstore.store.remote import NoRemote, PeerBlock, Remote
 from kvstore.store.space import DramSpace
-from kvstore.store.tenants import Quotas
+from kvstore.store.tenants import Tenants
 
 log = logging.getLogger("kvstore.store.block_store")
 _TIERS = operator.attrgetter("tiers")
@@ -75,7 +75,8 @@ class BlockStore:
         self.clock = clock
         self.index = Index()
         self.space = DramSpace(slab, make_policy(config.index.policy), self.index, self.stats)
-        self.space.quotas = Quotas.from_config(config.tenants.dram_quota_bytes, config.tenants.dram_quotas)
+        self.tenants = Tenants.from_config(config.tenants)  # per tier; the sidecar hands the tiers theirs
+        self.space.quotas = self.tenants.attach("dram")
         self._closed_allocations: OrderedDict[str, str] = OrderedDict()  # id -> "committed" | "aborted" | "reclaimed"
         self._unsealed: list[Block] = []
         self.remote: Remote = NoRemote()  # the rest of the cluster, once the sidecar wires it
@@ -503,6 +504,6 @@ class BlockStore:
     def snapshot(self) -> dict[str, object]:
         doc = self.stats.snapshot(self.occupancy(), self.index.count())
         doc["policy"] = self.space.policy.name
-        if self.space.quotas is not None:
-            doc["tenants"] = self.space.quotas.snapshot(self.config.server.stats_namespaces)
+        if self.tenants.attached:
+            doc["tenants"] = self.tenants.snapshot(self.config.server.stats_namespaces)
         return doc

@@ -9,6 +9,11 @@ block store knows them only as a :class:`~kvstore.store.below.Movers`, wired in 
   block stays findable meanwhile, served from the staging copy.
 * A lower tier with a capacity (SSD) evicts through its own policy instance and demotes further
   down the chain, or drops the block when nothing is below.
+* Tenant quotas (:mod:`kvstore.store.tenants`): before a tier takes blocks (a demotion batch, a
+  write-through, a demotion from the tier above) a tenant past its quota there loses its own
+  oldest blocks in it; what they cannot make room for is not written there (a refused demotion
+  goes on down the chain). A tier with quotas and no capacity (Redis, S3) gets a policy to order
+  each tenant's blocks by.
 * Write-through tiers (Redis, S3) receive every committed block at once so other hosts can read
   it; the block is pinned in DRAM while its slot is read.
 * A hit below DRAM is promoted into a DRAM slot before a worker reads it (Acquire, Prefetch).
@@ -25,7 +30,8 @@ import asyncio
 import contextlib
 import logging
 import mmap
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +49,7 @@ from kvstore.store.below import Movers, NoMovers, nothing
 from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, REDIS, S3, SSD, Block, State
 from kvstore.store.space import DramSpace, enter, pop_victim
+from kvstore.store.tenants import Quotas, Tenants
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import BlockMeta, BlockRef, Bounded, Recoverable, Tier
 from kvstore.tiers.verify import verified_get
@@ -77,7 +84,7 @@ class Level:
     bit: int
     tier: Tier
     capacity: int | None  # None: the server manages its own memory (Redis maxmemory, S3)
-    policy: EvictionPolicy | None
+    policy: EvictionPolicy | None  # a bounded level's, or one with tenant quotas
     footprint: Callable[[int, str], int] = lambda size, label: size  # (block size, namespace label)
     # Requests in flight to this tier at once: movers start one task per block, and a burst of
     # hundreds must not open hundreds of connections (redis.max_connections is sized for this).
@@ -110,12 +117,31 @@ class Level:
     # (room the tier counts and the movers do not; a restart recovered the deleted blocks).
     putting: set[Block] = field(default_factory=set)
     doomed: dict[Block, int] = field(default_factory=dict)
+    quotas: Quotas | None = None  # tenant quotas in this tier (kvstore.store.tenants)
+    # Bytes per tenant that passed the quota and are being written here, not placed yet (a
+    # write-through, a demotion from the level above): counted by the next quota pass.
+    reserved: Counter[str] = field(default_factory=Counter)
+    queued_by: Counter[str] = field(default_factory=Counter)  # tenant -> its bytes of ``queued`` (with quotas)
+
+    def enqueue(self, b: Block) -> None:
+        """``b`` (placed) waits for its demotion batch."""
+        self.queued.add(b)
+        nbytes = self.sizes[b]
+        self.queued_bytes += nbytes
+        if self.quotas is not None:
+            self.queued_by[self.quotas.tenant(b)] += nbytes
 
     def dequeue(self, b: Block) -> None:
         """``b``'s bytes are being written now, or it left the tier: no longer waiting."""
         if b in self.queued:
             self.queued.discard(b)
-            self.queued_bytes -= self.sizes.get(b, 0)
+            nbytes = self.sizes.get(b, 0)
+            self.queued_bytes -= nbytes
+            if self.quotas is not None:
+                t = self.quotas.tenant(b)
+                self.queued_by[t] -= nbytes
+                if self.queued_by[t] <= 0:
+                    del self.queued_by[t]
 
     def ref(self, b: Block) -> BlockRef:
         return BlockRef(b.ns.root, b.key)
@@ -142,9 +168,9 @@ class Tiering:
     # --- construction ----------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, space: DramSpace, config: Config) -> Movers:
-        """The configured chain below ``space``, its blocks recovered; :class:`NoMovers` when
-        no tier is enabled."""
+    async def start(cls, space: DramSpace, config: Config, tenants: Tenants | None = None) -> Movers:
+        """The configured chain below ``space``, its blocks recovered (and each tenant brought
+        within its quotas); :class:`NoMovers` when no tier is enabled."""
         enabled = {"ssd": config.ssd.enabled, "redis": config.redis.enabled, "s3": config.s3.enabled}
         names = [n for n in config.tiering.chain if enabled[n]]
         if not names:
@@ -152,14 +178,20 @@ class Tiering:
         levels = []
         for name in names:
             tier = build_tier(name, config)
+            quotas = tenants.attach(name) if tenants is not None else None
             if isinstance(tier, Bounded):
-                policy = make_policy(config.index.policy)
-                levels.append(Level(name, BITS[name], tier, tier.capacity_bytes, policy, tier.footprint))
-            else:
-                levels.append(Level(name, BITS[name], tier, None, None))
+                bounded = make_policy(config.index.policy)
+                cap = tier.capacity_bytes
+                levels.append(Level(name, BITS[name], tier, cap, bounded, tier.footprint, quotas=quotas))
+            else:  # ordered only to evict a tenant's own oldest blocks past its quota
+                policy = make_policy(config.index.policy) if quotas is not None else None
+                levels.append(Level(name, BITS[name], tier, None, policy, quotas=quotas))
         wt = [lv for lv in levels if lv.name in config.tiering.write_through]
         self = cls(space, levels, wt)
         await self.recover()
+        for lv in levels:
+            if lv.quotas is not None and lv.quotas.over():  # quotas lowered since these blocks were written
+                self._spawn(self._trim(lv))
         self._probe = asyncio.create_task(self._probe_down_tiers(), name="kvstore-tier-probe")
         return self
 
@@ -196,6 +228,8 @@ class Tiering:
         self.index.moved(b)
         nbytes = lv.sizes[b] = lv.footprint(b.size, b.ns.label)
         lv.used += nbytes
+        if lv.quotas is not None:
+            lv.quotas.placed(b, nbytes)
         if lv.policy is not None:
             enter(lv.policy, b)
 
@@ -205,7 +239,10 @@ class Tiering:
         b.tiers &= ~lv.bit
         self.index.moved(b)
         lv.dequeue(b)
-        lv.used -= lv.sizes.pop(b, 0)
+        nbytes = lv.sizes.pop(b, 0)
+        lv.used -= nbytes
+        if lv.quotas is not None:
+            lv.quotas.freed(b, nbytes)
         if lv.policy is not None and b in lv.policy:
             lv.policy.remove(b)
         self.index.drop_if_gone(b)  # (a block with no tier bit is committed: only those are placed)
@@ -276,13 +313,17 @@ class Tiering:
         else:
             data[:] = src
         self._staged[b] = data
-        self._placed(target, b)
-        target.queued.add(b)
-        target.queued_bytes += target.sizes[b]
         self.stats.tier("dram", "demotions")
-        target.queue.append((b, data, buf))
-        if target.sealer is None or target.sealer.done():
-            target.sealer = self._spawn(self._seal_queue(target))
+        self._queue(target, (b, data, buf))
+
+    def _queue(self, lv: Level, staged: Staged) -> None:
+        """Place a staged block in ``lv`` and queue it to be written there."""
+        b = staged[0]
+        self._placed(lv, b)
+        lv.enqueue(b)
+        lv.queue.append(staged)
+        if lv.sealer is None or lv.sealer.done():
+            lv.sealer = self._spawn(self._seal_queue(lv))
 
     @contextlib.contextmanager
     def staging_batch(self) -> Iterator[None]:
@@ -352,7 +393,11 @@ class Tiering:
         try:
             for b, _, _ in batch:
                 lv.dequeue(b)
-            await self._make_room(lv)  # the batch is counted already; evict others until it fits
+            kept = set(await self._make_room(lv, [b for b, _, _ in batch]))  # counted already
+            refused = [s for s in batch if s[0] not in kept]
+            if refused:
+                batch = [s for s in batch if s[0] in kept]
+                self._pass_down(lv, refused)
             # (what a delete took meanwhile is not written at all)
             live = [(b, d) for b, d, _ in batch if b.tiers & lv.bit and b.ns.blocks.get(b.key) is b]
             lv.putting.update(b for b, _ in live)
@@ -387,45 +432,172 @@ class Tiering:
                 del self._staged[b]
             self._pool.give(buf)
 
-    async def _make_room(self, lv: Level) -> None:
-        """Evict from a bounded tier until it fits, demoting to the next tier down; returns once
-        the victims' files are gone."""
-        if lv.capacity is None or lv.policy is None:
-            return
+    def _pass_down(self, lv: Level, refused: list[Staged]) -> None:
+        """Demotions ``lv`` would not take (a tenant past its quota there, or no room): each goes on
+        to the next tier down that is up, as an eviction from ``lv`` would, or is dropped."""
+        below = self.levels[self.levels.index(lv) + 1 :]
+        for staged in refused:
+            b, data, _ = staged
+            target = next((t for t in below if not t.down and not b.tiers & t.bit), None)
+            if target is not None and not b.tiers & ~(DRAM | lv.bit) and self._staged.get(b) is data:
+                self._queue(target, staged)  # placed there before it leaves lv: never in no tier
+                self._unplaced(lv, b)
+            else:
+                self._unplaced(lv, b)
+                self._release_staged([staged])
+
+    async def _trim(self, lv: Level) -> None:
+        await self._make_room(lv)
+
+    async def _make_room(self, lv: Level, incoming: Sequence[Block] = (), fresh: bool = False) -> list[Block]:
+        """Room in ``lv`` for ``incoming`` (a demotion batch, placed already; or blocks about to be
+        written there, ``fresh`` ones just committed): every tenant past its quota in ``lv`` loses
+        its own blocks first (:meth:`_within_quotas`), then a bounded level evicts until it fits,
+        never a block of a tenant within its quota (each victim demoted to the next tier down, or
+        dropped). Returns the blocks of ``incoming`` that fit, once the victims' copies are gone;
+        the caller leaves the others out of ``lv``."""
+        if lv.policy is None:
+            return list(incoming)
         async with lv.evicting:
-            below = self.levels[self.levels.index(lv) + 1 :]
-            if lv.used - lv.queued_bytes > lv.capacity:
-                self.space.drain_touches()
-            while lv.used - lv.queued_bytes + lv.releasing > lv.capacity:
-                if lv.used - lv.queued_bytes <= lv.capacity:  # deletes in flight make the room
-                    lv.released.clear()
-                    await lv.released.wait()
-                    continue
-                b = pop_victim(lv.policy, lambda x: not x.pinned and x not in self._staged)
-                if b is None:
-                    return
-                self.stats.tier(lv.name, "evictions")
-                target = next((t for t in below if not t.down and not b.tiers & t.bit), None)
-                if target is not None and not b.tiers & ~(DRAM | lv.bit):
-                    buf = np.empty(b.size, dtype=np.uint8)
-                    try:
-                        async with lv.slots:
-                            got = await verified_get(lv.tier, lv.ref(b), buf.data, b.checksum or 0)
-                        if got is not None:
+            keep = list(incoming)
+            out: dict[Block, int] = {}  # refused blocks ``lv`` counts still (placed demotions)
+            if lv.quotas is not None:
+                await self._within_quotas(lv, lv.quotas, keep, out, fresh)
+            if lv.capacity is not None:
+                await self._within_capacity(lv, lv.capacity, keep, out)
+            return keep
+
+    def _refuse(self, lv: Level, b: Block, keep: list[Block], out: dict[Block, int]) -> None:
+        keep.remove(b)
+        if b.tiers & lv.bit:
+            out[b] = lv.sizes.get(b, 0)
+
+    def _evictable(self, lv: Level, ok: Callable[[Block], bool]) -> Block | None:
+        """The policy's next victim in ``lv`` that ``ok`` accepts, and that is not pinned or being
+        written there (out of the policy now); any such block when the policy offers none (a
+        prefix-aware one keeps parents for their children)."""
+        assert lv.policy is not None
+
+        def may(x: Block) -> bool:
+            return not x.pinned and x not in self._staged and ok(x)
+
+        b = pop_victim(lv.policy, may)
+        if b is None:
+            b = next((x for x in lv.sizes if x in lv.policy and may(x)), None)
+            if b is not None:
+                lv.policy.remove(b)
+        return b
+
+    async def _within_quotas(
+        self, lv: Level, quotas: Quotas, keep: list[Block], out: dict[Block, int], fresh: bool
+    ) -> None:
+        """Each tenant of ``keep``, and each past its quota in ``lv``, within its quota there. It
+        counts what ``lv`` holds of it, what is being written there and ``keep``; blocks queued
+        for later batches count in theirs. What goes, in this order: its blocks in ``lv`` that are
+        not in DRAM (colder than anything DRAM holds or has just let go), in the policy's order;
+        then its blocks of ``keep``, oldest first, and its copies of blocks DRAM holds -- the
+        copies first when ``keep`` is ``fresh`` (just committed, the newest there are)."""
+        tenant_of = quotas.tenant
+        incoming = set(keep)
+        for tenant in sorted({tenant_of(b) for b in keep} | set(quotas.over())):
+            if not quotas.quota(tenant):
+                continue
+
+            def own(x: Block, tenant: str = tenant) -> bool:
+                return x not in incoming and tenant_of(x) == tenant
+
+            def cold(x: Block, own: Callable[[Block], bool] = own) -> bool:
+                return own(x) and not x.tiers & DRAM
+
+            while True:
+                mine = [b for b in keep if tenant_of(b) == tenant]
+                new = sum(lv.footprint(b.size, b.ns.label) for b in mine if not b.tiers & lv.bit)
+                gone = sum(n for b, n in out.items() if b.tiers & lv.bit and tenant_of(b) == tenant)
+                if not quotas.excess(tenant, new + lv.reserved[tenant] - gone - lv.queued_by[tenant]):
+                    break
+                victim = self._evictable(lv, cold)
+                if victim is None and (fresh or not mine):
+                    victim = self._evictable(lv, own)
+                if victim is not None:
+                    await self._evict(lv, victim)
+                elif mine:
+                    quotas.refused[tenant] += 1
+                    self._refuse(lv, mine[0], keep, out)
+                else:
+                    break
+
+    async def _within_capacity(self, lv: Level, capacity: int, keep: list[Block], out: dict[Block, int]) -> None:
+        """Evict from a bounded level until what it holds fits ``capacity``, never a block of a
+        tenant within its quota; when nothing may go, the oldest placed blocks of ``keep`` are
+        refused instead."""
+        may = lv.quotas.evictable_for(None) if lv.quotas is not None else (lambda x: True)
+        if lv.used - lv.queued_bytes > capacity:
+            self.space.drain_touches()
+        while True:
+            held = lv.used - lv.queued_bytes - sum(n for b, n in out.items() if b.tiers & lv.bit)
+            if held + lv.releasing <= capacity:
+                return
+            if held <= capacity:  # deletes in flight make the room
+                lv.released.clear()
+                await lv.released.wait()
+                continue
+            victim = self._evictable(lv, may)
+            if victim is not None:
+                await self._evict(lv, victim)
+                continue
+            placed = [b for b in keep if b.tiers & lv.bit]
+            if not placed:
+                return
+            self._refuse(lv, placed[0], keep, out)
+
+    async def _evict(self, lv: Level, b: Block) -> None:
+        """Evict ``b`` (out of ``lv``'s policy already) from ``lv``: when no other tier holds it, its
+        bytes go to the next tier down that is up and takes them (its quotas), else it is dropped."""
+        self.stats.tier(lv.name, "evictions")
+        if lv.quotas is not None:
+            lv.quotas.evictions[lv.quotas.tenant(b)] += 1
+        below = self.levels[self.levels.index(lv) + 1 :]
+        target = next((t for t in below if not t.down and not b.tiers & t.bit), None)
+        if target is not None and not b.tiers & ~(DRAM | lv.bit):
+            buf = np.empty(b.size, dtype=np.uint8)
+            try:
+                async with lv.slots:
+                    got = await verified_get(lv.tier, lv.ref(b), buf.data, b.checksum or 0)
+                if got is not None:
+                    async with self._room(target, [b]) as taken:
+                        if taken:
                             meta = self._meta(target, b)
                             async with target.slots:
                                 await target.tier.put(meta, buf.data)
                             self._placed(target, b)
                             self.stats.tier(lv.name, "demotions")
-                    except Unavailable as exc:
-                        self._mark_down(target, exc)
-                # Unplaced (and dropped if no tier holds it) before the await: a lookup meanwhile
-                # found a visible block in no tier ("internal error: KeyError: 'none'").
-                self._unplaced(lv, b)
-                try:
-                    await lv.tier.delete(lv.ref(b))
-                except Unavailable as exc:
-                    self._mark_down(lv, exc)
+            except Unavailable as exc:
+                self._mark_down(target, exc)
+        # Unplaced (and dropped if no tier holds it) before the await: a lookup meanwhile
+        # found a visible block in no tier ("internal error: KeyError: 'none'").
+        self._unplaced(lv, b)
+        try:
+            await lv.tier.delete(lv.ref(b))
+        except Unavailable as exc:
+            self._mark_down(lv, exc)
+
+    @contextlib.asynccontextmanager
+    async def _room(self, lv: Level, blocks: Sequence[Block], fresh: bool = False) -> AsyncIterator[list[Block]]:
+        """Room in ``lv`` for ``blocks``, about to be written there (:meth:`_make_room`): the blocks
+        that fit, their bytes reserved against their tenants' quotas until the body (which writes
+        and places them) ends."""
+        kept = await self._make_room(lv, blocks, fresh)
+        quotas = lv.quotas
+        held = [(quotas.tenant(b), lv.footprint(b.size, b.ns.label)) for b in kept] if quotas is not None else []
+        for t, n in held:
+            lv.reserved[t] += n
+        try:
+            yield kept
+        finally:
+            for t, n in held:
+                lv.reserved[t] -= n
+                if lv.reserved[t] <= 0:
+                    del lv.reserved[t]
 
     def committed(self, blocks: Sequence[Block]) -> list[asyncio.Future[None]]:
         """Write-through: copy freshly committed blocks to the remote tiers now. Returns the
@@ -446,24 +618,27 @@ class Tiering:
         mask = sum(lv.bit for lv in self.write_through)
         return sum(1 for b in blocks if b.tiers & mask == mask) if mask else 0
 
-    async def _write_through(self, lv: Level, blocks: list[Block]) -> None:
+    async def _write_through(self, lv: Level, pinned: list[Block]) -> None:
         try:
-            views = [self.space.view(b) for b in blocks]
-            await _seal(blocks, views)
-            items = [(self._meta(lv, b), v.data) for b, v in zip(blocks, views)]
-            async with lv.slots:
-                await lv.tier.put_many(items)
-            for b in blocks:
-                if b.ns.blocks.get(b.key) is b:  # not deleted meanwhile
-                    self._placed(lv, b)
-            self.stats.tier(lv.name, "bytes_in", sum(b.size for b in blocks))
+            async with self._room(lv, pinned, fresh=True) as blocks:  # (a tenant past its quota: not all)
+                if not blocks:
+                    return
+                views = [self.space.view(b) for b in blocks]
+                await _seal(blocks, views)
+                items = [(self._meta(lv, b), v.data) for b, v in zip(blocks, views)]
+                async with lv.slots:
+                    await lv.tier.put_many(items)
+                for b in blocks:
+                    if b.ns.blocks.get(b.key) is b:  # not deleted meanwhile
+                        self._placed(lv, b)
+                self.stats.tier(lv.name, "bytes_in", sum(b.size for b in blocks))
         except Unavailable as exc:
             self._mark_down(lv, exc)
         except Exception:
             log.exception("write-through to %s failed", lv.name)
             self.stats.tier(lv.name, "errors")
         finally:
-            for b in blocks:
+            for b in pinned:
                 b.moving -= 1
             self._through_ended.set()
 
