@@ -72,7 +72,7 @@ class ClusterNode:
         self.stats = store.stats.cluster
         for name in COUNTERS:
             self.stats[name] += 0
-        self.server = PeerServer(self, self.cfg.token)
+        self.server = PeerServer(self, self.cfg.token, send_timeout_s=2 * self.cfg.fetch_timeout_s)
         self.max_blocks = config.server.max_batch_blocks
         self._members: dict[str, Member] = {}
         self._clock: tuple[int, float] = (0, 0.0)  # (directory ms, local monotonic) at the last heartbeat
@@ -423,7 +423,7 @@ class ClusterNode:
         if client is None or client.address != m.address:
             if client is not None:
                 client.close()
-            client = self._peers[node] = PeerClient(m.address, self.cfg.token, self.node)
+            client = self._peers[node] = PeerClient(m.address, self.cfg.token, self.node, self.cfg.fetch_timeout_s)
         return client
 
     async def _fetch_group(self, root: bytes, group: list[tuple[Block, PeerBlock]]) -> int:

@@ -3,8 +3,11 @@
 Each connection says hello with the cluster token (compared in constant time) within
 ``HELLO_TIMEOUT_S``, then sends requests (:mod:`kvstore.cluster.peer_wire`). The blocks of a
 request are lent by the node (:class:`Lender`: promoted into DRAM and leased while they are sent)
-and written from their slots with ``sock_sendall``. A malformed request, a wrong token or a broken
-connection ends that connection only; the server keeps serving.
+and written from their slots by blocking ``sendmsg`` calls on an I/O thread
+(:func:`~kvstore.cluster.peer_wire.blocking`; a 64 MiB answer is a few system calls, no event-loop
+round per socket-buffer's worth), within ``send_timeout_s`` (the lease's length: a fetcher that
+stops reading loses the connection before the slots can be reused). A malformed request, a wrong
+token or a broken connection ends that connection only; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ class Lender(Protocol):
 
 
 class PeerServer:
-    def __init__(self, lender: Lender, token: str) -> None:
+    def __init__(self, lender: Lender, token: str, send_timeout_s: float) -> None:
         self.lender = lender
+        self.send_timeout_s = send_timeout_s
         self._token = token.encode()
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
@@ -150,7 +154,8 @@ class PeerServer:
             answer = w.answer_head([(data.nbytes, checksum) for checksum, data in blocks])
             # (a 1-D uint8 array is a buffer; numpy's stubs do not say so before Python 3.12)
             payload = [memoryview(data) for _, data in blocks]  # type: ignore[arg-type]
-            await w.send_all(conn, [memoryview(answer), *payload])
+            async with asyncio.timeout(self.send_timeout_s):
+                await w.blocking(conn, _send, conn, [memoryview(answer), *payload], self.send_timeout_s)
         finally:
             done()
         self.served_blocks += len(blocks)
@@ -170,3 +175,12 @@ class PeerServer:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+def _send(conn: socket.socket, buffers: list[memoryview], timeout_s: float) -> None:
+    """Send an answer on an I/O thread: ``conn`` blocking while it does, back to the loop's after."""
+    w.set_blocking(conn, timeout_s)
+    try:
+        w.send_buffers(conn, buffers)
+    finally:
+        conn.setblocking(False)

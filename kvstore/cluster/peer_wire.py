@@ -1,8 +1,14 @@
 """The peer data path's wire format: what one node sends another to fetch blocks.
 
-A raw TCP stream, not gRPC: block bytes go from the holder's DRAM slots (one ``sendmsg`` of the
-slots' memoryviews, :func:`send_all`) straight into the fetcher's slots (``sock_recv_into``), with
-no message to build or parse around them (``kvstore bench cluster`` measures both ways).
+A raw TCP stream, not gRPC: block bytes go from the holder's DRAM slots (blocking ``sendmsg`` of
+the slots' memoryviews, as few calls as the kernel takes, :func:`send_buffers`) straight into the
+fetcher's slots (blocking ``recv_into`` with ``MSG_WAITALL``, one call a block,
+:func:`recv_into_all`), with no message to build or parse around them (``kvstore bench cluster``
+measures both ways). The payload moves on an I/O thread (:func:`blocking`), not through the event
+loop: the loop's way (a non-blocking call, then a wait for readiness and a callback each time the
+socket buffer runs dry) costs a loop round per 64-200 KiB, which on a busy host is most of a
+fetch's CPU. The deadline stays the loop's: when it passes, the socket is shut down, which ends
+the thread's call at once.
 
     hello    fetcher -> holder   "KVP1" u16 token length, u16 node-id length, token, node id
              holder -> fetcher   "OK\\0\\0" (or the connection closes: a wrong token)
@@ -18,8 +24,14 @@ each block straight into the slot it has for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
 
 MAGIC = b"KVP1"
 WELCOME = b"OK\0\0"
@@ -30,6 +42,9 @@ ENTRY = struct.Struct("<QQ")  # size, checksum
 ROOT_BYTES = KEY_BYTES = 32
 MAX_TOKEN = MAX_NODE = 1024
 IOV_MAX = 512  # buffers handed to one sendmsg (Linux allows 1024)
+IO_THREADS = 16  # payloads moving at once, per process (a fetch or an answer holds one while it moves)
+_io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-peer-io")
+_TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 
 
 class PeerProtocolError(ConnectionError):
@@ -50,21 +65,44 @@ def answer_head(blocks: list[tuple[int, int]]) -> bytes:
     return COUNT.pack(len(blocks)) + b"".join(ENTRY.pack(size, c) for size, c in blocks)
 
 
-async def send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
-    """Send ``buffers`` in order, as few ``sendmsg`` calls as the socket takes (non-blocking, on the
-    running loop): a run of small blocks goes in one system call, not one per block."""
-    loop = asyncio.get_running_loop()
+async def blocking(sock: socket.socket, call: Callable[..., T], *args: object) -> T:
+    """``call(*args)``, blocking I/O on ``sock``, on an I/O thread. Cancelled (a deadline passed,
+    the server closing), it shuts ``sock`` down, which ends the thread's call, and returns only
+    once the thread is done: the caller's buffers (slots) are never freed under a thread that
+    still reads or writes them. ``sock`` is then unusable: the caller closes it."""
+    fut = asyncio.get_running_loop().run_in_executor(_io, call, *args)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        while not fut.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([fut])
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the cancellation is what the caller hears of
+        raise
+
+
+def set_blocking(sock: socket.socket, timeout_s: float) -> None:
+    """Make ``sock`` blocking, each call bounded by the kernel at ``timeout_s`` (``SO_RCVTIMEO``,
+    ``SO_SNDTIMEO``): a thread never blocks for ever even if nobody shuts the socket down."""
+    sock.setblocking(True)
+    sec = max(0.001, timeout_s)
+    tv = _TIMEVAL.pack(int(sec), int((sec % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
+    """Send ``buffers`` in order on a blocking socket: one ``sendmsg`` takes up to ``IOV_MAX`` of
+    them and returns once the kernel has them all (or its timeout passed: the rest goes next)."""
     views = [b for b in buffers if len(b)]
     i = 0
     while i < len(views):
-        try:
-            sent = sock.sendmsg(views[i : i + IOV_MAX])
-        except BlockingIOError:
-            sent = 0
-        if sent == 0:  # the send buffer is full: wait for it with the rest of this buffer
-            await loop.sock_sendall(sock, views[i])
-            i += 1
-            continue
+        sent = sock.sendmsg(views[i : i + IOV_MAX])
+        if sent == 0:
+            raise ConnectionError("peer stopped taking bytes")
         while sent:
             n = len(views[i])
             if sent >= n:
@@ -73,6 +111,24 @@ async def send_all(sock: socket.socket, buffers: list[memoryview]) -> None:
             else:
                 views[i] = views[i][sent:]
                 sent = 0
+
+
+def recv_into_all(sock: socket.socket, into: memoryview) -> None:
+    """Fill ``into`` from a blocking socket, in one ``recv_into`` (``MSG_WAITALL``) unless a
+    signal or the timeout cuts it; EOF first is an error."""
+    view = into
+    while view:
+        n = sock.recv_into(view, 0, socket.MSG_WAITALL)
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        view = view[n:]
+
+
+def recv_all(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes from a blocking socket."""
+    buf = bytearray(n)
+    recv_into_all(sock, memoryview(buf))
+    return bytes(buf)
 
 
 async def recv_exactly(sock: socket.socket, into: memoryview) -> None:

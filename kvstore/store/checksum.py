@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 from collections.abc import Sequence
@@ -24,12 +23,6 @@ _pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvstore-hash")
 
 def checksum(data: Bytes) -> int:
     return xxhash.xxh3_64_intdigest(data)  # type: ignore[arg-type]  # an ndarray is a buffer (numpy says so for 3.12+)
-
-
-def checksum_soon(data: Bytes) -> asyncio.Future[int]:
-    """The checksum of one buffer, computed on the hash threads (a block hashed while the next
-    one arrives); the caller must not free the buffer before the future is done."""
-    return asyncio.get_running_loop().run_in_executor(_pool, checksum, data)
 
 
 def _checksums(views: Sequence[Bytes], a: int, b: int) -> list[int]:
