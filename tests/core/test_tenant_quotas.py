@@ -4,6 +4,7 @@ knows another's keys can neither read, evict, delete nor probe for them. Real si
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,10 +13,11 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVStoreClient
-from kvstore.errors import ResourceExhausted
+from kvstore.config import QUOTA_TIERS, load_config
+from kvstore.errors import ConfigError, ResourceExhausted
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.tenants import salt_tag
+from kvstore.store.tenants import Tenants, salt_tag
 from tests.conftest import small_config
 
 BLOCK = 16 * 1024  # 4 to a 64 KiB page: the slab holds 16
@@ -111,3 +113,42 @@ async def test_tenants_are_on_stats_and_metrics(env: tuple[Sidecar, KVStoreClien
     a = salt_tag("tenant-a")
     assert f'kvstore_tenant_bytes{{tenant="{a}",tier="dram"}} {float(2 * BLOCK)}' in text
     assert f'kvstore_tenant_quota_bytes{{tenant="{a}",tier="dram"}} {float(QUOTA_A)}' in text
+
+
+# ---- configuration -------------------------------------------------------------------------------
+
+
+def test_every_tier_takes_a_quota_from_the_file_and_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    toml = tmp_path / "kvstore.toml"
+    toml.write_text('[tenants]\ndram_quota_bytes = 100\ndram_quotas = {"tenant-a" = 7}\nssd_quota_bytes = 200\n'
+                    's3_quotas = {"tenant-b" = 9}\n')
+    monkeypatch.setenv("KVSTORE_TENANTS__REDIS_QUOTA_BYTES", "300")
+    monkeypatch.setenv("KVSTORE_TENANTS__SSD_QUOTAS", '{"tenant-a": 0}')
+    t = load_config(toml).tenants
+    assert [t.quota(tier) for tier in QUOTA_TIERS] == [
+        (100, {"tenant-a": 7}), (200, {"tenant-a": 0}), (300, {}), (0, {"tenant-b": 9})]
+    tenants = Tenants.from_config(t)
+    assert sorted(tenants.by_tier) == ["dram", "redis", "s3", "ssd"]
+    ssd = tenants.by_tier["ssd"]
+    assert ssd.quota(salt_tag("tenant-a")) == 0 and ssd.quota(salt_tag("tenant-c")) == 200  # 0: exempt
+
+
+@pytest.mark.parametrize(("overrides", "named"), [
+    ({"tenants.ssd_quota_bytes": -1}, "tenants.ssd_quota_bytes"),
+    ({"tenants.redis_quotas": {"tenant-a": -5}}, "tenants.redis_quotas"),
+    ({"tenants.s3_quotas": {"tenant-a": "lots"}}, "tenants.s3_quotas.tenant-a"),
+    ({"tenants.nvme_quota_bytes": 1}, "tenants.nvme_quota_bytes"),
+])
+def test_a_bad_quota_is_refused_at_start_naming_its_key(
+    tmp_path: Path, overrides: dict[str, object], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        small_config(tmp_path, **overrides)
+
+
+def test_a_bad_quota_table_in_the_environment_is_refused_naming_its_section(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSTORE_TENANTS__SSD_QUOTAS", "{tenant-a: 1}")  # not JSON
+    with pytest.raises(ConfigError, match='field "tenants"'):
+        load_config()
