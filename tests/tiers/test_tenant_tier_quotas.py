@@ -3,7 +3,7 @@ a tenant within its quota keeps its blocks however another floods the tier; a te
 quota loses its own oldest blocks first; the per-tier figures are on /stats and /metrics and are
 rebuilt from the blocks' headers at restart; a tenant that knows another's keys can neither read,
 evict, delete nor probe the blocks it holds below DRAM. Real sidecar over gRPC, an SSD directory,
-redis-server, moto's S3."""
+redis-server (single and a 3-node Redis Cluster), moto's S3."""
 
 from __future__ import annotations
 
@@ -166,18 +166,21 @@ async def test_ssd_quotas_are_rebuilt_from_the_block_headers_at_restart(tmp_path
 # ---- Redis and S3: a cap per tenant on what kvstore writes there ---------------------------------
 
 
-@pytest.fixture(params=["redis", "s3"])
+@pytest.fixture(params=["redis", "redis-cluster", "s3"])
 def remote(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
     """Overrides for a sidecar with a write-through remote tier (and no SSD)."""
     if request.param == "redis":
         srv = request.getfixturevalue("redis_clean")
         over = {"redis.enabled": True, "redis.url": srv.url, "redis.chunk_bytes": 65536}
+    elif request.param == "redis-cluster":
+        srv = request.getfixturevalue("cluster_clean")
+        over = {"redis.enabled": True, "redis.cluster": True, "redis.url": srv.url, "redis.chunk_bytes": 65536}
     else:
         srv = request.getfixturevalue("moto_clean")
         request.getfixturevalue("aws_env")
         over = {"s3.enabled": True, "s3.endpoint_url": srv.url}
-    return {"ssd.enabled": False, "tiering.write_through": [request.param], "tiering.chain": [request.param],
-            **over, "_tier": request.param}
+    tier = "s3" if request.param == "s3" else "redis"
+    return {"ssd.enabled": False, "tiering.write_through": [tier], "tiering.chain": [tier], **over, "_tier": tier}
 
 
 def remote_config(tmp_path: Path, remote: dict[str, Any], **overrides: Any) -> tuple[Config, str]:
