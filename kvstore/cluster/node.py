@@ -82,6 +82,7 @@ class ClusterNode:
         self._stale: list[tuple[bytes, bytes, str]] = []
         self._unheld: set[tuple[bytes, bytes]] = set()  # keys peers asked for that this node does not hold
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False  # the loops end at their next turn (a cancellation can be lost: close)
         self._warn = Throttled(log)
 
     # --- life cycle -------------------------------------------------------------------------
@@ -111,6 +112,12 @@ class ClusterNode:
         from kvstore.store.remote import NoRemote
 
         self.store.remote = NoRemote()
+        # Cancelled, and told to end: a cancellation can be lost. On Python 3.11 asyncio.wait_for,
+        # which redis-py's asyncio client runs every socket write under, returns the write's result
+        # instead of raising CancelledError when the cancel lands in the loop pass in which the
+        # write finished (CPython gh-86296, fixed in 3.12); the heartbeat or publisher that lost
+        # it went on to its next turn, and this await of it never returned (a sidecar's stop hung).
+        self._closing = True
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -183,7 +190,7 @@ class ClusterNode:
 
     async def _heartbeats(self) -> None:
         interval = self.cfg.heartbeat_ms / 1000.0
-        while True:
+        while not self._closing:
             await asyncio.sleep(interval)
             await self._heartbeat()
 
@@ -210,7 +217,7 @@ class ClusterNode:
 
     async def _publisher(self) -> None:
         interval = self.cfg.publish_interval_ms / 1000.0
-        while True:
+        while not self._closing:
             await asyncio.sleep(interval)
             await self.flush()
 

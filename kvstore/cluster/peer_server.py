@@ -54,6 +54,7 @@ class PeerServer:
         self._accepting: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._pending: dict[asyncio.Task[None], None] = {}  # before their hello, oldest first
+        self._closing = False  # connections end after the request in hand (a cancellation can be lost)
         self._warn = Throttled(log)
         self.port = 0
         self.refused = 0  # connections dropped: wrong token, bad request, too many
@@ -108,7 +109,7 @@ class PeerServer:
             if node is None:
                 self.refused += 1
                 return
-            while True:
+            while not self._closing:
                 if not await self._answer(conn):
                     return
         except w.PeerProtocolError as exc:
@@ -162,6 +163,9 @@ class PeerServer:
         return True
 
     async def close(self) -> None:
+        # (a connection's task that lost its cancellation, see ClusterNode.close, ends after the
+        # request it was answering instead of waiting up to IDLE_TIMEOUT_S for the next one)
+        self._closing = True
         if self._accepting is not None:
             self._accepting.cancel()
             with contextlib.suppress(asyncio.CancelledError):

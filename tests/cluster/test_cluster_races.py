@@ -412,3 +412,85 @@ async def test_records_republished_after_a_directory_loss_are_deleted_by_a_stale
                 await asyncio.sleep(0.1)
                 await b.cluster._heartbeat()  # B's next heartbeat: A is a member again
                 assert (await cb.lookup(ns, keys)).matched == 2, "B deleted A's re-published records"
+
+
+async def stops(sc: Sidecar) -> bool:
+    """Stop ``sc``: whether its stop returned within a minute (it takes well under a second). A
+    bound that makes a hang fail the test, not a timing assertion. (Not asyncio.timeout: a stop
+    that awaits its tasks under ``suppress(CancelledError)`` swallows that deadline's cancel.)"""
+    stopping = asyncio.create_task(sc.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=60)
+    if stopping in done:
+        stopping.result()
+    return stopping in done
+
+
+# --- 11 ----------------------------------------------------------------------------------------
+# DEFECT: a sidecar's stop could hang forever in ClusterNode.close (node.py, "await t" of its
+# heartbeat and publisher tasks). A cancellation can be lost: on Python 3.11 asyncio.wait_for,
+# which redis-py runs every socket write under, returns the write's result instead of raising
+# CancelledError when the cancel lands in the loop pass in which the write finished (CPython
+# gh-86296). The heartbeat went on to its next turn ("while True") and close() awaited it for
+# ever; seen as this file's run sitting idle in a fixture's teardown until pytest-timeout. The
+# directory call here loses the cancellation the same way, every time.
+async def test_a_heartbeat_that_loses_its_cancellation_hangs_the_stop(tmp_path: Path, directory: RedisServer) -> None:
+    async with Sidecar(node_config(tmp_path, "a", directory)) as a:
+        assert a.cluster is not None
+        real = a.cluster.directory.heartbeat
+        entered, lost = asyncio.Event(), asyncio.Event()
+
+        async def losing(*args: Any) -> Any:
+            out = await real(*args)
+            if not entered.is_set():
+                entered.set()
+                try:
+                    await asyncio.get_running_loop().create_future()  # until stop() cancels the heartbeat
+                except asyncio.CancelledError:
+                    lost.set()  # ... and the call returns its result as if it had not been
+            return out
+
+        a.cluster.directory.heartbeat = losing  # type: ignore[method-assign]
+        tasks = list(a.cluster._tasks)
+        await asyncio.wait_for(entered.wait(), 10)
+        assert await stops(a), "the stop waits for ever for the heartbeat that lost its cancellation"
+        assert lost.is_set() and all(t.done() for t in tasks)
+
+
+# --- 12 ----------------------------------------------------------------------------------------
+# DEFECT: the same on the peer data path: PeerServer.close (peer_server.py) cancels each
+# connection's task and awaits it. A connection whose lend lost its cancellation (promoting from a
+# Redis tier goes through redis-py's writes too) answered that request and then waited for the
+# fetcher's next one, up to IDLE_TIMEOUT_S (made an hour here: the wait is unbounded in effect),
+# and the holder's stop with it.
+async def test_a_peer_connection_that_loses_its_cancellation_hangs_the_holders_stop(
+    tmp_path: Path, directory: RedisServer, ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstore.cluster import peer_server
+
+    monkeypatch.setattr(peer_server, "IDLE_TIMEOUT_S", 3600.0)
+    async with Sidecar(node_config(tmp_path, "a", directory)) as a, \
+            Sidecar(node_config(tmp_path, "b", directory, **{"cluster.fetch_timeout_s": 600.0})) as b:
+        await asyncio.sleep(0.25)
+        assert a.cluster is not None
+        keys, data = keys_for(ns, 2, seed=33), blocks(2, seed=33)
+        async with client_of(a) as ca, client_of(b) as cb:
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            real_lend = a.cluster.lend
+            entered, lost = asyncio.Event(), asyncio.Event()
+
+            async def losing_lend(root: bytes, ks: Any) -> Any:
+                if not entered.is_set():
+                    entered.set()
+                    try:
+                        await asyncio.get_running_loop().create_future()  # until stop() cancels the connection
+                    except asyncio.CancelledError:
+                        lost.set()
+                return await real_lend(root, ks)
+
+            a.cluster.lend = losing_lend  # type: ignore[method-assign,assignment]
+            fetch = asyncio.create_task(cb.get_blocks(ns, keys, verify=True))
+            await asyncio.wait_for(entered.wait(), 10)
+            assert await stops(a), "the holder's stop waits for the fetcher's next request"
+            assert lost.is_set()
+            got = await fetch  # the request in hand was answered
+            assert [bytes(g) for g in got] == [bytes(d) for d in data]
