@@ -61,8 +61,8 @@ async def client(sidecar: Sidecar) -> AsyncIterator[KVStoreClient]:
 def serve_process(tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
     started: list[ServeProcess] = []
 
-    def start(args: list[str], env: dict[str, str] | None = None) -> ServeProcess:
-        p = ServeProcess(args, env)
+    def start(args: list[str], env: dict[str, str] | None = None, **kw: Any) -> ServeProcess:
+        p = ServeProcess(args, env, **kw)
         started.append(p)
         return p
 

@@ -21,14 +21,17 @@ REPO = Path(__file__).resolve().parents[2]
 class ServeProcess:
     """Starts ``kvstore serve ARGS`` and waits for its ready line (bound addresses as JSON)."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None,
+                 entry: tuple[str, ...] = ("-m", "kvstore", "serve")) -> None:
+        """``entry``: what the interpreter runs before ``args`` (a test's ``-c`` wrapper around
+        ``kvstore.cli.main``, say)."""
         # stderr (structured logs) goes to a file: a pipe nobody reads would block the server.
         # closed in stop(); read after the process is gone
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
             "w+", prefix="kvstore-serve-", suffix=".log", delete=False
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore", "serve", *args],
+            [sys.executable, *entry, *args],
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,

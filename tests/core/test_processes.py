@@ -155,30 +155,18 @@ sys.exit(main(["serve", *sys.argv[1:]]))
 """
 
 
-def test_a_stuck_shutdown_is_ended_by_the_watchdog_with_its_stacks(tmp_path):
+def test_a_stuck_shutdown_is_ended_by_the_watchdog_with_its_stacks(serve_process, tmp_path):
     """SIGTERM, then a drain that never ends: past shutdown_grace_s + shutdown_watchdog_s the
     sidecar logs the step it stuck in and every task's stack, unlinks its slab and exits 70."""
     cfg = tmp_path / "kvstore.toml"
     cfg.write_text(f'data_dir = "{tmp_path / "d"}"\n[server]\ngrpc_address = "127.0.0.1:0"\n'
                    'http_address = "127.0.0.1:0"\nshutdown_grace_s = 0.1\nshutdown_watchdog_s = 1.0\n'
                    f"[dram]\ncapacity_bytes = {16 << 20}\n[ssd]\nenabled = true\n")
-    log = tmp_path / "serve.log"
-    with open(log, "w") as err:
-        p = subprocess.Popen([sys.executable, "-c", STUCK_SERVE, "--config", str(cfg)], stdout=subprocess.PIPE,
-                             stderr=err, text=True, cwd=REPO)
-        try:
-            assert p.stdout is not None
-            ready = json.loads(p.stdout.readline())
-            run_py(WRITER, ready["grpc"])
-            p.send_signal(signal.SIGTERM)
-            code = p.wait(60)
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
-    text = log.read_text()
+    sc = serve_process(["--config", str(cfg)], entry=("-c", STUCK_SERVE))
+    ready = sc.ready
+    run_py(WRITER, sc.grpc)
+    code = sc.stop(signal.SIGTERM)
+    text = sc.logs()
     assert code == 70, text[-3000:]
     assert "shutdown did not finish within 1 s (stuck in: finishing tier moves and closing the tiers)" in text, text
     tasks = text.split("--- asyncio task", 1)[-1]
