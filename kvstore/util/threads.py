@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -18,11 +18,30 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)] if n else []
 
 
+class _Once(Generic[T]):
+    """A call that lets go of what it calls as it starts. A pool's worker holds its work item
+    until after the item's future is done, so the caller may resume while the worker still
+    references the call and the buffers bound into it (the slab's views: a slab closed right
+    after an Acquire's hashing could not release its mapping, "cannot close exported pointers
+    exist", in one call of six)."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._fn: Callable[[], T] | None = fn
+
+    def __call__(self) -> T:
+        fn, self._fn = self._fn, None
+        assert fn is not None, "called twice"
+        return fn()
+
+
 async def in_threads(executor: Executor, calls: Sequence[Callable[[], T]]) -> list[T]:
     """Run blocking calls on ``executor``. They read into and write from the caller's buffers,
-    so this returns (or raises, or is cancelled) only once every one of them has finished."""
+    so this returns (or raises, or is cancelled) only once every one of them has finished, and
+    no worker references them any more."""
     loop = asyncio.get_running_loop()
-    futs = [loop.run_in_executor(executor, c) for c in calls]
+    futs = [loop.run_in_executor(executor, _Once(c)) for c in calls]
     if not futs:
         return []
     try:

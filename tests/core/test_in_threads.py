@@ -1,0 +1,53 @@
+"""kvstore.util.threads.in_threads: once it returns, no worker references the caller's buffers.
+
+A ThreadPoolExecutor's worker drops its work item only after the item's future is done, so the
+caller could resume while the worker still held the call and the views bound into it: a slab
+closed right after an Acquire's hashing (dram.verify_local_reads) kept its mapping exported, and
+the segment's SharedMemory.__del__ later failed "cannot close exported pointers exist". Here an
+executor that keeps every call it ran, for as long as it lives, stands for that worker."""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+
+from kvstore.store.checksum import checksum
+from kvstore.util.threads import in_threads
+
+
+class KeepingExecutor(ThreadPoolExecutor):
+    """A pool that keeps a reference to every call submitted to it."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.kept: list[Callable[..., Any]] = []
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        self.kept.append(fn)
+        return super().submit(fn, *args, **kwargs)
+
+
+def _sums(views: list[np.ndarray]) -> list[int]:
+    return [checksum(v) for v in views]
+
+
+async def test_the_buffers_handed_to_threads_are_let_go_when_it_returns() -> None:
+    shm = shared_memory.SharedMemory(name=f"kvstore-test-{uuid.uuid4().hex[:8]}", create=True, size=1 << 16)
+    try:
+        mem = np.frombuffer(shm.buf, dtype=np.uint8)
+        mem[:] = 7
+        views = [mem[i : i + 4096] for i in range(0, 1 << 16, 4096)]
+        with KeepingExecutor() as pool:
+            parts = await in_threads(pool, [functools.partial(_sums, views[:8]), functools.partial(_sums, views[8:])])
+            assert [c for part in parts for c in part] == [checksum(np.full(4096, 7, np.uint8))] * 16
+            assert len(pool.kept) == 2
+            del mem, views
+            shm.close()  # raises BufferError while any view of the mapping is referenced
+    finally:
+        shm.unlink()
