@@ -391,26 +391,22 @@ class Tiering:
         written = False
         live: list[tuple[Block, np.ndarray]] = []
         try:
-            for b, _, _ in batch:
-                lv.dequeue(b)
-            kept = set(await self._make_room(lv, [b for b, _, _ in batch]))  # counted already
-            refused = [s for s in batch if s[0] not in kept]
-            if refused:
-                batch = [s for s in batch if s[0] in kept]
-                self._pass_down(lv, refused)
-            # (what a delete took meanwhile is not written at all)
-            live = [(b, d) for b, d, _ in batch if b.tiers & lv.bit and b.ns.blocks.get(b.key) is b]
-            lv.putting.update(b for b, _ in live)
-            items = [(self._meta(lv, b), d.data) for b, d in live]
-            async with lv.slots:
-                await lv.tier.put_many(items)
-            self.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
-            written = True
-        except Unavailable as exc:
-            self._mark_down(lv, exc)
-        except Exception:
-            log.exception("demotion of %d blocks to %s failed", len(batch), lv.name)
-            self.stats.tier(lv.name, "errors")
+            with self._failures(lv, f"demotion of {len(batch)} blocks to"):
+                for b, _, _ in batch:
+                    lv.dequeue(b)
+                kept = set(await self._make_room(lv, [b for b, _, _ in batch]))  # counted already
+                refused = [s for s in batch if s[0] not in kept]
+                if refused:
+                    batch = [s for s in batch if s[0] in kept]
+                    self._pass_down(lv, refused)
+                # (what a delete took meanwhile is not written at all)
+                live = [(b, d) for b, d, _ in batch if b.tiers & lv.bit and b.ns.blocks.get(b.key) is b]
+                lv.putting.update(b for b, _ in live)
+                items = [(self._meta(lv, b), d.data) for b, d in live]
+                async with lv.slots:
+                    await lv.tier.put_many(items)
+                self.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
+                written = True
         finally:
             lv.putting.difference_update(b for b, _ in live)
             doomed = {b: lv.doomed.pop(b) for b, _ in live if b in lv.doomed}
@@ -620,23 +616,19 @@ class Tiering:
 
     async def _write_through(self, lv: Level, pinned: list[Block]) -> None:
         try:
-            async with self._room(lv, pinned, fresh=True) as blocks:  # (a tenant past its quota: not all)
-                if not blocks:
-                    return
-                views = [self.space.view(b) for b in blocks]
-                await _seal(blocks, views)
-                items = [(self._meta(lv, b), v.data) for b, v in zip(blocks, views)]
-                async with lv.slots:
-                    await lv.tier.put_many(items)
-                for b in blocks:
-                    if b.ns.blocks.get(b.key) is b:  # not deleted meanwhile
-                        self._placed(lv, b)
-                self.stats.tier(lv.name, "bytes_in", sum(b.size for b in blocks))
-        except Unavailable as exc:
-            self._mark_down(lv, exc)
-        except Exception:
-            log.exception("write-through to %s failed", lv.name)
-            self.stats.tier(lv.name, "errors")
+            with self._failures(lv, f"write-through of {len(pinned)} blocks to"):
+                async with self._room(lv, pinned, fresh=True) as blocks:  # (a tenant past its quota: not all)
+                    if not blocks:
+                        return
+                    views = [self.space.view(b) for b in blocks]
+                    await _seal(blocks, views)
+                    items = [(self._meta(lv, b), v.data) for b, v in zip(blocks, views)]
+                    async with lv.slots:
+                        await lv.tier.put_many(items)
+                    for b in blocks:
+                        if b.ns.blocks.get(b.key) is b:  # not deleted meanwhile
+                            self._placed(lv, b)
+                    self.stats.tier(lv.name, "bytes_in", sum(b.size for b in blocks))
         finally:
             for b in pinned:
                 b.moving -= 1
@@ -814,15 +806,24 @@ class Tiering:
         once its delete has ended, however it ended."""
         for lv, (refs, nbytes) in copies.items():
             try:
-                await lv.tier.delete_many(refs)
-            except Unavailable as exc:
-                self._mark_down(lv, exc)
-            except Exception:
-                log.exception("deleting %d blocks from %s failed", len(refs), lv.name)
-                self.stats.tier(lv.name, "errors")
+                with self._failures(lv, f"deleting {len(refs)} blocks from"):
+                    await lv.tier.delete_many(refs)
             finally:
                 lv.releasing -= nbytes
                 lv.released.set()
+
+    @contextlib.contextmanager
+    def _failures(self, lv: Level, what: str) -> Iterator[None]:
+        """A background call to ``lv`` (a demotion, a write-through, a delete) that fails: a tier
+        out of reach is marked down; any other failure is logged ("``what`` ``lv.name`` failed")
+        and counted in the tier's errors. Nobody awaits these calls for their outcome."""
+        try:
+            yield
+        except Unavailable as exc:
+            self._mark_down(lv, exc)
+        except Exception:
+            log.exception("%s %s failed", what, lv.name)
+            self.stats.tier(lv.name, "errors")
 
     async def _probe_down_tiers(self) -> None:
         probe = BlockRef(NamespaceRoot(bytes(32)), BlockKey(bytes(32)))
