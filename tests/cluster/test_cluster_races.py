@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +53,33 @@ def node_config(tmp_path: Path, name: str, directory: RedisServer, **extra: Any)
     )
 
 
+async def eventually(check: Callable[[], bool | Awaitable[bool]], what: str, bound_s: float = 30.0) -> None:
+    """Wait until ``check()`` holds (it may be async). It does within a few heartbeats; the bound
+    is for a loaded machine, not a timing assertion: past it the test fails naming ``what``."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        got = check()
+        if await got if inspect.isawaitable(got) else got:
+            return
+        assert time.monotonic() < deadline, f"not within {bound_s} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+def sees(sc: Sidecar, *nodes: str) -> bool:
+    """Whether ``sc``'s last members read has every one of ``nodes`` live."""
+    assert sc.cluster is not None
+    return set(nodes) <= {m.node for m in sc.cluster.live_members()}
+
+
+async def met(a: Sidecar, b: Sidecar) -> None:
+    """Until a heartbeat each has shown both nodes the other."""
+    await eventually(lambda: sees(a, "b") and sees(b, "a"), "both nodes see the other")
+
+
 @pytest.fixture
 async def pair(tmp_path: Path, directory: RedisServer) -> AsyncIterator[tuple[Sidecar, Sidecar]]:
     async with Sidecar(node_config(tmp_path, "a", directory)) as a, Sidecar(node_config(tmp_path, "b", directory)) as b:
-        await asyncio.sleep(0.25)  # a heartbeat each: both see the other
+        await met(a, b)
         yield a, b
 
 
@@ -242,9 +267,11 @@ async def test_the_records_of_a_node_that_left_are_never_cleaned_up(
 # script silently re-creates the member entry (its HSET says the field was new, nobody looks), so
 # every record of a live node is gone for good.
 async def test_a_directory_that_lost_its_data_is_never_repopulated(tmp_path: Path, ns: Namespace) -> None:
+    patient = {"cluster.directory_timeout_s": 30.0}  # no call fails for a loaded machine's sake
     with redis_server() as own:
-        async with Sidecar(node_config(tmp_path, "a", own)) as a, Sidecar(node_config(tmp_path, "b", own)) as b:
-            await asyncio.sleep(0.25)
+        async with Sidecar(node_config(tmp_path, "a", own, **patient)) as a, \
+                Sidecar(node_config(tmp_path, "b", own, **patient)) as b:
+            await met(a, b)
             assert a.cluster is not None and b.cluster is not None
             keys, data = keys_for(ns, 2, seed=25), blocks(2, seed=25)
             async with client_of(a) as ca, client_of(b) as cb:
@@ -252,10 +279,13 @@ async def test_a_directory_that_lost_its_data_is_never_repopulated(tmp_path: Pat
                 assert (await cb.lookup(ns, keys)).matched == 2
                 with redis.Redis(host="127.0.0.1", port=own.port) as r:
                     r.flushdb()  # the members hash and every record gone, no connection broken
-                await asyncio.sleep(0.5)  # several heartbeats of each node: both members again
-                assert {m.node for m in b.cluster.live_members()} == {"a", "b"}
+
+                async def offered() -> bool:
+                    return (await cb.lookup(ns, keys)).matched == 2
+
+                await eventually(offered, "A is live and holds them; the directory forgot")
+                assert sees(b, "a", "b")
                 assert a.cluster.stats["directory_errors"] == 0  # nobody saw a failure
-                assert (await cb.lookup(ns, keys)).matched == 2, "A is live and holds them; the directory forgot"
 
 
 # --- 6 -----------------------------------------------------------------------------------------
@@ -328,7 +358,7 @@ async def test_a_peer_block_larger_than_any_local_slot_fails_acquire_and_leaks(
     big = {"dram.page_bytes": 262144, "dram.capacity_bytes": 4 * 262144}
     async with Sidecar(node_config(tmp_path, "a", directory, **big)) as a, \
             Sidecar(node_config(tmp_path, "b", directory)) as b:
-        await asyncio.sleep(0.25)
+        await met(a, b)
         keys = keys_for(ns, 2, seed=29)
         data = [blocks(1, seed=29)[0], blocks(1, seed=30, size=128 * 1024)[0]]
         async with client_of(a) as ca, client_of(b) as cb:
@@ -360,7 +390,7 @@ async def test_a_holder_too_busy_to_promote_loses_its_directory_record(
            "ssd.direct_io": False}
     async with Sidecar(node_config(tmp_path, "a", directory, **ssd)) as a, \
             Sidecar(node_config(tmp_path, "b", directory)) as b:
-        await asyncio.sleep(0.25)
+        await met(a, b)
         assert a.store is not None and a.cluster is not None
         keys, data = keys_for(ns, 2, seed=31), blocks(2, seed=31)
         async with client_of(a) as ca, client_of(b) as cb:
@@ -397,17 +427,16 @@ async def test_records_republished_after_a_directory_loss_are_deleted_by_a_stale
         async with Sidecar(node_config(tmp_path, "a", own)) as a, \
                 Sidecar(node_config(tmp_path, "b", own, **{"cluster.heartbeat_ms": 2000,
                                                           "cluster.lease_ms": 5000})) as b:
-            await asyncio.sleep(0.5)
+            await met(a, b)
             assert a.cluster is not None and b.cluster is not None
             keys, data = keys_for(ns, 2, seed=32), blocks(2, seed=32)
             async with client_of(a) as ca, client_of(b) as cb:
                 await ca.put_blocks(ns, keys, data, wait_published=True)
                 with redis.Redis(host="127.0.0.1", port=own.port) as r:
                     r.flushdb()
-                await b.cluster._heartbeat()  # B reads the members first: only itself
-                await asyncio.sleep(0.3)  # A's heartbeat: its entry and records are back
-                with redis.Redis(host="127.0.0.1", port=own.port) as r:
-                    assert r.hgetall(dir_key(a, ns, keys[0])) != {}  # re-published
+                    await b.cluster._heartbeat()  # B reads the members first: only itself
+                    # A's heartbeat: its entry and records are back
+                    await eventually(lambda: r.hgetall(dir_key(a, ns, keys[0])) != {}, "A re-published")
                 await cb.lookup(ns, keys)  # B, with its view from before A came back
                 await asyncio.sleep(0.1)
                 await b.cluster._heartbeat()  # B's next heartbeat: A is a member again
@@ -470,7 +499,7 @@ async def test_a_peer_connection_that_loses_its_cancellation_hangs_the_holders_s
     monkeypatch.setattr(peer_server, "IDLE_TIMEOUT_S", 3600.0)
     async with Sidecar(node_config(tmp_path, "a", directory)) as a, \
             Sidecar(node_config(tmp_path, "b", directory, **{"cluster.fetch_timeout_s": 600.0})) as b:
-        await asyncio.sleep(0.25)
+        await met(a, b)
         assert a.cluster is not None
         keys, data = keys_for(ns, 2, seed=33), blocks(2, seed=33)
         async with client_of(a) as ca, client_of(b) as cb:
