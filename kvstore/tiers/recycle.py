@@ -87,9 +87,14 @@ class FreeFiles:
             try:
                 os.replace(path, dest)
             except FileNotFoundError:
-                if self.dir.is_dir():
-                    raise  # the block's file is gone
-                private_dir(self.dir)  # the first give (made here, not at start: an unused tier stays bare)
+                # Which one was missing: the block's file (gone), or the pool's directory (the first
+                # gives: made here, not at start, so an unused tier stays bare). Not "is the
+                # directory there now": a concurrent first give may have made it since, and this
+                # block's file was then taken for gone and left where it was, on disk but counted
+                # nowhere (a deleted block that a restart would bring back).
+                if not os.path.lexists(path):
+                    raise
+                private_dir(self.dir)
                 os.replace(path, dest)
         except FileNotFoundError:
             with self._lock:

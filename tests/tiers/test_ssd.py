@@ -334,6 +334,37 @@ async def test_recycling_off_unlinks_deleted_files(tmp_path: Path, block):
     assert _files(tier.root) == [] and tier.recycled_bytes == 0
 
 
+async def test_a_delete_racing_the_first_free_file_still_moves_its_file(
+    tmp_path: Path, block, monkeypatch: pytest.MonkeyPatch
+):
+    """The pool's directory is made by the first delete that gives a file to it. Two first gives
+    at once (two batches deleted by two threads): one's rename fails for want of the directory,
+    the other makes it before the first looks again. That file is not gone: it is moved into the
+    pool all the same, not left on disk counted nowhere (a deleted block a restart would bring
+    back: more on disk than used + recycled, which test_concurrent_puts_and_deletes_keep_the_books
+    asserts against, a race that explains its one failure under load)."""
+    tier = SsdTier(tmp_path / "ssd", 8 * FILE_BYTES)
+    meta, data = block(40, SIZE)
+    await tier.put_many([(meta, data)])
+    real_replace = os.replace
+
+    def other_give_meanwhile(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        try:
+            real_replace(src, dst)
+        except FileNotFoundError:
+            (tier.root / ".free").mkdir(mode=0o700, exist_ok=True)  # the other first give made it
+            raise
+
+    monkeypatch.setattr(os, "replace", other_give_meanwhile)
+    await tier.delete_many([meta.ref])
+    monkeypatch.undo()
+    assert not tier.path_of(meta.ref).exists() and not await tier.contains(meta.ref)
+    assert tier.used_bytes == 0 and tier.recycled_bytes == FILE_BYTES
+    assert [p.parent.name for p in _files(tier.root)] == [".free"]
+    assert [m async for m in SsdTier(tmp_path / "ssd", 8 * FILE_BYTES).scan()] == []  # a restart finds no block
+    await tier.close()
+
+
 async def test_concurrent_puts_and_deletes_keep_the_books(tmp_path: Path, block):
     """Batches written and deleted at the same time (several worker threads taking and giving
     free files): afterwards the files on disk are exactly the blocks plus the free pool, within
