@@ -17,6 +17,13 @@ A record is offered only while its node's lease runs and its incarnation is the 
 a node that restarts is a new incarnation, and every record of its past life is void at once.
 Stale fields cost a miss (and are deleted by whoever meets them), never a wrong block: the fetch
 checks the bytes against the record's checksum.
+
+A lease that ran out ends that incarnation too, though its process lives on (paused, cut off from
+the directory, its heartbeat late): another node may have deleted its records meanwhile, as void.
+So the heartbeat that renews a lapsed lease gives the node a new incarnation (:data:`HEARTBEAT`,
+decided in the server's clock, atomically with the renewal), and the node publishes everything it
+holds again under it. A deletion is a compare-and-delete (:data:`FORGET`): it removes only the
+record that was read, never one written since (a new incarnation's).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import RedisError
@@ -36,14 +43,26 @@ _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum 
 ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
 
 # KEYS[1] the members hash; ARGV: node id, address, incarnation, lease ms, forget-after ms.
-# Returns the server's time (ms), every member's entry, and 1 when this node's entry was not
-# there (a new member, or a directory that lost its data); drops entries long expired.
+# Returns the server's time (ms), every member's entry, 1 when this node's entry was not there (a
+# new member, or a directory that lost its data), and the incarnation written: the one given, or a
+# later one when this node's entry is of that incarnation and its lease had run out (in the
+# server's clock: anyone who read the members since may have deleted that life's records as void).
+# Drops entries long expired.
 HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local created = 0
+local incarnation = tonumber(ARGV[3])
 if ARGV[1] ~= '' then
-  created = redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. '|' .. ARGV[3] .. '|' .. (now + tonumber(ARGV[4])))
+  local entry = redis.call('HGET', KEYS[1], ARGV[1])
+  if entry then
+    local inc, expiry = string.match(entry, '|(%d+)|(%d+)$')
+    if tonumber(inc) == incarnation and tonumber(expiry) < now then
+      incarnation = math.max(now, incarnation + 1)
+    end
+  end
+  created = redis.call('HSET', KEYS[1], ARGV[1],
+    ARGV[2] .. '|' .. string.format('%.0f', incarnation) .. '|' .. string.format('%.0f', now + tonumber(ARGV[4])))
 end
 local all = redis.call('HGETALL', KEYS[1])
 local out = {}
@@ -56,7 +75,13 @@ for i = 1, #all, 2 do
     out[#out + 1] = all[i + 1]
   end
 end
-return {now, out, created}
+return {now, out, created, string.format('%.0f', incarnation)}
+"""
+# KEYS[1] a block's directory key; ARGV: node id, the record read. Deletes that node's field only
+# while it still holds that record: a record written since (a new incarnation's) stays.
+FORGET = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
+return 0
 """
 FORGET_AFTER_MS = 3_600_000  # a member silent this long leaves the members hash
 
@@ -86,6 +111,15 @@ class Member:
     address: str  # HOST:PORT of its peer data path
     incarnation: int
     expiry_ms: int  # in the directory server's clock
+
+
+class Beat(NamedTuple):
+    """A heartbeat's answer."""
+
+    now_ms: int  # the directory server's time
+    members: dict[str, Member]
+    created: bool  # this node's entry was not there (a new member, or a directory that lost its data)
+    incarnation: int  # this node's incarnation now: a later one when its lease had run out
 
 
 def parse_members(entries: Sequence[Any]) -> dict[str, Member]:
@@ -141,18 +175,15 @@ class Directory:
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
 
-    async def heartbeat(
-        self, address: str, incarnation: int, lease_ms: int
-    ) -> tuple[int, dict[str, Member], bool]:
-        """Renew this node's lease; the directory's time (ms), every member, and whether this
-        node's entry had to be created (it was not there)."""
+    async def heartbeat(self, address: str, incarnation: int, lease_ms: int) -> Beat:
+        """Renew this node's lease (see :data:`HEARTBEAT`)."""
         try:
-            now, entries, created = await self._heartbeat(
+            now, entries, created, written = await self._heartbeat(
                 keys=[self.members_key], args=[self.node, address, incarnation, lease_ms, FORGET_AFTER_MS]
             )
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
-        return int(now), parse_members(entries), bool(created)
+        return Beat(int(now), parse_members(entries), bool(created), int(written))
 
     async def leave(self) -> None:
         """Take this node out of the members now (a clean stop); its records die with it."""
@@ -188,9 +219,10 @@ class Directory:
             out.append(holders)
         return out
 
-    async def forget(self, stale: Sequence[tuple[bytes, bytes, str]]) -> None:
-        """Delete records (root, key, node) found void (a dead incarnation, a holder without it)."""
-        await self._pipeline([("HDEL", self.key(r, k), n.encode()) for r, k, n in stale])
+    async def forget(self, stale: Sequence[tuple[bytes, bytes, str, Record]]) -> None:
+        """Delete records (root, key, node, record) found void (a past incarnation's), each only
+        while the directory still holds that record (:data:`FORGET`)."""
+        await self._pipeline([("EVAL", FORGET, 1, self.key(r, k), n.encode(), rec.pack()) for r, k, n, rec in stale])
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -10,7 +10,9 @@ Three jobs, all on the event loop:
 - **Membership.** A heartbeat every ``heartbeat_ms`` renews this node's lease and reads every
   member's (:data:`kvstore.cluster.directory.HEARTBEAT`). A record counts only while its node's
   lease runs in the directory's clock (estimated here from the last heartbeat) and its incarnation
-  is the node's current one.
+  is the node's current one. A heartbeat that renews a lease which had run out gives this node a
+  new incarnation (others may have deleted the old one's records meanwhile): it re-publishes
+  everything it holds under that one.
 - **Find and fetch.** A lookup that ends short of the request asks the directory about the rest
   (one pipeline). A block in a shared tier this node has (Redis, S3) joins the local index as
   placed there (the movers read and verify it as any promotion); a block only another node holds
@@ -79,7 +81,7 @@ class ClusterNode:
         self._up = False
         self._peers: dict[str, PeerClient] = {}
         self._waiters: list[asyncio.Future[None]] = []
-        self._stale: list[tuple[bytes, bytes, str]] = []
+        self._stale: list[tuple[bytes, bytes, str, Record]] = []
         self._unheld: set[tuple[bytes, bytes]] = set()  # keys peers asked for that this node does not hold
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False  # the loops end at their next turn (a cancellation can be lost: close)
@@ -156,32 +158,43 @@ class ClusterNode:
             return None
         return m
 
-    def _void(self, node: str, rec: Record, now_ms: float) -> bool:
-        """Whether a record not offered (its node not live in it) can be deleted: its node's lease
-        ran out, or the node lives a later life. A node missing from the members may have joined
-        (or re-joined a directory that lost its data) since this node's last heartbeat: not void."""
+    def _void(self, node: str, rec: Record) -> bool:
+        """Whether a record not offered (its node not live in it) can be deleted: its node lives a
+        later life, or that life's lease had run out when this node last read the members (a fact
+        in the directory's clock, not this node's estimate of it: a lease renewed in time, read
+        late here, is not void; one renewed after it ran out is a new incarnation, see
+        :data:`~kvstore.cluster.directory.HEARTBEAT`). A node missing from the members may have
+        joined (or re-joined a directory that lost its data) since this node's last heartbeat, and
+        a record of a later life than the members say is news this node has not heard: not void."""
         m = self._members.get(node)
         if m is None:  # left cleanly (it took its records along), forgotten, or not yet seen: leave it
             return False
-        return m.expiry_ms <= now_ms or m.incarnation > rec.incarnation
+        if m.incarnation != rec.incarnation:
+            return m.incarnation > rec.incarnation
+        return m.expiry_ms < self._clock[0]
 
     async def _heartbeat(self) -> None:
         was_up = self._up
         try:
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 sent = time.monotonic()
-                now, members, created = await self.directory.heartbeat(
-                    self.address, self.incarnation, self.cfg.lease_ms
-                )
-            self._clock = (now, (sent + time.monotonic()) / 2)
-            self._members = members
+                beat = await self.directory.heartbeat(self.address, self.incarnation, self.cfg.lease_ms)
+            self._clock = (beat.now_ms, (sent + time.monotonic()) / 2)
+            self._members = beat.members
             self._up = True
             self.stats["heartbeats"] += 1
-            if self.stats["heartbeats"] > 1 and (not was_up or created):
+            if beat.incarnation != self.incarnation:
+                # the lease had run out (a pause, a cut, a late heartbeat, with or without a call
+                # failing): a new life, whose records nobody has deleted as void
+                log.warning("cluster lease of node %s had run out; incarnation %d now (was %d), re-publishing "
+                            "what this node holds", self.node, beat.incarnation, self.incarnation)
+                self.incarnation = beat.incarnation
+                self._republish_all()
+            elif self.stats["heartbeats"] > 1 and (not was_up or beat.created):
                 # back after calls failed, or back without a word (restarted, failed over: our own
                 # member entry was gone): either way what it held may be gone
                 log.info("cluster directory is back%s; re-publishing what this node holds",
-                         " and had lost this node's entry" if created else "")
+                         " and had lost this node's entry" if beat.created else "")
                 self._republish_all()
         except (Unavailable, TimeoutError) as exc:
             self._up = False
@@ -321,8 +334,8 @@ class ClusterNode:
                 m = self._live(node, rec, now)
                 if m is not None:
                     live.append((m, rec))
-                elif self._void(node, rec, now):
-                    self._stale.append((ns.root, key, node))  # a dead or departed node's, or its past life's
+                elif self._void(node, rec):
+                    self._stale.append((ns.root, key, node, rec))  # a past life's, or a lapsed lease's
                 if rec.tiers & SHARED and rec.checksum and shared is None:
                     shared = rec
             if not peers and shared is not None and index.get(ns, key) is None and slab.holds(shared.size):

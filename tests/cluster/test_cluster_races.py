@@ -523,3 +523,59 @@ async def test_a_peer_connection_that_loses_its_cancellation_hangs_the_holders_s
             assert lost.is_set()
             got = await fetch  # the request in hand was answered
             assert [bytes(g) for g in got] == [bytes(d) for d in data]
+
+
+# --- 13 ----------------------------------------------------------------------------------------
+# DEFECT: a node whose lease ran out while none of its calls failed (its heartbeat late: a paused
+# process, a link cut while the heartbeat's request was on its way, a loaded machine) lost its
+# records for good. A node that met them meanwhile deleted them as void (_void, node.py: "expiry
+# <= now"); the late heartbeat then renewed the lease without an error, so the holder (up all
+# along, its member entry still there) never published them again. Seen as
+# test_cluster_hosts.py's link cut failing once lookups were faster (B never found A's blocks
+# again: 257 tries). Re-publishing after a lapse is not enough: a node whose members view is a
+# heartbeat old still takes the re-published records for the lapsed lease's (step 3 below).
+async def test_a_lease_that_ran_out_while_its_node_lived_loses_its_records_for_good(
+    tmp_path: Path, ns: Namespace
+) -> None:
+    patient = {"cluster.directory_timeout_s": 30.0}  # no call fails for a loaded machine's sake
+    slow = {"cluster.heartbeat_ms": 2000, "cluster.lease_ms": 5000}  # B's view: read when the test says
+    with redis_server() as own:
+        async with Sidecar(node_config(tmp_path, "a", own, **patient)) as a, \
+                Sidecar(node_config(tmp_path, "b", own, **patient, **slow)) as b:
+            await met(a, b)
+            assert a.cluster is not None and b.cluster is not None
+            keys, data = keys_for(ns, 2, seed=34), blocks(2, seed=34)
+            async with client_of(a) as ca, client_of(b) as cb:
+                await ca.put_blocks(ns, keys, data, wait_published=True)
+                assert (await cb.lookup(ns, keys)).matched == 2
+                real, gate = a.cluster.directory.heartbeat, asyncio.Event()
+
+                async def late(*args: Any) -> Any:
+                    await gate.wait()
+                    return await real(*args)
+
+                a.cluster.directory.heartbeat = late  # type: ignore[method-assign]
+                members, k0 = a.cluster.directory.members_key, dir_key(a, ns, keys[0])
+                with redis.Redis(host="127.0.0.1", port=own.port) as r:
+
+                    def lapsed() -> bool:
+                        secs, micros = r.time()
+                        return int(r.hget(members, "a").rsplit(b"|", 1)[1]) < secs * 1000 + micros // 1000
+
+                    await eventually(lapsed, "A's lease ran out in the directory's clock")
+                    # 1. B reads the members (A's lease out) and meets A's records: void, deleted
+                    await b.cluster._heartbeat()
+                    assert (await cb.lookup(ns, keys)).matched == 0
+                    await b.cluster.flush()
+                    assert r.hgetall(k0) == {}
+                    # 2. A's heartbeat goes through, late, without an error
+                    gate.set()
+                    await eventually(lambda: r.hgetall(k0) != {}, "A published its records again")
+                    # 3. B, its members view still from before A's renewal, meets them again
+                    await cb.lookup(ns, keys)  # a miss until B hears of A's new life
+                    await b.cluster.flush()
+                    assert r.hgetall(k0) != {}, "B deleted A's re-published records with its stale view"
+                await b.cluster._heartbeat()
+                assert (await cb.lookup(ns, keys)).matched == 2
+                got = await cb.get_blocks(ns, keys, verify=True)
+                assert [bytes(g) for g in got] == [bytes(d) for d in data]

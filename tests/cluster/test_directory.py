@@ -1,0 +1,71 @@
+"""The directory's scripts on a real redis-server and a real 3-node Redis Cluster: a deletion
+removes only the record it read (FORGET), and a heartbeat that renews a lease which had run out
+gives the node a new incarnation (HEARTBEAT)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from redis.asyncio import Redis, RedisCluster
+
+from kvstore.cluster.directory import Directory, Record
+from kvstore.testing.servers import redis_cluster, redis_server
+
+
+@pytest.fixture(scope="module", params=["redis", "redis-cluster"])
+def directory_url(request: pytest.FixtureRequest) -> Iterator[tuple[str, bool]]:
+    if request.param == "redis":
+        with redis_server() as server:
+            yield server.url, False
+    else:
+        with redis_cluster(3) as cluster:
+            yield cluster.url, True
+
+
+@pytest.fixture
+async def directory(directory_url: tuple[str, bool], request: pytest.FixtureRequest) -> AsyncIterator[Directory]:
+    url, clustered = directory_url
+    client = RedisCluster.from_url(url) if clustered else Redis.from_url(url)
+    d = Directory(client, f"t{abs(hash(request.node.nodeid)) % 10**8}", "x")
+    try:
+        yield d
+    finally:
+        await d.close()
+
+
+ROOT = bytes(range(16))
+
+
+async def test_forget_deletes_only_the_record_it_read(directory: Directory) -> None:
+    keys = [bytes([i]) * 32 for i in range(8)]  # spread over the cluster's slots
+    read = Record(5, 1, 4096, 77)
+    await directory.publish([(ROOT, k, read) for k in keys], [])
+    rewritten = keys[1::2]  # written again since it was read: a new incarnation's record
+    await directory.publish([(ROOT, k, Record(6, 1, 4096, 77)) for k in rewritten], [])
+    await directory.forget([(ROOT, k, "x", read) for k in keys])
+    found = await directory.find(ROOT, keys)
+    assert [f.get("x") for f in found] == [None if k not in rewritten else Record(6, 1, 4096, 77) for k in keys]
+
+
+async def server_ms(d: Directory) -> int:
+    secs, micros = await d.client.time()
+    return int(secs) * 1000 + int(micros) // 1000
+
+
+async def test_a_lease_renewed_after_it_ran_out_is_a_new_incarnation(directory: Directory) -> None:
+    first = await directory.heartbeat("10.0.0.1:1", 1000, 60_000)
+    assert (first.created, first.incarnation) == (True, 1000)
+    in_time = await directory.heartbeat("10.0.0.1:1", 1000, 1)  # renewed while the lease ran: the same life
+    assert (in_time.created, in_time.incarnation) == (False, 1000)
+    expiry = in_time.members["x"].expiry_ms
+    while await server_ms(directory) <= expiry:  # the 1 ms lease runs out (in the server's clock)
+        await asyncio.sleep(0.005)
+    late = await directory.heartbeat("10.0.0.1:1", 1000, 60_000)
+    assert late.incarnation > expiry and not late.created
+    assert late.members["x"].incarnation == late.incarnation
+    again = await directory.heartbeat("10.0.0.1:1", late.incarnation, 60_000)
+    assert again.incarnation == late.incarnation
+    restarted = await directory.heartbeat("10.0.0.1:1", late.incarnation + 7, 60_000)  # another life's entry
+    assert restarted.incarnation == late.incarnation + 7
