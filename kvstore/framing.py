@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from kvstore.errors import KVStoreError, from_status_code
 from kvstore.v1 import kvstore_pb2 as pb
@@ -100,10 +100,16 @@ def request_frame(name: str, request: Message) -> bytes:
 
 
 def response(name: str, status: int, payload: bytes) -> Any:
-    """The call's response message, or its error raised as the one gRPC would give."""
+    """The call's response message, or its error raised as the one gRPC would give (an OK answer
+    that is not a ``<name>Response``: INTERNAL, as a gRPC client's failure to deserialize one)."""
     if status:
         raise from_status_code(STATUS.get(status, grpc.StatusCode.UNKNOWN), payload.decode("utf-8", "replace"))
-    return getattr(pb, f"{name}Response").FromString(payload)
+    try:
+        return getattr(pb, f"{name}Response").FromString(payload)
+    except DecodeError as exc:
+        raise from_status_code(
+            grpc.StatusCode.INTERNAL, f"local socket: the {name} answer cannot be decoded ({exc})"
+        ) from None
 
 
 def unavailable(path: str, exc: BaseException) -> KVStoreError:

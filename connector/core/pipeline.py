@@ -29,7 +29,7 @@ from typing import Any
 from google.protobuf.message import Message
 
 from kvstore.client import DEFAULT_TIMEOUT_S
-from kvstore.client.local_channel import LocalChannel
+from kvstore.client.local_channel import LocalChannel, after_failure, within_limit
 from kvstore.errors import KVStoreError
 from kvstore.framing import (  # the wire format, one place
     read_frame,
@@ -81,30 +81,63 @@ class Pipeline:
 
     def send(self, name: str, request: Message, then: Then | None = None) -> Call:
         """Send one call; its answer goes to ``then`` when read, else waits for :meth:`result`.
-        A call that cannot be sent is done at once, with its error."""
+        A call that cannot be sent is done at once, with its error. As the blocking client's
+        (:mod:`kvstore.client.local_channel`): a call over the sidecar's limit is refused before
+        any of it is sent; one whose sending fails gets the answer the sidecar wrote before it
+        closed, if one waits in the socket; it is sent once more only when nothing of it went out
+        on a connection opened before (a restarted sidecar), else it fails ``Unavailable``."""
         call = Call(name, then)
         frame = request_frame(name, request)
         with self._lock:
             self.poll()
             while len(self._pending) >= MAX_PENDING:
                 self._read_next()
-            for attempt in (0, 1):  # a connection that broke while idle (a restarted sidecar): once more
-                reused = self._sock is not None
+            for attempt in (0, 1):
+                reused, sent = self._sock is not None, False
                 try:
                     if self._sock is None:
                         self._sock = self._open()
-                    self._sock.sendall(frame)
+                    within_limit(frame, self._opener._limit)
+                    n = self._sock.send(frame)
+                    sent = True
+                    self._sock.sendall(memoryview(frame)[n:])
                     break
                 except OSError as exc:
-                    self._broken(exc)
-                    if not (reused and attempt == 0):
-                        self._finish(call, None, unavailable(self.path, exc))
+                    try:
+                        answer = self._send_failed(exc, reused and attempt == 0 and not sent)
+                    except KVStoreError as error:
+                        self._finish(call, None, error)
+                        return call
+                    if answer is not None:
+                        self._answer(call, *answer)
                         return call
                 except KVStoreError as exc:
                     self._finish(call, None, exc)
                     return call
             self._pending.append(call)
         return call
+
+    def _send_failed(self, exc: OSError, idle_break: bool) -> tuple[int, bytes] | None:
+        """A send failed with ``exc``: the connection is dropped, and the calls in flight on it
+        get the answers that wait in its socket (the sidecar wrote them before it closed), the
+        rest ``Unavailable``. What the failed call comes to is
+        :func:`~kvstore.client.local_channel.after_failure`'s decision: the answer after theirs,
+        None to send it again, or ``Unavailable`` raised."""
+        sock, self._sock = self._sock, None  # (an answer's callback that sends opens a new one)
+        pending, self._pending = self._pending, deque()
+        try:
+            if sock is not None and not isinstance(exc, TimeoutError):
+                sock.setblocking(False)  # what the sidecar wrote before it closed is in the socket already
+                while pending:
+                    try:
+                        status, payload = read_frame(sock)
+                    except OSError:
+                        break
+                    self._answer(pending.popleft(), status, payload)
+            # (an answer before the failed call's is missing: so is its own)
+            return after_failure(self.path, None if pending else sock, exc, idle_break)
+        finally:
+            self._drop(sock, pending, exc)
 
     def result(self, call: Call) -> Any:
         """The call's response (read now if it has not been); raises its error."""
@@ -137,7 +170,6 @@ class Pipeline:
                 self._read_next()
 
     def _read_next(self) -> None:
-        call = self._pending[0]
         try:
             if self._sock is None:  # calls are pending only on an open socket; treat a lost one as broken
                 raise ConnectionResetError("local socket closed with answers pending")
@@ -145,11 +177,17 @@ class Pipeline:
         except OSError as exc:
             self._broken(exc)
             return
-        self._pending.popleft()
+        self._answer(self._pending.popleft(), status, payload)
+
+    def _answer(self, call: Call, status: int, payload: bytes) -> None:
+        """``call`` is done with the answer read for it: its response or its error (the sidecar's,
+        or INTERNAL for an answer that cannot be decoded)."""
         try:
-            self._finish(call, response(call.name, status, payload), None)
+            answer = response(call.name, status, payload)
         except KVStoreError as exc:
             self._finish(call, None, exc)
+        else:
+            self._finish(call, answer, None)
 
     def _finish(self, call: Call, response: Any, error: KVStoreError | None) -> None:
         call.response, call.error, call.done = response, error, True
@@ -159,8 +197,11 @@ class Pipeline:
     def _broken(self, exc: OSError) -> None:
         """The connection is gone: close it and fail every call in flight on it."""
         sock, self._sock = self._sock, None
-        self._opener._drop(sock)  # closes it
         pending, self._pending = self._pending, deque()
+        self._drop(sock, pending, exc)
+
+    def _drop(self, sock: socket.socket | None, pending: deque[Call], exc: OSError) -> None:
+        self._opener._drop(sock)  # closes it
         for call in pending:
             self._finish(call, None, unavailable(self.path, exc))
 

@@ -4,8 +4,13 @@ when the engine asks, and the worker's lease releases sent without waiting for t
 
 from __future__ import annotations
 
+import socket
+import struct
+import threading
 import time
+from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches, stored
@@ -14,9 +19,16 @@ from connector.core import SchedulerConnector, WorkerConnector
 from connector.core.finders import LeaseFinder
 from connector.core.pipeline import Pipeline, PipelineSlot
 from kvstore.client import SyncClient, namespace_pb
-from kvstore.errors import InvalidArgument, Unavailable
+from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
 from kvstore.keys import Namespace
+from kvstore.testing.sidecar import ServeProcess
 from kvstore.v1 import kvstore_pb2 as pb
+from tests.connector.conftest import serve_args
+from tests.core.raw_frames import raw_server, recv_call, send_answer
+
+SMALL_LIMIT = 1 << 20
+OVERSIZE = pb.EchoRequest(payload=b"x" * (4 << 20))  # over SMALL_LIMIT, and over what a socket's buffers hold
+UNDECODABLE = b"\xff"  # an OK answer whose message cannot be parsed
 
 
 def leases(client: SyncClient) -> int:
@@ -180,3 +192,140 @@ def test_releases_that_fail_are_counted_when_their_answers_come(client, sidecar_
     worker.close()
     assert worker.stats["release.unavailable"] == 1
     slot.close()
+
+
+# --- the local socket's rules, as the blocking and asyncio clients follow them ------------------
+# (kvstore.client.local_channel: refused before sending when over the sidecar's limit; after a
+# failed send, the answer waiting in the socket; sent again only when none of it went out)
+
+
+def hello(conn: socket.socket, limit: int = 0) -> None:
+    """A stand-in sidecar's hello: OK, with the longest call frame it takes (0: none given, as an
+    older sidecar's hello)."""
+    recv_call(conn)
+    send_answer(conn, 0, struct.pack(">I", limit) if limit else b"")
+
+
+def echoed(payload: bytes) -> bytes:
+    return pb.EchoResponse(payload=payload).SerializeToString()
+
+
+def test_a_call_over_the_sidecars_limit_is_refused_before_it_is_sent(tmp_path: Path) -> None:
+    """RESOURCE_EXHAUSTED, as the sidecar (and a gRPC client) would give; nothing reaches the
+    sidecar and the connection serves the next call (it was sent, failed on EPIPE, sent again on
+    a new connection and failed UNAVAILABLE)."""
+    sc = ServeProcess(serve_args(tmp_path / "d"), env={"KVSTORE_SERVER__MAX_MESSAGE_BYTES": str(SMALL_LIMIT)})
+    try:
+        with SyncClient(sc.grpc) as client:
+            slot = PipelineSlot(client)
+            pipe = slot.get()
+            assert pipe is not None
+            sock = pipe._sock
+            call = pipe.send("Echo", OVERSIZE)
+            assert call.done and isinstance(call.error, ResourceExhausted)
+            assert "server.max_message_bytes" in str(call.error)
+            assert pipe._sock is sock
+            assert pipe.result(pipe.send("Echo", pb.EchoRequest(payload=b"next"))).payload == b"next"
+            assert "RESOURCE_EXHAUSTED" not in client.stats()["errors"]
+            slot.close()
+    finally:
+        sc.stop()
+
+
+def test_a_failed_send_reads_the_answers_waiting_and_is_not_sent_again(tmp_path: Path) -> None:
+    """An older sidecar (no limit at hello) refuses the second call on its length and closes while
+    it is being sent: the first call gets its answer, the second the refusal, and neither is sent
+    again (it used to fail both UNAVAILABLE and send the second once more on a new connection)."""
+
+    def refuse_the_second(conn: socket.socket) -> None:
+        hello(conn)
+        recv_call(conn)
+        send_answer(conn, 0, echoed(b"first"))
+        conn.recv(4, socket.MSG_WAITALL)  # the second's length, refused as the sidecar does
+        send_answer(conn, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], b"frame: too long")
+
+    path = str(tmp_path / "s.sock")
+    with raw_server(path, refuse_the_second) as accepted:
+        pipe = Pipeline(path)
+        try:
+            first = pipe.send("Echo", pb.EchoRequest(payload=b"first"))
+            second = pipe.send("Echo", OVERSIZE)
+            assert second.done and isinstance(second.error, ResourceExhausted), second.error
+            assert pipe.result(first).payload == b"first"
+            assert len(accepted) == 1
+        finally:
+            pipe.close()
+
+
+def test_a_connection_broken_while_idle_sends_the_call_again_and_learns_the_new_limit(tmp_path: Path) -> None:
+    """The sidecar restarted with a lower limit: nothing of the call went out on the old
+    connection, so it goes on a new one, whose hello refuses it before it is sent."""
+    closed = threading.Event()
+
+    def restarted(conn: socket.socket) -> None:
+        if len(accepted) == 1:  # the first sidecar: one call, then gone
+            hello(conn)
+            recv_call(conn)
+            send_answer(conn, 0, echoed(b"one"))
+            conn.shutdown(socket.SHUT_RDWR)
+            closed.set()
+        else:  # the restarted one: a lower limit, and refused on the length as the sidecar does
+            hello(conn, SMALL_LIMIT)
+            conn.recv(4, socket.MSG_WAITALL)
+            send_answer(conn, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], b"frame: too long")
+
+    path = str(tmp_path / "s.sock")
+    with raw_server(path, restarted) as accepted:
+        pipe = Pipeline(path)
+        try:
+            assert pipe.result(pipe.send("Echo", pb.EchoRequest(payload=b"one"))).payload == b"one"
+            assert closed.wait(10)
+            call = pipe.send("Echo", OVERSIZE)
+            assert call.done and isinstance(call.error, ResourceExhausted), call.error
+            assert "server.max_message_bytes" in str(call.error)  # the client's own refusal
+            assert len(accepted) == 2
+        finally:
+            pipe.close()
+
+
+class _Slot:
+    """A :class:`PipelineSlot` that always has ``pipe``."""
+
+    def __init__(self, pipe: Pipeline) -> None:
+        self.pipe = pipe
+
+    def get(self) -> Pipeline:
+        return self.pipe
+
+    def close(self) -> None:
+        self.pipe.close()
+
+
+def test_an_answer_that_cannot_be_decoded_is_an_internal_error_and_the_connector_recomputes(tmp_path: Path) -> None:
+    """It used to raise protobuf's DecodeError out of the pipeline, leaving the call at the head
+    of the queue (every later answer went to it) and the worker's drain raising."""
+
+    def garbled(conn: socket.socket) -> None:
+        hello(conn)
+        while (call := recv_call(conn)) is not None:
+            send_answer(conn, 0, echoed(b"fine") if call[0] == "Echo" else UNDECODABLE)
+
+    path = str(tmp_path / "s.sock")
+    with raw_server(path, garbled) as accepted:
+        pipe = Pipeline(path)
+        bad = pipe.send("Lookup", pb.LookupRequest())
+        fine = pipe.send("Echo", pb.EchoRequest())
+        with pytest.raises(KVStoreError, match="Lookup answer cannot be decoded") as info:
+            pipe.result(bad)
+        assert info.value.code == grpc.StatusCode.INTERNAL
+        assert pipe.result(fine).payload == b"fine"  # the next answer is its own call's
+        slot = _Slot(pipe)
+        sched = SchedulerConnector(None, NS, SPEC, finder=LeaseFinder(None, slot))  # type: ignore[arg-type]
+        sched.on_new_request("r", PROMPT)
+        assert sched.get_num_new_matched_tokens("r", PROMPT, 0) == 0  # recompute
+        assert sched.stats["lookup.error"] == 1
+        worker = WorkerConnector(None, NS, SPEC, pipeline=slot)  # type: ignore[arg-type]
+        worker._tell_sidecar([("r", "release", "lease-1"), ("r", "touch", [b"k" * 32])])
+        assert worker.stats["release.error"] == 1 and worker.stats["touch.error"] == 1
+        worker.close()
+        assert len(accepted) == 1

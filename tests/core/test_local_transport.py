@@ -16,6 +16,7 @@ import stat
 import struct
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -33,7 +34,7 @@ from kvstore.errors import (
 from kvstore.framing import socket_path
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.v1 import kvstore_pb2 as pb
-from tests.core.raw_frames import recv_frame, send_frame
+from tests.core.raw_frames import raw_server, recv_call, recv_frame, send_answer, send_frame
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
 ARGS = ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--dram-bytes", str(8 << 20)]
@@ -363,3 +364,41 @@ async def test_async_call_that_times_out_is_not_sent_again(tmp_path: Path):
         for w in writers:  # server.close() leaves accepted connections open (the one that timed out too)
             w.close()
         await server.wait_closed()
+
+
+def _garbled(conn: socket.socket) -> None:
+    """A stand-in sidecar whose Lookup answers are OK but not a LookupResponse (an Echo's are)."""
+    recv_call(conn)
+    send_answer(conn, 0)
+    while (call := recv_call(conn)) is not None:
+        send_answer(conn, 0, pb.EchoResponse(payload=b"fine").SerializeToString() if call[0] == "Echo" else b"\xff")
+
+
+def test_an_answer_that_cannot_be_decoded_is_an_internal_error(tmp_path: Path):
+    """INTERNAL naming the method, as a gRPC client's failure to deserialize a response (it was
+    protobuf's bare DecodeError); the connection serves the next call."""
+    path = str(tmp_path / "s.sock")
+    with raw_server(path, _garbled) as accepted:
+        channel = LocalChannel(path)
+        try:
+            with pytest.raises(KVStoreError, match="Lookup answer cannot be decoded") as info:
+                channel.call("Lookup", pb.LookupRequest())
+            assert info.value.code == grpc.StatusCode.INTERNAL and not info.value.retryable
+            assert channel.call("Echo", pb.EchoRequest()).payload == b"fine"
+            assert len(accepted) == 1
+        finally:
+            channel.close()
+
+
+async def test_async_answer_that_cannot_be_decoded_is_an_internal_error(tmp_path: Path):
+    path = str(tmp_path / "s.sock")
+    with raw_server(path, _garbled) as accepted:
+        channel = AsyncLocalChannel(path)
+        try:
+            with pytest.raises(KVStoreError, match="Lookup answer cannot be decoded") as info:
+                await channel.call("Lookup", pb.LookupRequest())
+            assert info.value.code == grpc.StatusCode.INTERNAL
+            assert (await channel.call("Echo", pb.EchoRequest())).payload == b"fine"
+            assert len(accepted) == 1
+        finally:
+            await channel.aclose()
