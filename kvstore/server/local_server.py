@@ -84,7 +84,8 @@ class LocalServer:
         self._context = _Context()
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: dict[asyncio.Task[None], socket.socket] = {}  # each connection's task: its socket
+        self._closing = False  # the loops end at their next turn (a cancellation can be lost: close)
         self._refused_warning = Throttled(log)
         self._accept_warning = Throttled(log)
 
@@ -107,6 +108,16 @@ class LocalServer:
         self._accepting = asyncio.create_task(self._accept_loop(listener), name="kvstore-local-accept")
 
     async def close(self) -> None:
+        # Cancelled, and told to end: a cancellation can be lost. On Python 3.11 asyncio.wait_for,
+        # which redis-py runs every socket write under (a call that promotes from a Redis tier),
+        # returns the write's result instead of raising CancelledError when the cancel lands in
+        # the loop pass in which the write finished (CPython gh-86296, fixed in 3.12). A connection
+        # whose handler lost it answers the call in hand and ends at the loop's next turn; one
+        # asleep in its idle read (which has no deadline) is woken by its socket's shutdown.
+        self._closing = True
+        for conn in self._connections.values():
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RD)
         tasks = [t for t in (self._accepting, *self._connections) if t is not None]
         for t in tasks:
             t.cancel()
@@ -120,7 +131,7 @@ class LocalServer:
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         backoff = _ACCEPT_BACKOFF_MIN
-        while True:
+        while not self._closing:
             try:
                 conn, _ = await loop.sock_accept(listener)
             except (ConnectionAbortedError, InterruptedError):
@@ -131,12 +142,18 @@ class LocalServer:
                 backoff = min(2 * backoff, _ACCEPT_BACKOFF_MAX)
                 continue
             backoff = _ACCEPT_BACKOFF_MIN
+            if self._closing:  # accepted as close() began: not served
+                conn.close()
+                return
             if len(self._connections) >= self._cap:
                 self._refuse(conn)
                 continue
             task = asyncio.create_task(self._serve(conn))
-            self._connections.add(task)
-            task.add_done_callback(self._connections.discard)
+            self._connections[task] = conn
+            task.add_done_callback(self._gone)
+
+    def _gone(self, task: asyncio.Task[None]) -> None:
+        self._connections.pop(task, None)
 
     def _refuse(self, conn: socket.socket) -> None:
         """Over the cap: the error frame (a fresh socket's buffer takes it without blocking), closed."""
@@ -159,8 +176,8 @@ class LocalServer:
             raise
         try:
             await self._hello(reader, writer)
-            while True:
-                first = await reader.readexactly(1)  # idle between calls: no deadline
+            while not self._closing:
+                first = await reader.readexactly(1)  # idle between calls: no deadline (close wakes it)
                 name, payload = await self._read_call(reader, first)
                 writer.write(await self._call(name, payload))
                 try:

@@ -402,3 +402,45 @@ async def test_async_answer_that_cannot_be_decoded_is_an_internal_error(tmp_path
             assert len(accepted) == 1
         finally:
             await channel.aclose()
+
+
+# DEFECT: a sidecar's stop could hang in LocalServer.close, which cancelled each connection's task
+# and awaited it. A cancellation can be lost: on Python 3.11 asyncio.wait_for, which redis-py runs
+# every socket write under (a call that promotes from a Redis tier), returns the write's result
+# instead of raising CancelledError when the cancel lands in the loop pass in which the write
+# finished (CPython gh-86296). The connection answered the call in hand and went back to its idle
+# read, which has no deadline, and close() waited for the client's next call. The handler here
+# loses the cancellation the same way, every time.
+async def test_a_connection_that_loses_its_cancellation_does_not_hang_the_close(sidecar):
+    local = sidecar._local
+    real, request_type = local._handlers["Echo"]
+    entered, lost = asyncio.Event(), asyncio.Event()
+
+    async def losing(request, context):
+        entered.set()
+        try:
+            await asyncio.get_running_loop().create_future()  # until close() cancels the connection
+        except asyncio.CancelledError:
+            lost.set()  # ... and the call returns its result as if it had not been
+        return await real(request, context)
+
+    local._handlers["Echo"] = (losing, request_type)
+    reader, writer = await asyncio.open_unix_connection(str(local.path))
+    try:
+        for body in (b"\0", b"\4Echo" + pb.EchoRequest(payload=b"hi").SerializeToString()):  # the hello, a call
+            writer.write(struct.pack(">I", len(body)) + body)
+        (n,) = struct.unpack(">I", await reader.readexactly(4))
+        assert (await reader.readexactly(n))[0] == 0
+        await asyncio.wait_for(entered.wait(), 30)
+        closing = asyncio.create_task(local.close())
+        done, _ = await asyncio.wait({closing}, timeout=60)  # a bound that makes a hang fail, not a timing
+        assert closing in done, "close() waits for the client's next call on the connection that lost its cancel"
+        closing.result()
+        assert lost.is_set()
+        (n,) = struct.unpack(">I", await reader.readexactly(4))  # the call in hand was answered
+        body = await reader.readexactly(n)
+        assert body[0] == 0 and pb.EchoResponse.FromString(body[1:]).payload == b"hi"
+        assert await reader.read() == b""  # and the connection closed
+    finally:
+        writer.close()
+        await writer.wait_closed()
