@@ -47,6 +47,7 @@ from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, REDIS, S3, Block, NsEntry, State, top_label
 from kvstore.store.remote import PeerBlock
 from kvstore.util.logs import Throttled
+from kvstore.util.tasks import cancel_and_wait
 
 log = logging.getLogger("kvstore.cluster.node")
 SHARED = REDIS | S3
@@ -121,11 +122,7 @@ class ClusterNode:
         # write finished (CPython gh-86296, fixed in 3.12); the heartbeat or publisher that lost
         # it went on to its next turn, and this await of it never returned (a sidecar's stop hung).
         self._closing = True
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         with contextlib.suppress(Unavailable, TimeoutError):
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 await self.directory.leave()

@@ -13,7 +13,6 @@ token or a broken connection ends that connection only; the server keeps serving
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ import numpy as np
 
 from kvstore.cluster import peer_wire as w
 from kvstore.util.logs import Throttled
+from kvstore.util.tasks import cancel_and_wait
 from kvstore.util.tokens import token_matches
 
 log = logging.getLogger("kvstore.cluster.peer_server")
@@ -166,16 +166,9 @@ class PeerServer:
         # (a connection's task that lost its cancellation, see ClusterNode.close, ends after the
         # request it was answering instead of waiting up to IDLE_TIMEOUT_S for the next one)
         self._closing = True
-        if self._accepting is not None:
-            self._accepting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accepting
-            self._accepting = None
-        for task in list(self._conns):
-            task.cancel()
-        for task in list(self._conns):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait([self._accepting])
+        self._accepting = None
+        await cancel_and_wait(list(self._conns))
         if self._sock is not None:
             self._sock.close()
             self._sock = None

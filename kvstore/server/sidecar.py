@@ -35,6 +35,7 @@ from kvstore.store.below import NoMovers
 from kvstore.store.block_store import BlockStore
 from kvstore.store.counters import Stats
 from kvstore.tiers.movers import Tiering
+from kvstore.util.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -166,11 +167,7 @@ class Sidecar:
             await self._grpc.stop(self.config.server.shutdown_grace_s)
             self._grpc = None
         self._step("stopping background tasks")
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
         if self._http is not None:
             self._step("stopping the HTTP server")
