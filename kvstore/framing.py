@@ -119,8 +119,7 @@ def unavailable(path: str, exc: BaseException) -> KVStoreError:
 async def read_async(s: socket.socket) -> tuple[int, bytes]:
     """:func:`read_frame` from a non-blocking socket, on the running loop."""
     head = await _recv_exactly_async(s, 4)
-    body = await _recv_exactly_async(s, LEN.unpack(head)[0])
-    return body[0], body[1:]
+    return _split(await _recv_exactly_async(s, LEN.unpack(head)[0]))
 
 
 async def _recv_exactly_async(s: socket.socket, n: int) -> bytes:
@@ -139,7 +138,14 @@ async def _recv_exactly_async(s: socket.socket, n: int) -> bytes:
 def read_frame(s: socket.socket) -> tuple[int, bytes]:
     """One frame from a blocking socket: its status byte and the rest."""
     head = recv_exactly(s, 4)
-    body = recv_exactly(s, LEN.unpack(head)[0])
+    return _split(recv_exactly(s, LEN.unpack(head)[0]))
+
+
+def _split(body: bytes) -> tuple[int, bytes]:
+    """A frame's status byte and payload; a frame without a status byte breaks the stream (the
+    connection is dropped, as when the peer closes it: nothing after it can be trusted)."""
+    if not body:
+        raise ConnectionResetError("the local socket's peer sent an empty frame (no status byte)")
     return body[0], body[1:]
 
 

@@ -404,6 +404,46 @@ async def test_async_answer_that_cannot_be_decoded_is_an_internal_error(tmp_path
             await channel.aclose()
 
 
+def _empty_frames(conn: socket.socket) -> None:
+    """A stand-in sidecar that answers a Lookup with a frame of length 0 (no status byte); an Echo's
+    answers are fine."""
+    recv_call(conn)
+    send_answer(conn, 0)
+    while (call := recv_call(conn)) is not None:
+        if call[0] == "Echo":
+            send_answer(conn, 0, pb.EchoResponse(payload=b"fine").SerializeToString())
+        else:
+            conn.sendall(struct.pack(">I", 0))
+
+
+def test_an_empty_answer_frame_drops_the_connection_and_is_not_sent_again(tmp_path: Path):
+    """It was an IndexError out of read_frame; now the stream is broken (UNAVAILABLE, the call not
+    sent a second time) and the next call opens a new connection."""
+    path = str(tmp_path / "s.sock")
+    with raw_server(path, _empty_frames) as accepted:
+        channel = LocalChannel(path)
+        try:
+            with pytest.raises(Unavailable, match="empty frame"):
+                channel.call("Lookup", pb.LookupRequest())
+            assert channel.call("Echo", pb.EchoRequest()).payload == b"fine"
+            assert len(accepted) == 2
+        finally:
+            channel.close()
+
+
+async def test_async_empty_answer_frame_drops_the_connection_and_is_not_sent_again(tmp_path: Path):
+    path = str(tmp_path / "s.sock")
+    with raw_server(path, _empty_frames) as accepted:
+        channel = AsyncLocalChannel(path)
+        try:
+            with pytest.raises(Unavailable, match="empty frame"):
+                await channel.call("Lookup", pb.LookupRequest())
+            assert (await channel.call("Echo", pb.EchoRequest())).payload == b"fine"
+            assert len(accepted) == 2
+        finally:
+            await channel.aclose()
+
+
 # DEFECT: a sidecar's stop could hang in LocalServer.close, which cancelled each connection's task
 # and awaited it. A cancellation can be lost: on Python 3.11 asyncio.wait_for, which redis-py runs
 # every socket write under (a call that promotes from a Redis tier), returns the write's result
