@@ -53,6 +53,7 @@ from kvstore.store.tenants import Quotas, Tenants
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import BlockMeta, BlockRef, Bounded, Recoverable, Tier
 from kvstore.tiers.verify import verified_get
+from kvstore.util.tasks import cancel_and_wait
 
 log = logging.getLogger("kvstore.tiers.movers")
 
@@ -164,6 +165,7 @@ class Tiering:
         self._through_ended = asyncio.Event()  # set as each write-through ends (its blocks' ``moving`` down)
         self._tasks: set[asyncio.Task[None]] = set()
         self._probe: asyncio.Task[None] | None = None
+        self._closing = False
 
     # --- construction ----------------------------------------------------------------------
 
@@ -827,7 +829,7 @@ class Tiering:
 
     async def _probe_down_tiers(self) -> None:
         probe = BlockRef(NamespaceRoot(bytes(32)), BlockKey(bytes(32)))
-        while True:
+        while not self._closing:  # not only on cancel: a probe through redis-py can lose it (gh-86296)
             await asyncio.sleep(1.0)
             for lv in self.levels:
                 if not lv.down:
@@ -870,8 +872,8 @@ class Tiering:
             await asyncio.wait(list(self._tasks))
 
     async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
+        self._closing = True
+        await cancel_and_wait([self._probe])
         await self.flush()
         for lv in self.levels:
             try:

@@ -5,6 +5,7 @@ Real servers throughout: the sidecar over gRPC, an SSD directory, redis-server, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVStoreClient
+from kvstore.errors import Unavailable
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from tests.conftest import small_config
@@ -273,6 +275,32 @@ async def test_redis_down_keeps_dram_serving_and_comes_back(tmp_path, redis_clea
         await c.put_blocks(NS, cc, blocks_for(4, 42))
         await settle(sc)
         assert "redis" in placement(sc, b)
+
+
+async def test_closing_ends_the_down_tier_probe_even_if_it_loses_its_cancel(tmp_path, redis_clean):
+    """The probe of a down tier calls the tier (redis-py, whose wait_for can swallow a cancellation on
+    Python 3.11, CPython gh-86296); close() used to cancel it and walk away, leaving it probing for
+    the process's life. Now it ends on the closing flag and close() waits for it."""
+    cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "redis.enabled": True, "redis.url": redis_clean.url})
+    sc = Sidecar(cfg)
+    await sc.start()
+    try:
+        tiering = sc.store.tiering
+        [level] = [lv for lv in tiering.levels if lv.name == "redis"]
+        probed = asyncio.Event()
+
+        async def contains_losing_its_cancel(ref):
+            probed.set()
+            with contextlib.suppress(asyncio.CancelledError):  # lost, as in gh-86296: the call fails as the tier
+                await asyncio.sleep(3600)
+            raise Unavailable("redis: still down")
+
+        level.tier.contains = contains_losing_its_cancel
+        level.down = True
+        await asyncio.wait_for(probed.wait(), 30)
+    finally:
+        await asyncio.wait([asyncio.ensure_future(sc.stop())], timeout=60)
+    assert tiering._probe is not None and tiering._probe.done()
 
 
 async def test_s3_unreachable_is_counted_and_dram_keeps_serving(tmp_path, moto_clean, aws_env):
