@@ -445,8 +445,9 @@ async def test_records_republished_after_a_directory_loss_are_deleted_by_a_stale
 
 async def stops(sc: Sidecar) -> bool:
     """Stop ``sc``: whether its stop returned within a minute (it takes well under a second). A
-    bound that makes a hang fail the test, not a timing assertion. (Not asyncio.timeout: a stop
-    that awaits its tasks under ``suppress(CancelledError)`` swallows that deadline's cancel.)"""
+    bound that makes a hang fail the test, not a timing assertion. (asyncio.wait, not
+    asyncio.timeout: a hung stop is left running rather than cancelled, so the test reports the
+    hang instead of whatever the cancel would do.)"""
     stopping = asyncio.create_task(sc.stop())
     done, _ = await asyncio.wait({stopping}, timeout=60)
     if stopping in done:
