@@ -103,8 +103,9 @@ THREAD_ALLOW: dict[str, str] = {
                          "module-level, so no block hashing waits for a pool to start",
     r"kvstore-copy_\d+": "kvstore/dram/copying.py: the process-wide slot copy pool (COPY_THREADS), "
                          "module-level, shared by every client of every slab in the process",
-    r"kvstore-peer-io_\d+": "kvstore/cluster/peer_wire.py: the process-wide peer data path I/O pool "
-                            "(IO_THREADS), module-level, where every node's fetches and answers move",
+    r"kvstore-peer-(fetch|send)_\d+": "kvstore/cluster/peer_wire.py: the process-wide peer data path I/O "
+                                     "pools (FETCHING, SENDING: IO_THREADS each), module-level, where every "
+                                     "node's fetches and answers move",
 }
 _THREAD_ALLOW = [re.compile(p) for p in THREAD_ALLOW]
 

@@ -86,6 +86,7 @@ class ClusterNode:
         self._stale: list[tuple[bytes, bytes, str, Record]] = []
         self._unheld: set[tuple[bytes, bytes]] = set()  # keys peers asked for that this node does not hold
         self._tasks: list[asyncio.Task[None]] = []
+        self._fetches: set[asyncio.Task[int]] = set()  # peer fetches in flight (shielded from their Acquire)
         self._closing = False  # the loops end at their next turn (a cancellation can be lost: close)
         self._warn = Throttled(log)
 
@@ -123,6 +124,10 @@ class ClusterNode:
         # it went on to its next turn, and this await of it never returned (a sidecar's stop hung).
         self._closing = True
         await cancel_and_wait(self._tasks)
+        # The fetches in flight run shielded from their Acquire (cancelled by now): ended here, or
+        # an I/O thread would go on reading into the slots of a stopped store. Their deadline shuts
+        # their sockets down and their blocks are freed before this returns.
+        await cancel_and_wait(list(self._fetches))
         with contextlib.suppress(Unavailable, TimeoutError):
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 await self.directory.leave()
@@ -382,7 +387,7 @@ class ClusterNode:
 
     async def fetch(self, ns: NsEntry, keys: Sequence[bytes], parent: bytes, depth: int) -> int:
         adopted, peers = await self.find(ns, keys, parent, depth)
-        if not peers:
+        if not peers or self._closing:  # (closing: no fetch may start after close ended those in flight)
             return adopted
         index, space = self.store.index, self.store.space
         ns = index.find(ns.root, ns.label, ns.namespace)
@@ -401,7 +406,11 @@ class ClusterNode:
             pending.append((b, pb))
         # The fetch runs on whatever happens to the caller: a cancelled Acquire must not leave
         # the blocks ALLOCATED with their slots; they are placed (or freed) all the same.
-        return adopted + await asyncio.shield(self._fetch_into(ns, pending))
+        # Only close() ends it (before the store goes away): see _fetches.
+        task = asyncio.create_task(self._fetch_into(ns, pending), name="kvstore-cluster-fetch")
+        self._fetches.add(task)
+        task.add_done_callback(self._fetches.discard)
+        return adopted + await asyncio.shield(task)
 
     async def _fetch_into(self, ns: NsEntry, pending: list[tuple[Block, PeerBlock]]) -> int:
         """Fetch ``pending`` (blocks holding slots) from their holders; place the leading run

@@ -40,6 +40,7 @@ class PeerClient:
         self.io_timeout_s = io_timeout_s  # the kernel's bound on one blocking call (the deadline is the loop's)
         self._hello = w.hello(token, node)
         self._idle: list[socket.socket] = []
+        self._closed = False  # a fetch in flight at close() closes its socket instead of idling it
 
     async def _connect(self) -> socket.socket:
         if self._idle:
@@ -92,15 +93,19 @@ class PeerClient:
         """One request on ``sock``, exchanged on an I/O thread. ``sock`` goes back to the idle ones
         after a whole answer, else it is closed."""
         try:
-            await w.blocking(sock, _exchange, sock, w.request(root, list(keys)), into, out)
+            await w.blocking(sock, w.FETCHING, _exchange, sock, w.request(root, list(keys)), into, out)
         except BaseException:
             sock.close()
             raise
+        if self._closed:
+            sock.close()
+            return
         self._idle.append(sock)
         if len(self._idle) > IDLE_CONNECTIONS:
             self._idle.pop(0).close()
 
     def close(self) -> None:
+        self._closed = True
         for sock in self._idle:
             with contextlib.suppress(OSError):
                 sock.close()

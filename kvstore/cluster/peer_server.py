@@ -156,7 +156,7 @@ class PeerServer:
             # (a 1-D uint8 array is a buffer; numpy's stubs do not say so before Python 3.12)
             payload = [memoryview(data) for _, data in blocks]  # type: ignore[arg-type]
             async with asyncio.timeout(self.send_timeout_s):
-                await w.blocking(conn, _send, conn, [memoryview(answer), *payload], self.send_timeout_s)
+                await w.blocking(conn, w.SENDING, _send, conn, [memoryview(answer), *payload], self.send_timeout_s)
         finally:
             done()
         self.served_blocks += len(blocks)

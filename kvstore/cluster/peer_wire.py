@@ -42,8 +42,14 @@ ENTRY = struct.Struct("<QQ")  # size, checksum
 ROOT_BYTES = KEY_BYTES = 32
 MAX_TOKEN = MAX_NODE = 1024
 IOV_MAX = 512  # buffers handed to one sendmsg (Linux allows 1024)
-IO_THREADS = 16  # payloads moving at once, per process (a fetch or an answer holds one while it moves)
-_io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-peer-io")
+IO_THREADS = 16  # fetches moving at once, per process, and as many answers (each holds a thread while it moves)
+# Two pools, not one: a fetch holds its thread while it waits for the holder's answer, and an answer
+# needs a thread of the holder's process. Sharing one pool, a node whose threads all wait on fetches
+# could answer nobody, and two nodes fetching from each other waited on each other until every
+# fetch's deadline passed. An answer only ever waits on a fetcher already reading (its thread sent
+# the request), so with pools of their own nothing waits in a cycle.
+FETCHING = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-peer-fetch")
+SENDING = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-peer-send")
 _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 
 
@@ -65,15 +71,19 @@ def answer_head(blocks: list[tuple[int, int]]) -> bytes:
     return COUNT.pack(len(blocks)) + b"".join(ENTRY.pack(size, c) for size, c in blocks)
 
 
-async def blocking(sock: socket.socket, call: Callable[..., T], *args: object) -> T:
-    """``call(*args)``, blocking I/O on ``sock``, on an I/O thread. Cancelled (a deadline passed,
-    the server closing), it shuts ``sock`` down, which ends the thread's call, and returns only
-    once the thread is done: the caller's buffers (slots) are never freed under a thread that
-    still reads or writes them. ``sock`` is then unusable: the caller closes it."""
-    fut = asyncio.get_running_loop().run_in_executor(_io, call, *args)
+async def blocking(sock: socket.socket, pool: ThreadPoolExecutor, call: Callable[..., T], *args: object) -> T:
+    """``call(*args)``, blocking I/O on ``sock``, on a thread of ``pool`` (:data:`FETCHING` or
+    :data:`SENDING`). Cancelled (a deadline passed, the server closing), it shuts ``sock`` down,
+    which ends the thread's call, and returns only once the thread is done: the caller's buffers
+    (slots) are never freed under a thread that still reads or writes them. A call still queued
+    for a thread is dropped at once (the deadline holds when the pool is busy). ``sock`` is then
+    unusable: the caller closes it."""
+    work = pool.submit(call, *args)
+    fut = asyncio.wrap_future(work)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
+        work.cancel()  # (only if no thread took it yet: then it never touches the buffers)
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
         while not fut.done():

@@ -580,3 +580,76 @@ async def test_a_lease_that_ran_out_while_its_node_lived_loses_its_records_for_g
                 assert (await cb.lookup(ns, keys)).matched == 2
                 got = await cb.get_blocks(ns, keys, verify=True)
                 assert [bytes(g) for g in got] == [bytes(d) for d in data]
+
+
+# --- 14 ----------------------------------------------------------------------------------------
+# DEFECT: the peer data path's fetches and answers shared one I/O pool (peer_wire._io, 16 threads
+# a process). A fetch holds its thread while it waits for the holder's answer, and the holder's
+# answer needs a thread of its own process's pool: a node whose threads all wait on fetches can
+# answer nobody, so two nodes fetching from each other (or two nodes in one process, as here)
+# wait on each other until every fetch's deadline passes. Shown with one thread a pool: B's fetch
+# takes it, A's answer never gets one, and the fetch fails at its deadline (a miss).
+async def test_fetches_waiting_for_answers_starve_the_answers_of_io_threads(
+    tmp_path: Path, directory: RedisServer, ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvstore.cluster import peer_wire
+
+    pools = [ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-peer-{role}") for role in ("fetch", "send")]
+    try:
+        monkeypatch.setattr(peer_wire, "FETCHING", pools[0])  # (the defect's one pool, _io, patched to one
+        monkeypatch.setattr(peer_wire, "SENDING", pools[1])  # thread the same way, failed this test)
+        fast = {"cluster.fetch_timeout_s": 5.0}  # the failure's length, not a bound the test needs
+        async with Sidecar(node_config(tmp_path, "a", directory, **fast)) as a, \
+                Sidecar(node_config(tmp_path, "b", directory, **fast)) as b:
+            await met(a, b)
+            keys, data = keys_for(ns, 3, seed=41), blocks(3, seed=41)
+            async with client_of(a) as ca, client_of(b) as cb:
+                await ca.put_blocks(ns, keys, data, wait_published=True)
+                got = await cb.get_blocks(ns, keys, verify=True)
+                assert [bytes(g) for g in got] == [bytes(d) for d in data], "the fetch starved the answer"
+                assert b.cluster is not None
+                assert (await cb.stats())["cluster"]["fetch_failures"] == 0
+    finally:
+        for p in pools:
+            p.shutdown(wait=True)
+
+
+# --- 15 ----------------------------------------------------------------------------------------
+# DEFECT: ClusterNode.close did not end the peer fetches in flight. A fetch runs shielded from its
+# Acquire (node.py fetch: its ALLOCATED blocks must be placed or freed), so the Acquire's
+# cancellation at the sidecar's stop left it running: the sidecar stopped (its slab closed, its
+# PeerClients closed) while an I/O thread still read the holder's answer into the slab's slots,
+# and the fetch then placed blocks in a stopped store and put its socket back on a closed
+# client's idle list (an fd nobody closes).
+async def test_a_sidecars_stop_leaves_a_peer_fetch_running(
+    tmp_path: Path, directory: RedisServer, ns: Namespace
+) -> None:
+    async with Sidecar(node_config(tmp_path, "a", directory)) as a, \
+            Sidecar(node_config(tmp_path, "b", directory, **{"cluster.fetch_timeout_s": 600.0})) as b:
+        await met(a, b)
+        assert a.cluster is not None and b.store is not None
+        keys, data = keys_for(ns, 2, seed=42), blocks(2, seed=42)
+        async with client_of(a) as ca:
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+        real_lend = a.cluster.lend
+        entered, go = asyncio.Event(), asyncio.Event()
+
+        async def stalled_lend(root: bytes, ks: Any) -> Any:  # a holder that does not answer (yet)
+            entered.set()
+            await go.wait()
+            return await real_lend(root, ks)
+
+        a.cluster.lend = stalled_lend  # type: ignore[method-assign,assignment]
+        acquire = asyncio.create_task(b.store.acquire(b.store.namespace(ns), keys))
+        try:
+            await asyncio.wait_for(entered.wait(), 10)
+            assert await stops(b)
+            left = [t for t in asyncio.all_tasks() if "_fetch_into" in repr(t.get_coro())]
+            assert left == [], "the fetch outlived its sidecar"
+        finally:
+            go.set()
+            acquire.cancel()
+            with contextlib.suppress(BaseException):
+                await acquire
