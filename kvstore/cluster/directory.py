@@ -44,10 +44,13 @@ ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is
 
 # KEYS[1] the members hash; ARGV: node id, address, incarnation, lease ms, forget-after ms.
 # Returns the server's time (ms), every member's entry, 1 when this node's entry was not there (a
-# new member, or a directory that lost its data), and the incarnation written: the one given, or a
-# later one when this node's entry is of that incarnation and its lease had run out (in the
+# new member, or a directory that lost its data), and the incarnation written. That is the one
+# given, or the next one when this node's entry is of this life and its lease had run out (in the
 # server's clock: anyone who read the members since may have deleted that life's records as void).
-# Drops entries long expired.
+# "This life": the entry's incarnation is the one given, or one up to 1000 above it, which this
+# script gave the node in a reply the node never read (a heartbeat that timed out at the node
+# after it ran here): the node takes that one up at its next heartbeat. (A later start of a node
+# with this id is at least seconds, thousands of ms, later.) Drops entries long expired.
 HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -57,8 +60,10 @@ if ARGV[1] ~= '' then
   local entry = redis.call('HGET', KEYS[1], ARGV[1])
   if entry then
     local inc, expiry = string.match(entry, '|(%d+)|(%d+)$')
-    if tonumber(inc) == incarnation and tonumber(expiry) < now then
-      incarnation = math.max(now, incarnation + 1)
+    inc, expiry = tonumber(inc), tonumber(expiry)
+    if inc ~= nil and inc >= incarnation and inc < incarnation + 1000 then
+      incarnation = inc
+      if expiry < now then incarnation = inc + 1 end
     end
   end
   created = redis.call('HSET', KEYS[1], ARGV[1],

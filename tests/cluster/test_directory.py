@@ -63,9 +63,19 @@ async def test_a_lease_renewed_after_it_ran_out_is_a_new_incarnation(directory: 
     while await server_ms(directory) <= expiry:  # the 1 ms lease runs out (in the server's clock)
         await asyncio.sleep(0.005)
     late = await directory.heartbeat("10.0.0.1:1", 1000, 60_000)
-    assert late.incarnation > expiry and not late.created
+    assert late.incarnation == 1001 and not late.created
     assert late.members["x"].incarnation == late.incarnation
     again = await directory.heartbeat("10.0.0.1:1", late.incarnation, 60_000)
     assert again.incarnation == late.incarnation
-    restarted = await directory.heartbeat("10.0.0.1:1", late.incarnation + 7, 60_000)  # another life's entry
-    assert restarted.incarnation == late.incarnation + 7
+    restarted = await directory.heartbeat("10.0.0.1:1", 5000, 60_000)  # a later start: its own incarnation
+    assert restarted.incarnation == 5000
+
+
+async def test_a_new_incarnation_whose_reply_was_lost_is_taken_up_at_the_next_heartbeat(directory: Directory) -> None:
+    first = await directory.heartbeat("10.0.0.1:1", 1000, 1)
+    while await server_ms(directory) <= first.members["x"].expiry_ms:
+        await asyncio.sleep(0.005)
+    lost = await directory.heartbeat("10.0.0.1:1", 1000, 60_000)  # its reply never reaches the node ...
+    assert lost.incarnation == 1001
+    nxt = await directory.heartbeat("10.0.0.1:1", 1000, 60_000)  # ... which asks with the old one again
+    assert nxt.incarnation == lost.incarnation and nxt.members["x"].incarnation == lost.incarnation
