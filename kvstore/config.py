@@ -266,7 +266,9 @@ class ClusterConfig(_Section):
     heartbeat_ms: int = Field(1000, ge=100, description="membership heartbeat interval (< lease_ms / 2)")
     publish_interval_ms: int = Field(5, ge=1, le=1000, description="directory writes are batched over this long")
     fetch_timeout_s: float = Field(
-        5.0, gt=0, description="deadline of one peer fetch; blocks not in by then are misses"
+        5.0,
+        gt=0,
+        description="deadline of one peer fetch (blocks not in by then are misses) and of reading a peer's request",
     )
     directory_timeout_s: float = Field(2.0, gt=0, description="deadline of one directory round trip")
 

@@ -76,7 +76,10 @@ class ClusterNode:
         self.stats = store.stats.cluster
         for name in COUNTERS:
             self.stats[name] += 0
-        self.server = PeerServer(self, self.cfg.token, send_timeout_s=2 * self.cfg.fetch_timeout_s)
+        self.server = PeerServer(
+            self, self.cfg.token, send_timeout_s=2 * self.cfg.fetch_timeout_s,
+            request_timeout_s=self.cfg.fetch_timeout_s,
+        )
         self.max_blocks = config.server.max_batch_blocks
         self._members: dict[str, Member] = {}
         self._clock: tuple[int, float] = (0, 0.0)  # (directory ms, local monotonic) at the last heartbeat

@@ -6,8 +6,11 @@ request are lent by the node (:class:`Lender`: promoted into DRAM and leased whi
 and written from their slots by blocking ``sendmsg`` calls on an I/O thread
 (:func:`~kvstore.cluster.peer_wire.blocking`; a 64 MiB answer is a few system calls, no event-loop
 round per socket-buffer's worth), within ``send_timeout_s`` (the lease's length: a fetcher that
-stops reading loses the connection before the slots can be reused). A malformed request, a wrong
-token or a broken connection ends that connection only; the server keeps serving.
+stops reading loses the connection before the slots can be reused). A connection may sit idle
+between requests for ``IDLE_TIMEOUT_S``, but a request once begun is read whole (head and body)
+within ``request_timeout_s`` (the fetch timeout: its fetcher has given up by then), so a peer
+that sends part of one and stalls cannot hold its connection open for ever. A malformed or stalled
+request, a wrong token or a broken connection ends that connection only; the server keeps serving.
 """
 
 from __future__ import annotations
@@ -46,9 +49,10 @@ class Lender(Protocol):
 
 
 class PeerServer:
-    def __init__(self, lender: Lender, token: str, send_timeout_s: float) -> None:
+    def __init__(self, lender: Lender, token: str, send_timeout_s: float, request_timeout_s: float) -> None:
         self.lender = lender
         self.send_timeout_s = send_timeout_s
+        self.request_timeout_s = request_timeout_s
         self._token = token.encode()
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
@@ -57,7 +61,7 @@ class PeerServer:
         self._closing = False  # connections end after the request in hand (a cancellation can be lost)
         self._warn = Throttled(log)
         self.port = 0
-        self.refused = 0  # connections dropped: wrong token, bad request, too many
+        self.refused = 0  # connections dropped: wrong token, bad or stalled request, too many
         self.served_blocks = 0
 
     async def start(self, address: str) -> int:
@@ -142,12 +146,16 @@ class PeerServer:
             first = await loop.sock_recv_into(conn, head)
         if first == 0:
             return False  # closed between requests: a clean end
-        if first < len(head):
-            await w.recv_exactly(conn, memoryview(head)[first:])
-        (n,) = w.REQUEST.unpack(head)
-        if not 0 < n <= self.lender.max_blocks:
-            raise w.PeerProtocolError(f"request for {n} blocks (1..{self.lender.max_blocks})")
-        body = await w.recv_bytes(conn, w.ROOT_BYTES + n * w.KEY_BYTES)
+        try:
+            async with asyncio.timeout(self.request_timeout_s):  # begun, a request comes in whole
+                if first < len(head):
+                    await w.recv_exactly(conn, memoryview(head)[first:])
+                (n,) = w.REQUEST.unpack(head)
+                if not 0 < n <= self.lender.max_blocks:
+                    raise w.PeerProtocolError(f"request for {n} blocks (1..{self.lender.max_blocks})")
+                body = await w.recv_bytes(conn, w.ROOT_BYTES + n * w.KEY_BYTES)
+        except TimeoutError:
+            raise w.PeerProtocolError(f"a request begun was not in whole within {self.request_timeout_s} s") from None
         root = body[: w.ROOT_BYTES]
         keys = [body[i : i + w.KEY_BYTES] for i in range(w.ROOT_BYTES, len(body), w.KEY_BYTES)]
         blocks, done = await self.lender.lend(root, keys)

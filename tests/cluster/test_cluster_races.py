@@ -653,3 +653,45 @@ async def test_a_sidecars_stop_leaves_a_peer_fetch_running(
             acquire.cancel()
             with contextlib.suppress(BaseException):
                 await acquire
+
+
+# --- 16 ----------------------------------------------------------------------------------------
+# DEFECT: PeerServer._answer (peer_server.py ~141-150) read only a request's first byte under
+# IDLE_TIMEOUT_S; the rest of its head and its body were read with no deadline. A peer with the
+# token that sent one byte of a request (or a whole head and part of the body) and then nothing
+# held its connection for ever, and MAX_CONNECTIONS of them locked real peers out. A request
+# begun is now read whole within the fetch timeout (made short here); a connection idle between
+# requests still waits IDLE_TIMEOUT_S.
+async def test_a_peer_that_stalls_mid_request_holds_its_connection_for_ever(
+    tmp_path: Path, directory: RedisServer
+) -> None:
+    from kvstore.cluster import peer_wire as w
+
+    async with Sidecar(node_config(tmp_path, "a", directory, **{"cluster.fetch_timeout_s": 0.3})) as a:
+        assert a.cluster is not None
+        port = a.cluster.server.port
+        request = w.request(b"\0" * w.ROOT_BYTES, [b"\1" * w.KEY_BYTES])
+        opened: list[asyncio.StreamWriter] = []
+        try:
+            idle_r, idle_w = await asyncio.open_connection("127.0.0.1", port)
+            opened.append(idle_w)
+            idle_w.write(w.hello(TOKEN, "idle"))
+            assert await asyncio.wait_for(idle_r.readexactly(len(w.WELCOME)), 10) == w.WELCOME
+            for partial in (request[:1], request[:-5]):  # one byte of the head; the head and part of the body
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                opened.append(writer)
+                writer.write(w.hello(TOKEN, "staller") + partial)  # ... and then nothing, the socket left open
+                assert await asyncio.wait_for(reader.readexactly(len(w.WELCOME)), 10) == w.WELCOME
+                with contextlib.suppress(ConnectionResetError):
+                    # (the bound is for a loaded machine; on the old code the read never ends)
+                    assert await asyncio.wait_for(reader.read(), 30) == b"", "the stalled request was answered"
+            assert a.cluster.server.refused == 2  # counted (and logged) like any bad peer
+            idle_w.write(request)  # the idle connection, older than both, still serves
+            answer = await asyncio.wait_for(idle_r.readexactly(w.COUNT.size), 10)
+            assert w.COUNT.unpack(answer) == (0,)
+        finally:
+            for writer in opened:
+                writer.close()
+            for writer in opened:
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
