@@ -22,7 +22,7 @@ from connector.core.directory import BlockDirectory, epoch_of
 from connector.core.finders import HeldLease
 from connector.core.metadata import Failure, LoadResult, LoadSpec, SaveResult, SaveSpec
 from connector.transfer import PagedKV, Transfer
-from kvstore.dram.slab import attach
+from kvstore.client.wire import mapped_views
 from kvstore.errors import (
     ChecksumMismatch,
     KVStoreError,
@@ -70,15 +70,7 @@ class _Held:
 @contextmanager
 def _read_held(lease: HeldLease) -> Iterator[_Held]:
     """The blocks of a lease the scheduler took, mapped from the sidecar's shared memory."""
-    mapped: dict[str, Any] = {}  # segment -> a read-only view of its mapping (slices stay read-only)
-    views = []
-    for s in lease.slots:
-        mem = mapped.get(s.segment)
-        if mem is None:
-            mem = mapped[s.segment] = attach(s.segment).view()
-            mem.flags.writeable = False
-        views.append(mem[s.offset : s.offset + s.length])
-    yield _Held(views, list(lease.checksums))
+    yield _Held(mapped_views(lease.slots), list(lease.checksums))
 
 
 def _blocks(client: ConnectorClient, ns: Namespace, spec: LoadSpec) -> tuple[AbstractContextManager[Any], int | None]:

@@ -91,6 +91,26 @@ def acquired(r: pb.AcquireResponse, asked: int) -> tuple[list[SlotRef], list[int
     return [SlotRef(seg, o, length) for o, length in zip(r.offsets, r.lengths)], list(r.checksums)
 
 
+def mapped_views(slots: Sequence[SlotRef]) -> list[np.ndarray]:
+    """A read-only view of each slot's bytes, each segment mapped once (slices of a read-only view
+    stay read-only). A slot that does not lie whole within its segment (a malformed answer from the
+    sidecar) raises INTERNAL naming the fields, where a slice would silently come back shorter."""
+    mapped: dict[str, np.ndarray] = {}
+    views = []
+    for i, (seg, off, n) in enumerate(slots):
+        mem = mapped.get(seg)
+        if mem is None:
+            mem = mapped[seg] = attach(seg).view()
+            mem.flags.writeable = False
+        if off < 0 or n < 0 or off + n > len(mem):
+            raise KVStoreError(
+                f"Acquire answer: offsets[{i}] {off} + lengths[{i}] {n} is not within"
+                f" segment {seg!r} ({len(mem)} bytes)"
+            )
+        views.append(mem[off : off + n])
+    return views
+
+
 @dataclass(slots=True, frozen=True)
 class PutResult:
     stored: int
@@ -229,13 +249,7 @@ class LeaseState:
         self.id = r.lease_id
         self.slots, self.checksums = acquired(r, len(self.request.keys))
         self.keys = list(self.request.keys[: len(self.slots)])  # the run is the leading keys asked for
-        mapped: dict[str, np.ndarray] = {}  # segment -> a read-only view of its mapping (slices stay read-only)
-        for seg, off, n in self.slots:
-            mem = mapped.get(seg)
-            if mem is None:
-                mem = mapped[seg] = attach(seg).view()
-                mem.flags.writeable = False
-            self.views.append(mem[off : off + n])
+        self.views = mapped_views(self.slots)
 
     def verify(self) -> int:
         """Check every view against its checksum; truncate at the first bad block. Returns the

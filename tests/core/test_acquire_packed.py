@@ -69,3 +69,33 @@ def test_a_packed_answer_whose_arrays_disagree_is_refused_naming_the_field(
     with pytest.raises(KVStoreError, match=field) as info:
         acquired(wire, asked)
     assert info.value.code == grpc.StatusCode.INTERNAL  # the server's fault, as gRPC says of an unreadable answer
+
+
+def test_a_slot_past_its_segments_end_is_refused_by_the_client_and_the_connector(sidecar: Sidecar) -> None:
+    """A packed answer's ``offsets``/``lengths`` are checked against the segment they name: a
+    slice past the mapping's end (or from a negative offset) would silently come back shorter
+    than the block, and the caller would read or copy a truncated block as a whole one. Both
+    readers of a run's places (the client's lease and the connector's held lease) refuse it."""
+    from connector.core.finders import HeldLease
+    from connector.core.ops import _read_held
+    from kvstore.client.wire import LeaseState
+    from kvstore.dram.slab import attach
+
+    seg = sidecar.store.slab.name
+    size = len(attach(seg))
+    whole = _packed(2, segment=seg, offsets=[0, size - 4096], lengths=[4096, 4096])
+    lease = LeaseState(pb.AcquireRequest(keys=[b"k" * 32] * 2, packed=True))
+    lease._fill(whole)  # ends exactly at the segment's end: fine
+    assert [len(v) for v in lease.views] == [4096, 4096]
+    bad = [(0, size + 1), (size - 4095, 4096), (size, 1)]
+    for off, n in bad:
+        answer = _packed(2, segment=seg, offsets=[0, off], lengths=[4096, n])
+        with pytest.raises(KVStoreError, match=r"offsets\[1\] .* lengths\[1\] .* not within") as info:
+            LeaseState(pb.AcquireRequest(keys=[b"k" * 32] * 2, packed=True))._fill(answer)
+        assert info.value.code == grpc.StatusCode.INTERNAL
+    for off, n in [*bad, (-1, 4096)]:
+        held = HeldLease("l", slots=(SlotRef(seg, 0, 4096), SlotRef(seg, off, n)), checksums=(0, 0))
+        with pytest.raises(KVStoreError, match=r"offsets\[1\] .* lengths\[1\] .* not within") as info, \
+                _read_held(held):
+            pass
+        assert info.value.code == grpc.StatusCode.INTERNAL
