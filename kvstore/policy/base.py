@@ -49,6 +49,16 @@ class EvictionPolicy(Protocol):
         (leased, being written, wrong size class); None when there is none."""
         ...
 
+    def hold(self, item: Item) -> None:
+        """``item`` is no victim until :meth:`release` (a block being written): :meth:`pop_victim`
+        does not look at it, which is cheaper than rejecting it through ``eligible`` on every pop.
+        It may be called whether or not ``item`` is in the space; a hold outlasts :meth:`remove`."""
+        ...
+
+    def release(self, item: Item) -> None:
+        """End a :meth:`hold` (no-op when ``item`` is not held)."""
+        ...
+
     def __len__(self) -> int: ...
 
     def __contains__(self, item: object) -> bool: ...

@@ -4,71 +4,96 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import filterfalse
 from typing import ClassVar
 
 from kvstore.policy.base import Eligible, Item
+from kvstore.policy.leaves import Leaves
+from kvstore.policy.tree import PrefixLinks
 
 
 class LRUPolicy:
     """Evicts the least recently used block that has no child in the space.
 
     A block with resident children is skipped (its children go first), so a prefix is trimmed
-    from its tail, never cut at its root.
+    from its tail, never cut at its root. The leaves that are not held are also kept oldest first
+    (:class:`~kvstore.policy.leaves.Leaves`), so a pop does not walk past the others.
     """
 
     name: ClassVar[str] = "lru"
 
     def __init__(self) -> None:
-        self._order: OrderedDict[Item, None] = OrderedDict()  # oldest first
-        self._parent: dict[Item, Item | None] = {}
-        self._kids: dict[Item, set[Item]] = {}  # resident children of resident blocks
+        self._order: OrderedDict[Item, int] = OrderedDict()  # oldest first -> tick of the last use
+        self._links = PrefixLinks()
+        self._leaves = Leaves()
+        self._held: set[Item] = set()  # not victims until released (blocks being written)
+        self._tick = 0
 
     def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
         if item in self._order:
-            self._order.move_to_end(item)
+            self.access(item)
             return
-        self._order[item] = None
-        if parent is not None and parent not in self._order:
-            parent = None
-        self._parent[item] = parent
-        if parent is not None:
-            self._kids.setdefault(parent, set()).add(item)
+        self._tick += 1
+        self._order[item] = self._tick
+        self._links.link(item, parent if parent is not None and parent in self._order else None)
+        if item not in self._held:
+            self._leaf(self._tick, item)
 
     def access(self, item: Item) -> None:
-        if item in self._order:
-            self._order.move_to_end(item)
+        order = self._order
+        if item in order:
+            self._tick += 1
+            order[item] = self._tick
+            order.move_to_end(item)
+            if item not in self._links.kids and item not in self._held:
+                self._leaf(self._tick, item)
 
     def access_many(self, items: Sequence[Item]) -> None:
+        order = self._order
         try:
-            deque(map(self._order.move_to_end, items), maxlen=0)  # the loop runs in C
+            deque(map(order.move_to_end, items), maxlen=0)  # the loop runs in C
         except KeyError:  # one of them is not in this space: take the careful path
             for item in items:
                 self.access(item)
+            return
+        t = self._tick
+        order.update(zip(items, range(t + 1, t + len(items) + 1), strict=True))
+        self._tick = t + len(items)
+        held = self._held
+        for item in filterfalse(self._links.kids.__contains__, items):  # (a run: one leaf, its deepest)
+            if item not in held:
+                self._leaf(order[item], item)
 
     def remove(self, item: Item) -> None:
         if item not in self._order:
             return
         del self._order[item]
-        parent = self._parent.pop(item)
-        if parent is not None:
-            kids = self._kids[parent]
-            kids.discard(item)
-            if not kids:
-                del self._kids[parent]
-        # Children of a removed block stay; they become roots of what is left.
-        for kid in self._kids.pop(item, ()):
-            self._parent[kid] = None
+        leaf = self._links.unlink(item)
+        if leaf is not None and leaf not in self._held:  # its last child left: a candidate again
+            self._leaf(self._order[leaf], leaf)
+
+    def hold(self, item: Item) -> None:
+        self._held.add(item)
+
+    def release(self, item: Item) -> None:
+        if item in self._held:
+            self._held.discard(item)
+            tick = self._order.get(item)
+            if tick is not None and item not in self._links.kids:
+                self._leaf(tick, item)
+
+    def _leaf(self, tick: int, item: Item) -> None:
+        """``item`` is a candidate as of ``tick`` (its last use)."""
+        if not self._leaves.add(tick, item, len(self._order)):
+            kids, held = self._links.kids, self._held
+            self._leaves.rebuild([(t, x) for x, t in self._order.items() if x not in kids and x not in held])
 
     def pop_victim(self, eligible: Eligible | None = None) -> Item | None:
-        kids = self._kids
-        for item in self._order:
-            if item in kids:
-                continue
-            if eligible is not None and not eligible(item):
-                continue
-            self.remove(item)
-            return item
-        return None
+        first = self._leaves.first(self._order, self._links.kids, self._held, eligible)
+        if first is None:
+            return None
+        self.remove(first[1])
+        return first[1]
 
     def __len__(self) -> int:
         return len(self._order)

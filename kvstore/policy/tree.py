@@ -23,22 +23,26 @@ class PrefixLinks:
             kids = self.kids
             kids[parent] = kids.get(parent, 0) + 1
 
-    def unlink(self, item: Item) -> None:
+    def unlink(self, item: Item) -> Item | None:
+        """Forget ``item``; returns its parent when that has no resident child left (a leaf now)."""
         parent = self.parent.pop(item)
         kids = self.kids
+        leaf = None
         if parent is not None:
             n = kids[parent] - 1
             if n:
                 kids[parent] = n
             else:
                 del kids[parent]
+                leaf = parent
         if item in kids:
             # Children of a removed block stay; they become roots of what is left.
             del kids[item]
             par = self.parent
             for k, p in par.items():  # rare: only when a block leaves before its children
-                if p is item:
+                if p == item:  # (items are hashables: equal, not only the same object)
                     par[k] = None
+        return leaf
 
     def __contains__(self, item: object) -> bool:
         return item in self.parent

@@ -112,6 +112,8 @@ class ClusterPolicy:
         self.spare: set[Item] = set()
         self.access = inner.access
         self.access_many = inner.access_many
+        self.hold = inner.hold
+        self.release = inner.release
 
     def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
         self.inner.insert(item, parent, depth, size)

@@ -314,9 +314,24 @@ class Tiering:
             self._unstaged.append((data, src))
         else:
             data[:] = src
-        self._staged[b] = data
+        self._stage(b, data)
         self.stats.tier("dram", "demotions")
         self._queue(target, (b, data, buf))
+
+    def _stage(self, b: Block, data: np.ndarray) -> None:
+        """``b``'s bytes are staged for a demotion: no tier's policy offers it as a victim until
+        :meth:`_unstage` (held there, instead of rejected on every pop: docs/soak.md's drain)."""
+        self._staged[b] = data
+        for lv in self.levels:
+            if lv.policy is not None:
+                lv.policy.hold(b)
+
+    def _unstage(self, b: Block) -> None:
+        """``b``'s demotion is over (written, failed, refused, or the block deleted)."""
+        del self._staged[b]
+        for lv in self.levels:
+            if lv.policy is not None:
+                lv.policy.release(b)
 
     def _queue(self, lv: Level, staged: Staged) -> None:
         """Place a staged block in ``lv`` and queue it to be written there."""
@@ -427,7 +442,7 @@ class Tiering:
     def _release_staged(self, batch: list[Staged]) -> None:
         for b, data, buf in batch:
             if self._staged.get(b) is data:  # (a delete meanwhile has unlisted it already)
-                del self._staged[b]
+                self._unstage(b)
             self._pool.give(buf)
 
     def _pass_down(self, lv: Level, refused: list[Staged]) -> None:
@@ -787,7 +802,8 @@ class Tiering:
         writer once the write lands."""
         copies: dict[Level, tuple[list[BlockRef], int]] = {}
         for b in blocks:
-            self._staged.pop(b, None)
+            if b in self._staged:
+                self._unstage(b)
             for lv in self.levels:
                 if b.tiers & lv.bit:
                     nbytes = lv.sizes.get(b, 0)

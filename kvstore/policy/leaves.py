@@ -1,0 +1,96 @@
+"""The leaves of one last-use queue, oldest first, so that a victim search starts at a victim.
+
+A prefix-aware policy never evicts a block with resident children, and never one its owner has
+*held* (:meth:`~kvstore.policy.base.EvictionPolicy.hold`: a block being written). Walking a queue
+from its front past such blocks made each pop O(n) and an eviction pass O(n²) (docs/soak.md: a
+29.7 s drain with a large demotion backlog). Here a queue's candidates are entries ``(tick, item)``,
+``tick`` the item's last use (a queue is in tick order, so tick order is the queue's order):
+
+* ``heap``: the entries no search has looked at, a heap. An entry is added when an item gets a new
+  tick as a leaf, or turns into a leaf (its last child left, or its owner released it).
+* ``parked``: the entries a search looked at and left in place (the caller's ``eligible`` rejected
+  them, or another queue's candidate won), sorted. The next search walks them again, merged with
+  the heap, in order: a rejected block costs what it cost in the plain walk, not a heap pop and
+  push per search.
+
+An entry whose item has moved on (a newer tick, a child, a hold, gone) is stale: it is dropped when
+a search reaches it, or by a rebuild once the entries outnumber twice the queue. A pop costs
+O(log n) amortized, plus the blocks ``eligible`` rejects.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Container, Mapping
+from heapq import heappop, heappush
+
+from kvstore.policy.base import Eligible, Item
+
+Entry = tuple[int, Item]
+
+
+def _tick(entry: Entry) -> int:
+    return entry[0]
+
+
+class Leaves:
+    __slots__ = ("heap", "parked")
+
+    def __init__(self) -> None:
+        self.heap: list[Entry] = []
+        self.parked: list[Entry] = []
+
+    def add(self, tick: int, item: Item, size: int) -> bool:
+        """Add a candidate; False when the entries outnumber twice ``size`` (the queue's length)
+        and the owner should :meth:`rebuild` them."""
+        heap = self.heap
+        heappush(heap, (tick, item))
+        return len(heap) + len(self.parked) <= 2 * size + 64
+
+    def rebuild(self, entries: list[Entry]) -> None:
+        """Replace the entries with ``entries``: the current candidates, in tick order."""
+        self.heap, self.parked = entries, []
+
+    def first(
+        self, ticks: Mapping[Item, int], kids: Container[Item], held: Container[Item], eligible: Eligible | None
+    ) -> Entry | None:
+        """The oldest current candidate that ``eligible`` accepts (it stays a candidate), dropping
+        stale entries on the way; None when there is none. An entry ``(tick, item)`` is current
+        while ``ticks`` (the policy's last uses) gives ``item`` that tick and it is in neither
+        ``kids`` (items with resident children) nor ``held``. (The walk is inlined: it is the
+        policies' hot loop.)"""
+        heap, parked = self.heap, self.parked
+        get = ticks.get
+        i = 0
+        while True:
+            while heap:  # stale entries at the heap's top go
+                tick, item = heap[0]
+                if get(item) == tick and item not in kids and item not in held:
+                    break
+                heappop(heap)
+            # The parked entries up to the heap's first, in order (stale ones dropped).
+            end = bisect_right(parked, heap[0][0], i, key=_tick) if heap else len(parked)
+            stale: list[int] = []
+            found = None
+            for k, (tick, item) in enumerate(parked[i:end], i):
+                if get(item) != tick or item in kids or item in held:
+                    stale.append(k)
+                elif eligible is None or eligible(item):
+                    found = (tick, item)
+                    break
+            for k in reversed(stale):
+                del parked[k]
+            end -= len(stale)
+            if found is not None:
+                return found
+            i = end
+            if not heap:
+                return None
+            entry = heappop(heap)  # current (the loop above): parked after the entries walked
+            parked.insert(i, entry)
+            if eligible is None or eligible(entry[1]):
+                return entry
+            i += 1
+
+    def __len__(self) -> int:
+        return len(self.heap) + len(self.parked)
