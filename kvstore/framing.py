@@ -141,11 +141,17 @@ def read_frame(s: socket.socket) -> tuple[int, bytes]:
     return _split(recv_exactly(s, LEN.unpack(head)[0]))
 
 
+class BrokenStream(ConnectionResetError):
+    """The peer sent a frame this format does not allow: the connection is dropped, as when the
+    peer closes it, and nothing after that frame is read (it cannot be trusted to be the answer of
+    the call that comes next)."""
+
+
 def _split(body: bytes) -> tuple[int, bytes]:
-    """A frame's status byte and payload; a frame without a status byte breaks the stream (the
-    connection is dropped, as when the peer closes it: nothing after it can be trusted)."""
+    """A frame's status byte and payload; a frame without a status byte breaks the stream
+    (:class:`BrokenStream`)."""
     if not body:
-        raise ConnectionResetError("the local socket's peer sent an empty frame (no status byte)")
+        raise BrokenStream("the local socket's peer sent an empty frame (no status byte)")
     return body[0], body[1:]
 
 

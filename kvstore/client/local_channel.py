@@ -27,6 +27,7 @@ from kvstore.errors import KVStoreError, from_status_code
 from kvstore.framing import (
     LEN,
     STATUS,
+    BrokenStream,
     frame,
     frame_refusal,
     hello_limit,
@@ -51,8 +52,9 @@ def after_failure(path: str, s: socket.socket | None, exc: OSError, idle_break: 
     """What a call that failed with ``exc`` on ``s`` (None: not connected) comes to: the answer the
     sidecar wrote before it closed the connection, read whole from the socket; else None, to send
     the call once more, when ``idle_break`` (a pooled connection, nothing of the call sent); else
-    UNAVAILABLE, raised. A timed-out call's connection is still open: its answer is not awaited."""
-    if s is not None and not isinstance(exc, TimeoutError):
+    UNAVAILABLE, raised. A timed-out call's connection is still open: its answer is not awaited; a
+    broken stream's next frame is not the call's answer (:class:`~kvstore.framing.BrokenStream`)."""
+    if s is not None and not isinstance(exc, (TimeoutError, BrokenStream)):
         s.setblocking(False)  # what the sidecar wrote before it closed is in the socket already
         with contextlib.suppress(OSError):
             return read_frame(s)

@@ -404,21 +404,27 @@ async def test_async_answer_that_cannot_be_decoded_is_an_internal_error(tmp_path
             await channel.aclose()
 
 
+FORGED = pb.LookupResponse(matched=7).SerializeToString()
+
+
 def _empty_frames(conn: socket.socket) -> None:
-    """A stand-in sidecar that answers a Lookup with a frame of length 0 (no status byte); an Echo's
-    answers are fine."""
+    """A stand-in sidecar that answers a Lookup with a frame of length 0 (no status byte) and,
+    in the same write, a well-formed Lookup answer after it (which must not be taken for the
+    call's: nothing after a broken frame is read); an Echo's answers are fine."""
     recv_call(conn)
     send_answer(conn, 0)
+    after = struct.pack(">I", 1 + len(FORGED)) + b"\0" + FORGED
     while (call := recv_call(conn)) is not None:
         if call[0] == "Echo":
             send_answer(conn, 0, pb.EchoResponse(payload=b"fine").SerializeToString())
         else:
-            conn.sendall(struct.pack(">I", 0))
+            conn.sendall(struct.pack(">I", 0) + after)
 
 
 def test_an_empty_answer_frame_drops_the_connection_and_is_not_sent_again(tmp_path: Path):
     """It was an IndexError out of read_frame; now the stream is broken (UNAVAILABLE, the call not
-    sent a second time) and the next call opens a new connection."""
+    sent a second time, the frame behind the broken one not read as its answer: it was, once
+    the empty frame raised ConnectionResetError) and the next call opens a new connection."""
     path = str(tmp_path / "s.sock")
     with raw_server(path, _empty_frames) as accepted:
         channel = LocalChannel(path)
