@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
+
+from kvstore.util.threads import _Once
 
 T = TypeVar("T")
 
@@ -77,8 +80,10 @@ async def blocking(sock: socket.socket, pool: ThreadPoolExecutor, call: Callable
     which ends the thread's call, and returns only once the thread is done: the caller's buffers
     (slots) are never freed under a thread that still reads or writes them. A call still queued
     for a thread is dropped at once (the deadline holds when the pool is busy). ``sock`` is then
-    unusable: the caller closes it."""
-    work = pool.submit(call, *args)
+    unusable: the caller closes it. The thread lets go of ``call`` and ``args`` (the slots' views)
+    as it starts (:class:`~kvstore.util.threads._Once`): its pool holds the work item until after
+    the caller has resumed."""
+    work = pool.submit(_Once(functools.partial(call, *args)))
     fut = asyncio.wrap_future(work)
     try:
         return await asyncio.shield(fut)

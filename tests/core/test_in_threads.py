@@ -9,6 +9,7 @@ executor that keeps every call it ran, for as long as it lives, stands for that 
 from __future__ import annotations
 
 import functools
+import socket
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,14 +23,17 @@ from kvstore.util.threads import in_threads
 
 
 class KeepingExecutor(ThreadPoolExecutor):
-    """A pool that keeps a reference to every call submitted to it."""
+    """A pool that keeps a reference to every call submitted to it, and to its arguments (as a
+    worker's work item does)."""
 
     def __init__(self) -> None:
         super().__init__(2)
         self.kept: list[Callable[..., Any]] = []
+        self.kept_args: list[tuple[Any, ...]] = []
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         self.kept.append(fn)
+        self.kept_args.append((args, kwargs))
         return super().submit(fn, *args, **kwargs)
 
 
@@ -50,4 +54,27 @@ async def test_the_buffers_handed_to_threads_are_let_go_when_it_returns() -> Non
             del mem, views
             shm.close()  # raises BufferError while any view of the mapping is referenced
     finally:
+        shm.unlink()
+
+
+async def test_the_slots_handed_to_a_peer_io_thread_are_let_go_when_blocking_returns() -> None:
+    """The same for the peer data path's I/O pools (kvstore.cluster.peer_wire.blocking): a fetch's
+    thread reads the holder's answer straight into the slab's slots, an answer's thread sends from
+    them; it used to submit the call and its views to the pool as they were."""
+    from kvstore.cluster import peer_wire
+
+    shm = shared_memory.SharedMemory(name=f"kvstore-test-{uuid.uuid4().hex[:8]}", create=True, size=1 << 16)
+    a, b = socket.socketpair()
+    try:
+        a.sendall(b"\7" * 4096)
+        slot = memoryview(shm.buf)[4096:8192]
+        with KeepingExecutor() as pool:
+            await peer_wire.blocking(b, pool, peer_wire.recv_into_all, b, slot)
+            assert bytes(shm.buf[4096:8192]) == b"\7" * 4096
+            assert len(pool.kept) == 1
+            del slot  # (not released: a view the worker still referenced would keep the mapping exported)
+            shm.close()  # raises BufferError while any view of the mapping is referenced
+    finally:
+        a.close()
+        b.close()
         shm.unlink()
