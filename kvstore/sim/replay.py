@@ -6,15 +6,17 @@ For each request, in timestamp order, the replay does what the store does:
    block present after a gap is counted as a block hit only: a prefix cache cannot use it).
 2. ``policy.access`` for every hit block, deepest first (so an ancestor is never older than its
    descendants), in every tier space that holds it; hits in a lower tier are promoted into the
-   top tier.
+   top tier as the store's Acquire does: victims popped for all of them (the run pinned), then
+   inserted root first, then the readable run touched again when that evicted.
 3. After the request is served, each block of the prompt that no tier holds is stored: Index.add,
    victims popped until there is room (no admission filter, as in the store), then
    ``policy.insert`` with the parent Block when the parent is resident in the same space.
    Like the store, victims are popped at allocation time; at commit blocks are inserted root
    first (so each parent is there to link to), then ``access_many`` on them deepest first sets
    their recency (ancestors at least as recent as descendants).
-4. A victim of an upper tier is offered to the next tier down (make room / insert); a
-   block that no tier holds is dropped from the Index.
+4. A victim of the top tier is placed in the next tier down at once (the movers place a demotion
+   before writing it); each tier below makes room after each allocation, its new arrivals held
+   (being written). A block that no tier holds is dropped from the Index.
 
 Capacities are block counts per tier space (fixed-size slots: a partial block takes a whole slot).
 Block ``size`` is the block's token count, so policies can tell a partial tail from a full block.
@@ -205,37 +207,91 @@ class Space:
         self.below: Space | None = None
 
 
-def place(ns: NsEntry, index: Index, sp: Space, b: Block) -> bool:
-    """Put ``b`` into space ``sp`` (make room, insert); victims go one tier down."""
-    if sp.capacity <= 0:
-        return False
+def _insert(ns: NsEntry, sp: Space, b: Block) -> None:
+    """``b`` enters space ``sp``, linked to its parent when ``sp`` holds that (the store's ``enter``)."""
     pb = ns.blocks.get(b.parent)
-    parent = pb if pb is not None and pb.tiers & sp.tier else None
-    pol = sp.policy
-    while sp.used >= sp.capacity:
-        v = cast("Block | None", pol.pop_victim(None))  # a replayed space holds Blocks
-        if v is None:
-            return False
-        sp.used -= 1
-        v.tiers &= ~sp.tier
-        if v is parent:
-            parent = None
-        below = sp.below
-        while below is not None and not v.tiers & below.tier:
-            if place(ns, index, below, v):
-                break
-            below = below.below
-        if not v.tiers:
-            index.drop(v)
     b.tiers |= sp.tier
-    pol.insert(b, parent, b.depth, b.size)
+    sp.policy.insert(b, pb if pb is not None and pb.tiers & sp.tier else None, b.depth, b.size)
     sp.used += 1
-    return True
+
+
+def _evicted(ns: NsEntry, index: Index, top: Space, sp: Space, v: Block, arrivals: dict[Space, list[Block]]) -> None:
+    """``v`` was popped from ``sp``. The movers place it in the next space down at once (a
+    demotion, written later): from the top when the next space lacks it, from a space below
+    when no space but the top holds it still (to the first one below that lacks it)."""
+    sp.used -= 1
+    v.tiers &= ~sp.tier
+    below = sp.below
+    if sp is not top:
+        below = None if v.tiers & ~top.tier else below
+        while below is not None and v.tiers & below.tier:
+            below = below.below
+    if below is not None and below.capacity > 0 and not v.tiers & below.tier:
+        _insert(ns, below, v)
+        arrivals.setdefault(below, []).append(v)
+    if not v.tiers:
+        index.drop(v)
+
+
+def _allocate(ns: NsEntry, index: Index, top: Space, n: int, pinned: Sequence[Block] = ()) -> int:
+    """The store's slots for ``n`` blocks in the top space: victims popped until they fit (or none
+    is left but ``pinned`` ones), each demoted; then every space below is brought within its
+    capacity with its new arrivals and ``pinned`` held (being written, leased: the demotion
+    writer's ``_make_room``). How many of the ``n`` fit."""
+    arrivals: dict[Space, list[Block]] = {}
+    pop_victim = cast("Callable[[Eligible | None], Block | None]", top.policy.pop_victim)  # Blocks
+    pins = set(pinned)
+    ok = pins.__contains__
+    while top.used + n > top.capacity:
+        v = pop_victim((lambda b: not ok(b)) if pins else None)
+        if v is None:
+            break
+        _evicted(ns, index, top, top, v, arrivals)
+    sp = top.below
+    while sp is not None:
+        held = [*arrivals.get(sp, []), *pinned]
+        for b in held:
+            sp.policy.hold(b)
+        while sp.used > sp.capacity:
+            v = cast("Block | None", sp.policy.pop_victim(None))
+            if v is None:
+                break
+            _evicted(ns, index, top, sp, v, arrivals)
+        for b in held:
+            sp.policy.release(b)
+        while sp.used > sp.capacity:  # only arrivals left: the oldest are refused (passed on or dropped)
+            v = cast("Block | None", sp.policy.pop_victim((lambda b: not ok(b)) if pins else None))
+            if v is None:
+                break
+            _evicted(ns, index, top, sp, v, arrivals)
+        sp = sp.below
+    return max(0, min(n, top.capacity - top.used))
+
+
+def _touch(spaces: Sequence[Space], run: Sequence[Block]) -> None:
+    """The store's touch of a run: ``access_many`` deepest first, in each space on what it holds."""
+    for sp in spaces:
+        mine = [b for b in reversed(run) if b.tiers & sp.tier]
+        if mine:
+            sp.policy.access_many(mine)
 
 
 def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[EvictionPolicy],
                    res: ReplayResult, bar: Progress) -> None:
-    """Several spaces, top first: inclusive of promoted copies, demotion on eviction."""
+    """Several spaces, top (DRAM) first, inclusive of promoted copies, making the store's calls
+    in the store's order (kvstore/store/block_store.py lookup, acquire, allocate, commit;
+    kvstore/tiers/movers.py promote, demotion):
+
+    1. Lookup: the run touched (``access_many`` deepest first, in each space on what it holds).
+    2. Acquire: the run's blocks only below the top are promoted: victims popped for all of them
+       (the run pinned), then inserted root first. When that evicted, the lookup's touch was
+       applied before it and the acquire's touch of the readable run is applied too (the store
+       buffers touches and skips a run touched twice in a row).
+    3. Allocate: victims popped for all new blocks; Commit: inserted root first, then
+       ``access_many`` deepest first.
+
+    A victim of the top goes to the next space down at once (the movers place a demotion before
+    it is written); the spaces below make room after each allocation, their arrivals held."""
     index = Index()
     ns = index.namespace(NamespaceRoot(b"replay"), trace.name)
     blocks = ns.blocks
@@ -245,7 +301,7 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
     top = spaces[0]
     labels = [(sp.tier, sp.tier.label) for sp in spaces]
     tier_hits = res.tier_prefix_hits
-    committed = State.COMMITTED
+    allocated = State.ALLOCATED
     bt = trace.block_tokens
     refs = prefix = hits = 0
     for ri, req in enumerate(trace.requests):
@@ -261,23 +317,35 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
                 if b.tiers & t:
                     tier_hits[label] += 1
                     break
-        for i in range(n - 1, -1, -1):
-            b = run[i]
-            for sp in spaces:
-                if b.tiers & sp.tier:
-                    sp.policy.access(b)
-        for b in run:  # promote lower-tier hits into the top tier (root first, so parents link)
-            if not b.tiers & top.tier:
-                place(ns, index, top, b)
+        if n:
+            _touch(spaces, run)
+        up = [b for b in run if not b.tiers & top.tier]
+        if up:
+            evicts = top.used + len(up) > top.capacity
+            room = _allocate(ns, index, top, len(up), run)
+            for b in up[:room]:
+                _insert(ns, top, b)
+            readable = list(itertools.takewhile(lambda b: bool(b.tiers & top.tier), run))
+            if evicts or readable != run:
+                _touch(spaces, readable)
+        new: list[Block] = []
         for i in range(n, nk):
             key = keys[i]
             if key in blocks:
                 hits += 1
                 continue
             size = req.last_size if i == nk - 1 else bt
-            b = index.add(ns, key, keys[i - 1] if i else b"", size, committed, i + 1)
-            if not place(ns, index, top, b):
+            new.append(index.add(ns, key, keys[i - 1] if i else b"", size, allocated, i + 1))
+        if new:
+            room = _allocate(ns, index, top, len(new)) if top.capacity > 0 else 0
+            for b in new[room:]:
                 index.drop(b)
+            del new[room:]
+            for b in new:  # commit: root first, so each parent is there to link to
+                index.publish(b)
+                _insert(ns, top, b)
+            if new:
+                top.policy.access_many(new[::-1])
         if ri % PROGRESS_EVERY == 0:
             bar.update(refs - res.references)
             res.references = refs
