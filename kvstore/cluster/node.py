@@ -16,10 +16,9 @@ Three jobs, all on the event loop:
 - **Find and fetch.** A lookup that ends short of the request asks the directory about the rest
   (one script call; one pipeline on a Redis Cluster). A block in a shared tier this node has
   (Redis, S3) joins the local index as placed there (the movers read and verify it as any
-  promotion); a block only another node holds
-  is fetched from it over the peer data path straight into a local slot, checked against the
-  holder's checksum and the directory's, and kept as a replica (``Block.replica``: dropped, not
-  demoted, when DRAM evicts it).
+  promotion); a block only another node holds is fetched from it over the peer data path
+  straight into a local slot, checked against the holder's checksum and the directory's, and
+  kept as a replica (``Block.replica``: dropped, not demoted, when DRAM evicts it).
 
 The holder's side of a fetch is :meth:`ClusterNode.lend`, served by
 :class:`~kvstore.cluster.peer_server.PeerServer`.
