@@ -54,13 +54,14 @@ with the default 10 buckets): bucket 0 is the warm-up, bucket 1 the fault-free b
 Reported (the JSON's top level besides the usual ``figures``/``ratios``): ``corrupt_reads``,
 ``lost_durable_blocks``, ``errors`` (client errors by ``op:ErrorClass``), ``buckets`` (per bucket:
 ops/s, MiB/s, p50/p99 latency of puts and gets, hit ratio of gets, errors, the sidecar's RSS
-(highest 1 s sample) and open fds (highest and median sample, and by kind), the faults active,
-the sidecar's tier counters, ``ssd_books``: the bytes and blocks the index places on the SSD,
-demotions still queued included, beside the block files there), ``ssd_books_at_end`` (once the
-clients are gone; figure ``ssd_orphan_files_at_end``: files no block is placed in), ``faults`` (each injection, when and
-how long), ``targets`` (each of issue #21's targets, met or not), ``sidecar`` (unexpected exits,
-warnings/errors of its logs by message). ``--plot F.png``: throughput, p99 and RSS/fds per bucket
-(matplotlib; without it the plot's data go to ``F.csv``).
+(highest 1 s sample; its ``RssAnon`` and ``RssShmem`` beside it) and open fds (highest and median
+sample, and by kind), the faults active, the sidecar's tier counters, ``ssd_books``: the bytes and
+blocks the index places on the SSD, demotions still queued included, beside the block files there),
+``ssd_books_at_end`` (once the clients are gone; figure ``ssd_orphan_files_at_end``: files no block
+is placed in), ``faults`` (each injection, when and how long), ``targets`` (each of issue #21's
+targets, met or not), ``sidecar`` (unexpected exits, warnings/errors of its logs by message).
+``--plot F.png``: throughput, p99 and RSS/fds per bucket (matplotlib; without it the plot's data go
+to ``F.csv``).
 
 Run: ``kvstore bench soak --minutes 10 --json --plot docs/soak.png`` (root for the tmpfs; without
 it the SSD tier sits on a plain directory and ``ssd_full`` is skipped).
@@ -436,12 +437,18 @@ def parse_records(workers: list[Worker], samples: bool = True) -> Parsed:
     return out
 
 
-def _proc_rss_fds(pid: int) -> tuple[float, int] | None:
+def _proc_rss_fds(pid: int) -> tuple[float, float, float, int] | None:
+    """``pid``'s RSS, and its private (``RssAnon``) and shared-memory (``RssShmem``) parts, in MiB,
+    and its open fds. ``RssShmem`` is the DRAM slab (a /dev/shm segment, counted once touched) and
+    the movers' staging buffers (MAP_SHARED anonymous mmaps: shared memory to the kernel, private
+    to the sidecar in effect)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-        rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-        return rss / 1024, len(os.listdir(f"/proc/{pid}/fd"))
-    except (OSError, StopIteration, ValueError):
+        kib = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in status.splitlines())
+               if k in ("VmRSS", "RssAnon", "RssShmem")}
+        return (kib["VmRSS"] / 1024, kib["RssAnon"] / 1024, kib["RssShmem"] / 1024,
+                len(os.listdir(f"/proc/{pid}/fd")))
+    except (OSError, KeyError, IndexError, ValueError):
         return None
 
 
@@ -517,7 +524,8 @@ class Soak:
         self.durable_checks: list[dict[str, Any]] = []
         self._check: threading.Thread | None = None
         self.fd_kinds: list[tuple[float, int, dict[str, int]]] = []  # (t, incarnation, fds by kind)
-        self.rss: list[tuple[float, float, int, int]] = []  # (t, MiB, fds, sidecar incarnation)
+        # (t, RSS MiB, fds, sidecar incarnation, RssAnon MiB, RssShmem MiB)
+        self.rss: list[tuple[float, float, int, int, float, float]] = []
         self.tier_stats: list[tuple[float, dict[str, Any]]] = []
         self.books: list[tuple[float, dict[str, int]]] = []  # (t, the SSD's books: index vs files)
         self.t0 = 0.0
@@ -876,7 +884,8 @@ class Soak:
         if sc is not None and sc.proc.poll() is None:
             got = _proc_rss_fds(sc.proc.pid)
             if got is not None:
-                self.rss.append((self.now(), got[0], got[1], len(self.sidecars)))
+                rss, anon, shmem, fds = got
+                self.rss.append((self.now(), rss, fds, len(self.sidecars), anon, shmem))
 
     def watch(self) -> None:
         """An exit nobody asked for: the sidecar (restarted, counted) or a worker (replaced, counted)."""
@@ -1006,6 +1015,8 @@ class Soak:
                 "get_hit_ratio": round(sum(s.got for s in gets) / max(1, sum(s.blocks for s in gets)), 3),
                 "errors": sum(1 for t, _ in parsed.errors if lo <= t < hi),
                 "rss_mib": round(max(r[1] for r in rs), 1) if rs else None,
+                "rss_anon_mib": round(max(r[4] for r in rs), 1) if rs else None,
+                "rss_shmem_mib": round(max(r[5] for r in rs), 1) if rs else None,
                 "fds": max(r[2] for r in rs) if rs else None,
                 "fds_median": int(np.median([r[2] for r in rs])) if rs else None,
                 "sidecar_incarnations": sorted({r[3] for r in rs}),

@@ -53,7 +53,7 @@ def test_soak_shape_no_corrupt_read_no_lost_durable_block() -> None:
     assert len(result["buckets"]) == 10
     for bk in result["buckets"]:
         for key in ("ops_per_s", "mib_per_s", "p99_ms", "put_p99_ms", "get_p99_ms", "errors", "rss_mib", "fds",
-                    "faults", "tiers", "fd_kinds", "sidecar_incarnations"):
+                    "rss_anon_mib", "rss_shmem_mib", "faults", "tiers", "fd_kinds", "sidecar_incarnations"):
             assert key in bk, key
     for name in ("corrupt_reads_zero", "lost_durable_blocks_zero", "no_unexpected_sidecar_exit",
                  "throughput_last_vs_baseline", "rss_flat", "fds_flat"):
