@@ -61,6 +61,16 @@ class Leaves:
         policies' hot loop.)"""
         heap, parked = self.heap, self.parked
         get = ticks.get
+        if parked:  # the common case: the first parked entry is the answer
+            tick, item = entry = parked[0]
+            if (
+                (not heap or tick <= heap[0][0])
+                and get(item) == tick
+                and item not in kids
+                and item not in held
+                and (eligible is None or eligible(item))
+            ):
+                return entry
         i = 0
         while True:
             while heap:  # stale entries at the heap's top go
@@ -69,7 +79,9 @@ class Leaves:
                     break
                 heappop(heap)
             # The parked entries up to the heap's first, in order (stale ones dropped).
-            end = bisect_right(parked, heap[0][0], i, key=_tick) if heap else len(parked)
+            end = len(parked)
+            if heap and end and parked[-1][0] > heap[0][0]:
+                end = bisect_right(parked, heap[0][0], i, key=_tick)
             stale: list[int] = []
             found = None
             for k, (tick, item) in enumerate(parked[i:end], i):
