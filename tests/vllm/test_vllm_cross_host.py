@@ -193,14 +193,14 @@ def _directory_lists_in_redis(rig: CrossHost, ns: Namespace, prompts: list[list[
     return asyncio.run(check())
 
 
-@pytest.mark.parametrize("shared", ["redis", "cluster"])
+@pytest.mark.parametrize("tier", ["redis", "cluster"])
 def test_write_through_to_a_shared_redis_decode_host_reads_the_tier(
-    tiny_model: Path, reference, tmp_path: Path, shared: Literal["redis", "cluster"]
+    tiny_model: Path, reference, tmp_path: Path, tier: Literal["redis", "cluster"]
 ) -> None:
     """The shared tier is one redis-server (also the directory) or a 3-master Redis Cluster (also the
     directory)."""
     prompts = [DOC_1]
-    with CrossHost(tmp_path / "rig", redis_tier=shared) as rig:
+    with CrossHost(tmp_path / "rig", redis_tier=tier) as rig:
         kv = kvstore_config(rig.url(0), "kv_producer", wait_write_through=True)
         a = run_instance(spec(tiny_model, kv, [{"name": "prefill", "prompts": prompts, "max_tokens": 1}]),
                          prefix=rig.nsenter(0), timeout=TIMEOUT)
@@ -209,7 +209,7 @@ def test_write_through_to_a_shared_redis_decode_host_reads_the_tier(
         # the saves reached Redis before the instance finished (wait_write_through); the directory
         # lists that a moment later (the record is published again once the tier holds the block)
         eventually("the directory lists the shared tier",
-                   lambda: _directory_lists_in_redis(rig, ns, prompts, shared == "cluster"))
+                   lambda: _directory_lists_in_redis(rig, ns, prompts, tier == "cluster"))
         params = a["phases"]["prefill"]["requests"][0]["kv_transfer_params"]
         handoff = tmp_path / "handoff"
         handoff.mkdir()
