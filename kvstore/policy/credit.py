@@ -38,7 +38,7 @@ from itertools import filterfalse
 from typing import ClassVar
 
 from kvstore.policy.base import Eligible, Item
-from kvstore.policy.leaves import Leaves
+from kvstore.policy.leaves import Holding, Leaves
 from kvstore.policy.tree import PrefixLinks
 
 TAILS = 0  # queue index of partial tail blocks; queue 1 + c holds blocks with c earlier uses
@@ -49,7 +49,7 @@ def ghost_key(item: Item) -> object:
     return getattr(item, "key", item)
 
 
-class CreditLRUPolicy:
+class CreditLRUPolicy(Holding):
     name: ClassVar[str] = "credit"
 
     def __init__(self, boost: float = 0.75, classes: int = 4, ghost: float = 4.0) -> None:
@@ -144,19 +144,10 @@ class CreditLRUPolicy:
         del self._queues[q][item]
         del self._freq[item], self._last[item]
         self._fresh.discard(item)
-        leaf = self._links.unlink(item)
-        if leaf is not None and leaf not in self._held:  # its last child left: a candidate again
-            self._leaf(self._queue[leaf], self._last[leaf], leaf)
+        self._unlink(item)
 
-    def hold(self, item: Item) -> None:
-        self._held.add(item)
-
-    def release(self, item: Item) -> None:
-        if item in self._held:
-            self._held.discard(item)
-            q = self._queue.get(item)
-            if q is not None and item not in self._links.kids:
-                self._leaf(q, self._last[item], item)
+    def _candidate(self, item: Item) -> None:
+        self._leaf(self._queue[item], self._last[item], item)
 
     def _leaf(self, q: int, tick: int, item: Item) -> None:
         """``item`` is a candidate of queue ``q`` as of ``tick`` (its last use)."""

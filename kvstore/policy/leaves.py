@@ -25,6 +25,7 @@ from collections.abc import Container, Mapping
 from heapq import heappop, heappush
 
 from kvstore.policy.base import Eligible, Item
+from kvstore.policy.tree import PrefixLinks
 
 Entry = tuple[int, Item]
 
@@ -106,3 +107,35 @@ class Leaves:
 
     def __len__(self) -> int:
         return len(self.heap) + len(self.parked)
+
+
+class Holding:
+    """What both prefix-aware policies do alike with their leaves: :meth:`hold` / :meth:`release`,
+    and a block that turns into a leaf (its last child left, its hold released) becoming a
+    candidate again. Each policy says how an item is made a candidate (:meth:`_candidate`: with
+    its queue and tick) and what it holds (``__contains__``)."""
+
+    _links: PrefixLinks
+    _held: set[Item]
+
+    def _candidate(self, item: Item) -> None:
+        raise NotImplementedError
+
+    def __contains__(self, item: object) -> bool:
+        raise NotImplementedError
+
+    def _unlink(self, item: Item) -> None:
+        """Take ``item`` out of the prefix links; its parent, if that was its last child, is a
+        candidate again (unless held)."""
+        leaf = self._links.unlink(item)
+        if leaf is not None and leaf not in self._held:
+            self._candidate(leaf)
+
+    def hold(self, item: Item) -> None:
+        self._held.add(item)
+
+    def release(self, item: Item) -> None:
+        if item in self._held:
+            self._held.discard(item)
+            if item in self and item not in self._links.kids:
+                self._candidate(item)

@@ -8,11 +8,11 @@ from itertools import filterfalse
 from typing import ClassVar
 
 from kvstore.policy.base import Eligible, Item
-from kvstore.policy.leaves import Leaves
+from kvstore.policy.leaves import Holding, Leaves
 from kvstore.policy.tree import PrefixLinks
 
 
-class LRUPolicy:
+class LRUPolicy(Holding):
     """Evicts the least recently used block that has no child in the space.
 
     A block with resident children is skipped (its children go first), so a prefix is trimmed
@@ -68,19 +68,10 @@ class LRUPolicy:
         if item not in self._order:
             return
         del self._order[item]
-        leaf = self._links.unlink(item)
-        if leaf is not None and leaf not in self._held:  # its last child left: a candidate again
-            self._leaf(self._order[leaf], leaf)
+        self._unlink(item)
 
-    def hold(self, item: Item) -> None:
-        self._held.add(item)
-
-    def release(self, item: Item) -> None:
-        if item in self._held:
-            self._held.discard(item)
-            tick = self._order.get(item)
-            if tick is not None and item not in self._links.kids:
-                self._leaf(tick, item)
+    def _candidate(self, item: Item) -> None:
+        self._leaf(self._order[item], item)
 
     def _leaf(self, tick: int, item: Item) -> None:
         """``item`` is a candidate as of ``tick`` (its last use)."""
