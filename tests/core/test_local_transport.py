@@ -14,6 +14,7 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -366,12 +367,22 @@ async def test_async_call_that_times_out_is_not_sent_again(tmp_path: Path):
         await server.wait_closed()
 
 
-def _garbled(conn: socket.socket) -> None:
-    """A stand-in sidecar whose Lookup answers are OK but not a LookupResponse (an Echo's are)."""
-    recv_call(conn)
-    send_answer(conn, 0)
-    while (call := recv_call(conn)) is not None:
-        send_answer(conn, 0, pb.EchoResponse(payload=b"fine").SerializeToString() if call[0] == "Echo" else b"\xff")
+def _stand_in(answer_lookup: Callable[[socket.socket], None]) -> Callable[[socket.socket], None]:
+    """A stand-in sidecar (for :func:`raw_server`): the hello and every Echo answered as a sidecar
+    would, every other call by ``answer_lookup``."""
+    def handle(conn: socket.socket) -> None:
+        recv_call(conn)
+        send_answer(conn, 0)
+        while (call := recv_call(conn)) is not None:
+            if call[0] == "Echo":
+                send_answer(conn, 0, pb.EchoResponse(payload=b"fine").SerializeToString())
+            else:
+                answer_lookup(conn)
+    return handle
+
+
+# a Lookup answered OK with a body that is not a LookupResponse
+_garbled = _stand_in(lambda conn: send_answer(conn, 0, b"\xff"))
 
 
 def test_an_answer_that_cannot_be_decoded_is_an_internal_error(tmp_path: Path):
@@ -407,18 +418,10 @@ async def test_async_answer_that_cannot_be_decoded_is_an_internal_error(tmp_path
 FORGED = pb.LookupResponse(matched=7).SerializeToString()
 
 
-def _empty_frames(conn: socket.socket) -> None:
-    """A stand-in sidecar that answers a Lookup with a frame of length 0 (no status byte) and,
-    in the same write, a well-formed Lookup answer after it (which must not be taken for the
-    call's: nothing after a broken frame is read); an Echo's answers are fine."""
-    recv_call(conn)
-    send_answer(conn, 0)
-    after = struct.pack(">I", 1 + len(FORGED)) + b"\0" + FORGED
-    while (call := recv_call(conn)) is not None:
-        if call[0] == "Echo":
-            send_answer(conn, 0, pb.EchoResponse(payload=b"fine").SerializeToString())
-        else:
-            conn.sendall(struct.pack(">I", 0) + after)
+# a Lookup answered with a frame of length 0 (no status byte) and, in the same write, a well-formed
+# Lookup answer after it (which must not be taken for the call's: nothing after a broken frame is read)
+_empty_frames = _stand_in(lambda conn: conn.sendall(struct.pack(">I", 0) + struct.pack(">I", 1 + len(FORGED))
+                                                    + b"\0" + FORGED))
 
 
 def test_an_empty_answer_frame_drops_the_connection_and_is_not_sent_again(tmp_path: Path):
