@@ -448,16 +448,21 @@ class Tiering:
     def _pass_down(self, lv: Level, refused: list[Staged]) -> None:
         """Demotions ``lv`` would not take (a tenant past its quota there, or no room): each goes on
         to the next tier down that is up, as an eviction from ``lv`` would, or is dropped."""
-        below = self.levels[self.levels.index(lv) + 1 :]
         for staged in refused:
             b, data, _ = staged
-            target = next((t for t in below if not t.down and not b.tiers & t.bit), None)
+            target = self._down_from(lv, b)
             if target is not None and not b.tiers & ~(DRAM | lv.bit) and self._staged.get(b) is data:
                 self._queue(target, staged)  # placed there before it leaves lv: never in no tier
                 self._unplaced(lv, b)
             else:
                 self._unplaced(lv, b)
                 self._release_staged([staged])
+
+    def _down_from(self, lv: Level, b: Block) -> Level | None:
+        """Where ``b`` goes when it leaves ``lv``: the next tier below ``lv`` that is up and does not
+        hold it already; None: nowhere (dropped)."""
+        below = self.levels[self.levels.index(lv) + 1 :]
+        return next((t for t in below if not t.down and not b.tiers & t.bit), None)
 
     async def _trim(self, lv: Level) -> None:
         await self._make_room(lv)
@@ -569,8 +574,7 @@ class Tiering:
         self.stats.tier(lv.name, "evictions")
         if lv.quotas is not None:
             lv.quotas.evictions[lv.quotas.tenant(b)] += 1
-        below = self.levels[self.levels.index(lv) + 1 :]
-        target = next((t for t in below if not t.down and not b.tiers & t.bit), None)
+        target = self._down_from(lv, b)
         if target is not None and not b.tiers & ~(DRAM | lv.bit):
             buf = np.empty(b.size, dtype=np.uint8)
             try:
