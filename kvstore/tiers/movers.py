@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import mmap
 from collections import Counter
@@ -68,6 +69,12 @@ DEMOTE_DEPTH = 2
 SEAL_BATCH = 8  # blocks per thread hop of the demotion sealer
 
 Staged = tuple[Block, np.ndarray, mmap.mmap]  # a demotion in flight: block, its bytes, their buffer
+
+
+async def _ended(task: asyncio.Task[None]) -> None:
+    """Wait for ``task`` to end, however it ends: a waiter that is cancelled leaves it running, and
+    it ending cancelled is not the waiter's cancellation."""
+    await asyncio.wait([task])
 
 
 async def _seal(blocks: Sequence[Block], views: Sequence[np.ndarray | memoryview]) -> None:
@@ -262,10 +269,15 @@ class Tiering:
             log.warning("tier %s unavailable, serving without it: %s", lv.name, exc)
         lv.down = True
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def _spawn(self, coro: Coroutine[Any, Any, None], ended: Callable[[], None] | None = None) -> asyncio.Task[None]:
+        """A mover task. ``ended`` runs as it ends, however it ends: a task cancelled before its
+        first step runs none of its own code, so the cleanup that its waiters need (an unpin, a
+        future settled, room given back) is there, not in a ``finally`` of ``coro``."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._finished)
+        if ended is not None:
+            task.add_done_callback(lambda _: ended())
         return task
 
     @staticmethod
@@ -428,7 +440,7 @@ class Tiering:
             lv.putting.difference_update(b for b, _ in live)
             doomed = {b: lv.doomed.pop(b) for b, _ in live if b in lv.doomed}
             if doomed:  # deleted while their files were being written: the files go now
-                self._spawn(self._delete_copies({lv: ([lv.ref(b) for b in doomed], sum(doomed.values()))}))
+                self._delete_copies_task({lv: ([lv.ref(b) for b in doomed], sum(doomed.values()))})
             if written:
                 self._release_staged(batch)
             else:
@@ -627,8 +639,14 @@ class Tiering:
             if todo:
                 for b in todo:
                     b.moving += 1  # pinned while the slot is read
-                started.append(self._spawn(self._write_through(lv, todo)))
+                started.append(self._spawn(self._write_through(lv, todo), ended=functools.partial(self._unpin, todo)))
         return started
+
+    def _unpin(self, pinned: list[Block]) -> None:
+        """A write-through has ended: its blocks' slots are no longer read; the deletes waiting wake."""
+        for b in pinned:
+            b.moving -= 1
+        self._through_ended.set()
 
     def written_through(self, blocks: Sequence[Block]) -> int:
         """How many of ``blocks`` are in every write-through tier (0 when there is none)."""
@@ -636,30 +654,33 @@ class Tiering:
         return sum(1 for b in blocks if b.tiers & mask == mask) if mask else 0
 
     async def _write_through(self, lv: Level, pinned: list[Block]) -> None:
-        try:
-            with self._failures(lv, f"write-through of {len(pinned)} blocks to"):
-                async with self._room(lv, pinned, fresh=True) as blocks:  # (a tenant past its quota: not all)
-                    if not blocks:
-                        return
-                    views = [self.space.view(b) for b in blocks]
-                    await _seal(blocks, views)
-                    items = [(self._meta(lv, b), v.data) for b, v in zip(blocks, views)]
-                    async with lv.slots:
-                        await lv.tier.put_many(items)
-                    for b in blocks:
-                        if b.ns.blocks.get(b.key) is b:  # not deleted meanwhile
-                            self._placed(lv, b)
-                    self.stats.tier(lv.name, "bytes_in", sum(b.size for b in blocks))
-        finally:
-            for b in pinned:
-                b.moving -= 1
-            self._through_ended.set()
+        """(``pinned`` stay pinned until the task has ended: :meth:`_unpin`.)"""
+        with self._failures(lv, f"write-through of {len(pinned)} blocks to"):
+            async with self._room(lv, pinned, fresh=True) as blocks:  # (a tenant past its quota: not all)
+                if not blocks:
+                    return
+                views = [self.space.view(b) for b in blocks]
+                await _seal(blocks, views)
+                items = [(self._meta(lv, b), v.data) for b, v in zip(blocks, views)]
+                async with lv.slots:
+                    await lv.tier.put_many(items)
+                for b in blocks:
+                    if b.ns.blocks.get(b.key) is b:  # not deleted meanwhile
+                        self._placed(lv, b)
+                self.stats.tier(lv.name, "bytes_in", sum(b.size for b in blocks))
 
     async def writes_ended(self, blocks: Sequence[Block]) -> None:
         """Wait until no write-through reads any of ``blocks`` (a delete's, before it takes them:
         its slot must not be freed under the reader, nor its copy land after the delete removed
-        the others). A write-through ends within its tier's own timeouts, so this wait does too."""
+        the others). A write-through ends within its tier's own timeouts, so this wait does too;
+        once :meth:`close` has begun it is not waited for: Unavailable (the caller has changed
+        nothing yet)."""
         while any(b.moving for b in blocks):
+            if self._closing:
+                raise Unavailable(
+                    "the store is shutting down: the write-throughs of these blocks are "
+                    "still in flight; nothing was deleted"
+                )
             self._through_ended.clear()
             await self._through_ended.wait()
 
@@ -685,7 +706,7 @@ class Tiering:
                     batch.append((b, fut))
                 pending.append(fut)
             if batch:
-                self._spawn(self._promote_batch(batch))
+                self._spawn(self._promote_batch(batch), ended=functools.partial(self._promoted, batch))
             out: list[Block] = []
             for b, fut in zip(run, pending):
                 ok = True if fut is None else await asyncio.shield(fut)
@@ -728,12 +749,16 @@ class Tiering:
                 if not fut.done():
                     space.release(slot)
                     self._settle(b, fut, False)
-            for b, fut in batch:
-                self._settle(b, fut, False)
             raise
 
+    def _promoted(self, batch: list[tuple[Block, asyncio.Future[bool]]]) -> None:
+        """A promotion batch has ended: whoever still waits for one of its blocks gets a miss."""
+        for b, fut in batch:
+            self._settle(b, fut, False)
+
     def _settle(self, b: Block, fut: asyncio.Future[bool], ok: bool) -> None:
-        self._promoting.pop(b, None)
+        if self._promoting.get(b) is fut:  # (not a later promotion's of the same block)
+            del self._promoting[b]
         if not fut.done():
             fut.set_result(ok)
 
@@ -800,8 +825,9 @@ class Tiering:
     def forget(self, blocks: Sequence[Block]) -> Awaitable[None]:
         """Take ``blocks`` out of every lower tier's bookkeeping now (a delete); awaiting the
         result waits for their copies to be removed, one batch per tier (a mover task: a caller
-        that stops waiting does not stop it). Nothing awaits before the bookkeeping is done, so
-        no promotion in flight can land a deleted block in DRAM again. Until a copy is gone its
+        that stops waiting does not stop it, nor does the task ending cancelled raise in the
+        caller). Nothing awaits before the bookkeeping is done, so no promotion in flight can land
+        a deleted block in DRAM again. Until a copy is gone its
         room counts as ``releasing``; a copy whose demotion is being written is removed by its
         writer once the write lands."""
         copies: dict[Level, tuple[list[BlockRef], int]] = {}
@@ -821,18 +847,28 @@ class Tiering:
                     self._unplaced(lv, b)
         if not copies:
             return nothing()
-        return asyncio.shield(self._spawn(self._delete_copies(copies)))
+        return _ended(self._delete_copies_task(copies))
+
+    def _delete_copies_task(self, copies: dict[Level, tuple[list[BlockRef], int]]) -> asyncio.Task[None]:
+        return self._spawn(self._delete_copies(copies), ended=functools.partial(self._copies_released, copies))
 
     async def _delete_copies(self, copies: dict[Level, tuple[list[BlockRef], int]]) -> None:
         """Remove copies from their tiers; each tier's ``nbytes`` stop counting as ``releasing``
-        once its delete has ended, however it ended."""
-        for lv, (refs, nbytes) in copies.items():
+        once its delete has ended, however it ended (those not begun: :meth:`_copies_released`)."""
+        for lv, (refs, _) in list(copies.items()):
             try:
                 with self._failures(lv, f"deleting {len(refs)} blocks from"):
                     await lv.tier.delete_many(refs)
             finally:
-                lv.releasing -= nbytes
-                lv.released.set()
+                self._copies_released({lv: copies.pop(lv)})
+
+    @staticmethod
+    def _copies_released(copies: dict[Level, tuple[list[BlockRef], int]]) -> None:
+        """These copies' deletes have ended (or will never run): their room is no longer releasing."""
+        for lv, (_, nbytes) in copies.items():
+            lv.releasing -= nbytes
+            lv.released.set()
+        copies.clear()
 
     @contextlib.contextmanager
     def _failures(self, lv: Level, what: str) -> Iterator[None]:
@@ -893,6 +929,7 @@ class Tiering:
 
     async def close(self) -> None:
         self._closing = True
+        self._through_ended.set()  # the deletes waiting for write-throughs: Unavailable now (writes_ended)
         await cancel_and_wait([self._probe])
         await self.flush()
         for lv in self.levels:

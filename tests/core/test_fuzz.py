@@ -75,6 +75,7 @@ from kvstore.errors import (
     KVStoreError,
     NotFound,
     ResourceExhausted,
+    Unavailable,
 )
 from kvstore.framing import STATUS
 from kvstore.keys import Namespace, prefix_keys
@@ -1288,6 +1289,65 @@ async def test_a_delete_right_after_a_commit_deletes_blocks_that_are_being_writt
             assert store.tiering.occupancy()["redis"]["blocks"] == 0  # its copies too: nothing left to resurrect
             redis_tier = next(lv.tier for lv in store.tiering.levels if lv.name == "redis")
             assert await redis_tier.contains_many([BlockRef(NS.root, k) for k in keys]) == [False, False]
+
+
+async def test_a_delete_waiting_for_a_write_through_cancelled_before_it_began_ends(tmp_path):
+    """A write-through task cancelled before its first step (asyncio.run's sweep of leftover tasks, a
+    stop that cancels its movers) never ran the ``finally`` that unpinned its blocks and woke the
+    deletes waiting for it: a Delete right after the Commit waited for ever. Its end is the task's
+    now, however the task ended."""
+    with redis_server() as redis:
+        cfg = small_config(tmp_path, **{"redis.enabled": True, "redis.url": redis.url,
+                                        "tiering.write_through": ["redis"]})
+        async with Sidecar(cfg) as sc:
+            store = sc.store
+            keys = prefix_keys(NS, list(range(2 * NS.block_size)))
+            alloc, _ = store.allocate_now(store.namespace(NS), [BlockSpec(keys[0], b"", 4096),
+                                                               BlockSpec(keys[1], keys[0], 4096)])
+            await store.commit(alloc.id, [CommitSpec(b.key, slot_id, None) for slot_id, b in alloc.blocks.items()])
+            [through] = store.tiering._tasks  # the write-through, not begun: the commit did not await since
+            through.cancel()
+            deleting = asyncio.ensure_future(store.delete(store.namespace(NS), keys, False))
+            await asyncio.wait([deleting], timeout=30)
+            assert deleting.done(), "the Delete waits for a write-through that was cancelled before it began"
+            assert deleting.result() == (2, 0)
+            assert store.index.count()["blocks"] == 0 and store.slab.used_bytes == 0
+
+
+async def test_a_delete_waiting_for_a_write_through_when_the_sidecar_stops_is_answered_unavailable(tmp_path):
+    """Stopping ends the Delete's wait for a write-through (one whose tier is slow to answer) with
+    UNAVAILABLE at once, nothing deleted, instead of holding the Delete until the write ends."""
+    with redis_server() as redis:
+        cfg = small_config(tmp_path, **{"redis.enabled": True, "redis.url": redis.url,
+                                        "tiering.write_through": ["redis"]})
+        sc = Sidecar(cfg)
+        await sc.start()
+        stopping = None
+        answer = asyncio.Event()
+        try:
+            store = sc.store
+            [level] = [lv for lv in store.tiering.levels if lv.name == "redis"]
+            put_many = level.tier.put_many
+
+            async def slow_put_many(items):
+                await answer.wait()
+                await put_many(items)
+
+            level.tier.put_many = slow_put_many
+            keys = prefix_keys(NS, list(range(NS.block_size)))
+            alloc, _ = store.allocate_now(store.namespace(NS), [BlockSpec(keys[0], b"", 4096)])
+            await store.commit(alloc.id, [CommitSpec(b.key, slot_id, None) for slot_id, b in alloc.blocks.items()])
+            deleting = asyncio.ensure_future(store.delete(store.namespace(NS), keys, False))
+            await asyncio.sleep(0)  # the Delete waits for the write-through, which waits for Redis
+            assert not deleting.done()
+            stopping = asyncio.ensure_future(sc.stop())
+            await asyncio.wait([deleting], timeout=30)
+            assert deleting.done(), "a Delete held by a write-through in flight is still waiting as the sidecar stops"
+            with pytest.raises(Unavailable, match="shutting down"):
+                deleting.result()
+        finally:
+            answer.set()
+            await (stopping if stopping is not None else sc.stop())
 
 
 async def test_a_delete_that_names_a_key_twice_counts_its_block_once(tmp_path):
