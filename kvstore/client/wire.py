@@ -91,23 +91,53 @@ def acquired(r: pb.AcquireResponse, asked: int) -> tuple[list[SlotRef], list[int
     return [SlotRef(seg, o, length) for o, length in zip(r.offsets, r.lengths)], list(r.checksums)
 
 
-def mapped_views(slots: Sequence[SlotRef]) -> list[np.ndarray]:
-    """A read-only view of each slot's bytes, each segment mapped once (slices of a read-only view
-    stay read-only). A slot that does not lie whole within its segment (a malformed answer from the
-    sidecar) raises INTERNAL naming the fields, where a slice would silently come back shorter."""
+class SlotFields(NamedTuple):
+    """How an answer names a slot's fields in an error: ``offset.format(i)``, ``length.format(i)``."""
+
+    answer: str
+    offset: str
+    length: str
+
+
+ACQUIRE_FIELDS = SlotFields("Acquire answer", "offsets[{}]", "lengths[{}]")
+ALLOCATE_FIELDS = SlotFields("Allocate answer", "blocks[{}].slot.offset", "blocks[{}].slot.length")
+
+
+def mapped_views(
+    slots: Sequence[SlotRef], fields: SlotFields = ACQUIRE_FIELDS, *, writable: bool = False,
+    at: Sequence[int] | None = None,
+) -> list[np.ndarray]:
+    """A view of each slot's bytes, each segment mapped once; read-only unless ``writable`` (slices
+    of a read-only view stay read-only). A slot that does not lie whole within its segment (a
+    malformed answer from the sidecar) raises INTERNAL naming the fields, where a slice would
+    silently come back shorter; so does a writable slot that overlaps another (two blocks written
+    into the same bytes), before any view is handed out. ``at``: each slot's index in the answer
+    (default: its position)."""
+    where = list(range(len(slots))) if at is None else list(at)
     mapped: dict[str, np.ndarray] = {}
     views = []
-    for i, (seg, off, n) in enumerate(slots):
+    for i, (seg, off, n) in zip(where, slots):
         mem = mapped.get(seg)
         if mem is None:
             mem = mapped[seg] = attach(seg).view()
-            mem.flags.writeable = False
+            mem.flags.writeable = writable
         if off < 0 or n < 0 or off + n > len(mem):
             raise KVStoreError(
-                f"Acquire answer: offsets[{i}] {off} + lengths[{i}] {n} is not within"
+                f"{fields.answer}: {fields.offset.format(i)} {off} + {fields.length.format(i)} {n} is not within"
                 f" segment {seg!r} ({len(mem)} bytes)"
             )
         views.append(mem[off : off + n])
+    if writable:
+        ends: dict[str, tuple[int, int]] = {}  # segment -> (end, index) of the slot before, in offset order
+        for (seg, off, n), i in sorted(zip(slots, where)):
+            end, j = ends.get(seg, (0, -1))
+            if j >= 0 and off < end and n:
+                raise KVStoreError(
+                    f"{fields.answer}: {fields.offset.format(i)} {off} lies inside {fields.offset.format(j)}'s"
+                    f" slot (which ends at {end}) in segment {seg!r}: two blocks would be written into the same bytes"
+                )
+            if n and off + n > end:
+                ends[seg] = (off + n, i)
     return views
 
 
@@ -190,14 +220,27 @@ class AllocationState:
         self.done = False
 
     def _fill(self, r: pb.AllocateResponse) -> None:
+        """Read the answer; one that is malformed (a block count or slot length other than asked, a
+        slot not whole within its segment, slots that overlap) raises INTERNAL naming the field,
+        before any view is handed out to be written."""
         self.id = r.allocation_id
-        for b in r.blocks:
+        asked = self.request.blocks
+        if len(r.blocks) != len(asked):
+            raise KVStoreError(f"Allocate answer: blocks has {len(r.blocks)} entries for {len(asked)} blocks asked")
+        at = [i for i, b in enumerate(r.blocks) if not b.present]
+        refs = [SlotRef(r.blocks[i].slot.segment, r.blocks[i].slot.offset, r.blocks[i].slot.length) for i in at]
+        for i, ref in zip(at, refs):
+            if ref.length != asked[i].size:
+                raise KVStoreError(
+                    f"Allocate answer: blocks[{i}].slot.length {ref.length} is not the size asked ({asked[i].size})"
+                )
+        views = dict(zip(at, mapped_views(refs, ALLOCATE_FIELDS, writable=True, at=at)))
+        refs_at = dict(zip(at, refs))
+        for i, b in enumerate(r.blocks):
             if b.present:
                 self.slots.append(_Slot(b.key, True, None, 0))
             else:
-                sd = b.slot
-                seg, off, n = sd.segment, sd.offset, sd.length
-                self.slots.append(_Slot(b.key, False, attach(seg)[off : off + n], sd.slot_id, SlotRef(seg, off, n)))
+                self.slots.append(_Slot(b.key, False, views[i], b.slot.slot_id, refs_at[i]))
 
     def writable(self) -> Iterator[tuple[int, np.ndarray]]:
         """(index in the request, writable uint8 view) for every block that needs its bytes."""

@@ -1,6 +1,7 @@
 """The packed Acquire answer (``AcquireRequest.packed``): the same run as one ``AcquiredBlock`` per
 block, as arrays; the clients read either form (:func:`kvstore.client.wire.acquired`), and an
-answer whose arrays disagree is refused, naming the field."""
+answer whose arrays disagree is refused, naming the field. The Allocate answer's writable slots are
+checked by the same function as the Acquire answer's (:func:`kvstore.client.wire.mapped_views`)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,48 @@ def test_a_slot_past_its_segments_end_is_refused_by_the_client_and_the_connector
                 _read_held(held):
             pass
         assert info.value.code == grpc.StatusCode.INTERNAL
+
+
+async def test_an_allocate_answer_with_a_bad_slot_is_refused_before_any_view_is_written(sidecar: Sidecar) -> None:
+    """The slots an Allocate answer hands out to be written are checked as the Acquire answer's are
+    (one function), and more, since a write through them lands in the sidecar's slab: a slot not
+    whole within its segment, a slot that overlaps another (a second block written over the first's
+    bytes, served to its readers), a length other than the size asked, or a block count other than
+    asked is refused with INTERNAL naming the field, before any view is handed out."""
+    from kvstore.client.wire import AllocationState
+    from kvstore.dram.slab import attach
+
+    ns = Namespace(model="m", kv_layout="raw", dtype="uint8", block_size=4)
+    keys = prefix_keys(ns, list(range(4 * 2)))
+    request = pb.AllocateRequest(namespace=namespace_pb(ns), blocks=[
+        pb.BlockSpec(key=keys[0], size=4096), pb.BlockSpec(key=keys[1], parent=keys[0], size=4096)])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{sidecar.grpc_port}") as ch:
+        answer = await pb_grpc.KVStoreStub(ch).Allocate(request)
+    good = AllocationState(request)
+    good._fill(answer)
+    assert [(i, len(v), v.flags.writeable) for i, v in good.writable()] == [(0, 4096, True), (1, 4096, True)]
+    size = len(attach(answer.blocks[0].slot.segment))
+    first = answer.blocks[0].slot.offset
+
+    def bad(**slot: int) -> pb.AllocateResponse:
+        changed = pb.AllocateResponse.FromString(answer.SerializeToString())
+        for name, value in slot.items():
+            setattr(changed.blocks[1].slot, name, value)
+        return changed
+
+    short = pb.AllocateResponse.FromString(answer.SerializeToString())
+    del short.blocks[1]
+    for changed, field in [
+        (bad(offset=size - 4095), r"blocks\[1\]\.slot\.offset \d+ \+ blocks\[1\]\.slot\.length 4096 is not within"),
+        (bad(offset=size), r"blocks\[1\]\.slot\.offset \d+ \+ blocks\[1\]\.slot\.length 4096 is not within"),
+        (bad(offset=first + 1024), r"blocks\[1\]\.slot\.offset \d+ lies inside blocks\[0\]\.slot\.offset's slot"),
+        (bad(offset=first), r"blocks\[1\]\.slot\.offset \d+ lies inside blocks\[0\]\.slot\.offset's slot"),
+        (bad(length=8192), r"blocks\[1\]\.slot\.length 8192 is not the size asked \(4096\)"),
+        (bad(length=1024), r"blocks\[1\]\.slot\.length 1024 is not the size asked \(4096\)"),
+        (short, r"blocks has 1 entries for 2 blocks asked"),
+    ]:
+        state = AllocationState(request)
+        with pytest.raises(KVStoreError, match=field) as info:
+            state._fill(changed)
+        assert info.value.code == grpc.StatusCode.INTERNAL
+        assert list(state.writable()) == [] and state.slot_refs() == {}
