@@ -31,13 +31,11 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
-
-import numpy as np
+from collections.abc import Sequence
 
 from kvstore.cluster.directory import Directory, Member, Record
 from kvstore.cluster.peer_client import PeerClient
-from kvstore.cluster.peer_server import PeerServer
+from kvstore.cluster.peer_server import NOTHING_LENT, Lent, PeerServer
 from kvstore.config import Config
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.keys import BlockKey, NamespaceRoot
@@ -485,12 +483,12 @@ class ClusterNode:
 
     # --- the holder's side ------------------------------------------------------------------------
 
-    async def lend(self, root: bytes, keys: Sequence[bytes]) -> tuple[list[tuple[int, np.ndarray]], Callable[[], None]]:
+    async def lend(self, root: bytes, keys: Sequence[bytes]) -> Lent:
         """The leading run of ``keys`` this node holds, brought into DRAM and leased while sent."""
         store = self.store
         ns = store.index.namespaces.get(NamespaceRoot(root))  # raw root bytes off the wire
         if ns is None:
-            return [], _nothing
+            return NOTHING_LENT
         run = store.index.leading_run(ns, keys)
         if len(run) < len(keys):
             self._unheld.add((root, keys[len(run)]))  # asked for what it does not hold: its record goes
@@ -501,7 +499,7 @@ class ClusterNode:
                 break
             readable.append(b)
         if not readable:
-            return [], _nothing
+            return NOTHING_LENT
         lease = store.index.take_lease(readable, store.clock() + self.cfg.fetch_timeout_s * 2)
         unsealed = [b for b in readable if b.checksum is None]
         if unsealed:
@@ -515,11 +513,10 @@ class ClusterNode:
             if lease.id in store.index.leases:
                 store.index.release_lease(lease.id)
 
-        return [(b.checksum or 0, store.space.view(b)) for b in readable], done
+        def left_s() -> float:  # (the hashing above, a busy loop: less than the lease's length)
+            return lease.deadline - store.clock()
 
-
-def _nothing() -> None:
-    pass
+        return Lent([(b.checksum or 0, store.space.view(b)) for b in readable], done, left_s)
 
 
 def _advertised(peer_address: str, port: int) -> str:

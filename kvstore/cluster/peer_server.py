@@ -5,21 +5,24 @@ Each connection says hello with the cluster token (compared in constant time) wi
 request are lent by the node (:class:`Lender`: promoted into DRAM and leased while they are sent)
 and written from their slots by blocking ``sendmsg`` calls on an I/O thread
 (:func:`~kvstore.cluster.peer_wire.blocking`; a 64 MiB answer is a few system calls, no event-loop
-round per socket-buffer's worth), within ``send_timeout_s`` (the lease's length: a fetcher that
-stops reading loses the connection before the slots can be reused). A connection may sit idle
-between requests for ``IDLE_TIMEOUT_S``, but a request once begun is read whole (head and body)
-within ``request_timeout_s`` (the fetch timeout: its fetcher has given up by then), so a peer
-that sends part of one and stalls cannot hold its connection open for ever. A malformed or stalled
-request, a wrong token or a broken connection ends that connection only; the server keeps serving.
+round per socket-buffer's worth), within ``send_timeout_s`` and never past the lease's end
+(:attr:`Lent.left_s`: a fetcher that stops reading, or a holder slow to begin the send, loses the
+connection before the slots can be reused; a lease over before the send begins sends nothing).
+A connection may sit idle between requests for ``IDLE_TIMEOUT_S``, but a request once begun is
+read whole (head and body) within ``request_timeout_s`` (the fetch timeout: its fetcher has given
+up by then), so a peer that sends part of one and stalls cannot hold its connection open for ever.
+A malformed or stalled request, a wrong token or a broken connection ends that connection only;
+the server keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -35,16 +38,25 @@ IDLE_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 256
 
 
+class Lent(NamedTuple):
+    """A run lent to be sent: its blocks as (checksum, bytes), what to call once they are sent (the
+    lease's release), and the seconds left of the lease, now (the send is over by then)."""
+
+    blocks: list[tuple[int, np.ndarray]]
+    release: Callable[[], None]
+    left_s: Callable[[], float]
+
+
+NOTHING_LENT = Lent([], lambda: None, lambda: math.inf)  # (no lease: the send has send_timeout_s)
+
+
 class Lender(Protocol):
     """What the server serves from: the node's blocks, lent while they are sent."""
 
     max_blocks: int
 
-    async def lend(
-        self, root: bytes, keys: Sequence[bytes]
-    ) -> tuple[list[tuple[int, np.ndarray]], Callable[[], None]]:
-        """The leading run of ``keys`` readable here, as (checksum, bytes) each, and what to call
-        once they are sent (the lease's release)."""
+    async def lend(self, root: bytes, keys: Sequence[bytes]) -> Lent:
+        """The leading run of ``keys`` readable here, leased while it is sent."""
         ...
 
 
@@ -158,15 +170,20 @@ class PeerServer:
             raise w.PeerProtocolError(f"a request begun was not in whole within {self.request_timeout_s} s") from None
         root = body[: w.ROOT_BYTES]
         keys = [body[i : i + w.KEY_BYTES] for i in range(w.ROOT_BYTES, len(body), w.KEY_BYTES)]
-        blocks, done = await self.lender.lend(root, keys)
+        lent = await self.lender.lend(root, keys)
         try:
+            blocks = lent.blocks
             answer = w.answer_head([(data.nbytes, checksum) for checksum, data in blocks])
             # (a 1-D uint8 array is a buffer; numpy's stubs do not say so before Python 3.12)
             payload = [memoryview(data) for _, data in blocks]  # type: ignore[arg-type]
-            async with asyncio.timeout(self.send_timeout_s):
-                await w.blocking(conn, w.SENDING, _send, conn, [memoryview(answer), *payload], self.send_timeout_s)
+            budget = min(self.send_timeout_s, lent.left_s())  # the slots are ours until the lease ends
+            if budget <= 0:
+                self._warn.warning("peer data path: the lease on %d blocks ended before their send began", len(blocks))
+                return False
+            async with asyncio.timeout(budget):
+                await w.blocking(conn, w.SENDING, _send, conn, [memoryview(answer), *payload], budget)
         finally:
-            done()
+            lent.release()
         self.served_blocks += len(blocks)
         return True
 

@@ -695,3 +695,45 @@ async def test_a_peer_that_stalls_mid_request_holds_its_connection_for_ever(
             for writer in opened:
                 with contextlib.suppress(OSError):
                     await writer.wait_closed()
+
+
+# --- 17 ----------------------------------------------------------------------------------------
+# DEFECT: PeerServer._answer (peer_server.py) sent a lent run within send_timeout_s counted from
+# the send's start, while ClusterNode.lend (node.py) had leased the run for as long counted from
+# before it hashed the run's unsealed blocks (and a holder is slow for other reasons too): the send
+# could go on after the lease ended, from slots the store may hand out again. The send now ends
+# when the lease does (Lent.left_s); a lease already over when the send would begin sends nothing.
+async def test_a_holder_sends_a_run_only_while_its_lease_holds(
+    tmp_path: Path, directory: RedisServer, ns: Namespace
+) -> None:
+    from kvstore.cluster import peer_wire as w
+
+    async with Sidecar(node_config(tmp_path, "a", directory, **{"cluster.fetch_timeout_s": 0.3})) as a:
+        assert a.cluster is not None and a.store is not None
+        keys, data = keys_for(ns, 2, seed=17), blocks(2, seed=17)
+        async with client_of(a) as ca:
+            await ca.put_blocks(ns, keys, data)
+        real_lend = a.cluster.lend
+        lent = asyncio.Event()
+
+        async def slow_lend(root: bytes, ks: Any) -> Any:  # a holder slower than the lease it took
+            got = await real_lend(root, ks)
+            lent.set()
+            await asyncio.sleep(2 * 0.3 + 0.2)  # past the lease's end (2 x the fetch timeout), however loaded
+            return got
+
+        a.cluster.lend = slow_lend  # type: ignore[method-assign,assignment]
+        reader, writer = await asyncio.open_connection("127.0.0.1", a.cluster.server.port)
+        try:
+            writer.write(w.hello(TOKEN, "fetcher"))
+            assert await asyncio.wait_for(reader.readexactly(len(w.WELCOME)), 10) == w.WELCOME
+            writer.write(w.request(a.store.namespace(ns).root, keys))
+            await asyncio.wait_for(lent.wait(), 10)
+            with contextlib.suppress(ConnectionResetError):
+                head = await asyncio.wait_for(reader.read(w.COUNT.size), 30)
+                assert head == b"", f"sent after its lease ended: {w.COUNT.unpack(head) if len(head) == 4 else head}"
+            assert a.store.index.leases == {}
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
