@@ -220,13 +220,16 @@ class AllocationState:
         self.done = False
 
     def _fill(self, r: pb.AllocateResponse) -> None:
-        """Read the answer; one that is malformed (a block count or slot length other than asked, a
-        slot not whole within its segment, slots that overlap) raises INTERNAL naming the field,
-        before any view is handed out to be written."""
+        """Read the answer; one that is malformed (a block count, key or slot length other than
+        asked, a slot not whole within its segment, slots that overlap) raises INTERNAL naming the
+        field, before any view is handed out to be written."""
         self.id = r.allocation_id
         asked = self.request.blocks
         if len(r.blocks) != len(asked):
             raise KVStoreError(f"Allocate answer: blocks has {len(r.blocks)} entries for {len(asked)} blocks asked")
+        for i, (b, spec) in enumerate(zip(r.blocks, asked)):
+            if b.key != spec.key:  # (its bytes would be committed under another block's key)
+                raise KVStoreError(f"Allocate answer: blocks[{i}].key is not the key asked at blocks[{i}]")
         at = [i for i, b in enumerate(r.blocks) if not b.present]
         refs = [SlotRef(r.blocks[i].slot.segment, r.blocks[i].slot.offset, r.blocks[i].slot.length) for i in at]
         for i, ref in zip(at, refs):

@@ -106,8 +106,9 @@ async def test_an_allocate_answer_with_a_bad_slot_is_refused_before_any_view_is_
     """The slots an Allocate answer hands out to be written are checked as the Acquire answer's are
     (one function), and more, since a write through them lands in the sidecar's slab: a slot not
     whole within its segment, a slot that overlaps another (a second block written over the first's
-    bytes, served to its readers), a length other than the size asked, or a block count other than
-    asked is refused with INTERNAL naming the field, before any view is handed out."""
+    bytes, served to its readers), a length other than the size asked, a key other than asked (one
+    block's bytes committed under another's key), or a block count other than asked is refused with
+    INTERNAL naming the field, before any view is handed out."""
     from kvstore.client.wire import AllocationState
     from kvstore.dram.slab import attach
 
@@ -131,6 +132,8 @@ async def test_an_allocate_answer_with_a_bad_slot_is_refused_before_any_view_is_
 
     short = pb.AllocateResponse.FromString(answer.SerializeToString())
     del short.blocks[1]
+    swapped = pb.AllocateResponse.FromString(answer.SerializeToString())
+    swapped.blocks[0].key, swapped.blocks[1].key = keys[1], keys[0]
     for changed, field in [
         (bad(offset=size - 4095), r"blocks\[1\]\.slot\.offset \d+ \+ blocks\[1\]\.slot\.length 4096 is not within"),
         (bad(offset=size), r"blocks\[1\]\.slot\.offset \d+ \+ blocks\[1\]\.slot\.length 4096 is not within"),
@@ -139,6 +142,7 @@ async def test_an_allocate_answer_with_a_bad_slot_is_refused_before_any_view_is_
         (bad(length=8192), r"blocks\[1\]\.slot\.length 8192 is not the size asked \(4096\)"),
         (bad(length=1024), r"blocks\[1\]\.slot\.length 1024 is not the size asked \(4096\)"),
         (short, r"blocks has 1 entries for 2 blocks asked"),
+        (swapped, r"blocks\[0\]\.key is not the key asked"),
     ]:
         state = AllocationState(request)
         with pytest.raises(KVStoreError, match=field) as info:
