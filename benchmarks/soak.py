@@ -981,7 +981,8 @@ class Soak:
         for tier in ("dram", "ssd", "redis"):
             a, z = first.get("tiers", {}).get(tier, {}), last.get("tiers", {}).get(tier, {})
             keep = {}
-            for k in ("evictions", "demotions", "promotions", "hits", "errors", "misses", "checksum_failures"):
+            for k in ("evictions", "demotions", "demotions_skipped", "promotions", "hits", "errors", "misses",
+                      "checksum_failures"):
                 if k in z:
                     v = z[k] - a.get(k, 0)
                     keep[k] = v if v >= 0 else z[k]

@@ -27,6 +27,7 @@ class StagingPool:
         self.limit = limit_bytes
         self.trim_every = max(1, trim_every)
         self.used = 0  # bytes taken and not given back
+        self.taken = 0  # buffers taken and not given back
         self.pooled = 0  # bytes of free buffers kept for reuse
         self._free: dict[int, list[mmap.mmap]] = {}
         self._idle: dict[int, int] = {}  # buffer size -> fewest free ones of it since the last trim
@@ -46,6 +47,7 @@ class StagingPool:
             buf = mmap.mmap(-1, cap)
             self._idle[cap] = 0
         self.used += cap
+        self.taken += 1
         self._takes += 1
         if self._takes >= self.trim_every:
             self.trim()
@@ -53,6 +55,7 @@ class StagingPool:
 
     def give(self, buf: mmap.mmap) -> None:
         self.used -= len(buf)
+        self.taken -= 1
         self._free.setdefault(len(buf), []).append(buf)
         self.pooled += len(buf)
 

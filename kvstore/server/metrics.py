@@ -27,6 +27,7 @@ TIER_COUNTERS = {
     "bytes_out": "bytes read out of this tier",
     "evictions": "blocks evicted from this tier",
     "demotions": "blocks demoted from this tier to a lower one",
+    "demotions_skipped": "blocks let go without a demotion: a lower tier held them and demotions were behind",
     "promotions": "blocks promoted from this tier to DRAM",
     "errors": "failed operations on this tier",
     "checksum_failures": "blocks whose checksum did not match when read from this tier",

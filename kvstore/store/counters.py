@@ -25,7 +25,8 @@ DECISION_STRINGS = {"namespace": 1024, "tier": 16, "outcome": 64}  # longest all
 DECISION_TIERS = ("", *TIER_LABELS, "peer")  # a decision's slowest tier ("peer": another node's copy)
 DECISION_SECONDS = ("predicted_load_s", "predicted_recompute_s", "actual_s")
 TIER_COUNTERS = (
-    "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "promotions", "errors", "checksum_failures",
+    "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "demotions_skipped", "promotions", "errors",
+    "checksum_failures",
 )
 
 

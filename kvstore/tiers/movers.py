@@ -55,6 +55,7 @@ from kvstore.tiers import build_tier
 from kvstore.tiers.base import BlockMeta, BlockRef, Bounded, Recoverable, Tier
 from kvstore.tiers.verify import verified_get
 from kvstore.util.tasks import cancel_and_wait
+from kvstore.util.tuning import trim_heap
 
 log = logging.getLogger("kvstore.tiers.movers")
 
@@ -67,6 +68,13 @@ DEMOTE_BATCH = 64  # blocks per put_many of a demotion batch
 # each: 243-253 MiB/s one after another, 292-361 MiB/s two at a time).
 DEMOTE_DEPTH = 2
 SEAL_BATCH = 8  # blocks per thread hop of the demotion sealer
+# Demotions staged at once past which a block that a tier below holds already (written through)
+# is not staged: a few write batches' worth. Such a block leaves DRAM as it is (its copy below
+# serves it; counted in DRAM's ``demotions_skipped``); one with no copy below is still staged, up
+# to STAGING_LIMIT. The soak's SSD writer ran ~5,300 blocks (82 MiB of staging buffers) behind a
+# DRAM that evicted faster than it wrote, and ~120 MiB in a burst: the sidecar's RSS moved with
+# that backlog (docs/soak.md), while every one of those blocks was in Redis already.
+SPARE_STAGED = 2 * DEMOTE_DEPTH * DEMOTE_BATCH
 
 Staged = tuple[Block, np.ndarray, mmap.mmap]  # a demotion in flight: block, its bytes, their buffer
 
@@ -316,6 +324,9 @@ class Tiering:
         target = next((lv for lv in self.levels if not lv.down), None)
         if target is None or b.tiers & target.bit:
             return  # nowhere to go, or the next tier down has it already
+        if self._pool.taken >= SPARE_STAGED and any(b.tiers & lv.bit and not lv.down for lv in self.levels):
+            self.stats.tier("dram", "demotions_skipped")
+            return  # demotions are behind, and a tier below holds it: not worth a buffer
         got = self._pool.take(b.size)
         if got is None:
             self.stats.tier(target.name, "errors")
@@ -899,6 +910,7 @@ class Tiering:
                     continue
                 log.info("tier %s is back", lv.name)
                 lv.down = False
+                trim_heap()  # the outage's garbage (failed calls, dead connections): not kept at its peak
 
     # --- reporting / shutdown ------------------------------------------------------------------
 

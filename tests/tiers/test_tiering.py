@@ -472,6 +472,51 @@ async def test_a_burst_of_promotions_stays_within_the_connection_pool(tmp_path, 
         assert (await c.stats())["tiers"]["redis"]["errors"] == 0
 
 
+async def test_a_backlog_of_demotions_stages_no_more_blocks_that_redis_holds(tmp_path, redis_clean):
+    """A DRAM that evicts faster than the SSD writer writes: a block Redis holds already (written
+    through) is staged for the SSD only while fewer than ``SPARE_STAGED`` demotions are in flight;
+    past that it leaves DRAM as it is, counted in ``demotions_skipped``, and is read from Redis. The
+    soak's sidecar kept ~5,300 such blocks (82 MiB of staging buffers, ~120 MiB in a burst) behind
+    its SSD writer: its RSS moved with the backlog."""
+    from kvstore.tiers import movers as tiering
+
+    size = 4096  # 64 slots in the 4 x 64 KiB slab
+    cfg = tiered_config(tmp_path, **{"ssd.capacity_bytes": 1000 * (size + 4096), "redis.enabled": True,
+                                     "redis.url": redis_clean.url, "tiering.write_through": ["redis"]})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        ssd, pool = sc.store.tiering.levels[0].tier, sc.store.tiering._pool
+        real_put_many, real_take, gate, most = ssd.put_many, pool.take, asyncio.Event(), [0]
+
+        async def held_put_many(items):
+            await gate.wait()  # the SSD writer falls behind until the burst is over
+            await real_put_many(items)
+
+        def counted_take(n):
+            got = real_take(n)
+            most[0] = max(most[0], pool.taken)
+            return got
+
+        ssd.put_many, pool.take = held_put_many, counted_take
+        keys, data = [], []
+        try:
+            for g in range(40):  # 640 blocks, each chain in Redis before the next evicts it
+                k, d = chain(600 + g, 16), blocks_for(16, 600 + g, size)
+                assert (await c.put_blocks(NS, k, d, wait_write_through=True)).written_through == 16
+                keys += k
+                data += d
+            assert 0 < most[0] <= tiering.SPARE_STAGED < 640 - 64  # the old movers staged all 576
+            skipped = (await c.stats())["tiers"]["dram"]["demotions_skipped"]
+            assert skipped == 640 - 64 - most[0]
+        finally:
+            gate.set()  # (the sidecar's close waits for the writer)
+        await settle(sc)
+        assert pool.taken == 0
+        assert set(placement(sc, keys)) <= {"dram", "ssd", "redis"}
+        got = [g.tobytes() for a in range(0, 640, 16) for g in await c.get_blocks(NS, keys[a : a + 16])]
+        assert got == data
+        assert all(t["errors"] == 0 for t in (await c.stats())["tiers"].values())
+
+
 async def test_a_burst_of_demotions_is_written_two_batches_at_a_time(tmp_path):
     """More evictions than two writer batches: the writer keeps ``DEMOTE_DEPTH`` batches in
     flight (the next one's files written while the last one waits for its fsync), never more,
