@@ -41,13 +41,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from redis import exceptions as rexc
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection as TcpConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from kvstore.config import REDIS_CHUNK_BYTES, REDIS_PIPELINES, RedisConfig
+from kvstore.config import REDIS_CHUNK_BYTES, REDIS_PIPELINES, TIER_IN_FLIGHT, RedisConfig
 from kvstore.errors import (
     ChecksumMismatch,
     InvalidArgument,
@@ -150,6 +150,18 @@ def direct_settings(client: Redis | RedisCluster) -> dict[str, Any] | None:
     )
 
 
+def pool_size(cfg: RedisConfig, direct_io: bool) -> int:
+    """Connections a single Redis's redis-py pool holds at most: one per request the movers keep in
+    flight to the tier (``TIER_IN_FLIGHT``), which with ``direct_io`` (the tier's direct path in use)
+    sends a pipeline at a time through redis-py (exists, headers, deletes), ``pipelines`` at a time
+    when block bytes go through redis-py too; never more than ``max_connections``. At that size the
+    pool makes a caller wait for a connection (each call holds one only as long as its own timeouts
+    and retries allow). Deletes are not among the movers' requests in flight: a pool that opened a
+    connection per caller grew with every burst of them and kept it (a Redis restart under 32
+    clients' deletes took the soak's sidecar from 24 to 33 redis-py connections, for good)."""
+    return min(cfg.max_connections, TIER_IN_FLIGHT * (1 if direct_io else cfg.pipelines))
+
+
 def default_retry(retries: int = 3, base_s: float = 0.05, cap_s: float = 1.0) -> Retry:
     return Retry(ExponentialBackoff(cap=cap_s, base=base_s), retries)
 
@@ -191,17 +203,22 @@ class RedisTier(TierBase):
             retry=default_retry(cfg.retries, cfg.backoff_base_s, cfg.backoff_cap_s),
             socket_timeout=cfg.socket_timeout_s,
             socket_connect_timeout=cfg.socket_timeout_s,
-            max_connections=cfg.max_connections,
         )
         client: Redis | RedisCluster
         if cfg.cluster:
-            client = RedisCluster.from_url(cfg.url, **kwargs)
+            client = RedisCluster.from_url(cfg.url, max_connections=cfg.max_connections, **kwargs)
         else:
-            client = Redis.from_url(cfg.url, retry_on_error=[rexc.ConnectionError, rexc.TimeoutError], **kwargs)
-        return cls(
+            client = Redis.from_pool(BlockingConnectionPool.from_url(
+                cfg.url, max_connections=cfg.max_connections, timeout=None,
+                retry_on_error=[rexc.ConnectionError, rexc.TimeoutError], **kwargs,
+            ))
+        tier = cls(
             client, key_prefix=cfg.key_prefix, chunk_bytes=cfg.chunk_bytes, ttl_s=cfg.ttl_s,
             pipelines=cfg.pipelines, direct_io=cfg.direct_io,
         )
+        if isinstance(client, Redis):
+            client.connection_pool.max_connections = pool_size(cfg, tier.direct_io)
+        return tier
 
     # ---- keys -----------------------------------------------------------------------------
 
