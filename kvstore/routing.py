@@ -1,8 +1,9 @@
 """KV-aware routing: which node should serve a request, from where its prefix is cached and how busy each node is.
 
-One pure function, :func:`rank`, shared by ``kvstore replay --routing prefix`` and meant for a
-future ``Route`` RPC: given, per node, how many blocks of the request's usable prefix it holds in
-each place, and each node's load, it returns the nodes best first.
+One pure function, :func:`rank`, shared by ``kvstore replay --routing prefix`` and the sidecar's
+``Route`` RPC and ``/route`` (kvstore/server/service.py): given, per node, how many blocks of the
+request's usable prefix it holds in each place, and each node's load, it returns the nodes best
+first.
 
 Scoring follows llm-d's KV-cache indexer and Dynamo's KV router: the longest consecutive cached
 prefix, each block weighted by where it sits. Their published weights (as collected in the
@@ -24,6 +25,9 @@ serves at most ``max_imbalance`` × the mean (never less than the mean rounded u
 still be placed). Under the cap, the longest weighted prefix wins and ties go to the least loaded
 node, then the lowest index. Ranking by the first block alone would send every request that shares
 a root block (a system prompt) to one node; the cap and the least-loaded tie-break spread them.
+A rendezvous-hash tie-break (so a returning prompt finds the node whose ``credit`` ghost remembers
+it) was measured and not adopted: it moves both policies' hit rates ±4% with the node names and
+puts LRU below the global cache under most namings (docs/cluster.md, "Rendezvous tie-break").
 """
 
 from __future__ import annotations
