@@ -43,7 +43,6 @@ from typing import Any, TypeVar
 from redis import exceptions as rexc
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import Connection as TcpConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
@@ -65,6 +64,7 @@ from kvstore.tiers.base import (
     encode_header,
     with_hashes,
 )
+from kvstore.util.resp_pipe import tcp_settings
 from kvstore.util.threads import in_threads, split
 
 T = TypeVar("T")
@@ -133,23 +133,6 @@ def _length(reply: Any) -> int | None:
     return len(reply) if isinstance(reply, (bytes, bytearray)) else None
 
 
-def direct_settings(client: Redis | RedisCluster) -> dict[str, Any] | None:
-    """How redis-py connects, as :class:`resp.Endpoint` fields (host and port aside); None when
-    the direct path cannot connect the same way (TLS, Unix socket, credential provider)."""
-    if isinstance(client, RedisCluster):
-        kw = client.nodes_manager.connection_kwargs
-        cls = kw.get("connection_class", TcpConnection)
-    else:
-        kw = client.connection_pool.connection_kwargs
-        cls = client.connection_pool.connection_class
-    if cls is not TcpConnection or kw.get("credential_provider") is not None:
-        return None
-    return dict(
-        username=kw.get("username"), password=kw.get("password"), db=int(kw.get("db") or 0),
-        timeout_s=kw.get("socket_timeout"), connect_timeout_s=kw.get("socket_connect_timeout"),
-    )
-
-
 def pool_size(cfg: RedisConfig, direct_io: bool) -> int:
     """Connections a single Redis's redis-py pool holds at most: one per request the movers keep in
     flight to the tier (``TIER_IN_FLIGHT``), which with ``direct_io`` (the tier's direct path in use)
@@ -188,7 +171,7 @@ class RedisTier(TierBase):
         self.ttl_s = ttl_s or None
         self.cluster = isinstance(client, RedisCluster)
         self.pipelines = pipelines
-        self._direct = direct_settings(client) if direct_io else None
+        self._direct = tcp_settings(client) if direct_io else None
         self._pools: dict[tuple[str, int], resp.Pool] = {}
         self._threads = ThreadPoolExecutor(2 * pipelines, thread_name_prefix="kvstore-redis") if self._direct else None
 
