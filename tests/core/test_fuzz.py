@@ -1270,25 +1270,38 @@ async def test_an_acquire_that_verifies_its_blocks_leases_none_that_left_dram_me
         slab.close()
 
 
-async def test_a_delete_right_after_a_commit_deletes_blocks_that_are_being_written_through(tmp_path):
+@contextlib.asynccontextmanager
+async def _write_through_sidecar(tmp_path):
+    """A sidecar whose commits are written through to a real redis-server."""
     with redis_server() as redis:
         cfg = small_config(tmp_path, **{"redis.enabled": True, "redis.url": redis.url,
                                         "tiering.write_through": ["redis"]})
         async with Sidecar(cfg) as sc:
-            store = sc.store
-            keys = prefix_keys(NS, list(range(2 * NS.block_size)))
-            alloc, _ = store.allocate_now(store.namespace(NS), [BlockSpec(keys[0], b"", 4096),
-                                                               BlockSpec(keys[1], keys[0], 4096)])
-            await store.commit(alloc.id, [CommitSpec(b.key, slot_id, None) for slot_id, b in alloc.blocks.items()])
-            # the write-through to Redis has started, not ended (no wait_write_through): as over the RPC
-            assert all(b.moving for b in alloc.blocks.values())
-            assert await store.delete(store.namespace(NS), keys, False) == (2, 0)
-            assert store.index.count()["blocks"] == 0 and store.slab.used_bytes == 0
-            await store.tiering.flush()
-            assert store.index.count()["blocks"] == 0
-            assert store.tiering.occupancy()["redis"]["blocks"] == 0  # its copies too: nothing left to resurrect
-            redis_tier = next(lv.tier for lv in store.tiering.levels if lv.name == "redis")
-            assert await redis_tier.contains_many([BlockRef(NS.root, k) for k in keys]) == [False, False]
+            yield sc
+
+
+async def _commit_two_blocks(store):
+    """Two blocks (a root and its child) allocated and committed; their write-through not awaited."""
+    keys = prefix_keys(NS, list(range(2 * NS.block_size)))
+    alloc, _ = store.allocate_now(store.namespace(NS), [BlockSpec(keys[0], b"", 4096),
+                                                       BlockSpec(keys[1], keys[0], 4096)])
+    await store.commit(alloc.id, [CommitSpec(b.key, slot_id, None) for slot_id, b in alloc.blocks.items()])
+    return keys, alloc
+
+
+async def test_a_delete_right_after_a_commit_deletes_blocks_that_are_being_written_through(tmp_path):
+    async with _write_through_sidecar(tmp_path) as sc:
+        store = sc.store
+        keys, alloc = await _commit_two_blocks(store)
+        # the write-through to Redis has started, not ended (no wait_write_through): as over the RPC
+        assert all(b.moving for b in alloc.blocks.values())
+        assert await store.delete(store.namespace(NS), keys, False) == (2, 0)
+        assert store.index.count()["blocks"] == 0 and store.slab.used_bytes == 0
+        await store.tiering.flush()
+        assert store.index.count()["blocks"] == 0
+        assert store.tiering.occupancy()["redis"]["blocks"] == 0  # its copies too: nothing left to resurrect
+        redis_tier = next(lv.tier for lv in store.tiering.levels if lv.name == "redis")
+        assert await redis_tier.contains_many([BlockRef(NS.root, k) for k in keys]) == [False, False]
 
 
 async def test_a_delete_waiting_for_a_write_through_cancelled_before_it_began_ends(tmp_path):
@@ -1296,22 +1309,16 @@ async def test_a_delete_waiting_for_a_write_through_cancelled_before_it_began_en
     stop that cancels its movers) never ran the ``finally`` that unpinned its blocks and woke the
     deletes waiting for it: a Delete right after the Commit waited for ever. Its end is the task's
     now, however the task ended."""
-    with redis_server() as redis:
-        cfg = small_config(tmp_path, **{"redis.enabled": True, "redis.url": redis.url,
-                                        "tiering.write_through": ["redis"]})
-        async with Sidecar(cfg) as sc:
-            store = sc.store
-            keys = prefix_keys(NS, list(range(2 * NS.block_size)))
-            alloc, _ = store.allocate_now(store.namespace(NS), [BlockSpec(keys[0], b"", 4096),
-                                                               BlockSpec(keys[1], keys[0], 4096)])
-            await store.commit(alloc.id, [CommitSpec(b.key, slot_id, None) for slot_id, b in alloc.blocks.items()])
-            [through] = store.tiering._tasks  # the write-through, not begun: the commit did not await since
-            through.cancel()
-            deleting = asyncio.ensure_future(store.delete(store.namespace(NS), keys, False))
-            await asyncio.wait([deleting], timeout=30)
-            assert deleting.done(), "the Delete waits for a write-through that was cancelled before it began"
-            assert deleting.result() == (2, 0)
-            assert store.index.count()["blocks"] == 0 and store.slab.used_bytes == 0
+    async with _write_through_sidecar(tmp_path) as sc:
+        store = sc.store
+        keys, _ = await _commit_two_blocks(store)
+        [through] = store.tiering._tasks  # the write-through, not begun: the commit did not await since
+        through.cancel()
+        deleting = asyncio.ensure_future(store.delete(store.namespace(NS), keys, False))
+        await asyncio.wait([deleting], timeout=30)
+        assert deleting.done(), "the Delete waits for a write-through that was cancelled before it began"
+        assert deleting.result() == (2, 0)
+        assert store.index.count()["blocks"] == 0 and store.slab.used_bytes == 0
 
 
 async def test_a_delete_waiting_for_a_write_through_when_the_sidecar_stops_is_answered_unavailable(tmp_path):
