@@ -21,7 +21,7 @@ import functools
 import hashlib
 import time
 from collections import deque
-from typing import Any
+from typing import Any, TypeGuard
 
 import hiredis
 from redis.asyncio import Redis, RedisCluster
@@ -126,14 +126,12 @@ class PipelinedLink:
         self._known: set[str] = set()  # script SHAs sent on this connection or known to its server
 
     async def _connection(self) -> _Protocol:
-        p = self._proto
-        if p is not None and p.lost is None and not self._stuck(p):
+        if self._usable(p := self._proto):
             return p
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
-            p = self._proto
-            if p is not None and p.lost is None and not self._stuck(p):
+            if self._usable(p := self._proto):
                 return p
             if p is not None:
                 p.close(ConnectionError(f"redis at {self.host}:{self.port}: no reply in {self.timeout_s} s"))
@@ -149,8 +147,11 @@ class PipelinedLink:
             self._proto = p
             return p
 
-    def _stuck(self, p: _Protocol) -> bool:
-        return bool(p.waiting and self.timeout_s and time.monotonic() - p.waiting[0][1] > self.timeout_s)
+    def _usable(self, p: _Protocol | None) -> TypeGuard[_Protocol]:
+        """Open, and its oldest call has not waited past ``timeout_s``."""
+        if p is None or p.lost is not None:
+            return False
+        return not (p.waiting and self.timeout_s and time.monotonic() - p.waiting[0][1] > self.timeout_s)
 
     async def call(self, *args: Arg) -> Any:
         p = await self._connection()
