@@ -178,7 +178,9 @@ class Allocation(AllocationState):
         self._send = call
 
     async def __aenter__(self) -> Allocation:
-        self._fill(await self._send("Allocate", self.request))
+        for abort in self._open(await self._send("Allocate", self.request)):  # a refused answer: raised once aborted
+            with contextlib.suppress(KVStoreError):  # already reclaimed, or unreachable: its TTL ends it
+                await self._send("Abort", abort)
         return self
 
     async def commit(

@@ -166,7 +166,9 @@ class SyncAllocation(AllocationState):
         self._send = call
 
     def __enter__(self) -> SyncAllocation:
-        self._fill(self._send("Allocate", self.request))
+        for abort in self._open(self._send("Allocate", self.request)):  # a refused answer: raised once aborted
+            with contextlib.suppress(KVStoreError):  # already reclaimed, or unreachable: its TTL ends it
+                self._send("Abort", abort)
         return self
 
     def commit(

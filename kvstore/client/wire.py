@@ -245,6 +245,23 @@ class AllocationState:
             else:
                 self.slots.append(_Slot(b.key, False, views[i], b.slot.slot_id, refs_at[i]))
 
+    def _open(self, r: pb.AllocateResponse) -> Iterator[pb.AbortRequest]:
+        """Read the Allocate answer (:meth:`_fill`); where it is refused, yield first the Abort
+        to send for the allocation it names. The sidecar opened that allocation when it answered,
+        and no Commit or Abort of the client's follows a refused answer (``with`` is never
+        entered), so its slots would stay reserved until its TTL reclaimed it. Once the client has
+        sent the Abort (best effort, its errors suppressed: the refusal is the error to report),
+        the refusal is raised here. The one place this is decided; both clients drive it alike,
+        ``for abort in self._open(answer): send("Abort", abort)``. A refused answer that names no
+        allocation yields nothing."""
+        try:
+            self._fill(r)
+        except KVStoreError:
+            self.done = True
+            if self.id:
+                yield pb.AbortRequest(allocation_id=self.id)
+            raise
+
     def writable(self) -> Iterator[tuple[int, np.ndarray]]:
         """(index in the request, writable uint8 view) for every block that needs its bytes."""
         for i, s in enumerate(self.slots):
