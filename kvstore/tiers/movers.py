@@ -363,7 +363,7 @@ class Tiering:
         lv.enqueue(b)
         lv.queue.append(staged)
         if lv.sealer is None or lv.sealer.done():
-            lv.sealer = self._spawn(self._seal_queue(lv))
+            lv.sealer = self._spawn(self._seal_queue(lv), ended=functools.partial(self._sealer_ended, lv))
 
     @contextlib.contextmanager
     def staging_batch(self) -> Iterator[None]:
@@ -384,16 +384,25 @@ class Tiering:
     async def _seal_queue(self, lv: Level) -> None:
         """Stage 1 of a demotion: checksums of staged blocks the server had not sealed yet, a few
         blocks per thread hop, handed to the writer as they are done, so the device starts on
-        the first blocks while the rest are hashed and never waits for the hashing after that."""
+        the first blocks while the rest are hashed and never waits for the hashing after that.
+        A batch leaves ``lv.queue`` only once it is sealed: what is queued when the sealer ends
+        (a failure, a cancellation) is :meth:`_sealer_ended`'s."""
         while lv.queue:
-            batch, lv.queue = lv.queue[:SEAL_BATCH], lv.queue[SEAL_BATCH:]
-            try:
-                await _seal([b for b, _, _ in batch], [d for _, d, _ in batch])
-            except BaseException:
-                self._demotion_failed(lv, batch)
-                raise
+            batch = lv.queue[:SEAL_BATCH]
+            await _seal([b for b, _, _ in batch], [d for _, d, _ in batch])
+            del lv.queue[: len(batch)]  # (only appended to meanwhile: one sealer at a time)
             lv.ready.extend(batch)
             self._pump(lv)
+
+    def _sealer_ended(self, lv: Level) -> None:
+        """A sealer has ended, however it ended: the demotions still queued fail (their buffers go
+        back, their blocks leave ``lv``), unless a sealer started since has them. A sealer
+        cancelled before its first step ran none of its own code: its whole queue waited for the
+        next eviction to start another, and when none came (a stop) its buffers were never given
+        back."""
+        if lv.sealer is not None and not lv.sealer.done():
+            return  # the next sealer seals them
+        self._demotion_failed(lv, lv.queue)
 
     def _pump(self, lv: Level) -> None:
         """Stage 2: write what is sealed, in batches (one fsync per batch, not per block), up to
@@ -402,7 +411,7 @@ class Tiering:
             n = self._batch_length(lv)
             batch, lv.ready = lv.ready[:n], lv.ready[n:]
             lv.writing += 1
-            self._spawn(self._write_batch(lv, batch))
+            self._spawn(self._write_batch(lv, batch), ended=functools.partial(self._batch_ended, lv, batch))
 
     @staticmethod
     def _batch_length(lv: Level) -> int:
@@ -421,14 +430,10 @@ class Tiering:
         return n
 
     async def _write_batch(self, lv: Level, batch: list[Staged]) -> None:
-        try:
-            await self._write_demotions(lv, batch)
-        finally:
-            lv.writing -= 1
-            self._pump(lv)
-
-    async def _write_demotions(self, lv: Level, batch: list[Staged]) -> None:
-        written = False
+        """Stage 2 of a demotion: one batch written to ``lv``. ``batch`` holds what is this task's
+        to settle: what it passes down leaves it, what is written is released here; whatever is
+        left when the task ends (a failure, a cancellation, before its first step too) fails in
+        :meth:`_batch_ended`, which also frees the task's place among the batches in flight."""
         live: list[tuple[Block, np.ndarray]] = []
         try:
             with self._failures(lv, f"demotion of {len(batch)} blocks to"):
@@ -437,7 +442,7 @@ class Tiering:
                 kept = set(await self._make_room(lv, [b for b, _, _ in batch]))  # counted already
                 refused = [s for s in batch if s[0] not in kept]
                 if refused:
-                    batch = [s for s in batch if s[0] in kept]
+                    batch[:] = [s for s in batch if s[0] in kept]  # (in place: _batch_ended's list)
                     self._pass_down(lv, refused)
                 # (what a delete took meanwhile is not written at all)
                 live = [(b, d) for b, d, _ in batch if b.tiers & lv.bit and b.ns.blocks.get(b.key) is b]
@@ -446,27 +451,37 @@ class Tiering:
                 async with lv.slots:
                     await lv.tier.put_many(items)
                 self.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
-                written = True
+                self._release_staged(batch)  # written
         finally:
             lv.putting.difference_update(b for b, _ in live)
             doomed = {b: lv.doomed.pop(b) for b, _ in live if b in lv.doomed}
             if doomed:  # deleted while their files were being written: the files go now
                 self._delete_copies_task({lv: ([lv.ref(b) for b in doomed], sum(doomed.values()))})
-            if written:
-                self._release_staged(batch)
-            else:
-                self._demotion_failed(lv, batch)
+
+    def _batch_ended(self, lv: Level, batch: list[Staged]) -> None:
+        """A demotion batch's task has ended, however it ended: what it did not write fails, and
+        the next batch may start. A task cancelled before its first step ran none of its own
+        code: its buffers were never given back and ``lv.writing`` stayed up for good (at
+        ``DEMOTE_DEPTH`` such tasks, no demotion to ``lv`` was ever written again)."""
+        self._demotion_failed(lv, batch)
+        lv.writing -= 1
+        self._pump(lv)
 
     def _demotion_failed(self, lv: Level, batch: list[Staged]) -> None:
+        """``batch``'s demotions to ``lv`` are over unwritten: out of ``lv``, buffers back (and
+        ``batch`` emptied, :meth:`_release_staged`)."""
         for b, _, _ in batch:
             self._unplaced(lv, b)
         self._release_staged(batch)
 
     def _release_staged(self, batch: list[Staged]) -> None:
+        """The one place a demotion's buffer goes back to the pool. ``batch`` is emptied: a list a
+        task and its ``ended`` both hold (a batch, a level's queue) gives nothing back twice."""
         for b, data, buf in batch:
             if self._staged.get(b) is data:  # (a delete meanwhile has unlisted it already)
                 self._unstage(b)
             self._pool.give(buf)
+        batch.clear()
 
     def _pass_down(self, lv: Level, refused: list[Staged]) -> None:
         """Demotions ``lv`` would not take (a tenant past its quota there, or no room): each goes on

@@ -102,6 +102,64 @@ async def test_mover_tasks_cancelled_before_they_began_leave_no_waiter_waiting(t
         assert ssd.releasing == 0, "the copies' room is counted as being released for ever"
 
 
+@pytest.mark.parametrize("cancelled", ["sealer before its first step", "writer before its first step",
+                                       "writer while it writes"])
+async def test_demotions_whose_task_is_cancelled_give_their_buffers_back(tmp_path, monkeypatch, cancelled):
+    """A demotion's sealer and its write batches are mover tasks; one cancelled before its first step
+    (a stop that cancels its movers, asyncio.run's sweep of leftover tasks) ran none of its own code:
+    its staging buffers were never given back, its blocks stayed counted in the SSD that never got
+    them, and a writer's place among the ``DEMOTE_DEPTH`` batches in flight stayed taken for good.
+    Their demotions fail now however the task ends (one cancelled as it writes, too: its buffers go
+    back once, not twice), and the next ones are written as before."""
+    from kvstore.tiers.movers import Tiering
+
+    async with Sidecar(tiered_config(tmp_path)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        tiering = sc.store.tiering
+        [ssd] = tiering.levels
+        pool = tiering._pool
+        stage = Tiering._seal_queue if cancelled.startswith("sealer") else Tiering._write_batch
+        writing = asyncio.Event()
+        if cancelled.endswith("first step"):
+            spawn = tiering._spawn
+
+            def cancelled_at_once(coro, ended=None):
+                task = spawn(coro, ended)
+                if coro.cr_code is stage.__code__:
+                    task.cancel()  # before the loop runs its first step
+                return task
+
+            monkeypatch.setattr(tiering, "_spawn", cancelled_at_once)
+        else:
+            async def held_put_many(items):
+                writing.set()
+                await asyncio.Event().wait()  # until cancelled
+
+            monkeypatch.setattr(ssd.tier, "put_many", held_put_many)
+
+        a, b = chain(7, 4), chain(8, 4)
+        await c.put_blocks(NS, a, blocks_for(4, 7))
+        await c.put_blocks(NS, b, blocks_for(4, 8))  # DRAM holds 4 slots: a is demoted
+        if cancelled == "writer while it writes":
+            await asyncio.wait([asyncio.ensure_future(writing.wait())], timeout=30)
+            [writer] = [t for t in tiering._tasks if t.get_coro().cr_code is stage.__code__]
+            writer.cancel()
+        await settle(sc)
+        assert (pool.taken, pool.used) == (0, 0), "staging buffers of demotions that ended unwritten are still taken"
+        assert ssd.writing == 0, "a write batch that never ran still counts as in flight"
+        assert not tiering._staged and not ssd.queue and not ssd.ready
+        assert (ssd.used, ssd.queued_bytes) == (0, 0)  # nothing of a counted in the SSD
+        assert placement(sc, a) == ["gone"] * 4  # a demotion that failed: the block is lost, not found where it is not
+
+        monkeypatch.undo()
+        await c.put_blocks(NS, chain(9, 4), blocks_for(4, 9))  # b goes down, and is written
+        await settle(sc)
+        assert placement(sc, b) == ["ssd"] * 4
+        assert [g.tobytes() for g in await c.get_blocks(NS, b)] == blocks_for(4, 8)
+        await settle(sc)
+        assert (pool.taken, pool.used, ssd.writing) == (0, 0, 0)
+        assert all(t["errors"] == 0 for t in (await c.stats())["tiers"].values())
+
+
 async def test_prefetch_reports_readiness(tmp_path):
     async with Sidecar(tiered_config(tmp_path)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         a, b = chain(3, 2), chain(4, 4)
