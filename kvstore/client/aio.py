@@ -37,6 +37,7 @@ from kvstore.client.wire import (
     LookupResult,
     PutResult,
     Wire,
+    accept_answer_async,
     as_uint8,
 )
 from kvstore.dram.copying import copy_blocks_async
@@ -178,9 +179,7 @@ class Allocation(AllocationState):
         self._send = call
 
     async def __aenter__(self) -> Allocation:
-        for abort in self._open(await self._send("Allocate", self.request)):  # a refused answer: raised once aborted
-            with contextlib.suppress(KVStoreError):  # already reclaimed, or unreachable: its TTL ends it
-                await self._send("Abort", abort)
+        await accept_answer_async(self, await self._send("Allocate", self.request), self._send)  # refused: aborted
         return self
 
     async def commit(
@@ -218,7 +217,7 @@ class Lease(LeaseState):
         self._send = call
 
     async def __aenter__(self) -> Lease:
-        self._fill(await self._send("Acquire", self.request))
+        await accept_answer_async(self, await self._send("Acquire", self.request), self._send)  # refused: released
         return self
 
     async def __aexit__(

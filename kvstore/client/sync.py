@@ -34,6 +34,7 @@ from kvstore.client.wire import (
     PutResult,
     Transport,
     Wire,
+    accept_answer,
     as_uint8,
 )
 from kvstore.dram.copying import copy_blocks
@@ -166,9 +167,7 @@ class SyncAllocation(AllocationState):
         self._send = call
 
     def __enter__(self) -> SyncAllocation:
-        for abort in self._open(self._send("Allocate", self.request)):  # a refused answer: raised once aborted
-            with contextlib.suppress(KVStoreError):  # already reclaimed, or unreachable: its TTL ends it
-                self._send("Abort", abort)
+        accept_answer(self, self._send("Allocate", self.request), self._send)  # refused: aborted
         return self
 
     def commit(
@@ -203,7 +202,7 @@ class SyncLease(LeaseState):
         self._send = call
 
     def __enter__(self) -> SyncLease:
-        self._fill(self._send("Acquire", self.request))
+        accept_answer(self, self._send("Acquire", self.request), self._send)  # refused: released
         return self
 
     def __exit__(

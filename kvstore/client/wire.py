@@ -7,9 +7,10 @@ the same requests and read the same responses from here; they differ only in how
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 from google.protobuf.message import Message
@@ -208,7 +209,65 @@ class _Slot:
     ref: SlotRef | None = None
 
 
-class AllocationState:
+_Answer = TypeVar("_Answer", pb.AllocateResponse, pb.AcquireResponse)
+
+
+class Undo(NamedTuple):
+    """The call that ends what an answer opened on the sidecar: ``send(name, request)``."""
+
+    name: str  # "Abort" (an allocation) or "Release" (a lease)
+    request: Message
+
+
+class Opened(Generic[_Answer]):
+    """What an allocation and a lease share: the sidecar opens either when it answers (Allocate,
+    Acquire), before the client has read the answer. The client may refuse it (:meth:`_fill`
+    raises INTERNAL naming the field); then ``with`` is never entered, so no Commit, Abort or
+    Release of the client's follows, and what the sidecar opened would stay (an allocation's
+    slots reserved, a lease's blocks pinned in DRAM) until its TTL ended it.
+
+    :meth:`_open` is the one place that decides what follows a refused answer; :func:`accept_answer`
+    and :func:`accept_answer_async` the one place each client sends what it decides."""
+
+    id: str  # what the answer opened ("": nothing)
+
+    def _fill(self, r: _Answer) -> None:
+        """Read the answer; one the client refuses raises :class:`KVStoreError`."""
+        raise NotImplementedError
+
+    def _undo(self) -> Undo:
+        """The call that ends what ``id`` names."""
+        raise NotImplementedError
+
+    def _open(self, r: _Answer) -> Iterator[Undo]:
+        """Read the answer (:meth:`_fill`); where it is refused and names what the sidecar opened,
+        yield first the call that ends it, then raise the refusal. A refused answer that names
+        nothing yields nothing."""
+        try:
+            self._fill(r)
+        except KVStoreError:
+            if self.id:
+                yield self._undo()
+            raise
+
+
+def accept_answer(state: Opened[_Answer], answer: _Answer, send: Call) -> None:
+    """Read ``answer`` into ``state`` (:meth:`Opened._open`); a refused one's undo is sent before
+    the refusal raises. Best effort: the undo's own error (already ended, unreachable: its TTL
+    ends it) is suppressed, since the refusal is the error to report."""
+    for name, request in state._open(answer):
+        with contextlib.suppress(KVStoreError):
+            send(name, request)
+
+
+async def accept_answer_async(state: Opened[_Answer], answer: _Answer, send: AsyncCall) -> None:
+    """:func:`accept_answer`, for the async client."""
+    for name, request in state._open(answer):
+        with contextlib.suppress(KVStoreError):
+            await send(name, request)
+
+
+class AllocationState(Opened[pb.AllocateResponse]):
     """A two-phase write: the slots handed out, and the Commit that makes them visible."""
 
     def __init__(self, request: pb.AllocateRequest) -> None:
@@ -245,22 +304,9 @@ class AllocationState:
             else:
                 self.slots.append(_Slot(b.key, False, views[i], b.slot.slot_id, refs_at[i]))
 
-    def _open(self, r: pb.AllocateResponse) -> Iterator[pb.AbortRequest]:
-        """Read the Allocate answer (:meth:`_fill`); where it is refused, yield first the Abort
-        to send for the allocation it names. The sidecar opened that allocation when it answered,
-        and no Commit or Abort of the client's follows a refused answer (``with`` is never
-        entered), so its slots would stay reserved until its TTL reclaimed it. Once the client has
-        sent the Abort (best effort, its errors suppressed: the refusal is the error to report),
-        the refusal is raised here. The one place this is decided; both clients drive it alike,
-        ``for abort in self._open(answer): send("Abort", abort)``. A refused answer that names no
-        allocation yields nothing."""
-        try:
-            self._fill(r)
-        except KVStoreError:
-            self.done = True
-            if self.id:
-                yield pb.AbortRequest(allocation_id=self.id)
-            raise
+    def _undo(self) -> Undo:
+        self.done = True  # (ended: an __exit__ sends no second Abort)
+        return Undo("Abort", pb.AbortRequest(allocation_id=self.id))
 
     def writable(self) -> Iterator[tuple[int, np.ndarray]]:
         """(index in the request, writable uint8 view) for every block that needs its bytes."""
@@ -297,7 +343,7 @@ class AllocationState:
         return resp.committed
 
 
-class LeaseState:
+class LeaseState(Opened[pb.AcquireResponse]):
     """Read lease on the leading run of the requested keys, as zero-copy read-only views."""
 
     def __init__(self, request: pb.AcquireRequest) -> None:
@@ -313,6 +359,9 @@ class LeaseState:
         self.slots, self.checksums = acquired(r, len(self.request.keys))
         self.keys = list(self.request.keys[: len(self.slots)])  # the run is the leading keys asked for
         self.views = mapped_views(self.slots)
+
+    def _undo(self) -> Undo:
+        return Undo("Release", pb.ReleaseRequest(lease_id=self.id))
 
     def verify(self) -> int:
         """Check every view against its checksum; truncate at the first bad block. Returns the
