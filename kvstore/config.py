@@ -270,6 +270,12 @@ class ClusterConfig(_Section):
         gt=0,
         description="deadline of one peer fetch (blocks not in by then are misses) and of reading a peer's request",
     )
+    send_stall_s: float = Field(
+        1.0,
+        gt=0,
+        description="an answer to a peer's fetch that the fetcher takes no byte of for this long is abandoned "
+        "(its blocks' lease released, the connection closed): a send thread is not held for the whole deadline",
+    )
     directory_timeout_s: float = Field(2.0, gt=0, description="deadline of one directory round trip")
 
     @model_validator(mode="after")

@@ -74,7 +74,7 @@ class ClusterNode:
         for name in COUNTERS:
             self.stats[name] += 0
         self.server = PeerServer(
-            self, self.cfg.token, send_timeout_s=2 * self.cfg.fetch_timeout_s,
+            self, self.cfg.token, send_timeout_s=2 * self.cfg.fetch_timeout_s, send_stall_s=self.cfg.send_stall_s,
             request_timeout_s=self.cfg.fetch_timeout_s,
         )
         self.max_blocks = config.server.max_batch_blocks

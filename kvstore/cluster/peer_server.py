@@ -6,8 +6,16 @@ request are lent by the node (:class:`Lender`: promoted into DRAM and leased whi
 and written from their slots by blocking ``sendmsg`` calls on an I/O thread
 (:func:`~kvstore.cluster.peer_wire.blocking`; a 64 MiB answer is a few system calls, no event-loop
 round per socket-buffer's worth), within ``send_timeout_s`` and never past the lease's end
-(:attr:`Lent.left_s`: a fetcher that stops reading, or a holder slow to begin the send, loses the
-connection before the slots can be reused; a lease over before the send begins sends nothing).
+(:attr:`Lent.left_s`: a holder slow to begin the send loses the connection before the slots can
+be reused; a lease over before the send begins sends nothing).
+
+A send thread is the scarce thing (``IO_THREADS`` a process), so an answer holds one only while
+its fetcher takes bytes: a send that makes no progress for ``send_stall_s`` is abandoned (each
+blocking call is bounded by it, :func:`~kvstore.cluster.peer_wire.send_buffers`), its lease
+released and its connection closed. And an answer takes its send slot (:attr:`PeerServer._sending`,
+one per send thread) before its blocks are lent, not after: answers waiting for a thread hold no
+lease, so however many connections ask at once, at most ``IO_THREADS`` requests' blocks are
+leased (peers that ask and stop reading cannot keep DRAM leased until Allocate runs out).
 A connection may sit idle between requests for ``IDLE_TIMEOUT_S``, but a request once begun is
 read whole (head and body) within ``request_timeout_s`` (the fetch timeout: its fetcher has given
 up by then), so a peer that sends part of one and stalls cannot hold its connection open for ever.
@@ -61,10 +69,15 @@ class Lender(Protocol):
 
 
 class PeerServer:
-    def __init__(self, lender: Lender, token: str, send_timeout_s: float, request_timeout_s: float) -> None:
+    def __init__(
+        self, lender: Lender, token: str, send_timeout_s: float, send_stall_s: float, request_timeout_s: float
+    ) -> None:
         self.lender = lender
         self.send_timeout_s = send_timeout_s
+        self.send_stall_s = send_stall_s
         self.request_timeout_s = request_timeout_s
+        # answers lent at once: one per send thread (of the process's pool: a sidecar runs one server)
+        self._sending = asyncio.Semaphore(w.IO_THREADS)
         self._token = token.encode()
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
@@ -73,7 +86,7 @@ class PeerServer:
         self._closing = False  # connections end after the request in hand (a cancellation can be lost)
         self._warn = Throttled(log)
         self.port = 0
-        self.refused = 0  # connections dropped: wrong token, bad or stalled request, too many
+        self.refused = 0  # connections dropped: wrong token, bad or stalled request, an answer not read, too many
         self.served_blocks = 0
 
     async def start(self, address: str) -> int:
@@ -170,6 +183,21 @@ class PeerServer:
             raise w.PeerProtocolError(f"a request begun was not in whole within {self.request_timeout_s} s") from None
         root = body[: w.ROOT_BYTES]
         keys = [body[i : i + w.KEY_BYTES] for i in range(w.ROOT_BYTES, len(body), w.KEY_BYTES)]
+        try:
+            async with asyncio.timeout(self.request_timeout_s):  # (its fetcher has given up by then)
+                await self._sending.acquire()
+        except TimeoutError:
+            self._warn.warning("peer data path: no send slot free for %s s; dropped a request", self.request_timeout_s)
+            return False
+        try:
+            return await self._lend_and_send(conn, root, keys)
+        finally:
+            self._sending.release()
+
+    async def _lend_and_send(self, conn: socket.socket, root: bytes, keys: list[bytes]) -> bool:
+        """Lend the run asked for and send it (holding a send slot). The send ends, and with it
+        the lease and the connection, at the lease's end or after ``send_stall_s`` in which the
+        fetcher took no byte, whichever comes first."""
         lent = await self.lender.lend(root, keys)
         try:
             blocks = lent.blocks
@@ -180,8 +208,14 @@ class PeerServer:
             if budget <= 0:
                 self._warn.warning("peer data path: the lease on %d blocks ended before their send began", len(blocks))
                 return False
+            stall = min(self.send_stall_s, budget)  # each blocking call's bound: no progress for this long
             async with asyncio.timeout(budget):
-                await w.blocking(conn, w.SENDING, _send, conn, [memoryview(answer), *payload], budget)
+                await w.blocking(conn, w.SENDING, _send, conn, [memoryview(answer), *payload], stall)
+        except w.PeerStalled:
+            self.refused += 1
+            self._warn.warning("peer data path: a fetcher took no bytes of its answer (%d blocks) for %s s; dropped it",
+                               len(lent.blocks), stall)
+            return False
         finally:
             lent.release()
         self.served_blocks += len(blocks)
@@ -199,9 +233,11 @@ class PeerServer:
             self._sock = None
 
 
-def _send(conn: socket.socket, buffers: list[memoryview], timeout_s: float) -> None:
-    """Send an answer on an I/O thread: ``conn`` blocking while it does, back to the loop's after."""
-    w.set_blocking(conn, timeout_s)
+def _send(conn: socket.socket, buffers: list[memoryview], stall_s: float) -> None:
+    """Send an answer on an I/O thread: ``conn`` blocking while it does (each call bounded by
+    ``stall_s``: no progress for that long raises :class:`~kvstore.cluster.peer_wire.PeerStalled`),
+    back to the loop's after."""
+    w.set_blocking(conn, stall_s)
     try:
         w.send_buffers(conn, buffers)
     finally:

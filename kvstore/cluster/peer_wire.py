@@ -60,6 +60,10 @@ class PeerProtocolError(ConnectionError):
     """The other end sent something this format does not allow: drop the connection."""
 
 
+class PeerStalled(ConnectionError):
+    """The other end took no byte for as long as the socket's send timeout: drop the connection."""
+
+
 def hello(token: str, node: str) -> bytes:
     t, n = token.encode(), node.encode()
     return HELLO.pack(MAGIC, len(t), len(n)) + t + n
@@ -97,6 +101,11 @@ async def blocking(sock: socket.socket, pool: ThreadPoolExecutor, call: Callable
         if not fut.cancelled():
             fut.exception()  # retrieved: the cancellation is what the caller hears of
         raise
+    finally:
+        # An exception raised here holds this frame (its traceback), the frame the futures, and
+        # they the exception: a cycle that kept ``args`` (the slots' views) alive until the next
+        # garbage collection, after their lease was released and possibly past the slab's close.
+        del work, fut
 
 
 def set_blocking(sock: socket.socket, timeout_s: float) -> None:
@@ -111,11 +120,17 @@ def set_blocking(sock: socket.socket, timeout_s: float) -> None:
 
 def send_buffers(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
     """Send ``buffers`` in order on a blocking socket: one ``sendmsg`` takes up to ``IOV_MAX`` of
-    them and returns once the kernel has them all (or its timeout passed: the rest goes next)."""
+    them and returns once the kernel has them all, or once its timeout (``SO_SNDTIMEO``) passed
+    with some taken: the rest goes next. A call that passes its timeout with none taken (the
+    socket buffer full all along: the other end reads nothing) raises :class:`PeerStalled`, so
+    the timeout bounds how long the send goes without progress, not how long it takes."""
     views = [b for b in buffers if len(b)]
     i = 0
     while i < len(views):
-        sent = sock.sendmsg(views[i : i + IOV_MAX])
+        try:
+            sent = sock.sendmsg(views[i : i + IOV_MAX])
+        except BlockingIOError:  # (EAGAIN: the kernel's timeout, the socket itself is blocking)
+            raise PeerStalled("peer took no bytes within the send timeout") from None
         if sent == 0:
             raise ConnectionError("peer stopped taking bytes")
         while sent:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -737,3 +738,64 @@ async def test_a_holder_sends_a_run_only_while_its_lease_holds(
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+
+
+# --- 18 ----------------------------------------------------------------------------------------
+# DEFECT: PeerServer._answer (peer_server.py) bounded an answer's blocking send only by its whole
+# deadline (the lease's time left, up to 2 x the fetch timeout), and lent the blocks before the
+# answer had a send thread. A peer with the token that asked for blocks and then read nothing
+# held one of the process's IO_THREADS send threads that long (sendmsg blocked on a full socket
+# buffer); IO_THREADS such peers held them all, and every other node's fetch missed at its
+# deadline, while the answers queued behind them held their leases (up to MAX_CONNECTIONS
+# requests' blocks in DRAM). A send now gives up after cluster.send_stall_s without progress (its
+# lease released, its connection closed), and an answer takes a send slot before its lease.
+@pytest.mark.timeout(180)
+async def test_peers_that_ask_and_never_read_hold_every_send_thread_and_their_leases(
+    tmp_path: Path, directory: RedisServer, ns: Namespace
+) -> None:
+    from kvstore.cluster import peer_wire as w
+
+    mib = 1 << 20
+    # a deadline longer than the whole test on the fixed code: B's fetch misses only if A's send
+    # threads stay held past it (the old code held them for 2 x A's fetch timeout)
+    slow = {"cluster.fetch_timeout_s": 10.0, "dram.page_bytes": mib}
+    async with Sidecar(node_config(tmp_path, "a", directory, **slow, **{"dram.capacity_bytes": 16 * mib})) as a, \
+            Sidecar(node_config(tmp_path, "b", directory, **slow, **{"dram.capacity_bytes": 4 * mib})) as b:
+        await met(a, b)
+        assert a.cluster is not None and a.store is not None
+        index = a.store.index
+        keys, data = keys_for(ns, 12, seed=18), blocks(12, seed=18, size=mib)  # 12 MiB: more than socket buffers take
+        async with client_of(a) as ca:
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+        peak = 0  # the most leases A held at once
+        real_take = index.take_lease
+
+        def counted(*args: Any, **kw: Any) -> Any:
+            nonlocal peak
+            lease = real_take(*args, **kw)
+            peak = max(peak, len(index.leases))
+            return lease
+
+        index.take_lease = counted  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        stallers: list[socket.socket] = []
+        try:
+            for i in range(w.IO_THREADS + 8):  # every send thread, and answers queued behind them
+                s = socket.socket()
+                stallers.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: a small window)
+                s.setblocking(False)
+                await loop.sock_connect(s, ("127.0.0.1", a.cluster.server.port))
+                await loop.sock_sendall(s, w.hello(TOKEN, f"staller-{i}"))
+                assert await asyncio.wait_for(w.recv_bytes(s, len(w.WELCOME)), 10) == w.WELCOME
+                await loop.sock_sendall(s, w.request(a.store.namespace(ns).root, keys))  # ... and never reads
+            await eventually(lambda: len(index.leases) >= w.IO_THREADS, "every send thread holds a stalled answer")
+            async with client_of(b) as cb:  # a well-behaved node fetches while the stallers still sit there
+                got = await cb.get_blocks(ns, keys[:2], verify=True)
+                assert [bytes(g) for g in got] == [bytes(d) for d in data[:2]], "the peer's fetch missed"
+            await eventually(lambda: index.leases == {}, "the stalled answers' leases released", 60)
+            assert peak <= w.IO_THREADS, f"{peak} answers held leases at once (queued ones too)"
+        finally:
+            for s in stallers:
+                s.close()
+

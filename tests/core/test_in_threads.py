@@ -8,7 +8,9 @@ executor that keeps every call it ran, for as long as it lives, stands for that 
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import gc
 import socket
 import uuid
 from collections.abc import Callable
@@ -75,6 +77,46 @@ async def test_the_slots_handed_to_a_peer_io_thread_are_let_go_when_blocking_ret
             del slot  # (not released: a view the worker still referenced would keep the mapping exported)
             shm.close()  # raises BufferError while any view of the mapping is referenced
     finally:
+        a.close()
+        b.close()
+        shm.unlink()
+
+
+def _stalled(sock: socket.socket, slot: memoryview) -> None:
+    from kvstore.cluster import peer_wire
+
+    raise peer_wire.PeerStalled("took no bytes")  # (an answer abandoned: its fetcher stopped reading)
+
+
+async def test_the_slots_of_a_failed_peer_io_call_are_let_go_too() -> None:
+    """And when the call fails. The error raised through ``blocking`` held its frame (the
+    traceback), the frame the futures and they the error: a cycle that kept the call's views
+    alive until the next garbage collection, so an answer abandoned because its fetcher stopped
+    reading (kvstore.cluster.peer_server) kept its slots' views after its lease was released, and
+    a sidecar stopped before a collection failed to release the slab's mapping."""
+    from kvstore.cluster import peer_wire
+
+    shm = shared_memory.SharedMemory(name=f"kvstore-test-{uuid.uuid4().hex[:8]}", create=True, size=1 << 16)
+    a, b = socket.socketpair()
+    collecting = gc.isenabled()
+    gc.disable()  # (only reference counts free the views: what a collection would free is the defect)
+    try:
+        assert shm.buf is not None
+        slot = shm.buf[4096:8192]
+        with ThreadPoolExecutor(1) as pool:
+            try:
+                await peer_wire.blocking(a, pool, _stalled, a, slot)
+                raise AssertionError("the call's error was not raised")
+            except peer_wire.PeerStalled:
+                pass  # (not pytest.raises: it keeps the error, and the error its traceback's frames)
+            del slot
+        # (the pool joined: its worker has let go of its work item, and the error with it; and a
+        # loop turn: this step of the task began from the future that held the error)
+        await asyncio.sleep(0)
+        shm.close()  # raises BufferError while any view of the mapping is referenced
+    finally:
+        if collecting:
+            gc.enable()
         a.close()
         b.close()
         shm.unlink()
