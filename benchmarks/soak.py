@@ -73,6 +73,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import mmap
@@ -452,6 +453,26 @@ def _proc_rss_fds(pid: int) -> tuple[float, float, float, int] | None:
         return None
 
 
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    """``pid``'s CPU time so far (user + system), in seconds."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = stat[stat.rindex(")") + 2 :].split()  # (the name, in parentheses, may hold spaces)
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _machine_busy_s() -> float:
+    """The machine's busy CPU time so far (all but idle and iowait), in seconds summed over its
+    cores (``/proc/stat``)."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / CLOCK_TICKS
+
+
 def _fd_kinds(pid: int, redis_port: int) -> dict[str, int]:
     """The open fds of ``pid`` by kind: TCP to Redis (``redis_port``), other TCP, Unix sockets
     (the local socket's clients and listener), files, pipes, anon inodes (epoll, eventfd), other."""
@@ -526,6 +547,8 @@ class Soak:
         self.fd_kinds: list[tuple[float, int, dict[str, int]]] = []  # (t, incarnation, fds by kind)
         # (t, RSS MiB, fds, sidecar incarnation, RssAnon MiB, RssShmem MiB)
         self.rss: list[tuple[float, float, int, int, float, float]] = []
+        # (t, the soak's processes (pids), the sidecar's CPU s so far, theirs all told, the machine's busy s)
+        self.cpu: list[tuple[float, tuple[int, ...], float, float, float]] = []
         self.tier_stats: list[tuple[float, dict[str, Any]]] = []
         self.books: list[tuple[float, dict[str, int]]] = []  # (t, the SSD's books: index vs files)
         self.t0 = 0.0
@@ -886,6 +909,18 @@ class Soak:
             if got is not None:
                 rss, anon, shmem, fds = got
                 self.rss.append((self.now(), rss, fds, len(self.sidecars), anon, shmem))
+            self._sample_cpu(sc.proc.pid)
+
+    def _sample_cpu(self, sidecar: int) -> None:
+        """CPU time so far of the sidecar, of the soak's processes all told (the sidecar, the
+        clients, redis-server, this process with its proxy thread) and of the machine."""
+        pids = [sidecar, os.getpid(), *(w.proc.pid for w in self.workers if w.proc.poll() is None)]
+        if self.redis.proc is not None:
+            pids.append(self.redis.proc.pid)
+        times = [_proc_cpu_s(p) for p in pids]
+        if all(t is not None for t in times):
+            own = [t for t in times if t is not None]
+            self.cpu.append((self.now(), tuple(pids), own[0], sum(own), _machine_busy_s()))
 
     def watch(self) -> None:
         """An exit nobody asked for: the sidecar (restarted, counted) or a worker (replaced, counted)."""
@@ -1024,6 +1059,7 @@ class Soak:
                 "ssd_books": next((k for t, k in reversed(self.books) if lo - t0 <= t < hi - t0), {}),
                 "fd_kinds": next((k for t, _, k in reversed(self.fd_kinds) if lo - t0 <= t < hi - t0), {}),
                 "faults": faults, "tiers": self._tier_counters(lo - t0, hi - t0),
+                **self._cpu_use(lo - t0, hi - t0, len(ss)),
             })
         errors = dict(Counter(k for _, k in parsed.errors).most_common())
         lost = sum(c["lost_blocks"] for c in self.durable_checks if c["when"] != "at the end")
@@ -1080,6 +1116,26 @@ class Soak:
             result["plot"] = self.plot(buckets, self.args.plot)
         return result
 
+    def _cpu_use(self, t0: float, t1: float, ops: int) -> dict[str, float | None]:
+        """Where a bucket's throughput came from: the sidecar's CPU time per op (what an op costs
+        it, whatever else runs), the cores the sidecar used, and the cores other jobs on the
+        machine used meanwhile (the machine's busy time less the soak's own processes': what the
+        soak competed with). From consecutive 1 s samples within ``[t0, t1)`` of the same
+        processes (a pair across a restart or a replaced client is skipped)."""
+        xs = [c for c in self.cpu if t0 <= c[0] < t1]
+        pairs = [(a, b) for a, b in itertools.pairwise(xs) if a[1] == b[1]]
+        span = sum(b[0] - a[0] for a, b in pairs)
+        if not span:
+            return {"sidecar_cpu_ms_per_op": None, "sidecar_cores": None, "other_jobs_cores": None}
+        side = sum(b[2] - a[2] for a, b in pairs)
+        others = sum((b[4] - a[4]) - (b[3] - a[3]) for a, b in pairs)
+        ops_in_span = ops * span / (t1 - t0)
+        return {
+            "sidecar_cpu_ms_per_op": round(1000 * side / ops_in_span, 3) if ops_in_span else None,
+            "sidecar_cores": round(side / span, 3),
+            "other_jobs_cores": round(max(0.0, others / span), 3),
+        }
+
     def _targets(self, buckets: list[dict[str, Any]], corrupt: int, lost: int) -> dict[str, Any]:
         t: dict[str, Any] = {
             "corrupt_reads_zero": {"met": corrupt == 0, "value": corrupt},
@@ -1095,6 +1151,9 @@ class Soak:
                 t["throughput_last_vs_baseline"] = {
                     "met": ratio >= 0.9, "value": ratio, "baseline_bucket": base["bucket"],
                     "last_faults": last["faults"],
+                    # beside it, what tells the sidecar's cost from the machine's load: [baseline, last]
+                    "sidecar_cpu_ms_per_op": [base["sidecar_cpu_ms_per_op"], last["sidecar_cpu_ms_per_op"]],
+                    "other_jobs_cores": [base["other_jobs_cores"], last["other_jobs_cores"]],
                 }
             # RSS: the bucket's highest sample; fds: the bucket's median sample (an SSD batch holds up to
             # 64 files open for a moment: the maximum is mostly where a sample fell)

@@ -53,8 +53,12 @@ def test_soak_shape_no_corrupt_read_no_lost_durable_block() -> None:
     assert len(result["buckets"]) == 10
     for bk in result["buckets"]:
         for key in ("ops_per_s", "mib_per_s", "p99_ms", "put_p99_ms", "get_p99_ms", "errors", "rss_mib", "fds",
-                    "rss_anon_mib", "rss_shmem_mib", "faults", "tiers", "fd_kinds", "sidecar_incarnations"):
+                    "rss_anon_mib", "rss_shmem_mib", "faults", "tiers", "fd_kinds", "sidecar_incarnations",
+                    "sidecar_cpu_ms_per_op", "sidecar_cores", "other_jobs_cores"):
             assert key in bk, key
+    # the sidecar's CPU per op is read from its own process: every op costs it some
+    assert all(bk["sidecar_cpu_ms_per_op"] > 0 for bk in result["buckets"] if bk["sidecar_cpu_ms_per_op"] is not None)
+    assert sum(bk["sidecar_cpu_ms_per_op"] is not None for bk in result["buckets"]) >= 5
     for name in ("corrupt_reads_zero", "lost_durable_blocks_zero", "no_unexpected_sidecar_exit",
                  "throughput_last_vs_baseline", "rss_flat", "fds_flat"):
         assert "met" in result["targets"][name], name
