@@ -75,6 +75,9 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--routing", action="append", choices=ROUTINGS,
                    help="with --nodes: how requests reach nodes, repeatable (default: round-robin and prefix)")
     p.add_argument("--seed", type=int, default=0, help="with --routing random: the seed (default 0)")
+    p.add_argument("--tie-seed", type=int, metavar="N",
+                   help="with --routing prefix: break ties of score and load in a seeded random node order "
+                        "instead of by node index (another, equally valid naming of the nodes)")
     p.set_defaults(func=run)
 
 
@@ -171,9 +174,10 @@ def _run_cluster(args: argparse.Namespace, trace: Trace, unique: int, names: lis
         per_node = _blocks(cap, unique)
         policies: dict[str, Any] = {}
         out = {"trace": trace.name, "unique_blocks": unique, "references": trace.references, "nodes": args.nodes,
-               "capacity_blocks": per_node, "policies": policies}
+               "capacity_blocks": per_node, "tie_seed": args.tie_seed, "policies": policies}
         for n in names:
-            policies[n] = compare(trace, args.nodes, per_node, routings, n, args.seed, progress=progress)
+            policies[n] = compare(trace, args.nodes, per_node, routings, n, args.seed, progress=progress,
+                                  tie_seed=args.tie_seed)
         if args.json:
             print(json.dumps(out), flush=True)
         else:

@@ -27,7 +27,9 @@ Each request, on its node (with one node, exactly the single-space replay's call
 
 Routing: ``round-robin``, ``random`` (seeded), or ``prefix``: :func:`kvstore.routing.rank` over each
 node's usable prefix (local blocks as ``dram``; in the cluster, blocks another node holds as
-``peer``) and the requests each node has served so far.
+``peer``) and the requests each node has served so far. ``rank`` breaks a tie of score and load by
+node order; ``tie_seed`` names the nodes in a seeded random order instead of by index, an equally
+valid cluster (the nodes start alike), to show how much of a result is the draw of that order.
 """
 
 from __future__ import annotations
@@ -242,10 +244,13 @@ class ClusterRun(HitRates):
 
 class _Router:
     def __init__(self, routing: str, nodes: list[Node], directory: Directory | None, seed: int,
-                 max_imbalance: float) -> None:
+                 max_imbalance: float, tie_seed: int | None = None) -> None:
         if routing not in ROUTINGS:
             raise ValueError(f"routing: unknown {routing!r}; allowed: {list(ROUTINGS)}")
         self.nodes = nodes
+        self.named = list(nodes)  # the order ``rank`` breaks ties in
+        if tie_seed is not None:
+            random.Random(tie_seed).shuffle(self.named)
         self.directory = directory
         self.max_imbalance = max_imbalance
         self.rng = random.Random(seed)
@@ -262,8 +267,9 @@ class _Router:
         return self.nodes[self.rng.randrange(len(self.nodes))]
 
     def _prefix(self, req: Request) -> Node:
-        prefixes = node_prefixes(self.nodes, self.directory, index_keys(req))
-        return self.nodes[rank(prefixes, [n.requests for n in self.nodes], self.max_imbalance)[0]]
+        named = self.named
+        prefixes = node_prefixes(named, self.directory, index_keys(req))
+        return named[rank(prefixes, [n.requests for n in named], self.max_imbalance)[0]]
 
 
 def node_prefixes(nodes: Sequence[Node], directory: Directory | None, keys: Sequence[BlockKey]) -> list[dict[str, int]]:
@@ -287,9 +293,10 @@ def node_prefixes(nodes: Sequence[Node], directory: Directory | None, keys: Sequ
 
 def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster", routing: str = "round-robin",
                    policy: str = "lru", seed: int = 0, max_imbalance: float = MAX_IMBALANCE,
-                   prefer_replicas: bool = True, progress: bool = False) -> ClusterRun:
+                   prefer_replicas: bool = True, progress: bool = False, tie_seed: int | None = None) -> ClusterRun:
     """Replay ``trace`` over ``nodes`` nodes of ``capacity`` blocks each (``global``: one node of
-    ``nodes`` × ``capacity``), in one of :data:`MODES`."""
+    ``nodes`` × ``capacity``), in one of :data:`MODES`; ``tie_seed``: the node order of prefix
+    routing's ties (the module's docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode: unknown {mode!r}; allowed: {list(MODES)}")
     if nodes < 1:
@@ -303,7 +310,7 @@ def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster
         if directory is not None:
             directory.join(node, prefer_replicas)
         members.append(node)
-    router = _Router(routing, members, directory, seed, max_imbalance)
+    router = _Router(routing, members, directory, seed, max_imbalance, tie_seed)
     res = ClusterRun(mode, routing, capacity)
     bar = Progress(trace.references, f"{mode} {routing}", progress)
     t0 = time.perf_counter()
@@ -384,7 +391,7 @@ def _serve(node: Node, members: list[Node], directory: Directory | None, req: Re
 
 def compare(trace: Trace, nodes: int, capacity: int, routings: Sequence[str] = ("round-robin", "prefix"),
             policy: str = "lru", seed: int = 0, max_imbalance: float = MAX_IMBALANCE,
-            progress: bool = False) -> dict[str, object]:
+            progress: bool = False, tie_seed: int | None = None) -> dict[str, object]:
     """The global cache once, then isolated nodes and the cluster for each routing, with the
     cluster's ratios and load imbalance: the JSON of ``kvstore replay --nodes``."""
     glob = replay_cluster(trace, nodes, capacity, "global", policy=policy, progress=progress)
@@ -392,7 +399,7 @@ def compare(trace: Trace, nodes: int, capacity: int, routings: Sequence[str] = (
     by_routing: dict[str, object] = {}
     for routing in routings:
         runs = {mode: replay_cluster(trace, nodes, capacity, mode, routing, policy, seed, max_imbalance,
-                                     progress=progress) for mode in ("isolated", "cluster")}
+                                     progress=progress, tie_seed=tie_seed) for mode in ("isolated", "cluster")}
         iso, clu = runs["isolated"].prefix_hit_rate, runs["cluster"].prefix_hit_rate
         by_routing[routing] = {
             "isolated": runs["isolated"].to_json(),

@@ -67,6 +67,24 @@ def test_prefix_routing_follows_the_prefix() -> None:
     assert (pre.prefix_hits, rr.prefix_hits) == (2, 0)
 
 
+def test_tie_seed_names_the_nodes_in_another_order() -> None:
+    # The same trace as above: the first filler goes to the first node of the naming (all tie), and
+    # the conversation to the node that then ties as least loaded first. With nodes named in
+    # reverse (seed 1 of random.Random shuffles [0, 1] to [1, 0]), the loads mirror: a renaming, the
+    # same hits.
+    import random
+
+    order = [0, 1]
+    random.Random(1).shuffle(order)
+    assert order == [1, 0]
+    t = trace(*[[100 + i] for i in range(8)], [1, 2], [1, 2, 3])
+    by_index = replay_cluster(t, 2, 8, "cluster", "prefix")
+    renamed = replay_cluster(t, 2, 8, "cluster", "prefix", tie_seed=1)
+    assert (by_index.requests, renamed.requests) == ([6, 4], [4, 6])
+    assert renamed.prefix_hits == by_index.prefix_hits == 2
+    assert replay_cluster(t, 2, 8, "cluster", "prefix", tie_seed=1).requests == [4, 6]  # seeded: the same again
+
+
 def test_prefix_routing_keeps_the_busiest_node_under_the_cap() -> None:
     # Every request shares one long prefix. Without the cap, the first node holds it and wins
     # every request; with it, requests spill to the others, which then hold the prefix too.
@@ -133,6 +151,7 @@ def test_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert pol["global"]["prefix_hit_rate"] == 0.5
     assert list(pol["routing"]) == ["round-robin", "prefix"]
     assert pol["routing"]["round-robin"]["cluster_vs_isolated"] == 1.5
+    assert out["tie_seed"] is None
     # the table, without --json
     assert main(["replay", str(path), "--nodes", "2", "--capacity", "3", "--policy", "lru"]) == 0
     assert "round-robin" in capsys.readouterr().out
