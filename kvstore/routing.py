@@ -33,7 +33,7 @@ puts LRU below the global cache under most namings (docs/cluster.md, "Rendezvous
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 TIER_WEIGHTS: dict[str, float] = {
     "dram": 1.0,  # kvstore's top tier (host memory), normalised to 1
@@ -64,15 +64,17 @@ def load_cap(loads: Sequence[float], max_imbalance: float = MAX_IMBALANCE) -> fl
 
 
 def rank(prefixes: Sequence[Mapping[str, int]], loads: Sequence[float], max_imbalance: float = MAX_IMBALANCE,
-         weights: Mapping[str, float] = TIER_WEIGHTS) -> list[int]:
+         weights: Mapping[str, float] = TIER_WEIGHTS, tie: Callable[[int], float] | None = None) -> list[int]:
     """Node indices, best first, for one request.
 
     ``prefixes[i]`` counts node i's blocks of the request's usable prefix by place (``{"dram": 5,
-    "peer": 3}``); ``loads[i]`` is node i's load (requests served, or in flight)."""
+    "peer": 3}``); ``loads[i]`` is node i's load (requests served, or in flight). ``tie(i)`` orders
+    nodes equal in score and load (default: the lower index first)."""
     if len(prefixes) != len(loads):
         raise ValueError(f"rank: {len(prefixes)} prefixes for {len(loads)} loads")
     if not loads:
         return []
     cap = load_cap(loads, max_imbalance)
     scores = [prefix_score(p, weights) for p in prefixes]
-    return sorted(range(len(loads)), key=lambda i: (loads[i] + 1 > cap, -scores[i], loads[i], i))
+    last = tie or float
+    return sorted(range(len(loads)), key=lambda i: (loads[i] + 1 > cap, -scores[i], loads[i], last(i)))

@@ -76,8 +76,8 @@ def register(subparsers: Subparsers) -> None:
                    help="with --nodes: how requests reach nodes, repeatable (default: round-robin and prefix)")
     p.add_argument("--seed", type=int, default=0, help="with --routing random: the seed (default 0)")
     p.add_argument("--tie-seed", type=int, metavar="N",
-                   help="with --routing prefix: break ties of score and load in a seeded random node order "
-                        "instead of by node index (another, equally valid naming of the nodes)")
+                   help="with --routing prefix: break each tie of score and load by a seeded random draw "
+                        "instead of by node index (another, equally valid draw of the same routing)")
     p.set_defaults(func=run)
 
 

@@ -28,8 +28,9 @@ Each request, on its node (with one node, exactly the single-space replay's call
 Routing: ``round-robin``, ``random`` (seeded), or ``prefix``: :func:`kvstore.routing.rank` over each
 node's usable prefix (local blocks as ``dram``; in the cluster, blocks another node holds as
 ``peer``) and the requests each node has served so far. ``rank`` breaks a tie of score and load by
-node order; ``tie_seed`` names the nodes in a seeded random order instead of by index, an equally
-valid cluster (the nodes start alike), to show how much of a result is the draw of that order.
+node index; with ``tie_seed`` each such tie is drawn at random instead (seeded): another, equally
+valid order of the same routing, to show how much of a result is that draw. (A fixed renaming of
+the nodes would change nothing: they start alike, so it gives the same run under other names.)
 """
 
 from __future__ import annotations
@@ -248,9 +249,7 @@ class _Router:
         if routing not in ROUTINGS:
             raise ValueError(f"routing: unknown {routing!r}; allowed: {list(ROUTINGS)}")
         self.nodes = nodes
-        self.named = list(nodes)  # the order ``rank`` breaks ties in
-        if tie_seed is not None:
-            random.Random(tie_seed).shuffle(self.named)
+        self.ties = random.Random(tie_seed) if tie_seed is not None else None  # None: ties by node index
         self.directory = directory
         self.max_imbalance = max_imbalance
         self.rng = random.Random(seed)
@@ -267,9 +266,11 @@ class _Router:
         return self.nodes[self.rng.randrange(len(self.nodes))]
 
     def _prefix(self, req: Request) -> Node:
-        named = self.named
-        prefixes = node_prefixes(named, self.directory, index_keys(req))
-        return named[rank(prefixes, [n.requests for n in named], self.max_imbalance)[0]]
+        prefixes = node_prefixes(self.nodes, self.directory, index_keys(req))
+        tie = None
+        if self.ties is not None:
+            tie = [self.ties.random() for _ in self.nodes].__getitem__
+        return self.nodes[rank(prefixes, [n.requests for n in self.nodes], self.max_imbalance, tie=tie)[0]]
 
 
 def node_prefixes(nodes: Sequence[Node], directory: Directory | None, keys: Sequence[BlockKey]) -> list[dict[str, int]]:

@@ -67,22 +67,18 @@ def test_prefix_routing_follows_the_prefix() -> None:
     assert (pre.prefix_hits, rr.prefix_hits) == (2, 0)
 
 
-def test_tie_seed_names_the_nodes_in_another_order() -> None:
-    # The same trace as above: the first filler goes to the first node of the naming (all tie), and
-    # the conversation to the node that then ties as least loaded first. With nodes named in
-    # reverse (seed 1 of random.Random shuffles [0, 1] to [1, 0]), the loads mirror: a renaming, the
-    # same hits.
-    import random
-
-    order = [0, 1]
-    random.Random(1).shuffle(order)
-    assert order == [1, 0]
+def test_tie_seed_draws_each_tie_at_random() -> None:
+    # The trace above: every filler is a tie of score (nothing cached) and, at every other request,
+    # of load. By index, node 0 takes each tie; with a seed, each tie is drawn, so which node takes
+    # the conversation's first turn varies with the seed, but its second turn still follows its
+    # prefix (2 hits under every draw), and a seed gives the same run again.
     t = trace(*[[100 + i] for i in range(8)], [1, 2], [1, 2, 3])
-    by_index = replay_cluster(t, 2, 8, "cluster", "prefix")
-    renamed = replay_cluster(t, 2, 8, "cluster", "prefix", tie_seed=1)
-    assert (by_index.requests, renamed.requests) == ([6, 4], [4, 6])
-    assert renamed.prefix_hits == by_index.prefix_hits == 2
-    assert replay_cluster(t, 2, 8, "cluster", "prefix", tie_seed=1).requests == [4, 6]  # seeded: the same again
+    assert replay_cluster(t, 2, 8, "cluster", "prefix").requests == [6, 4]
+    runs = {s: replay_cluster(t, 2, 8, "cluster", "prefix", tie_seed=s) for s in range(8)}
+    assert {r.prefix_hits for r in runs.values()} == {2}
+    assert {tuple(r.requests) for r in runs.values()} == {(6, 4), (4, 6)}  # the conversation's node drawn
+    assert all(replay_cluster(t, 2, 8, "cluster", "prefix", tie_seed=s).requests == r.requests
+               for s, r in runs.items())
 
 
 def test_prefix_routing_keeps_the_busiest_node_under_the_cap() -> None:
@@ -100,6 +96,9 @@ def test_rank_weighs_tiers_and_load() -> None:
     assert rank(prefixes, [0, 0, 0]) == [1, 0, 2]
     # a tie goes to the least loaded node
     assert rank([{"dram": 1}, {"dram": 1}], [5, 3]) == [1, 0]
+    # a tie of score and load goes to the lower index, or by ``tie``
+    assert rank([{"dram": 1}, {"dram": 1}, {}], [3, 3, 3]) == [0, 1, 2]
+    assert rank([{"dram": 1}, {"dram": 1}, {}], [3, 3, 3], tie=[0.9, 0.1, 0.5].__getitem__) == [1, 0, 2]
     # node 1 is at the cap (1.25 x the mean after this request): ranked last despite its prefix
     loads = [10, 14, 10]
     assert load_cap(loads) == pytest.approx(1.25 * 35 / 3)
