@@ -222,7 +222,7 @@ class Undo(NamedTuple):
 class Opened(Generic[_Answer]):
     """What an allocation and a lease share: the sidecar opens either when it answers (Allocate,
     Acquire), before the client has read the answer. The client may refuse it (:meth:`_fill`
-    raises INTERNAL naming the field); then ``with`` is never entered, so no Commit, Abort or
+    raises INTERNAL naming the field, or cannot map the slots); then ``with`` is never entered, so no Commit, Abort or
     Release of the client's follows, and what the sidecar opened would stay (an allocation's
     slots reserved, a lease's blocks pinned in DRAM) until its TTL ended it.
 
@@ -242,10 +242,13 @@ class Opened(Generic[_Answer]):
     def _open(self, r: _Answer) -> Iterator[Undo]:
         """Read the answer (:meth:`_fill`); where it is refused and names what the sidecar opened,
         yield first the call that ends it, then raise the refusal. A refused answer that names
-        nothing yields nothing."""
+        nothing yields nothing. Refused is any error reading it, not only a malformed field's
+        KVStoreError: a slab this process cannot map (``FileNotFoundError``, ``PermissionError``:
+        the sidecar's 0600 slab seen by another user's client over TCP) leaves the client as unable
+        to use what was opened, and was left open until its TTL."""
         try:
             self._fill(r)
-        except KVStoreError:
+        except Exception:
             if self.id:
                 yield self._undo()
             raise

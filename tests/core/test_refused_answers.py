@@ -205,3 +205,61 @@ async def test_the_async_client_ends_what_an_answer_it_refuses_opened(
             c._call = call  # type: ignore[method-assign]
             assert info.value.code == grpc.StatusCode.INTERNAL  # the refusal, not the failed undo's error
             _after_refusal(answer, before, _held(await c.stats()))
+
+
+# An answer naming a slab this process cannot map (a name it cannot open; the sidecar's 0600 slab
+# seen by a client of another user, reaching it over TCP) fails in _fill with the mapping's own
+# error, not a KVStoreError: the client cannot use what was opened either, so it is ended the same.
+UNMAPPABLE = "kvstore-test-no-such-segment"
+
+
+def _unmappable_slots(r: pb.AllocateResponse) -> None:
+    for b in r.blocks:
+        b.slot.segment = UNMAPPABLE
+
+
+def _unmappable_run(r: pb.AcquireResponse) -> None:
+    assert r.segment  # (the packed answer)
+    r.segment = UNMAPPABLE
+
+
+UNMAPPABLE_ANSWERS = pytest.mark.parametrize(
+    ("answer", "spoil"), [(ALLOCATE, _unmappable_slots), (ACQUIRE, _unmappable_run)], ids=["Allocate", "Acquire"]
+)
+
+
+@UNMAPPABLE_ANSWERS
+async def test_an_answer_whose_slab_cannot_be_mapped_is_ended_too(
+    serve_process: Callable[..., Any], tmp_path: Path, answer: Answer, spoil: Spoil,
+) -> None:
+    sc = _serve(serve_process, tmp_path)
+    with SyncClient(sc.grpc) as c:
+        if answer.stored:
+            c.put_blocks(NS, KEYS[: answer.stored], _blocks(answer))
+        call = c._call
+
+        def spoiling(name: str, request: Any, timeout: float | None = 30.0) -> Any:
+            r = call(name, request, timeout)
+            return _spoilt(answer, r, spoil) if name == answer.rpc else r
+
+        before = _held(c.stats())
+        c._call = spoiling  # type: ignore[method-assign]
+        with pytest.raises(FileNotFoundError), answer.enter(c):  # (the mapping's error, as it was raised)
+            pytest.fail("a refused answer is not entered")
+        c._call = call  # type: ignore[method-assign]
+        _after_refusal(answer, before, _held(c.stats()))
+
+    async with KVStoreClient.from_url(sc.grpc) as ac:
+        acall = ac._call
+
+        async def aspoiling(name: str, request: Any, timeout: float | None = 30.0) -> Any:
+            r = await acall(name, request, timeout)
+            return _spoilt(answer, r, spoil) if name == answer.rpc else r
+
+        before = _held(await ac.stats())
+        ac._call = aspoiling  # type: ignore[method-assign]
+        with pytest.raises(FileNotFoundError):
+            async with answer.enter(ac):
+                pytest.fail("a refused answer is not entered")
+        ac._call = acall  # type: ignore[method-assign]
+        _after_refusal(answer, before, _held(await ac.stats()))
