@@ -273,7 +273,8 @@ class ClusterConfig(_Section):
     send_stall_s: float = Field(
         1.0,
         gt=0,
-        description="an answer to a peer's fetch that the fetcher takes no byte of for this long is abandoned "
+        description="an answer to a peer's fetch that the fetcher takes no byte of for this long, or too little "
+        "over a window this long for the rest to go out by the send's deadline at that rate, is abandoned "
         "(its blocks' lease released, the connection closed): a send thread is not held for the whole deadline",
     )
     directory_timeout_s: float = Field(2.0, gt=0, description="deadline of one directory round trip")

@@ -10,9 +10,13 @@ round per socket-buffer's worth), within ``send_timeout_s`` and never past the l
 be reused; a lease over before the send begins sends nothing).
 
 A send thread is the scarce thing (``IO_THREADS`` a process), so an answer holds one only while
-its fetcher takes bytes: a send that makes no progress for ``send_stall_s`` is abandoned (each
-blocking call is bounded by it, :func:`~kvstore.cluster.peer_wire.send_buffers`), its lease
-released and its connection closed. And an answer takes its send slot (:attr:`PeerServer._sending`,
+its fetcher takes bytes fast enough for the answer to go out in time: a send that makes no
+progress for ``send_stall_s`` (each blocking call is bounded by it), or that, over a window of
+``send_stall_s``, goes too slowly for the rest to go out before its deadline at that rate (a
+fetcher that reads a byte now and then), is abandoned
+(:func:`~kvstore.cluster.peer_wire.send_buffers`), its lease released and its connection closed.
+The deadline is twice the fetch's, so such a send would need more than twice its rate to reach
+its fetcher in time. And an answer takes its send slot (:attr:`PeerServer._sending`,
 one per send thread) before its blocks are lent, not after: answers waiting for a thread hold no
 lease, so however many connections ask at once, at most ``IO_THREADS`` requests' blocks are
 leased (peers that ask and stop reading cannot keep DRAM leased until Allocate runs out).
@@ -29,6 +33,7 @@ import asyncio
 import logging
 import math
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
@@ -196,8 +201,9 @@ class PeerServer:
 
     async def _lend_and_send(self, conn: socket.socket, root: bytes, keys: list[bytes]) -> bool:
         """Lend the run asked for and send it (holding a send slot). The send ends, and with it
-        the lease and the connection, at the lease's end or after ``send_stall_s`` in which the
-        fetcher took no byte, whichever comes first."""
+        the lease and the connection, at the lease's end or after a window of ``send_stall_s`` in
+        which the fetcher took too little for the rest to go out by then (no byte, or a trickle),
+        whichever comes first."""
         lent = await self.lender.lend(root, keys)
         try:
             blocks = lent.blocks
@@ -208,13 +214,14 @@ class PeerServer:
             if budget <= 0:
                 self._warn.warning("peer data path: the lease on %d blocks ended before their send began", len(blocks))
                 return False
-            stall = min(self.send_stall_s, budget)  # each blocking call's bound: no progress for this long
+            stall = min(self.send_stall_s, budget)  # each blocking call's bound, and the pace's window
+            deadline = time.monotonic() + budget  # when asyncio.timeout below cuts the send
             async with asyncio.timeout(budget):
-                await w.blocking(conn, w.SENDING, _send, conn, [memoryview(answer), *payload], stall)
-        except w.PeerStalled:
+                await w.blocking(conn, w.SENDING, _send, conn, [memoryview(answer), *payload], stall, deadline)
+        except w.PeerStalled as e:
             self.refused += 1
-            self._warn.warning("peer data path: a fetcher took no bytes of its answer (%d blocks) for %s s; dropped it",
-                               len(lent.blocks), stall)
+            self._warn.warning("peer data path: dropped an answer (%d blocks) its fetcher takes too slowly: %s",
+                               len(lent.blocks), e)
             return False
         finally:
             lent.release()
@@ -233,12 +240,12 @@ class PeerServer:
             self._sock = None
 
 
-def _send(conn: socket.socket, buffers: list[memoryview], stall_s: float) -> None:
+def _send(conn: socket.socket, buffers: list[memoryview], stall_s: float, deadline: float) -> None:
     """Send an answer on an I/O thread: ``conn`` blocking while it does (each call bounded by
-    ``stall_s``: no progress for that long raises :class:`~kvstore.cluster.peer_wire.PeerStalled`),
-    back to the loop's after."""
+    ``stall_s``; no progress for that long, or a window of it too slow to finish by ``deadline``,
+    raises :class:`~kvstore.cluster.peer_wire.PeerStalled`), back to the loop's after."""
     w.set_blocking(conn, stall_s)
     try:
-        w.send_buffers(conn, buffers)
+        w.send_buffers(conn, buffers, stall_s, deadline)
     finally:
         conn.setblocking(False)

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -61,7 +62,8 @@ class PeerProtocolError(ConnectionError):
 
 
 class PeerStalled(ConnectionError):
-    """The other end took no byte for as long as the socket's send timeout: drop the connection."""
+    """The other end takes an answer too slowly for it to go out in time (no byte at all within the
+    socket's send timeout, or too few over a window of it, :func:`send_buffers`): drop the connection."""
 
 
 def hello(token: str, node: str) -> bytes:
@@ -118,14 +120,28 @@ def set_blocking(sock: socket.socket, timeout_s: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def send_buffers(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
+def send_buffers(
+    sock: socket.socket, buffers: Sequence[memoryview], window_s: float | None = None, deadline: float | None = None
+) -> None:
     """Send ``buffers`` in order on a blocking socket: one ``sendmsg`` takes up to ``IOV_MAX`` of
     them and returns once the kernel has them all, or once its timeout (``SO_SNDTIMEO``) passed
     with some taken: the rest goes next. A call that passes its timeout with none taken (the
     socket buffer full all along: the other end reads nothing) raises :class:`PeerStalled`, so
-    the timeout bounds how long the send goes without progress, not how long it takes."""
+    the timeout bounds how long the send goes without progress, not how long it takes.
+
+    With a ``deadline`` (``time.monotonic()``) and ``window_s`` (the socket's send timeout), the
+    send must also keep the pace that finishes it in time: after each window of ``window_s``, if
+    the rest cannot go out before the deadline at the rate of that window, it raises
+    :class:`PeerStalled` now rather than at the deadline. A fetcher that reads a byte now and then
+    (a trickle) makes each call take something, so the timeout alone would never fire and the send
+    would hold its thread, and its caller's slots, until the deadline; the deadline cuts a send that
+    cannot finish anyway, so giving up once it is out of reach costs nothing that could arrive.
+    A window rather than the whole send's average: a fetcher that read fast, then slows to a
+    trickle, is caught one window later, not after its early bytes are averaged away."""
     views = [b for b in buffers if len(b)]
+    left = sum(len(b) for b in views)
     i = 0
+    begun, taken = time.monotonic(), 0  # this window's start and the bytes taken in it
     while i < len(views):
         try:
             sent = sock.sendmsg(views[i : i + IOV_MAX])
@@ -133,6 +149,8 @@ def send_buffers(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
             raise PeerStalled("peer took no bytes within the send timeout") from None
         if sent == 0:
             raise ConnectionError("peer stopped taking bytes")
+        left -= sent
+        taken += sent
         while sent:
             n = len(views[i])
             if sent >= n:
@@ -141,6 +159,20 @@ def send_buffers(sock: socket.socket, buffers: Sequence[memoryview]) -> None:
             else:
                 views[i] = views[i][sent:]
                 sent = 0
+        now = time.monotonic()
+        if left and window_s is not None and deadline is not None and now - begun >= window_s:
+            if _out_of_reach(taken, now - begun, left, deadline - now):
+                raise PeerStalled(
+                    f"peer took {taken} bytes in {now - begun:.2f} s: at that rate the {left} left "
+                    f"cannot go out in the {max(0.0, deadline - now):.2f} s before the deadline"
+                )
+            begun, taken = now, 0
+
+
+def _out_of_reach(taken: int, elapsed_s: float, left: int, left_s: float) -> bool:
+    """Whether ``left`` bytes cannot go out in ``left_s`` at the rate of ``taken`` in ``elapsed_s``
+    (the minimum a window must take: the rest's share of the time left, ``left * elapsed_s / left_s``)."""
+    return taken * left_s < left * elapsed_s
 
 
 def recv_into_all(sock: socket.socket, into: memoryview) -> None:

@@ -799,3 +799,65 @@ async def test_peers_that_ask_and_never_read_hold_every_send_thread_and_their_le
             for s in stallers:
                 s.close()
 
+
+
+# --- 19 ----------------------------------------------------------------------------------------
+# DEFECT: after #18 a send gave up only when one blocking sendmsg took no byte for
+# cluster.send_stall_s. A peer that asked for blocks and then read a few bytes now and then (a
+# trickle: each call takes something) held its send thread and its lease until the whole deadline
+# (the lease's end, 2 x the fetch timeout), though at its rate the answer could never go out in
+# time. A send now also gives up after a window of send_stall_s in which too little went out for
+# the rest to go out before the deadline at that rate (peer_wire.send_buffers).
+@pytest.mark.timeout(120)
+async def test_a_peer_that_reads_a_trickle_holds_its_send_thread_and_lease_until_the_deadline(
+    tmp_path: Path, directory: RedisServer, ns: Namespace
+) -> None:
+    from kvstore.cluster import peer_wire as w
+
+    mib = 1 << 20
+    fetch_timeout_s = 10.0  # the lease, and the send's deadline: 2 x this, longer than the test on the fixed code
+    cfg = {"cluster.fetch_timeout_s": fetch_timeout_s, "cluster.send_stall_s": 0.5,
+           "dram.page_bytes": mib, "dram.capacity_bytes": 16 * mib}
+    async with Sidecar(node_config(tmp_path, "a", directory, **cfg)) as a:
+        assert a.cluster is not None and a.store is not None
+        index, server = a.store.index, a.cluster.server
+        keys, data = keys_for(ns, 12, seed=19), blocks(12, seed=19, size=mib)  # 12 MiB: more than socket buffers take
+        async with client_of(a) as ca:
+            await ca.put_blocks(ns, keys, data)
+        refused = server.refused
+        loop = asyncio.get_running_loop()
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: a small window)
+        s.setblocking(False)
+        read = 0
+
+        async def trickle() -> None:  # a few KiB every 0.2 s: every send_stall_s, some bytes go out
+            nonlocal read
+            while True:
+                await asyncio.sleep(0.2)
+                try:
+                    got = await loop.sock_recv(s, 4096)
+                except OSError:
+                    return
+                if not got:
+                    return
+                read += len(got)
+
+        reading: asyncio.Task[None] | None = None
+        try:
+            await loop.sock_connect(s, ("127.0.0.1", server.port))
+            await loop.sock_sendall(s, w.hello(TOKEN, "trickler"))
+            assert await asyncio.wait_for(w.recv_bytes(s, len(w.WELCOME)), 10) == w.WELCOME
+            await loop.sock_sendall(s, w.request(a.store.namespace(ns).root, keys))
+            reading = asyncio.create_task(trickle())
+            await eventually(lambda: len(index.leases) == 1, "the answer leased")
+            # the bound: half the deadline (the old code held the lease to its end, 2 x fetch_timeout_s)
+            await eventually(lambda: index.leases == {}, "the trickled answer's lease released", fetch_timeout_s)
+            assert server.refused == refused + 1, "the trickled answer's connection was not dropped"
+            assert read > 0, "the peer read nothing: a stall, not a trickle"
+        finally:
+            if reading is not None:
+                reading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reading
+            s.close()
