@@ -467,10 +467,12 @@ def _proc_cpu_s(pid: int) -> float | None:
 
 
 def _machine_busy_s() -> float:
-    """The machine's busy CPU time so far (all but idle and iowait), in seconds summed over its
-    cores (``/proc/stat``)."""
+    """The machine's busy CPU time so far, in seconds summed over its cores (``/proc/stat``: user,
+    nice, system, irq and softirq; not idle, iowait or steal, and not guest time, which user and
+    nice count already)."""
     ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / CLOCK_TICKS
+    user, nice, system, _idle, _iowait, irq, softirq = ticks[:7]
+    return (user + nice + system + irq + softirq) / CLOCK_TICKS
 
 
 def _fd_kinds(pid: int, redis_port: int) -> dict[str, int]:

@@ -91,7 +91,8 @@ class PeerServer:
         self._closing = False  # connections end after the request in hand (a cancellation can be lost)
         self._warn = Throttled(log)
         self.port = 0
-        self.refused = 0  # connections dropped: wrong token, bad or stalled request, an answer not read, too many
+        # connections dropped: wrong token, bad or stalled request, no send slot in time, an answer not read, too many
+        self.refused = 0
         self.served_blocks = 0
 
     async def start(self, address: str) -> int:
@@ -192,6 +193,7 @@ class PeerServer:
             async with asyncio.timeout(self.request_timeout_s):  # (its fetcher has given up by then)
                 await self._sending.acquire()
         except TimeoutError:
+            self.refused += 1
             self._warn.warning("peer data path: no send slot free for %s s; dropped a request", self.request_timeout_s)
             return False
         try:
