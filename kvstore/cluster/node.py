@@ -501,22 +501,29 @@ class ClusterNode:
         if not readable:
             return NOTHING_LENT
         lease = store.index.take_lease(readable, store.clock() + self.cfg.fetch_timeout_s * 2)
-        unsealed = [b for b in readable if b.checksum is None]
-        if unsealed:
-            for b, c in zip(unsealed, await checksums([store.space.view(b) for b in unsealed])):
-                if b.checksum is None:
-                    b.checksum = c
-        store.space.touch(readable)
-        self.stats["blocks_lent"] += len(readable)
 
         def done() -> None:
             if lease.id in store.index.leases:
                 store.index.release_lease(lease.id)
 
-        def left_s() -> float:  # (the hashing above, a busy loop: less than the lease's length)
+        def left_s() -> float:  # (the hashing below, a busy loop: less than the lease's length)
             return lease.deadline - store.clock()
 
-        return Lent([(b.checksum or 0, store.space.view(b)) for b in readable], done, left_s)
+        # A task cancelled while it hashes (its connection dropped, the server stopping) would
+        # otherwise leave the lease pinning these blocks in DRAM until its deadline: until the
+        # Lent owns the lease, anything that ends the call releases it (the Lent's own path).
+        try:
+            unsealed = [b for b in readable if b.checksum is None]
+            if unsealed:
+                for b, c in zip(unsealed, await checksums([store.space.view(b) for b in unsealed])):
+                    if b.checksum is None:
+                        b.checksum = c
+            store.space.touch(readable)
+            self.stats["blocks_lent"] += len(readable)
+            return Lent([(b.checksum or 0, store.space.view(b)) for b in readable], done, left_s)
+        except BaseException:
+            done()
+            raise
 
 
 def _advertised(peer_address: str, port: int) -> str:

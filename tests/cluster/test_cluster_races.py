@@ -861,3 +861,42 @@ async def test_a_peer_that_reads_a_trickle_holds_its_send_thread_and_lease_until
                 with contextlib.suppress(asyncio.CancelledError):
                     await reading
             s.close()
+
+
+# --- 20 ----------------------------------------------------------------------------------------
+# DEFECT: ClusterNode.lend (node.py) took the run's lease and then awaited the checksums of its
+# unsealed blocks. A lend cancelled there (its connection's task cancelled, the peer server
+# stopping) skipped the code that hands the lease to the Lent: the lease stayed until its deadline
+# (2 x the fetch timeout), pinning the run's blocks in DRAM. Anything that ends the call before the
+# Lent owns the lease now releases it.
+async def test_a_lend_cancelled_while_it_hashes_keeps_its_lease_until_the_deadline(
+    tmp_path: Path, directory: RedisServer, ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvstore.cluster.node as node_module
+
+    # a deadline longer than the test: the old code's lease would outlive it
+    async with Sidecar(node_config(tmp_path, "a", directory, **{"cluster.fetch_timeout_s": 60.0})) as a:
+        assert a.cluster is not None and a.store is not None
+        store = a.store
+        keys, data = keys_for(ns, 3, seed=20), blocks(3, seed=20)
+        async with client_of(a) as ca:
+            await ca.put_blocks(ns, keys, data)
+        entry = store.namespace(ns)
+        for k in keys[1:]:  # unsealed: lend hashes them before it lends them
+            entry.blocks[k].checksum = None
+        hashing, never = asyncio.Event(), asyncio.Event()
+
+        async def stalled_checksums(views: Any) -> Any:  # a hash the task is cancelled in
+            hashing.set()
+            await never.wait()
+            raise AssertionError("the lend was not cancelled")
+
+        monkeypatch.setattr(node_module, "checksums", stalled_checksums)
+        lending = asyncio.create_task(a.cluster.lend(entry.root, keys))
+        await asyncio.wait_for(hashing.wait(), 10)
+        assert len(store.index.leases) == 1, "the lend leased its run before it hashed"
+        lending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await lending
+        assert len(store.index.leases) == 0, "the cancelled lend left its lease behind"
+        assert all(entry.blocks[k].leases == 0 for k in keys), "a block still counts the lend's lease"
