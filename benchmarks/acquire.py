@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import Result, percentile, sidecar_process
+from benchmarks.common import Result, percentile, process_cpu_s, sidecar_process
 from connector.core.finders import LeaseFinder
 from connector.core.pipeline import Pipeline, PipelineSlot
 from kvstore.client import KVStoreClient, SyncClient, namespace_pb
@@ -51,7 +50,6 @@ from kvstore.v1 import kvstore_pb2 as pb
 
 NS = Namespace(model="bench", kv_layout="raw", dtype="float16", block_size=16)
 TTL_MS = 30_000
-CLOCK_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,13 +66,6 @@ def prompts(n_blocks: int, requests: int) -> list[list[BlockKey]]:
     return [prefix_keys(NS, [r + 1] * (NS.block_size * n_blocks)) for r in range(requests)]
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * CLOCK_TICK_S
-
-
 class Series:
     """One kind of hit: its wall times, the caller's and the sidecar's CPU."""
 
@@ -84,13 +75,13 @@ class Series:
         self.sidecar_cpu = 0.0
 
     def run(self, hit: Callable[[list[BlockKey]], None], keys: list[list[BlockKey]], calls: int, pid: int) -> None:
-        s0, c0 = _cpu_s(pid), time.thread_time()
+        s0, c0 = process_cpu_s(pid), time.thread_time()
         for i in range(calls):
             t = time.perf_counter()
             hit(keys[i % len(keys)])
             self.wall.append(time.perf_counter() - t)
         self.client_cpu += time.thread_time() - c0
-        self.sidecar_cpu += _cpu_s(pid) - s0
+        self.sidecar_cpu += process_cpu_s(pid) - s0
 
 
 def _over_socket(args: argparse.Namespace, keys: list[list[BlockKey]]) -> dict[str, Series]:

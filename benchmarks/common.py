@@ -1,9 +1,10 @@
-"""Shared helpers for benchmark suites: result format, percentiles, a sidecar subprocess."""
+"""Shared helpers for benchmark suites: result format, percentiles, a sidecar subprocess, a process's CPU time."""
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +32,17 @@ class Result:
         if self.notes:
             out["notes"] = self.notes
         return out
+
+
+CLOCK_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far, in seconds (``/proc/PID/stat``; OSError
+    once the process is gone)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # (the name, in parentheses, may hold spaces)
+    return (int(fields[11]) + int(fields[12])) * CLOCK_TICK_S
 
 
 def pages(n: int, size: int) -> tuple[list[memoryview], mmap.mmap]:

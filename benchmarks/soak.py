@@ -97,6 +97,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.common import CLOCK_TICK_S, process_cpu_s
 from kvstore.keys import Namespace
 
 KiB = 1024
@@ -453,26 +454,13 @@ def _proc_rss_fds(pid: int) -> tuple[float, float, float, int] | None:
         return None
 
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def _proc_cpu_s(pid: int) -> float | None:
-    """``pid``'s CPU time so far (user + system), in seconds."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2 :].split()  # (the name, in parentheses, may hold spaces)
-        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _machine_busy_s() -> float:
     """The machine's busy CPU time so far, in seconds summed over its cores (``/proc/stat``: user,
     nice, system, irq and softirq; not idle, iowait or steal, and not guest time, which user and
     nice count already)."""
     ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     user, nice, system, _idle, _iowait, irq, softirq = ticks[:7]
-    return (user + nice + system + irq + softirq) / CLOCK_TICKS
+    return (user + nice + system + irq + softirq) * CLOCK_TICK_S
 
 
 def _fd_kinds(pid: int, redis_port: int) -> dict[str, int]:
@@ -919,10 +907,11 @@ class Soak:
         pids = [sidecar, os.getpid(), *(w.proc.pid for w in self.workers if w.proc.poll() is None)]
         if self.redis.proc is not None:
             pids.append(self.redis.proc.pid)
-        times = [_proc_cpu_s(p) for p in pids]
-        if all(t is not None for t in times):
-            own = [t for t in times if t is not None]
-            self.cpu.append((self.now(), tuple(pids), own[0], sum(own), _machine_busy_s()))
+        try:
+            own = [process_cpu_s(p) for p in pids]
+        except OSError:  # one of them has just exited: no sample this second
+            return
+        self.cpu.append((self.now(), tuple(pids), own[0], sum(own), _machine_busy_s()))
 
     def watch(self) -> None:
         """An exit nobody asked for: the sidecar (restarted, counted) or a worker (replaced, counted)."""

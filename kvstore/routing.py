@@ -76,5 +76,5 @@ def rank(prefixes: Sequence[Mapping[str, int]], loads: Sequence[float], max_imba
         return []
     cap = load_cap(loads, max_imbalance)
     scores = [prefix_score(p, weights) for p in prefixes]
-    last = tie or float
+    last = tie if tie is not None else float  # (float(i): the index itself)
     return sorted(range(len(loads)), key=lambda i: (loads[i] + 1 > cap, -scores[i], loads[i], last(i)))

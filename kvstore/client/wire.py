@@ -222,8 +222,8 @@ class Undo(NamedTuple):
 class Opened(Generic[_Answer]):
     """What an allocation and a lease share: the sidecar opens either when it answers (Allocate,
     Acquire), before the client has read the answer. The client may refuse it (:meth:`_fill`
-    raises INTERNAL naming the field, or cannot map the slots); then ``with`` is never entered, so no Commit, Abort or
-    Release of the client's follows, and what the sidecar opened would stay (an allocation's
+    raises INTERNAL naming the field, or cannot map the slots); then ``with`` is never entered, so
+    no Commit, Abort or Release of the client's follows, and what the sidecar opened would stay (an allocation's
     slots reserved, a lease's blocks pinned in DRAM) until its TTL ended it.
 
     :meth:`_open` is the one place that decides what follows a refused answer; :func:`accept_answer`
@@ -232,7 +232,8 @@ class Opened(Generic[_Answer]):
     id: str  # what the answer opened ("": nothing)
 
     def _fill(self, r: _Answer) -> None:
-        """Read the answer; one the client refuses raises :class:`KVStoreError`."""
+        """Read the answer; one the client refuses raises (:class:`KVStoreError` naming the field,
+        or the error mapping its slots)."""
         raise NotImplementedError
 
     def _undo(self) -> Undo:
@@ -308,7 +309,7 @@ class AllocationState(Opened[pb.AllocateResponse]):
                 self.slots.append(_Slot(b.key, False, views[i], b.slot.slot_id, refs_at[i]))
 
     def _undo(self) -> Undo:
-        self.done = True  # (ended: an __exit__ sends no second Abort)
+        self.done = True  # (ended, as abort() marks it)
         return Undo("Abort", pb.AbortRequest(allocation_id=self.id))
 
     def writable(self) -> Iterator[tuple[int, np.ndarray]]:
