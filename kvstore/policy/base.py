@@ -59,6 +59,18 @@ class EvictionPolicy(Protocol):
         """End a :meth:`hold` (no-op when ``item`` is not held)."""
         ...
 
+    def uses(self, item: Item) -> int:
+        """The uses this space counts or remembers of ``item`` (resident, or on a ghost list by its
+        key), 0 when it keeps no count: what a node tells the cluster's directory when the block
+        leaves it (kvstore/cluster/node.py), so that the next node to store it may resume it."""
+        ...
+
+    def resume(self, item: Item, uses: int) -> None:
+        """Another node remembered ``uses`` uses of resident ``item`` (the cluster's ghost): the
+        count rises to that if it is lower, as if this space's own ghost had remembered them;
+        a no-op for a policy that keeps no count, or an item not in the space."""
+        ...
+
     def __len__(self) -> int: ...
 
     def __contains__(self, item: object) -> bool: ...

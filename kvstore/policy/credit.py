@@ -20,7 +20,9 @@ so it is the first to go.
   traces but falls 0.0001 below LRU on one held-out cell).
 * **Ghost frequencies.** Evicted keys keep their use count on a bounded ghost list (``ghost`` × the
   space's capacity). A block that comes back resumes its count, so a block that was evicted and
-  then needed again is kept longer the second time.
+  then needed again is kept longer the second time. In a cluster the count also outlives the node:
+  a node that lets a block go tells the directory its count (:meth:`uses`), and the next node to
+  store it resumes that count (:meth:`resume`; kvstore/cluster/node.py).
 * **Prefix-aware.** A block with resident children is never the victim (its children go first).
   Owners access a request's blocks deepest first, so an ancestor is at least as recent and at
   least as often used as its descendants.
@@ -178,6 +180,30 @@ class CreditLRUPolicy(Holding):
             ghost.popitem(last=False)
         self.remove(victim)
         return victim
+
+    def uses(self, item: Item) -> int:
+        f = self._freq.get(item)
+        return f if f is not None else self._ghost.get(ghost_key(item), 0)
+
+    def resume(self, item: Item, uses: int) -> None:
+        q = self._queue.get(item)
+        if q is None:
+            return
+        f = min(uses, self.classes)
+        if f <= self._freq[item]:
+            return
+        self._freq[item] = f
+        if q == TAILS:  # a partial tail keeps its place: the next turn re-keys it
+            return
+        # A new tick, as a move between queues must have: the old queue's leaf entry goes stale
+        # (kvstore.policy.leaves). It was stored moments ago, so this barely moves its recency.
+        self._tick += 1
+        self._last[item] = self._tick
+        del self._queues[q][item]
+        self._queues[f][item] = None
+        self._queue[item] = f
+        if item not in self._links.kids and item not in self._held:
+            self._leaf(f, self._tick, item)
 
     def __len__(self) -> int:
         return len(self._queue)

@@ -86,6 +86,12 @@ class LRUPolicy(Holding):
         self.remove(first[1])
         return first[1]
 
+    def uses(self, item: Item) -> int:
+        return 0  # recency only: no count to share
+
+    def resume(self, item: Item, uses: int) -> None:
+        return None
+
     def __len__(self) -> int:
         return len(self._order)
 

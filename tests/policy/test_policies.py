@@ -100,6 +100,43 @@ def test_credit_ghost_restores_frequency() -> None:
     assert drain(p) == ["b", "a"]
 
 
+def test_credit_uses_and_resume_carry_a_count_between_nodes() -> None:
+    """What the cluster's ghost carries: node A's count of a block it let go (``uses``, resident or
+    from its ghost) resumed by node B, which stored the block anew (``resume``)."""
+    a = make_policy("credit", boost=1.0)
+    chain(a, ["x"])
+    assert a.uses("x") == 1
+    hit(a, ["x"])
+    assert a.uses("x") == 2
+    assert a.pop_victim() == "x"
+    assert a.uses("x") == 2  # from its ghost
+    assert a.uses("never") == 0
+
+    b = make_policy("credit", boost=1.0)
+    chain(b, ["x"])
+    chain(b, ["y"])
+    b.resume("x", a.uses("x"))
+    b.resume("y", 1)  # not above its own count: nothing changes
+    b.resume("gone", 3)  # not in the space: ignored
+    assert b.uses("x") == 2 and b.uses("y") == 1
+    assert drain(b) == ["y", "x"]  # x was stored first but carries credit
+
+    c = make_policy("credit", boost=1.0)  # without the resume, x (older) goes first
+    chain(c, ["x"])
+    chain(c, ["y"])
+    assert drain(c) == ["x", "y"]
+
+
+def test_lru_keeps_no_count() -> None:
+    p = make_policy("lru")
+    chain(p, ["x"])
+    chain(p, ["y"])
+    hit(p, ["x"])
+    assert p.uses("x") == 0
+    p.resume("y", 4)
+    assert drain(p) == ["y", "x"]
+
+
 def test_credit_commit_order_is_not_a_use() -> None:
     """The store's commit: insert root first, then access_many deepest first. That access only
     orders the new blocks; a real hit afterwards is what earns credit."""
