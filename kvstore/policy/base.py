@@ -66,9 +66,10 @@ class EvictionPolicy(Protocol):
         ...
 
     def resume(self, item: Item, uses: int) -> None:
-        """Another node remembered ``uses`` uses of resident ``item`` (the cluster's ghost): the
-        count rises to that if it is lower, as if this space's own ghost had remembered them;
-        a no-op for a policy that keeps no count, or an item not in the space."""
+        """Another node remembered ``uses`` uses of resident ``item`` (the cluster's ghost): its
+        count becomes what this space's own ghost would have given it on the insert (``uses`` plus
+        the store itself) if that is higher; a no-op for a policy that keeps no count, or an item
+        not in the space."""
         ...
 
     def __len__(self) -> int: ...

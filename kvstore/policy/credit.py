@@ -189,7 +189,7 @@ class CreditLRUPolicy(Holding):
         q = self._queue.get(item)
         if q is None:
             return
-        f = min(uses, self.classes)
+        f = min(uses + 1, self.classes)  # as its own ghost would: the count remembered, plus this store
         if f <= self._freq[item]:
             return
         self._freq[item] = f

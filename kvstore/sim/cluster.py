@@ -12,7 +12,12 @@ as the single-space replay does (``Node.allocate`` pops victims until a request'
   kept locally as replicas, counted against the fetching node's capacity, and the read counts as
   an access on the holder's policy (the holder serves it). Eviction prefers a block that another
   node also holds (the policy's own order, restricted to replicated blocks: the policy's
-  ``eligible`` filter), so a replica goes before any block's last copy;
+  ``eligible`` filter), so a replica goes before any block's last copy. The directory also keeps
+  the cluster's ghost, as the sidecar's does (kvstore/cluster/node.py): a node that lets a block go
+  leaves its use count there (the policy's ``uses``; 0, nothing, for LRU), and the next node to store
+  it takes the count and resumes it (``resume``). The sidecar bounds that ghost by time
+  (``cluster.ghost_ttl_s``); the replay has no clock, so it keeps the newest ``cluster_ghost`` ×
+  the cluster's capacity entries instead (4: the size of each node's own ghost, per node);
 * **global**: one cache of N × the capacity that sees every request (routing cannot matter).
 
 Each request, on its node (with one node, exactly the single-space replay's calls):
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
@@ -52,18 +58,21 @@ from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import DRAM, Block, Index, NsEntry, State, TierId
 
 MODES = ("isolated", "cluster", "global")
+CLUSTER_GHOST = 4.0  # the cluster's ghost holds this × the cluster's capacity (module docstring)
 
 
 class Directory:
     """Which nodes hold each committed block. It tells a node's policy when one of its blocks gains
     or loses its last other copy."""
 
-    __slots__ = ("holders", "policies", "visible")
+    __slots__ = ("ghost", "ghost_cap", "holders", "policies", "visible")
 
-    def __init__(self) -> None:
+    def __init__(self, ghost_cap: int = 0) -> None:
         self.holders: dict[BlockKey, list[int]] = {}
         self.policies: list[ClusterPolicy] = []
         self.visible: list[dict[bytes, Block]] = []  # each node's committed blocks by key
+        self.ghost: OrderedDict[BlockKey, int] = OrderedDict()  # the cluster's ghost: key -> uses, oldest first
+        self.ghost_cap = ghost_cap
 
     def join(self, node: Node, prefer_replicas: bool = True) -> None:
         """Wrap the node's policy in a :class:`ClusterPolicy` and register it."""
@@ -75,13 +84,24 @@ class Directory:
     def copies(self, key: BlockKey) -> int:
         return len(self.holders.get(key, ()))
 
-    def add(self, key: BlockKey, node: int) -> None:
+    def add(self, key: BlockKey, node: int) -> int:
+        """``node`` now holds ``key``: the use count the cluster's ghost kept of it, taken (0: none)."""
         held = self.holders.setdefault(key, [])
         held.append(node)
         if len(held) == 2:
             self._replicated(held[0], key, True)
         if len(held) >= 2:
             self._replicated(node, key, True)
+        return self.ghost.pop(key, 0) if self.ghost_cap else 0
+
+    def let_go(self, key: BlockKey, uses: int) -> None:
+        """A node no longer holds ``key``, with ``uses`` remembered: kept for the next holder."""
+        if self.ghost_cap and uses >= 1:
+            ghost = self.ghost
+            ghost[key] = uses
+            ghost.move_to_end(key)
+            if len(ghost) > self.ghost_cap:
+                ghost.popitem(last=False)
 
     def remove(self, key: BlockKey, node: int) -> None:
         held = self.holders[key]
@@ -117,6 +137,8 @@ class ClusterPolicy:
         self.access_many = inner.access_many
         self.hold = inner.hold
         self.release = inner.release
+        self.uses = inner.uses
+        self.resume = inner.resume
 
     def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
         self.inner.insert(item, parent, depth, size)
@@ -143,20 +165,22 @@ class ClusterPolicy:
         if victim is None:
             victim = self.inner.pop_victim(eligible)
         if victim is not None:
-            self._left(victim)
+            self._left(victim, self.inner.uses(victim))  # (from its ghost now)
         return victim
 
     def remove(self, item: Item) -> None:
         if item in self.inner:
+            uses = self.inner.uses(item)
             self.inner.remove(item)
-            self._left(item)
+            self._left(item, uses)
 
-    def _left(self, item: Item) -> None:
+    def _left(self, item: Item, uses: int) -> None:
         links = self.links
         parent = links.parent.get(item)
         links.unlink(item)
         self.spare.discard(item)
         self.directory.remove(item.key, self.node)  # type: ignore[attr-defined]  # policy items are Blocks
+        self.directory.let_go(item.key, uses)  # type: ignore[attr-defined]  # a Block
         if (self.prefer and parent is not None and parent not in links.kids
                 and self.directory.copies(parent.key) > 1):  # type: ignore[attr-defined]  # a Block
             self.spare.add(parent)  # a leaf again
@@ -294,17 +318,19 @@ def node_prefixes(nodes: Sequence[Node], directory: Directory | None, keys: Sequ
 
 def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster", routing: str = "round-robin",
                    policy: str = "lru", seed: int = 0, max_imbalance: float = MAX_IMBALANCE,
-                   prefer_replicas: bool = True, progress: bool = False, tie_seed: int | None = None) -> ClusterRun:
+                   prefer_replicas: bool = True, progress: bool = False, tie_seed: int | None = None,
+                   cluster_ghost: float = CLUSTER_GHOST) -> ClusterRun:
     """Replay ``trace`` over ``nodes`` nodes of ``capacity`` blocks each (``global``: one node of
     ``nodes`` × ``capacity``), in one of :data:`MODES`; ``tie_seed``: the node order of prefix
-    routing's ties (the module's docstring)."""
+    routing's ties; ``cluster_ghost``: the cluster's ghost, × the cluster's capacity (0: none; the
+    module's docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode: unknown {mode!r}; allowed: {list(MODES)}")
     if nodes < 1:
         raise ValueError("nodes: at least 1")
     if mode == "global":
         nodes, capacity = 1, nodes * capacity
-    directory = Directory() if mode == "cluster" else None
+    directory = Directory(int(cluster_ghost * nodes * capacity)) if mode == "cluster" else None
     members = []
     for i in range(nodes):
         node = Node(i, capacity, make_policy(policy), trace.name)
@@ -368,7 +394,8 @@ def _serve(node: Node, members: list[Node], directory: Directory | None, req: Re
         room = node.allocate(len(fetched))
         replicas = node.commit([(keys[i], keys[i - 1] if i else b"", bt_of[i], i + 1) for i in fetched[:room]])
         for b in replicas:
-            directory.add(b.key, node.id)  # type: ignore[union-attr]  # peer hits come only with a directory
+            if uses := directory.add(b.key, node.id):  # type: ignore[union-attr]  # only with a directory
+                own.resume(b, uses)
         res.replicas += len(replicas)
     blocks = node.ns.blocks
     new: list[int] = []
@@ -384,15 +411,17 @@ def _serve(node: Node, members: list[Node], directory: Directory | None, req: Re
     # kvstore/sim/replay.py's single-space replay follows.
     room = node.allocate(len(new))
     committed = node.commit([(keys[i], keys[i - 1] if i else b"", bt_of[i], i + 1) for i in new[:room]])
-    if directory is not None:
+    own.access_many(committed[::-1])
+    if directory is not None:  # published after the commit: a count the cluster's ghost kept resumes then
         for b in committed:
-            directory.add(b.key, node.id)
-    node.space.policy.access_many(committed[::-1])
+            if uses := directory.add(b.key, node.id):
+                own.resume(b, uses)
 
 
 def compare(trace: Trace, nodes: int, capacity: int, routings: Sequence[str] = ("round-robin", "prefix"),
             policy: str = "lru", seed: int = 0, max_imbalance: float = MAX_IMBALANCE,
-            progress: bool = False, tie_seed: int | None = None) -> dict[str, object]:
+            progress: bool = False, tie_seed: int | None = None,
+            cluster_ghost: float = CLUSTER_GHOST) -> dict[str, object]:
     """The global cache once, then isolated nodes and the cluster for each routing, with the
     cluster's ratios and load imbalance: the JSON of ``kvstore replay --nodes``."""
     glob = replay_cluster(trace, nodes, capacity, "global", policy=policy, progress=progress)
@@ -400,7 +429,8 @@ def compare(trace: Trace, nodes: int, capacity: int, routings: Sequence[str] = (
     by_routing: dict[str, object] = {}
     for routing in routings:
         runs = {mode: replay_cluster(trace, nodes, capacity, mode, routing, policy, seed, max_imbalance,
-                                     progress=progress, tie_seed=tie_seed) for mode in ("isolated", "cluster")}
+                                     progress=progress, tie_seed=tie_seed, cluster_ghost=cluster_ghost)
+                for mode in ("isolated", "cluster")}
         iso, clu = runs["isolated"].prefix_hit_rate, runs["cluster"].prefix_hit_rate
         by_routing[routing] = {
             "isolated": runs["isolated"].to_json(),

@@ -115,10 +115,10 @@ def test_credit_uses_and_resume_carry_a_count_between_nodes() -> None:
     b = make_policy("credit", boost=1.0)
     chain(b, ["x"])
     chain(b, ["y"])
-    b.resume("x", a.uses("x"))
-    b.resume("y", 1)  # not above its own count: nothing changes
+    b.resume("x", a.uses("x"))  # as if b's own ghost had remembered 2 uses: 2 + this store
+    b.resume("y", 0)  # not above its own count: nothing changes
     b.resume("gone", 3)  # not in the space: ignored
-    assert b.uses("x") == 2 and b.uses("y") == 1
+    assert b.uses("x") == 3 and b.uses("y") == 1
     assert drain(b) == ["y", "x"]  # x was stored first but carries credit
 
     c = make_policy("credit", boost=1.0)  # without the resume, x (older) goes first
