@@ -278,6 +278,12 @@ class ClusterConfig(_Section):
         "(its blocks' lease released, the connection closed): a send thread is not held for the whole deadline",
     )
     directory_timeout_s: float = Field(2.0, gt=0, description="deadline of one directory round trip")
+    ghost_ttl_s: float = Field(
+        600.0,
+        ge=0,
+        description="how long the directory remembers the use count of a block no node holds any more, for the "
+        "next node to store it to resume (the credit policy keeps a reused block longer); 0: not remembered",
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> ClusterConfig:
