@@ -8,6 +8,16 @@ Layout (every key starts with ``{key_prefix}:``):
   deletes only its own fields; Redis drops the key with its last field. Keys spread over a Redis
   Cluster's slots by block, so a prompt's lookup is one pipeline that the cluster client sends to
   every shard at once.
+- ``g:`` + namespace root (16 bytes) + block key (32 bytes), binary, spread over the slots as the
+  ``d:`` keys: the cluster's ghost of a block, its use count as ASCII digits. A node that lets a
+  block go writes the count its eviction policy has of it (:meth:`~kvstore.policy.base.EvictionPolicy.uses`)
+  when it is :data:`GHOST_MIN_USES` or more, for ``cluster.ghost_ttl_s`` (``SET ... PX``); the next
+  node to hold the block anew (it committed it, or fetched it from a peer) reads and deletes it
+  (``GETDEL``, Redis 6.2 or later) and its policies resume the count
+  (:meth:`~kvstore.policy.base.EvictionPolicy.resume`): a block evicted on one node and stored
+  again on another is kept as long as on the first, as credit's own ghost list does on one node.
+  Both ride in the pipeline of the records (:meth:`Directory.publish`); a re-publish of a block
+  the node held already (a move between its tiers, everything after an outage) reads none.
 - ``members``: a hash, node id -> ``address|incarnation|expiry_ms``, the expiry in the directory
   server's own clock (``TIME``), written by each node's heartbeat (:data:`HEARTBEAT`, a script:
   one round trip writes this node's lease and reads everyone's, with the server's time, so no
@@ -42,6 +52,7 @@ from kvstore.util.resp_pipe import PipelinedLink, ReplyError, tcp_settings
 
 _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum (0: not sealed)
 ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
+GHOST_MIN_USES = 2  # a ghost worth writing: every new block starts with one use, nothing to remember
 
 # KEYS[1] the members hash; ARGV: node id, address, incarnation, lease ms, forget-after ms.
 # Returns the server's time (ms), every member's entry, 1 when this node's entry was not there (a
@@ -127,6 +138,14 @@ class Member:
     expiry_ms: int  # in the directory server's clock
 
 
+class Ghosts(NamedTuple):
+    """What a publish did with the cluster's ghosts (the ``g:`` keys)."""
+
+    written: int  # use counts remembered for the removes
+    found: dict[int, int]  # index into the puts -> the use count remembered of it (read and deleted)
+    error: str = ""  # a ghost command the directory refused (GETDEL before Redis 6.2): the records landed
+
+
 class Beat(NamedTuple):
     """A heartbeat's answer."""
 
@@ -155,10 +174,11 @@ class Directory:
     """The directory's Redis calls; every one is a single round trip (a pipeline or a script).
     A Redis that cannot be reached raises :class:`~kvstore.errors.Unavailable`."""
 
-    def __init__(self, client: Redis | RedisCluster, prefix: str, node: str) -> None:
+    def __init__(self, client: Redis | RedisCluster, prefix: str, node: str, ghost_ttl_ms: int = 0) -> None:
         self.client = client
         self.prefix = prefix.encode()
         self.node = node
+        self.ghost_ttl_ms = ghost_ttl_ms  # how long a ghost (``g:`` key) lives; 0: none written or read
         self.members_key = prefix + ":members"
         self._heartbeat = client.register_script(HEARTBEAT)
         # a Redis Cluster spreads the keys over slots one script cannot span: a pipeline there.
@@ -181,10 +201,14 @@ class Directory:
             client = RedisCluster.from_url(cfg.directory_url, **options)
         else:
             client = Redis.from_url(cfg.directory_url, retry_on_timeout=False, **options)
-        return cls(client, cfg.key_prefix, node)
+        ghost_ttl_ms = max(1, round(cfg.ghost_ttl_s * 1000)) if cfg.ghost_ttl_s else 0
+        return cls(client, cfg.key_prefix, node, ghost_ttl_ms)
 
     def key(self, root: bytes, key: bytes) -> bytes:
         return self.prefix + b":d:" + root[:ROOT_BYTES] + key
+
+    def ghost_key(self, root: bytes, key: bytes) -> bytes:
+        return self.prefix + b":g:" + root[:ROOT_BYTES] + key
 
     async def _pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         if not commands:
@@ -215,15 +239,39 @@ class Directory:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
 
     async def publish(
-        self, puts: Sequence[tuple[bytes, bytes, Record]], removes: Sequence[tuple[bytes, bytes]]
-    ) -> None:
-        """This node holds ``puts`` (root, key, record) and no longer holds ``removes`` (root, key)."""
+        self,
+        puts: Sequence[tuple[bytes, bytes, Record]],
+        removes: Sequence[tuple[bytes, bytes]],
+        *,
+        fresh: Sequence[bool] = (),
+        uses: Sequence[int] = (),
+    ) -> Ghosts:
+        """This node holds ``puts`` (root, key, record) and no longer holds ``removes`` (root, key).
+
+        With ghosts on (``ghost_ttl_ms``), in the same pipeline: the ghosts of the puts that
+        ``fresh`` marks (aligned with ``puts``: new on this node, not a re-publish) are read and
+        deleted, and the removes' use counts (``uses``, aligned with ``removes``) of
+        :data:`GHOST_MIN_USES` or more are remembered. A ghost command the directory refuses
+        fails no record: it is told in :attr:`Ghosts.error`."""
         node = self.node.encode()
         cmds: list[tuple[Any, ...]] = [("HSET", self.key(r, k), node, rec.pack()) for r, k, rec in puts]
         cmds += [("HDEL", self.key(r, k), node) for r, k in removes]
-        for reply in await self._pipeline(cmds):
+        records = len(cmds)
+        read: list[int] = []
+        if self.ghost_ttl_ms:
+            read = [i for i, new in enumerate(fresh) if new]
+            cmds += [("GETDEL", self.ghost_key(puts[i][0], puts[i][1])) for i in read]
+            cmds += [("SET", self.ghost_key(r, k), n, "PX", self.ghost_ttl_ms)
+                     for (r, k), n in zip(removes, uses) if n >= GHOST_MIN_USES]
+        replies = await self._pipeline(cmds)
+        for reply in replies[:records]:
             if isinstance(reply, Exception):
                 raise Unavailable(f"cluster directory: {type(reply).__name__}: {reply}")
+        got, sets = replies[records : records + len(read)], replies[records + len(read) :]
+        found = {i: int(raw) for i, raw in zip(read, got) if isinstance(raw, bytes) and raw.isdigit()}
+        refused = next((r for r in replies[records:] if isinstance(r, Exception)), None)
+        error = f"{type(refused).__name__}: {refused}" if refused is not None else ""
+        return Ghosts(sum(not isinstance(r, Exception) for r in sets), found, error)
 
     async def find(self, root: bytes, keys: Sequence[bytes]) -> list[dict[str, Record]]:
         """Every node's record of each key (empty where none): one script call on a Redis, one
