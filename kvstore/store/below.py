@@ -33,6 +33,11 @@ class Movers(Protocol):
         """Hits on ``run``, for the policies of the tiers that hold its blocks."""
         ...
 
+    def resume(self, b: Block, uses: int) -> None:
+        """Another node remembered ``uses`` uses of ``b`` (the cluster's ghost): the policies of
+        the tiers that hold it resume them (:meth:`~kvstore.policy.base.EvictionPolicy.resume`)."""
+        ...
+
     def adopt(self, b: Block, mask: int) -> int:
         """Place ``b`` in the shared tiers of ``mask`` (written by another node of a cluster) that
         this node has and that are up; the placement bits it has there now."""
@@ -87,6 +92,9 @@ class NoMovers:
         return 0
 
     def touch(self, run: Sequence[Block]) -> None:
+        pass
+
+    def resume(self, b: Block, uses: int) -> None:
         pass
 
     def adopt(self, b: Block, mask: int) -> int:

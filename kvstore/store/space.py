@@ -62,6 +62,14 @@ class DramSpace:
             if len(touches) >= 256:
                 self.drain_touches()
 
+    def resume(self, b: Block, uses: int) -> None:
+        """Another node remembered ``uses`` uses of ``b`` (the cluster's ghost, read when ``b``
+        became new here): this space's policy and those of the tiers below that hold it resume
+        them, as if their own ghosts had remembered them."""
+        if b.tiers & DRAM:
+            self.policy.resume(b, uses)
+        self.movers.resume(b, uses)
+
     def drain_touches(self) -> None:
         touches, self._touches = self._touches, []
         access_many, touch_below = self.policy.access_many, self.movers.touch

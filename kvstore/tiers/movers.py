@@ -307,6 +307,11 @@ class Tiering:
             if lv.policy is not None:
                 lv.policy.access_many([b for b in reversed(run) if b.tiers & lv.bit])
 
+    def resume(self, b: Block, uses: int) -> None:
+        for lv in self.levels:
+            if lv.policy is not None and b.tiers & lv.bit:
+                lv.policy.resume(b, uses)
+
     def adopt(self, b: Block, mask: int) -> int:
         """Place ``b`` in the shared tiers of ``mask`` (Redis, S3: written by another node) that
         this node has and that are up; the bits it is placed in now."""
