@@ -6,7 +6,10 @@ Three jobs, all on the event loop:
   (``Index.changed``); every ``publish_interval_ms`` the publisher writes those records to the
   directory in one pipeline (HSET for a block this node holds, HDEL for one it no longer does).
   A failed write keeps the changes for the next pass; when the directory comes back, the node
-  re-publishes everything it holds.
+  re-publishes everything it holds. The same pipeline carries the cluster's ghosts (the ``g:``
+  keys of :mod:`kvstore.cluster.directory`): a block this node lets go leaves its use count in
+  the DRAM policy behind, and a block new here (committed, or fetched from a peer) takes up the
+  count another node left, in the policies of the spaces that hold it (``DramSpace.resume``).
 - **Membership.** A heartbeat every ``heartbeat_ms`` renews this node's lease and reads every
   member's (:data:`kvstore.cluster.directory.HEARTBEAT`). A record counts only while its node's
   lease runs in the directory's clock (estimated here from the last heartbeat) and its incarnation
@@ -33,7 +36,7 @@ import socket
 import time
 from collections.abc import Sequence
 
-from kvstore.cluster.directory import Directory, Member, Record
+from kvstore.cluster.directory import Directory, Ghosts, Member, Record
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.peer_server import NOTHING_LENT, Lent, PeerServer
 from kvstore.config import Config
@@ -52,7 +55,7 @@ PUBLISH_BATCH = 4096  # directory records in one pipeline
 COUNTERS = (  # /stats "cluster": every one shown from the start, 0 until it happens
     "heartbeats", "directory_errors", "directory_lookups", "records_published", "records_removed",
     "peer_blocks_found", "blocks_adopted", "blocks_fetched", "bytes_fetched", "fetch_failures", "fetch_misses",
-    "checksum_failures", "blocks_lent",
+    "checksum_failures", "blocks_lent", "ghosts_written", "ghosts_resumed",
 )
 
 
@@ -222,7 +225,7 @@ class ClusterNode:
             return
         for ns in self.store.index.namespaces.values():
             for b in ns.visible.values():
-                changed[b] = None
+                changed.setdefault(b, False)
 
     def published(self, blocks: Sequence[Block]) -> asyncio.Future[None] | None:
         if not self._up:
@@ -252,9 +255,12 @@ class ClusterNode:
         waiters, self._waiters = self._waiters, []
         stale, self._stale = self._stale, []
         puts: list[tuple[bytes, bytes, Record]] = []
+        fresh: list[bool] = []  # per put: new on this node (its ghost is read), not a re-publish
         removes: list[tuple[bytes, bytes]] = []
+        uses: list[int] = []  # per remove: the use count the DRAM policy has or remembers of it
+        count = self.store.space.policy.uses
         seen: set[tuple[bytes, bytes]] = set()
-        for b in changed:  # one record per key, as the index has it now (not per Block object:
+        for b, new in changed.items():  # one record per key, as the index has it now (not per Block object:
             where: tuple[bytes, bytes] = (b.ns.root, b.key)  # a key deleted and written again: two Blocks)
             if where in seen:
                 continue
@@ -263,23 +269,30 @@ class ClusterNode:
             now = live.visible.get(b.key) if live is not None else None
             if now is not None and now.tiers:
                 puts.append((b.ns.root, b.key, Record(self.incarnation, now.tiers, now.size, now.checksum or 0)))
+                fresh.append(new if now is b else changed.get(now, False))
             else:
                 removes.append(where)
+                uses.append(count(b))
         unheld, self._unheld = self._unheld, set()
         for where in unheld - seen:
             live = index.namespaces.get(NamespaceRoot(where[0]))
             if live is None or where[1] not in live.visible:
                 removes.append(where)
-        pending = list(changed)
+                uses.append(count(where[1]))  # (a policy's ghost is kept by block key)
+        pending = changed
         try:
             # in pipelines of PUBLISH_BATCH records, each under the deadline: a node re-publishing
             # millions of blocks after an outage gets there in steps instead of timing out whole
             for i in range(0, max(len(puts), len(removes)), PUBLISH_BATCH):
+                batch = slice(i, i + PUBLISH_BATCH)
                 async with asyncio.timeout(self.cfg.directory_timeout_s):
-                    await self.directory.publish(puts[i : i + PUBLISH_BATCH], removes[i : i + PUBLISH_BATCH])
-                self.stats["records_published"] += len(puts[i : i + PUBLISH_BATCH])
-                self.stats["records_removed"] += len(removes[i : i + PUBLISH_BATCH])
-            pending = []
+                    ghosts = await self.directory.publish(
+                        puts[batch], removes[batch], fresh=fresh[batch], uses=uses[batch]
+                    )
+                self.stats["records_published"] += len(puts[batch])
+                self.stats["records_removed"] += len(removes[batch])
+                self._resume(puts[batch], ghosts)
+            pending = {}
             if stale:
                 async with asyncio.timeout(self.cfg.directory_timeout_s):
                     await self.directory.forget(stale)
@@ -287,11 +300,28 @@ class ClusterNode:
             self._up = False
             self.stats["directory_errors"] += 1
             self._warn.warning("cluster directory write failed (kept for the next pass): %s", exc)
-            merged = dict.fromkeys(pending)  # re-writing a batch that did land is harmless
-            merged.update(index.changed or {})
+            merged = dict(pending)  # re-writing a batch that did land is harmless
+            for b, new in (index.changed or {}).items():
+                merged[b] = merged.get(b, False) or new
             index.changed = merged
         finally:
             self._resolve(waiters)
+
+    def _resume(self, puts: Sequence[tuple[bytes, bytes, Record]], ghosts: Ghosts) -> None:
+        """Take up the use counts other nodes left of the blocks new here (``ghosts.found``, by
+        index into ``puts``): the policies of the spaces that still hold each one resume them."""
+        self.stats["ghosts_written"] += ghosts.written
+        if ghosts.error:
+            self._warn.warning("cluster directory refused a ghost command (the records landed; GETDEL "
+                               "needs Redis 6.2 or later): %s", ghosts.error)
+        namespaces, space = self.store.index.namespaces, self.store.space
+        for i, n in ghosts.found.items():
+            root, key, _ = puts[i]
+            ns = namespaces.get(NamespaceRoot(root))
+            b = ns.visible.get(key) if ns is not None else None
+            if b is not None and b.tiers:  # (let go meanwhile: the count goes with it)
+                space.resume(b, n)
+                self.stats["ghosts_resumed"] += 1
 
     def _resolve(self, waiters: list[asyncio.Future[None]] | None = None) -> None:
         """Wake the commits waiting for a publish (``waiters``; all of them by default)."""

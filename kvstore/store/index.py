@@ -125,8 +125,10 @@ class Index:
         self.allocations: dict[str, Allocation] = {}
         self.leases: dict[str, Lease] = {}
         # Blocks whose visibility or placement changed since the cluster's publisher last looked
-        # (an ordered set); None when nothing watches (no cluster).
-        self.changed: dict[Block, None] | None = None
+        # (in order), each True when it became visible meanwhile (:meth:`publish`: new on this
+        # node, whose cluster-wide use count the publisher reads) and False when only it moved;
+        # None when nothing watches (no cluster).
+        self.changed: dict[Block, bool] | None = None
 
     # --- namespaces ---------------------------------------------------------------------
 
@@ -189,13 +191,15 @@ class Index:
     def moved(self, block: Block) -> None:
         """``block``'s visibility or placement changed (for the cluster directory, when one watches)."""
         if self.changed is not None:
-            self.changed[block] = None
+            self.changed.setdefault(block, False)
 
     def publish(self, block: Block) -> None:
-        """ALLOCATED -> COMMITTED: the block becomes visible to lookups."""
+        """ALLOCATED -> COMMITTED: the block becomes visible to lookups (committed, or fetched
+        from a peer: new on this node)."""
         block.state = State.COMMITTED
         block.ns._show(block)
-        self.moved(block)
+        if self.changed is not None:
+            self.changed[block] = True
 
     def drop(self, block: Block) -> None:
         """Forget a block that no tier holds any more. A committed block whose last copy goes
