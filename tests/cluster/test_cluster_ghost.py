@@ -1,0 +1,231 @@
+"""The cluster's ghost (kvstore/cluster/directory.py, the ``g:`` keys): a block one node let go
+leaves its use count in the directory, and the next node to hold it anew (a commit, a fetch from a
+peer) resumes that count in its credit policy. On a real redis-server and a real 3-node Redis
+Cluster, with in-process sidecars."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis, RedisCluster
+
+from kvstore.client import KVStoreClient
+from kvstore.config import Config
+from kvstore.keys import Namespace
+from kvstore.policy import make_policy
+from kvstore.server.sidecar import Sidecar
+from kvstore.store.index import SSD, Block
+from kvstore.testing.servers import RedisServer, redis_cluster, redis_server
+from tests.cluster.nodes import blocks, client_of, keys_for, node_config
+
+
+@dataclass
+class DirectoryServer:
+    server: RedisServer  # the redis-server, or the first node of the Redis Cluster
+    clustered: bool
+
+    def config(self, tmp_path: Path, name: str, **extra: Any) -> Config:
+        return node_config(tmp_path, name, self.server, **{
+            "cluster.directory_cluster": self.clustered, "index.policy": "credit", **extra})
+
+    def client(self) -> Redis | RedisCluster:
+        return RedisCluster.from_url(self.server.url) if self.clustered else Redis.from_url(self.server.url)
+
+
+@pytest.fixture(scope="module", params=["redis", "redis-cluster"])
+def directory(request: pytest.FixtureRequest) -> Iterator[DirectoryServer]:
+    if request.param == "redis":
+        with redis_server() as server:
+            yield DirectoryServer(server, False)
+    else:
+        with redis_cluster(3) as cluster:
+            yield DirectoryServer(cluster.nodes[0], True)
+
+
+@pytest.fixture
+async def redis(directory: DirectoryServer) -> AsyncIterator[Redis | RedisCluster]:
+    client = directory.client()
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def ghost_keys(sc: Sidecar, ns: Namespace, keys: Sequence[bytes]) -> list[bytes]:
+    """The directory's ghost keys of ``keys``, spelled out: ``{prefix}:g:`` + root[:16] + key."""
+    return [f"{sc.config.cluster.key_prefix}:g:".encode() + ns.root[:16] + k for k in keys]
+
+
+def held(sc: Sidecar, ns: Namespace, keys: Sequence[bytes]) -> list[Block]:
+    entry = sc.store.index.namespaces.get(ns.root)
+    return [b for k in keys if entry is not None and (b := entry.visible.get(k)) is not None]
+
+
+def uses(sc: Sidecar, ns: Namespace, keys: Sequence[bytes]) -> list[int]:
+    """What the node's DRAM policy counts of each of ``keys`` (held, or on its own ghost list)."""
+    sc.store.drain_touches()
+    entry = sc.store.index.namespaces.get(ns.root)
+    blocks_ = [entry.visible.get(k) if entry is not None else None for k in keys]
+    return [sc.store.space.policy.uses(b if b is not None else k) for b, k in zip(blocks_, keys)]
+
+
+def resumed(sc: Sidecar, counts: Sequence[int]) -> list[int]:
+    """What the node's policy counts of a block it stored anew and then resumed each of ``counts``
+    for (the policy's own arithmetic, :meth:`~kvstore.policy.base.EvictionPolicy.resume`)."""
+    out = []
+    for n in counts:
+        p = make_policy(sc.config.index.policy)
+        p.insert("x", None, 1, 8192)
+        p.access("x")  # (the commit's ordering)
+        p.resume("x", n)
+        out.append(p.uses("x"))
+    return out
+
+
+async def reuse(c: KVStoreClient, ns: Namespace, keys: Sequence[bytes]) -> None:
+    """Hits: every block twice, the first two three times (credit counts each; a run read twice
+    in a row is touched once, hence the shorter read between)."""
+    await c.get_blocks(ns, keys)
+    await c.get_blocks(ns, keys[:2])
+    await c.get_blocks(ns, keys)
+
+
+async def published(sc: Sidecar) -> None:
+    """Until the node's publisher wrote every change made so far (a pass that began after now)."""
+    assert sc.cluster is not None
+    listed = sc.cluster.published([])
+    assert listed is not None, "the directory is down"
+    await listed
+
+
+async def let_go(sc: Sidecar, c: KVStoreClient, ns: Namespace, keys: Sequence[bytes]) -> None:
+    """Fill the node's DRAM with other prompts until none of ``keys`` is held (evicted), then
+    publish (the blocks' removes, and their ghosts)."""
+    for seed in range(100, 160):
+        if not held(sc, ns, keys):
+            break
+        await c.put_blocks(ns, keys_for(ns, 6, seed=seed), blocks(6, seed=seed))
+    assert not held(sc, ns, keys)
+    await sc.store.space.movers.flush()
+    await published(sc)
+
+
+async def test_a_count_left_by_one_node_is_resumed_by_the_next_to_store_the_block(
+    tmp_path: Path, directory: DirectoryServer, redis: Redis | RedisCluster, ns: Namespace
+) -> None:
+    keys, data = keys_for(ns, 4, seed=1), blocks(4, seed=1)
+    async with Sidecar(directory.config(tmp_path, "a")) as a, Sidecar(directory.config(tmp_path, "b")) as b:
+        await asyncio.sleep(0.25)
+        async with client_of(a) as ca, client_of(b) as cb:
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            await reuse(ca, ns, keys)
+            counts = uses(a, ns, keys)
+            assert min(counts) >= 2, counts
+            await let_go(a, ca, ns, keys)
+            assert uses(a, ns, keys) == counts  # on A's own ghost list
+            ghosts = ghost_keys(a, ns, keys)
+            assert [await redis.get(g) for g in ghosts] == [str(n).encode() for n in counts]
+            ttls = [await redis.pttl(g) for g in ghosts]
+            assert all(0 < t <= 600_000 for t in ttls), ttls
+            assert (await ca.stats())["cluster"]["ghosts_written"] == 4  # (the fillers, used once: none)
+
+            await cb.put_blocks(ns, keys, data, wait_published=True)  # the same prompt, stored on B
+            assert uses(b, ns, keys) == resumed(b, counts) != [1] * 4
+            assert [await redis.exists(g) for g in ghosts] == [0] * 4
+            assert (await cb.stats())["cluster"]["ghosts_resumed"] == 4
+
+
+async def test_a_block_fetched_from_a_peer_resumes_the_count_a_third_node_left(
+    tmp_path: Path, directory: DirectoryServer, redis: Redis | RedisCluster, ns: Namespace
+) -> None:
+    keys, data = keys_for(ns, 4, seed=2), blocks(4, seed=2)
+    async with Sidecar(directory.config(tmp_path, "a")) as a, Sidecar(directory.config(tmp_path, "b")) as b, \
+            Sidecar(directory.config(tmp_path, "c")) as c:
+        await asyncio.sleep(0.25)
+        async with client_of(a) as ca, client_of(b) as cb, client_of(c) as cc:
+            await cc.put_blocks(ns, keys, data, wait_published=True)  # C holds the prompt throughout
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            await reuse(ca, ns, keys)
+            counts = uses(a, ns, keys)
+            await let_go(a, ca, ns, keys)
+            ghosts = ghost_keys(a, ns, keys)
+            assert [await redis.get(g) for g in ghosts] == [str(n).encode() for n in counts]
+
+            got = await cb.get_blocks(ns, keys, verify=True)  # fetched from C: new on B
+            assert [bytes(g) for g in got] == [bytes(d) for d in data]
+            await published(b)
+            stats = (await cb.stats())["cluster"]
+            assert stats["blocks_fetched"] == 4 and stats["ghosts_resumed"] == 4
+            assert uses(b, ns, keys) == resumed(b, counts) != [1] * 4
+            assert [await redis.exists(g) for g in ghosts] == [0] * 4
+
+
+async def test_a_re_publish_of_blocks_held_already_leaves_their_ghosts(
+    tmp_path: Path, directory: DirectoryServer, redis: Redis | RedisCluster, ns: Namespace
+) -> None:
+    """A move between a node's tiers (DRAM -> SSD) and the re-publish of everything after the
+    directory lost the node's entry are no new blocks: the ghost stays for the next node."""
+    keys, data = keys_for(ns, 4, seed=3), blocks(4, seed=3)
+    ssd = {"ssd.enabled": True, "ssd.capacity_bytes": 4 << 20}
+    async with Sidecar(directory.config(tmp_path, "a")) as a, Sidecar(directory.config(tmp_path, "b", **ssd)) as b:
+        await asyncio.sleep(0.25)
+        assert a.cluster is not None and b.cluster is not None
+        async with client_of(a) as ca, client_of(b) as cb:
+            await cb.put_blocks(ns, keys, data, wait_published=True)  # B holds them before any ghost
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            await reuse(ca, ns, keys)
+            counts = uses(a, ns, keys)
+            await let_go(a, ca, ns, keys)
+            ghosts = ghost_keys(a, ns, keys)
+            remembered = [str(n).encode() for n in counts]
+            assert [await redis.get(g) for g in ghosts] == remembered
+
+            # B's DRAM fills: its blocks move to its SSD, and B publishes their new placement
+            for seed in range(200, 230):
+                if not any(blk.tiers & 1 for blk in held(b, ns, keys)):
+                    break
+                await cb.put_blocks(ns, keys_for(ns, 6, seed=seed), blocks(6, seed=seed))
+            await b.store.space.movers.flush()
+            await published(b)
+            records = await b.cluster.directory.find(ns.root, keys)
+            assert [r["b"].tiers for r in records] == [SSD] * 4
+            assert [await redis.get(g) for g in ghosts] == remembered
+
+            # the directory loses B's member entry: B's next heartbeat re-publishes all it holds
+            before = b.cluster.stats["records_published"]
+            await redis.hdel(f"{b.config.cluster.key_prefix}:members", "b")
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if b.cluster.stats["records_published"] >= before + len(b.store.index.namespaces[ns.root].visible):
+                    break
+            else:
+                raise AssertionError("B did not re-publish")
+            await published(b)
+            assert [await redis.get(g) for g in ghosts] == remembered
+            assert (await cb.stats())["cluster"]["ghosts_resumed"] == 0
+            assert uses(b, ns, keys) == [1] * 4
+
+
+async def test_no_ghost_with_a_ttl_of_zero(
+    tmp_path: Path, directory: DirectoryServer, redis: Redis | RedisCluster, ns: Namespace
+) -> None:
+    keys, data = keys_for(ns, 4, seed=4), blocks(4, seed=4)
+    off = {"cluster.ghost_ttl_s": 0}
+    async with Sidecar(directory.config(tmp_path, "a", **off)) as a, \
+            Sidecar(directory.config(tmp_path, "b", **off)) as b:
+        await asyncio.sleep(0.25)
+        async with client_of(a) as ca, client_of(b) as cb:
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            await reuse(ca, ns, keys)
+            assert min(uses(a, ns, keys)) >= 2
+            await let_go(a, ca, ns, keys)
+            assert [await redis.exists(g) for g in ghost_keys(a, ns, keys)] == [0] * 4
+            assert (await ca.stats())["cluster"]["ghosts_written"] == 0
+            await cb.put_blocks(ns, keys, data, wait_published=True)
+            assert uses(b, ns, keys) == [1] * 4
+            assert (await cb.stats())["cluster"]["ghosts_resumed"] == 0
