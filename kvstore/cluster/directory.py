@@ -16,8 +16,9 @@ Layout (every key starts with ``{key_prefix}:``):
   (``GETDEL``, Redis 6.2 or later) and its policies resume the count
   (:meth:`~kvstore.policy.base.EvictionPolicy.resume`): a block evicted on one node and stored
   again on another is kept as long as on the first, as credit's own ghost list does on one node.
-  Both ride in the pipeline of the records (:meth:`Directory.publish`); a re-publish of a block
-  the node held already (a move between its tiers, everything after an outage) reads none.
+  Both ride in the pipeline of the records (:meth:`Directory.publish`: a command per key on a
+  Redis Cluster, one script call each on one Redis); a re-publish of a block the node held
+  already (a move between its tiers, everything after an outage) reads none.
 - ``members``: a hash, node id -> ``address|incarnation|expiry_ms``, the expiry in the directory
   server's own clock (``TIME``), written by each node's heartbeat (:data:`HEARTBEAT`, a script:
   one round trip writes this node's lease and reads everyone's, with the server's time, so no
@@ -108,6 +109,19 @@ local out = {}
 for i = 1, #KEYS do out[i] = redis.call('HGETALL', KEYS[i]) end
 return out
 """
+# KEYS: ghost keys. Each one's count (false where there is none), deleted: the ghosts of blocks new
+# on this node. On one Redis the ghosts of a publish are one call of this and one of LEAVE: a
+# command per key costs redis-py about as much client time again as the records themselves.
+TAKE = """
+local out = {}
+for i = 1, #KEYS do out[i] = redis.call('GETDEL', KEYS[i]) end
+return out
+"""
+# KEYS: ghost keys; ARGV: the time to live (ms), then each key's count. Returns how many were set.
+LEAVE = """
+for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 1], 'PX', ARGV[1]) end
+return #KEYS
+"""
 FORGET_AFTER_MS = 3_600_000  # a member silent this long leaves the members hash
 
 
@@ -180,6 +194,7 @@ class Directory:
         self.node = node
         self.ghost_ttl_ms = ghost_ttl_ms  # how long a ghost (``g:`` key) lives; 0: none written or read
         self.members_key = prefix + ":members"
+        self._clustered = isinstance(client, RedisCluster)
         self._heartbeat = client.register_script(HEARTBEAT)
         # a Redis Cluster spreads the keys over slots one script cannot span: a pipeline there.
         # On one Redis the lookup is the FIND script on a lean pipelined connection where one can
@@ -258,20 +273,47 @@ class Directory:
         cmds += [("HDEL", self.key(r, k), node) for r, k in removes]
         records = len(cmds)
         read: list[int] = []
+        written: list[tuple[bytes, int]] = []
         if self.ghost_ttl_ms:
             read = [i for i, new in enumerate(fresh) if new]
-            cmds += [("GETDEL", self.ghost_key(puts[i][0], puts[i][1])) for i in read]
-            cmds += [("SET", self.ghost_key(r, k), n, "PX", self.ghost_ttl_ms)
-                     for (r, k), n in zip(removes, uses) if n >= GHOST_MIN_USES]
+            taken = [self.ghost_key(puts[i][0], puts[i][1]) for i in read]
+            written = [(self.ghost_key(r, k), n) for (r, k), n in zip(removes, uses) if n >= GHOST_MIN_USES]
+            cmds += self._ghost_commands(taken, written)
         replies = await self._pipeline(cmds)
         for reply in replies[:records]:
             if isinstance(reply, Exception):
                 raise Unavailable(f"cluster directory: {type(reply).__name__}: {reply}")
-        got, sets = replies[records : records + len(read)], replies[records + len(read) :]
+        if not (read or written):
+            return Ghosts(0, {})
+        return self._ghosts(read, len(written), replies[records:])
+
+    def _ghost_commands(self, taken: list[bytes], written: list[tuple[bytes, int]]) -> list[tuple[Any, ...]]:
+        """The commands that read and delete the ghosts ``taken`` and set ``written`` (key, count):
+        a command per key on a Redis Cluster (the keys lie on many slots), one :data:`TAKE` and one
+        :data:`LEAVE` on one Redis."""
+        ttl = self.ghost_ttl_ms
+        if self._clustered:
+            return [*(("GETDEL", k) for k in taken), *(("SET", k, n, "PX", ttl) for k, n in written)]
+        cmds: list[tuple[Any, ...]] = []
+        if taken:
+            cmds.append(("EVAL", TAKE, len(taken), *taken))
+        if written:
+            cmds.append(("EVAL", LEAVE, len(written), *(k for k, _ in written), ttl, *(n for _, n in written)))
+        return cmds
+
+    def _ghosts(self, read: list[int], written: int, replies: list[Any]) -> Ghosts:
+        """What :meth:`_ghost_commands`' ``replies`` say (``read``: the puts whose ghosts were
+        taken, ``written``: how many were set)."""
+        if self._clustered:
+            got, sets = replies[: len(read)], replies[len(read) :]
+            written = sum(not isinstance(r, Exception) for r in sets)
+        else:
+            got = replies[0] if read and isinstance(replies[0], list) else []
+            if written and isinstance(replies[-1], Exception):
+                written = 0
         found = {i: int(raw) for i, raw in zip(read, got) if isinstance(raw, bytes) and raw.isdigit()}
-        refused = next((r for r in replies[records:] if isinstance(r, Exception)), None)
-        error = f"{type(refused).__name__}: {refused}" if refused is not None else ""
-        return Ghosts(sum(not isinstance(r, Exception) for r in sets), found, error)
+        refused = next((r for r in replies if isinstance(r, Exception)), None)
+        return Ghosts(written, found, f"{type(refused).__name__}: {refused}" if refused is not None else "")
 
     async def find(self, root: bytes, keys: Sequence[bytes]) -> list[dict[str, Record]]:
         """Every node's record of each key (empty where none): one script call on a Redis, one
