@@ -15,6 +15,7 @@ import pytest
 from redis.asyncio import Redis, RedisCluster
 
 from kvstore.client import KVStoreClient
+from kvstore.cluster.directory import Directory, Record
 from kvstore.config import Config
 from kvstore.keys import Namespace
 from kvstore.policy import make_policy
@@ -229,3 +230,23 @@ async def test_no_ghost_with_a_ttl_of_zero(
             await cb.put_blocks(ns, keys, data, wait_published=True)
             assert uses(b, ns, keys) == [1] * 4
             assert (await cb.stats())["cluster"]["ghosts_resumed"] == 0
+
+
+async def test_a_ghost_command_the_directory_refuses_fails_no_record(
+    directory: DirectoryServer, redis: Redis | RedisCluster, request: pytest.FixtureRequest
+) -> None:
+    """(As GETDEL on a Redis before 6.2 would be: here a g: key of another type.) The records land,
+    the refusal is told, the ghosts that could be read are."""
+    d = Directory(directory.client(), f"t{abs(hash(request.node.nodeid)) % 10**8}", "x", ghost_ttl_ms=60_000)
+    try:
+        root, keys = bytes(range(16)), [bytes([i]) * 32 for i in range(4)]  # (spread over the slots)
+        await d.publish([], [(root, k) for k in keys[1:]], uses=[3, 3, 3])
+        await redis.hset(d.ghost_key(root, keys[0]), "not", "a count")
+        rec = Record(1, 1, 8192, 7)
+        ghosts = await d.publish([(root, k, rec) for k in keys], [], fresh=[True] * 4)
+        assert "WRONGTYPE" in ghosts.error
+        assert [f.get("x") for f in await d.find(root, keys)] == [rec] * 4
+        # one Redis reads its ghosts in one script call, which the wrong key fails whole
+        assert ghosts.found == ({1: 3, 2: 3, 3: 3} if directory.clustered else {})
+    finally:
+        await d.close()
