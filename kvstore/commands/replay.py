@@ -79,9 +79,10 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--tie-seed", type=int, metavar="N",
                    help="with --routing prefix: break each tie of score and load by a seeded random draw "
                         "instead of by node index (another, equally valid draw of the same routing)")
-    p.add_argument("--cluster-ghost", type=float, default=None, metavar="X",
-                   help="with --nodes: the cluster's ghost (use counts the directory keeps for the next node to "
-                        "store a block) holds X x the cluster's capacity; 0: none (default 4)")
+    p.add_argument("--ghost-ttl", type=float, default=None, metavar="S",
+                   help="with --nodes: how long the cluster's ghost (use counts the directory keeps for the next "
+                        "node to store a block) keeps each, in the trace's seconds; 0: none (default: the "
+                        "sidecar's cluster.ghost_ttl_s)")
     p.set_defaults(func=run)
 
 
@@ -169,22 +170,22 @@ def _nodes(text: str) -> int:
 def _run_cluster(args: argparse.Namespace, trace: Trace, unique: int, names: list[str], progress: bool) -> int:
     """``--nodes N``: one JSON object per capacity (per node), every policy and routing in it."""
     from kvstore.errors import InvalidArgument
-    from kvstore.sim.cluster import CLUSTER_GHOST, compare
+    from kvstore.sim.cluster import GHOST_TTL_S, compare
 
     if args.tier or args.plot:
         raise InvalidArgument("--nodes: --tier and --plot are for the single-cache replay; use --capacity")
     routings = list(dict.fromkeys(args.routing or ["round-robin", "prefix"]))
-    ghost = CLUSTER_GHOST if args.cluster_ghost is None else args.cluster_ghost
+    ghost = GHOST_TTL_S if args.ghost_ttl is None else args.ghost_ttl
     if ghost < 0 or not math.isfinite(ghost):
-        raise InvalidArgument(f"--cluster-ghost: a finite number >= 0, got {ghost}")
+        raise InvalidArgument(f"--ghost-ttl: a finite number of seconds >= 0, got {ghost}")
     for cap in args.capacity or [("frac", 0.01)]:
         per_node = _blocks(cap, unique)
         policies: dict[str, Any] = {}
         out = {"trace": trace.name, "unique_blocks": unique, "references": trace.references, "nodes": args.nodes,
-               "capacity_blocks": per_node, "tie_seed": args.tie_seed, "cluster_ghost": ghost, "policies": policies}
+               "capacity_blocks": per_node, "tie_seed": args.tie_seed, "ghost_ttl_s": ghost, "policies": policies}
         for n in names:
             policies[n] = compare(trace, args.nodes, per_node, routings, n, args.seed, progress=progress,
-                                  tie_seed=args.tie_seed, cluster_ghost=ghost)
+                                  tie_seed=args.tie_seed, ghost_ttl_s=ghost)
         if args.json:
             print(json.dumps(out), flush=True)
         else:

@@ -65,6 +65,10 @@ class EvictionPolicy(Protocol):
         leaves it (kvstore/cluster/node.py), so that the next node to store it may resume it."""
         ...
 
+    def ghost_size(self) -> int:
+        """How many evicted blocks' counts this space's ghost keeps (0: it keeps none)."""
+        ...
+
     def resume(self, item: Item, uses: int) -> None:
         """Another node remembered ``uses`` uses of resident ``item`` (the cluster's ghost): its
         count becomes what this space's own ghost would have given it on the insert (``uses`` plus

@@ -185,6 +185,9 @@ class CreditLRUPolicy(Holding):
         f = self._freq.get(item)
         return f if f is not None else self._ghost.get(ghost_key(item), 0)
 
+    def ghost_size(self) -> int:
+        return int(self.ghost_share * self._cap)
+
     def resume(self, item: Item, uses: int) -> None:
         q = self._queue.get(item)
         if q is None:

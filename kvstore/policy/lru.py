@@ -89,6 +89,9 @@ class LRUPolicy(Holding):
     def uses(self, item: Item) -> int:
         return 0  # recency only: no count to share
 
+    def ghost_size(self) -> int:
+        return 0
+
     def resume(self, item: Item, uses: int) -> None:
         return None
 

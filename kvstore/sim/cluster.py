@@ -15,9 +15,10 @@ as the single-space replay does (``Node.allocate`` pops victims until a request'
   ``eligible`` filter), so a replica goes before any block's last copy. The directory also keeps
   the cluster's ghost, as the sidecar's does (kvstore/cluster/node.py): a node that lets a block go
   leaves its use count there (the policy's ``uses``; 0, nothing, for LRU), and the next node to store
-  it takes the count and resumes it (``resume``). The sidecar bounds that ghost by time
-  (``cluster.ghost_ttl_s``); the replay has no clock, so it keeps the newest ``cluster_ghost`` ×
-  the cluster's capacity entries instead (4: the size of each node's own ghost, per node);
+  it takes the count and resumes it (``resume``). An entry lasts as long as the sidecar's ``g:`` key
+  would in Redis, in the trace's own time (its requests' timestamps): about as long as the node's
+  own ghost would keep it at the rate the node lets blocks go, at most ``cluster.ghost_ttl_s``
+  (:class:`~kvstore.cluster.ghost.GhostSpan`);
 * **global**: one cache of N × the capacity that sees every request (routing cannot matter).
 
 Each request, on its node (with one node, exactly the single-space replay's calls):
@@ -47,6 +48,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
+from kvstore.cluster.directory import GHOST_MIN_USES
+from kvstore.cluster.ghost import GhostSpan
+from kvstore.config import ClusterConfig
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.policy import make_policy
 from kvstore.policy.base import Eligible, EvictionPolicy, Item
@@ -58,27 +62,31 @@ from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import DRAM, Block, Index, NsEntry, State, TierId
 
 MODES = ("isolated", "cluster", "global")
-CLUSTER_GHOST = 4.0  # the cluster's ghost holds this × the cluster's capacity (module docstring)
+GHOST_TTL_S: float = ClusterConfig.model_fields["ghost_ttl_s"].default  # the sidecar's default
 
 
 class Directory:
     """Which nodes hold each committed block. It tells a node's policy when one of its blocks gains
     or loses its last other copy."""
 
-    __slots__ = ("ghost", "ghost_cap", "holders", "policies", "visible")
+    __slots__ = ("ghost", "ghost_ttl_s", "holders", "now_ms", "policies", "spans", "visible")
 
-    def __init__(self, ghost_cap: int = 0) -> None:
+    def __init__(self, ghost_ttl_s: float = 0.0) -> None:
         self.holders: dict[BlockKey, list[int]] = {}
         self.policies: list[ClusterPolicy] = []
         self.visible: list[dict[bytes, Block]] = []  # each node's committed blocks by key
-        self.ghost: OrderedDict[BlockKey, int] = OrderedDict()  # the cluster's ghost: key -> uses, oldest first
-        self.ghost_cap = ghost_cap
+        # the cluster's ghost: key -> (uses, expiry in the trace's ms), oldest write first
+        self.ghost: OrderedDict[BlockKey, tuple[int, float]] = OrderedDict()
+        self.ghost_ttl_s = ghost_ttl_s  # the ceiling (0: no ghost)
+        self.spans: list[GhostSpan] = []  # each node's let-go rate
+        self.now_ms = 0  # the timestamp of the request being served
 
     def join(self, node: Node, prefer_replicas: bool = True) -> None:
         """Wrap the node's policy in a :class:`ClusterPolicy` and register it."""
         pol = ClusterPolicy(node.space.policy, node.id, self, prefer_replicas)
         node.space.policy = pol
         self.policies.append(pol)
+        self.spans.append(GhostSpan())
         self.visible.append(node.ns.visible)
 
     def copies(self, key: BlockKey) -> int:
@@ -92,16 +100,28 @@ class Directory:
             self._replicated(held[0], key, True)
         if len(held) >= 2:
             self._replicated(node, key, True)
-        return self.ghost.pop(key, 0) if self.ghost_cap else 0
+        if not self.ghost_ttl_s:
+            return 0
+        kept = self.ghost.pop(key, None)
+        return kept[0] if kept is not None and kept[1] > self.now_ms else 0
 
-    def let_go(self, key: BlockKey, uses: int) -> None:
-        """A node no longer holds ``key``, with ``uses`` remembered: kept for the next holder."""
-        if self.ghost_cap and uses >= 1:
+    def let_go(self, key: BlockKey, node: int, uses: int, entries: int) -> None:
+        """``node`` no longer holds ``key``, with ``uses`` remembered by a ghost of ``entries``:
+        kept for the next holder as the sidecar keeps it (the rule,
+        :data:`~kvstore.cluster.directory.GHOST_MIN_USES`; the time, :class:`GhostSpan`)."""
+        if not self.ghost_ttl_s or not entries:
+            return
+        span = self.spans[node]
+        span.let_go(1, self.now_ms / 1000)
+        if uses >= GHOST_MIN_USES:
             ghost = self.ghost
-            ghost[key] = uses
+            ghost[key] = (uses, self.now_ms + 1000 * span.ttl_s(entries, self.ghost_ttl_s))
             ghost.move_to_end(key)
-            if len(ghost) > self.ghost_cap:
-                ghost.popitem(last=False)
+            while ghost:  # the expired at the front go (one written later may outlive one in front)
+                first, (_, expiry) = next(iter(ghost.items()))
+                if expiry > self.now_ms:
+                    break
+                del ghost[first]
 
     def remove(self, key: BlockKey, node: int) -> None:
         held = self.holders[key]
@@ -139,6 +159,7 @@ class ClusterPolicy:
         self.release = inner.release
         self.uses = inner.uses
         self.resume = inner.resume
+        self.ghost_size = inner.ghost_size
 
     def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
         self.inner.insert(item, parent, depth, size)
@@ -180,7 +201,7 @@ class ClusterPolicy:
         links.unlink(item)
         self.spare.discard(item)
         self.directory.remove(item.key, self.node)  # type: ignore[attr-defined]  # policy items are Blocks
-        self.directory.let_go(item.key, uses)  # type: ignore[attr-defined]  # a Block
+        self.directory.let_go(item.key, self.node, uses, self.inner.ghost_size())  # type: ignore[attr-defined]
         if (self.prefer and parent is not None and parent not in links.kids
                 and self.directory.copies(parent.key) > 1):  # type: ignore[attr-defined]  # a Block
             self.spare.add(parent)  # a leaf again
@@ -319,18 +340,18 @@ def node_prefixes(nodes: Sequence[Node], directory: Directory | None, keys: Sequ
 def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster", routing: str = "round-robin",
                    policy: str = "lru", seed: int = 0, max_imbalance: float = MAX_IMBALANCE,
                    prefer_replicas: bool = True, progress: bool = False, tie_seed: int | None = None,
-                   cluster_ghost: float = CLUSTER_GHOST) -> ClusterRun:
+                   ghost_ttl_s: float = GHOST_TTL_S) -> ClusterRun:
     """Replay ``trace`` over ``nodes`` nodes of ``capacity`` blocks each (``global``: one node of
     ``nodes`` × ``capacity``), in one of :data:`MODES`; ``tie_seed``: the node order of prefix
-    routing's ties; ``cluster_ghost``: the cluster's ghost, × the cluster's capacity (0: none; the
-    module's docstring)."""
+    routing's ties; ``ghost_ttl_s``: how long the cluster's ghost keeps a count, in the trace's time
+    (0: no ghost; the module's docstring)."""
     if mode not in MODES:
         raise ValueError(f"mode: unknown {mode!r}; allowed: {list(MODES)}")
     if nodes < 1:
         raise ValueError("nodes: at least 1")
     if mode == "global":
         nodes, capacity = 1, nodes * capacity
-    directory = Directory(int(cluster_ghost * nodes * capacity)) if mode == "cluster" else None
+    directory = Directory(ghost_ttl_s) if mode == "cluster" else None
     members = []
     for i in range(nodes):
         node = Node(i, capacity, make_policy(policy), trace.name)
@@ -344,6 +365,8 @@ def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster
     done = 0
     try:
         for ri, req in enumerate(trace.requests):
+            if directory is not None:
+                directory.now_ms = req.timestamp
             node = router.pick(req)
             node.requests += 1
             _serve(node, members, directory, req, trace.block_tokens, res)
@@ -421,7 +444,7 @@ def _serve(node: Node, members: list[Node], directory: Directory | None, req: Re
 def compare(trace: Trace, nodes: int, capacity: int, routings: Sequence[str] = ("round-robin", "prefix"),
             policy: str = "lru", seed: int = 0, max_imbalance: float = MAX_IMBALANCE,
             progress: bool = False, tie_seed: int | None = None,
-            cluster_ghost: float = CLUSTER_GHOST) -> dict[str, object]:
+            ghost_ttl_s: float = GHOST_TTL_S) -> dict[str, object]:
     """The global cache once, then isolated nodes and the cluster for each routing, with the
     cluster's ratios and load imbalance: the JSON of ``kvstore replay --nodes``."""
     glob = replay_cluster(trace, nodes, capacity, "global", policy=policy, progress=progress)
@@ -429,7 +452,7 @@ def compare(trace: Trace, nodes: int, capacity: int, routings: Sequence[str] = (
     by_routing: dict[str, object] = {}
     for routing in routings:
         runs = {mode: replay_cluster(trace, nodes, capacity, mode, routing, policy, seed, max_imbalance,
-                                     progress=progress, tie_seed=tie_seed, cluster_ghost=cluster_ghost)
+                                     progress=progress, tie_seed=tie_seed, ghost_ttl_s=ghost_ttl_s)
                 for mode in ("isolated", "cluster")}
         iso, clu = runs["isolated"].prefix_hit_rate, runs["cluster"].prefix_hit_rate
         by_routing[routing] = {

@@ -111,6 +111,7 @@ def test_credit_uses_and_resume_carry_a_count_between_nodes() -> None:
     assert a.pop_victim() == "x"
     assert a.uses("x") == 2  # from its ghost
     assert a.uses("never") == 0
+    assert a.ghost_size() == 4  # ghost 4.0 x the most blocks it held when asked for a victim (1)
 
     b = make_policy("credit", boost=1.0)
     chain(b, ["x"])
@@ -132,7 +133,7 @@ def test_lru_keeps_no_count() -> None:
     chain(p, ["x"])
     chain(p, ["y"])
     hit(p, ["x"])
-    assert p.uses("x") == 0
+    assert p.uses("x") == 0 and p.ghost_size() == 0
     p.resume("y", 4)
     assert drain(p) == ["y", "x"]
 

@@ -49,30 +49,38 @@ def test_eviction_drops_a_replica_before_a_last_copy() -> None:
 
 
 def test_cluster_ghost_carries_a_count_to_the_next_node() -> None:
-    # 2 nodes x 2 blocks, round-robin (node 0: even requests, node 1: odd). Block 1 is stored on node
-    # 0 and hit there (2 uses), then evicted from it (request 6). Request 7 stores it again on node
-    # 1, which resumes its count from the cluster's ghost (3 with the store itself). Request 9 hits 7
-    # on node 1, so when request 11 needs room there, without the count block 1 (older, 1 use) goes,
-    # and with it 7 goes: request 13 hits block 1 only with the cluster's ghost.
+    # 2 nodes x 2 blocks, round-robin (node 0: even requests, node 1: odd), one request a millisecond.
+    # Block 1 is stored on node 0 and hit there (2 uses), then evicted from it (request 6). Request
+    # 7 stores it again on node 1, which resumes its count from the cluster's ghost (3 with the
+    # store itself). Request 9 hits 7 on node 1, so when request 11 needs room there, without the
+    # count block 1 (older, 1 use) goes, and with it 7 goes: request 13 hits block 1 only with the
+    # cluster's ghost, and only if the ghost still holds the count a millisecond after it was left.
     t = trace([1], [9], [1], [8], [2], [7], [3], [1], [4], [7], [5], [6], [10], [1])
     with_ghost = replay_cluster(t, 2, 2, "cluster", "round-robin", "credit")
-    without = replay_cluster(t, 2, 2, "cluster", "round-robin", "credit", cluster_ghost=0)
-    assert (with_ghost.prefix_hits, without.prefix_hits) == (3, 2)
+    without = replay_cluster(t, 2, 2, "cluster", "round-robin", "credit", ghost_ttl_s=0)
+    expired = replay_cluster(t, 2, 2, "cluster", "round-robin", "credit", ghost_ttl_s=0.001)
+    assert (with_ghost.prefix_hits, without.prefix_hits, expired.prefix_hits) == (3, 2, 2)
+    assert replay_cluster(t, 2, 2, "cluster", "round-robin", "credit", ghost_ttl_s=0.002).prefix_hits == 3
     lru = replay_cluster(t, 2, 2, "cluster", "round-robin", "lru")  # LRU keeps no count
     assert lru.prefix_hits == 2
     # isolated nodes share nothing, the ghost included
     assert replay_cluster(t, 2, 2, "isolated", "round-robin", "credit").prefix_hits == 2
 
 
-def test_cluster_ghost_keeps_the_newest_entries() -> None:
+def test_cluster_ghost_forgets_after_its_ttl() -> None:
+    from kvstore.cluster.ghost import GhostSpan
     from kvstore.sim.cluster import Directory
 
-    d = Directory(ghost_cap=2)
-    for key, uses in ((b"a", 1), (b"b", 3), (b"c", 2), (b"z", 0)):  # 0: no count (LRU), not kept
-        d.let_go(key, uses)
-    assert dict(d.ghost) == {b"b": 3, b"c": 2}
-    assert (d.add(b"b", 0), d.add(b"a", 1)) == (3, 0)  # a was dropped
-    assert dict(d.ghost) == {b"c": 2}  # b was taken
+    d = Directory(ghost_ttl_s=1.0)  # a node that has not let go for long: the ceiling, 1 s
+    d.spans.append(GhostSpan())
+    d.let_go(b"a", 0, 2, entries=8)
+    d.now_ms = 500
+    d.let_go(b"b", 0, 3, entries=8)
+    d.let_go(b"z", 0, 0, entries=8)  # 0 uses: nothing to keep
+    d.let_go(b"y", 0, 2, entries=0)  # a space with no ghost (LRU): nothing to keep
+    d.now_ms = 1000  # a's second is up
+    assert (d.add(b"a", 0), d.add(b"b", 1)) == (0, 3)
+    assert not d.ghost  # b was taken
     assert Directory().add(b"c", 0) == 0  # no ghost: nothing kept
 
 
@@ -147,8 +155,8 @@ def test_one_node_is_the_single_cache_replay(policy: str) -> None:
     t = multi_turn(sessions=150, seed=5)
     cap = t.unique_blocks() // 20
     ref = replay(t, cap, policy)
-    for mode in ("isolated", "cluster"):
-        run = replay_cluster(t, 1, cap, mode, "round-robin", policy)
+    for mode in ("isolated", "cluster"):  # (the cluster's ghost off: it would outlast the node's own)
+        run = replay_cluster(t, 1, cap, mode, "round-robin", policy, ghost_ttl_s=0)
         assert (run.prefix_hits, run.block_hits, run.references) == (ref.prefix_hits, ref.block_hits, ref.references)
     glob = replay_cluster(t, 4, cap // 4, "global", policy=policy)
     assert glob.prefix_hits == replay(t, 4 * (cap // 4), policy).prefix_hits
@@ -178,7 +186,7 @@ def test_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert pol["global"]["prefix_hit_rate"] == 0.5
     assert list(pol["routing"]) == ["round-robin", "prefix"]
     assert pol["routing"]["round-robin"]["cluster_vs_isolated"] == 1.5
-    assert out["tie_seed"] is None and out["cluster_ghost"] == 4.0
+    assert out["tie_seed"] is None and out["ghost_ttl_s"] == 600
     # the table, without --json
     assert main(["replay", str(path), "--nodes", "2", "--capacity", "3", "--policy", "lru"]) == 0
     assert "round-robin" in capsys.readouterr().out
@@ -194,5 +202,5 @@ def test_command_rejects_bad_cluster_flags(tmp_path: Path, capsys: pytest.Captur
     assert "nodes '0' must be at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["replay", str(path), "--nodes", "2", "--routing", "sticky"])
-    assert main(["replay", str(path), "--nodes", "2", "--cluster-ghost", "-1"]) == 2
-    assert "--cluster-ghost" in capsys.readouterr().err
+    assert main(["replay", str(path), "--nodes", "2", "--ghost-ttl", "-1"]) == 2
+    assert "--ghost-ttl" in capsys.readouterr().err
