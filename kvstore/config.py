@@ -279,10 +279,12 @@ class ClusterConfig(_Section):
     )
     directory_timeout_s: float = Field(2.0, gt=0, description="deadline of one directory round trip")
     ghost_ttl_s: float = Field(
-        600.0,
+        3600.0,
         ge=0,
-        description="how long the directory remembers the use count of a block no node holds any more, for the "
-        "next node to store it to resume (the credit policy keeps a reused block longer); 0: not remembered",
+        description="the longest the directory remembers the use count of a block a node let go, for the next "
+        "node to store it to resume (the credit policy keeps a reused block longer); each count lasts about as "
+        "long as in the node's own ghost at its current turnover (kvstore/cluster/ghost.py), at most this; "
+        "0: not remembered",
     )
 
     @model_validator(mode="after")

@@ -10,8 +10,9 @@ Layout (every key starts with ``{key_prefix}:``):
   every shard at once.
 - ``g:`` + namespace root (16 bytes) + block key (32 bytes), binary, spread over the slots as the
   ``d:`` keys: the cluster's ghost of a block, its use count as ASCII digits. A node that lets a
-  block go writes the count its eviction policy has of it (:meth:`~kvstore.policy.base.EvictionPolicy.uses`)
-  when it is :data:`GHOST_MIN_USES` or more, for ``cluster.ghost_ttl_s`` (``SET ... PX``); the next
+  block go writes the count its eviction policies have of it (:meth:`~kvstore.policy.base.EvictionPolicy.uses`)
+  when it is :data:`GHOST_MIN_USES` or more, for about as long as the node's own ghost would keep
+  it (:class:`~kvstore.cluster.ghost.GhostSpan`, at most ``cluster.ghost_ttl_s``; ``SET ... PX``); the next
   node to hold the block anew (it committed it, or fetched it from a peer) reads and deletes it
   (``GETDEL``, Redis 6.2 or later) and its policies resume the count
   (:meth:`~kvstore.policy.base.EvictionPolicy.resume`): a block evicted on one node and stored
@@ -53,7 +54,10 @@ from kvstore.util.resp_pipe import PipelinedLink, ReplyError, tcp_settings
 
 _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum (0: not sealed)
 ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
-GHOST_MIN_USES = 2  # a ghost worth writing: every new block starts with one use, nothing to remember
+# A count worth writing: every count a policy keeps. A block stored once that comes back is the
+# reuse credit's ghost exists for (in the replay, writing only counts of 2 or more kept about a
+# third of the gain on synthetic: docs/cluster.md, "The cluster's ghost").
+GHOST_MIN_USES = 1
 
 # KEYS[1] the members hash; ARGV: node id, address, incarnation, lease ms, forget-after ms.
 # Returns the server's time (ms), every member's entry, 1 when this node's entry was not there (a
@@ -260,14 +264,16 @@ class Directory:
         *,
         fresh: Sequence[bool] = (),
         uses: Sequence[int] = (),
+        ttl_ms: int | None = None,
     ) -> Ghosts:
         """This node holds ``puts`` (root, key, record) and no longer holds ``removes`` (root, key).
 
         With ghosts on (``ghost_ttl_ms``), in the same pipeline: the ghosts of the puts that
         ``fresh`` marks (aligned with ``puts``: new on this node, not a re-publish) are read and
         deleted, and the removes' use counts (``uses``, aligned with ``removes``) of
-        :data:`GHOST_MIN_USES` or more are remembered. A ghost command the directory refuses
-        fails no record: it is told in :attr:`Ghosts.error`."""
+        :data:`GHOST_MIN_USES` or more are remembered, for ``ttl_ms`` (default, and at most:
+        ``ghost_ttl_ms``; 0: none written). A ghost command the directory refuses fails no record: it is told in
+        :attr:`Ghosts.error`."""
         node = self.node.encode()
         cmds: list[tuple[Any, ...]] = [("HSET", self.key(r, k), node, rec.pack()) for r, k, rec in puts]
         cmds += [("HDEL", self.key(r, k), node) for r, k in removes]
@@ -277,8 +283,10 @@ class Directory:
         if self.ghost_ttl_ms:
             read = [i for i, new in enumerate(fresh) if new]
             taken = [self.ghost_key(puts[i][0], puts[i][1]) for i in read]
-            written = [(self.ghost_key(r, k), n) for (r, k), n in zip(removes, uses) if n >= GHOST_MIN_USES]
-            cmds += self._ghost_commands(taken, written)
+            ttl = self.ghost_ttl_ms if ttl_ms is None else min(ttl_ms, self.ghost_ttl_ms)
+            if ttl > 0:  # (0: this pass keeps no count, as a node whose policies keep no ghost)
+                written = [(self.ghost_key(r, k), n) for (r, k), n in zip(removes, uses) if n >= GHOST_MIN_USES]
+            cmds += self._ghost_commands(taken, written, ttl)
         replies = await self._pipeline(cmds)
         for reply in replies[:records]:
             if isinstance(reply, Exception):
@@ -287,11 +295,12 @@ class Directory:
             return Ghosts(0, {})
         return self._ghosts(read, len(written), replies[records:])
 
-    def _ghost_commands(self, taken: list[bytes], written: list[tuple[bytes, int]]) -> list[tuple[Any, ...]]:
+    def _ghost_commands(
+        self, taken: list[bytes], written: list[tuple[bytes, int]], ttl: int
+    ) -> list[tuple[Any, ...]]:
         """The commands that read and delete the ghosts ``taken`` and set ``written`` (key, count):
         a command per key on a Redis Cluster (the keys lie on many slots), one :data:`TAKE` and one
-        :data:`LEAVE` on one Redis."""
-        ttl = self.ghost_ttl_ms
+        :data:`LEAVE` on one Redis; ``ttl`` in ms."""
         if self._clustered:
             return [*(("GETDEL", k) for k in taken), *(("SET", k, n, "PX", ttl) for k, n in written)]
         cmds: list[tuple[Any, ...]] = []

@@ -7,9 +7,11 @@ Three jobs, all on the event loop:
   directory in one pipeline (HSET for a block this node holds, HDEL for one it no longer does).
   A failed write keeps the changes for the next pass; when the directory comes back, the node
   re-publishes everything it holds. The same pipeline carries the cluster's ghosts (the ``g:``
-  keys of :mod:`kvstore.cluster.directory`): a block this node lets go leaves its use count in
-  the DRAM policy behind, and a block new here (committed, or fetched from a peer) takes up the
-  count another node left, in the policies of the spaces that hold it (``DramSpace.resume``).
+  keys of :mod:`kvstore.cluster.directory`): a block this node lets go leaves behind the use count
+  its policies have of it (``DramSpace.uses``), for about as long as this node's own ghost would
+  keep it (:class:`~kvstore.cluster.ghost.GhostSpan`), and a block new here (committed, or fetched
+  from a peer) takes up the count another node left, in the policies of the spaces that hold it
+  (``DramSpace.resume``).
 - **Membership.** A heartbeat every ``heartbeat_ms`` renews this node's lease and reads every
   member's (:data:`kvstore.cluster.directory.HEARTBEAT`). A record counts only while its node's
   lease runs in the directory's clock (estimated here from the last heartbeat) and its incarnation
@@ -37,6 +39,7 @@ import time
 from collections.abc import Sequence
 
 from kvstore.cluster.directory import Directory, Ghosts, Member, Record
+from kvstore.cluster.ghost import GhostSpan
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.peer_server import NOTHING_LENT, Lent, PeerServer
 from kvstore.config import Config
@@ -92,6 +95,7 @@ class ClusterNode:
         self._fetches: set[asyncio.Task[int]] = set()  # peer fetches in flight (shielded from their Acquire)
         self._closing = False  # the loops end at their next turn (a cancellation can be lost: close)
         self._warn = Throttled(log)
+        self._span = GhostSpan()  # how fast this node lets blocks go: how long its ghosts last
 
     # --- life cycle -------------------------------------------------------------------------
 
@@ -257,8 +261,8 @@ class ClusterNode:
         puts: list[tuple[bytes, bytes, Record]] = []
         fresh: list[bool] = []  # per put: new on this node (its ghost is read), not a re-publish
         removes: list[tuple[bytes, bytes]] = []
-        uses: list[int] = []  # per remove: the use count the DRAM policy has or remembers of it
-        count = self.store.space.policy.uses
+        uses: list[int] = []  # per remove: the use count this node's policies have or remember of it
+        count = self.store.space.uses
         seen: set[tuple[bytes, bytes]] = set()
         for b, new in changed.items():  # one record per key, as the index has it now (not per Block object:
             where: tuple[bytes, bytes] = (b.ns.root, b.key)  # a key deleted and written again: two Blocks)
@@ -279,6 +283,10 @@ class ClusterNode:
             if live is None or where[1] not in live.visible:
                 removes.append(where)
                 uses.append(count(where[1]))  # (a policy's ghost is kept by block key)
+        if removes:
+            self._span.let_go(len(removes), time.monotonic())
+        space = self.store.space
+        ttl_ms = round(1000 * self._span.ttl_s(space.ghost_size(), self.cfg.ghost_ttl_s))
         pending = changed
         try:
             # in pipelines of PUBLISH_BATCH records, each under the deadline: a node re-publishing
@@ -287,7 +295,7 @@ class ClusterNode:
                 batch = slice(i, i + PUBLISH_BATCH)
                 async with asyncio.timeout(self.cfg.directory_timeout_s):
                     ghosts = await self.directory.publish(
-                        puts[batch], removes[batch], fresh=fresh[batch], uses=uses[batch]
+                        puts[batch], removes[batch], fresh=fresh[batch], uses=uses[batch], ttl_ms=ttl_ms
                     )
                 self.stats["records_published"] += len(puts[batch])
                 self.stats["records_removed"] += len(removes[batch])

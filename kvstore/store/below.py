@@ -38,6 +38,15 @@ class Movers(Protocol):
         the tiers that hold it resume them (:meth:`~kvstore.policy.base.EvictionPolicy.resume`)."""
         ...
 
+    def uses(self, b: Block | bytes) -> int:
+        """The most uses a tier's policy counts or remembers of ``b`` (a Block, or a block key for
+        its ghost), 0 when none keeps a count."""
+        ...
+
+    def ghost_size(self) -> int:
+        """The most evicted blocks' counts one tier's policy keeps (0: none keeps any)."""
+        ...
+
     def adopt(self, b: Block, mask: int) -> int:
         """Place ``b`` in the shared tiers of ``mask`` (written by another node of a cluster) that
         this node has and that are up; the placement bits it has there now."""
@@ -96,6 +105,12 @@ class NoMovers:
 
     def resume(self, b: Block, uses: int) -> None:
         pass
+
+    def uses(self, b: Block | bytes) -> int:
+        return 0
+
+    def ghost_size(self) -> int:
+        return 0
 
     def adopt(self, b: Block, mask: int) -> int:
         return 0

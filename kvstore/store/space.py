@@ -70,6 +70,17 @@ class DramSpace:
             self.policy.resume(b, uses)
         self.movers.resume(b, uses)
 
+    def uses(self, b: Block | bytes) -> int:
+        """The use count this node's policies have or remember of ``b`` (a Block, or a block key
+        for the ghosts), the most any of its tiers keeps: what it leaves in the cluster's ghost
+        when it lets ``b`` go (a block evicted from its SSD may be long gone from DRAM's ghost)."""
+        return max(self.policy.uses(b), self.movers.uses(b))
+
+    def ghost_size(self) -> int:
+        """The most evicted blocks' counts one of this node's tiers remembers: how long a count
+        lasts in the node's own ghosts (kvstore.cluster.ghost)."""
+        return max(self.policy.ghost_size(), self.movers.ghost_size())
+
     def drain_touches(self) -> None:
         touches, self._touches = self._touches, []
         access_many, touch_below = self.policy.access_many, self.movers.touch

@@ -312,6 +312,12 @@ class Tiering:
             if lv.policy is not None and b.tiers & lv.bit:
                 lv.policy.resume(b, uses)
 
+    def uses(self, b: Block | bytes) -> int:
+        return max((lv.policy.uses(b) for lv in self.levels if lv.policy is not None), default=0)
+
+    def ghost_size(self) -> int:
+        return max((lv.policy.ghost_size() for lv in self.levels if lv.policy is not None), default=0)
+
     def adopt(self, b: Block, mask: int) -> int:
         """Place ``b`` in the shared tiers of ``mask`` (Redis, S3: written by another node) that
         this node has and that are up; the bits it is placed in now."""

@@ -132,8 +132,9 @@ async def test_a_count_left_by_one_node_is_resumed_by_the_next_to_store_the_bloc
             ghosts = ghost_keys(a, ns, keys)
             assert [await redis.get(g) for g in ghosts] == [str(n).encode() for n in counts]
             ttls = [await redis.pttl(g) for g in ghosts]
-            assert all(0 < t <= 600_000 for t in ttls), ttls
-            assert (await ca.stats())["cluster"]["ghosts_written"] == 4  # (the fillers, used once: none)
+            assert all(0 < t <= 3_600_000 for t in ttls), ttls  # (a new node's rate unknown: the ceiling)
+            written = (await ca.stats())["cluster"]["ghosts_written"]
+            assert written >= 4 + 6  # and the fillers let go, each used once
 
             await cb.put_blocks(ns, keys, data, wait_published=True)  # the same prompt, stored on B
             assert uses(b, ns, keys) == resumed(b, counts) != [1] * 4
@@ -248,5 +249,26 @@ async def test_a_ghost_command_the_directory_refuses_fails_no_record(
         assert [f.get("x") for f in await d.find(root, keys)] == [rec] * 4
         # one Redis reads its ghosts in one script call, which the wrong key fails whole
         assert ghosts.found == ({1: 3, 2: 3, 3: 3} if directory.clustered else {})
+    finally:
+        await d.close()
+
+
+async def test_each_pass_writes_its_ghosts_for_the_time_it_is_given(
+    directory: DirectoryServer, redis: Redis | RedisCluster, request: pytest.FixtureRequest
+) -> None:
+    """The node gives each publish the time its ghosts should last (kvstore.cluster.ghost): written
+    for that long, never past the directory's ceiling, and not at all for 0."""
+    d = Directory(directory.client(), f"t{abs(hash(request.node.nodeid)) % 10**8}", "x", ghost_ttl_ms=60_000)
+    try:
+        root, keys = bytes(range(16)), [bytes([i]) * 32 for i in range(3)]
+        for key, ttl_ms in zip(keys, (5_000, 3_600_000, None), strict=True):
+            ghosts = await d.publish([], [(root, key)], uses=[1], ttl_ms=ttl_ms)
+            assert ghosts.written == 1
+        ttls = [await redis.pttl(d.ghost_key(root, k)) for k in keys]
+        assert 0 < ttls[0] <= 5_000 and 5_000 < ttls[1] <= 60_000 and 5_000 < ttls[2] <= 60_000, ttls
+        other = b"\xff" * 32
+        ghosts = await d.publish([], [(root, other)], uses=[4], ttl_ms=0)
+        assert ghosts.written == 0 and not await redis.exists(d.ghost_key(root, other))
+        assert await redis.get(d.ghost_key(root, keys[0])) == b"1"  # a count of 1 is kept (GHOST_MIN_USES)
     finally:
         await d.close()

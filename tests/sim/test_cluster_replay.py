@@ -186,7 +186,7 @@ def test_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert pol["global"]["prefix_hit_rate"] == 0.5
     assert list(pol["routing"]) == ["round-robin", "prefix"]
     assert pol["routing"]["round-robin"]["cluster_vs_isolated"] == 1.5
-    assert out["tie_seed"] is None and out["ghost_ttl_s"] == 600
+    assert out["tie_seed"] is None and out["ghost_ttl_s"] == 3600
     # the table, without --json
     assert main(["replay", str(path), "--nodes", "2", "--capacity", "3", "--policy", "lru"]) == 0
     assert "round-robin" in capsys.readouterr().out
