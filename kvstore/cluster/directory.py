@@ -115,10 +115,16 @@ return out
 """
 # KEYS: ghost keys. Each one's count (false where there is none), deleted: the ghosts of blocks new
 # on this node. On one Redis the ghosts of a publish are one call of this and one of LEAVE: a
-# command per key costs redis-py about as much client time again as the records themselves.
+# command per key costs redis-py about as much client time again as the records themselves. A key
+# it cannot read (of another type) is that key's error, left alone: with redis.call the script
+# stopped there, having deleted the ghosts before it unread and not reaching those after it.
 TAKE = """
 local out = {}
-for i = 1, #KEYS do out[i] = redis.call('GETDEL', KEYS[i]) end
+for i = 1, #KEYS do
+  local v = redis.pcall('GET', KEYS[i])
+  if type(v) == 'string' then redis.call('DEL', KEYS[i]) end
+  out[i] = v
+end
 return out
 """
 # KEYS: ghost keys; ARGV: the time to live (ms), then each key's count. Returns how many were set.
@@ -321,7 +327,7 @@ class Directory:
             if written and isinstance(replies[-1], Exception):
                 written = 0
         found = {i: int(raw) for i, raw in zip(read, got) if isinstance(raw, bytes) and raw.isdigit()}
-        refused = next((r for r in replies if isinstance(r, Exception)), None)
+        refused = next((r for r in (*replies, *got) if isinstance(r, Exception)), None)  # (TAKE's: per key)
         return Ghosts(written, found, f"{type(refused).__name__}: {refused}" if refused is not None else "")
 
     async def find(self, root: bytes, keys: Sequence[bytes]) -> list[dict[str, Record]]:
