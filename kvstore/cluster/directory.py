@@ -14,9 +14,10 @@ Layout (every key starts with ``{key_prefix}:``):
   when it is :data:`GHOST_MIN_USES` or more, for about as long as the node's own ghost would keep
   it (:class:`~kvstore.cluster.ghost.GhostSpan`, at most ``cluster.ghost_ttl_s``; ``SET ... PX``); the next
   node to hold the block anew (it committed it, or fetched it from a peer) reads and deletes it
-  (``GETDEL``, Redis 6.2 or later) and its policies resume the count
-  (:meth:`~kvstore.policy.base.EvictionPolicy.resume`): a block evicted on one node and stored
-  again on another is kept as long as on the first, as credit's own ghost list does on one node.
+  (:data:`TAKE` on one Redis, any version; ``GETDEL`` on a Redis Cluster, 6.2 or later) and its
+  policies resume the count (:meth:`~kvstore.policy.base.EvictionPolicy.resume`): a block
+  evicted on one node and stored again on another is kept as long as on the first, as credit's
+  own ghost list does on one node.
   Both ride in the pipeline of the records (:meth:`Directory.publish`: a command per key on a
   Redis Cluster, one script call each on one Redis); a re-publish of a block the node held
   already (a move between its tiers, everything after an outage) reads none.
@@ -167,7 +168,8 @@ class Ghosts(NamedTuple):
 
     written: int  # use counts remembered for the removes
     found: dict[int, int]  # index into the puts -> the use count remembered of it (read and deleted)
-    error: str = ""  # a ghost command the directory refused (GETDEL before Redis 6.2): the records landed
+    error: str = ""  # a ghost command the directory refused (a g: key of another type; GETDEL on a Redis
+    # Cluster before 6.2): the records landed
 
 
 class Beat(NamedTuple):

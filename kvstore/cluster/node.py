@@ -320,8 +320,8 @@ class ClusterNode:
         index into ``puts``): the policies of the spaces that still hold each one resume them."""
         self.stats["ghosts_written"] += ghosts.written
         if ghosts.error:
-            self._warn.warning("cluster directory refused a ghost command (the records landed; GETDEL "
-                               "needs Redis 6.2 or later): %s", ghosts.error)
+            self._warn.warning("cluster directory refused a ghost command (the records landed; a Redis "
+                               "Cluster's GETDEL needs Redis 6.2 or later): %s", ghosts.error)
         namespaces, space = self.store.index.namespaces, self.store.space
         for i, n in ghosts.found.items():
             root, key, _ = puts[i]

@@ -292,3 +292,19 @@ async def test_each_pass_writes_its_ghosts_for_the_time_it_is_given(
         assert await redis.get(d.ghost_key(root, keys[0])) == b"1"  # a count of 1 is kept (GHOST_MIN_USES)
     finally:
         await d.close()
+
+
+async def test_a_redis_without_getdel_carries_the_counts() -> None:
+    """A Redis before 6.2 has no GETDEL (here a redis-server with it renamed away): on one Redis the
+    ghosts are read and deleted all the same (TAKE: GET, then DEL), not written for no reader."""
+    with redis_server("--rename-command", "GETDEL", "") as server:
+        d = Directory(Redis.from_url(server.url), "t", "x", ghost_ttl_ms=60_000)
+        try:
+            root, keys = bytes(range(16)), [bytes([i]) * 32 for i in range(3)]
+            await d.publish([], [(root, k) for k in keys], uses=[1, 2, 3])
+            rec = Record(1, 1, 8192, 7)
+            ghosts = await d.publish([(root, k, rec) for k in keys], [], fresh=[True, False, True])
+            assert (ghosts.found, ghosts.error) == ({0: 1, 2: 3}, "")
+            assert [await d.client.exists(d.ghost_key(root, k)) for k in keys] == [0, 1, 0]
+        finally:
+            await d.close()
