@@ -128,10 +128,21 @@ for i = 1, #KEYS do
 end
 return out
 """
-# KEYS: ghost keys; ARGV: the time to live (ms), then each key's count. Returns how many were set.
+# KEYS: ghost keys; ARGV: the time to live (ms), how many of the keys (the first ones) are set over
+# what is there, then each key's count. The keys after those are set only where no count is (NX:
+# blocks this node let go before it read their ghosts). Returns how many were set.
 LEAVE = """
-for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[i + 1], 'PX', ARGV[1]) end
-return #KEYS
+local over = tonumber(ARGV[2])
+local set = 0
+for i = 1, #KEYS do
+  if i <= over then
+    redis.call('SET', KEYS[i], ARGV[i + 2], 'PX', ARGV[1])
+    set = set + 1
+  elseif redis.call('SET', KEYS[i], ARGV[i + 2], 'PX', ARGV[1], 'NX') then
+    set = set + 1
+  end
+end
+return set
 """
 FORGET_AFTER_MS = 3_600_000  # a member silent this long leaves the members hash
 
@@ -272,6 +283,7 @@ class Directory:
         *,
         fresh: Sequence[bool] = (),
         uses: Sequence[int] = (),
+        unread: Sequence[bool] = (),
         ttl_ms: int | None = None,
     ) -> Ghosts:
         """This node holds ``puts`` (root, key, record) and no longer holds ``removes`` (root, key).
@@ -280,20 +292,28 @@ class Directory:
         ``fresh`` marks (aligned with ``puts``: new on this node, not a re-publish) are read and
         deleted, and the removes' use counts (``uses``, aligned with ``removes``) of
         :data:`GHOST_MIN_USES` or more are remembered, for ``ttl_ms`` (default, and at most:
-        ``ghost_ttl_ms``; 0: none written). A ghost command the directory refuses fails no record: it is told in
-        :attr:`Ghosts.error`."""
+        ``ghost_ttl_ms``; 0: none written). The removes that ``unread`` marks (aligned with
+        ``removes``: stored and let go again before a publish read their ghosts) are remembered
+        only where no count is (``SET NX``): a count another node left, which this node never saw,
+        is not overwritten by this node's own. A ghost command the directory refuses fails no
+        record: it is told in :attr:`Ghosts.error`."""
         node = self.node.encode()
         cmds: list[tuple[Any, ...]] = [("HSET", self.key(r, k), node, rec.pack()) for r, k, rec in puts]
         cmds += [("HDEL", self.key(r, k), node) for r, k in removes]
         records = len(cmds)
         read: list[int] = []
-        written: list[tuple[bytes, int]] = []
+        written: list[tuple[bytes, int, bool]] = []  # key, count, only where none is
         if self.ghost_ttl_ms:
             read = [i for i, new in enumerate(fresh) if new]
             taken = [self.ghost_key(puts[i][0], puts[i][1]) for i in read]
             ttl = self.ghost_ttl_ms if ttl_ms is None else min(ttl_ms, self.ghost_ttl_ms)
             if ttl > 0:  # (0: this pass keeps no count, as a node whose policies keep no ghost)
-                written = [(self.ghost_key(r, k), n) for (r, k), n in zip(removes, uses) if n >= GHOST_MIN_USES]
+                written = [
+                    (self.ghost_key(r, k), n, j < len(unread) and unread[j])
+                    for j, ((r, k), n) in enumerate(zip(removes, uses))
+                    if n >= GHOST_MIN_USES
+                ]
+                written.sort(key=lambda w: w[2])  # (LEAVE: those set over what is there first)
             cmds += self._ghost_commands(taken, written, ttl)
         replies = await self._pipeline(cmds)
         for reply in replies[:records]:
@@ -304,18 +324,20 @@ class Directory:
         return self._ghosts(read, len(written), replies[records:])
 
     def _ghost_commands(
-        self, taken: list[bytes], written: list[tuple[bytes, int]], ttl: int
+        self, taken: list[bytes], written: list[tuple[bytes, int, bool]], ttl: int
     ) -> list[tuple[Any, ...]]:
-        """The commands that read and delete the ghosts ``taken`` and set ``written`` (key, count):
-        a command per key on a Redis Cluster (the keys lie on many slots), one :data:`TAKE` and one
-        :data:`LEAVE` on one Redis; ``ttl`` in ms."""
+        """The commands that read and delete the ghosts ``taken`` and set ``written`` (key, count,
+        only where none is; those last): a command per key on a Redis Cluster (the keys lie on many
+        slots), one :data:`TAKE` and one :data:`LEAVE` on one Redis; ``ttl`` in ms."""
         if self._clustered:
-            return [*(("GETDEL", k) for k in taken), *(("SET", k, n, "PX", ttl) for k, n in written)]
+            sets = [("SET", k, n, "PX", ttl, *(("NX",) if nx else ())) for k, n, nx in written]
+            return [*(("GETDEL", k) for k in taken), *sets]
         cmds: list[tuple[Any, ...]] = []
         if taken:
             cmds.append(("EVAL", TAKE, len(taken), *taken))
         if written:
-            cmds.append(("EVAL", LEAVE, len(written), *(k for k, _ in written), ttl, *(n for _, n in written)))
+            over = sum(not nx for _, _, nx in written)
+            cmds.append(("EVAL", LEAVE, len(written), *(w[0] for w in written), ttl, over, *(w[1] for w in written)))
         return cmds
 
     def _ghosts(self, read: list[int], written: int, replies: list[Any]) -> Ghosts:
@@ -323,11 +345,11 @@ class Directory:
         taken, ``written``: how many were set)."""
         if self._clustered:
             got, sets = replies[: len(read)], replies[len(read) :]
-            written = sum(not isinstance(r, Exception) for r in sets)
+            written = sum(bool(r) and not isinstance(r, Exception) for r in sets)  # (NX: None where not set)
         else:
             got = replies[0] if read and isinstance(replies[0], list) else []
-            if written and isinstance(replies[-1], Exception):
-                written = 0
+            if written:
+                written = replies[-1] if isinstance(replies[-1], int) else 0
         found = {i: int(raw) for i, raw in zip(read, got) if isinstance(raw, bytes) and raw.isdigit()}
         refused = next((r for r in (*replies, *got) if isinstance(r, Exception)), None)  # (TAKE's: per key)
         return Ghosts(written, found, f"{type(refused).__name__}: {refused}" if refused is not None else "")

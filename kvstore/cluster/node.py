@@ -262,6 +262,7 @@ class ClusterNode:
         fresh: list[bool] = []  # per put: new on this node (its ghost is read), not a re-publish
         removes: list[tuple[bytes, bytes]] = []
         uses: list[int] = []  # per remove: the use count this node's policies have or remember of it
+        unread: list[bool] = []  # per remove: stored and let go since the last pass (its ghost not read)
         count = self.store.space.uses
         seen: set[tuple[bytes, bytes]] = set()
         for b, new in changed.items():  # one record per key, as the index has it now (not per Block object:
@@ -277,12 +278,14 @@ class ClusterNode:
             else:
                 removes.append(where)
                 uses.append(count(b))
+                unread.append(new)  # (the key's first change of the pass: it was not held before it)
         unheld, self._unheld = self._unheld, set()
         for where in unheld - seen:
             live = index.namespaces.get(NamespaceRoot(where[0]))
             if live is None or where[1] not in live.visible:
                 removes.append(where)
                 uses.append(count(where[1]))  # (a policy's ghost is kept by block key)
+                unread.append(False)
         if removes:
             self._span.let_go(len(removes), time.monotonic())
         space = self.store.space
@@ -295,7 +298,8 @@ class ClusterNode:
                 batch = slice(i, i + PUBLISH_BATCH)
                 async with asyncio.timeout(self.cfg.directory_timeout_s):
                     ghosts = await self.directory.publish(
-                        puts[batch], removes[batch], fresh=fresh[batch], uses=uses[batch], ttl_ms=ttl_ms
+                        puts[batch], removes[batch], fresh=fresh[batch], uses=uses[batch], unread=unread[batch],
+                        ttl_ms=ttl_ms,
                     )
                 self.stats["records_published"] += len(puts[batch])
                 self.stats["records_removed"] += len(removes[batch])

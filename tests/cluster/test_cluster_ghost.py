@@ -20,9 +20,10 @@ from kvstore.config import Config
 from kvstore.keys import Namespace
 from kvstore.policy import make_policy
 from kvstore.server.sidecar import Sidecar
+from kvstore.store.block_store import BlockSpec, CommitSpec
 from kvstore.store.index import SSD, Block
 from kvstore.testing.servers import RedisServer, redis_cluster, redis_server
-from tests.cluster.nodes import blocks, client_of, keys_for, node_config
+from tests.cluster.nodes import BLOCK, blocks, client_of, keys_for, node_config
 
 
 @dataclass
@@ -213,6 +214,44 @@ async def test_a_re_publish_of_blocks_held_already_leaves_their_ghosts(
             assert uses(b, ns, keys) == [1] * 4
 
 
+async def test_a_block_stored_and_let_go_within_one_pass_lowers_no_count_it_never_read(
+    tmp_path: Path, directory: DirectoryServer, redis: Redis | RedisCluster, ns: Namespace
+) -> None:
+    """A node reads a block's ghost in the pass that publishes the block. One that stores a block
+    and lets it go again before that pass never read the count another node left: it stays, not
+    overwritten by the single use this node saw; with no count there, this node's is written."""
+    (left,), (other,) = keys_for(ns, 1, seed=6), keys_for(ns, 1, seed=7)
+    data = blocks(2, seed=6)
+    async with Sidecar(directory.config(tmp_path, "a")) as a, Sidecar(directory.config(tmp_path, "b")) as b:
+        await asyncio.sleep(0.25)
+        async with client_of(a) as ca:
+            await ca.put_blocks(ns, [left], data[:1], wait_published=True)
+            await reuse(ca, ns, [left])
+            (count,) = uses(a, ns, [left])
+            assert count >= 2
+            await let_go(a, ca, ns, [left])
+        ghost, others = ghost_keys(a, ns, [left, other])
+        assert await redis.get(ghost) == str(count).encode()
+
+        # on B, in one turn of the event loop (no publisher pass between): both stored, then let
+        # go for a DRAM's worth (32 blocks) of others
+        store = b.store
+        alloc, slots = store.allocate_now(store.namespace(ns), [BlockSpec(k, b"", BLOCK) for k in (left, other)])
+        specs = []
+        for k, slot, d in zip((left, other), slots, data, strict=True):
+            assert slot is not None
+            store.slab.view(slot, BLOCK)[:] = d
+            specs.append(CommitSpec(k, slot.slot_id, None))
+        await store.commit(alloc.id, specs)  # (unverified: nothing in it awaits)
+        fill = keys_for(ns, 32, seed=8)
+        filler, _ = store.allocate_now(store.namespace(ns), [BlockSpec(k, b"", BLOCK) for k in fill])
+        assert not held(b, ns, [left, other])
+        store.abort(filler.id)
+        await published(b)
+        assert await redis.get(ghost) == str(count).encode()
+        assert await redis.get(others) == b"1"
+
+
 async def test_no_ghost_with_a_ttl_of_zero(
     tmp_path: Path, directory: DirectoryServer, redis: Redis | RedisCluster, ns: Namespace
 ) -> None:
@@ -290,6 +329,20 @@ async def test_each_pass_writes_its_ghosts_for_the_time_it_is_given(
         ghosts = await d.publish([], [(root, other)], uses=[4], ttl_ms=0)
         assert ghosts.written == 0 and not await redis.exists(d.ghost_key(root, other))
         assert await redis.get(d.ghost_key(root, keys[0])) == b"1"  # a count of 1 is kept (GHOST_MIN_USES)
+    finally:
+        await d.close()
+
+
+async def test_an_unread_remove_sets_its_count_only_where_none_is(
+    directory: DirectoryServer, redis: Redis | RedisCluster, request: pytest.FixtureRequest
+) -> None:
+    d = Directory(directory.client(), f"t{abs(hash(request.node.nodeid)) % 10**8}", "x", ghost_ttl_ms=60_000)
+    try:
+        root, keys = bytes(range(16)), [bytes([i]) * 32 for i in range(4)]
+        await d.publish([], [(root, k) for k in keys[:2]], uses=[5, 5])
+        ghosts = await d.publish([], [(root, k) for k in keys], uses=[1, 2, 3, 4], unread=[True, False, True])
+        assert ghosts.written == 3
+        assert [await redis.get(d.ghost_key(root, k)) for k in keys] == [b"5", b"2", b"3", b"4"]
     finally:
         await d.close()
 
