@@ -281,6 +281,7 @@ class ClusterConfig(_Section):
     ghost_ttl_s: float = Field(
         3600.0,
         ge=0,
+        le=30 * 86400,
         description="the longest the directory remembers the use count of a block a node let go, for the next "
         "node to store it to resume (the credit policy keeps a reused block longer); each count lasts about as "
         "long as in the node's own ghost at its current turnover (kvstore/cluster/ghost.py), at most this; "

@@ -350,7 +350,8 @@ class Directory:
             got = replies[0] if read and isinstance(replies[0], list) else []
             if written:
                 written = replies[-1] if isinstance(replies[-1], int) else 0
-        found = {i: int(raw) for i, raw in zip(read, got) if isinstance(raw, bytes) and raw.isdigit()}
+        found = {i: int(raw) for i, raw in zip(read, got)  # (a count, not any run of digits someone wrote:
+                 if isinstance(raw, bytes) and 0 < len(raw) <= 9 and raw.isdigit()}  # int() refuses 4,300+)
         refused = next((r for r in (*replies, *got) if isinstance(r, Exception)), None)  # (TAKE's: per key)
         return Ghosts(written, found, f"{type(refused).__name__}: {refused}" if refused is not None else "")
 

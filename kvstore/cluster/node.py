@@ -279,15 +279,17 @@ class ClusterNode:
                 removes.append(where)
                 uses.append(count(b))
                 unread.append(new)  # (the key's first change of the pass: it was not held before it)
+        if removes:  # the blocks let go this pass: the rate the node's ghosts turn over at
+            self._span.let_go(len(removes), time.monotonic())
         unheld, self._unheld = self._unheld, set()
         for where in unheld - seen:
             live = index.namespaces.get(NamespaceRoot(where[0]))
             if live is None or where[1] not in live.visible:
                 removes.append(where)
-                uses.append(count(where[1]))  # (a policy's ghost is kept by block key)
+                # A record left behind, not a block let go now: its count went to the ghost when
+                # it left (rewriting it could replace a newer count another node left since).
+                uses.append(0)
                 unread.append(False)
-        if removes:
-            self._span.let_go(len(removes), time.monotonic())
         space = self.store.space
         ttl_ms = round(1000 * self._span.ttl_s(space.ghost_size(), self.cfg.ghost_ttl_s))
         pending = changed

@@ -143,6 +143,31 @@ async def test_a_count_left_by_one_node_is_resumed_by_the_next_to_store_the_bloc
             assert (await cb.stats())["cluster"]["ghosts_resumed"] == 4
 
 
+async def test_a_record_a_peer_asked_for_is_deleted_without_rewriting_a_ghost(
+    tmp_path: Path, directory: DirectoryServer, redis: Redis | RedisCluster, ns: Namespace
+) -> None:
+    """A peer that asks a node for a block it no longer holds makes the node delete its record
+    again (a stale record left behind). That is not a block let go now: the count went to the
+    ghost when the block left, and writing it again could replace a count another node left
+    since (here: the ghost taken meanwhile, so none must appear)."""
+    keys, data = keys_for(ns, 2, seed=7), blocks(2, seed=7)
+    async with Sidecar(directory.config(tmp_path, "a")) as a:
+        assert a.cluster is not None
+        async with client_of(a) as ca:
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            await reuse(ca, ns, keys)
+            await let_go(a, ca, ns, keys)
+            ghosts = ghost_keys(a, ns, keys)
+            assert all([await redis.exists(g) for g in ghosts])
+            for g in ghosts:
+                await redis.delete(g)  # taken by another node meanwhile
+            lent = await a.cluster.lend(ns.root, keys)  # a peer asks for what A let go
+            assert not lent.blocks
+            lent.release()
+            await published(a)
+            assert [await redis.exists(g) for g in ghosts] == [0, 0]
+
+
 async def test_a_block_fetched_from_a_peer_resumes_the_count_a_third_node_left(
     tmp_path: Path, directory: DirectoryServer, redis: Redis | RedisCluster, ns: Namespace
 ) -> None:
@@ -270,6 +295,25 @@ async def test_no_ghost_with_a_ttl_of_zero(
             await cb.put_blocks(ns, keys, data, wait_published=True)
             assert uses(b, ns, keys) == [1] * 4
             assert (await cb.stats())["cluster"]["ghosts_resumed"] == 0
+
+
+async def test_a_ghost_that_is_not_a_count_is_ignored(
+    directory: DirectoryServer, redis: Redis | RedisCluster, request: pytest.FixtureRequest
+) -> None:
+    """Whoever can write to the directory may leave anything in a g: key: a run of digits longer
+    than any count (Python's int() refuses 4,300 and more), a negative or empty value. None is
+    taken up and the publish goes through."""
+    d = Directory(directory.client(), f"t{abs(hash(request.node.nodeid)) % 10**8}", "x", ghost_ttl_ms=60_000)
+    try:
+        root, keys = bytes(range(16)), [bytes([i]) * 32 for i in range(4)]
+        for k, raw in zip(keys, (b"9" * 5000, b"-3", b"", b"3"), strict=True):
+            await redis.set(d.ghost_key(root, k), raw)
+        rec = Record(1, 1, 8192, 7)
+        ghosts = await d.publish([(root, k, rec) for k in keys], [], fresh=[True] * 4)
+        assert ghosts.found == {3: 3}
+        assert [f.get("x") for f in await d.find(root, keys)] == [rec] * 4
+    finally:
+        await d.close()
 
 
 async def test_a_ghost_command_the_directory_refuses_fails_no_record(
