@@ -26,7 +26,19 @@ twin for the raw baseline, and, unless ``--no-cluster``, two 3-master Redis Clus
 5. **Unpublish.** ``Directory.publish([], removes)`` (HDEL) of the replica fields, then of every
    block of node ``node-000`` (each HDEL removes the hash's last field: Redis drops the key), in
    turn with raw HDEL on the twin. Memory must come back to where it started.
-6. **Redis's own ceiling** (single server only): ``redis-benchmark``, the C client, sending
+6. **The cluster's ghost** (the ``g:`` keys), on the emptied deployment, unless ``--ghost-blocks 0``:
+   ghosts (use count :data:`GHOST_USES`, ``PX`` :data:`GHOST_TTL_MS`) left for ``--ghost-share``
+   of ``--ghost-blocks`` blocks, by the same raw commands on both sides (``used_memory`` before
+   and after, and ``MEMORY USAGE``: bytes per ghost key). Then those blocks published as new on
+   the node (``fresh``: their ghosts read and deleted, :data:`~kvstore.cluster.directory.TAKE`
+   on one Redis, ``GETDEL`` on a Redis Cluster) through ``Directory.publish``, in turn with raw
+   redis-py sending the same commands to the twin (HSET, then the same TAKE call or GETDELs) and
+   with a plain publish (no ghost read) of as many other new blocks on the same deployment;
+   then their removes with counts (``uses``: :data:`~kvstore.cluster.directory.LEAVE` on one
+   Redis, ``SET PX`` on a Redis Cluster), in turn with raw (HDEL, then the same) and with plain
+   removes (HDEL) of the other blocks. Two steps share a deployment here, so each call's server
+   CPU is read around it (``INFO``, off the clock).
+7. **Redis's own ceiling** (single server only): ``redis-benchmark``, the C client, sending
    directory-shaped HSET and HGETALL, pipelined and not.
 
 Beside the client-side rates (on this machine the Python client, not Redis, is the bottleneck),
@@ -44,6 +56,7 @@ import asyncio
 import contextlib
 import csv
 import gc
+import itertools
 import json
 import os
 import shutil
@@ -53,14 +66,14 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import redis
 from redis.asyncio import Redis, RedisCluster
 
 from benchmarks.common import Result, percentile
-from kvstore.cluster.directory import ROOT_BYTES, Directory, Record
+from kvstore.cluster.directory import LEAVE, ROOT_BYTES, TAKE, Directory, Record
 from kvstore.store.index import DRAM
 from kvstore.testing.servers import redis_cluster, redis_server
 
@@ -69,6 +82,8 @@ NODE_A, NODE_B = "node-000", "node-001"  # node ids; a real one defaults to the 
 BLOCK_BYTES = 2 << 20
 REDIS_BENCHMARK = shutil.which("redis-benchmark") or "/usr/bin/redis-benchmark"
 REPLICA_EVERY = 10  # node B holds every 10th block of node A's
+GHOST_USES = 3  # the use count every ghost of the ghost phase carries
+GHOST_TTL_MS = 3_600_000  # ClusterConfig.ghost_ttl_s's default: the ghosts outlive the phase
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,6 +100,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cluster-blocks", type=int, default=500_000,
         help="block records on the clusters (at most --blocks): 167k keys a master, the same hash-table load as 1 M",
     )
+    p.add_argument("--ghost-blocks", type=int, default=50_000,
+                   help="blocks of the ghost phase (as many again for its plain publish); 0: no ghost phase")
+    p.add_argument("--ghost-share", type=float, default=1.0,
+                   help="share of the ghost phase's new blocks that find a ghost (0 to 1; the rest find none)")
     p.add_argument("--no-cluster", action="store_true", help="only the single-node Redis")
     p.add_argument("--no-redis-benchmark", action="store_true", help="skip the redis-benchmark (C client) ceiling")
     p.add_argument("--seed", type=int, default=0)
@@ -142,6 +161,12 @@ class Servers:
             info = a.info("cpu")
             total += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
         return total
+
+    def cpu_read_cost(self) -> float:
+        """What one :meth:`cpu` read adds to the difference of two (``INFO`` is a command too, about
+        15 us a master here): the median over back-to-back reads."""
+        reads = [self.cpu() for _ in range(21)]
+        return statistics.median(b - a for a, b in itertools.pairwise(reads))
 
     def keys(self) -> int:
         return sum(int(a.dbsize()) for a in self.admins)
@@ -227,6 +252,33 @@ async def raw_hdel(client: Redis | RedisCluster, field: bytes, cmds: Cmds) -> No
     await pipe.execute()
 
 
+async def raw_publish(
+    client: Redis | RedisCluster, field: bytes, puts: Sequence[tuple[bytes, bytes]] = (),
+    removes: Sequence[tuple[bytes, bytes]] = (), taken: Sequence[bytes] = (), left: Sequence[bytes] = (),
+) -> None:
+    """In one pipeline, the Redis commands ``Directory.publish`` sends with ghosts on: HSET of
+    ``puts`` and HDEL of ``removes`` ((key, packed record) as :func:`raw_commands` builds them),
+    then the ghosts ``taken`` read and deleted and ``left`` set (:data:`GHOST_USES`,
+    ``PX`` :data:`GHOST_TTL_MS`): one :data:`TAKE` and one :data:`LEAVE` call, the directory's
+    own script text, on one Redis; a ``GETDEL`` and a ``SET PX`` per key on a Redis Cluster."""
+    pipe = client.pipeline(transaction=False)
+    for key, value in puts:
+        pipe.hset(key, field, value)
+    for key, _ in removes:
+        pipe.hdel(key, field)
+    if isinstance(client, RedisCluster):
+        for key in taken:
+            pipe.getdel(key)
+        for key in left:
+            pipe.set(key, GHOST_USES, px=GHOST_TTL_MS)
+    else:
+        if taken:
+            pipe.eval(TAKE, len(taken), *taken)
+        if left:
+            pipe.eval(LEAVE, len(left), *left, GHOST_TTL_MS, len(left), *[GHOST_USES] * len(left))
+    await pipe.execute()
+
+
 async def raw_hgetall(client: Redis | RedisCluster, keys: Sequence[bytes]) -> list[Any]:
     pipe = client.pipeline(transaction=False)
     for k in keys:
@@ -246,37 +298,53 @@ def _hset_step(client: Redis | RedisCluster, field: bytes, batches: Sequence[Cmd
 
 
 async def interleaved(
-    steps: dict[str, Step], calls: int, warmup: int = 0, cpu: dict[str, float] | None = None
+    steps: dict[str, Step], calls: int, warmup: int = 0, cpu: dict[str, float] | None = None,
+    servers: dict[str, Servers] | None = None, server_cpu: dict[str, float] | None = None,
 ) -> dict[str, list[float]]:
     """Call each step ``calls`` times, the steps taking turns (their order rotating from one call
     to the next), so that the machine's noise falls on all alike; seconds per call, per step.
-    ``cpu`` gets each step's total CPU time of this process."""
+    ``cpu`` gets each step's total CPU time of this process; with ``servers`` (each step's),
+    ``server_cpu`` gets each step's server CPU, read around each of its calls (``INFO``, off the
+    clock), less what a read itself costs (:meth:`Servers.cpu_read_cost`)."""
     names = list(steps)
     for i in range(warmup):
         for name in names:
             await steps[name](i)
     out: dict[str, list[float]] = {name: [] for name in names}
     used = dict.fromkeys(names, 0.0)
+    on_server = dict.fromkeys(names, 0.0)
+    read_cost = {name: srv.cpu_read_cost() for name, srv in (servers or {}).items()}
     for i in range(calls):
         for j in range(len(names)):
             name = names[(i + j) % len(names)]
+            before = servers[name].cpu() if servers else 0.0
             c, t = time.process_time(), time.perf_counter()
             await steps[name](i)
             out[name].append(time.perf_counter() - t)
             used[name] += time.process_time() - c
+            if servers:
+                on_server[name] += servers[name].cpu() - before - read_cost[name]
     if cpu is not None:
         cpu.update(used)
+    if server_cpu is not None and servers:
+        server_cpu.update(on_server)
     return out
 
 
 async def timed_interleaved(
-    steps: dict[str, tuple[Step, Servers]], calls: int, ops: int
+    steps: dict[str, tuple[Step, Servers]], calls: int, ops: int, per_call: bool = False
 ) -> dict[str, Timed]:
-    """:func:`interleaved`, with each step's servers' CPU (each step on its own deployment)."""
-    cpu = {name: srv.cpu() for name, (_, srv) in steps.items()}
+    """:func:`interleaved`, with each step's servers' CPU: over the whole run (each step on its
+    own deployment) or, ``per_call``, read around each call (steps that share a deployment)."""
+    start = {name: srv.cpu() for name, (_, srv) in steps.items()}
     client: dict[str, float] = {}
-    lat = await interleaved({name: step for name, (step, _) in steps.items()}, calls, cpu=client)
-    return {name: Timed(sum(lat[name]), srv.cpu() - cpu[name], ops, client[name]) for name, (_, srv) in steps.items()}
+    server: dict[str, float] = {}
+    lat = await interleaved({name: step for name, (step, _) in steps.items()}, calls, cpu=client,
+                            servers={name: srv for name, (_, srv) in steps.items()} if per_call else None,
+                            server_cpu=server)
+    if not per_call:
+        server = {name: srv.cpu() - start[name] for name, (_, srv) in steps.items()}
+    return {name: Timed(sum(lat[name]), server[name], ops, client[name]) for name in steps}
 
 
 # --- one deployment (single Redis or Redis Cluster) -----------------------------------------------------
@@ -429,8 +497,76 @@ async def measure(tag: str, dep: Deployment, twin: Deployment, b: Blocks, n: int
     res.figure(f"{tag}_hdel_server_us_per_op", t["dir"].server_us_per_op, "us")
     res.figure(f"{tag}_hdel_client_cpu_us_per_record", t["dir"].client_us_per_op, "us")
     res.figure(f"{tag}_used_memory_left_after_unpublish", end - base, "bytes")
+
+    # the cluster's ghost (the module's 6.)
+    if args.ghost_blocks > 0:
+        await measure_ghosts(tag, dep, twin, client_a, client_raw, args, res)
     for c in (client_a, client_b, client_raw):
         await c.aclose()
+
+
+async def measure_ghosts(tag: str, dep: Deployment, twin: Deployment, client: Redis | RedisCluster,
+                         client_raw: Redis | RedisCluster, args: argparse.Namespace, res: Result) -> None:
+    """The ghost phase (the module's 6.) on ``dep`` and, raw, ``twin``, both emptied first and
+    after: ``--ghost-blocks`` new blocks (the ghosts of ``--ghost-share`` of them left
+    beforehand), and as many others for the plain publish, in pipelines of ``--batch``."""
+    g, servers = args.ghost_blocks, dep.servers
+    b = Blocks.make(2 * g, 0, args.seed + 2)
+    d = Directory(client, PREFIX, NODE_A, GHOST_TTL_MS)
+    field = NODE_A.encode()
+    batches = _chunks(g, args.batch)
+    others = [range(idx.start + g, idx.stop + g) for idx in batches]  # the plain side's blocks
+    ghost_keys = [[d.ghost_key(b.root, b.keys[i]) for i in idx] for idx in batches]
+    share = args.ghost_share
+    with_ghost = [d.ghost_key(b.root, b.keys[i]) for i in range(g) if int((i + 1) * share) > int(i * share)]
+    servers.flush()
+    twin.servers.flush()
+    base = await _settle(servers)
+    for keys in _chunks_of(with_ghost, args.batch):  # (the same commands on both sides)
+        await raw_publish(client, field, left=keys)
+        await raw_publish(client_raw, field, left=keys)
+    assert servers.keys() == twin.servers.keys() == len(with_ghost), (servers.keys(), len(with_ghost))
+    if with_ghost:
+        res.figure(f"{tag}_bytes_per_ghost_key", (await _settle(servers) - base) / len(with_ghost), "bytes")
+        res.figure(f"{tag}_memory_usage_sampled_ghost_key", servers.sample_usage(with_ghost[:1000]), "bytes")
+
+    _log(f"{tag}: {g} new blocks, {len(with_ghost)} with a ghost: Directory.publish, raw, plain publish in turn")
+    puts, others_puts = [_puts(b, idx) for idx in batches], [_puts(b, idx) for idx in others]
+    fresh = [[True] * len(idx) for idx in batches]
+    raw = [raw_commands(d, b, idx) for idx in batches]
+    t = await timed_interleaved({
+        "ghost": (lambda i: d.publish(puts[i], [], fresh=fresh[i]), servers),
+        "raw": (lambda i: raw_publish(client_raw, field, raw[i], taken=ghost_keys[i]), twin.servers),
+        "plain": (lambda i: d.publish(others_puts[i], []), servers),
+    }, len(batches), g, per_call=True)
+    assert servers.keys() == 2 * g and twin.servers.keys() == g, "a ghost was left unread"
+    _ghost_figures(res, f"{tag}_ghost_publish", t)
+
+    _log(f"{tag}: their removes with counts: Directory.publish, raw, plain removes in turn")
+    removes = [[(b.root, b.keys[i]) for i in idx] for idx in batches]
+    others_removes = [[(b.root, b.keys[i]) for i in idx] for idx in others]
+    uses = [[GHOST_USES] * len(idx) for idx in batches]
+    t = await timed_interleaved({
+        "ghost": (lambda i: d.publish([], removes[i], uses=uses[i], ttl_ms=GHOST_TTL_MS), servers),
+        "raw": (lambda i: raw_publish(client_raw, field, removes=raw[i], left=ghost_keys[i]), twin.servers),
+        "plain": (lambda i: d.publish([], others_removes[i]), servers),
+    }, len(batches), g, per_call=True)
+    assert servers.keys() == twin.servers.keys() == g, "a record left, or a ghost not written"
+    _ghost_figures(res, f"{tag}_ghost_remove", t)
+    servers.flush()
+    twin.servers.flush()
+
+
+def _ghost_figures(res: Result, name: str, t: dict[str, Timed]) -> None:
+    """The figures of one ghost step (publish or remove): rates, server and client CPU per
+    record, each side's; the ratios to raw and to plain."""
+    for side, suffix in (("ghost", ""), ("raw", "_raw"), ("plain", "_plain")):
+        res.figure(f"{name}{suffix}_records_per_s", t[side].rate, "records/s")
+        res.figure(f"{name}{suffix}_server_us_per_record", t[side].server_us_per_op, "us")
+        res.figure(f"{name}{suffix}_client_cpu_us_per_record", t[side].client_us_per_op, "us")
+    res.ratio(f"{name}_vs_raw_redis", t["ghost"].rate / t["raw"].rate)
+    res.ratio(f"{name}_vs_plain", t["ghost"].rate / t["plain"].rate)
+    _log(f"{name}: {t['ghost'].rate:,.0f}/s (raw {t['raw'].rate:,.0f}/s, plain {t['plain'].rate:,.0f}/s)")
 
 
 def redis_benchmark(port: int, servers: Servers, n: int, res: Result) -> None:
@@ -460,7 +596,10 @@ def redis_benchmark(port: int, servers: Servers, n: int, res: Result) -> None:
     servers.flush()
 
 
-def _chunks_of(items: Sequence[int], size: int) -> list[Sequence[int]]:
+T = TypeVar("T")
+
+
+def _chunks_of(items: Sequence[T], size: int) -> list[Sequence[T]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
@@ -499,6 +638,8 @@ async def _cluster(b: Blocks, n: int, args: argparse.Namespace, res: Result) -> 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if not 0 <= args.ghost_share <= 1:
+        raise SystemExit(f"--ghost-share {args.ghost_share}: a share, 0 to 1")
     res = Result("directory_scale")
     started = time.perf_counter()
     res.notes["machine"] = _machine()
@@ -514,7 +655,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{n} blocks from one node, fill pipelines of {args.batch}; a second node holds every {REPLICA_EVERY}th; "
         f"updates {args.update_blocks} per pipeline size {args.batch_sizes}, best of {args.repeat}; finds of "
         f"{args.find_keys} keys x {args.find_calls} (present, then absent), {args.big_find_keys} keys x "
-        f"{args.big_find_calls}"
+        f"{args.big_find_calls}; ghost phase {args.ghost_blocks} blocks, {args.ghost_share:g} with a ghost "
+        f"(count {GHOST_USES}, PX {GHOST_TTL_MS})"
     )
     asyncio.run(_single(b, n, args, res))
     if not args.no_cluster:
