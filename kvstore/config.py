@@ -284,7 +284,7 @@ class ClusterConfig(_Section):
         le=30 * 86400,
         description="the longest the directory remembers the use count of a block a node let go, for the next "
         "node to store it to resume (the credit policy keeps a reused block longer); each count lasts about as "
-        "long as in the node's own ghost at its current turnover (kvstore/cluster/ghost.py), at most this; "
+        "long as in the node's own ghost at its current turnover (kvstore/policy/ghost.py), at most this; "
         "0: not remembered",
     )
 

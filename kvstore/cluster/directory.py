@@ -11,8 +11,8 @@ Layout (every key starts with ``{key_prefix}:``):
 - ``g:`` + namespace root (16 bytes) + block key (32 bytes), binary, spread over the slots as the
   ``d:`` keys: the cluster's ghost of a block, its use count as ASCII digits. A node that lets a
   block go writes the count its eviction policies have of it (:meth:`~kvstore.policy.base.EvictionPolicy.uses`)
-  when it is :data:`GHOST_MIN_USES` or more, for about as long as the node's own ghost would keep
-  it (:class:`~kvstore.cluster.ghost.GhostSpan`, at most ``cluster.ghost_ttl_s``; ``SET ... PX``); the next
+  when it is :data:`~kvstore.policy.ghost.GHOST_MIN_USES` or more, for about as long as the node's own ghost would keep
+  it (:class:`~kvstore.policy.ghost.GhostSpan`, at most ``cluster.ghost_ttl_s``; ``SET ... PX``); the next
   node to hold the block anew (it committed it, or fetched it from a peer) reads and deletes it
   (:data:`TAKE` on one Redis, any version; ``GETDEL`` on a Redis Cluster, 6.2 or later) and its
   policies resume the count (:meth:`~kvstore.policy.base.EvictionPolicy.resume`): a block
@@ -51,14 +51,11 @@ from redis.exceptions import RedisError
 
 from kvstore.config import ClusterConfig
 from kvstore.errors import Unavailable
+from kvstore.policy.ghost import GHOST_MIN_USES
 from kvstore.util.resp_pipe import PipelinedLink, ReplyError, tcp_settings
 
 _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum (0: not sealed)
 ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
-# A count worth writing: every count a policy keeps. A block stored once that comes back is the
-# reuse credit's ghost exists for (in the replay, writing only counts of 2 or more kept about a
-# third of the gain on synthetic: docs/cluster.md, "The cluster's ghost").
-GHOST_MIN_USES = 1
 
 # KEYS[1] the members hash; ARGV: node id, address, incarnation, lease ms, forget-after ms.
 # Returns the server's time (ms), every member's entry, 1 when this node's entry was not there (a

@@ -9,7 +9,7 @@ Three jobs, all on the event loop:
   re-publishes everything it holds. The same pipeline carries the cluster's ghosts (the ``g:``
   keys of :mod:`kvstore.cluster.directory`): a block this node lets go leaves behind the use count
   its policies have of it (``DramSpace.uses``), for about as long as this node's own ghost would
-  keep it (:class:`~kvstore.cluster.ghost.GhostSpan`), and a block new here (committed, or fetched
+  keep it (:class:`~kvstore.policy.ghost.GhostSpan`), and a block new here (committed, or fetched
   from a peer) takes up the count another node left, in the policies of the spaces that hold it
   (``DramSpace.resume``).
 - **Membership.** A heartbeat every ``heartbeat_ms`` renews this node's lease and reads every
@@ -39,12 +39,12 @@ import time
 from collections.abc import Sequence
 
 from kvstore.cluster.directory import Directory, Ghosts, Member, Record
-from kvstore.cluster.ghost import GhostSpan
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.peer_server import NOTHING_LENT, Lent, PeerServer
 from kvstore.config import Config
 from kvstore.errors import KVStoreError, Unavailable
 from kvstore.keys import BlockKey, NamespaceRoot
+from kvstore.policy.ghost import GhostSpan
 from kvstore.store.block_store import BlockStore
 from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, REDIS, S3, Block, NsEntry, State, top_label

@@ -18,7 +18,7 @@ as the single-space replay does (``Node.allocate`` pops victims until a request'
   it takes the count and resumes it (``resume``). An entry lasts as long as the sidecar's ``g:`` key
   would in Redis, in the trace's own time (its requests' timestamps): about as long as the node's
   own ghost would keep it at the rate the node lets blocks go, at most ``cluster.ghost_ttl_s``
-  (:class:`~kvstore.cluster.ghost.GhostSpan`);
+  (:class:`~kvstore.policy.ghost.GhostSpan`);
 * **global**: one cache of N × the capacity that sees every request (routing cannot matter).
 
 Each request, on its node (with one node, exactly the single-space replay's calls):
@@ -48,12 +48,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
-from kvstore.cluster.directory import GHOST_MIN_USES
-from kvstore.cluster.ghost import GhostSpan
 from kvstore.config import ClusterConfig
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.policy import make_policy
 from kvstore.policy.base import Eligible, EvictionPolicy, Item
+from kvstore.policy.ghost import GHOST_MIN_USES, GhostSpan
 from kvstore.policy.tree import PrefixLinks
 from kvstore.routing import MAX_IMBALANCE, ROUTINGS, rank
 from kvstore.sim.belady import HitRates
@@ -108,7 +107,7 @@ class Directory:
     def let_go(self, key: BlockKey, node: int, uses: int, entries: int) -> None:
         """``node`` no longer holds ``key``, with ``uses`` remembered by a ghost of ``entries``:
         kept for the next holder as the sidecar keeps it (the rule,
-        :data:`~kvstore.cluster.directory.GHOST_MIN_USES`; the time, :class:`GhostSpan`)."""
+        :data:`~kvstore.policy.ghost.GHOST_MIN_USES`; the time, :class:`GhostSpan`)."""
         if not self.ghost_ttl_s or not entries:
             return
         span = self.spans[node]

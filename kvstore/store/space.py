@@ -78,7 +78,7 @@ class DramSpace:
 
     def ghost_size(self) -> int:
         """The most evicted blocks' counts one of this node's tiers remembers: how long a count
-        lasts in the node's own ghosts (kvstore.cluster.ghost)."""
+        lasts in the node's own ghosts (kvstore.policy.ghost)."""
         return max(self.policy.ghost_size(), self.movers.ghost_size())
 
     def drain_touches(self) -> None:

@@ -359,7 +359,7 @@ async def test_a_refused_ghost_loses_none_of_the_others(
 async def test_each_pass_writes_its_ghosts_for_the_time_it_is_given(
     directory: DirectoryServer, redis: Redis | RedisCluster, request: pytest.FixtureRequest
 ) -> None:
-    """The node gives each publish the time its ghosts should last (kvstore.cluster.ghost): written
+    """The node gives each publish the time its ghosts should last (kvstore.policy.ghost): written
     for that long, never past the directory's ceiling, and not at all for 0."""
     d = Directory(directory.client(), f"t{abs(hash(request.node.nodeid)) % 10**8}", "x", ghost_ttl_ms=60_000)
     try:

@@ -68,7 +68,7 @@ def test_cluster_ghost_carries_a_count_to_the_next_node() -> None:
 
 
 def test_cluster_ghost_forgets_after_its_ttl() -> None:
-    from kvstore.cluster.ghost import GhostSpan
+    from kvstore.policy.ghost import GhostSpan
     from kvstore.sim.cluster import Directory
 
     d = Directory(ghost_ttl_s=1.0)  # a node that has not let go for long: the ceiling, 1 s

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.cluster.ghost import MIN_TTL_S, RATE_TAU_S, GhostSpan
+from kvstore.policy.ghost import MIN_TTL_S, RATE_TAU_S, GhostSpan
 
 
 def test_ttl_is_the_ghosts_size_over_the_let_go_rate() -> None:

@@ -13,14 +13,19 @@ for ``entries / rate`` seconds at the node's current let-go rate. That is the ti
 every ``g:`` key the node writes, never more than ``cluster.ghost_ttl_s`` (the ceiling, also the
 value while the node has not let enough go to know its rate) and never under :data:`MIN_TTL_S`.
 
-One clock for the sidecar (wall seconds) and the replay (the trace's timestamps), so both keep
-the same counts for the same time.
+One rule for the sidecar (kvstore/cluster/node.py, wall seconds) and the replay
+(kvstore/sim/cluster.py, the trace's timestamps), so both keep the same counts for the same time:
+it lives with the policies, which both may use.
 """
 
 from __future__ import annotations
 
 import math
 
+# A count worth leaving: every count a policy keeps. A block stored once that comes back is the
+# reuse credit's ghost exists for (in the replay, writing only counts of 2 or more kept about a
+# third of the gain on synthetic: docs/cluster.md, "The cluster's ghost").
+GHOST_MIN_USES = 1
 RATE_TAU_S = 30.0  # the let-go rate is a moving average over about this long
 MIN_TTL_S = 1.0
 
