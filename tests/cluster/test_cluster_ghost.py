@@ -24,6 +24,8 @@ from kvstore.store.block_store import BlockSpec, CommitSpec
 from kvstore.store.index import SSD, Block
 from kvstore.testing.servers import RedisServer, redis_cluster, redis_server
 from tests.cluster.nodes import BLOCK, blocks, client_of, keys_for, node_config
+from tests.tiers.test_tier_uses import Traffic, reused_on_ssd
+from tests.tiers.test_tiering import PAGE
 
 
 @dataclass
@@ -141,6 +143,22 @@ async def test_a_count_left_by_one_node_is_resumed_by_the_next_to_store_the_bloc
             assert uses(b, ns, keys) == resumed(b, counts) != [1] * 4
             assert [await redis.exists(g) for g in ghosts] == [0] * 4
             assert (await cb.stats())["cluster"]["ghosts_resumed"] == 4
+
+
+async def test_a_block_let_go_from_the_ssd_leaves_the_count_the_ssd_kept(
+    tmp_path: Path, directory: DirectoryServer, redis: Redis | RedisCluster, ns: Namespace
+) -> None:
+    """A node with an SSD lets a block go from there long after DRAM's ghost forgot it: it leaves
+    the count the SSD's policy remembers (DramSpace.uses, the most of its tiers'), not none."""
+    (key,) = keys_for(ns, 1, seed=9)
+    ssd = {"ssd.enabled": True, "ssd.capacity_bytes": 64 * PAGE}
+    async with Sidecar(directory.config(tmp_path, "a", **ssd)) as a, client_of(a) as ca:
+        traffic = Traffic(a, ca, ns, PAGE)
+        b, n = await reused_on_ssd(traffic, key)
+        await traffic.until(lambda: not held(a, ns, [key]), 200, "let go by the SSD")
+        await published(a)
+        assert a.store.space.policy.uses(b) == 0
+        assert await redis.get(ghost_keys(a, ns, [key])[0]) == str(n).encode()
 
 
 async def test_a_record_a_peer_asked_for_is_deleted_without_rewriting_a_ghost(
