@@ -100,8 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cluster-blocks", type=int, default=500_000,
         help="block records on the clusters (at most --blocks): 167k keys a master, the same hash-table load as 1 M",
     )
-    p.add_argument("--ghost-blocks", type=int, default=50_000,
-                   help="blocks of the ghost phase (as many again for its plain publish); 0: no ghost phase")
+    p.add_argument("--ghost-blocks", type=int, default=40_000,
+                   help="blocks of the ghost phase (as many again for its plain publish; about 20 s in all "
+                        "with the clusters'); 0: no ghost phase")
     p.add_argument("--ghost-share", type=float, default=1.0,
                    help="share of the ghost phase's new blocks that find a ghost (0 to 1; the rest find none)")
     p.add_argument("--no-cluster", action="store_true", help="only the single-node Redis")
@@ -522,6 +523,7 @@ async def measure_ghosts(tag: str, dep: Deployment, twin: Deployment, client: Re
     servers.flush()
     twin.servers.flush()
     base = await _settle(servers)
+    _log(f"{tag}: ghosts of {len(with_ghost)} blocks, the same on both sides")
     for keys in _chunks_of(with_ghost, args.batch):  # (the same commands on both sides)
         await raw_publish(client, field, left=keys)
         await raw_publish(client_raw, field, left=keys)
