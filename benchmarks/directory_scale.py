@@ -74,6 +74,7 @@ from redis.asyncio import Redis, RedisCluster
 
 from benchmarks.common import Result, percentile
 from kvstore.cluster.directory import LEAVE, ROOT_BYTES, TAKE, Directory, Record
+from kvstore.config import ClusterConfig
 from kvstore.store.index import DRAM
 from kvstore.testing.servers import redis_cluster, redis_server
 
@@ -83,7 +84,7 @@ BLOCK_BYTES = 2 << 20
 REDIS_BENCHMARK = shutil.which("redis-benchmark") or "/usr/bin/redis-benchmark"
 REPLICA_EVERY = 10  # node B holds every 10th block of node A's
 GHOST_USES = 3  # the use count every ghost of the ghost phase carries
-GHOST_TTL_MS = 3_600_000  # ClusterConfig.ghost_ttl_s's default: the ghosts outlive the phase
+GHOST_TTL_MS = round(1000 * ClusterConfig.model_fields["ghost_ttl_s"].default)  # the sidecar's: outlives the phase
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
