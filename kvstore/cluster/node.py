@@ -290,8 +290,7 @@ class ClusterNode:
                 # it left (rewriting it could replace a newer count another node left since).
                 uses.append(0)
                 unread.append(False)
-        space = self.store.space
-        ttl_ms = round(1000 * self._span.ttl_s(space.ghost_size(), self.cfg.ghost_ttl_s))
+        ttl_ms = round(1000 * self._span.ttl_s(self.store.space.ghost_size(), self.cfg.ghost_ttl_s))
         pending = changed
         try:
             # in pipelines of PUBLISH_BATCH records, each under the deadline: a node re-publishing
