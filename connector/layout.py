@@ -11,6 +11,8 @@ layout         engine cache, per layer                      planes  part = plane
 ``vllm_cpu``   ``[num_blocks, kv_heads, block_size, 2*d]``  1       ``[kv_heads, block_size, 2*d]``
                (opaque pages: see below)                             (copied as raw bytes)
 ``vllm_gpu``   ``[2, num_blocks, block_size, kv_heads, d]`` 2 (K,V) ``[block_size, kv_heads, d]``
+               (FlashAttention) or ``[num_blocks, 2, ...]``
+               (FlashInfer; NHD or HND strides)
 ``hf``         ``(K, V)``, each ``[1, kv_heads, seq, d]``   2 (K,V) ``[kv_heads, block_size, d]``
                (transformers ``DynamicCache``; block ``b``
                is tokens ``[b*block_size, (b+1)*block_size)``)
@@ -139,7 +141,18 @@ class VllmGpuLayout:
         return (spec.block_size, spec.kv_heads, spec.head_size)
 
     def planes(self, layer_cache: Array, spec: KVSpec) -> list[Array]:
-        _check_shape(layer_cache, (2, None, *self.part_shape(spec)), self.name)
+        """FlashAttention's ``[2, blocks, ...]`` or FlashInfer's block-first ``[blocks, 2, ...]``;
+        any strides (FlashInfer's HND order is the same shape with permuted strides: the slot
+        holds the same bytes, the copy plan just has more, smaller pieces)."""
+        part = self.part_shape(spec)
+        shape = tuple(layer_cache.shape)
+        if len(shape) == 5 and shape[0] == 2 and shape[1] == 2:
+            raise InvalidArgument(f"{self.name} layout: a layer's cache has shape {shape}: with 2 blocks it is"
+                                  " ambiguous between [2, blocks, ...] and [blocks, 2, ...]")
+        if len(shape) == 5 and shape[1] == 2 and shape[0] != 2:
+            _check_shape(layer_cache, (None, 2, *part), self.name)
+            return [layer_cache[:, 0], layer_cache[:, 1]]
+        _check_shape(layer_cache, (2, None, *part), self.name)
         return [layer_cache[0], layer_cache[1]]
 
 

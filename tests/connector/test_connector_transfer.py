@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 import numpy as np
 import pytest
@@ -16,17 +12,12 @@ import torch
 
 from connector.layout import LAYOUTS, KVSpec, slot_array
 from connector.transfer import (
-    CupyTransfer,
     NumpyTransfer,
     bind_caches,
-    gather_batch,
     gather_block,
     make_transfer,
-    scatter_batch,
     scatter_block,
-    slot_runs,
 )
-from kvstore.dram.slab import Slab
 from kvstore.errors import InvalidArgument
 
 L, H, D, BS, NB = 3, 2, 8, 4, 6
@@ -155,41 +146,10 @@ def test_torch_tensors_zero_copy_any_dtype(layout: str, dtype: torch.dtype) -> N
                 assert torch.equal(a_blk(a, i).view(torch.uint8), a_blk(b, j).view(torch.uint8))
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_batch_matches_per_slot(layout: str) -> None:
-    rng = np.random.default_rng(7)
-    spec = _spec(layout)
-    src = _random_caches(layout, rng)
-    ids = [5, 1, 3, 0]
-    out = np.zeros((len(ids), *spec.slot_shape), dtype=spec.raw_dtype)
-    gather_batch(bind_caches(spec, src).planes, ids, out)
-    slots = _slots(spec, len(ids))
-    NumpyTransfer().gather(bind_caches(spec, src), ids, slots)
-    assert out.tobytes() == b"".join(s.tobytes() for s in slots)
-    dst = _zeros_like(src)
-    scatter_batch(bind_caches(spec, dst).planes, ids, out)
-    a, b = bind_caches(spec, src), bind_caches(spec, dst)
-    for layer in range(L):
-        for pa, pb in zip(a.planes[layer], b.planes[layer]):
-            assert np.array_equal(pa[ids], pb[ids])
-
-
 def _slab_slots(spec: KVSpec, offsets: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
     """Slots cut out of one buffer the way the client does: a fresh array over it per slot."""
     buf = np.zeros(max(offsets) + spec.block_bytes, dtype=np.uint8)
     return buf, [np.frombuffer(memoryview(buf), dtype=np.uint8)[o : o + spec.block_bytes] for o in offsets]
-
-
-def test_slot_runs_group_evenly_spaced_slots_of_one_buffer() -> None:
-    spec = _spec("vllm_cpu")
-    bb = spec.block_bytes
-    _, slots = _slab_slots(spec, [0, bb, 2 * bb, 5 * bb, 7 * bb, 9 * bb, 3 * bb])
-    other = _slots(spec, 1)
-    runs = slot_runs([*slots, *other], spec)
-    assert [(i, len(v)) for i, v in runs] == [(0, 3), (3, 3), (6, 1), (7, 1)]
-    for i, view in runs:
-        for k in range(len(view)):
-            assert view[k].ctypes.data == [*slots, *other][i + k].ctypes.data
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -295,88 +255,3 @@ def test_block_copies_match_the_numpy_path(layout: str, dtype: str) -> None:
 
 def _cache_bytes(caches: list) -> list[bytes]:
     return [t.tobytes() for c in caches for t in (c if isinstance(c, tuple) else (c,))]
-
-
-# --- CupyTransfer on a GPU -------------------------------------------------------------------------
-
-
-@pytest.fixture
-def cp() -> ModuleType:
-    """cupy with a CUDA device; the test is skipped where there is none."""
-    try:
-        cupy = importlib.import_module("cupy")
-        if cupy.cuda.runtime.getDeviceCount() > 0:
-            return cupy
-    except (ImportError, RuntimeError, OSError):  # no cupy, no driver, no device
-        pass
-    pytest.skip("needs CUDA (cupy with a GPU)")
-
-
-@pytest.fixture
-def two_slabs() -> Iterator[list[Slab]]:
-    """Two real sidecar slabs: two shared-memory mappings, 4 KiB slots."""
-    slabs = [Slab(1 << 20, page_bytes=64 << 10, prefault=False, name_prefix="kvstore-gpu-test") for _ in range(2)]
-    yield slabs
-    for slab in slabs:
-        slab.close()
-
-
-def _on_device(cp: ModuleType, caches: list) -> list:
-    return [tuple(cp.asarray(t) for t in c) if isinstance(c, tuple) else cp.asarray(c) for c in caches]
-
-
-def _on_host(cp: ModuleType, caches: list) -> list:
-    return [tuple(cp.asnumpy(t) for t in c) if isinstance(c, tuple) else cp.asnumpy(c) for c in caches]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_cupy_round_trip_through_slab_slots(cp: ModuleType, two_slabs: list[Slab], layout: str,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Six blocks, alternating between two slabs (two mappings) and between the two streams: the
-    slots get the bytes the numpy path writes, the device cache gets back what the numpy path
-    scatters; each mapping is registered once and unregistered at close."""
-    rt = cp.cuda.runtime
-    calls: dict[str, list[int]] = {"register": [], "unregister": []}
-    real_register, real_unregister = rt.hostRegister, rt.hostUnregister
-
-    def register(ptr: int, size: int, flags: int) -> Any:
-        calls["register"].append(ptr)
-        return real_register(ptr, size, flags)
-
-    def unregister(ptr: int) -> Any:
-        calls["unregister"].append(ptr)
-        return real_unregister(ptr)
-
-    monkeypatch.setattr(rt, "hostRegister", register)
-    monkeypatch.setattr(rt, "hostUnregister", unregister)
-
-    spec = _spec(layout)
-    host_src = _random_caches(layout, np.random.default_rng(12))
-    ids_src, ids_dst = [5, 0, 3, 1, 4, 2], [2, 4, 0, 5, 1]
-    slots = []
-    for i in range(len(ids_src)):
-        slab = two_slabs[i % 2]
-        slot = slab.try_alloc(slab.class_of(spec.block_bytes))
-        assert slot is not None
-        slots.append(slab.view(slot, spec.block_bytes))
-    mappings = sorted(int(slab.buf.ctypes.data) for slab in two_slabs)
-
-    ref_slots = _slots(spec, len(ids_src))
-    NumpyTransfer().gather(bind_caches(spec, host_src), ids_src, ref_slots)
-    ref_dst = _zeros_like(host_src)
-    NumpyTransfer().scatter(bind_caches(spec, ref_dst), ids_dst, ref_slots[: len(ids_dst)])
-
-    t = CupyTransfer(spec, streams=2)
-    try:
-        t.gather(bind_caches(spec, _on_device(cp, host_src)), ids_src, slots).wait()
-        assert [s.tobytes() for s in slots] == [r.tobytes() for r in ref_slots]
-        dst = _on_device(cp, _zeros_like(host_src))
-        t.scatter(bind_caches(spec, dst), ids_dst, slots[: len(ids_dst)]).wait()
-        assert _cache_bytes(_on_host(cp, dst)) == _cache_bytes(ref_dst)
-        assert sorted(calls["register"]) == mappings  # once per mapping, not per slot or per call
-        assert all(rt.pointerGetAttributes(int(s.ctypes.data)).type == rt.memoryTypeHost for s in slots)
-    finally:
-        t.close()
-    assert sorted(calls["unregister"]) == mappings
-    assert all(rt.pointerGetAttributes(m).type == rt.memoryTypeUnregistered for m in mappings)

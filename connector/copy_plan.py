@@ -1,0 +1,174 @@
+"""Which bytes of a paged KV cache go where in a slot, and which slots one DMA can move: pure functions.
+
+A block's slot holds every layer's planes in slot order (:mod:`connector.layout`). In memory,
+one block's part of one plane is a strided array; :func:`pieces` cuts it into the fewest
+*pieces*, byte ranges that are contiguous both in the cache and in the slot, and merges pieces
+that also follow each other in both (FlashInfer's block-first ``[blocks, 2, ...]`` gives one piece
+for K and V together; a cross-layer contiguous cache gives one piece per block). Piece ``p`` of
+block ``b`` is the bytes ``[src[p] + b * stride[p], + nbytes[p])`` of the cache and
+``[slot_off[p], + nbytes[p])`` of the slot. Both transfer engines execute this one plan: the CPU
+path as one ``memmove`` per piece and block, the GPU path as one fused kernel per chunk of blocks
+(``connector/kernels/kv_copy.cu``), so the CPU tests check the plan the GPU runs, byte for byte.
+
+:func:`dma_runs` groups a batch's slot addresses into runs that lie evenly spaced (the sidecar
+hands a batch's slots out side by side): one 2-D DMA per run, split where a run would cross the
+end of a registered piece of the host mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import product
+
+from kvstore.errors import InvalidArgument
+
+NO_LIMIT = 1 << 64  # no registered pieces given: runs are not cut
+
+
+@dataclass(slots=True, frozen=True)
+class PlaneGeometry:
+    """One plane of one layer as memory: the address of block 0's part, the bytes between blocks,
+    and the part's shape and strides in bytes (C order of the shape is the slot order)."""
+
+    address: int
+    block_stride: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+
+
+@dataclass(slots=True, frozen=True)
+class Piece:
+    """A byte range contiguous in the cache and in the slot (see the module docstring)."""
+
+    src: int  # address of block 0's bytes
+    stride: int  # bytes between consecutive blocks
+    nbytes: int
+    slot_off: int
+
+
+def _segments(g: PlaneGeometry, what: str) -> list[tuple[int, int]]:
+    """The part as (offset from its start, bytes) runs in C order: the contiguous inner dims are
+    one run, the outer dims enumerated."""
+    if any(s < 0 for s in g.strides) or g.block_stride <= 0:
+        raise InvalidArgument(f"{what}: negative or zero strides are not supported (block stride {g.block_stride},"
+                              f" part strides {g.strides})")
+    k, run = len(g.shape), g.itemsize  # run: bytes of the contiguous suffix shape[k:]
+    while k > 0 and (g.shape[k - 1] == 1 or g.strides[k - 1] == run):
+        run *= g.shape[k - 1]
+        k -= 1
+    outer = [range(n) for n in g.shape[:k]]
+    return [(sum(i * s for i, s in zip(idx, g.strides[:k])), run) for idx in product(*outer)]
+
+
+def pieces(planes: Sequence[PlaneGeometry], what: str = "cache") -> list[Piece]:
+    """The copy plan of one block for ``planes`` in slot order (layer-major, then plane)."""
+    out: list[Piece] = []
+    off = 0
+    for g in planes:
+        for rel, n in _segments(g, what):
+            last = out[-1] if out else None
+            if last and last.stride == g.block_stride and last.src + last.nbytes == g.address + rel and \
+                    last.slot_off + last.nbytes == off:
+                out[-1] = Piece(last.src, last.stride, last.nbytes + n, last.slot_off)
+            else:
+                out.append(Piece(g.address + rel, g.block_stride, n, off))
+            off += n
+    return out
+
+
+def block_bytes(plan: Sequence[Piece]) -> int:
+    return sum(p.nbytes for p in plan)
+
+
+def check_disjoint(plan: Sequence[Piece], num_blocks: int, what: str = "cache") -> None:
+    """Refuse a plan whose pieces of different blocks overlap in the cache (a scatter would write
+    one block's bytes over another's): a plane whose block stride is smaller than the part."""
+    for p in plan:
+        if num_blocks > 1 and p.stride < p.nbytes:
+            raise InvalidArgument(f"{what}: blocks overlap (a piece of {p.nbytes} bytes, {p.stride} bytes apart)")
+
+
+@dataclass(slots=True, frozen=True)
+class DmaRun:
+    """``count`` blocks of ``width`` bytes: from position ``first`` of the batch (``first * width``
+    into a staging buffer of the batch's blocks side by side) to ``host``, ``pitch`` bytes apart."""
+
+    first: int
+    count: int
+    host: int
+    pitch: int
+    width: int
+
+
+def dma_runs(addresses: Sequence[int], width: int, limits: Sequence[tuple[int, int]] = ()) -> list[DmaRun]:
+    """Group slot ``addresses`` (in batch order) into evenly spaced runs, one DMA each.
+
+    ``limits``: the registered pieces of the host mappings as ``(start, end)``; a run never crosses
+    the end of one (a DMA must lie in one registration), and a slot that itself crosses one is
+    refused (the registration is cut at slab page boundaries, so a slot never does)."""
+    runs: list[DmaRun] = []
+    i, n = 0, len(addresses)
+    while i < n:
+        end = _limit_end(addresses[i], width, limits)
+        j, pitch = i + 1, width
+        if j < n and addresses[j] - addresses[i] >= width and addresses[j] + width <= end:
+            pitch = addresses[j] - addresses[i]
+            while j < n and addresses[j] == addresses[i] + (j - i) * pitch and addresses[j] + width <= end:
+                j += 1
+        runs.append(DmaRun(i, j - i, addresses[i], pitch, width))
+        i = j
+    return runs
+
+
+def _limit_end(address: int, width: int, limits: Sequence[tuple[int, int]]) -> int:
+    for start, end in limits:
+        if start <= address < end:
+            if address + width > end:
+                raise InvalidArgument(f"slot at {address:#x} ({width} bytes) crosses the end of a registered"
+                                      f" piece of the host mapping at {end:#x}")
+            return end
+    if limits:
+        raise InvalidArgument(f"slot at {address:#x} lies in no registered host mapping")
+    return NO_LIMIT
+
+
+def chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """``[0, n)`` in consecutive ``(start, end)`` chunks of at most ``size``."""
+    return [(a, min(a + size, n)) for a in range(0, n, max(1, size))]
+
+
+def split_runs(runs: Sequence[DmaRun], a: int, b: int) -> list[DmaRun]:
+    """The parts of ``runs`` that fall in batch positions ``[a, b)``."""
+    out = []
+    for r in runs:
+        lo, hi = max(a, r.first), min(b, r.first + r.count)
+        if lo < hi:
+            out.append(DmaRun(lo, hi - lo, r.host + (lo - r.first) * r.pitch, r.pitch, r.width))
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class Chunk:
+    """Batch positions ``[start, end)`` staged together, and the DMAs that move them."""
+
+    start: int
+    end: int
+    runs: list[DmaRun]
+
+
+def schedule(
+    addresses: Sequence[int], width: int, per_chunk: int, limits: Sequence[tuple[int, int]] = ()
+) -> list[Chunk]:
+    """A batch's chunks of at most ``per_chunk`` blocks, each with the parts of the batch's
+    slot runs that fall in it (a run that spans two chunks is two DMAs)."""
+    runs = dma_runs(addresses, width, limits)
+    return [Chunk(a, b, split_runs(runs, a, b)) for a, b in chunks(len(addresses), per_chunk)]
+
+
+def registration_pieces(start: int, size: int, piece: int, page: int) -> list[tuple[int, int]]:
+    """A host mapping ``[start, start + size)`` cut into registrations of at most ``piece`` bytes,
+    each ending on a multiple of ``page`` from ``start`` (slots never straddle a page)."""
+    step = max(page, piece - piece % page) if page > 0 else piece
+    return [(start + o, start + min(o + step, size)) for o in range(0, size, step)]

@@ -1,0 +1,182 @@
+"""The copy plan both transfer engines execute (connector/copy_plan.py), checked byte for byte on CPU.
+
+The GPU engine runs the same plan (pieces -> one fused kernel per chunk; :func:`schedule` -> the
+chunks and their DMAs); here the plan is executed with host copies and compared with the
+reference, plain array assignment in slot order (:func:`connector.transfer.gather_block`)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from connector.copy_plan import (
+    DmaRun,
+    PlaneGeometry,
+    dma_runs,
+    pieces,
+    registration_pieces,
+    schedule,
+)
+from connector.layout import KVSpec, slot_array
+from connector.transfer import NumpyTransfer, bind_caches, gather_block, run_plan, scatter_block
+from kvstore.errors import InvalidArgument
+
+L, H, BS, NB = 3, 2, 4, 7
+
+
+def _spec(layout: str, d: int, dtype: str = "float16") -> KVSpec:
+    return KVSpec(layout=layout, num_layers=L, kv_heads=H, head_size=d, block_size=BS, dtype=dtype)
+
+
+def _caches(kind: str, d: int, dtype: torch.dtype, seed: int = 0) -> list:
+    """Every cache shape the connector binds, as torch CPU tensors (any dtype, zero-copy)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=g).to(dtype)
+
+    if kind == "flash_attn":  # [2, blocks, bs, heads, d]
+        return [rand(2, NB, BS, H, d) for _ in range(L)]
+    if kind == "flashinfer_nhd":  # [blocks, 2, bs, heads, d]
+        return [rand(NB, 2, BS, H, d) for _ in range(L)]
+    if kind == "flashinfer_hnd":  # the same shape, HND in memory: [blocks, 2, heads, bs, d] permuted
+        return [rand(NB, 2, H, BS, d).permute(0, 1, 3, 2, 4) for _ in range(L)]
+    if kind == "cross_layer":  # every layer of a block side by side: one buffer, layer views
+        whole = rand(NB, L, 2, BS, H, d)
+        return [whole[:, i] for i in range(L)]
+    if kind == "vllm_cpu":
+        return [rand(NB, H, BS, 2 * d) for _ in range(L)]
+    return [(rand(1, H, NB * BS + 3, d), rand(1, H, NB * BS + 3, d)) for _ in range(L)]  # hf
+
+
+LAYOUT = {"flash_attn": "vllm_gpu", "flashinfer_nhd": "vllm_gpu", "flashinfer_hnd": "vllm_gpu",
+          "cross_layer": "vllm_gpu", "vllm_cpu": "vllm_cpu", "hf": "hf"}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float8_e4m3": torch.float8_e4m3fn}
+
+
+def _reference(spec: KVSpec, caches: list, ids: list[int]) -> list[bytes]:
+    kv = bind_caches(spec, caches)
+    out = []
+    for b in ids:
+        slot = np.zeros(spec.block_bytes, np.uint8)
+        gather_block(kv.planes, b, slot_array(slot, spec))
+        out.append(slot.tobytes())
+    return out
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("kind", sorted(LAYOUT))
+@pytest.mark.parametrize("d", [8, 3])  # 3: parts and pieces not a multiple of 16 bytes
+def test_plan_moves_the_reference_bytes(kind: str, dtype: str, d: int) -> None:
+    """Gather (ids out of order, an odd count) gives the reference's slot bytes; scatter of them
+    into another cache writes exactly those blocks and nothing else."""
+    spec = _spec(LAYOUT[kind], d, dtype)
+    src, dst = _caches(kind, d, DTYPES[dtype], 1), _caches(kind, d, DTYPES[dtype], 2)
+    ids = [5, 0, 6, 2, 3]
+    slots = [np.zeros(spec.block_bytes, np.uint8) for _ in ids]
+    NumpyTransfer().gather(bind_caches(spec, src), ids, slots)
+    assert [s.tobytes() for s in slots] == _reference(spec, src, ids)
+
+    expected = bind_caches(spec, [tuple(t.clone() for t in c) if isinstance(c, tuple) else c.clone() for c in dst])
+    for b, s in zip(ids[::-1], slots):
+        scatter_block(expected.planes, b, slot_array(s, spec))
+    NumpyTransfer().scatter(bind_caches(spec, dst), ids[::-1], slots)
+    got = bind_caches(spec, dst)
+    for layer in range(L):
+        for pg, pe in zip(got.planes[layer], expected.planes[layer]):
+            assert np.array_equal(pg, pe)
+
+
+@pytest.mark.parametrize(("kind", "per_block"), [
+    ("flash_attn", 2 * L),  # K and V of each layer: two separate regions
+    ("flashinfer_nhd", L),  # K then V of a block lie side by side: one piece a layer
+    # one head's row of d elements at a time; K's last row and V's first lie side by side
+    ("flashinfer_hnd", 2 * L * BS * H - L),
+    ("cross_layer", 1),  # the whole block is one range
+    ("vllm_cpu", L),
+    ("hf", 2 * L * H),  # a head's block_size tokens are contiguous, heads are a sequence apart
+])
+def test_plan_has_the_fewest_pieces(kind: str, per_block: int) -> None:
+    spec = _spec(LAYOUT[kind], 8)
+    plan = bind_caches(spec, _caches(kind, 8, torch.float16)).plan
+    assert len(plan) == per_block
+    assert sum(p.nbytes for p in plan) == spec.block_bytes
+    assert [p.slot_off for p in plan] == list(np.cumsum([0] + [p.nbytes for p in plan[:-1]]))
+
+
+def test_pieces_refuse_negative_strides_and_overlapping_blocks() -> None:
+    with pytest.raises(InvalidArgument, match="negative or zero strides"):
+        pieces([PlaneGeometry(0, 64, (4,), (-2,), 2)])
+    spec = _spec("vllm_cpu", 8)
+    base = torch.zeros(NB + 1, H, BS, 16, dtype=torch.float16)
+    overlapping = [base.as_strided((NB, H, BS, 16), (16, BS * 16, 16, 1)) for _ in range(L)]
+    with pytest.raises(InvalidArgument, match="blocks overlap"):
+        bind_caches(spec, overlapping)
+
+
+def test_two_block_gpu_cache_is_refused_as_ambiguous() -> None:
+    with pytest.raises(InvalidArgument, match="ambiguous"):
+        bind_caches(_spec("vllm_gpu", 8), [torch.zeros(2, 2, BS, H, 8, dtype=torch.float16) for _ in range(L)])
+
+
+def test_gather_into_a_read_only_slot_is_refused() -> None:
+    spec = _spec("vllm_cpu", 8)
+    slot = np.zeros(spec.block_bytes, np.uint8)
+    slot.flags.writeable = False
+    with pytest.raises(InvalidArgument, match="read-only"):
+        NumpyTransfer().gather(bind_caches(spec, _caches("vllm_cpu", 8, torch.float16)), [0], [slot])
+    assert not slot.any()
+
+
+# --- the batch's schedule: chunks and DMAs, as the GPU engine runs them ---------------------------
+
+
+def test_dma_runs_group_evenly_spaced_slots() -> None:
+    w = 100
+    addrs = [1000, 1100, 1200, 1500, 1700, 1900, 1300, 50_000]
+    assert dma_runs(addrs, w) == [DmaRun(0, 3, 1000, 100, w), DmaRun(3, 3, 1500, 200, w),
+                                  DmaRun(6, 2, 1300, 48_700, w)]
+    # cut where the registered pieces say: two mappings are never one DMA
+    assert dma_runs(addrs, w, [(1000, 2000), (50_000, 50_100)])[2:] == [DmaRun(6, 1, 1300, w, w),
+                                                                      DmaRun(7, 1, 50_000, w, w)]
+    # a run never crosses the end of a registered piece; a slot outside every piece is refused
+    assert dma_runs([0, 100, 200, 300], w, [(0, 200), (200, 400)]) == [
+        DmaRun(0, 2, 0, 100, w), DmaRun(2, 2, 200, 100, w)]
+    with pytest.raises(InvalidArgument, match="crosses the end"):
+        dma_runs([150], w, [(0, 200), (200, 400)])
+    with pytest.raises(InvalidArgument, match="no registered"):
+        dma_runs([500], w, [(0, 200)])
+
+
+def test_registration_pieces_end_on_page_boundaries() -> None:
+    assert registration_pieces(4096, 10_000, 4000, 1000) == [(4096, 8096), (8096, 12096), (12096, 14096)]
+    assert registration_pieces(0, 300, 1 << 30, 64) == [(0, 300)]
+
+
+@pytest.mark.parametrize("per_chunk", [1, 2, 3, 32])
+@pytest.mark.parametrize("kind", ["flash_attn", "hf"])
+def test_schedule_stages_and_moves_every_block_once(kind: str, per_chunk: int) -> None:
+    """The GPU engine's batch, executed on the host: per chunk the plan into a staging buffer of
+    blocks side by side (the kernel), then each run of the chunk from staging to its slots (the
+    DMAs). Slots: runs that span chunks, gaps, a second mapping."""
+    spec = _spec(LAYOUT[kind], 8)
+    bb = spec.block_bytes
+    kv = bind_caches(spec, _caches(kind, 8, torch.float16, 3))
+    ids = [6, 1, 4, 0, 5, 2, 3]
+    one, two = np.zeros(12 * bb, np.uint8), np.zeros(4 * bb, np.uint8)
+    slots = [one[o * bb:][:bb] for o in (0, 1, 2, 3, 5, 7)] + [two[bb:][:bb]]
+    addrs = [int(s.ctypes.data) for s in slots]
+    limits = sorted((int(a.ctypes.data), int(a.ctypes.data) + a.nbytes) for a in (one, two))
+    stage = np.zeros(per_chunk * bb, np.uint8)
+    for chunk in schedule(addrs, bb, per_chunk, limits):
+        n = chunk.end - chunk.start
+        base = int(stage.ctypes.data)
+        run_plan(kv.plan, ids[chunk.start:chunk.end], [base + i * bb for i in range(n)], to_slots=True)
+        for r in chunk.runs:
+            for k in range(r.count):
+                ctypes.memmove(r.host + k * r.pitch, base + (r.first - chunk.start + k) * bb, r.width)
+    assert [s.tobytes() for s in slots] == _reference(spec, _caches(kind, 8, torch.float16, 3), ids)
