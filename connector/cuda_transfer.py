@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -64,6 +65,7 @@ class _Direction:
     def __init__(self, cp: Any, streams: int) -> None:
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(max(1, streams))]
         self.stage: list[Any] = [None] * len(self.streams)
+        self.lock = threading.Lock()  # one batch enqueued at a time: chunks of two would share staging
         self._cp = cp
 
     def buffer(self, j: int, nbytes: int) -> Any:
@@ -122,6 +124,7 @@ class CupyTransfer:
     """GPU caches <-> pinned DRAM slots (see the module docstring). Never used on CPU."""
 
     name = "cupy"
+    pins_host = True
 
     def __init__(self, spec: KVSpec | None = None, streams: int = 2, chunk_blocks: int = CHUNK_BLOCKS,
                  stage_bytes: int = STAGE_BYTES) -> None:
@@ -132,6 +135,7 @@ class CupyTransfer:
         self._chunk_blocks, self._stage_bytes = max(1, chunk_blocks), stage_bytes
         self._tables: OrderedDict[tuple[Piece, ...], _Tables] = OrderedDict()
         self._pinned = PinnedHost(cp)
+        self._lock = threading.Lock()
 
     def register(self, host: Array, page_bytes: int = 0) -> None:
         start, size = _span(host)
@@ -162,19 +166,22 @@ class CupyTransfer:
         if not block_ids:
             return _Events([], ())
         bb = kv.spec.block_bytes
-        self._pin_missing(slots, addresses, bb)
         cp, d = self._cp, self._dirs[to_slots]
-        tables = self._device_tables(kv.plan)
-        ids = cp.asarray(np.asarray(block_ids, dtype=np.int64))  # the batch's one upload, on the current stream
-        ready = cp.cuda.get_current_stream().record()
-        for s in d.streams:
-            s.wait_event(ready)
         per_chunk = max(1, min(self._chunk_blocks, self._stage_bytes // bb))
-        for c, chunk in enumerate(schedule(addresses, bb, per_chunk, self._pinned.limits)):
-            j = c % len(d.streams)
-            stage = d.buffer(j, max(self._stage_bytes, per_chunk * bb))
-            self._chunk(tables, ids, chunk, bb, stage, d.streams[j], to_slots)
-        return _Events([s.record() for s in d.streams], (ids, tables))
+        with self._lock:  # pinning and the tables: shared by both directions
+            self._pin_missing(slots, addresses, bb)
+            plan = schedule(addresses, bb, per_chunk, self._pinned.limits)
+            tables = self._device_tables(kv.plan)
+        with d.lock:
+            ids = cp.asarray(np.asarray(block_ids, dtype=np.int64))  # the batch's one upload, on the current stream
+            ready = cp.cuda.get_current_stream().record()
+            for s in d.streams:
+                s.wait_event(ready)
+            for c, chunk in enumerate(plan):
+                j = c % len(d.streams)
+                stage = d.buffer(j, max(self._stage_bytes, per_chunk * bb))
+                self._chunk(tables, ids, chunk, bb, stage, d.streams[j], to_slots)
+            return _Events([s.record() for s in d.streams], (ids, tables))
 
     def _chunk(self, t: _Tables, ids: Any, chunk: Chunk, bb: int, stage: Any, stream: Any, to_slots: bool) -> None:
         rt = self._cp.cuda.runtime
@@ -185,7 +192,8 @@ class CupyTransfer:
         if not to_slots:
             for r in runs:
                 rt.memcpy2DAsync(base + (r.first - a) * bb, bb, r.host, r.pitch, bb, r.count, _H2D, stream.ptr)
-        launch((t.pieces, b - a), (t.threads,), args, stream=stream)
+        with stream:
+            launch((t.pieces, b - a), (t.threads,), args)
         if to_slots:
             for r in runs:
                 rt.memcpy2DAsync(r.host, r.pitch, base + (r.first - a) * bb, bb, bb, r.count, _D2H, stream.ptr)

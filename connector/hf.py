@@ -35,7 +35,7 @@ from connector.core.report import DecisionReporter, decision_record
 from connector.core.scheduler import SchedulerConnector
 from connector.cost import CostModel, Decision
 from connector.layout import KVSpec
-from connector.transfer import NumpyTransfer, Transfer, bind_caches
+from connector.transfer import NumpyTransfer, Transfer, bind_caches, make_transfer, register_slab
 from kvstore.keys import Namespace
 
 log = logging.getLogger(__name__)
@@ -119,12 +119,13 @@ class HFConnector:
     ) -> None:
         self.model = model
         self.client = client
-        self.dtype = next(model.parameters()).dtype
+        first = next(model.parameters())
+        self.dtype, self.device = first.dtype, first.device
         self.spec = hf_spec(model.config, block_size, self.dtype)
         self.ns = hf_namespace(model_id, self.spec, revision=revision, cache_salt=cache_salt)
         self.cost = cost
         self.sched = SchedulerConnector(client, self.ns, self.spec, cost)
-        self.transfer = transfer or NumpyTransfer()
+        self.transfer = transfer or default_transfer(self.device, client)
         self.verify = verify_checksums
         self.stats = ConnectorStats()
         self.reporter = DecisionReporter(client)
@@ -151,7 +152,8 @@ class HFConnector:
             return Loaded(self._empty_cache(), 0, None, decision, cached, ())
         s = self.spec
         bufs = [
-            tuple(torch.empty(1, s.kv_heads, n * s.block_size, s.head_size, dtype=self.dtype) for _ in range(2))
+            tuple(torch.empty(1, s.kv_heads, n * s.block_size, s.head_size, dtype=self.dtype, device=self.device)
+                  for _ in range(2))
             for _ in range(s.num_layers)
         ]
         try:
@@ -210,7 +212,7 @@ class HFConnector:
 
     @torch.inference_mode()
     def _forward(self, token_ids: Sequence[int], cache: Any) -> torch.Tensor:
-        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
         logits: torch.Tensor = out.logits[0, -1].float()
         return logits
@@ -276,20 +278,31 @@ def reference_generate(
     already holds -- the same computations a connector run performs around its loaded prefix."""
     from transformers import DynamicCache
 
+    device = next(model.parameters()).device
     if cache is None:
         cache = DynamicCache(config=model.config)
     held = cache.get_seq_length()
     parts = [token_ids[held:split], token_ids[split:]] if split > held else [token_ids[held:]]
     for part in parts:
-        out = model(input_ids=torch.tensor([list(part)]), past_key_values=cache, use_cache=True)
+        out = model(input_ids=torch.tensor([list(part)], device=device), past_key_values=cache, use_cache=True)
     logits: list[torch.Tensor] = [out.logits[0, -1].float()]
     tokens: list[int] = []
     for step in range(max_new_tokens):
         tokens.append(int(torch.argmax(logits[-1])))
         if step + 1 < max_new_tokens:
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([[tokens[-1]]], device=device), past_key_values=cache, use_cache=True)
             logits.append(out.logits[0, -1].float())
     return tokens, torch.stack(logits[: len(tokens)])
+
+
+def default_transfer(device: torch.device, client: ConnectorClient) -> Transfer:
+    """The numpy engine for a model on the CPU; for one on a GPU the cupy engine, with the
+    sidecar's slab pinned now, at start (``hello`` names it), not on a request's path."""
+    if device.type != "cuda":
+        return NumpyTransfer()
+    transfer = make_transfer("cupy")
+    register_slab(transfer, client)
+    return transfer
 
 
 def as_token_list(ids: Any) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,7 +30,10 @@ import numpy as np
 
 from connector.copy_plan import Piece, PlaneGeometry, block_bytes, check_disjoint, pieces
 from connector.layout import Array, KVSpec
-from kvstore.errors import InvalidArgument
+from kvstore.dram.slab import attach
+from kvstore.errors import InvalidArgument, KVStoreError
+
+log = logging.getLogger(__name__)
 
 LayerPlanes = list[list[Array]]  # [layer][plane] -> array with the block index first
 
@@ -174,6 +178,7 @@ DONE = Done()
 
 class Transfer(Protocol):
     name: str
+    pins_host: bool  # whether register() does anything (the host mapping must be pinned for DMA)
 
     def register(self, host: Array, page_bytes: int = 0) -> None:
         """Prepare the host mapping behind ``host`` (the slab, at start) for transfers: pinned on a
@@ -198,6 +203,7 @@ class NumpyTransfer:
     assignment, no temporaries: ``plane[ids] = ...`` per layer ran at 0.17 of a plain memcpy)."""
 
     name = "numpy"
+    pins_host = False
 
     def register(self, host: Array, page_bytes: int = 0) -> None:
         return None  # nothing to pin on CPU
@@ -225,15 +231,33 @@ def _on_host(kv: PagedKV) -> None:
 
 def run_plan(plan: Sequence[Piece], block_ids: Sequence[int], addresses: Sequence[int], *, to_slots: bool) -> None:
     """Execute ``plan`` on the host: block ``block_ids[i]`` <-> the slot at ``addresses[i]``. The
-    caller has checked the ids against the cache and the slots' sizes (:func:`slot_addresses`)."""
+    caller has checked the ids against the cache and the slots' sizes (:func:`slot_addresses`).
+    Piece by piece, every block of the batch in turn (the source walks one plane at a time)."""
     move = ctypes.memmove
-    steps = [(p.src, p.stride, p.nbytes, p.slot_off) for p in plan]
-    for b, slot in zip(block_ids, addresses):
-        for src, stride, n, off in steps:
-            if to_slots:
+    pairs = list(zip(block_ids, addresses))
+    for p in plan:
+        src, stride, n, off = p.src, p.stride, p.nbytes, p.slot_off
+        if to_slots:
+            for b, slot in pairs:
                 move(slot + off, src + b * stride, n)
-            else:
+        else:
+            for b, slot in pairs:
                 move(src + b * stride, slot + off, n)
+
+
+def register_slab(transfer: Transfer, client: object) -> None:
+    """Register the sidecar's slab with ``transfer`` once, at the connector's start: ``client.hello()``
+    names its segment. A client without a local slab (a remote sidecar) registers nothing."""
+    hello = getattr(client, "hello", None)
+    if hello is None or not transfer.pins_host:
+        return
+    try:
+        segment = hello().segment
+        if segment:
+            transfer.register(attach(segment))
+    except (OSError, KVStoreError) as exc:  # no slab on this host: each mapping is pinned when first seen
+        log.warning("transfer: the sidecar's slab could not be registered at start (%s)", exc)
+
 
 _TRANSFERS: dict[str, tuple[str, str]] = {
     "numpy": ("connector.transfer", "NumpyTransfer"),

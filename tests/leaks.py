@@ -403,6 +403,8 @@ def _process_wide() -> Owned:
       log capture until the test ends, its traceback's frames hold slot views, and the in-process
       sidecar stops while they are alive. Allowed by exactly the fds on a slab this process created
       and has since closed and unlinked (``/dev/shm/<name> (deleted)``, no longer in ``_owned``).
+    * the CUDA driver's device files (``/dev/nvidia*``): opened by the first CUDA call, kept for the
+      process's life; its eventfds and pipes are made part of a GPU test's "before" (``_init_cuda``).
     * tqdm's monitor threads (``TMonitor``, one per tqdm class), and ``threading._DummyThread``
       entries: see the comments in the code.
     """
@@ -438,8 +440,22 @@ def _process_wide() -> Owned:
     # threading.enumerate() as a _DummyThread for the rest of the process; it cannot be joined and
     # the library's pool owns it
     wide.threads.update(id(t) for t in threading.enumerate() if isinstance(t, threading._DummyThread))
+    # the CUDA driver's device files, opened once per process by the first CUDA call (see _init_cuda)
+    wide.fds.update((fd, t) for fd, t in fds.items() if t.startswith("/dev/nvidia"))
     wide.tmp = set(_serve_logs)
     return wide
+
+
+def _init_cuda() -> None:
+    """Create the process's CUDA context before a GPU test's window opens: the driver's own
+    descriptors (``/dev/nvidia*``, ``nvidia-uvm``, its eventfds and pipes), opened by the first CUDA
+    call and kept for the process's life, are then part of the "before". Nothing without CUDA."""
+    with contextlib.suppress(Exception):
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            cupy.cuda.runtime.free(0)  # forces the context (a no-op free)
+            cupy.cuda.Stream(non_blocking=True).synchronize()
 
 
 # --- ownership by reachability -------------------------------------------------------------------------
@@ -808,6 +824,8 @@ def pytest_fixture_post_finalizer(fixturedef: pytest.FixtureDef[Any], request: p
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     check = _check(item.config)
     if check is not None:
+        if item.get_closest_marker("gpu") is not None:
+            _init_cuda()
         check.before = snapshot()
         check.finalized.clear()
     result = yield

