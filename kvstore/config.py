@@ -29,6 +29,7 @@ from pydantic_settings import (
 
 from kvstore.errors import ConfigError
 from kvstore.policy import DEFAULT_POLICY, policy_names
+from kvstore.util.address import split_host_port
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -287,6 +288,19 @@ class ClusterConfig(_Section):
         "long as in the node's own ghost at its current turnover (kvstore/policy/ghost.py), at most this; "
         "0: not remembered",
     )
+
+    @field_validator("peer_address")
+    @classmethod
+    def _listen_address(cls, v: str) -> str:
+        split_host_port(v, listen=True)
+        return v
+
+    @field_validator("advertise_address")
+    @classmethod
+    def _dial_address(cls, v: str) -> str:
+        if v:  # (empty: derived from peer_address at start)
+            split_host_port(v)
+        return v
 
     @model_validator(mode="after")
     def _complete(self) -> ClusterConfig:

@@ -42,7 +42,7 @@ from kvstore.cluster.directory import Directory, Ghosts, Member, Record
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.peer_server import NOTHING_LENT, Lent, PeerServer
 from kvstore.config import Config
-from kvstore.errors import KVStoreError, Unavailable
+from kvstore.errors import KVStoreError, Unavailable, shown
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.policy.ghost import GhostSpan
 from kvstore.store.block_store import BlockStore
@@ -58,8 +58,13 @@ PUBLISH_BATCH = 4096  # directory records in one pipeline
 COUNTERS = (  # /stats "cluster": every one shown from the start, 0 until it happens
     "heartbeats", "directory_errors", "directory_lookups", "records_published", "records_removed",
     "peer_blocks_found", "blocks_adopted", "blocks_fetched", "bytes_fetched", "fetch_failures", "fetch_misses",
-    "checksum_failures", "blocks_lent", "ghosts_written", "ghosts_resumed",
+    "checksum_failures", "blocks_lent", "ghosts_written", "ghosts_resumed", "bad_addresses", "unheld_dropped",
 )
+# Keys peers asked for that this node does not hold, remembered for the next publish to delete their
+# records: at most this many (one pipeline's worth). While the directory is down nothing drains them;
+# past this, a request's key is not remembered (another request, or the holder's own next look at
+# it, finds the record again).
+UNHELD_MAX = PUBLISH_BATCH
 
 
 def _rank(tiers: int) -> int:
@@ -456,36 +461,55 @@ class ClusterNode:
         return adopted + await asyncio.shield(task)
 
     async def _fetch_into(self, ns: NsEntry, pending: list[tuple[Block, PeerBlock]]) -> int:
-        """Fetch ``pending`` (blocks holding slots) from their holders; place the leading run
-        that arrived intact as replicas, free the rest. How many were placed."""
-        index, space = self.store.index, self.store.space
+        """Fetch ``pending`` (blocks holding slots) from their holders, one fetch per holder's
+        consecutive blocks, at once; place the leading run that arrived intact as replicas, free
+        the rest. How many were placed.
+
+        No slot is placed or freed before every one of these fetches has ended, its I/O thread
+        too: a slot freed under a thread still reading into it takes the holder's bytes into
+        whatever block gets the slot next (another tenant's, sealed after them). A holder's run
+        that comes short cuts the runs after it (they cannot join the leading run): their
+        fetches are cancelled, and awaited."""
         groups: list[list[tuple[Block, PeerBlock]]] = []
         for item in pending:
             if groups and groups[-1][0][1].node == item[1].node:
                 groups[-1].append(item)
             else:
                 groups.append([item])
-        counts: list[int] = [0] * len(groups)
+        tasks = [asyncio.create_task(self._fetch_group(ns.root, g), name="kvstore-cluster-fetch-run") for g in groups]
         try:
-            counts = list(await asyncio.gather(*(self._fetch_group(ns.root, g) for g in groups)))
+            await _until_cut(tasks, [len(g) for g in groups])
+        except BaseException:  # cancelled (close(), the loop ending): every fetch ends first
+            await _ended(tasks)
+            raise
         finally:
-            placed = 0
-            cut = False
-            for group, n in zip(groups, counts):
-                for j, (b, _) in enumerate(group):
-                    if cut or j >= n:
-                        cut = True
-                        space.free(b)  # never visible: the slot goes back, the block leaves the index
-                        continue
-                    b.replica = True
-                    index.publish(b)
-                    space.place(b)
-                    placed += 1
-            self.stats["blocks_fetched"] += placed
-            self.stats["bytes_fetched"] += sum(b.size for b, _ in pending[:placed])
+            placed = self._settle(groups, [_count(t) for t in tasks])
+        return placed
+
+    def _settle(self, groups: list[list[tuple[Block, PeerBlock]]], counts: list[int]) -> int:
+        """Place the leading run of ``groups`` that arrived (``counts``: each group's leading
+        blocks in intact), free every other block's slot. How many were placed."""
+        index, space = self.store.index, self.store.space
+        placed = placed_bytes = 0
+        cut = False
+        for group, n in zip(groups, counts):
+            for j, (b, _) in enumerate(group):
+                if cut or j >= n:
+                    cut = True
+                    space.free(b)  # never visible: the slot goes back, the block leaves the index
+                    continue
+                b.replica = True
+                index.publish(b)
+                space.place(b)
+                placed += 1
+                placed_bytes += b.size
+        self.stats["blocks_fetched"] += placed
+        self.stats["bytes_fetched"] += placed_bytes
         return placed
 
     def _client(self, node: str) -> PeerClient | None:
+        """The client of ``node``'s peer data path; None when it is not a member, or its member
+        entry's address is not one to dial (counted: a miss for whatever it holds)."""
         m = self._members.get(node)
         if m is None:
             return None
@@ -493,11 +517,28 @@ class ClusterNode:
         if client is None or client.address != m.address:
             if client is not None:
                 client.close()
-            client = self._peers[node] = PeerClient(m.address, self.cfg.token, self.node, self.cfg.fetch_timeout_s)
+                del self._peers[node]
+            try:
+                client = PeerClient(m.address, self.cfg.token, self.node, self.cfg.fetch_timeout_s)
+            except ValueError as exc:
+                self.stats["bad_addresses"] += 1
+                self._warn.warning("cluster member %s has no address to dial (a miss): %s", shown(node), exc)
+                return None
+            self._peers[node] = client
         return client
 
     async def _fetch_group(self, root: bytes, group: list[tuple[Block, PeerBlock]]) -> int:
-        """Fetch one holder's consecutive blocks; how many leading ones arrived intact."""
+        """Fetch one holder's consecutive blocks; how many leading ones arrived intact. A failure
+        of any kind is a miss for this holder's run, never the request's error."""
+        node = group[0][1].node
+        try:
+            return await self._fetch_run(root, group)
+        except Exception as exc:  # noqa: BLE001 - any failure is a miss for this run (a cancellation ends it)
+            self.stats["fetch_failures"] += 1
+            self._warn.warning("peer fetch from %s failed (a miss): %s: %s", shown(node), type(exc).__name__, exc)
+            return 0
+
+    async def _fetch_run(self, root: bytes, group: list[tuple[Block, PeerBlock]]) -> int:
         node = group[0][1].node
         client = self._client(node)
         if client is None:
@@ -533,8 +574,11 @@ class ClusterNode:
         if ns is None:
             return NOTHING_LENT
         run = store.index.leading_run(ns, keys)
-        if len(run) < len(keys):
-            self._unheld.add((root, keys[len(run)]))  # asked for what it does not hold: its record goes
+        if len(run) < len(keys):  # asked for what it does not hold: its record goes
+            if len(self._unheld) < UNHELD_MAX:
+                self._unheld.add((root, keys[len(run)]))
+            else:
+                self.stats["unheld_dropped"] += 1
         run = await store.space.movers.promote(run)
         readable: list[Block] = []
         for b in run:
@@ -567,6 +611,36 @@ class ClusterNode:
         except BaseException:
             done()
             raise
+
+
+async def _until_cut(tasks: list[asyncio.Task[int]], sizes: list[int]) -> None:
+    """Wait until every one of ``tasks`` (one holder's run each, of ``sizes`` blocks) has ended;
+    when one ends short, cancel those after it (their blocks could not join the leading run)."""
+    left: set[asyncio.Task[int]] = set(tasks)
+    while left:
+        done, left = await asyncio.wait(left, return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            i = tasks.index(t)
+            if _count(t) < sizes[i]:
+                for later in tasks[i + 1 :]:
+                    later.cancel()
+
+
+async def _ended(tasks: list[asyncio.Task[int]]) -> None:
+    """Cancel ``tasks`` and wait until every one has ended, through any further cancellation of
+    the caller (which the caller re-raises): a fetch's I/O thread writes into slots until then."""
+    for t in tasks:
+        t.cancel()
+    while not all(t.done() for t in tasks):
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait(tasks)
+
+
+def _count(t: asyncio.Task[int]) -> int:
+    """Leading blocks a holder's fetch got in intact: 0 for one cancelled (or that failed)."""
+    if not t.done() or t.cancelled() or t.exception() is not None:
+        return 0
+    return t.result()
 
 
 def _advertised(peer_address: str, port: int) -> str:

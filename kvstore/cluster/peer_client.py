@@ -5,10 +5,11 @@ connection). :meth:`PeerClient.fetch` sends one request for a run of blocks and,
 (:func:`~kvstore.cluster.peer_wire.blocking`), reads each block with one blocking ``recv_into``
 straight into the slot view it was given and hashes it there (xxh3 at ~28 GB/s a core: 1 MiB in
 under 40 us, while the kernel goes on filling the socket buffer with the next), all under one
-deadline. It never raises for what the peer does: a refused or broken
-connection, a deadline passed or a malformed answer end the run there, and the connection is
-dropped (a half-read answer cannot be resumed). The caller compares the hashes with the holder's
-and the directory's checksums (:class:`FetchResult`).
+deadline. One holder's fetches take at most :data:`HOLDER_THREADS` of those threads at once. It
+never raises for what the peer does: a refused or broken connection, a deadline passed or a
+malformed answer end the run there, and the connection is dropped (a half-read answer cannot be
+resumed). The caller compares the hashes with the holder's and the directory's checksums
+(:class:`FetchResult`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,14 @@ import numpy as np
 
 from kvstore.cluster import peer_wire as w
 from kvstore.store.checksum import checksum
+from kvstore.util.address import split_host_port
 
 IDLE_CONNECTIONS = 4
+# Fetch threads (peer_wire.FETCHING) one holder's fetches may hold at once; the others wait on the
+# loop, under their deadline. A holder that welcomes a fetcher and never answers keeps each thread
+# it is given until that fetch's deadline: without a cap, a few concurrent fetches from it took
+# every thread, and fetches from healthy holders queued behind them until those deadlines passed.
+HOLDER_THREADS = w.IO_THREADS // 4
 
 
 @dataclass(slots=True)
@@ -37,22 +44,22 @@ class FetchResult:
 class PeerClient:
     def __init__(self, address: str, token: str, node: str, io_timeout_s: float) -> None:
         self.address = address
+        self._host, self._port = split_host_port(address)  # (ValueError: not an address to dial)
         self.io_timeout_s = io_timeout_s  # the kernel's bound on one blocking call (the deadline is the loop's)
         self._hello = w.hello(token, node)
         self._idle: list[socket.socket] = []
+        self._turns = asyncio.Semaphore(HOLDER_THREADS)
         self._closed = False  # a fetch in flight at close() closes its socket instead of idling it
 
     async def _connect(self) -> socket.socket:
         if self._idle:
             return self._idle.pop()
-        host, _, port = self.address.rpartition(":")
-        host = host.strip("[]")
         loop = asyncio.get_running_loop()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            await loop.sock_connect(sock, (host, int(port)))
+            await loop.sock_connect(sock, (self._host, self._port))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await loop.sock_sendall(sock, self._hello)
             if await w.recv_bytes(sock, len(w.WELCOME)) != w.WELCOME:
@@ -71,7 +78,7 @@ class PeerClient:
         it) is replaced once."""
         result = FetchResult([], [])
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(timeout_s), self._turns:
                 reused = bool(self._idle)
                 try:
                     await self._fetch_on(await self._connect(), root, keys, into, result)
