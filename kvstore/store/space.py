@@ -147,11 +147,15 @@ class DramSpace:
                 if _placed(s)]
 
     def take_slot(self, holder: Block) -> Slot:
-        """One slot for ``holder``'s bytes (see :meth:`take`); it holds the slot from now on."""
+        """One slot for ``holder``'s bytes (see :meth:`take`); it holds the slot from now on. With
+        tenant quotas its size counts against its tenant's from now on (``Quotas.reserve``), until
+        it is placed (:meth:`place`) or its slot is given back (:meth:`release`, :meth:`free`)."""
         cls = self.slab.class_of(holder.size)
         tenant = self.quotas.tenant(holder) if self.quotas is not None else ""
         slot = self.take({cls: 1}, tenant, holder.size)[cls][0]
         slot.holder = holder
+        if self.quotas is not None:
+            self.quotas.reserve(holder)
         return slot
 
     def view(self, b: Block) -> np.ndarray:
@@ -168,14 +172,18 @@ class DramSpace:
         if slot is not None:
             b.slot = slot
             slot.holder = b
-        if self.quotas is not None and not b.tiers & DRAM:
-            self.quotas.placed(b)
+        if self.quotas is not None:
+            self.quotas.settle(b)
+            if not b.tiers & DRAM:
+                self.quotas.placed(b)
         b.tiers |= DRAM
         enter(self.policy, b)
         self.index.moved(b)
 
     def release(self, slot: Slot) -> None:
         """Give back a slot that never held a placed block (a promotion that found no good copy)."""
+        if self.quotas is not None and slot.holder is not None:
+            self.quotas.settle(slot.holder)
         self.slab.free(slot)
 
     def free(self, b: Block) -> None:
@@ -183,8 +191,10 @@ class DramSpace:
         if b.slot is not None:
             self.slab.free(b.slot)
             b.slot = None
-        if self.quotas is not None and b.tiers & DRAM:
-            self.quotas.freed(b)
+        if self.quotas is not None:
+            self.quotas.settle(b)
+            if b.tiers & DRAM:
+                self.quotas.freed(b)
         b.tiers &= ~DRAM
         self.index.moved(b)
         self.index.drop_if_gone(b)

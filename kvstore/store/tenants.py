@@ -57,6 +57,8 @@ class Quotas:
         self.used: Counter[str] = Counter()  # tenant -> bytes in the tier
         self.evictions: Counter[str] = Counter()  # tenant -> its blocks evicted from the tier
         self.refused: Counter[str] = Counter()  # tenant -> its blocks kept out of the tier by its quota
+        self.coming: Counter[str] = Counter()  # tenant -> bytes of its blocks holding slots their bytes are on
+        self._coming: dict[Block, str] = {}  # their way into (a promotion, a peer fetch): see reserve
         self._labels: dict[str, str] = {}  # namespace label -> tenant
 
     @classmethod
@@ -89,10 +91,26 @@ class Quotas:
         if self.used[t] <= 0:
             del self.used[t]
 
+    def reserve(self, b: Block) -> None:
+        """``b`` holds a slot its bytes are on their way into (a promotion, a peer fetch): its size
+        counts against its tenant's quota (:meth:`excess`) until it is placed or let go
+        (:meth:`settle`), so that a run of such blocks taken one by one never passes the quota."""
+        t = self._coming[b] = self.tenant(b)
+        self.coming[t] += b.size
+
+    def settle(self, b: Block) -> None:
+        """``b``'s reservation (if it has one) ends: placed (then counted as used) or let go."""
+        t = self._coming.pop(b, None)
+        if t is not None:
+            self.coming[t] -= b.size
+            if self.coming[t] <= 0:
+                del self.coming[t]
+
     def excess(self, tenant: str, nbytes: int) -> int:
-        """Bytes ``tenant`` must free of its own before ``nbytes`` more fit its quota."""
+        """Bytes ``tenant`` must free of its own before ``nbytes`` more fit its quota (with the
+        bytes of its blocks on their way in, :meth:`reserve`)."""
         q = self.quota(tenant)
-        return max(0, self.used[tenant] + nbytes - q) if q else 0
+        return max(0, self.used[tenant] + self.coming[tenant] + nbytes - q) if q else 0
 
     def over(self) -> list[str]:
         """The tenants past their quota now."""

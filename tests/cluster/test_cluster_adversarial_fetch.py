@@ -123,6 +123,35 @@ async def test_a_holder_that_fails_frees_no_slot_another_holders_fetch_still_wri
             assert [bytes(g) for g in await cb.get_blocks(ns, keys[1:], verify=True)] == [bytes(t) for t in theirs[1:]]
 
 
+async def dram_bytes(client: Any) -> int:
+    """DRAM bytes of the one salted tenant on the node ``client`` talks to (its /stats line)."""
+    lines = [v for t, v in (await client.stats())["tenants"].items() if t != "-"]
+    assert len(lines) == 1 and lines[0]["dram"]["quota_bytes"] == 4 * BLOCK
+    return int(lines[0]["dram"]["bytes"])
+
+
+# --- 6 -------------------------------------------------------------------------------------------
+# DEFECT: a peer fetch ignored the tenant's DRAM quota: DramSpace.take_slot asked the quota about one
+# block at a time, and a slot taken (not yet placed) counted nowhere, so a tenant with a 32 KiB quota
+# fetched a 96 KiB prompt from a peer and held 96 KiB (a write of it on B was refused).
+async def test_a_peer_fetch_stays_within_the_tenants_dram_quota(
+    tmp_path: Path, directory: RedisServer, ns: Namespace
+) -> None:
+    tenant = other_tenant(ns, "quota")
+    quota = 4 * BLOCK
+    keys, data = keys_for(tenant, 12, seed=42), blocks(12, seed=42)
+    async with Sidecar(node_config(tmp_path, "a", directory)) as a, \
+            Sidecar(node_config(tmp_path, "b", directory, **{"tenants.dram_quotas": {"quota": quota}})) as b:
+        await eventually(lambda: sees(a, "b") and sees(b, "a"), "both nodes see the other")
+        async with client_of(a) as ca, client_of(b) as cb:
+            await ca.put_blocks(tenant, keys, data, wait_published=True)
+            got = await cb.get_blocks(tenant, keys, verify=True)
+            assert [bytes(g) for g in got] == [bytes(d) for d in data[:4]]  # the leading run within the quota
+            assert await dram_bytes(cb) == quota
+            again = await cb.get_blocks(tenant, keys, verify=True)  # asked again: still within it
+            assert len(again) == 4 and await dram_bytes(cb) == quota
+
+
 # --- 10 ------------------------------------------------------------------------------------------
 # DEFECT: while the directory was down, every request for a key the node did not hold grew
 # ClusterNode._unheld without bound (600k requests: +160 MiB, then 600k HDELs when it came back).
