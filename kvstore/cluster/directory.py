@@ -200,6 +200,14 @@ def parse_members(entries: Sequence[Any]) -> dict[str, Member]:
     return out
 
 
+def _node_name(field: Any) -> str | None:
+    """The node id a record's field names; None when it is not text (no node writes it)."""
+    try:
+        return _text(field)
+    except UnicodeDecodeError:
+        return None
+
+
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -371,8 +379,9 @@ class Directory:
             holders: dict[str, Record] = {}
             for field, raw in items:
                 rec = Record.unpack(raw)
-                if rec is not None:
-                    holders[_text(field)] = rec
+                node = _node_name(field)
+                if rec is not None and node is not None:  # (else not a record this version writes: a miss)
+                    holders[node] = rec
             out.append(holders)
         return out
 

@@ -21,6 +21,7 @@ from kvstore.store.counters import document_json
 
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = ("/healthz", "/readyz")  # probes answer without the token
+MAX_DEPTH = 8  # of a /route body: a RouteRequest is 2 deep ({"namespace": {...}}); what parses it recurses
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +73,12 @@ def build_app(source: HttpSource) -> web.Application:
             body = await request.json() if request.can_read_body else json.loads(request.query.get("q", "{}"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return web.json_response({"error": f"request: not JSON: {exc}"}, status=400)
+        except RecursionError:  # (the decoder's own limit, before MAX_DEPTH is looked at)
+            return web.json_response({"error": f"request: nested deeper than {MAX_DEPTH} levels"}, status=400)
         if not isinstance(body, dict):
             return web.json_response({"error": "request: a JSON object"}, status=400)
+        if _deeper(body, MAX_DEPTH):
+            return web.json_response({"error": f"request: nested deeper than {MAX_DEPTH} levels"}, status=400)
         try:
             return web.json_response(await source.route(body))
         except KVStoreError as exc:
@@ -89,6 +94,17 @@ def build_app(source: HttpSource) -> web.Application:
     app.router.add_get("/", dashboard)
     app.router.add_get("/dashboard", dashboard)
     return app
+
+
+def _deeper(doc: Any, limit: int) -> bool:
+    """Whether the JSON value ``doc`` nests lists and objects more than ``limit`` deep (without
+    recursing: the point is a value too deep to recurse into)."""
+    level: list[Any] = [doc]
+    for _ in range(limit + 1):
+        level = [v for d in level if isinstance(d, (dict, list)) for v in (d.values() if isinstance(d, dict) else d)]
+        if not level:
+            return False
+    return True
 
 
 async def start_http(source: HttpSource, address: str) -> tuple[web.AppRunner, int]:

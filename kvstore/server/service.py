@@ -52,15 +52,23 @@ def _pb_tiers(run: list[Block], masks: set[int]) -> bytes:
     return bytes(map(_MASK_TO_PB.__getitem__, map(_TIERS, run)))
 
 
+MAX_HOLDERS = 256  # distinct holders one Lookup names: LookupResponse.holders indexes them in one byte each
+MAX_ROUTE_NODES = 256  # nodes one Route answer lists (the best ones): its size and cost bounded by the members
+
+
 def _cluster_lookup(
     run: list[Block], masks: set[int], lease: Lease | None, peers: list[PeerBlock]
 ) -> pb.LookupResponse:
-    """A Lookup's answer whose run goes on through other nodes' blocks (``peers``)."""
+    """A Lookup's answer whose run goes on through other nodes' blocks (``peers``). The run ends
+    before the block of a holder past the :data:`MAX_HOLDERS` th (a miss from there on)."""
+    nodes: dict[str, int] = {}
+    for i, p in enumerate(peers):
+        if nodes.setdefault(p.node, len(nodes)) >= MAX_HOLDERS:
+            del nodes[p.node]
+            peers = peers[:i]
+            break
     sizes = [*map(_SIZE, run), *(p.size for p in peers)]
     uniform = sizes[0] if sizes and sizes.count(sizes[0]) == len(sizes) else 0
-    nodes: dict[str, int] = {}
-    for p in peers:
-        nodes.setdefault(p.node, len(nodes))
     return pb.LookupResponse(
         matched=len(sizes),
         local=len(run),
@@ -285,7 +293,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return await self.route(request)
 
     async def route(self, request: pb.RouteRequest) -> pb.RouteResponse:
-        """Every live node, best first for this request (the Route RPC and ``/route``)."""
+        """The live nodes, best first for this request, at most :data:`MAX_ROUTE_NODES` of them
+        (the Route RPC and ``/route``)."""
         ns = self._namespace(request)
         for node, load in request.loads.items():
             if not math.isfinite(load) or load < 0:
@@ -294,7 +303,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         names = list(prefixes)
         loads = [request.loads.get(n, 0.0) for n in names]
         counts = [prefixes[n] for n in names]
-        order = rank(counts, loads)
+        order = rank(counts, loads)[:MAX_ROUTE_NODES]
         return pb.RouteResponse(nodes=[
             pb.RouteNode(
                 node=names[i],

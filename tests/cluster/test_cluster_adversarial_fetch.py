@@ -10,16 +10,23 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import grpc
 import numpy as np
 import pytest
+import redis
 
 from kvstore.cluster import peer_client, peer_wire
+from kvstore.cluster.directory import Directory, Record
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
+from kvstore.store.index import DRAM
 from kvstore.testing.servers import RedisServer, redis_server
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.cluster.nodes import BLOCK, TOKEN, blocks, client_of, keys_for, node_config
 from tests.cluster.test_cluster_races import eventually, sees
 from tests.conftest import small_config
@@ -152,6 +159,83 @@ async def test_a_peer_fetch_stays_within_the_tenants_dram_quota(
             assert len(again) == 4 and await dram_bytes(cb) == quota
 
 
+# --- 9 -------------------------------------------------------------------------------------------
+# DEFECT: a d: hash with a field that is not UTF-8 (any writer of the directory's Redis can add one)
+# made Directory.find raise UnicodeDecodeError: Lookup and Acquire answered INTERNAL, /route 500.
+async def test_a_record_field_that_is_not_utf8_is_skipped(
+    pair: tuple[Sidecar, Sidecar], directory: RedisServer, ns: Namespace
+) -> None:
+    a, b = pair
+    assert b.cluster is not None and b.store is not None
+    keys, data = keys_for(ns, 3, seed=43), blocks(3, seed=43)
+    async with client_of(a) as ca, client_of(b) as cb:
+        await ca.put_blocks(ns, keys, data, wait_published=True)
+        r = redis.Redis.from_url(directory.url)
+        try:
+            r.hset(b.cluster.directory.key(b.store.namespace(ns).root, keys[0]), b"\xff\xfe",
+                   Record(1, DRAM, BLOCK, 0).pack())
+        finally:
+            r.close()
+        assert (await cb.lookup(ns, keys)).matched == 3
+        namespace = {"model": ns.model, "kvLayout": ns.kv_layout, "dtype": ns.dtype, "blockSize": ns.block_size}
+        async with aiohttp.ClientSession() as http, \
+                http.post(f"http://127.0.0.1:{b.http_port}/route",
+                          json={"namespace": namespace, "keys": [k.hex() for k in keys]}) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["nodes"][0]["node"] == "a"
+        got = await cb.get_blocks(ns, keys, verify=True)
+        assert [bytes(g) for g in got] == [bytes(d) for d in data]
+
+
+async def fake_holders(sc: Sidecar, ns: Namespace, keys: list[bytes]) -> None:
+    """A live member per key (``n000``, ``n001``...; nobody listens at its address) holding that
+    key, written through the directory's own calls."""
+    assert sc.store is not None
+    d = Directory.from_config(sc.config.cluster, "")
+    root = sc.store.namespace(ns).root
+    try:
+        for i, key in enumerate(keys):
+            d.node = f"n{i:03d}"
+            await d.heartbeat("127.0.0.1:9", 1, 600_000)
+            await d.publish([(root, key, Record(1, DRAM, BLOCK, 0))], [])
+    finally:
+        await d.close()
+
+
+async def held_by_300(b: Sidecar, ns: Namespace, seed: int) -> list[bytes]:
+    """300 keys, each held by a member of its own that B sees live."""
+    assert b.cluster is not None
+    keys = keys_for(ns, 300, seed=seed)
+    await fake_holders(b, ns, keys)
+    await eventually(lambda: len(b.cluster.live_members()) >= 302, "B sees the 300 members")  # type: ignore[union-attr]
+    return keys
+
+
+# DEFECT: a run through more than 256 distinct holders made the Lookup answer INTERNAL ("bytes must
+# be in range(0, 256)": LookupResponse.holders indexes its nodes one byte each).
+async def test_a_run_through_more_than_256_holders_is_cut_at_the_256th(
+    pair: tuple[Sidecar, Sidecar], ns: Namespace
+) -> None:
+    _, b = pair
+    keys = await held_by_300(b, ns, seed=44)
+    async with client_of(b) as cb:
+        found = await cb.lookup(ns, keys)
+        assert found.matched == 256 and [t for t, _ in found.blocks] == ["peer"] * 256
+        assert await cb.get_blocks(ns, keys) == []  # nobody answers at their address: a miss, not INTERNAL
+
+
+# DEFECT: a Route listed every live member, at a cost of members x keys (20,000 forged members and
+# 200 keys took the loop for 0.5 s in the issue; 300 members here).
+async def test_a_route_names_the_best_256_nodes(pair: tuple[Sidecar, Sidecar], ns: Namespace) -> None:
+    _, b = pair
+    keys = await held_by_300(b, ns, seed=48)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{b.grpc_port}") as ch:
+        space = pb.Namespace(model=ns.model, kv_layout=ns.kv_layout, dtype=ns.dtype, block_size=ns.block_size)
+        nodes = list((await pb_grpc.KVStoreStub(ch).Route(pb.RouteRequest(namespace=space, keys=keys))).nodes)
+    assert len(nodes) == 256
+    assert all(n.node.startswith("n") and n.dram == 1 and n.peer == 299 for n in nodes)  # each holds one of them
+
+
 # --- 10 ------------------------------------------------------------------------------------------
 # DEFECT: while the directory was down, every request for a key the node did not hold grew
 # ClusterNode._unheld without bound (600k requests: +160 MiB, then 600k HDELs when it came back).
@@ -189,6 +273,23 @@ async def test_requests_for_unheld_blocks_are_remembered_up_to_a_bound_while_the
             await eventually(lambda: stats["heartbeats"] >= beats + 2, "two more heartbeats (publish passes between)")
             assert stats["records_removed"] - before == 4096  # (one pipeline's worth: the rest was not kept)
             assert stats["unheld_dropped"] == asks - 4096
+
+
+# DEFECT: a /route body nested deeply (a few thousand '[') made the JSON decoder raise
+# RecursionError: a 500 instead of a 400.
+async def test_a_deeply_nested_route_body_is_a_400(pair: tuple[Sidecar, Sidecar]) -> None:
+    _, b = pair
+    url = f"http://127.0.0.1:{b.http_port}/route"
+    deep = "[" * 100_000 + "]" * 100_000
+    async with aiohttp.ClientSession() as http:
+        for body in (deep, '{"keys": ' + deep + "}", '{"loads": {"a": ' + "[" * 50 + "]" * 50 + "}}"):
+            async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 400, body[:40]
+                assert (await r.json())["error"].startswith("request")
+        async with http.get(url, params={"q": "[" * 3000 + "]" * 3000}) as r:
+            assert r.status == 400
+        async with http.get(f"http://127.0.0.1:{b.http_port}/healthz") as r:
+            assert r.status == 200
 
 
 # DEFECT: a holder that says hello and never answers, asked by 16 concurrent Acquires, held every
