@@ -48,7 +48,7 @@ from kvstore.policy.ghost import GhostSpan
 from kvstore.store.block_store import BlockStore
 from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, REDIS, S3, Block, NsEntry, State, top_label
-from kvstore.store.remote import PeerBlock
+from kvstore.store.remote import MAX_HOLDERS, PeerBlock
 from kvstore.util.logs import Throttled
 from kvstore.util.tasks import cancel_and_wait
 
@@ -374,6 +374,7 @@ class ClusterNode:
         ns = index.find(ns.root, ns.label, ns.namespace)  # the live entry: a write meanwhile may have made it
         adopted = 0
         peers: list[PeerBlock] = []
+        through: set[str] = set()  # the nodes the run goes through
         previous = ""
         for i, holders in enumerate(found):
             key = keys[i]
@@ -402,6 +403,9 @@ class ClusterNode:
             m, rec = min(live, key=lambda mr: (mr[0].node != previous, _rank(mr[1].tiers), mr[0].node))
             if not slab.holds(rec.size):
                 break  # a block larger than any slot here (the holder has larger pages): a miss
+            if m.node not in through and len(through) == MAX_HOLDERS:
+                break  # (the run goes through at most that many nodes: a miss from here)
+            through.add(m.node)
             previous = m.node
             peers.append(PeerBlock(m.node, rec.tiers, rec.size, rec.checksum))
         self.stats["blocks_adopted"] += adopted
@@ -625,11 +629,12 @@ class ClusterNode:
 async def _until_cut(tasks: list[asyncio.Task[int]], sizes: list[int]) -> None:
     """Wait until every one of ``tasks`` (one holder's run each, of ``sizes`` blocks) has ended;
     when one ends short, cancel those after it (their blocks could not join the leading run)."""
+    at = {t: i for i, t in enumerate(tasks)}
     left: set[asyncio.Task[int]] = set(tasks)
     while left:
         done, left = await asyncio.wait(left, return_when=asyncio.FIRST_COMPLETED)
         for t in done:
-            i = tasks.index(t)
+            i = at[t]
             if _count(t) < sizes[i]:
                 for later in tasks[i + 1 :]:
                     later.cancel()

@@ -30,7 +30,7 @@ from kvstore.routing import prefix_score, rank
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
 from kvstore.store.counters import check_decision, document_json
 from kvstore.store.index import DRAM, REDIS, S3, SSD, TOP_TIER, Block, Lease, NsEntry
-from kvstore.store.remote import PeerBlock
+from kvstore.store.remote import MAX_HOLDERS, PeerBlock
 from kvstore.util.logs import Throttled
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -52,7 +52,6 @@ def _pb_tiers(run: list[Block], masks: set[int]) -> bytes:
     return bytes(map(_MASK_TO_PB.__getitem__, map(_TIERS, run)))
 
 
-MAX_HOLDERS = 256  # distinct holders one Lookup names: LookupResponse.holders indexes them in one byte each
 MAX_ROUTE_NODES = 256  # nodes one Route answer lists (the best ones): its size and cost bounded by the members
 
 

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from kvstore.store.index import Block, NsEntry
 
 
+MAX_HOLDERS = 256  # distinct nodes one run through others' blocks goes through: a Lookup answer indexes them
+# in a byte each (LookupResponse.holders), and a fetch runs one task (and connection) per holder's run
+
+
 @dataclass(slots=True, frozen=True)
 class PeerBlock:
     """A block another node holds: which node, the placement bits of its copy there, its size and
