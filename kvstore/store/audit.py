@@ -21,7 +21,7 @@ may call it after every request. What it checks:
 * **Index <-> policy** -- the DRAM policy orders exactly the blocks with the DRAM bit.
 * **Leases** -- a live lease names blocks the index still holds, COMMITTED; a block's ``leases``
   equals the number of live leases naming it (a promotion in flight pins its run without a lease,
-  so only then may it be more).
+  as a peer fetch pins the local run it extends, so only then may it be more).
 * **Allocations** -- an open allocation's blocks are ALLOCATED, filed in its namespace, each under
   the slot id it was handed; no block belongs to two; no open allocation is recorded as closed;
   every ALLOCATED block belongs to an open allocation. The one exception: a cluster node's peer
@@ -29,7 +29,8 @@ may call it after every request. What it checks:
   peer; on a store with a cluster wired in such a block is allowed (with a slot, in no tier) unless
   ``quiescent`` says no request is in flight.
 * **Tenant quotas** -- each tier's quotas count, per tenant, exactly the bytes of its blocks there
-  (DRAM: the sizes of the blocks with the DRAM bit; a level: what the level counts for them).
+  (DRAM: the sizes of the blocks with the DRAM bit; a level: what the level counts for them); with
+  no request in flight, no DRAM bytes are reserved for blocks on their way in (``Quotas.reserve``).
 * **Index <-> tiers** (a store with movers that have ``levels``, i.e. ``kvstore.tiers.movers.Tiering``)
   -- a level counts (``sizes``) exactly the blocks with its bit, none the index has dropped;
   ``used`` and ``queued_bytes`` add up; a bounded level's policy orders its blocks; a block lies
@@ -118,7 +119,7 @@ def audit(store: BlockStore, *, quiescent: bool = False) -> list[str]:
     _leases(store, blocks, quiescent, bad)
     _allocations(store, blocks, quiescent, bad)
     _tiers(store, blocks, quiescent, bad)
-    _quotas(store, blocks, bad)
+    _quotas(store, blocks, quiescent, bad)
     return bad.result()
 
 
@@ -305,8 +306,10 @@ def _leases(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findi
             bad(f"lease {lease.id!r} is filed under id {lease_id!r}")
         for b in lease.blocks:
             named[b] = named.get(b, 0) + 1
-    # A promotion pins the run it brings up (leases + 1, no Lease) until it returns: only then more.
-    pins_allowed = not quiescent and not isinstance(store.space.movers, NoMovers)
+    # A promotion pins the run it brings up (leases + 1, no Lease) until it returns, and a peer fetch
+    # the local run it extends (BlockStore._with_cluster): only then more.
+    pinning = not isinstance(store.space.movers, NoMovers) or not isinstance(store.remote, NoRemote)
+    pins_allowed = not quiescent and pinning
     for b, n in named.items():
         if not _indexed(b, namespaces):
             bad(f"{_name(b)} is leased {n} time(s) but the index no longer holds it (dropped while leased)")
@@ -411,10 +414,13 @@ def _tiers(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findin
                 bad(f"{_name(b)} is pinned by {b.moving} write-through(s) with no mover in flight")
 
 
-def _quotas(store: BlockStore, blocks: list[Block], bad: _Findings) -> None:
+def _quotas(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findings) -> None:
     counted: list[tuple[str, Quotas, Mapping[Block, int]]] = []
     if store.space.quotas is not None:
         counted.append(("DRAM", store.space.quotas, {b: b.size for b in blocks if b.tiers & DRAM}))
+        if quiescent and store.space.quotas.coming:  # (reserved by a promotion or peer fetch in flight)
+            bad(f"the DRAM quotas count {dict(store.space.quotas.coming)} bytes per tenant on their way in, "
+                "with nothing in flight")
     for lv in list(getattr(store.space.movers, "levels", None) or []):
         if lv.quotas is not None:
             counted.append((lv.name, lv.quotas, lv.sizes))

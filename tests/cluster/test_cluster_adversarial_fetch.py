@@ -23,6 +23,7 @@ from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
+from kvstore.store.audit import audit
 from kvstore.store.index import DRAM
 from kvstore.testing.servers import RedisServer, redis_server
 from kvstore.v1 import kvstore_pb2 as pb
@@ -128,6 +129,7 @@ async def test_a_holder_that_fails_frees_no_slot_another_holders_fetch_still_wri
             assert stats["bad_addresses"] >= 1 and stats["blocks_fetched"] == 0
             # B still fetches from A what A holds
             assert [bytes(g) for g in await cb.get_blocks(ns, keys[1:], verify=True)] == [bytes(t) for t in theirs[1:]]
+            assert b.store is not None and audit(b.store, quiescent=True) == []
 
 
 async def dram_bytes(client: Any) -> int:
@@ -157,6 +159,7 @@ async def test_a_peer_fetch_stays_within_the_tenants_dram_quota(
             assert await dram_bytes(cb) == quota
             again = await cb.get_blocks(tenant, keys, verify=True)  # asked again: still within it
             assert len(again) == 4 and await dram_bytes(cb) == quota
+        assert b.store is not None and audit(b.store, quiescent=True) == []  # nothing left reserved
 
 
 # --- 9 -------------------------------------------------------------------------------------------
