@@ -1,11 +1,12 @@
 """The fetcher's end of the peer data path: read another node's blocks straight into local slots.
 
 One :class:`PeerClient` per holder address keeps a few idle connections (hello done once per
-connection). :meth:`PeerClient.fetch` sends one request for a run of blocks and, on an I/O thread
-(:func:`~kvstore.cluster.peer_wire.blocking`), reads each block with one blocking ``recv_into``
-straight into the slot view it was given and hashes it there (xxh3 at ~28 GB/s a core: 1 MiB in
-under 40 us, while the kernel goes on filling the socket buffer with the next), all under one
-deadline. It never raises for what the peer does: a refused or broken
+connection: the holder proves it holds the cluster token, and is the node meant, before anything
+else is sent, :mod:`kvstore.cluster.peer_hello`). :meth:`PeerClient.fetch` sends one request for
+a run of blocks and, on an I/O thread (:func:`~kvstore.cluster.peer_wire.blocking`), reads each
+block with one blocking ``recv_into`` straight into the slot view it was given and hashes it there
+(xxh3 at ~28 GB/s a core: 1 MiB in under 40 us, while the kernel goes on filling the socket buffer
+with the next), all under one deadline. It never raises for what the peer does: a refused or broken
 connection, a deadline passed or a malformed answer end the run there, and the connection is
 dropped (a half-read answer cannot be resumed). The caller compares the hashes with the holder's
 and the directory's checksums (:class:`FetchResult`).
@@ -21,7 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvstore.cluster import peer_hello
 from kvstore.cluster import peer_wire as w
+from kvstore.cluster.cluster_key import ClusterKey
 from kvstore.store.checksum import checksum
 
 IDLE_CONNECTIONS = 4
@@ -35,10 +38,12 @@ class FetchResult:
 
 
 class PeerClient:
-    def __init__(self, address: str, token: str, node: str, io_timeout_s: float) -> None:
+    def __init__(self, address: str, key: ClusterKey, node: str, holder: str, io_timeout_s: float) -> None:
         self.address = address
+        self.holder = holder  # the node meant: the one at ``address`` must prove it is that node, with the token
         self.io_timeout_s = io_timeout_s  # the kernel's bound on one blocking call (the deadline is the loop's)
-        self._hello = w.hello(token, node)
+        self._key = key
+        self._node = node
         self._idle: list[socket.socket] = []
         self._closed = False  # a fetch in flight at close() closes its socket instead of idling it
 
@@ -54,9 +59,7 @@ class PeerClient:
         try:
             await loop.sock_connect(sock, (host, int(port)))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await loop.sock_sendall(sock, self._hello)
-            if await w.recv_bytes(sock, len(w.WELCOME)) != w.WELCOME:
-                raise w.PeerProtocolError("the holder did not welcome us")
+            await peer_hello.greet(sock, self._key, self._node, self.holder)  # (nothing else sent before)
             w.set_blocking(sock, self.io_timeout_s)  # from here on only I/O threads use it
         except BaseException:
             sock.close()

@@ -1,13 +1,13 @@
 """The holder's end of the peer data path: serves this node's blocks to the other nodes.
 
-Each connection says hello with the cluster token (compared in constant time) within
-``HELLO_TIMEOUT_S``, then sends requests (:mod:`kvstore.cluster.peer_wire`). The blocks of a
-request are lent by the node (:class:`Lender`: promoted into DRAM and leased while they are sent)
-and written from their slots by blocking ``sendmsg`` calls on an I/O thread
-(:func:`~kvstore.cluster.peer_wire.blocking`; a 64 MiB answer is a few system calls, no event-loop
-round per socket-buffer's worth), within ``send_timeout_s`` and never past the lease's end
-(:attr:`Lent.left_s`: a holder slow to begin the send loses the connection before the slots can
-be reused; a lease over before the send begins sends nothing).
+Each connection says hello within ``HELLO_TIMEOUT_S``: both sides prove they hold the cluster
+token, which never crosses the wire (:mod:`kvstore.cluster.peer_hello`); then it sends requests
+(:mod:`kvstore.cluster.peer_wire`). The blocks of a request are lent by the node (:class:`Lender`:
+promoted into DRAM and leased while they are sent) and written from their slots by blocking
+``sendmsg`` calls on an I/O thread (:func:`~kvstore.cluster.peer_wire.blocking`; a 64 MiB answer
+is a few system calls, no event-loop round per socket-buffer's worth), within ``send_timeout_s``
+and never past the lease's end (:attr:`Lent.left_s`: a holder slow to begin the send loses the
+connection before the slots can be reused; a lease over before the send begins sends nothing).
 
 A send thread is the scarce thing (``IO_THREADS`` a process), so an answer holds one only while
 its fetcher takes bytes fast enough for the answer to go out in time: a send that makes no
@@ -39,10 +39,11 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from kvstore.cluster import peer_hello
 from kvstore.cluster import peer_wire as w
+from kvstore.cluster.cluster_key import ClusterKey
 from kvstore.util.logs import Throttled
 from kvstore.util.tasks import cancel_and_wait
-from kvstore.util.tokens import token_matches
 
 log = logging.getLogger("kvstore.cluster.peer_server")
 HELLO_TIMEOUT_S = 5.0
@@ -75,15 +76,22 @@ class Lender(Protocol):
 
 class PeerServer:
     def __init__(
-        self, lender: Lender, token: str, send_timeout_s: float, send_stall_s: float, request_timeout_s: float
+        self,
+        lender: Lender,
+        key: ClusterKey,
+        name: str,
+        send_timeout_s: float,
+        send_stall_s: float,
+        request_timeout_s: float,
     ) -> None:
         self.lender = lender
+        self.name = name  # this node's id: the holder's name in the hello
         self.send_timeout_s = send_timeout_s
         self.send_stall_s = send_stall_s
         self.request_timeout_s = request_timeout_s
         # answers lent at once: one per send thread (of the process's pool: a sidecar runs one server)
         self._sending = asyncio.Semaphore(w.IO_THREADS)
-        self._token = token.encode()
+        self._key = key
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -137,13 +145,10 @@ class PeerServer:
     async def _serve(self, conn: socket.socket) -> None:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
-                node = await self._hello(conn)
+                await peer_hello.welcome(conn, self._key, self.name)  # (HelloRefused: a PeerProtocolError)
             current = asyncio.current_task()
             if current is not None:
                 self._pending.pop(current, None)  # it said hello: a connection like any other now
-            if node is None:
-                self.refused += 1
-                return
             while not self._closing:
                 if not await self._answer(conn):
                     return
@@ -157,18 +162,6 @@ class PeerServer:
             log.exception("peer data path: dropped a connection on an internal error")
         finally:
             conn.close()
-
-    async def _hello(self, conn: socket.socket) -> str | None:
-        magic, tlen, nlen = w.HELLO.unpack(await w.recv_bytes(conn, w.HELLO.size))
-        if magic != w.MAGIC or tlen > w.MAX_TOKEN or nlen > w.MAX_NODE:
-            raise w.PeerProtocolError(f"not a kvstore peer hello ({magic!r})")
-        token = await w.recv_bytes(conn, tlen)
-        node = (await w.recv_bytes(conn, nlen)).decode(errors="replace")
-        if not token_matches(token, self._token):
-            self._warn.warning("peer data path: wrong cluster token from a node calling itself %r", node[:64])
-            return None
-        await asyncio.get_running_loop().sock_sendall(conn, w.WELCOME)
-        return node
 
     async def _answer(self, conn: socket.socket) -> bool:
         loop = asyncio.get_running_loop()

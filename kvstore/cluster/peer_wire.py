@@ -10,8 +10,9 @@ socket buffer runs dry) costs a loop round per 64-200 KiB, which on a busy host 
 fetch's CPU. The deadline stays the loop's: when it passes, the socket is shut down, which ends
 the thread's call at once.
 
-    hello    fetcher -> holder   "KVP1" u16 token length, u16 node-id length, token, node id
-             holder -> fetcher   "OK\\0\\0" (or the connection closes: a wrong token)
+    hello    both ways           a challenge and response proving both sides hold the cluster token,
+                                 which never crosses the wire (:mod:`kvstore.cluster.peer_hello`);
+                                 it ends with holder -> fetcher "OK\\0\\0"
     request  fetcher -> holder   u32 n, namespace root (32 bytes), n block keys (32 bytes each)
     answer   holder -> fetcher   u32 m (the leading m <= n blocks the holder has), then m times
                                  (u64 size, u64 checksum), then the m blocks' bytes back to back
@@ -37,14 +38,11 @@ from kvstore.util.threads import _Once
 
 T = TypeVar("T")
 
-MAGIC = b"KVP1"
-WELCOME = b"OK\0\0"
-HELLO = struct.Struct("<4sHH")
+WELCOME = b"OK\0\0"  # the hello's last word (kvstore.cluster.peer_hello)
 REQUEST = struct.Struct("<I")
 COUNT = struct.Struct("<I")  # blocks in the answer
 ENTRY = struct.Struct("<QQ")  # size, checksum
 ROOT_BYTES = KEY_BYTES = 32
-MAX_TOKEN = MAX_NODE = 1024
 IOV_MAX = 512  # buffers handed to one sendmsg (Linux allows 1024)
 IO_THREADS = 16  # fetches moving at once, per process, and as many answers (each holds a thread while it moves)
 # Two pools, not one: a fetch holds its thread while it waits for the holder's answer, and an answer
@@ -64,11 +62,6 @@ class PeerProtocolError(ConnectionError):
 class PeerStalled(ConnectionError):
     """The other end takes an answer too slowly for it to go out in time (no byte at all within the
     socket's send timeout, or too few over a window of it, :func:`send_buffers`): drop the connection."""
-
-
-def hello(token: str, node: str) -> bytes:
-    t, n = token.encode(), node.encode()
-    return HELLO.pack(MAGIC, len(t), len(n)) + t + n
 
 
 def request(root: bytes, keys: list[bytes]) -> bytes:
