@@ -301,3 +301,79 @@ async def test_a_record_or_member_entry_moved_to_another_key_or_node_is_rejected
     finally:
         await d.close()
         await other.close()
+
+
+@dataclass
+class Relay:
+    """A party on the path between nodes: forwards every byte both ways to ``target`` (a port on
+    127.0.0.1, set once known) and records what the fetcher sent and what came back."""
+
+    target: int = 0
+    sent: bytearray = field(default_factory=bytearray)  # fetcher -> holder
+    back: bytearray = field(default_factory=bytearray)  # holder -> fetcher
+    port: int = 0
+    _server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, log: bytearray) -> None:
+            with contextlib.suppress(ConnectionError):
+                while chunk := await r.read(65536):
+                    log += chunk
+                    w.write(chunk)
+                    await w.drain()
+            w.close()
+
+        await asyncio.gather(pipe(reader, up_w, self.sent), pipe(up_r, writer, self.back))
+
+
+async def test_an_observer_on_the_path_sees_blocks_but_not_the_token_and_cannot_replay_the_hello(
+    tmp_path: Path, directory: DirectoryServer, ns: Namespace
+) -> None:
+    """Without TLS (none on the peer path yet), whoever sees the traffic between two nodes sees the
+    blocks' bytes, the namespace root and the block keys of each request: said in docs/security.md,
+    shown here. It does not see the token, and what it recorded of a fetcher's side, played back
+    to the holder on a new connection, gets the holder's greeting and nothing more (the holder's
+    fresh nonce makes the recorded proof wrong)."""
+    keys, data = keys_for(ns, 2, seed=43), blocks(2, seed=43)
+    relay = Relay()
+    await relay.start()
+    try:
+        via = {"cluster.advertise_address": f"127.0.0.1:{relay.port}"}  # B reaches A through the relay
+        async with Sidecar(directory.config(tmp_path, "a", **via)) as a, \
+                Sidecar(directory.config(tmp_path, "b")) as b, client_of(a) as ca, client_of(b) as cb:
+            assert a.cluster is not None
+            relay.target = a.cluster.server.port
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            got = await cb.get_blocks(ns, keys, verify=True)
+            assert [bytes(g) for g in got] == [bytes(d) for d in data]
+            sent, back = bytes(relay.sent), bytes(relay.back)
+            assert all(bytes(d) in back for d in data) and ns.root in sent  # what an observer sees
+            assert TOKEN.encode() not in sent + back, "the cluster token crossed the wire"
+            refused = a.cluster.server.refused
+            reader, writer = await asyncio.open_connection("127.0.0.1", a.cluster.server.port)
+            answer = b""
+            try:
+                writer.write(sent)  # B's side of the conversation, played back whole
+                writer.write_eof()
+                with contextlib.suppress(ConnectionResetError):  # (closed with our bytes unread)
+                    while chunk := await asyncio.wait_for(reader.read(65536), 10):
+                        answer += chunk
+            finally:
+                writer.close()
+            assert not any(bytes(d) in answer for d in data), "a replayed hello got blocks"
+            assert answer[:4] == b"KVP2" and len(answer) == 4 + 2 + 16 + len(b"a") + 32  # its greeting only
+            assert a.cluster.server.refused == refused + 1
+    finally:
+        await relay.close()
