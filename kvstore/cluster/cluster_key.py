@@ -13,7 +13,10 @@ so a MAC of one kind can never pass for another:
   the node itself writes (the directory's script writes the incarnation and the expiry, in its own
   clock; what a forged incarnation or expiry can do is in docs/security.md).
 - **The peer hello's proofs** (:mod:`kvstore.cluster.peer_hello`): HMAC-SHA256 over both sides'
-  nonces and names, one role label for the holder's proof and another for the fetcher's.
+  nonces and names, one role label for the holder's proof and another for the fetcher's; and, from
+  the same inputs, the connection's own key (:class:`Session`), which seals each request and each
+  answer's head on it, so a party that relayed the hello can neither send a request of its own on
+  the connection nor change the sizes and checksums an answer announces.
 
 Keyed BLAKE2b rather than HMAC-SHA256 for the records: a lookup checks one MAC per holder of every
 key, and BLAKE2b's keyed mode (a MAC by design) costs about a third of HMAC's call here.
@@ -95,3 +98,32 @@ class ClusterKey:
     def proof(self, role: bytes, fetcher_nonce: bytes, holder_nonce: bytes, fetcher: bytes, holder: bytes) -> bytes:
         """A side's proof that it holds the token, for one hello (``role``: whose proof it is)."""
         return hmac.digest(self._hello, _framed(role, fetcher_nonce, holder_nonce, fetcher, holder), "sha256")
+
+    def session(self, fetcher_nonce: bytes, holder_nonce: bytes, fetcher: bytes, holder: bytes) -> Session:
+        """The key of the connection whose hello had these nonces and names."""
+        return Session(self.proof(SESSION, fetcher_nonce, holder_nonce, fetcher, holder))
+
+
+SESSION = b"session"  # (a role of its own: the session key is never a proof either side sent)
+
+
+class Session:
+    """One peer connection's key, agreed in its hello: the MAC of each request (``b"request"``)
+    and of each answer's head (``b"answer"``), numbered in turn (a connection carries one request
+    at a time), so one can neither be forged, nor replayed on the connection, nor stand for
+    another. Both ends call :meth:`next` once an exchange is over."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self._seq = 0
+
+    def seal(self, what: bytes, data: bytes) -> bytes:
+        """The MAC of ``data`` as this exchange's ``what``."""
+        msg = _framed(self._seq.to_bytes(8, "little"), what, data)
+        return hashlib.blake2b(msg, key=self._key, digest_size=MAC_BYTES).digest()
+
+    def check(self, what: bytes, data: bytes, mac: bytes) -> bool:
+        return hmac.compare_digest(mac, self.seal(what, data))
+
+    def next(self) -> None:
+        self._seq += 1

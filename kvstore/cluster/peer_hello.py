@@ -15,9 +15,12 @@ Nothing the fetcher sends before the holder proved itself says more than the fet
 listener that is not a node learns no token and no namespace root: requests come after the hello).
 A version 1 peer ("KVP1", the token in clear) is told nothing and closed.
 
-What it does not do: bind the connection after the hello. Without TLS, a party on the path (or at
-an address a member entry names) can relay one node's hello to another and then read what passes;
-see docs/security.md.
+Both sides then hold the connection's own key (:class:`~kvstore.cluster.cluster_key.Session`,
+from the same nonces and names): every request and every answer's head after the hello carries
+its MAC (:mod:`kvstore.cluster.peer_wire`). A party on the path (or at an address a member entry
+names) that relays one node's hello to another can then read what passes, and cut or delay it,
+but not send a request of its own nor change what an answer announces. What it reads is in the
+clear (no TLS on this path): see docs/security.md.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import socket
 import struct
 
 from kvstore.cluster import peer_wire as w
-from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey
+from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey, Session
 from kvstore.util.tokens import token_matches
 
 MAGIC = b"KVP2"
@@ -56,9 +59,10 @@ async def _their_opening(sock: socket.socket) -> tuple[bytes, bytes]:
     return rest[:NONCE_BYTES], rest[NONCE_BYTES:]
 
 
-async def greet(sock: socket.socket, key: ClusterKey, me: str, holder: str) -> None:
-    """The fetcher's side, on a connected non-blocking ``sock``: returns once both sides proved
-    themselves; raises :class:`HelloRefused` when ``holder`` did not (or is another node)."""
+async def greet(sock: socket.socket, key: ClusterKey, me: str, holder: str) -> Session:
+    """The fetcher's side, on a connected non-blocking ``sock``: the connection's key, once both
+    sides proved themselves; raises :class:`HelloRefused` when ``holder`` did not (or is another
+    node)."""
     loop = asyncio.get_running_loop()
     mine, name = os.urandom(NONCE_BYTES), me.encode()
     await loop.sock_sendall(sock, opening(me, mine))
@@ -71,12 +75,13 @@ async def greet(sock: socket.socket, key: ClusterKey, me: str, holder: str) -> N
     await loop.sock_sendall(sock, key.proof(FETCHER, mine, theirs, name, their_name))
     if await w.recv_bytes(sock, len(w.WELCOME)) != w.WELCOME:
         raise w.PeerProtocolError("the holder did not welcome us")
+    return key.session(mine, theirs, name, their_name)
 
 
-async def welcome(sock: socket.socket, key: ClusterKey, me: str) -> str:
-    """The holder's side, on a connected non-blocking ``sock``: the fetcher's name once it proved
-    itself (and was welcomed); raises :class:`HelloRefused` when its proof was wrong (nothing more
-    is sent)."""
+async def welcome(sock: socket.socket, key: ClusterKey, me: str) -> tuple[str, Session]:
+    """The holder's side, on a connected non-blocking ``sock``: the fetcher's name and the
+    connection's key once it proved itself (and was welcomed); raises :class:`HelloRefused` when
+    its proof was wrong (nothing more is sent)."""
     loop = asyncio.get_running_loop()
     theirs, their_name = await _their_opening(sock)
     mine, name = os.urandom(NONCE_BYTES), me.encode()
@@ -86,4 +91,4 @@ async def welcome(sock: socket.socket, key: ClusterKey, me: str) -> str:
     if not token_matches(proof, key.proof(FETCHER, theirs, mine, their_name, name)):
         raise HelloRefused(f"a peer calling itself {shown[:64]!r} did not prove it holds the cluster token")
     await loop.sock_sendall(sock, w.WELCOME)
-    return shown
+    return shown, key.session(theirs, mine, their_name, name)

@@ -41,7 +41,7 @@ import numpy as np
 
 from kvstore.cluster import peer_hello
 from kvstore.cluster import peer_wire as w
-from kvstore.cluster.cluster_key import ClusterKey
+from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey, Session
 from kvstore.util.logs import Throttled
 from kvstore.util.tasks import cancel_and_wait
 
@@ -145,12 +145,12 @@ class PeerServer:
     async def _serve(self, conn: socket.socket) -> None:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
-                await peer_hello.welcome(conn, self._key, self.name)  # (HelloRefused: a PeerProtocolError)
+                _, session = await peer_hello.welcome(conn, self._key, self.name)  # (HelloRefused: a PeerProtocolError)
             current = asyncio.current_task()
             if current is not None:
                 self._pending.pop(current, None)  # it said hello: a connection like any other now
             while not self._closing:
-                if not await self._answer(conn):
+                if not await self._answer(conn, session):
                     return
         except w.PeerProtocolError as exc:
             self.refused += 1
@@ -163,7 +163,7 @@ class PeerServer:
         finally:
             conn.close()
 
-    async def _answer(self, conn: socket.socket) -> bool:
+    async def _answer(self, conn: socket.socket, session: Session) -> bool:
         loop = asyncio.get_running_loop()
         head = bytearray(w.REQUEST.size)
         async with asyncio.timeout(IDLE_TIMEOUT_S):  # an idle connection goes (its fetcher reconnects)
@@ -177,9 +177,12 @@ class PeerServer:
                 (n,) = w.REQUEST.unpack(head)
                 if not 0 < n <= self.lender.max_blocks:
                     raise w.PeerProtocolError(f"request for {n} blocks (1..{self.lender.max_blocks})")
-                body = await w.recv_bytes(conn, w.ROOT_BYTES + n * w.KEY_BYTES)
+                body = await w.recv_bytes(conn, w.ROOT_BYTES + n * w.KEY_BYTES + MAC_BYTES)
         except TimeoutError:
             raise w.PeerProtocolError(f"a request begun was not in whole within {self.request_timeout_s} s") from None
+        body, mac = body[:-MAC_BYTES], body[-MAC_BYTES:]
+        if not session.check(w.ASKED, bytes(head) + body, mac):
+            raise w.PeerProtocolError("a request not sealed with this connection's key (sent by another party)")
         root = body[: w.ROOT_BYTES]
         keys = [body[i : i + w.KEY_BYTES] for i in range(w.ROOT_BYTES, len(body), w.KEY_BYTES)]
         try:
@@ -190,11 +193,11 @@ class PeerServer:
             self._warn.warning("peer data path: no send slot free for %s s; dropped a request", self.request_timeout_s)
             return False
         try:
-            return await self._lend_and_send(conn, root, keys)
+            return await self._lend_and_send(conn, root, keys, session)
         finally:
             self._sending.release()
 
-    async def _lend_and_send(self, conn: socket.socket, root: bytes, keys: list[bytes]) -> bool:
+    async def _lend_and_send(self, conn: socket.socket, root: bytes, keys: list[bytes], session: Session) -> bool:
         """Lend the run asked for and send it (holding a send slot). The send ends, and with it
         the lease and the connection, at the lease's end or after a window of ``send_stall_s`` in
         which the fetcher took too little for the rest to go out by then (no byte, or a trickle),
@@ -202,7 +205,7 @@ class PeerServer:
         lent = await self.lender.lend(root, keys)
         try:
             blocks = lent.blocks
-            answer = w.answer_head([(data.nbytes, checksum) for checksum, data in blocks])
+            answer = w.answer_head([(data.nbytes, checksum) for checksum, data in blocks], session)
             # (a 1-D uint8 array is a buffer; numpy's stubs do not say so before Python 3.12)
             payload = [memoryview(data) for _, data in blocks]  # type: ignore[arg-type]
             budget = min(self.send_timeout_s, lent.left_s())  # the slots are ours until the lease ends
@@ -220,6 +223,7 @@ class PeerServer:
             return False
         finally:
             lent.release()
+        session.next()
         self.served_blocks += len(blocks)
         return True
 

@@ -311,6 +311,7 @@ class Relay:
     target: int = 0
     sent: bytearray = field(default_factory=bytearray)  # fetcher -> holder
     back: bytearray = field(default_factory=bytearray)  # holder -> fetcher
+    upstreams: list[asyncio.StreamWriter] = field(default_factory=list)  # to the holder: to inject bytes on
     port: int = 0
     _server: asyncio.Server | None = None
 
@@ -326,6 +327,7 @@ class Relay:
 
     async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
+        self.upstreams.append(up_w)
 
         async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, log: bytearray) -> None:
             with contextlib.suppress(ConnectionError):
@@ -374,6 +376,40 @@ async def test_an_observer_on_the_path_sees_blocks_but_not_the_token_and_cannot_
                 writer.close()
             assert not any(bytes(d) in answer for d in data), "a replayed hello got blocks"
             assert answer[:4] == b"KVP2" and len(answer) == 4 + 2 + 16 + len(b"a") + 32  # its greeting only
+            assert a.cluster.server.refused == refused + 1
+    finally:
+        await relay.close()
+
+
+async def test_a_party_on_the_path_cannot_send_a_request_of_its_own_on_a_relayed_connection(
+    tmp_path: Path, directory: DirectoryServer, ns: Namespace
+) -> None:
+    """A relay between B and A, after B's hello and fetch went through it, writes B's request
+    again on the connection to A (as it could any request naming a root it saw): A refuses it,
+    since it does not carry the MAC of this exchange under the connection's key, and closes the
+    connection; nothing more comes back (8dc5782: A answered it with the blocks again)."""
+    keys, data = keys_for(ns, 2, seed=44), blocks(2, seed=44)
+    relay = Relay()
+    await relay.start()
+    try:
+        via = {"cluster.advertise_address": f"127.0.0.1:{relay.port}"}
+        async with Sidecar(directory.config(tmp_path, "a", **via)) as a, \
+                Sidecar(directory.config(tmp_path, "b")) as b, client_of(a) as ca, client_of(b) as cb:
+            assert a.cluster is not None
+            relay.target = a.cluster.server.port
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            got = await cb.get_blocks(ns, keys, verify=True)
+            assert [bytes(g) for g in got] == [bytes(d) for d in data]
+            assert len(relay.upstreams) == 1
+            request = bytes(relay.sent[relay.sent.index(ns.root) - 4 :])  # (u32 n, then the root)
+            answered, refused = len(relay.back), a.cluster.server.refused
+            relay.upstreams[0].write(request)
+
+            async def settled() -> bool:
+                return a.cluster.server.refused > refused or len(relay.back) >= answered + BLOCK * 2  # type: ignore[union-attr]
+
+            await eventually_true(settled, "A refused the injected request or answered it")
+            assert len(relay.back) == answered, "A answered a request the relay injected"
             assert a.cluster.server.refused == refused + 1
     finally:
         await relay.close()

@@ -173,25 +173,30 @@ async def test_garbage_on_the_peer_port_drops_that_connection_only(
     pair: tuple[Sidecar, Sidecar], ns: Namespace
 ) -> None:
     import struct
+    from collections.abc import Callable
 
     from kvstore.cluster import peer_wire as w
+    from kvstore.cluster.cluster_key import MAC_BYTES, Session
 
     a, b = pair
     assert a.cluster is not None
     port = a.cluster.server.port
     old_hello = b"KVP1" + struct.pack("<HH", len(TOKEN), 1) + TOKEN.encode() + b"x"  # version 1: the token in clear
-    cases = [  # the hello said first (its fetcher's name) or none, what is sent, whether it counts as refused
-        (None, b"GET / HTTP/1.1\r\n\r\n", True),
-        ("x", b"\xff\xff\xff\xff", True),  # a request for 4 billion blocks
-        ("x", w.request(b"\0" * 32, [b"\1" * 32])[:-5], False),  # cut short: the fetcher went away
-        (None, b"\0" * 3, False),
-        (None, old_hello, True),
+    one = (b"\0" * 32, [b"\1" * 32])
+    unsealed = w.REQUEST.pack(1) + one[0] + one[1][0] + b"\0" * MAC_BYTES
+    cases: list[tuple[bool, Callable[[Session | None], bytes], bool]] = [
+        # whether a hello is said first, what is sent (given its connection's key), whether it counts as refused
+        (False, lambda _: b"GET / HTTP/1.1\r\n\r\n", True),
+        (True, lambda _: b"\xff\xff\xff\xff", True),  # a request for 4 billion blocks
+        (True, lambda s: w.request(*one, s)[:-5], False),  # cut short: the fetcher went away
+        (False, lambda _: b"\0" * 3, False),
+        (False, lambda _: old_hello, True),
+        (True, lambda _: unsealed, True),  # not sealed with the connection's key: injected by another party
     ]
-    for name, payload, _ in cases:
+    for hello, payload, _ in cases:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        if name is not None:
-            await asyncio.wait_for(hello_stream(reader, writer, name), 10)
-        writer.write(payload)
+        session = await asyncio.wait_for(hello_stream(reader, writer, "x"), 10) if hello else None
+        writer.write(payload(session))
         writer.write_eof()
         with contextlib.suppress(ConnectionResetError):  # (a reset when it closes with our bytes unread)
             assert await asyncio.wait_for(reader.read(), 10) == b""
