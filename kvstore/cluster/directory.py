@@ -56,7 +56,7 @@ from typing import Any, NamedTuple
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import RedisError
 
-from kvstore.cluster.cluster_key import ClusterKey
+from kvstore.cluster.cluster_key import ClusterKey, frame
 from kvstore.config import ClusterConfig
 from kvstore.errors import Unavailable
 from kvstore.policy.ghost import GHOST_MIN_USES
@@ -261,11 +261,12 @@ class Directory:
         """``node``'s record of the block (``root``, ``key``) as the directory holds it: sealed."""
         return self.sealer.seal_record(rec.pack(), self.key(root, key), node.encode())
 
-    def _opened(self, name: bytes, field: Any, raw: Any) -> Record | None:
-        """The record in the value ``raw`` of node ``field`` under directory key ``name``, when it
-        checks out; None (counted) when not."""
+    def _opened(self, where: bytes, field: Any, raw: Any) -> Record | None:
+        """The record in the value ``raw`` of node ``field`` under the directory key framed in
+        ``where`` (:func:`~kvstore.cluster.cluster_key.frame`), when it checks out; None (counted)
+        when not."""
         node = field if isinstance(field, bytes) else str(field).encode()
-        fields = self.sealer.open_record(raw, name, node) if isinstance(raw, bytes) else None
+        fields = self.sealer.open_framed(raw, where + frame(node)) if isinstance(raw, bytes) else None
         rec = Record.unpack(fields) if fields is not None else None
         if rec is None:
             self.rejected_records += 1
@@ -412,8 +413,9 @@ class Directory:
                 raise Unavailable(f"cluster directory: {type(reply).__name__}: {reply}")
             items = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2])
             holders: dict[str, Record] = {}
+            where = frame(name)
             for field, raw in items:
-                rec = self._opened(name, field, raw)
+                rec = self._opened(where, field, raw)
                 if rec is not None:
                     holders[_text(field)] = rec
             out.append(holders)
