@@ -753,7 +753,8 @@ def _op_publish(st: AgentState, url: str, records: int, rounds: int, size: int) 
                     t = time.perf_counter()
                     await directory.publish(puts, [])
                 else:
-                    items = [(directory.key(root, k), rec.pack()) for k, rec in zip(keys, recs)]
+                    items = [(directory.key(root, k), directory.value(root, k, directory.node, rec))
+                             for k, rec in zip(keys, recs)]
                     t = time.perf_counter()
                     pipe = client.pipeline(transaction=False)
                     for k, v in items:

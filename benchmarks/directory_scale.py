@@ -73,6 +73,7 @@ import redis
 from redis.asyncio import Redis, RedisCluster
 
 from benchmarks.common import Result, percentile
+from kvstore.cluster.cluster_key import MAC_BYTES
 from kvstore.cluster.directory import LEAVE, ROOT_BYTES, TAKE, Directory, Record
 from kvstore.config import ClusterConfig
 from kvstore.store.index import DRAM
@@ -237,7 +238,7 @@ def _puts(b: Blocks, idx: Sequence[int]) -> Puts:
 
 def raw_commands(d: Directory, b: Blocks, idx: Sequence[int]) -> Cmds:
     """(key, packed record) exactly as the directory writes them (built before the clock starts)."""
-    return [(d.key(b.root, b.keys[i]), b.records[i].pack()) for i in idx]
+    return [(d.key(b.root, b.keys[i]), d.value(b.root, b.keys[i], d.node, b.records[i])) for i in idx]
 
 
 async def raw_hset(client: Redis | RedisCluster, field: bytes, cmds: Cmds) -> None:
@@ -654,7 +655,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     key_len = len(PREFIX) + 3 + ROOT_BYTES + 32
     res.notes["layout"] = (
         f"key {key_len} B ('{PREFIX}:d:' + 16 B root + 32 B block key), field = node id "
-        f"('{NODE_A}', {len(NODE_A)} B), value = packed Record, {len(b.records[0].pack())} B"
+        f"('{NODE_A}', {len(NODE_A)} B), value = sealed Record, {1 + len(b.records[0].pack()) + MAC_BYTES} B"
     )
     res.notes["workload"] = (
         f"{n} blocks from one node, fill pipelines of {args.batch}; a second node holds every {REPLICA_EVERY}th; "

@@ -260,7 +260,11 @@ class ClusterConfig(_Section):
     advertise_address: str = Field(
         "", description="HOST:PORT other nodes reach the peer data path at; empty: peer_address's host and bound port"
     )
-    token: str = Field("", description="shared secret every node presents on the peer data path (required)")
+    token: str = Field(
+        "",
+        description="shared secret of the cluster (required; 16 or more random characters): the keys that seal the "
+        "directory's records and member entries and prove each side of the peer hello are derived from it; never sent",
+    )
     lease_ms: int = Field(
         6000, ge=500, le=60_000, description="a node that stops heartbeating stops being offered after this"
     )

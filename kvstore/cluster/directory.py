@@ -3,8 +3,12 @@
 Layout (every key starts with ``{key_prefix}:``):
 
 - ``d:`` + namespace root (16 bytes) + block key (32 bytes), binary: a hash, one field per node that
-  holds the block (the node id), valued with a packed :class:`Record` (the node's incarnation,
-  where the block lies on it, its size and checksum). 25 bytes a record. A node writes and
+  holds the block (the node id), valued with a sealed :class:`Record` (the node's incarnation,
+  where the block lies on it, its size and checksum): a version byte, the 25 bytes of the record
+  and a 16-byte MAC over them, the key and the node id with a key derived from the cluster token
+  (:class:`~kvstore.cluster.cluster_key.ClusterKey`), 42 bytes in all. A value that does not
+  check out (written by someone without the token, moved from another key or node, or of an older
+  version) is not read: counted in :attr:`Directory.rejected_records`, a miss. A node writes and
   deletes only its own fields; Redis drops the key with its last field. Keys spread over a Redis
   Cluster's slots by block, so a prompt's lookup is one pipeline that the cluster client sends to
   every shard at once.
@@ -21,7 +25,10 @@ Layout (every key starts with ``{key_prefix}:``):
   Both ride in the pipeline of the records (:meth:`Directory.publish`: a command per key on a
   Redis Cluster, one script call each on one Redis); a re-publish of a block the node held
   already (a move between its tiers, everything after an outage) reads none.
-- ``members``: a hash, node id -> ``address|incarnation|expiry_ms``, the expiry in the directory
+- ``members``: a hash, node id -> ``mac@address|incarnation|expiry_ms``, the MAC (32 hex digits)
+  over the prefix, the node id and the address with the token's key: an entry without a good one
+  is left out of the members (counted in :attr:`Directory.rejected_members`), so a node never
+  connects to an address nobody holding the token wrote. The expiry in the directory
   server's own clock (``TIME``), written by each node's heartbeat (:data:`HEARTBEAT`, a script:
   one round trip writes this node's lease and reads everyone's, with the server's time, so no
   two hosts' clocks are compared).
@@ -49,6 +56,7 @@ from typing import Any, NamedTuple
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import RedisError
 
+from kvstore.cluster.cluster_key import ClusterKey, frame
 from kvstore.config import ClusterConfig
 from kvstore.errors import Unavailable
 from kvstore.policy.ghost import GHOST_MIN_USES
@@ -216,10 +224,17 @@ class Directory:
     """The directory's Redis calls; every one is a single round trip (a pipeline or a script).
     A Redis that cannot be reached raises :class:`~kvstore.errors.Unavailable`."""
 
-    def __init__(self, client: Redis | RedisCluster, prefix: str, node: str, ghost_ttl_ms: int = 0) -> None:
+    def __init__(
+        self, client: Redis | RedisCluster, prefix: str, node: str, ghost_ttl_ms: int = 0, *, token: str = ""
+    ) -> None:
+        """``token``: the cluster token, whose key seals and checks every record and member entry
+        (every node of a cluster gives the same; the sidecar's is never empty, see ClusterConfig)."""
         self.client = client
         self.prefix = prefix.encode()
         self.node = node
+        self.sealer = ClusterKey(token)
+        self.rejected_records = 0  # record values met that did not check out (forged, moved, older versions)
+        self.rejected_members = 0  # member entries read that did not check out, summed over heartbeats
         self.ghost_ttl_ms = ghost_ttl_ms  # how long a ghost (``g:`` key) lives; 0: none written or read
         self.members_key = prefix + ":members"
         self._clustered = isinstance(client, RedisCluster)
@@ -245,10 +260,37 @@ class Directory:
         else:
             client = Redis.from_url(cfg.directory_url, retry_on_timeout=False, **options)
         ghost_ttl_ms = max(1, round(cfg.ghost_ttl_s * 1000)) if cfg.ghost_ttl_s else 0
-        return cls(client, cfg.key_prefix, node, ghost_ttl_ms)
+        return cls(client, cfg.key_prefix, node, ghost_ttl_ms, token=cfg.token)
 
     def key(self, root: bytes, key: bytes) -> bytes:
         return self.prefix + b":d:" + root[:ROOT_BYTES] + key
+
+    def value(self, root: bytes, key: bytes, node: str, rec: Record) -> bytes:
+        """``node``'s record of the block (``root``, ``key``) as the directory holds it: sealed."""
+        return self.sealer.seal_record(rec.pack(), self.key(root, key), node.encode())
+
+    def _opened(self, where: bytes, field: Any, raw: Any) -> Record | None:
+        """The record in the value ``raw`` of node ``field`` under the directory key framed in
+        ``where`` (:func:`~kvstore.cluster.cluster_key.frame`), when it checks out; None (counted)
+        when not."""
+        node = field if isinstance(field, bytes) else str(field).encode()
+        fields = self.sealer.open_framed(raw, where + frame(node)) if isinstance(raw, bytes) else None
+        rec = Record.unpack(fields) if fields is not None else None
+        if rec is None:
+            self.rejected_records += 1
+        return rec
+
+    def _authentic(self, members: dict[str, Member]) -> dict[str, Member]:
+        """``members`` whose address part checks out, their addresses opened; the rest counted."""
+        out: dict[str, Member] = {}
+        prefix = self.prefix.decode()
+        for node, m in members.items():
+            address = self.sealer.open_address(prefix, node, m.address)
+            if address is None:
+                self.rejected_members += 1
+            else:
+                out[node] = Member(node, address, m.incarnation, m.expiry_ms)
+        return out
 
     def ghost_key(self, root: bytes, key: bytes) -> bytes:
         return self.prefix + b":g:" + root[:ROOT_BYTES] + key
@@ -266,13 +308,14 @@ class Directory:
 
     async def heartbeat(self, address: str, incarnation: int, lease_ms: int) -> Beat:
         """Renew this node's lease (see :data:`HEARTBEAT`)."""
+        sealed = self.sealer.seal_address(self.prefix.decode(), self.node, address)
         try:
             now, entries, created, written = await self._heartbeat(
-                keys=[self.members_key], args=[self.node, address, incarnation, lease_ms, FORGET_AFTER_MS]
+                keys=[self.members_key], args=[self.node, sealed, incarnation, lease_ms, FORGET_AFTER_MS]
             )
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
-        return Beat(int(now), parse_members(entries), bool(created), int(written))
+        return Beat(int(now), self._authentic(parse_members(entries)), bool(created), int(written))
 
     async def leave(self) -> None:
         """Take this node out of the members now (a clean stop); its records die with it."""
@@ -303,7 +346,8 @@ class Directory:
         is not overwritten by this node's own. A ghost command the directory refuses fails no
         record: it is told in :attr:`Ghosts.error`."""
         node = self.node.encode()
-        cmds: list[tuple[Any, ...]] = [("HSET", self.key(r, k), node, rec.pack()) for r, k, rec in puts]
+        cmds: list[tuple[Any, ...]] = [("HSET", self.key(r, k), node, self.value(r, k, self.node, rec))
+                                       for r, k, rec in puts]
         cmds += [("HDEL", self.key(r, k), node) for r, k in removes]
         records = len(cmds)
         read: list[int] = []
@@ -372,15 +416,16 @@ class Directory:
             except (RedisError, OSError, ReplyError) as exc:
                 raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
         out: list[dict[str, Record]] = []
-        for reply in replies:
+        for name, reply in zip(names, replies):
             if isinstance(reply, Exception):
                 raise Unavailable(f"cluster directory: {type(reply).__name__}: {reply}")
             items = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2])
             holders: dict[str, Record] = {}
+            where = frame(name)
             for field, raw in items:
-                rec = Record.unpack(raw)
-                node = _node_name(field)
-                if rec is not None and node is not None:  # (else not a record this version writes: a miss)
+                rec = self._opened(where, field, raw)
+                node = _node_name(field) if rec is not None else None
+                if rec is not None and node is not None:  # (else forged, or not a record this version writes: a miss)
                     holders[node] = rec
             out.append(holders)
         return out
@@ -388,7 +433,9 @@ class Directory:
     async def forget(self, stale: Sequence[tuple[bytes, bytes, str, Record]]) -> None:
         """Delete records (root, key, node, record) found void (a past incarnation's), each only
         while the directory still holds that record (:data:`FORGET`)."""
-        await self._pipeline([("EVAL", FORGET, 1, self.key(r, k), n.encode(), rec.pack()) for r, k, n, rec in stale])
+        await self._pipeline([
+            ("EVAL", FORGET, 1, self.key(r, k), n.encode(), self.value(r, k, n, rec)) for r, k, n, rec in stale
+        ])
 
     async def close(self) -> None:
         if self._link is not None:

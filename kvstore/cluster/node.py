@@ -59,12 +59,14 @@ COUNTERS = (  # /stats "cluster": every one shown from the start, 0 until it hap
     "heartbeats", "directory_errors", "directory_lookups", "records_published", "records_removed",
     "peer_blocks_found", "blocks_adopted", "blocks_fetched", "bytes_fetched", "fetch_failures", "fetch_misses",
     "checksum_failures", "blocks_lent", "ghosts_written", "ghosts_resumed", "bad_addresses", "unheld_dropped",
+    "records_rejected", "members_rejected",
 )
 # Keys peers asked for that this node does not hold, remembered for the next publish to delete their
 # records: at most this many (one pipeline's worth). While the directory is down nothing drains them;
 # past this, a request's key is not remembered (another request, or the holder's own next look at
 # it, finds the record again).
 UNHELD_MAX = PUBLISH_BATCH
+SHORT_TOKEN = 16  # characters: a token shorter than this is warned of at start (a hello lets it be guessed offline)
 
 
 def _rank(tiers: int) -> int:
@@ -84,8 +86,9 @@ class ClusterNode:
         self.stats = store.stats.cluster
         for name in COUNTERS:
             self.stats[name] += 0
+        self.key = directory.sealer  # (derived from cluster.token: the hello's proofs, as the records' MACs)
         self.server = PeerServer(
-            self, self.cfg.token, send_timeout_s=2 * self.cfg.fetch_timeout_s, send_stall_s=self.cfg.send_stall_s,
+            self, self.key, node, send_timeout_s=2 * self.cfg.fetch_timeout_s, send_stall_s=self.cfg.send_stall_s,
             request_timeout_s=self.cfg.fetch_timeout_s,
         )
         self.max_blocks = config.server.max_batch_blocks
@@ -107,6 +110,10 @@ class ClusterNode:
     @classmethod
     async def start(cls, store: BlockStore, config: Config) -> ClusterNode:
         node_id = config.cluster.node_id or socket.gethostname()
+        if len(config.cluster.token) < SHORT_TOKEN:
+            log.warning("cluster.token is %d characters: anyone who reaches a node's peer port can test guesses "
+                        "of it offline from one hello; use %d or more random characters",
+                        len(config.cluster.token), SHORT_TOKEN)
         self = cls(store, config, Directory.from_config(config.cluster, node_id), node_id)
         port = await self.server.start(config.cluster.peer_address)
         self.address = config.cluster.advertise_address or _advertised(config.cluster.peer_address, port)
@@ -196,6 +203,7 @@ class ClusterNode:
                 beat = await self.directory.heartbeat(self.address, self.incarnation, self.cfg.lease_ms)
             self._clock = (beat.now_ms, (sent + time.monotonic()) / 2)
             self._members = beat.members
+            self._count_rejected()
             self._up = True
             self.stats["heartbeats"] += 1
             if beat.incarnation != self.incarnation:
@@ -215,6 +223,18 @@ class ClusterNode:
             self._up = False
             self.stats["directory_errors"] += 1
             self._warn.warning("cluster directory unreachable (serving local and shared tiers only): %s", exc)
+
+    def _count_rejected(self) -> None:
+        """Show the directory's count of records and member entries that did not check out (written
+        without the cluster token, moved, or of an older version: never read), and warn of new ones."""
+        records, members = self.directory.rejected_records, self.directory.rejected_members
+        if records > self.stats["records_rejected"] or members > self.stats["members_rejected"]:
+            self._warn.warning(
+                "cluster directory holds entries not sealed with this cluster's token (ignored: %d records, "
+                "%d member entries so far): written by a process without the token, by a node with another "
+                "token, or by an older version", records, members,
+            )
+        self.stats["records_rejected"], self.stats["members_rejected"] = records, members
 
     async def _heartbeats(self) -> None:
         interval = self.cfg.heartbeat_ms / 1000.0
@@ -361,6 +381,7 @@ class ClusterNode:
             self._warn.warning("cluster directory lookup failed (a miss): %s", exc)
             return None
         self.stats["directory_lookups"] += 1
+        self._count_rejected()
         return found
 
     async def find(
@@ -532,7 +553,7 @@ class ClusterNode:
                 client.close()
                 del self._peers[node]
             try:
-                client = PeerClient(m.address, self.cfg.token, self.node, self.cfg.fetch_timeout_s)
+                client = PeerClient(m.address, self.key, self.node, node, self.cfg.fetch_timeout_s)
             except ValueError as exc:
                 self.stats["bad_addresses"] += 1
                 self._warn.warning("cluster member %s has no address to dial (a miss): %s", shown(node), exc)

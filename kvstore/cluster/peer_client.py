@@ -1,15 +1,16 @@
 """The fetcher's end of the peer data path: read another node's blocks straight into local slots.
 
 One :class:`PeerClient` per holder address keeps a few idle connections (hello done once per
-connection). :meth:`PeerClient.fetch` sends one request for a run of blocks and, on an I/O thread
-(:func:`~kvstore.cluster.peer_wire.blocking`), reads each block with one blocking ``recv_into``
-straight into the slot view it was given and hashes it there (xxh3 at ~28 GB/s a core: 1 MiB in
-under 40 us, while the kernel goes on filling the socket buffer with the next), all under one
-deadline. One holder's fetches take at most :data:`HOLDER_THREADS` of those threads at once. It
-never raises for what the peer does: a refused or broken connection, a deadline passed or a
-malformed answer end the run there, and the connection is dropped (a half-read answer cannot be
-resumed). The caller compares the hashes with the holder's and the directory's checksums
-(:class:`FetchResult`).
+connection: the holder proves it holds the cluster token, and is the node meant, before anything
+else is sent, :mod:`kvstore.cluster.peer_hello`). :meth:`PeerClient.fetch` sends one request for
+a run of blocks and, on an I/O thread (:func:`~kvstore.cluster.peer_wire.blocking`), reads each
+block with one blocking ``recv_into`` straight into the slot view it was given and hashes it there
+(xxh3 at ~28 GB/s a core: 1 MiB in under 40 us, while the kernel goes on filling the socket buffer
+with the next), all under one deadline. One holder's fetches take at most :data:`HOLDER_THREADS`
+of those threads at once. It never raises for what the peer does: a refused or broken connection,
+a deadline passed or a malformed answer end the run there, and the connection is dropped (a
+half-read answer cannot be resumed). The caller compares the hashes with the holder's and the
+directory's checksums (:class:`FetchResult`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ import contextlib
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
+from kvstore.cluster import peer_hello
 from kvstore.cluster import peer_wire as w
+from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey, Session
 from kvstore.store.checksum import checksum
 from kvstore.util.address import split_host_port
 
@@ -42,16 +46,18 @@ class FetchResult:
 
 
 class PeerClient:
-    def __init__(self, address: str, token: str, node: str, io_timeout_s: float) -> None:
+    def __init__(self, address: str, key: ClusterKey, node: str, holder: str, io_timeout_s: float) -> None:
         self.address = address
         self._host, self._port = split_host_port(address)  # (ValueError: not an address to dial)
+        self.holder = holder  # the node meant: the one at ``address`` must prove it is that node, with the token
         self.io_timeout_s = io_timeout_s  # the kernel's bound on one blocking call (the deadline is the loop's)
-        self._hello = w.hello(token, node)
-        self._idle: list[socket.socket] = []
+        self._key = key
+        self._node = node
+        self._idle: list[Conn] = []
         self._turns = asyncio.Semaphore(HOLDER_THREADS)
         self._closed = False  # a fetch in flight at close() closes its socket instead of idling it
 
-    async def _connect(self) -> socket.socket:
+    async def _connect(self) -> Conn:
         if self._idle:
             return self._idle.pop()
         loop = asyncio.get_running_loop()
@@ -61,14 +67,12 @@ class PeerClient:
         try:
             await loop.sock_connect(sock, (self._host, self._port))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await loop.sock_sendall(sock, self._hello)
-            if await w.recv_bytes(sock, len(w.WELCOME)) != w.WELCOME:
-                raise w.PeerProtocolError("the holder did not welcome us")
+            session = await peer_hello.greet(sock, self._key, self._node, self.holder)  # (nothing else sent before)
             w.set_blocking(sock, self.io_timeout_s)  # from here on only I/O threads use it
         except BaseException:
             sock.close()
             raise
-        return sock
+        return Conn(sock, session)
 
     async def fetch(
         self, root: bytes, keys: Sequence[bytes], into: Sequence[np.ndarray], timeout_s: float
@@ -95,38 +99,54 @@ class PeerClient:
         return result
 
     async def _fetch_on(
-        self, sock: socket.socket, root: bytes, keys: Sequence[bytes], into: Sequence[np.ndarray], out: FetchResult
+        self, conn: Conn, root: bytes, keys: Sequence[bytes], into: Sequence[np.ndarray], out: FetchResult
     ) -> None:
-        """One request on ``sock``, exchanged on an I/O thread. ``sock`` goes back to the idle ones
+        """One request on ``conn``, exchanged on an I/O thread. ``conn`` goes back to the idle ones
         after a whole answer, else it is closed."""
+        sock = conn.sock
         try:
-            await w.blocking(sock, w.FETCHING, _exchange, sock, w.request(root, list(keys)), into, out)
+            request = w.request(root, list(keys), conn.session)
+            await w.blocking(sock, w.FETCHING, _exchange, sock, conn.session, request, into, out)
         except BaseException:
             sock.close()
             raise
         if self._closed:
             sock.close()
             return
-        self._idle.append(sock)
+        self._idle.append(conn)
         if len(self._idle) > IDLE_CONNECTIONS:
-            self._idle.pop(0).close()
+            self._idle.pop(0).sock.close()
 
     def close(self) -> None:
         self._closed = True
-        for sock in self._idle:
+        for conn in self._idle:
             with contextlib.suppress(OSError):
-                sock.close()
+                conn.sock.close()
         self._idle.clear()
 
 
-def _exchange(sock: socket.socket, request: bytes, into: Sequence[np.ndarray], out: FetchResult) -> None:
-    """Send ``request`` and read its answer into ``into`` (blocking; on an I/O thread). Each block
-    is hashed as soon as it is in; ``out`` holds every block received in full when this raises."""
+class Conn(NamedTuple):
+    """A connection that said hello, and its key (the MACs of its requests and answers)."""
+
+    sock: socket.socket
+    session: Session
+
+
+def _exchange(
+    sock: socket.socket, session: Session, request: bytes, into: Sequence[np.ndarray], out: FetchResult
+) -> None:
+    """Send ``request`` and read its answer into ``into`` (blocking; on an I/O thread). The
+    answer's head must carry the connection's MAC. Each block is hashed as soon as it is in;
+    ``out`` holds every block received in full when this raises."""
     sock.sendall(request)
-    (m,) = w.COUNT.unpack(w.recv_all(sock, w.COUNT.size))
+    count = w.recv_all(sock, w.COUNT.size)
+    (m,) = w.COUNT.unpack(count)
     if m > len(into):
         raise w.PeerProtocolError(f"an answer of {m} blocks to a request for {len(into)}")
-    entries = w.recv_all(sock, m * w.ENTRY.size)
+    entries = w.recv_all(sock, m * w.ENTRY.size + MAC_BYTES)
+    entries, mac = entries[:-MAC_BYTES], entries[-MAC_BYTES:]
+    if not session.check(w.ANSWERED, count + entries, mac):
+        raise w.PeerProtocolError("an answer not sealed with this connection's key (sent by another party)")
     heads = [w.ENTRY.unpack_from(entries, i * w.ENTRY.size) for i in range(m)]
     for (size, _), view in zip(heads, into):
         if size != view.nbytes:
@@ -135,3 +155,4 @@ def _exchange(sock: socket.socket, request: bytes, into: Sequence[np.ndarray], o
         w.recv_into_all(sock, memoryview(view).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
         out.checksums.append(sent)
         out.hashes.append(checksum(view))
+    session.next()

@@ -1,13 +1,13 @@
 """The holder's end of the peer data path: serves this node's blocks to the other nodes.
 
-Each connection says hello with the cluster token (compared in constant time) within
-``HELLO_TIMEOUT_S``, then sends requests (:mod:`kvstore.cluster.peer_wire`). The blocks of a
-request are lent by the node (:class:`Lender`: promoted into DRAM and leased while they are sent)
-and written from their slots by blocking ``sendmsg`` calls on an I/O thread
-(:func:`~kvstore.cluster.peer_wire.blocking`; a 64 MiB answer is a few system calls, no event-loop
-round per socket-buffer's worth), within ``send_timeout_s`` and never past the lease's end
-(:attr:`Lent.left_s`: a holder slow to begin the send loses the connection before the slots can
-be reused; a lease over before the send begins sends nothing).
+Each connection says hello within ``HELLO_TIMEOUT_S``: both sides prove they hold the cluster
+token, which never crosses the wire (:mod:`kvstore.cluster.peer_hello`); then it sends requests
+(:mod:`kvstore.cluster.peer_wire`). The blocks of a request are lent by the node (:class:`Lender`:
+promoted into DRAM and leased while they are sent) and written from their slots by blocking
+``sendmsg`` calls on an I/O thread (:func:`~kvstore.cluster.peer_wire.blocking`; a 64 MiB answer
+is a few system calls, no event-loop round per socket-buffer's worth), within ``send_timeout_s``
+and never past the lease's end (:attr:`Lent.left_s`: a holder slow to begin the send loses the
+connection before the slots can be reused; a lease over before the send begins sends nothing).
 
 A send thread is the scarce thing (``IO_THREADS`` a process), so an answer holds one only while
 its fetcher takes bytes fast enough for the answer to go out in time: a send that makes no
@@ -39,10 +39,11 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from kvstore.cluster import peer_hello
 from kvstore.cluster import peer_wire as w
+from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey, Session
 from kvstore.util.logs import Throttled
 from kvstore.util.tasks import cancel_and_wait
-from kvstore.util.tokens import token_matches
 
 log = logging.getLogger("kvstore.cluster.peer_server")
 HELLO_TIMEOUT_S = 5.0
@@ -75,15 +76,22 @@ class Lender(Protocol):
 
 class PeerServer:
     def __init__(
-        self, lender: Lender, token: str, send_timeout_s: float, send_stall_s: float, request_timeout_s: float
+        self,
+        lender: Lender,
+        key: ClusterKey,
+        name: str,
+        send_timeout_s: float,
+        send_stall_s: float,
+        request_timeout_s: float,
     ) -> None:
         self.lender = lender
+        self.name = name  # this node's id: the holder's name in the hello
         self.send_timeout_s = send_timeout_s
         self.send_stall_s = send_stall_s
         self.request_timeout_s = request_timeout_s
         # answers lent at once: one per send thread (of the process's pool: a sidecar runs one server)
         self._sending = asyncio.Semaphore(w.IO_THREADS)
-        self._token = token.encode()
+        self._key = key
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
@@ -137,15 +145,12 @@ class PeerServer:
     async def _serve(self, conn: socket.socket) -> None:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
-                node = await self._hello(conn)
+                _, session = await peer_hello.welcome(conn, self._key, self.name)  # (HelloRefused: a PeerProtocolError)
             current = asyncio.current_task()
             if current is not None:
                 self._pending.pop(current, None)  # it said hello: a connection like any other now
-            if node is None:
-                self.refused += 1
-                return
             while not self._closing:
-                if not await self._answer(conn):
+                if not await self._answer(conn, session):
                     return
         except w.PeerProtocolError as exc:
             self.refused += 1
@@ -158,19 +163,7 @@ class PeerServer:
         finally:
             conn.close()
 
-    async def _hello(self, conn: socket.socket) -> str | None:
-        magic, tlen, nlen = w.HELLO.unpack(await w.recv_bytes(conn, w.HELLO.size))
-        if magic != w.MAGIC or tlen > w.MAX_TOKEN or nlen > w.MAX_NODE:
-            raise w.PeerProtocolError(f"not a kvstore peer hello ({magic!r})")
-        token = await w.recv_bytes(conn, tlen)
-        node = (await w.recv_bytes(conn, nlen)).decode(errors="replace")
-        if not token_matches(token, self._token):
-            self._warn.warning("peer data path: wrong cluster token from a node calling itself %r", node[:64])
-            return None
-        await asyncio.get_running_loop().sock_sendall(conn, w.WELCOME)
-        return node
-
-    async def _answer(self, conn: socket.socket) -> bool:
+    async def _answer(self, conn: socket.socket, session: Session) -> bool:
         loop = asyncio.get_running_loop()
         head = bytearray(w.REQUEST.size)
         async with asyncio.timeout(IDLE_TIMEOUT_S):  # an idle connection goes (its fetcher reconnects)
@@ -184,9 +177,12 @@ class PeerServer:
                 (n,) = w.REQUEST.unpack(head)
                 if not 0 < n <= self.lender.max_blocks:
                     raise w.PeerProtocolError(f"request for {n} blocks (1..{self.lender.max_blocks})")
-                body = await w.recv_bytes(conn, w.ROOT_BYTES + n * w.KEY_BYTES)
+                body = await w.recv_bytes(conn, w.ROOT_BYTES + n * w.KEY_BYTES + MAC_BYTES)
         except TimeoutError:
             raise w.PeerProtocolError(f"a request begun was not in whole within {self.request_timeout_s} s") from None
+        body, mac = body[:-MAC_BYTES], body[-MAC_BYTES:]
+        if not session.check(w.ASKED, bytes(head) + body, mac):
+            raise w.PeerProtocolError("a request not sealed with this connection's key (sent by another party)")
         root = body[: w.ROOT_BYTES]
         keys = [body[i : i + w.KEY_BYTES] for i in range(w.ROOT_BYTES, len(body), w.KEY_BYTES)]
         try:
@@ -197,11 +193,11 @@ class PeerServer:
             self._warn.warning("peer data path: no send slot free for %s s; dropped a request", self.request_timeout_s)
             return False
         try:
-            return await self._lend_and_send(conn, root, keys)
+            return await self._lend_and_send(conn, root, keys, session)
         finally:
             self._sending.release()
 
-    async def _lend_and_send(self, conn: socket.socket, root: bytes, keys: list[bytes]) -> bool:
+    async def _lend_and_send(self, conn: socket.socket, root: bytes, keys: list[bytes], session: Session) -> bool:
         """Lend the run asked for and send it (holding a send slot). The send ends, and with it
         the lease and the connection, at the lease's end or after a window of ``send_stall_s`` in
         which the fetcher took too little for the rest to go out by then (no byte, or a trickle),
@@ -209,7 +205,7 @@ class PeerServer:
         lent = await self.lender.lend(root, keys)
         try:
             blocks = lent.blocks
-            answer = w.answer_head([(data.nbytes, checksum) for checksum, data in blocks])
+            answer = w.answer_head([(data.nbytes, checksum) for checksum, data in blocks], session)
             # (a 1-D uint8 array is a buffer; numpy's stubs do not say so before Python 3.12)
             payload = [memoryview(data) for _, data in blocks]  # type: ignore[arg-type]
             budget = min(self.send_timeout_s, lent.left_s())  # the slots are ours until the lease ends
@@ -227,6 +223,7 @@ class PeerServer:
             return False
         finally:
             lent.release()
+        session.next()
         self.served_blocks += len(blocks)
         return True
 

@@ -10,11 +10,14 @@ socket buffer runs dry) costs a loop round per 64-200 KiB, which on a busy host 
 fetch's CPU. The deadline stays the loop's: when it passes, the socket is shut down, which ends
 the thread's call at once.
 
-    hello    fetcher -> holder   "KVP1" u16 token length, u16 node-id length, token, node id
-             holder -> fetcher   "OK\\0\\0" (or the connection closes: a wrong token)
-    request  fetcher -> holder   u32 n, namespace root (32 bytes), n block keys (32 bytes each)
+    hello    both ways           a challenge and response proving both sides hold the cluster token,
+                                 which never crosses the wire (:mod:`kvstore.cluster.peer_hello`);
+                                 it ends with holder -> fetcher "OK\\0\\0"
+    request  fetcher -> holder   u32 n, namespace root (32 bytes), n block keys (32 bytes each),
+                                 MAC (16 bytes, the connection's key: its hello's Session)
     answer   holder -> fetcher   u32 m (the leading m <= n blocks the holder has), then m times
-                                 (u64 size, u64 checksum), then the m blocks' bytes back to back
+                                 (u64 size, u64 checksum), MAC of those (16 bytes), then the m
+                                 blocks' bytes back to back
 
 All integers little-endian. A connection carries one request at a time, any number in turn. The
 fetcher knows every size before the first payload byte, so it checks them all up front and reads
@@ -33,18 +36,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from kvstore.cluster.cluster_key import Session
 from kvstore.util.threads import _Once
 
 T = TypeVar("T")
 
-MAGIC = b"KVP1"
-WELCOME = b"OK\0\0"
-HELLO = struct.Struct("<4sHH")
+WELCOME = b"OK\0\0"  # the hello's last word (kvstore.cluster.peer_hello)
 REQUEST = struct.Struct("<I")
 COUNT = struct.Struct("<I")  # blocks in the answer
 ENTRY = struct.Struct("<QQ")  # size, checksum
 ROOT_BYTES = KEY_BYTES = 32
-MAX_TOKEN = MAX_NODE = 1024
+ASKED, ANSWERED = b"request", b"answer"  # what a Session MAC seals
 IOV_MAX = 512  # buffers handed to one sendmsg (Linux allows 1024)
 IO_THREADS = 16  # fetches moving at once, per process, and as many answers (each holds a thread while it moves)
 # Two pools, not one: a fetch holds its thread while it waits for the holder's answer, and an answer
@@ -66,18 +68,17 @@ class PeerStalled(ConnectionError):
     socket's send timeout, or too few over a window of it, :func:`send_buffers`): drop the connection."""
 
 
-def hello(token: str, node: str) -> bytes:
-    t, n = token.encode(), node.encode()
-    return HELLO.pack(MAGIC, len(t), len(n)) + t + n
+def request(root: bytes, keys: list[bytes], session: Session) -> bytes:
+    """A request, sealed with the connection's key (the exchange's MAC: the session moves on to
+    the next once the answer is in)."""
+    body = REQUEST.pack(len(keys)) + root + b"".join(keys)
+    return body + session.seal(ASKED, body)
 
 
-def request(root: bytes, keys: list[bytes]) -> bytes:
-    return REQUEST.pack(len(keys)) + root + b"".join(keys)
-
-
-def answer_head(blocks: list[tuple[int, int]]) -> bytes:
-    """The answer's head for blocks of these (size, checksum)."""
-    return COUNT.pack(len(blocks)) + b"".join(ENTRY.pack(size, c) for size, c in blocks)
+def answer_head(blocks: list[tuple[int, int]], session: Session) -> bytes:
+    """The answer's head for blocks of these (size, checksum), sealed with the connection's key."""
+    head = COUNT.pack(len(blocks)) + b"".join(ENTRY.pack(size, c) for size, c in blocks)
+    return head + session.seal(ANSWERED, head)
 
 
 async def blocking(sock: socket.socket, pool: ThreadPoolExecutor, call: Callable[..., T], *args: object) -> T:

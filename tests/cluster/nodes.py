@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvstore.client import KVStoreClient
+from kvstore.cluster import peer_hello
+from kvstore.cluster import peer_wire as w
+from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey, Session
 from kvstore.config import Config
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
@@ -47,3 +53,27 @@ def keys_for(ns: Namespace, n: int, seed: int = 0) -> list[bytes]:
 
 def client_of(sc: Sidecar) -> KVStoreClient:
     return KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}")
+
+
+async def hello_stream(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: str, holder: str = "a"
+) -> Session:
+    """The fetcher's side of the peer hello (kvstore.cluster.peer_hello) on a stream, with the
+    cluster token: the holder proves itself, then this side, then the holder's welcome. The
+    connection's key (requests on it are sealed with it: ``peer_wire.request``)."""
+    key, mine = ClusterKey(TOKEN), os.urandom(NONCE_BYTES)
+    writer.write(peer_hello.opening(me, mine))
+    magic, n = peer_hello.GREETING.unpack(await reader.readexactly(peer_hello.GREETING.size))
+    rest = await reader.readexactly(NONCE_BYTES + n + PROOF_BYTES)
+    theirs, name, proof = rest[:NONCE_BYTES], rest[NONCE_BYTES:-PROOF_BYTES], rest[-PROOF_BYTES:]
+    assert (magic, name) == (peer_hello.MAGIC, holder.encode())
+    assert proof == key.proof(peer_hello.HOLDER, mine, theirs, me.encode(), name)
+    writer.write(key.proof(peer_hello.FETCHER, mine, theirs, me.encode(), name))
+    assert await reader.readexactly(len(w.WELCOME)) == w.WELCOME
+    return key.session(mine, theirs, me.encode(), name)
+
+
+async def hello_socket(sock: socket.socket, me: str, holder: str = "a") -> Session:
+    """The fetcher's side of the peer hello on a connected non-blocking socket, as PeerClient says
+    it; the connection's key."""
+    return await asyncio.wait_for(peer_hello.greet(sock, ClusterKey(TOKEN), me, holder), 10)

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from kvstore.cluster import peer_client, peer_wire
+from kvstore.cluster.cluster_key import ClusterKey
 from kvstore.cluster.directory import Directory, Record
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.config import Config
@@ -256,7 +257,7 @@ async def test_requests_for_unheld_blocks_are_remembered_up_to_a_bound_while_the
             root = a.store.namespace(ns).root
             unheld = keys_for(ns, asks, seed=46)
             view = np.empty(BLOCK, dtype=np.uint8)
-            clients = [PeerClient(a.cluster.address, TOKEN, f"asker{i}", 5.0) for i in range(4)]
+            clients = [PeerClient(a.cluster.address, ClusterKey(TOKEN), f"asker{i}", "a", 5.0) for i in range(4)]
 
             async def ask(c: PeerClient, part: list[bytes]) -> None:
                 for k in part:

@@ -13,7 +13,7 @@ import pytest
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
 from kvstore.testing.servers import RedisServer, redis_server
-from tests.cluster.nodes import TOKEN, blocks, client_of, keys_for, node_config
+from tests.cluster.nodes import TOKEN, blocks, client_of, hello_stream, keys_for, node_config
 
 
 async def test_a_block_put_on_one_node_is_found_and_fetched_on_another(
@@ -118,7 +118,16 @@ async def test_a_corrupted_peer_block_is_never_served(pair: tuple[Sidecar, Sidec
 async def test_a_wrong_token_gets_nothing(
     tmp_path: Path, directory: RedisServer, ns: Namespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A node with another token reads none of the cluster's records or member entries (each
+    counted), and the peer port welcomes no fetcher whose proof is not made with the token. Each
+    proof goes through the one constant-time comparison; the token itself is never compared, and
+    never sent (kvstore.cluster.peer_hello)."""
     import hmac
+    import os
+
+    from kvstore.cluster import peer_hello
+    from kvstore.cluster import peer_wire as w
+    from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey
 
     compared: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest
@@ -132,37 +141,67 @@ async def test_a_wrong_token_gets_nothing(
     async with Sidecar(node_config(tmp_path, "a", directory)) as a, \
             Sidecar(node_config(tmp_path, "b", directory, **{"cluster.token": "not-the-token"})) as b:
         await asyncio.sleep(0.25)
+        assert a.cluster is not None and b.cluster is not None
         async with client_of(a) as ca, client_of(b) as cb:
             await ca.put_blocks(ns, keys, blocks(2, seed=7), wait_published=True)
-            assert (await cb.lookup(ns, keys)).matched == 2  # the directory says A has them ...
-            assert await cb.get_blocks(ns, keys) == []  # ... but A serves nobody without the token
-            assert (await cb.stats())["cluster"]["fetch_failures"] == 1
-            assert a.cluster is not None and a.cluster.server.refused == 1
-            assert (b"not-the-token", TOKEN.encode()) in compared  # the one constant-time check
+            assert (await cb.lookup(ns, keys)).matched == 0  # A's records do not check out with B's key
+            assert await cb.get_blocks(ns, keys) == []
+            stats = (await cb.stats())["cluster"]
+            assert stats["records_rejected"] >= 1 and stats["members_rejected"] >= 1
+            assert [m.node for m in b.cluster.live_members()] == ["b"]
+        # a fetcher with the wrong token that goes on past the holder's proof: no welcome
+        reader, writer = await asyncio.open_connection("127.0.0.1", a.cluster.server.port)
+        try:
+            mine, wrong = os.urandom(NONCE_BYTES), ClusterKey("not-the-token")
+            writer.write(peer_hello.opening("b", mine))
+            _, n = peer_hello.GREETING.unpack(await reader.readexactly(peer_hello.GREETING.size))
+            rest = await reader.readexactly(NONCE_BYTES + n + PROOF_BYTES)
+            theirs, name = rest[:NONCE_BYTES], rest[NONCE_BYTES:-PROOF_BYTES]
+            proof = wrong.proof(peer_hello.FETCHER, mine, theirs, b"b", name)
+            writer.write(proof)
+            with contextlib.suppress(ConnectionResetError):
+                assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, no welcome
+        finally:
+            writer.close()
+        assert a.cluster.server.refused == 1
+        assert (proof, ClusterKey(TOKEN).proof(peer_hello.FETCHER, mine, theirs, b"b", name)) in compared
+        assert not any(TOKEN.encode() in pair for pair in compared)
+        assert w.WELCOME not in rest
 
 
 async def test_garbage_on_the_peer_port_drops_that_connection_only(
     pair: tuple[Sidecar, Sidecar], ns: Namespace
 ) -> None:
+    import struct
+    from collections.abc import Callable
+
     from kvstore.cluster import peer_wire as w
+    from kvstore.cluster.cluster_key import MAC_BYTES, Session
 
     a, b = pair
     assert a.cluster is not None
     port = a.cluster.server.port
-    cases = [  # what is sent, what comes back before the server closes the connection
-        (b"GET / HTTP/1.1\r\n\r\n", b""),
-        (w.hello(TOKEN, "x") + b"\xff\xff\xff\xff", w.WELCOME),  # a request for 4 billion blocks
-        (w.hello(TOKEN, "x") + w.request(b"\0" * 32, [b"\1" * 32])[:-5], w.WELCOME),  # cut short
-        (b"\0" * 3, b""),
+    old_hello = b"KVP1" + struct.pack("<HH", len(TOKEN), 1) + TOKEN.encode() + b"x"  # version 1: the token in clear
+    one = (b"\0" * 32, [b"\1" * 32])
+    unsealed = w.REQUEST.pack(1) + one[0] + one[1][0] + b"\0" * MAC_BYTES
+    cases: list[tuple[bool, Callable[[Session | None], bytes], bool]] = [
+        # whether a hello is said first, what is sent (given its connection's key), whether it counts as refused
+        (False, lambda _: b"GET / HTTP/1.1\r\n\r\n", True),
+        (True, lambda _: b"\xff\xff\xff\xff", True),  # a request for 4 billion blocks
+        (True, lambda s: w.request(*one, s)[:-5], False),  # cut short: the fetcher went away
+        (False, lambda _: b"\0" * 3, False),
+        (False, lambda _: old_hello, True),
+        (True, lambda _: unsealed, True),  # not sealed with the connection's key: injected by another party
     ]
-    for payload, answer in cases:
+    for hello, payload, _ in cases:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(payload)
+        session = await asyncio.wait_for(hello_stream(reader, writer, "x"), 10) if hello else None
+        writer.write(payload(session))
         writer.write_eof()
         with contextlib.suppress(ConnectionResetError):  # (a reset when it closes with our bytes unread)
-            assert await asyncio.wait_for(reader.read(), 10) == answer
+            assert await asyncio.wait_for(reader.read(), 10) == b""
         writer.close()
-    assert a.cluster.server.refused == 2
+    assert a.cluster.server.refused == sum(refused for *_, refused in cases)
     keys, data = keys_for(ns, 2, seed=8), blocks(2, seed=8)
     async with client_of(a) as ca, client_of(b) as cb:
         await ca.put_blocks(ns, keys, data, wait_published=True)

@@ -19,11 +19,13 @@ import pytest
 import redis
 
 from kvstore.client import KVStoreClient
+from kvstore.cluster.cluster_key import MAC_BYTES
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.block_store import BlockSpec, CommitSpec
 from kvstore.store.index import State
 from kvstore.testing.servers import RedisServer, redis_server
+from tests.cluster.nodes import hello_socket, hello_stream
 from tests.conftest import small_config
 
 TOKEN = "cluster-secret"
@@ -671,25 +673,25 @@ async def test_a_peer_that_stalls_mid_request_holds_its_connection_for_ever(
     async with Sidecar(node_config(tmp_path, "a", directory, **{"cluster.fetch_timeout_s": 0.3})) as a:
         assert a.cluster is not None
         port = a.cluster.server.port
-        request = w.request(b"\0" * w.ROOT_BYTES, [b"\1" * w.KEY_BYTES])
+        root, key = b"\0" * w.ROOT_BYTES, b"\1" * w.KEY_BYTES
         opened: list[asyncio.StreamWriter] = []
         try:
             idle_r, idle_w = await asyncio.open_connection("127.0.0.1", port)
             opened.append(idle_w)
-            idle_w.write(w.hello(TOKEN, "idle"))
-            assert await asyncio.wait_for(idle_r.readexactly(len(w.WELCOME)), 10) == w.WELCOME
+            idle = await asyncio.wait_for(hello_stream(idle_r, idle_w, "idle"), 10)
+            request = w.request(root, [key], idle)
             for partial in (request[:1], request[:-5]):  # one byte of the head; the head and part of the body
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 opened.append(writer)
-                writer.write(w.hello(TOKEN, "staller") + partial)  # ... and then nothing, the socket left open
-                assert await asyncio.wait_for(reader.readexactly(len(w.WELCOME)), 10) == w.WELCOME
+                await asyncio.wait_for(hello_stream(reader, writer, "staller"), 10)
+                writer.write(partial)  # ... and then nothing, the socket left open
                 with contextlib.suppress(ConnectionResetError):
                     # (the bound is for a loaded machine; on the old code the read never ends)
                     assert await asyncio.wait_for(reader.read(), 30) == b"", "the stalled request was answered"
             assert a.cluster.server.refused == 2  # counted (and logged) like any bad peer
             idle_w.write(request)  # the idle connection, older than both, still serves
-            answer = await asyncio.wait_for(idle_r.readexactly(w.COUNT.size), 10)
-            assert w.COUNT.unpack(answer) == (0,)
+            answer = await asyncio.wait_for(idle_r.readexactly(w.COUNT.size + MAC_BYTES), 10)
+            assert answer == w.answer_head([], idle)  # nothing held, sealed with the connection's key
         finally:
             for writer in opened:
                 writer.close()
@@ -726,9 +728,8 @@ async def test_a_holder_sends_a_run_only_while_its_lease_holds(
         a.cluster.lend = slow_lend  # type: ignore[method-assign,assignment]
         reader, writer = await asyncio.open_connection("127.0.0.1", a.cluster.server.port)
         try:
-            writer.write(w.hello(TOKEN, "fetcher"))
-            assert await asyncio.wait_for(reader.readexactly(len(w.WELCOME)), 10) == w.WELCOME
-            writer.write(w.request(a.store.namespace(ns).root, keys))
+            session = await asyncio.wait_for(hello_stream(reader, writer, "fetcher"), 10)
+            writer.write(w.request(a.store.namespace(ns).root, keys, session))
             await asyncio.wait_for(lent.wait(), 10)
             with contextlib.suppress(ConnectionResetError):
                 head = await asyncio.wait_for(reader.read(w.COUNT.size), 30)
@@ -786,9 +787,8 @@ async def test_peers_that_ask_and_never_read_hold_every_send_thread_and_their_le
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: a small window)
                 s.setblocking(False)
                 await loop.sock_connect(s, ("127.0.0.1", a.cluster.server.port))
-                await loop.sock_sendall(s, w.hello(TOKEN, f"staller-{i}"))
-                assert await asyncio.wait_for(w.recv_bytes(s, len(w.WELCOME)), 10) == w.WELCOME
-                await loop.sock_sendall(s, w.request(a.store.namespace(ns).root, keys))  # ... and never reads
+                session = await hello_socket(s, f"staller-{i}")
+                await loop.sock_sendall(s, w.request(a.store.namespace(ns).root, keys, session))  # ... and never reads
             await eventually(lambda: len(index.leases) >= w.IO_THREADS, "every send thread holds a stalled answer")
             async with client_of(b) as cb:  # a well-behaved node fetches while the stallers still sit there
                 got = await cb.get_blocks(ns, keys[:2], verify=True)
@@ -846,9 +846,8 @@ async def test_a_peer_that_reads_a_trickle_holds_its_send_thread_and_lease_until
         reading: asyncio.Task[None] | None = None
         try:
             await loop.sock_connect(s, ("127.0.0.1", server.port))
-            await loop.sock_sendall(s, w.hello(TOKEN, "trickler"))
-            assert await asyncio.wait_for(w.recv_bytes(s, len(w.WELCOME)), 10) == w.WELCOME
-            await loop.sock_sendall(s, w.request(a.store.namespace(ns).root, keys))
+            session = await hello_socket(s, "trickler")
+            await loop.sock_sendall(s, w.request(a.store.namespace(ns).root, keys, session))
             reading = asyncio.create_task(trickle())
             await eventually(lambda: len(index.leases) == 1, "the answer leased")
             # the bound: half the deadline (the old code held the lease to its end, 2 x fetch_timeout_s)

@@ -43,3 +43,14 @@ def test_check_names_the_field_and_the_allowed_values(tmp_path):
     assert out.returncode == 2 and "dram.page_bytes" in out.stderr
     out = kvstore("--check", str(good), "--show")
     assert out.returncode == 0 and '"page_bytes": 65536' in out.stdout
+
+
+def test_a_cluster_without_a_token_is_refused(tmp_path):
+    """The cluster never runs unauthenticated (docs/security.md, "The cluster"): its keys are
+    derived from cluster.token, so a config that turns the cluster on without one is refused."""
+    bad = tmp_path / "cluster.toml"
+    bad.write_text("[cluster]\nenabled = true\n")
+    out = kvstore("--check", str(bad), env={"KVSTORE_CLUSTER__TOKEN": ""})
+    assert out.returncode == 2 and "token" in out.stderr and "cluster" in out.stderr
+    out = kvstore("--check", str(bad), env={"KVSTORE_CLUSTER__TOKEN": "a" * 32})
+    assert out.returncode == 0, out.stderr

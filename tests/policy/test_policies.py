@@ -128,6 +128,17 @@ def test_credit_uses_and_resume_carry_a_count_between_nodes() -> None:
     assert drain(c) == ["x", "y"]
 
 
+def test_credit_caps_a_resumed_count_at_its_top_class() -> None:
+    """Whoever writes the directory can leave any count in a g: key (not sealed, docs/security.md):
+    resumed, the largest lifts a block no higher than a block used many times here."""
+    p = make_policy("credit", boost=1.0)
+    chain(p, ["x"])
+    chain(p, ["y"])
+    hit(p, ["y"] * 10)
+    p.resume("x", 999_999_999)
+    assert p.uses("x") == p.uses("y") == 4  # (classes)
+
+
 def test_lru_keeps_no_count() -> None:
     p = make_policy("lru")
     chain(p, ["x"])

@@ -1,0 +1,137 @@
+"""The keys derived from the cluster token, and what each authenticates.
+
+The token (``cluster.token``) never leaves the process, and is never used as a key itself: three
+keys are derived from it with HKDF-SHA256 (RFC 5869; salt :data:`LABEL`, one info string per use),
+so a MAC of one kind can never pass for another:
+
+- **Directory records** (the values of the ``d:`` hashes): a keyed BLAKE2b-128 MAC over the
+  record's fields, the directory key it lies under (prefix, namespace root, block key) and the node
+  it names (the hash field). A record moved to another key or another node's field, or with any
+  field changed, fails it; a record of an older version (no MAC) is not one this version reads.
+- **Member entries** (the ``members`` hash): the same MAC over the prefix, the node's name and its
+  address; it is written into the entry's address part (``<mac hex>@<host:port>``), the only part
+  the node itself writes (the directory's script writes the incarnation and the expiry, in its own
+  clock; what a forged incarnation or expiry can do is in docs/security.md).
+- **The peer hello's proofs** (:mod:`kvstore.cluster.peer_hello`): HMAC-SHA256 over both sides'
+  nonces and names, one role label for the holder's proof and another for the fetcher's; and, from
+  the same inputs, the connection's own key (:class:`Session`), which seals each request and each
+  answer's head on it, so a party that relayed the hello can neither send a request of its own on
+  the connection nor change the sizes and checksums an answer announces.
+
+Keyed BLAKE2b rather than HMAC-SHA256 for the records: a lookup checks one MAC per holder of every
+key, and BLAKE2b's keyed mode (a MAC by design) costs about a third of HMAC's call here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+
+LABEL = b"kvstore cluster key v1"  # HKDF's salt: the version of this derivation
+MAC_BYTES = 16
+NONCE_BYTES = 16
+PROOF_BYTES = 32
+RECORD_VERSION = b"\x02"  # the first byte of an authenticated record (an older one has no version byte)
+_LEN = struct.Struct("<H")
+
+
+def hkdf(token: bytes, info: bytes) -> bytes:
+    """HKDF-SHA256 (RFC 5869) of ``token`` with salt :data:`LABEL`: one 32-byte key for ``info``."""
+    prk = hmac.digest(LABEL, token, "sha256")
+    return hmac.digest(prk, info + b"\x01", "sha256")
+
+
+def framed(*parts: bytes) -> bytes:
+    """``parts`` each after its length: no two lists of parts give the same bytes."""
+    return b"".join([_LEN.pack(len(p)) + p for p in parts])
+
+
+def frame(part: bytes) -> bytes:
+    """``framed(part)``, without the call's overhead (a lookup frames a key and a node per record)."""
+    return _LEN.pack(len(part)) + part
+
+
+class ClusterKey:
+    """What a node holding the cluster token can sign and check. Built once per node."""
+
+    def __init__(self, token: str) -> None:
+        secret = token.encode("utf-8", "surrogateescape")
+        self._record = hkdf(secret, b"directory record")
+        self._member = hkdf(secret, b"member entry")
+        self._hello = hkdf(secret, b"peer hello")
+
+    # --- directory records ----------------------------------------------------------------------
+
+    def seal_record(self, fields: bytes, dir_key: bytes, node: bytes) -> bytes:
+        """The directory value of a record's packed ``fields``, under ``dir_key`` in ``node``'s field."""
+        mac = hashlib.blake2b(fields + framed(dir_key, node), key=self._record, digest_size=MAC_BYTES).digest()
+        return RECORD_VERSION + fields + mac
+
+    def open_record(self, value: bytes, dir_key: bytes, node: bytes) -> bytes | None:
+        """The packed fields of a directory value sealed by :meth:`seal_record` for this key and
+        node; None when it was not (forged, moved, altered, or of an older version)."""
+        return self.open_framed(value, framed(dir_key, node))
+
+    def open_framed(self, value: bytes, where: bytes) -> bytes | None:
+        """:meth:`open_record` with the key and node already framed (``framed(dir_key, node)``: a
+        lookup frames each key once, not once per holder, and pays about half per record)."""
+        if len(value) <= 1 + MAC_BYTES or value[:1] != RECORD_VERSION:
+            return None
+        fields, mac = value[1:-MAC_BYTES], value[-MAC_BYTES:]
+        want = hashlib.blake2b(fields + where, key=self._record, digest_size=MAC_BYTES).digest()
+        return fields if hmac.compare_digest(mac, want) else None
+
+    # --- member entries -------------------------------------------------------------------------
+
+    def _member_mac(self, prefix: bytes, node: bytes, address: bytes) -> str:
+        msg = framed(prefix, node, address)
+        return hashlib.blake2b(msg, key=self._member, digest_size=MAC_BYTES).hexdigest()
+
+    def seal_address(self, prefix: str, node: str, address: str) -> str:
+        """The address part of ``node``'s member entry: ``<mac hex>@<address>``."""
+        return f"{self._member_mac(prefix.encode(), node.encode(), address.encode())}@{address}"
+
+    def open_address(self, prefix: str, node: str, sealed: str) -> str | None:
+        """The address of a member entry's address part sealed for this prefix and node; None when
+        it was not (forged, moved to another node's name, or of an older version)."""
+        mac, at, address = sealed.partition("@")
+        if not at or len(mac) != 2 * MAC_BYTES:
+            return None
+        want = self._member_mac(prefix.encode(), node.encode(), address.encode())
+        return address if hmac.compare_digest(mac.encode(), want.encode()) else None
+
+    # --- the peer hello -------------------------------------------------------------------------
+
+    def proof(self, role: bytes, fetcher_nonce: bytes, holder_nonce: bytes, fetcher: bytes, holder: bytes) -> bytes:
+        """A side's proof that it holds the token, for one hello (``role``: whose proof it is)."""
+        return hmac.digest(self._hello, framed(role, fetcher_nonce, holder_nonce, fetcher, holder), "sha256")
+
+    def session(self, fetcher_nonce: bytes, holder_nonce: bytes, fetcher: bytes, holder: bytes) -> Session:
+        """The key of the connection whose hello had these nonces and names."""
+        return Session(self.proof(SESSION, fetcher_nonce, holder_nonce, fetcher, holder))
+
+
+SESSION = b"session"  # (a role of its own: the session key is never a proof either side sent)
+
+
+class Session:
+    """One peer connection's key, agreed in its hello: the MAC of each request (``b"request"``)
+    and of each answer's head (``b"answer"``), numbered in turn (a connection carries one request
+    at a time), so one can neither be forged, nor replayed on the connection, nor stand for
+    another. Both ends call :meth:`next` once an exchange is over."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self._seq = 0
+
+    def seal(self, what: bytes, data: bytes) -> bytes:
+        """The MAC of ``data`` as this exchange's ``what``."""
+        msg = framed(self._seq.to_bytes(8, "little"), what, data)
+        return hashlib.blake2b(msg, key=self._key, digest_size=MAC_BYTES).digest()
+
+    def check(self, what: bytes, data: bytes, mac: bytes) -> bool:
+        return hmac.compare_digest(mac, self.seal(what, data))
+
+    def next(self) -> None:
+        self._seq += 1
