@@ -50,40 +50,12 @@ def gpu_shape(cp: Any, res: Result, shape: str, n: int, rounds: int) -> None:
     caches = [torch.randn((2, num_blocks, spec.block_size, spec.kv_heads, spec.head_size), device="cuda",
                           dtype=torch.bfloat16) for _ in range(spec.num_layers)]
     kv = bind_caches(spec, caches)
-    slab = Slab(3 * n * _slot(bb) + 64 * MiB, page_bytes=max(32 * MiB, _slot(bb)), name_prefix="kvstore-bench-gpu")
+    slab = Slab(2 * n * _slot(bb) + 2 * n * bb + 64 * MiB, page_bytes=max(32 * MiB, _slot(bb)),
+                name_prefix="kvstore-bench-gpu")
     t = make_transfer("cupy")
     try:
         t.register(slab.buf, page_bytes=slab.page_bytes)
-        save, load = _slab_slots(slab, bb, n), _slab_slots(slab, bb, n)
-        dev = cp.empty(2 * n * bb, dtype=cp.uint8)
-        host = int(slab.buf.ctypes.data) + slab.capacity_bytes - 2 * n * bb  # the same pinned mapping
-        d0, h0 = int(dev.data.ptr), host
-        streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
-        ids_a, ids_b = _ids(n, num_blocks, 1), _ids(n, num_blocks, 2)
-        raw_d2h, gather, raw_h2d, scatter = _best(
-            rounds,
-            _timer(cp, _raw(cp, [(h0, d0, n * bb, _D2H)], streams)),
-            _timer(cp, lambda: t.gather(kv, ids_a, save)),
-            _timer(cp, _raw(cp, [(d0, h0, n * bb, _H2D)], streams)),
-            _timer(cp, lambda: t.scatter(kv, ids_b, load)),
-        )
-
-        def both() -> Any:
-            g = t.gather(kv, ids_a, save)
-            s = t.scatter(kv, ids_b, load)
-            g.wait()
-            return s
-
-        raw_both, ours_both = _best(
-            rounds,
-            _timer(cp, _raw(cp, [(h0, d0, n * bb, _D2H), (d0 + n * bb, h0 + n * bb, n * bb, _H2D)], streams)),
-            _timer(cp, both),
-        )
-        raw_one, one = _best(
-            rounds * 5,
-            _timer(cp, _raw(cp, [(h0, d0, bb, _D2H)], streams)),
-            _timer(cp, lambda: t.gather(kv, ids_a[:1], save[:1])),
-        )
+        raw_d2h, gather, raw_h2d, scatter, raw_both, ours_both, raw_one, one = _gpu_rounds(cp, t, kv, slab, n, rounds)
     finally:
         t.close()
         slab.close()
@@ -104,6 +76,34 @@ def gpu_shape(cp: Any, res: Result, shape: str, n: int, rounds: int) -> None:
     res.ratio(f"{shape}_both_ways_vs_pcie", raw_both / ours_both)
     # >= 1: one block within its bytes at the raw rate + 30 us
     res.ratio(f"{shape}_one_block_vs_raw_plus_30us", (bb / (gb * 1e9 / raw_d2h) + SLACK_US * 1e-6) / one)
+
+
+def _gpu_rounds(cp: Any, t: Any, kv: Any, slab: Slab, n: int, rounds: int) -> list[float]:
+    """Best times of: raw D2H, gather, raw H2D, scatter, both raw at once, gather and scatter at
+    once, one block raw, one block gathered (the views of the slab end with this call)."""
+    bb = kv.spec.block_bytes
+    save, load = _slab_slots(slab, bb, n), _slab_slots(slab, bb, n)
+    dev = cp.empty(2 * n * bb, dtype=cp.uint8)
+    h0 = int(slab.buf.ctypes.data) + slab.capacity_bytes - 2 * n * bb  # the same pinned mapping, clear of the slots
+    d0 = int(dev.data.ptr)
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    ids_a, ids_b = _ids(n, kv.num_blocks, 1), _ids(n, kv.num_blocks, 2)
+
+    def both() -> Any:
+        g = t.gather(kv, ids_a, save)
+        s = t.scatter(kv, ids_b, load)
+        g.wait()
+        return s
+
+    one_way = _best(rounds, _timer(cp, _raw(cp, [(h0, d0, n * bb, _D2H)], streams)),
+                    _timer(cp, lambda: t.gather(kv, ids_a, save)),
+                    _timer(cp, _raw(cp, [(d0, h0, n * bb, _H2D)], streams)),
+                    _timer(cp, lambda: t.scatter(kv, ids_b, load)))
+    two_ways = _best(rounds, _timer(cp, _raw(cp, [(h0, d0, n * bb, _D2H), (d0 + n * bb, h0 + n * bb, n * bb, _H2D)],
+                                             streams)), _timer(cp, both))
+    single = _best(rounds * 5, _timer(cp, _raw(cp, [(h0, d0, bb, _D2H)], streams)),
+                   _timer(cp, lambda: t.gather(kv, ids_a[:1], save[:1])))
+    return one_way + two_ways + single
 
 
 def _slot(bb: int) -> int:

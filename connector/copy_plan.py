@@ -24,6 +24,7 @@ from itertools import product
 from kvstore.errors import InvalidArgument
 
 NO_LIMIT = 1 << 64  # no registered pieces given: runs are not cut
+MAX_PITCH = (1 << 31) - 1  # cudaMemcpy2D refuses a pitch over the device's memPitch (2 GiB - 1 on current GPUs)
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,8 +103,10 @@ class DmaRun:
     width: int
 
 
-def dma_runs(addresses: Sequence[int], width: int, limits: Sequence[tuple[int, int]] = ()) -> list[DmaRun]:
-    """Group slot ``addresses`` (in batch order) into evenly spaced runs, one DMA each.
+def dma_runs(addresses: Sequence[int], width: int, limits: Sequence[tuple[int, int]] = (),
+             max_pitch: int = MAX_PITCH) -> list[DmaRun]:
+    """Group slot ``addresses`` (in batch order) into evenly spaced runs, one DMA each, no two
+    slots of a run more than ``max_pitch`` apart.
 
     ``limits``: the registered pieces of the host mappings as ``(start, end)``; a run never crosses
     the end of one (a DMA must lie in one registration), and a slot that itself crosses one is
@@ -113,7 +116,7 @@ def dma_runs(addresses: Sequence[int], width: int, limits: Sequence[tuple[int, i
     while i < n:
         end = _limit_end(addresses[i], width, limits)
         j, pitch = i + 1, width
-        if j < n and addresses[j] - addresses[i] >= width and addresses[j] + width <= end:
+        if j < n and width <= addresses[j] - addresses[i] <= max_pitch and addresses[j] + width <= end:
             pitch = addresses[j] - addresses[i]
             while j < n and addresses[j] == addresses[i] + (j - i) * pitch and addresses[j] + width <= end:
                 j += 1

@@ -11,17 +11,24 @@ staging, so a save's gather and a load's scatter run at once, one per copy direc
 
 What is uploaded when: the plan's device tables (piece addresses, strides, lengths, offsets) once
 per bound cache (kept for the last few caches), the block ids once per batch. The slab is
-registered with ``cudaHostRegister`` once, by :meth:`CupyTransfer.register` at the connector's
-start, in pieces of at most ``REGISTER_PIECE`` bytes (one registration fails at >= 512 GiB); a
-slot outside every registration is pinned when first seen, with a warning (that costs ~0.1 s a GB
-on the request's path). The engine's current stream is waited on first, so KV written by the
-forward pass is visible; completion is a set of CUDA events.
+registered with ``cudaHostRegister`` (portable: pinned for every device) once, by
+:meth:`CupyTransfer.register` at the connector's start, in pieces of at most ``REGISTER_PIECE``
+bytes (one registration fails at >= 512 GiB); a slot outside every registration is pinned when
+first seen, with a warning (that costs ~0.1 s a GB on the request's path).
+
+Every batch runs on the cache's own device (streams, staging, kernels and tables per device), so
+a tensor-parallel rank on ``cuda:3`` or a pool thread whose current device is 0 are the same. It
+waits first on the engine's stream -- torch's current stream of the calling thread for the
+cache's device, else cupy's -- so KV the forward pass wrote is visible; completion is a blocking
+CUDA event per stream (``wait`` sleeps, it does not spin). A batch that fails halfway waits for
+what it had queued before its buffers are let go.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -44,6 +51,8 @@ REGISTER_PIECE = 64 << 30
 CHUNK_BLOCKS = 32
 STAGE_BYTES = 64 << 20  # per stream
 TABLES_KEPT = 8
+PART_BYTES = 64 << 10  # a thread block copies at most about this much of a piece
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
 _D2H, _H2D = 2, 1  # cudaMemcpyKind
 
 
@@ -57,10 +66,11 @@ class _Tables:
     off: Any
     pieces: int
     threads: int
+    parts: int  # thread blocks per piece (a large piece is cut so the launch fills the device)
 
 
 class _Direction:
-    """Streams and staging buffers of one copy direction."""
+    """Streams and staging buffers of one copy direction on one device."""
 
     def __init__(self, cp: Any, streams: int) -> None:
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(max(1, streams))]
@@ -76,6 +86,21 @@ class _Direction:
             self.streams[j].synchronize()
             buf = self.stage[j] = self._cp.empty(nbytes, dtype=self._cp.uint8)
         return buf
+
+    def finish(self) -> None:
+        for s in self.streams:
+            s.synchronize()
+        self.stage = [None] * len(self.streams)
+
+
+class _Device:
+    """What one device needs: the compiled kernels, each direction's streams, the plan tables."""
+
+    def __init__(self, cp: Any, streams: int) -> None:
+        module = cp.RawModule(code=KERNEL_SOURCE.read_text(), options=("--std=c++14",))
+        self.kernels = {True: module.get_function("kv_gather"), False: module.get_function("kv_scatter")}
+        self.dirs = {True: _Direction(cp, streams), False: _Direction(cp, streams)}
+        self.tables: OrderedDict[tuple[Piece, ...], _Tables] = OrderedDict()
 
 
 class PinnedHost:
@@ -96,10 +121,10 @@ class PinnedHost:
             if any(x <= a < y for x, y in self.limits):
                 continue
             try:
-                self._rt.hostRegister(a, b - a, 0)
+                self._rt.hostRegister(a, b - a, HOST_REGISTER_PORTABLE)
                 self._ours.append(a)
-            except self._rt.CUDARuntimeError as exc:  # registered by another engine of this process: fine
-                if "AlreadyRegistered" not in str(exc):
+            except self._rt.CUDARuntimeError as exc:  # registered by another engine of this process: used,
+                if "AlreadyRegistered" not in str(exc):  # never unregistered here
                     raise
             self.limits.append((a, b))
         self.limits.sort()
@@ -120,6 +145,21 @@ def _span(a: np.ndarray) -> tuple[int, int]:
     return start, int(a.nbytes)
 
 
+def _engine_stream(cp: Any, device: int) -> Any:
+    """The stream the engine's last writes of the cache were queued on: torch's current stream
+    of this thread for ``device`` when torch drives the GPU here, else cupy's current stream."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device)
+    return cp.cuda.get_current_stream()
+
+
+def _event(cp: Any, stream: Any) -> Any:
+    ev = cp.cuda.Event(block=True, disable_timing=True)  # a blocking event: wait() sleeps instead of spinning
+    ev.record(stream)
+    return ev
+
+
 class CupyTransfer:
     """GPU caches <-> pinned DRAM slots (see the module docstring). Never used on CPU."""
 
@@ -128,18 +168,17 @@ class CupyTransfer:
 
     def __init__(self, spec: KVSpec | None = None, streams: int = 2, chunk_blocks: int = CHUNK_BLOCKS,
                  stage_bytes: int = STAGE_BYTES) -> None:
-        cp = self._cp = importlib.import_module("cupy")
-        module = cp.RawModule(code=KERNEL_SOURCE.read_text(), options=("--std=c++14",))
-        self._kernels = {True: module.get_function("kv_gather"), False: module.get_function("kv_scatter")}
-        self._dirs = {True: _Direction(cp, streams), False: _Direction(cp, streams)}
+        self._cp = importlib.import_module("cupy")
+        self._streams = streams
         self._chunk_blocks, self._stage_bytes = max(1, chunk_blocks), stage_bytes
-        self._tables: OrderedDict[tuple[Piece, ...], _Tables] = OrderedDict()
-        self._pinned = PinnedHost(cp)
-        self._lock = threading.Lock()
+        self._devices: dict[int, _Device] = {}
+        self._pinned = PinnedHost(self._cp)
+        self._lock = threading.Lock()  # the pinned mappings, the per-device state
 
     def register(self, host: Array, page_bytes: int = 0) -> None:
         start, size = _span(host)
-        seconds = self._pinned.register(start, size, page_bytes)
+        with self._lock:
+            seconds = self._pinned.register(start, size, page_bytes)
         log.info("pinned a host mapping of %.1f GiB for DMA in %.3f s", size / (1 << 30), seconds)
 
     def gather(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
@@ -150,12 +189,15 @@ class CupyTransfer:
 
     def close(self) -> None:
         """Wait for every transfer in flight, then unregister the mappings this engine pinned."""
-        for d in self._dirs.values():
-            for s in d.streams:
-                s.synchronize()
-            d.stage = [None] * len(d.streams)
-        self._tables.clear()
-        self._pinned.close()
+        with self._lock:
+            for dev, state in self._devices.items():
+                with self._cp.cuda.Device(dev):
+                    for d in state.dirs.values():
+                        with d.lock:
+                            d.finish()
+                    state.tables.clear()
+            self._devices.clear()
+            self._pinned.close()
 
     # --- one batch --------------------------------------------------------------------------
 
@@ -165,35 +207,50 @@ class CupyTransfer:
         addresses = slot_addresses(kv, block_ids, slots, writing=to_slots)
         if not block_ids:
             return _Events([], ())
-        bb = kv.spec.block_bytes
-        cp, d = self._cp, self._dirs[to_slots]
+        cp, bb, dev = self._cp, kv.spec.block_bytes, int(kv.planes[0][0].device.id)
         per_chunk = max(1, min(self._chunk_blocks, self._stage_bytes // bb))
-        with self._lock:  # pinning and the tables: shared by both directions
-            self._pin_missing(slots, addresses, bb)
-            plan = schedule(addresses, bb, per_chunk, self._pinned.limits)
-            tables = self._device_tables(kv.plan)
-        with d.lock:
-            ids = cp.asarray(np.asarray(block_ids, dtype=np.int64))  # the batch's one upload, on the current stream
-            ready = cp.cuda.get_current_stream().record()
-            for s in d.streams:
-                s.wait_event(ready)
+        with cp.cuda.Device(dev):
+            with self._lock:
+                self._pin_missing(slots, addresses, bb)
+                plan = schedule(addresses, bb, per_chunk, self._pinned.limits)
+                state = self._devices.get(dev) or self._devices.setdefault(dev, _Device(cp, self._streams))
+                tables = self._device_tables(state, kv.plan)
+            d = state.dirs[to_slots]
+            with d.lock:
+                return self._enqueue(state, d, tables, block_ids, plan, bb, per_chunk, to_slots)
+
+    def _enqueue(self, state: _Device, d: _Direction, tables: _Tables, block_ids: Sequence[int], plan: list[Chunk],
+                 bb: int, per_chunk: int, to_slots: bool) -> Completion:
+        cp = self._cp
+        first = d.streams[0]
+        first.wait_event(_event(cp, _engine_stream(cp, cp.cuda.Device().id)))
+        with first:
+            ids = cp.asarray(np.asarray(block_ids, dtype=np.int64))  # the batch's one upload
+        uploaded = _event(cp, first)
+        for s in d.streams[1:]:
+            s.wait_event(uploaded)
+        try:
             for c, chunk in enumerate(plan):
                 j = c % len(d.streams)
-                stage = d.buffer(j, max(self._stage_bytes, per_chunk * bb))
-                self._chunk(tables, ids, chunk, bb, stage, d.streams[j], to_slots)
-            return _Events([s.record() for s in d.streams], (ids, tables))
+                self._chunk(state, tables, ids, chunk, bb, d.buffer(j, per_chunk * bb), d.streams[j], to_slots)
+        except BaseException:
+            for s in d.streams:  # nothing queued may outlive the buffers it uses
+                s.synchronize()
+            raise
+        return _Events([_event(cp, s) for s in d.streams], (ids, tables))
 
-    def _chunk(self, t: _Tables, ids: Any, chunk: Chunk, bb: int, stage: Any, stream: Any, to_slots: bool) -> None:
+    def _chunk(self, state: _Device, t: _Tables, ids: Any, chunk: Chunk, bb: int, stage: Any, stream: Any,
+               to_slots: bool) -> None:
         rt = self._cp.cuda.runtime
         a, b, runs = chunk.start, chunk.end, chunk.runs
         base = int(stage.data.ptr)
-        args = (t.src, t.stride, t.nbytes, t.off, np.uint64(int(ids.data.ptr) + 8 * a), np.uint64(base), np.int64(bb))
-        launch = self._kernels[to_slots]
+        args = (t.src, t.stride, t.nbytes, t.off, np.uint64(int(ids.data.ptr) + 8 * a), np.uint64(base), np.int64(bb),
+                np.int64(t.parts))
         if not to_slots:
             for r in runs:
                 rt.memcpy2DAsync(base + (r.first - a) * bb, bb, r.host, r.pitch, bb, r.count, _H2D, stream.ptr)
         with stream:
-            launch((t.pieces, b - a), (t.threads,), args)
+            state.kernels[to_slots]((t.pieces * t.parts, b - a), (t.threads,), args)
         if to_slots:
             for r in runs:
                 rt.memcpy2DAsync(r.host, r.pitch, base + (r.first - a) * bb, bb, bb, r.count, _D2H, stream.ptr)
@@ -203,23 +260,26 @@ class CupyTransfer:
             if not self._pinned.covers(addr, bb):
                 log.warning("a slot outside every pinned mapping: pinning its whole mapping on the request's path"
                             " (call register() with the slab at start)")
-                self.register(s)
+                start, size = _span(s)
+                self._pinned.register(start, size, 0)
 
-    def _device_tables(self, plan: tuple[Piece, ...]) -> _Tables:
-        t = self._tables.get(plan)
+    def _device_tables(self, state: _Device, plan: tuple[Piece, ...]) -> _Tables:
+        t = state.tables.get(plan)
         if t is not None:
-            self._tables.move_to_end(plan)
+            state.tables.move_to_end(plan)
             return t
         cp = self._cp
-        words = max(p.nbytes for p in plan) // 16
+        biggest = max(p.nbytes for p in plan)
+        words = biggest // 16
         threads = int(min(256, max(32, 1 << max(0, (words - 1).bit_length()))))
+        parts = max(1, -(-biggest // PART_BYTES))
         t = _Tables(cp.asarray(np.array([p.src for p in plan], np.uint64)),
                     cp.asarray(np.array([p.stride for p in plan], np.int64)),
                     cp.asarray(np.array([p.nbytes for p in plan], np.int64)),
-                    cp.asarray(np.array([p.slot_off for p in plan], np.int64)), len(plan), threads)
-        self._tables[plan] = t
-        while len(self._tables) > TABLES_KEPT:
-            self._tables.popitem(last=False)
+                    cp.asarray(np.array([p.slot_off for p in plan], np.int64)), len(plan), threads, parts)
+        state.tables[plan] = t
+        while len(state.tables) > TABLES_KEPT:
+            state.tables.popitem(last=False)
         return t
 
 

@@ -65,6 +65,10 @@ def bind_caches(spec: KVSpec, caches: Sequence[Any]) -> PagedKV:
     for layer in caches:
         raw = [as_raw(t, spec) for t in layer] if isinstance(layer, (tuple, list)) else as_raw(layer, spec)
         planes.append(impl.planes(raw, spec))
+    counts = {int(p.shape[0]) for layer_planes in planes for p in layer_planes}
+    if len(counts) > 1:  # the plan addresses every plane by one block id: a shorter plane would be overrun
+        raise InvalidArgument(f"caches: the layers and planes hold different numbers of blocks {sorted(counts)}"
+                              " (a sliding-window or hybrid cache is not supported)")
     kinds = {isinstance(p, np.ndarray) for layer_planes in planes for p in layer_planes}
     if len(kinds) > 1:
         raise InvalidArgument("caches: some layers are in host memory and some on a device")

@@ -152,6 +152,22 @@ def test_dma_runs_group_evenly_spaced_slots() -> None:
         dma_runs([500], w, [(0, 200)])
 
 
+def test_dma_runs_never_exceed_the_pitch_a_2d_copy_takes() -> None:
+    w, far = 100, 3 << 30
+    assert dma_runs([0, far, 2 * far], w) == [DmaRun(0, 1, 0, w, w), DmaRun(1, 1, far, w, w),
+                                              DmaRun(2, 1, 2 * far, w, w)]
+    assert dma_runs([0, 1000, 2000], w, max_pitch=999) == [DmaRun(i, 1, i * 1000, w, w) for i in range(3)]
+
+
+def test_caches_whose_planes_hold_different_block_counts_are_refused() -> None:
+    spec = _spec("hf", 8)
+    caches = _caches("hf", 8, torch.float16)
+    k, v = caches[1]
+    caches[1] = (k, v[:, :, : 2 * BS])  # a V shorter than its K: block ids valid for K would overrun V
+    with pytest.raises(InvalidArgument, match="different numbers of blocks"):
+        bind_caches(spec, caches)
+
+
 def test_registration_pieces_end_on_page_boundaries() -> None:
     assert registration_pieces(4096, 10_000, 4000, 1000) == [(4096, 8096), (8096, 12096), (12096, 14096)]
     assert registration_pieces(0, 300, 1 << 30, 64) == [(0, 300)]

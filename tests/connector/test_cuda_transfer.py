@@ -59,13 +59,17 @@ def _spec(kind: str, d: int, dtype: str) -> KVSpec:
 
 
 def _to(caches: list, device: str) -> list:
+    """The caches on ``device`` with the same strides and the same sharing of storage (cross-layer
+    views of one buffer stay views of one buffer, so their plan merges across layers)."""
+    bases: dict[int, torch.Tensor] = {}
+
     def move(t: torch.Tensor) -> torch.Tensor:
-        if t.is_contiguous():
-            return t.to(device)
-        # keep the strides (FlashInfer's HND, cross-layer views): move the storage, re-view it
-        base = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype, device=device)
-        base.copy_(torch.as_strided(t, (base.numel(),), (1,), 0))
-        return torch.as_strided(base, t.shape, t.stride(), t.storage_offset())
+        key = t.untyped_storage().data_ptr()
+        if key not in bases:
+            flat = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype)
+            flat.untyped_storage().copy_(t.untyped_storage())
+            bases[key] = flat.to(device)
+        return torch.as_strided(bases[key], t.shape, t.stride(), t.storage_offset())
 
     return [tuple(move(t) for t in c) if isinstance(c, tuple) else move(c) for c in caches]
 
@@ -112,6 +116,36 @@ def test_kernels_match_the_numpy_path(cp: ModuleType, two_slabs: list[Slab], kin
         assert [s.tobytes() for s in slots] == [r.tobytes() for r in ref]
         t.scatter(bind_caches(spec, dev_dst), ids_dst, slots).wait()
         assert _cache_bytes(dev_dst) == _cache_bytes(host_dst)
+    finally:
+        t.close()
+
+
+def test_gathers_and_scatters_from_threads_at_once(cp: ModuleType, two_slabs: list[Slab]) -> None:
+    """Saves and loads issued from pool threads (whose current device and stream are their own),
+    several at once on one engine: every slot and every block gets its own bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    spec = _spec("flash_attn", 8, "bfloat16")
+    host = _caches("flash_attn", 8, torch.bfloat16, 5)
+    src, dst = _to(host, "cuda"), _to(_caches("flash_attn", 8, torch.bfloat16, 6), "cuda")
+    ids = [[6, 1], [0, 4], [5, 2]]
+    slots = _slots(two_slabs, spec, 6)
+    t = make_transfer("cupy", chunk_blocks=1)
+    try:
+        for slab in two_slabs:
+            t.register(slab.buf, page_bytes=1 << 20)
+        kv_src, kv_dst = bind_caches(spec, src), bind_caches(spec, dst)
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda i: t.gather(kv_src, ids[i], slots[2 * i:2 * i + 2]).wait(), range(3)))
+            list(pool.map(lambda i: t.scatter(kv_dst, ids[i], slots[2 * i:2 * i + 2]).wait(), range(3)))
+        ref = [np.zeros(spec.block_bytes, np.uint8) for _ in range(6)]
+        NumpyTransfer().gather(bind_caches(spec, host), [b for pair in ids for b in pair], ref)
+        assert [s.tobytes() for s in slots] == [r.tobytes() for r in ref]
+        got, want = bind_caches(spec, dst), bind_caches(spec, src)
+        for layer in range(L):
+            for pg, pw in zip(got.planes[layer], want.planes[layer]):
+                for b in (6, 1, 0, 4, 5, 2):
+                    assert bool((pg[b] == pw[b]).all())
     finally:
         t.close()
 
