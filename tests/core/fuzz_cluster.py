@@ -38,6 +38,7 @@ NODES = ("a", "b")
 EVIL = "0evil"  # sorts before every real node's id: a fetch tries its records first
 BLOCK = 4096
 EVIL_BYTES = b"\xee" * BLOCK
+TOKEN = "fuzz-cluster-token"
 POLL_S = 10.0  # the most a check waits for a heartbeat
 UNDECODABLE = b"\xff\xfe"  # no UTF-8 text starts so
 
@@ -53,7 +54,7 @@ def node_config(tmp: Path, node: str, redis_url: str, prefix: str) -> Config:
             "cluster.directory_url": redis_url,
             "cluster.node_id": node,
             "cluster.peer_address": "127.0.0.1:0",
-            "cluster.token": "fuzz-cluster-token",
+            "cluster.token": TOKEN,
             "cluster.key_prefix": prefix,
             "cluster.publish_interval_ms": 2,
             "cluster.heartbeat_ms": 100,

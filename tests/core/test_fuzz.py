@@ -34,8 +34,8 @@ interleavings of the block store's calls from several clients, against one real 
   them), a field that is not UTF-8 in ``members`` and in a block's ``d:`` hash, a ``d:`` key of
   the wrong Redis type. No Get returns bytes other than those last committed for that key in that
   namespace; a block that some node holds and no fault names is found; every call is answered;
-  each node's heartbeat goes on. ``KVSTORE_FUZZ_FAULTS`` (comma-separated names of
-  :data:`FAULTS`; empty for none) runs a subset.
+  each node's heartbeat goes on; the fake holder is never sent the cluster token.
+  ``KVSTORE_FUZZ_FAULTS`` (comma-separated names of :data:`FAULTS`; empty for none) runs a subset.
 
 The defects the fuzzer found are at the end of this file, each a minimal repro (marked
 ``xfail(strict=True)`` while it is open; where the fuzz tests could meet an open one they tolerate
@@ -100,7 +100,7 @@ from kvstore.testing.servers import redis_server
 from kvstore.tiers.base import BlockRef
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.conftest import small_config
-from tests.core.fuzz_cluster import NODES, Cluster, ClusterModel, DirectoryFaults, FakeHolder
+from tests.core.fuzz_cluster import NODES, TOKEN, Cluster, ClusterModel, DirectoryFaults, FakeHolder
 from tests.core.fuzz_model import (
     ClientLoop,
     Driver,
@@ -1194,7 +1194,7 @@ class ClusterMachine(RuleBasedStateMachine):
     for that key in that namespace (never the fake holder's, never a deleted block's), and it
     found at least the leading blocks that some node holds and no fault names; every call is
     answered (a call that raises fails the run); at the end of the run each node's heartbeat still
-    goes on (it stays a member, its records offered)."""
+    goes on (it stays a member, its records offered) and the fake holder never got the cluster token."""
 
     redis_url: str
     tmp: Path
@@ -1326,6 +1326,7 @@ class ClusterMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         try:
             self.cluster.wait_heartbeats()  # every run ends with the nodes alive
+            assert TOKEN.encode() not in self.evil.tokens, "a node sent the cluster token to a forged holder"
         finally:
             TOTALS["cluster:runs"] += 1
             TOTALS["cluster:tokens seen by the fake holder"] += len(self.evil.tokens)
