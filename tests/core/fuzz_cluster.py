@@ -58,7 +58,11 @@ def node_config(tmp: Path, node: str, redis_url: str, prefix: str) -> Config:
             "cluster.key_prefix": prefix,
             "cluster.publish_interval_ms": 2,
             "cluster.heartbeat_ms": 100,
-            "cluster.lease_ms": 1000,
+            # Generous deadlines: a loaded host must not turn a slow heartbeat or round trip into
+            # a miss the model does not allow (a stopped heartbeat is caught by Cluster.wait_heartbeats).
+            "cluster.lease_ms": 30_000,
+            "cluster.directory_timeout_s": 30.0,
+            "cluster.fetch_timeout_s": 30.0,
         },
     )
 
@@ -111,7 +115,7 @@ class FakeHolder:
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                self.request.settimeout(5)
+                self.request.settimeout(1)  # a fetcher sends each message whole: waiting is a hello it cannot read
                 holder.serve(self.request)
 
         self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
