@@ -53,6 +53,22 @@ _TEXT_FIELDS = ("model", "revision", "adapter", "cache_salt")
 
 _U32 = struct.Struct("<I")
 
+# A tenant's tag: the first hex digits of its cache_salt's SHA-256 (never the salt itself). 16
+# digits (64 bits): a client that wants another tenant's tag has no salt giving it short of about
+# 2^64 hashes (6 digits, as before, took 2^24: seconds).
+TENANT_TAG_HEX = 16
+# Characters of the free-text fields that the label escapes (``%XX``), so that only the label's
+# own markers (``+`` adapter, ``@`` rank, ``#`` tenant) stand for them: ``model="m#<tag>"`` shows
+# as ``m%23<tag>``, not as tenant <tag>'s namespace of model m.
+_LABEL_ESCAPED = {c: f"%{ord(c):02X}" for c in "%+@#"}
+_LABEL_TABLE = str.maketrans(_LABEL_ESCAPED)
+
+
+def salt_tag(salt: str) -> str:
+    """The tenant tag of a ``cache_salt``: its SHA-256's first :data:`TENANT_TAG_HEX` hex digits;
+    "" for no salt."""
+    return hashlib.sha256(salt.encode()).hexdigest()[:TENANT_TAG_HEX] if salt else ""
+
 
 @dataclass(slots=True, frozen=True)
 class Namespace:
@@ -76,15 +92,22 @@ class Namespace:
         return namespace_root(self)
 
     @property
+    def tenant(self) -> str:
+        """The tenant whose quotas this namespace's blocks count against: its salt's tag."""
+        return salt_tag(self.cache_salt)
+
+    @property
     def label(self) -> str:
-        """Short human-readable name used in stats."""
-        parts = [self.model]
+        """Short human-readable name used in stats: the model, ``+adapter``, ``@rank/world``,
+        ``#tenant``; ``%+@#`` in the free text escaped, so the markers are the label's own. Only
+        for reading: the tenant is :attr:`tenant`, never parsed out of a label."""
+        parts = [self.model.translate(_LABEL_TABLE)]
         if self.adapter:
-            parts.append(f"+{self.adapter}")
+            parts.append(f"+{self.adapter.translate(_LABEL_TABLE)}")
         if self.world_size > 1:
             parts.append(f"@{self.rank}/{self.world_size}")
         if self.cache_salt:
-            parts.append(f"#{hashlib.sha256(self.cache_salt.encode()).hexdigest()[:6]}")
+            parts.append(f"#{self.tenant}")
         return "".join(parts)
 
 

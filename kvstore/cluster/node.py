@@ -392,7 +392,7 @@ class ClusterNode:
             return 0, []
         now = self._now_ms()
         index, movers, slab = self.store.index, self.store.space.movers, self.store.slab
-        ns = index.find(ns.root, ns.label, ns.namespace)  # the live entry: a write meanwhile may have made it
+        ns = index.live(ns)  # the live entry: a write meanwhile may have made it
         adopted = 0
         peers: list[PeerBlock] = []
         through: set[str] = set()  # the nodes the run goes through
@@ -472,7 +472,7 @@ class ClusterNode:
         if not peers or self._closing:  # (closing: no fetch may start after close ended those in flight)
             return adopted
         index, space = self.store.index, self.store.space
-        ns = index.find(ns.root, ns.label, ns.namespace)
+        ns = index.live(ns)
         pending: list[tuple[Block, PeerBlock]] = []
         for i, pb in enumerate(peers, start=adopted):
             key = keys[i]

@@ -170,7 +170,7 @@ class BlockStore:
                     self._lease_deadline(lease_ttl_ms)  # rejected before anything is asked
                 adopted, peers = await remote.find(ns, keys[have:], keys[have - 1] if have else b"", have + 1)
                 if adopted:
-                    ns = self.index.find(ns.root, ns.label, ns.namespace)
+                    ns = self.index.live(ns)
                 run, masks, lease = self.lookup(ns, keys, lease_ttl_ms)
                 if len(run) != have + adopted:  # cut short (a tier went down): the peers' run does not join
                     peers = []
@@ -201,7 +201,7 @@ class BlockStore:
                 for b in run:
                     b.leases -= 1
             if fetched:
-                ns = self.index.find(ns.root, ns.label, ns.namespace)
+                ns = self.index.live(ns)
                 run = self.index.leading_run(ns, keys)
         return ns, run
 
@@ -258,12 +258,11 @@ class BlockStore:
         if ttl_ms > cap:
             raise InvalidArgument(f"ttl_ms: {ttl_ms} exceeds the maximum of {cap} (index.max_allocation_ttl_ms)")
         ttl = ttl_ms or self.config.index.allocation_ttl_ms
-        ns = self.index.find(ns.root, ns.label, ns.namespace)  # the live entry: the caller's may be stale
+        ns = self.index.live(ns)  # the caller's may be stale
 
         get = self.index.get
         new = [(i, s, cls) for i, (s, cls) in enumerate(zip(specs, classes)) if get(ns, s.key) is None]
-        quotas = self.space.quotas
-        tenant = quotas.of_label(ns.label) if quotas is not None else ""
+        tenant = ns.tenant
         need = Counter(cls for _, _, cls in new)
         taken = {cls: iter(got) for cls, got in self.space.take(need, tenant, sum(s.size for _, s, _ in new)).items()}
         blocks: dict[int, Block] = {}

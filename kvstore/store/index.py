@@ -78,8 +78,9 @@ class Block:
 @dataclass(slots=True, eq=False)
 class NsEntry:
     root: NamespaceRoot
-    label: str
+    label: str  # for reading only (stats): built from free text, it names no tenant
     namespace: Namespace | None
+    tenant: str = ""  # whose quotas its blocks count against (kvstore.store.tenants): fixed at creation
     blocks: dict[bytes, Block] = field(default_factory=dict)  # every block, allocated or committed
     visible: dict[bytes, Block] = field(default_factory=dict)  # the committed ones: what lookups see
     visible_sizes: dict[int, int] = field(default_factory=dict)  # block size -> visible blocks of it
@@ -102,6 +103,10 @@ class NsEntry:
             self.visible_sizes[block.size] = n
         else:
             del self.visible_sizes[block.size]
+
+
+def _entry(root: NamespaceRoot, label: str, namespace: Namespace | None, tenant: str) -> NsEntry:
+    return NsEntry(root, label, namespace, namespace.tenant if namespace is not None else tenant)
 
 
 @dataclass(slots=True, eq=False)
@@ -136,24 +141,35 @@ class Index:
     # detached empty entry (``find``), the first block registers it (``add``), the last one to
     # go drops it (``drop``). Clients choose namespaces freely; only stored blocks cost memory.
 
-    def namespace(self, root: NamespaceRoot, label: str, namespace: Namespace | None = None) -> NsEntry:
+    # An entry's tenant is the namespace's (``Namespace.tenant``) when it is known, else the one
+    # given (a tier's block header after a restart); it never changes while the entry lives.
+
+    def namespace(
+        self, root: NamespaceRoot, label: str, namespace: Namespace | None = None, tenant: str = ""
+    ) -> NsEntry:
         """The namespace's entry, registered (created empty when it holds nothing yet)."""
         entry = self.namespaces.get(root)
         if entry is None:
-            entry = self.namespaces[root] = NsEntry(root, label, namespace)
+            entry = self.namespaces[root] = _entry(root, label, namespace, tenant)
         elif namespace is not None and entry.namespace is None:
             entry.namespace = namespace
         return entry
 
-    def find(self, root: NamespaceRoot, label: str, namespace: Namespace | None = None) -> NsEntry:
+    def find(
+        self, root: NamespaceRoot, label: str, namespace: Namespace | None = None, tenant: str = ""
+    ) -> NsEntry:
         """The namespace's entry, or a detached empty one when it holds nothing (not registered:
         a lookup must not make the index grow)."""
         entry = self.namespaces.get(root)
         if entry is None:
-            return NsEntry(root, label, namespace)
+            return _entry(root, label, namespace, tenant)
         if namespace is not None and entry.namespace is None:
             entry.namespace = namespace
         return entry
+
+    def live(self, ns: NsEntry) -> NsEntry:
+        """The live entry of ``ns``'s namespace (``ns`` may be a stale or detached one)."""
+        return self.find(ns.root, ns.label, ns.namespace, ns.tenant)
 
     # --- lookups ------------------------------------------------------------------------
 

@@ -1,8 +1,11 @@
 """Tenant quotas, per tier: each tenant's share, its own blocks evicted first when it is over.
 
-A tenant is a namespace's ``cache_salt`` (vLLM's per-tenant salt), named by the tag its
-namespace label carries (``#`` + the salt's SHA-256, 6 hex digits; "" for no salt), so blocks
-recovered from a tier's headers know their tenant too. ``[tenants]`` gives each tier a quota for
+A tenant is a namespace's ``cache_salt`` (vLLM's per-tenant salt), named by its tag
+(:func:`~kvstore.keys.salt_tag`: the salt's SHA-256, 16 hex digits; "" for no salt). The tag is a
+field of the namespace's entry (``NsEntry.tenant``, set from the request's ``cache_salt``, or from
+a tier's block header after a restart, which carries it as a field too), never parsed out of the
+label that the namespace's free text builds: a namespace without salt whose model reads
+``"m#<tag>"`` is the unsalted tenant's, however its label looks. ``[tenants]`` gives each tier a quota for
 every tenant and per-salt ones (``TenantsConfig.quota``), as LMCache's ``IsolatedLRU`` does per
 salt; :class:`Tenants` holds one :class:`Quotas` per tier that has any.
 
@@ -28,26 +31,19 @@ within its quota.
 
 from __future__ import annotations
 
-import hashlib
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvstore.config import QUOTA_TIERS
+from kvstore.keys import salt_tag
 
 if TYPE_CHECKING:
     from kvstore.config import TenantsConfig
     from kvstore.store.index import Block
 
 
-def salt_tag(salt: str) -> str:
-    """The tenant tag of a ``cache_salt`` (as :attr:`kvstore.keys.Namespace.label` shows it)."""
-    return hashlib.sha256(salt.encode()).hexdigest()[:6] if salt else ""
-
-
-def tenant_of_label(label: str) -> str:
-    head, sep, tag = label.rpartition("#")
-    return tag if sep and len(tag) == 6 and head else ""
+__all__ = ["Quotas", "Tenants", "salt_tag"]
 
 
 class Quotas:
@@ -59,23 +55,15 @@ class Quotas:
         self.refused: Counter[str] = Counter()  # tenant -> its blocks kept out of the tier by its quota
         self.coming: Counter[str] = Counter()  # tenant -> bytes of its blocks holding slots their bytes are on
         self._coming: dict[Block, str] = {}  # their way into (a promotion, a peer fetch): see reserve
-        self._labels: dict[str, str] = {}  # namespace label -> tenant
 
     @classmethod
     def from_config(cls, default_bytes: int, per_salt: Mapping[str, int]) -> Quotas | None:
         return cls(default_bytes, per_salt) if default_bytes or per_salt else None
 
-    def tenant(self, b: Block) -> str:
-        return self.of_label(b.ns.label)
-
-    def of_label(self, label: str) -> str:
-        """The tenant of the namespace labelled ``label``."""
-        t = self._labels.get(label)
-        if t is None:
-            if len(self._labels) > 65536:
-                self._labels.clear()
-            t = self._labels[label] = tenant_of_label(label)
-        return t
+    @staticmethod
+    def tenant(b: Block) -> str:
+        """The tenant ``b`` counts against: its namespace entry's field."""
+        return b.ns.tenant
 
     def quota(self, tenant: str) -> int:
         """Its quota in bytes; 0 when it has none."""

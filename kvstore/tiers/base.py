@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from kvstore.errors import ChecksumMismatch
-from kvstore.keys import BlockKey, NamespaceRoot
+from kvstore.keys import TENANT_TAG_HEX, BlockKey, NamespaceRoot
 from kvstore.store.checksum import checksums
 
 
@@ -42,29 +42,44 @@ class BlockMeta:
     parent: bytes  # key of the previous block in the prefix, b"" for the first
     size: int
     checksum: int  # xxh3_64 of the bytes
-    label: str = ""  # namespace label, for stats after a restart
+    label: str = ""  # namespace label, for stats after a restart (only for reading)
+    tenant: str = ""  # the namespace's tenant tag (kvstore.store.tenants), for its quotas after a restart
 
 
-# magic, version, ns(32), key(32), has_parent, parent(32), size, checksum, label length
+# magic, version, ns(32), key(32), has_parent, parent(32), size, checksum, length of the rest; the
+# rest (version 2): the tenant tag (TENANT_BYTES, ASCII, NUL-padded; all NUL: no tenant), the label.
+# Version 1 (before the tenant was a field) has the label alone: read with no tenant, since its
+# label, built from the client's free text, cannot tell one.
 _HEADER = struct.Struct("<4sH32s32s?32sQQH")
 MAGIC = b"KVB1"
-LABEL_MAX = 0xFFFF  # label bytes a header keeps (its length is a u16)
+VERSION = 2
+TENANT_BYTES = TENANT_TAG_HEX
+LABEL_MAX = 0xFFFF - TENANT_BYTES  # label bytes a header keeps (the rest's length is a u16)
 HashedRead = tuple[BlockMeta | None, int | None]  # a block's header (None on a miss) and the xxh3_64 of its bytes
 
 
+def _label_bytes(label: str) -> bytes:
+    return label.encode()[:LABEL_MAX]
+
+
+def header_bytes(label: str) -> int:
+    """Length of the header :func:`encode_header` writes for a block with ``label``."""
+    return _HEADER.size + TENANT_BYTES + len(_label_bytes(label))
+
+
 def encode_header(meta: BlockMeta) -> bytes:
-    label = meta.label.encode()[:LABEL_MAX]
+    rest = meta.tenant.encode().ljust(TENANT_BYTES, b"\0") + _label_bytes(meta.label)
     return (
         _HEADER.pack(
-            MAGIC, 1, meta.ref.ns, meta.ref.key, bool(meta.parent), meta.parent.ljust(32, b"\0"),
-            meta.size, meta.checksum, len(label),
+            MAGIC, VERSION, meta.ref.ns, meta.ref.key, bool(meta.parent), meta.parent.ljust(32, b"\0"),
+            meta.size, meta.checksum, len(rest),
         )
-        + label
+        + rest
     )
 
 
 def header_size(buf: bytes | bytearray | memoryview) -> int:
-    """Total header length (fixed part + label) given at least the fixed part."""
+    """Total header length (fixed part + the rest) given at least the fixed part."""
     if len(buf) < _HEADER.size:
         raise ChecksumMismatch(f"block header truncated ({len(buf)} of {_HEADER.size} bytes)")
     return _HEADER.size + int(_HEADER.unpack_from(buf)[-1])
@@ -78,10 +93,25 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockMeta:
     if len(buf) < _HEADER.size:
         raise ChecksumMismatch(f"block header truncated ({len(buf)} of {_HEADER.size} bytes)")
     magic, version, ns, key, has_parent, parent, size, checksum, n = _HEADER.unpack_from(buf)
-    if magic != MAGIC or version != 1:
+    if magic != MAGIC or version not in (1, VERSION):
         raise ChecksumMismatch(f"bad block header (magic {magic!r}, version {version})")
-    label = bytes(buf[_HEADER.size : _HEADER.size + n]).decode(errors="replace")
-    return BlockMeta(BlockRef(ns, key), parent if has_parent else b"", size, checksum, label)
+    rest = bytes(buf[_HEADER.size : _HEADER.size + n])
+    tenant = ""
+    if version == VERSION:
+        tenant = _tenant(rest[:TENANT_BYTES])
+        rest = rest[TENANT_BYTES:]
+    label = rest.decode(errors="replace")
+    return BlockMeta(BlockRef(ns, key), parent if has_parent else b"", size, checksum, label, tenant)
+
+
+_HEX = frozenset(b"0123456789abcdef")
+
+
+def _tenant(field: bytes) -> str:
+    """The tenant tag of a header's field; :class:`ChecksumMismatch` when it is not one."""
+    if len(field) == TENANT_BYTES and (field == bytes(TENANT_BYTES) or _HEX.issuperset(field)):
+        return field.rstrip(b"\0").decode()
+    raise ChecksumMismatch(f"bad block header (tenant field {field!r})")
 
 
 @runtime_checkable

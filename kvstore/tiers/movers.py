@@ -223,7 +223,7 @@ class Tiering:
                 continue
             try:
                 async for meta in lv.tier.scan():
-                    ns = index.namespace(meta.ref.ns, meta.label or meta.ref.ns.hex()[:16])
+                    ns = index.namespace(meta.ref.ns, meta.label or meta.ref.ns.hex()[:16], tenant=meta.tenant)
                     b = ns.blocks.get(meta.ref.key)
                     if b is None:
                         b = index.add(ns, meta.ref.key, meta.parent, meta.size, State.COMMITTED)
@@ -293,7 +293,7 @@ class Tiering:
     @staticmethod
     def _meta(lv: Level, b: Block) -> BlockMeta:
         """What ``lv`` keeps next to ``b``'s bytes."""
-        return BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label)
+        return BlockMeta(lv.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label, b.ns.tenant)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)

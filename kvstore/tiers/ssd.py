@@ -54,13 +54,13 @@ from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted
 from kvstore.store.checksum import checksum
 from kvstore.tiers.base import (
     HEADER_FIXED,
-    LABEL_MAX,
     BlockMeta,
     BlockRef,
     HashedRead,
     TierBase,
     decode_header,
     encode_header,
+    header_bytes,
     header_size,
 )
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
@@ -93,7 +93,7 @@ def _read_full(fd: int, into: memoryview, offset: int) -> int:
 def file_bytes(size: int, label: str) -> int:
     """Bytes of the file of a block of ``size`` bytes whose header carries ``label``: the header
     (as :func:`encode_header` writes it) padded to a page, then the payload."""
-    return _align(HEADER_FIXED + min(len(label.encode()), LABEL_MAX)) + size
+    return _align(header_bytes(label)) + size
 
 
 def _aligned(data: memoryview) -> bool:

@@ -26,6 +26,17 @@ interleavings of the block store's calls from several clients, against one real 
   calls change nothing; at the end of each run, everything deleted, the slab and the tiers are
   empty.
 
+* :func:`test_a_cluster_with_a_faulty_directory_never_hands_out_other_bytes` -- a state machine
+  (:class:`ClusterMachine`) over a cluster: two sidecars and one redis-server as the directory
+  (:mod:`tests.core.fuzz_cluster`), Put / Get / Lookup / Delete on either node, and the directory
+  faults of issue 29 that a writer of the directory's Redis without the cluster token can make: a
+  forged record (the valid format, the checksum of its own bytes, a fake holder that answers
+  them), a field that is not UTF-8 in ``members`` and in a block's ``d:`` hash, a ``d:`` key of
+  the wrong Redis type. No Get returns bytes other than those last committed for that key in that
+  namespace; a block that some node holds and no fault names is found; every call is answered;
+  each node's heartbeat goes on; the fake holder is never sent the cluster token.
+  ``KVSTORE_FUZZ_FAULTS`` (comma-separated names of :data:`FAULTS`; empty for none) runs a subset.
+
 The defects the fuzzer found are at the end of this file, each a minimal repro (marked
 ``xfail(strict=True)`` while it is open; where the fuzz tests could meet an open one they tolerate
 exactly its symptom, or leave out its interleaving, and say so, naming the repro). None is open.
@@ -55,15 +66,16 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 from google.protobuf.message import Message
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvstore.client import SyncClient, namespace_pb
 from kvstore.client.wire import AllocationState, LeaseState
@@ -88,6 +100,7 @@ from kvstore.testing.servers import redis_server
 from kvstore.tiers.base import BlockRef
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.conftest import small_config
+from tests.core.fuzz_cluster import NODES, TOKEN, Cluster, ClusterModel, DirectoryFaults, FakeHolder
 from tests.core.fuzz_model import (
     ClientLoop,
     Driver,
@@ -1160,6 +1173,183 @@ def test_random_interleavings_keep_the_store_consistent(tmp_path, clients: Clien
                   f"{seen}; tiers {tiers}; page moves {srv.sidecar.slab.page_moves if srv.sidecar.slab else '?'}")
             if machine is not None:  # a class lives until a gc pass: it must not keep the clients' channels
                 machine.srv = machine.drivers = None
+
+
+# ==================================================================================================
+# c. the cluster: two nodes, one directory, and a writer of the directory without the token
+# ==================================================================================================
+
+# Directory faults (issue 29): a forged record with the attacker's checksum and a fake holder
+# (item 2); a members field and a d: hash field that are not UTF-8 (items 3, 9); a d: key of the
+# wrong Redis type (item 7). KVSTORE_FUZZ_FAULTS (comma-separated; "" for none) runs a subset.
+FAULTS = ("forge", "undecodable_member", "undecodable_holder", "wrong_type")
+ENABLED_FAULTS = frozenset(
+    f for f in os.environ.get("KVSTORE_FUZZ_FAULTS", ",".join(FAULTS)).split(",") if f)
+
+
+class ClusterMachine(RuleBasedStateMachine):
+    """One run: a fresh cluster (two sidecars, a key prefix of its own in the directory) and a
+    fake holder; Put (waiting for the publish), Get (verified), Lookup and Delete on either node,
+    and directory faults. After each read: every block it returned holds the bytes last committed
+    for that key in that namespace (never the fake holder's, never a deleted block's), and it
+    found at least the leading blocks that some node holds and no fault names; every call is
+    answered (a call that raises fails the run); at the end of the run each node's heartbeat still
+    goes on (it stays a member, its records offered) and the fake holder never got the cluster token."""
+
+    redis_url: str
+    tmp: Path
+    faults_enabled: frozenset[str]
+    runs = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        ClusterMachine.runs += 1
+        self.model = ClusterModel()
+        self.evil = FakeHolder()
+        prefix = f"fuzz{os.getpid()}r{ClusterMachine.runs}"
+        try:
+            self.cluster = Cluster(self.tmp / f"run{ClusterMachine.runs}", self.redis_url, prefix)
+        except BaseException:
+            self.evil.close()
+            raise
+        self.faults = DirectoryFaults(self.redis_url, prefix, self.evil.address)
+
+    def draw(self, data: st.DataObject, *, stored: bool = False) -> tuple[int, int, list[bytes], bytes]:
+        """(node, namespace, keys, the parent of the first): a slice of a chain; with ``stored``,
+        mostly one that starts at a block the cluster holds."""
+        node = data.draw(st.integers(0, len(NODES) - 1), label="node")
+        ns = data.draw(st.integers(0, 1), label="namespace")
+        c = data.draw(st.integers(0, len(CHAINS) - 1), label="chain")
+        start = data.draw(st.integers(0, 4), label="start")
+        n = data.draw(st.integers(1, 5), label="length")
+        from_stored = stored and data.draw(st.sampled_from([True, True, False]), label="from a stored block")
+        if from_stored and self.model.blocks:
+            ns, key = pick(data, sorted(self.model.blocks), "from")
+            c, start = divmod(ALL_KEYS.index(key), len(CHAINS[0]))
+        return node, ns, CHAINS[c][start : start + n], CHAINS[c][start - 1] if start else b""
+
+    def draw_key(self, data: st.DataObject) -> tuple[int, bytes]:
+        """(namespace, key): mostly a block the cluster holds."""
+        ns, key = data.draw(st.integers(0, 1), label="namespace"), data.draw(st.sampled_from(ALL_KEYS), label="key")
+        if data.draw(st.sampled_from([True, True, False]), label="a stored block") and self.model.blocks:
+            ns, key = pick(data, sorted(self.model.blocks), "which")
+        return ns, key
+
+    def fault(self, name: str, ns: int | None = None, key: bytes | None = None) -> None:
+        """Count the fault ``name``; mark ``(ns, key)`` as named by one."""
+        TOTALS[f"cluster:{name}"] += 1
+        if key is not None and ns is not None:
+            self.model.faulted.add((ns, key))
+
+    # --- the clients' calls ---------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def put(self, data: st.DataObject) -> None:
+        node, ns, keys, parent = self.draw(data)
+        self.model.writes += 1
+        blocks = [self.model.bytes_for(ns, k, self.model.writes) for k in keys]
+        arrays = [np.frombuffer(b, np.uint8) for b in blocks]
+        # A block whose d: key is not a hash cannot be published: no waiting for it, and the blocks
+        # written with it are not surely published either.
+        unpublishable = any((ns, k) in self.model.unpublishable for k in keys)
+        self.cluster.clients[node].put_blocks(
+            NSES[ns], keys, arrays, first_parent=parent, wait_published=not unpublishable)
+        for k, b in zip(keys, blocks):
+            self.model.blocks[(ns, k)] = b
+            if unpublishable:
+                self.model.faulted.add((ns, k))
+        TOTALS["cluster:put"] += 1
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.model.blocks)  # (reads of an empty cluster are few, not most)
+    def get(self, data: st.DataObject) -> None:
+        node, ns, keys, _ = self.draw(data, stored=True)
+        got = self.cluster.clients[node].get_blocks(NSES[ns], keys, verify=True)
+        self.model.check_read(ns, keys, got, f"Get on node {NODES[node]}")
+        TOTALS["cluster:get"] += 1
+        TOTALS["cluster:get blocks"] += len(got)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.model.blocks)
+    def lookup(self, data: st.DataObject) -> None:
+        node, ns, keys, _ = self.draw(data, stored=True)
+        found = self.cluster.clients[node].lookup(NSES[ns], keys)
+        # At least the first when it is surely held: a Lookup's run of peers' blocks stops at a block
+        # this node holds (BlockStore.lookup_cluster), so it may count fewer than a Get then reads.
+        surely = min(1, self.model.found_surely(ns, keys))
+        assert found.matched >= surely, f"Lookup on {NODES[node]}: {found.matched} found, {surely} surely held"
+        TOTALS["cluster:lookup"] += 1
+
+    @rule(data=st.data())
+    def delete(self, data: st.DataObject) -> None:
+        """A Delete of one block on every node: it is gone from the cluster (and from the model); a
+        write of its key then commits new bytes."""
+        ns, key = self.draw_key(data)
+        for c in self.cluster.clients:
+            c.delete(NSES[ns], [key])
+        self.model.blocks.pop((ns, key), None)
+        TOTALS["cluster:delete"] += 1
+
+    # --- directory faults -----------------------------------------------------------------------
+
+    @rule(data=st.data())
+    @precondition(lambda self: "forge" in self.faults_enabled)
+    def forge(self, data: st.DataObject) -> None:
+        """A forged record of a block, in the valid format, naming the fake holder (a live member),
+        with the checksum of the fake holder's bytes; then a heartbeat, so the nodes know it."""
+        ns, key = self.draw_key(data)
+        self.fault("forge", ns, key)
+        self.faults.forge(NSES[ns], key)
+        self.cluster.wait_heartbeats()
+
+    @rule()
+    @precondition(lambda self: "undecodable_member" in self.faults_enabled)
+    def undecodable_member(self) -> None:
+        self.fault("undecodable_member")
+        self.faults.undecodable_member()
+
+    @rule(data=st.data())
+    @precondition(lambda self: "undecodable_holder" in self.faults_enabled)
+    def undecodable_holder(self, data: st.DataObject) -> None:
+        ns, key = self.draw_key(data)
+        self.fault("undecodable_holder", ns, key)
+        self.faults.undecodable_holder(NSES[ns], key)
+
+    @rule(data=st.data())
+    @precondition(lambda self: "wrong_type" in self.faults_enabled)
+    def wrong_type(self, data: st.DataObject) -> None:
+        ns, key = self.draw_key(data)
+        self.fault("wrong_type", ns, key)
+        self.model.unpublishable.add((ns, key))
+        self.faults.wrong_type(NSES[ns], key)
+
+    def teardown(self) -> None:
+        try:
+            self.cluster.wait_heartbeats()  # every run ends with the nodes alive
+            assert TOKEN.encode() not in self.evil.tokens, "a node sent the cluster token to a forged holder"
+        finally:
+            TOTALS["cluster:runs"] += 1
+            TOTALS["cluster:tokens seen by the fake holder"] += len(self.evil.tokens)
+            self.faults.clear()
+            self.faults.close()
+            self.cluster.close()
+            self.evil.close()
+
+
+def test_a_cluster_with_a_faulty_directory_never_hands_out_other_bytes(tmp_path) -> None:
+    """The cluster configuration (:class:`ClusterMachine`): two sidecars, one redis-server. Shrinking
+    is off: each step is real I/O on a fresh cluster, and a failing run prints its steps as drawn."""
+    with redis_server() as directory:
+        machine = type("ClusterMachine_run", (ClusterMachine,),
+                       {"redis_url": directory.url, "tmp": tmp_path, "faults_enabled": ENABLED_FAULTS})
+        t0, steps = time.perf_counter(), TOTALS.copy()
+        try:
+            run_state_machine_as_test(machine, settings=settings(
+                budget(10), stateful_step_count=min(STEPS, 30), phases=[Phase.explicit, Phase.generate]))
+        finally:
+            seen = {k: v - steps[k] for k, v in sorted(TOTALS.items()) if k.startswith("cluster:")}
+            print(f"\nfuzz: cluster ({','.join(sorted(ENABLED_FAULTS)) or 'no faults'}): "
+                  f"{time.perf_counter() - t0:.1f} s; {seen}")
 
 
 # ==================================================================================================

@@ -152,3 +152,67 @@ def test_a_bad_quota_table_in_the_environment_is_refused_naming_its_section(monk
     monkeypatch.setenv("KVSTORE_TENANTS__SSD_QUOTAS", "{tenant-a: 1}")  # not JSON
     with pytest.raises(ConfigError, match='field "tenants"'):
         load_config()
+
+
+# ---- a tenant is the namespace's salt, never its label -----------------------------------------
+
+SMALL = 8192
+FLOOD_CONFIG = {"dram.capacity_bytes": 64 * 65536, "tenants.dram_quota_bytes": 1 << 20}  # 4 MiB; 1 MiB each
+
+
+def small_blocks(n: int, seed: int) -> list[np.ndarray]:
+    return [np.full(SMALL, (seed * 31 + i) % 251, dtype=np.uint8) for i in range(n)]
+
+
+async def tag_of(c: KVStoreClient, ns: Namespace) -> str:
+    """The tenant tag /stats lists for ``ns``'s blocks (what an attacker reads there)."""
+    tags = [t for t, tiers in (await c.stats())["tenants"].items() if tiers["dram"]["bytes"]]
+    assert len(tags) == 1, tags
+    return tags[0]
+
+
+@pytest.mark.parametrize("attacker", ["posing", "salted"])
+async def test_a_namespace_without_salt_naming_a_tenants_tag_is_not_that_tenant(
+    tmp_path: Path, attacker: str
+) -> None:
+    """Issue 29 item 4: the victim (salted, a 1 MiB DRAM quota like every tenant) holds 768 KiB; a
+    client without salt whose model reads "<model>#<the victim's tag, as /stats lists it>" floods
+    4 MiB. It is the unsalted tenant: it evicts its own blocks, the victim keeps its whole run, as
+    with a differently salted tenant's flood. On 8dc5782 the tenant was parsed out of the label, so
+    the flood counted as the victim's and evicted it (its run fell to a few blocks)."""
+    victim = Namespace(model="llama", kv_layout="raw", dtype="uint8", block_size=16, cache_salt="victim-salt")
+    async with (
+        Sidecar(small_config(tmp_path, **FLOOD_CONFIG)) as sc,
+        KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c,
+    ):
+        mine = keys(victim, 96, 1)  # 96 x 8 KiB = 768 KiB
+        await c.put_blocks(victim, mine, small_blocks(96, 1))
+        tag = await tag_of(c, victim)
+        flooder = (Namespace(model=f"llama#{tag}", kv_layout="raw", dtype="uint8", block_size=16)
+                   if attacker == "posing" else Namespace(model="llama", kv_layout="raw", dtype="uint8",
+                                                          block_size=16, cache_salt="other-salt"))
+        for seed in range(2, 18):  # 16 x 32 x 8 KiB = 4 MiB
+            await c.put_blocks(flooder, keys(flooder, 32, seed), small_blocks(32, seed))
+        assert (await c.lookup(victim, mine)).matched == 96
+        got = await c.get_blocks(victim, mine)
+        assert [bytes(g) for g in got] == [bytes(d) for d in small_blocks(96, 1)]
+        await c.lookup(flooder, keys(flooder, 32, 17))
+        stats = await c.stats()
+        tenants = stats["tenants"]
+        assert tenants[tag]["dram"] == {"bytes": 96 * SMALL, "quota_bytes": 1 << 20, "evictions": 0, "refused": 0}
+        theirs = tenants[salt_tag(flooder.cache_salt) or "-"]["dram"]
+        assert theirs["bytes"] == 1 << 20 and theirs["evictions"] == 16 * 32 - 128
+        lookups = stats["namespaces"]  # each namespace's lookups counted apart
+        assert lookups[victim.label]["blocks_requested"] == 96 and lookups[flooder.label]["blocks_requested"] == 32
+
+
+def test_a_label_escapes_its_markers_in_free_text() -> None:
+    """The label's ``+``, ``@`` and ``#`` are its own: free text showing them is escaped, so no
+    two namespaces that differ in model, adapter, rank or salt share a label."""
+    base = {"kv_layout": "raw", "dtype": "uint8", "block_size": 16}
+    salted = Namespace(model="llama", cache_salt="s", **base)  # type: ignore[arg-type]
+    posing = Namespace(model=f"llama#{salted.tenant}", **base)  # type: ignore[arg-type]
+    assert salted.label == f"llama#{salted.tenant}" and posing.label == f"llama%23{salted.tenant}"
+    assert posing.tenant == "" and len(salted.tenant) == 16
+    adapter = Namespace(model="m+a@1/2%", adapter="x#y", rank=1, world_size=2, **base)  # type: ignore[arg-type]
+    assert adapter.label == "m%2Ba%401/2%25+x%23y@1/2"

@@ -163,6 +163,34 @@ async def test_ssd_quotas_are_rebuilt_from_the_block_headers_at_restart(tmp_path
         assert sorted(where(sc, A, mine)) == ["gone", "gone", "ssd", "ssd"]
 
 
+async def test_recovered_blocks_take_their_tenant_from_the_header_not_the_label(tmp_path: Path) -> None:
+    """Issue 29 item 4 at restart: the blocks of a namespace without salt whose model reads
+    "m#<A's tag>" are the unsalted tenant's on the SSD, and stay so when a restarted sidecar
+    recovers them (the header carries the tenant as a field); A's figures are its own blocks'.
+    On 8dc5782 the tenant was parsed out of the label: the posing blocks counted as A's."""
+    posing = Namespace(model=f"m#{TAG_A}", kv_layout="raw", dtype="float16", block_size=16)
+    quotas = {"tenants.ssd_quotas": {"tenant-a": 4 * FILE}, "ssd.capacity_bytes": 64 * FILE}
+    mine, theirs = keys(A, 4, 20), keys(posing, 4, 21)
+    posing_file = SsdTier.footprint(BLOCK, posing.label)
+    async with (
+        Sidecar(ssd_config(tmp_path, **quotas)) as sc,
+        KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c,
+    ):
+        await put(sc, c, A, mine, data(4, 20))
+        await put(sc, c, posing, theirs, data(4, 21))
+        await flood(sc, c, C, 4, 22)  # 16 blocks: the 8 above go down to the SSD
+        assert where(sc, A, mine) == where(sc, posing, theirs) == ["ssd"] * 4
+    async with Sidecar(ssd_config(tmp_path, **quotas)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        await sc.store.tiering.flush()  # (a trim, were any tenant over its quota)
+        healthy(sc)
+        after = (await c.stats())["tenants"]
+        assert after[TAG_A]["ssd"] == {"bytes": 4 * FILE, "quota_bytes": 4 * FILE, "evictions": 0, "refused": 0}
+        assert after["-"]["ssd"]["bytes"] == 4 * posing_file
+        assert where(sc, A, mine) == where(sc, posing, theirs) == ["ssd"] * 4
+        got = await c.get_blocks(A, mine)
+        assert [bytes(g) for g in got] == [bytes(d) for d in data(4, 20)]
+
+
 # ---- Redis and S3: a cap per tenant on what kvstore writes there ---------------------------------
 
 
