@@ -228,6 +228,14 @@ class TenantsConfig(_Section):
         default_factory=dict, description="per cache_salt ('' for none): its S3 cap in bytes, over the default"
     )
 
+    dram_retained_bytes: int = Field(
+        0, ge=0, description="every tenant's bound on its retained bytes in DRAM (retention hints, "
+        "kvstore/store/retention.py): a hint past it is refused; 0: no bound"
+    )
+    ssd_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in the SSD tier")
+    redis_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in Redis")
+    s3_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in S3")
+
     @field_validator("dram_quotas", "ssd_quotas", "redis_quotas", "s3_quotas")
     @classmethod
     def _non_negative(cls, v: dict[str, int]) -> dict[str, int]:
@@ -243,6 +251,10 @@ class TenantsConfig(_Section):
         default: int = getattr(self, f"{tier}_quota_bytes")
         per_salt: dict[str, int] = getattr(self, f"{tier}_quotas")
         return default, per_salt
+
+    def retained_bounds(self) -> dict[str, int]:
+        """Each tier's bound on a tenant's retained bytes (0: none)."""
+        return {tier: int(getattr(self, f"{tier}_retained_bytes")) for tier in QUOTA_TIERS}
 
 
 class ClusterConfig(_Section):

@@ -36,6 +36,7 @@ from kvstore.client.wire import (
     LeaseState,
     LookupResult,
     PutResult,
+    Retain,
     Wire,
     accept_answer_async,
     as_uint8,
@@ -122,9 +123,10 @@ class KVStoreClient:
         """Reserve slots (``async with``); write into :meth:`Allocation.writable`, then commit."""
         return Allocation(self._call, self._wire.allocate(ns, keys, sizes, parents, first_parent, ttl_ms))
 
-    def acquire(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> Lease:
-        """Lease the leading run of ``keys`` readable now (``async with``), as zero-copy views."""
-        return Lease(self._call, self._wire.acquire(ns, keys, lease_ttl_ms))
+    def acquire(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0, retain: Retain = (0, 0)) -> Lease:
+        """Lease the leading run of ``keys`` readable now (``async with``), as zero-copy views.
+        With ``retain`` (retain_ms, retain_priority) the leased run is retained (a soft pin)."""
+        return Lease(self._call, self._wire.acquire(ns, keys, lease_ttl_ms, *retain))
 
     async def release(self, lease_id: str) -> int:
         r: pb.ReleaseResponse = await self._call("Release", pb.ReleaseRequest(lease_id=lease_id))
@@ -138,6 +140,12 @@ class KVStoreClient:
         r: pb.PrefetchResponse = await self._call("Prefetch", self._wire.prefetch(ns, keys), timeout=300)
         return r.ready
 
+    async def retain(self, ns: Namespace, keys: Sequence[bytes], retain_ms: int, retain_priority: int = 0) -> int:
+        """Retain the blocks of ``keys`` the sidecar holds for ``retain_ms`` (0: end their retention),
+        a soft pin (docs/architecture.md); how many it holds. Past the tenant's bound: ResourceExhausted."""
+        r: pb.RetainResponse = await self._call("Retain", self._wire.retain(ns, keys, retain_ms, retain_priority))
+        return r.retained
+
     async def stats(self) -> dict[str, Any]:
         r: pb.StatsResponse = await self._call("Stats", pb.StatsRequest())
         doc: dict[str, Any] = json.loads(r.json)
@@ -149,7 +157,7 @@ class KVStoreClient:
     async def put_blocks(
         self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence[Any], parents: Sequence[bytes] | None = None,
         *, first_parent: bytes = b"", checksums: bool = False, wait_write_through: bool = False,
-        wait_published: bool = False,
+        wait_published: bool = False, retain: Retain = (0, 0),
     ) -> PutResult:
         """Store whole blocks (anything with the buffer protocol), copied into the slots on
         two threads when large (:mod:`kvstore.dram.copying`). Aborts on any failure. With
@@ -159,7 +167,8 @@ class KVStoreClient:
         async with self.allocate(ns, keys, [a.size for a in arrays], parents, first_parent=first_parent) as alloc:
             await copy_blocks_async([(view, arrays[i]) for i, view in alloc.writable()])
             stored = await alloc.commit(
-                checksums=checksums, wait_write_through=wait_write_through, wait_published=wait_published
+                checksums=checksums, wait_write_through=wait_write_through, wait_published=wait_published,
+                retain=retain,
             )
         return PutResult(stored, len(keys) - stored, alloc.written_through)
 
@@ -184,13 +193,13 @@ class Allocation(AllocationState):
 
     async def commit(
         self, indices: Sequence[int] | None = None, *, checksums: bool = False, wait_write_through: bool = False,
-        wait_published: bool = False,
+        wait_published: bool = False, retain: Retain = (0, 0),
     ) -> int:
         """Make the written blocks visible (all of them, or those at ``indices``). With
         ``wait_write_through``, return once the write-through tiers hold them too; how many
         reached every such tier is then in ``written_through``. With ``wait_published``, return
         once the cluster directory lists them, so every node of the cluster finds them."""
-        req = self._commit_request(indices, checksums, wait_write_through, wait_published)
+        req = self._commit_request(indices, checksums, wait_write_through, wait_published, retain)
         if req is None:
             await self.abort()
             return 0

@@ -32,6 +32,7 @@ from kvstore.client.wire import (
     LeaseState,
     LookupResult,
     PutResult,
+    Retain,
     Transport,
     Wire,
     accept_answer,
@@ -113,9 +114,12 @@ class SyncClient:
         """Reserve slots (``with``); write into :meth:`SyncAllocation.writable`, then commit."""
         return SyncAllocation(self._call, self._wire.allocate(ns, keys, sizes, parents, first_parent, ttl_ms))
 
-    def acquire(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> SyncLease:
-        """Lease the leading run of ``keys`` readable now (``with``), as zero-copy views."""
-        return SyncLease(self._call, self._wire.acquire(ns, keys, lease_ttl_ms))
+    def acquire(
+        self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0, retain: Retain = (0, 0)
+    ) -> SyncLease:
+        """Lease the leading run of ``keys`` readable now (``with``), as zero-copy views.
+        With ``retain`` (retain_ms, retain_priority) the leased run is retained (a soft pin)."""
+        return SyncLease(self._call, self._wire.acquire(ns, keys, lease_ttl_ms, *retain))
 
     def release(self, lease_id: str) -> int:
         r: pb.ReleaseResponse = self._call("Release", pb.ReleaseRequest(lease_id=lease_id))
@@ -129,6 +133,12 @@ class SyncClient:
         r: pb.PrefetchResponse = self._call("Prefetch", self._wire.prefetch(ns, keys), timeout=300)
         return r.ready
 
+    def retain(self, ns: Namespace, keys: Sequence[bytes], retain_ms: int, retain_priority: int = 0) -> int:
+        """Retain the blocks of ``keys`` the sidecar holds for ``retain_ms`` (0: end their retention),
+        a soft pin (docs/architecture.md); how many it holds. Past the tenant's bound: ResourceExhausted."""
+        r: pb.RetainResponse = self._call("Retain", self._wire.retain(ns, keys, retain_ms, retain_priority))
+        return r.retained
+
     def stats(self) -> dict[str, Any]:
         r: pb.StatsResponse = self._call("Stats", pb.StatsRequest())
         doc: dict[str, Any] = json.loads(r.json)
@@ -140,14 +150,15 @@ class SyncClient:
     def put_blocks(
         self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence[Any], parents: Sequence[bytes] | None = None,
         *, first_parent: bytes = b"", checksums: bool = False, wait_write_through: bool = False,
-        wait_published: bool = False,
+        wait_published: bool = False, retain: Retain = (0, 0),
     ) -> PutResult:
         """:meth:`KVStoreClient.put_blocks <kvstore.client.aio.KVStoreClient.put_blocks>`, blocking."""
         arrays = as_uint8(blocks)
         with self.allocate(ns, keys, [a.size for a in arrays], parents, first_parent=first_parent) as alloc:
             copy_blocks([(view, arrays[i]) for i, view in alloc.writable()])
             stored = alloc.commit(
-                checksums=checksums, wait_write_through=wait_write_through, wait_published=wait_published
+                checksums=checksums, wait_write_through=wait_write_through, wait_published=wait_published,
+                retain=retain,
             )
         return PutResult(stored, len(keys) - stored, alloc.written_through)
 
@@ -172,10 +183,10 @@ class SyncAllocation(AllocationState):
 
     def commit(
         self, indices: Sequence[int] | None = None, *, checksums: bool = False, wait_write_through: bool = False,
-        wait_published: bool = False,
+        wait_published: bool = False, retain: Retain = (0, 0),
     ) -> int:
         """:meth:`Allocation.commit <kvstore.client.aio.Allocation.commit>`, blocking."""
-        req = self._commit_request(indices, checksums, wait_write_through, wait_published)
+        req = self._commit_request(indices, checksums, wait_write_through, wait_published, retain)
         if req is None:
             self.abort()
             return 0

@@ -25,6 +25,8 @@ _TIER_NAMES: dict[int, str] = {
     pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_REDIS: "redis", pb.TIER_S3: "s3", pb.TIER_PEER: "peer",
 }
 DEFAULT_TIMEOUT_S = 30.0
+# A retention hint (retain_ms, retain_priority 0..3): kvstore/store/retention.py; (0, 0): none.
+Retain = tuple[int, int]
 
 # A client's call on its chosen transport, with the default timeout: what its allocations and leases send.
 Call = Callable[[str, Message], Any]
@@ -181,8 +183,14 @@ class Wire:
         specs = [pb.BlockSpec(key=k, parent=p or b"", size=s) for k, p, s in zip(keys, parents, sizes, strict=False)]
         return pb.AllocateRequest(namespace=self.ns(ns), blocks=specs, ttl_ms=ttl_ms)
 
-    def acquire(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int) -> pb.AcquireRequest:
-        return pb.AcquireRequest(namespace=self.ns(ns), keys=keys, lease_ttl_ms=lease_ttl_ms, packed=True)
+    def acquire(
+        self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int, retain_ms: int = 0, retain_priority: int = 0
+    ) -> pb.AcquireRequest:
+        return pb.AcquireRequest(namespace=self.ns(ns), keys=keys, lease_ttl_ms=lease_ttl_ms, packed=True,
+                                 retain_ms=retain_ms, retain_priority=retain_priority)
+
+    def retain(self, ns: Namespace, keys: Sequence[bytes], retain_ms: int, retain_priority: int) -> pb.RetainRequest:
+        return pb.RetainRequest(namespace=self.ns(ns), keys=keys, retain_ms=retain_ms, retain_priority=retain_priority)
 
     def delete(self, ns: Namespace, keys: Sequence[bytes], all_keys: bool) -> pb.DeleteRequest:
         return pb.DeleteRequest(namespace=self.ns(ns), keys=keys, all_keys=all_keys)
@@ -324,6 +332,7 @@ class AllocationState(Opened[pb.AllocateResponse]):
 
     def _commit_request(
         self, indices: Sequence[int] | None, checksums: bool, wait_write_through: bool, wait_published: bool = False,
+        retain: Retain = (0, 0),
     ) -> pb.CommitRequest | None:
         chosen = [i for i, s in enumerate(self.slots) if not s.present] if indices is None else list(indices)
         blocks = []
@@ -339,7 +348,8 @@ class AllocationState(Opened[pb.AllocateResponse]):
         if not blocks:
             return None
         return pb.CommitRequest(
-            allocation_id=self.id, blocks=blocks, wait_write_through=wait_write_through, wait_published=wait_published
+            allocation_id=self.id, blocks=blocks, wait_write_through=wait_write_through, wait_published=wait_published,
+            retain_ms=retain[0], retain_priority=retain[1],
         )
 
     def _committed(self, resp: pb.CommitResponse) -> int:

@@ -65,6 +65,24 @@ class SnapshotCollector(Collector):
         yield from self._tiers()
         yield from self._events()
         yield from self._tenants()
+        yield from self._retained()
+
+    def _retained(self) -> Iterator[Metric]:
+        """Retention hints (kvstore/store/retention.py): bytes retained now per tier and tenant."""
+        doc: Mapping[str, Any] = self.doc.get("retained", {})
+        if not doc:
+            return
+        g = _gauge("retained_bytes", "bytes of blocks retained now (retention hints), per tier and tenant",
+                   ["tier", "tenant"])
+        for tier, by_tenant in sorted(doc.get("tenants", {}).items()):
+            for t, n in sorted(by_tenant.items()):
+                g.add_metric([tier, t], _num(n))
+        blocks = _gauge("retained_blocks", "blocks retained now (retention hints) that some tier holds")
+        blocks.add_metric([], _num(doc.get("blocks")))
+        refused = _counter("retain_refused", "retention hints refused by a tenant's bound", ["tenant"])
+        for t, n in sorted(doc.get("refused", {}).items()):
+            refused.add_metric([t], _num(n))
+        yield from (g, blocks, refused)
 
     def _tenants(self) -> Iterator[Metric]:
         tenants: Mapping[str, Any] = self.doc.get("tenants", {})

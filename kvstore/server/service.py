@@ -215,6 +215,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             specs,
             wait_write_through=request.wait_write_through,
             wait_published=request.wait_published,
+            retain_ms=request.retain_ms,
+            retain_priority=request.retain_priority,
         )
         return pb.CommitResponse(committed=committed, written_through=written)
 
@@ -227,7 +229,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         ns = self._namespace(request)
-        lease, blocks = await self.store.acquire(ns, request.keys, request.lease_ttl_ms)
+        lease, blocks = await self.store.acquire(
+            ns, request.keys, request.lease_ttl_ms, request.retain_ms, request.retain_priority
+        )
         lease_id = lease.id if lease else ""
         slab = self.store.slab
         if request.packed:
@@ -248,6 +252,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         ns = self._namespace(request)
         deleted, skipped = await self.store.delete(ns, request.keys, request.all_keys)
         return pb.DeleteResponse(deleted=deleted, skipped_leased=skipped)
+
+    @_rpc
+    async def Retain(self, request: pb.RetainRequest, context: Context) -> pb.RetainResponse:
+        ns = self._namespace(request)
+        found, nbytes = self.store.retain(ns, list(request.keys), request.retain_ms, request.retain_priority)
+        return pb.RetainResponse(retained=found, retained_bytes=nbytes)
 
     @_rpc
     async def Prefetch(self, request: pb.PrefetchRequest, context: Context) -> pb.PrefetchResponse:

@@ -43,6 +43,7 @@ from kvstore.store.index import (
     top_label,
 )
 from kvstore.store.remote import NoRemote, PeerBlock, Remote
+from kvstore.store.retention import Retention
 from kvstore.store.space import DramSpace
 from kvstore.store.tenants import Tenants
 
@@ -77,6 +78,7 @@ class BlockStore:
         self.space = DramSpace(slab, make_policy(config.index.policy), self.index, self.stats)
         self.tenants = Tenants.from_config(config.tenants)  # per tier; the sidecar hands the tiers theirs
         self.space.quotas = self.tenants.attach("dram")
+        self.space.retention = self.retention = Retention(clock, config.tenants.retained_bounds())
         self._closed_allocations: OrderedDict[str, str] = OrderedDict()  # id -> "committed" | "aborted" | "reclaimed"
         self._unsealed: list[Block] = []
         self.remote: Remote = NoRemote()  # the rest of the cluster, once the sidecar wires it
@@ -296,11 +298,15 @@ class BlockStore:
         *,
         wait_write_through: bool = False,
         wait_published: bool = False,
+        retain_ms: int = 0,
+        retain_priority: int = 0,
     ) -> tuple[int, int]:
         """Publish the listed blocks (release the rest of the allocation). Returns (committed,
         written_through): with ``wait_write_through``, once the write-through tiers' writes of
         these blocks have finished, how many of them every such tier now holds; else 0. With
-        ``wait_published``, once the cluster directory lists them (or its write failed)."""
+        ``wait_published``, once the cluster directory lists them (or its write failed). With
+        ``retain_ms``, they are retained (kvstore.store.retention); a hint past the tenant's bound
+        refuses the commit, the allocation left open."""
         self._closed(alloc_id)
         alloc = self.index.allocation(alloc_id)
         self._check_batch(len(specs), "blocks")
@@ -331,6 +337,7 @@ class BlockStore:
             if self.index.allocations.get(alloc_id) is not alloc:  # aborted or reaped while we hashed
                 self._closed(alloc_id)
                 raise FailedPrecondition(f"allocation_id: {shown(alloc_id)} was reclaimed during commit")
+        self.retention.check([b for b, _ in chosen], retain_ms, retain_priority, into=DRAM)
         # Apply: the listed blocks become visible, the rest of the allocation is released.
         space = self.space
         committed = {id(b) for b, _ in chosen}
@@ -348,6 +355,8 @@ class BlockStore:
             nbytes += b.size
         # Recency deepest first, so that ancestors are at least as recent as their descendants.
         space.policy.access_many([b for b, _ in reversed(chosen)])
+        if retain_ms:
+            self.retention.retain([b for b, _ in chosen], retain_ms, retain_priority)
         self._remember(alloc, "committed")
         self.stats.writes["commits"] += 1
         self.stats.writes["blocks_committed"] += len(chosen)
@@ -377,13 +386,15 @@ class BlockStore:
     # --- reads --------------------------------------------------------------------------------
 
     async def acquire(
-        self, ns: NsEntry, keys: Sequence[bytes], ttl_ms: int = 0
+        self, ns: NsEntry, keys: Sequence[bytes], ttl_ms: int = 0, retain_ms: int = 0, retain_priority: int = 0
     ) -> tuple[Lease | None, list[Block]]:
         """Lease the leading run of ``keys`` that is readable from DRAM now (promoting from lower
-        tiers first when there are any)."""
+        tiers first when there are any). With ``retain_ms``, the leased run is retained; the
+        hint is checked against the tenant's bound on the run held here before anything moves."""
         self._check_batch(len(keys), "keys")
         self._check_keys(keys, "keys")
         deadline = self._lease_deadline(ttl_ms)
+        self.retention.check(self.index.leading_run(ns, keys), retain_ms, retain_priority, into=DRAM)
         ns, run = await self._with_cluster(ns, keys)
         run = await self.space.movers.promote(run)
         readable: list[Block] = []
@@ -397,12 +408,24 @@ class BlockStore:
         if lease is not None and self.config.dram.verify_local_reads:
             lease, readable = await self._verified(lease, deadline)
         self.space.touch(readable)
+        if retain_ms and readable:
+            self.retention.retain(readable, retain_ms, retain_priority)
         self.stats.reads["acquires"] += 1
         self.stats.reads["blocks"] += len(readable)
         nbytes = sum(b.size for b in readable)
         self.stats.reads["bytes"] += nbytes
         self.stats.tier("dram", "bytes_out", nbytes)
         return lease, readable
+
+    def retain(self, ns: NsEntry, keys: Sequence[bytes], retain_ms: int, retain_priority: int = 0) -> tuple[int, int]:
+        """Retain the committed blocks of ``keys`` held here for ``retain_ms`` (0: end their
+        retention); refused whole past a tenant's bound. How many were found, and their bytes."""
+        self._check_batch(len(keys), "keys")
+        self._check_keys(keys, "keys")
+        blocks = [b for k in keys if (b := ns.visible.get(k)) is not None and b.tiers]
+        self.retention.check(blocks, retain_ms, retain_priority)
+        self.retention.retain(blocks, retain_ms, retain_priority)
+        return len(blocks), sum(b.size for b in blocks)
 
     async def prefetch(self, ns: NsEntry, keys: Sequence[bytes]) -> int:
         """Promote the leading run of ``keys`` into DRAM; how many leading blocks are there now."""
@@ -512,4 +535,5 @@ class BlockStore:
         doc["policy"] = self.space.policy.name
         if self.tenants.attached:
             doc["tenants"] = self.tenants.snapshot(self.config.server.stats_namespaces)
+        doc["retained"] = self.retention.snapshot()
         return doc

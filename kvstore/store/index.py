@@ -65,6 +65,8 @@ class Block:
     leases: int = 0
     moving: int = 0  # movers reading its DRAM slot right now (write-through)
     replica: bool = False  # fetched from another node of the cluster, which holds it too
+    retain_until: float = 0.0  # a retention hint's end on the sidecar's clock (kvstore.store.retention)
+    retain_priority: int = 0  # 0..3: among retained blocks, the lowest goes first
 
     @property
     def top_tier(self) -> int:

@@ -19,10 +19,11 @@ import numpy as np
 
 from kvstore.dram.slab import Page, Slab, Slot
 from kvstore.errors import ResourceExhausted
-from kvstore.policy.base import Eligible, EvictionPolicy
+from kvstore.policy.base import EvictionPolicy
 from kvstore.store.below import Movers, NoMovers
 from kvstore.store.counters import Stats
 from kvstore.store.index import DRAM, Block, Index
+from kvstore.store.retention import Retention
 from kvstore.store.tenants import Quotas
 
 
@@ -33,11 +34,6 @@ def enter(policy: EvictionPolicy, b: Block) -> None:
     policy.insert(b, parent if parent is not None and parent in policy else None, b.depth, b.size)
 
 
-def pop_victim(policy: EvictionPolicy, ok: Callable[[Block], bool]) -> Block | None:
-    """The policy's next victim among the blocks ``ok`` accepts (removed from the policy)."""
-    return cast("Block | None", policy.pop_victim(cast("Eligible", ok)))
-
-
 class DramSpace:
     def __init__(self, slab: Slab, policy: EvictionPolicy, index: Index, stats: Stats) -> None:
         self.slab = slab
@@ -46,6 +42,8 @@ class DramSpace:
         self.stats = stats
         self.movers: Movers = NoMovers()  # the tiers below DRAM, once the sidecar wires them
         self.quotas: Quotas | None = None  # tenant quotas (kvstore.store.tenants), when configured
+        # The retention hints (the soft pin): every victim of DRAM and of the tiers below is its pick.
+        self.retention = Retention()
         self._touches: list[tuple[list[Block], bool]] = []
 
     # --- hits -----------------------------------------------------------------------------
@@ -134,9 +132,11 @@ class DramSpace:
                 f"(tenants.dram_quota_bytes) by {excess} bytes, and only {evictable} bytes of its blocks may leave"
             )
         while quotas.excess(tenant, nbytes):
-            victim = pop_victim(self.policy, own)
+            victim = self.retention.pop_victim(self.policy, own)
             if victim is None:  # the policy keeps the rest for their children: take one anyway
-                victim = next(b for b in self.policy_blocks() if own(b))
+                victim = self.retention.least(b for b in self.policy_blocks() if own(b))
+                assert victim is not None, "the tenant's evictable bytes were counted above"
+
                 self.policy.remove(victim)
             self.evict(victim)
 
@@ -372,11 +372,13 @@ class _Room:
             slot = _slot_of(b)
             return slot.cls == cls or (not left.get(slot.cls) and whole(slab.page_of(slot)))
 
+        pop, least = space.retention.pop_victim, space.retention.least
+
         def take() -> Slot:
             while (slot := slab.try_alloc(cls)) is None:
-                victim = pop_victim(policy, victim_ok)
+                victim = pop(policy, victim_ok)
                 if victim is None:  # the policy keeps the rest for their children: take one anyway
-                    victim = next(own, None)
+                    victim = least(own)
                     if victim is None:
                         raise self._full()
                     policy.remove(victim)
@@ -406,7 +408,7 @@ class _Room:
             return (not b.pinned and (may_evict is None or may_evict(b)) and donor(_slot_of(b).cls)
                     and self._is_whole(slab.page_of(_slot_of(b))))
 
-        victim = pop_victim(self.space.policy, victim_ok)
+        victim = self.space.retention.pop_victim(self.space.policy, victim_ok)
         if victim is not None:
             page: Page | None = slab.page_of(_slot_of(victim))
         else:

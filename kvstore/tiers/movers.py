@@ -49,7 +49,7 @@ from kvstore.policy.base import EvictionPolicy
 from kvstore.store.below import Movers, NoMovers, nothing
 from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, REDIS, S3, SSD, Block, State
-from kvstore.store.space import DramSpace, enter, pop_victim
+from kvstore.store.space import DramSpace, enter
 from kvstore.store.tenants import Quotas, Tenants
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import BlockMeta, BlockRef, Bounded, Recoverable, Tier
@@ -550,9 +550,10 @@ class Tiering:
         def may(x: Block) -> bool:
             return not x.pinned and x not in self._staged and ok(x)
 
-        b = pop_victim(lv.policy, may)
+        retention = self.space.retention  # the soft pin: a retained block goes last here too
+        b = retention.pop_victim(lv.policy, may)
         if b is None:
-            b = next((x for x in lv.sizes if x in lv.policy and may(x)), None)
+            b = retention.least(x for x in lv.sizes if x in lv.policy and may(x))
             if b is not None:
                 lv.policy.remove(b)
         return b

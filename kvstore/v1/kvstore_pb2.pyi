@@ -139,16 +139,20 @@ class CommitBlock(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., slot_id: _Optional[int] = ..., has_checksum: _Optional[bool] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("allocation_id", "blocks", "wait_write_through", "wait_published")
+    __slots__ = ("allocation_id", "blocks", "wait_write_through", "wait_published", "retain_ms", "retain_priority")
     ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WAIT_WRITE_THROUGH_FIELD_NUMBER: _ClassVar[int]
     WAIT_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_MS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     allocation_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[CommitBlock]
     wait_write_through: bool
     wait_published: bool
-    def __init__(self, allocation_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CommitBlock, _Mapping]]] = ..., wait_write_through: _Optional[bool] = ..., wait_published: _Optional[bool] = ...) -> None: ...
+    retain_ms: int
+    retain_priority: int
+    def __init__(self, allocation_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[CommitBlock, _Mapping]]] = ..., wait_write_through: _Optional[bool] = ..., wait_published: _Optional[bool] = ..., retain_ms: _Optional[int] = ..., retain_priority: _Optional[int] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed", "written_through")
@@ -157,6 +161,26 @@ class CommitResponse(_message.Message):
     committed: int
     written_through: int
     def __init__(self, committed: _Optional[int] = ..., written_through: _Optional[int] = ...) -> None: ...
+
+class RetainRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "retain_ms", "retain_priority")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_MS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    retain_ms: int
+    retain_priority: int
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., retain_ms: _Optional[int] = ..., retain_priority: _Optional[int] = ...) -> None: ...
+
+class RetainResponse(_message.Message):
+    __slots__ = ("retained", "retained_bytes")
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    retained: int
+    retained_bytes: int
+    def __init__(self, retained: _Optional[int] = ..., retained_bytes: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("allocation_id",)
@@ -171,16 +195,20 @@ class AbortResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease_ttl_ms", "packed")
+    __slots__ = ("namespace", "keys", "lease_ttl_ms", "packed", "retain_ms", "retain_priority")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_MS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_ms: int
     packed: bool
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., packed: _Optional[bool] = ...) -> None: ...
+    retain_ms: int
+    retain_priority: int
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., packed: _Optional[bool] = ..., retain_ms: _Optional[int] = ..., retain_priority: _Optional[int] = ...) -> None: ...
 
 class AcquiredBlock(_message.Message):
     __slots__ = ("key", "slot", "checksum")

@@ -94,6 +94,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.Retain = channel.unary_unary(
+                '/kvstore.v1.KVStore/Retain',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
+                _registered_method=True)
         self.Echo = channel.unary_unary(
                 '/kvstore.v1.KVStore/Echo',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.EchoRequest.SerializeToString,
@@ -176,6 +181,12 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Retain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Echo(self, request, context):
         """Bare round trip, used as the baseline of `kvstore bench lookup`.
         """
@@ -245,6 +256,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RouteRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RouteResponse.SerializeToString,
+            ),
+            'Retain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retain,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.SerializeToString,
             ),
             'Echo': grpc.unary_unary_rpc_method_handler(
                     servicer.Echo,
@@ -576,6 +592,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Route',
             kvstore_dot_v1_dot_kvstore__pb2.RouteRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Retain',
+            kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -139,8 +139,8 @@ def rejected_calls(env: Env, pending: pb.AllocateResponse, aborted: pb.AllocateR
     def allocate(*blocks: pb.BlockSpec, namespace: pb.Namespace = nsp) -> pb.AllocateRequest:
         return pb.AllocateRequest(namespace=namespace, blocks=blocks)
 
-    def commit(*blocks: pb.CommitBlock, alloc: pb.AllocateResponse = pending) -> pb.CommitRequest:
-        return pb.CommitRequest(allocation_id=alloc.allocation_id, blocks=blocks)
+    def commit(*blocks: pb.CommitBlock, alloc: pb.AllocateResponse = pending, retain_ms: int = 0) -> pb.CommitRequest:
+        return pb.CommitRequest(allocation_id=alloc.allocation_id, blocks=blocks, retain_ms=retain_ms)
 
     def report(*decisions: pb.Decision) -> pb.ReportRequest:
         return pb.ReportRequest(decisions=decisions)
@@ -194,6 +194,14 @@ def rejected_calls(env: Env, pending: pb.AllocateResponse, aborted: pb.AllocateR
         ("Prefetch", pb.PrefetchRequest(namespace=nsp, keys=[keys[0], b"x"]), bad, "keys[1]"),
         ("Prefetch", pb.PrefetchRequest(namespace=nsp), bad, "keys: empty"),
         ("Prefetch", pb.PrefetchRequest(keys=[keys[0]]), bad, "namespace: required"),
+        ("Retain", pb.RetainRequest(namespace=nsp, keys=[keys[0]], retain_ms=1000, retain_priority=4), bad,
+         "retain_priority"),
+        ("Retain", pb.RetainRequest(namespace=nsp, keys=[keys[0]], retain_ms=2**32 - 1), bad, "retain_ms"),
+        ("Retain", pb.RetainRequest(namespace=nsp, retain_ms=1000), bad, "keys: empty"),
+        ("Retain", pb.RetainRequest(keys=[keys[0]], retain_ms=1000), bad, "namespace: required"),
+        ("Acquire", pb.AcquireRequest(namespace=nsp, keys=[keys[0]], retain_ms=1000, retain_priority=9), bad,
+         "retain_priority"),
+        ("Commit", commit(pb.CommitBlock(key=keys[2], slot_id=slot_id), retain_ms=10**9), bad, "retain_ms"),
         ("Report", report(*[decision()] * 1025), bad, "decisions: 1025 records"),
         ("Report", report(decision(predicted_load_s=math.nan)), bad, "decisions[0].predicted_load_s"),
         ("Report", report(decision(predicted_recompute_s=-1.0)), bad, "decisions[0].predicted_recompute_s"),
