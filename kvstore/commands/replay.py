@@ -4,13 +4,17 @@
     kvstore replay TRACE --capacity 1% --capacity 5% --capacity 25% --plot hit.png --json
     kvstore replay TRACE --tier dram=5% --tier ssd=20%
     kvstore replay TRACE --nodes 8 --capacity 1% --routing round-robin --routing prefix --json
+    kvstore replay TRACE --capacity 1% --hints continuation:60 --json
 
 TRACE is Mooncake-format JSONL, plain or gzip-compressed; the Mooncake traces ship in
 ``data/traces/`` of the repository. The last line of ``--json`` output is one JSON object per
 capacity (one line each). With ``--nodes N`` the capacity is each node's (default 1%), and each
 object holds, per policy, the global cache of N x the capacity and, per routing, the isolated
 nodes, the cluster, ``cluster_vs_isolated``, ``cluster_vs_global`` and the load imbalance
-(:mod:`kvstore.sim.cluster`, docs/cluster.md).
+(:mod:`kvstore.sim.cluster`, docs/cluster.md). With ``--hints``, every policy (and with ``--nodes``
+every mode) is replayed without and with the retention hints the trace implies
+(:mod:`kvstore.sim.hints`): the hinted run's result is under ``hints`` and the ratio of prefix hit
+rates under ``hints_vs_none`` (docs/eviction.md).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvstore.commands import Subparsers
+    from kvstore.sim.hints import Hints
     from kvstore.sim.traces import Trace
 
 
@@ -83,6 +88,9 @@ def register(subparsers: Subparsers) -> None:
                    help="with --nodes: how long the cluster's ghost (use counts the directory keeps for the next "
                         "node to store a block) keeps each, in the trace's seconds; 0: none (default: the "
                         "sidecar's cluster.ghost_ttl_s)")
+    p.add_argument("--hints", metavar="KIND[:SECONDS]",
+                   help="also replay with retention hints: 'continuation' retains a request's blocks for SECONDS "
+                        "(default 60) when a later request continues it (docs/eviction.md)")
     p.set_defaults(func=run)
 
 
@@ -95,10 +103,12 @@ def run(args: argparse.Namespace) -> int:
     from kvstore.errors import InvalidArgument
     from kvstore.policy import DEFAULT_POLICY, policy_names
     from kvstore.sim.belady import belady
+    from kvstore.sim.hints import parse_hints
     from kvstore.sim.replay import TierSpec, replay
     from kvstore.sim.traces import load_trace
     from kvstore.store.index import TierId
 
+    hints = parse_hints(args.hints) if args.hints else None
     trace = load_trace(args.trace, args.block_tokens)
     unique = trace.unique_blocks()
     names = args.policy or ["lru", DEFAULT_POLICY]
@@ -110,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgument(f"--policy: unknown policy {n!r}; allowed: {policy_names()}")
     progress = not args.no_progress and sys.stderr.isatty() and trace.references > 200_000
     if args.nodes is not None:
-        return _run_cluster(args, trace, unique, names, progress)
+        return _run_cluster(args, trace, unique, names, progress, hints)
     key_lists = [r.keys for r in trace.requests]
 
     runs: list[tuple[list[TierSpec], dict[str, Any]]] = []
@@ -147,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
         for n in names:
             res = replay(trace, specs, n, progress=progress)
             out["policies"][n] = res.to_json()
+            if hints is not None:
+                hinted = replay(trace, specs, n, progress=progress, hints=hints)
+                out["policies"][n]["hints"] = hinted.to_json()
+                out["policies"][n]["hints_vs_none"] = _ratio(hinted.prefix_hit_rate, res.prefix_hit_rate)
         plot_rows.append((total, {n: out["policies"][n]["prefix_hit_rate"] for n in names}, bound.prefix_hit_rate))
         if args.json:
             print(json.dumps(out), flush=True)
@@ -155,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(args.plot, trace.name, unique, names, plot_rows)
     return 0
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
 
 
 def _nodes(text: str) -> int:
@@ -167,7 +185,8 @@ def _nodes(text: str) -> int:
     return n
 
 
-def _run_cluster(args: argparse.Namespace, trace: Trace, unique: int, names: list[str], progress: bool) -> int:
+def _run_cluster(args: argparse.Namespace, trace: Trace, unique: int, names: list[str], progress: bool,
+                 hints: Hints | None = None) -> int:
     """``--nodes N``: one JSON object per capacity (per node), every policy and routing in it."""
     from kvstore.errors import InvalidArgument
     from kvstore.sim.cluster import GHOST_TTL_S, compare
@@ -186,11 +205,28 @@ def _run_cluster(args: argparse.Namespace, trace: Trace, unique: int, names: lis
         for n in names:
             policies[n] = compare(trace, args.nodes, per_node, routings, n, args.seed, progress=progress,
                                   tie_seed=args.tie_seed, ghost_ttl_s=ghost)
+            if hints is not None:
+                hinted = compare(trace, args.nodes, per_node, routings, n, args.seed, progress=progress,
+                                 tie_seed=args.tie_seed, ghost_ttl_s=ghost, hints=hints)
+                policies[n]["hints"] = hinted
+                policies[n]["hints_vs_none"] = _cluster_ratios(policies[n], hinted)
         if args.json:
             print(json.dumps(out), flush=True)
         else:
             _print_cluster(out)
     return 0
+
+
+def _cluster_ratios(plain: dict[str, Any], hinted: dict[str, Any]) -> dict[str, Any]:
+    """``hints_vs_none`` of a cluster replay: per mode (and routing), hinted over plain prefix hit rate."""
+    def rate(d: dict[str, Any]) -> float:
+        return float(d["prefix_hit_rate"])
+
+    out: dict[str, Any] = {"global": _ratio(rate(hinted["global"]), rate(plain["global"]))}
+    for routing, r in plain["routing"].items():
+        h = hinted["routing"][routing]
+        out[routing] = {m: _ratio(rate(h[m]), rate(r[m])) for m in ("isolated", "cluster")}
+    return out
 
 
 def _print_cluster(out: dict[str, Any]) -> None:
@@ -224,6 +260,10 @@ def _print_table(out: dict[str, Any]) -> None:
         print(f"  {n:<10} {ph:>10.4f} {r['block_hit_rate']:>10.4f} {xl:>7} {xb:>8} {r['refs_per_s']:>9,}{tag}")
         for t, tr in r.get("tiers", {}).items():
             print(f"    {t:<8} {tr['prefix_hit_rate']:>10.4f}")
+        if "hints" in r:
+            h = r["hints"]
+            print(f"    hints {h['hints']:<14} {h['prefix_hit_rate']:.4f} ({r['hints_vs_none']}x), "
+                  f"{h['retained_peak_blocks']:,} blocks retained at peak")
     print(f"  {'belady':<10} {bound:>10.4f} {out['belady']['block_hit_rate']:>10.4f}   (offline bound)")
 
 

@@ -56,9 +56,11 @@ from kvstore.policy.ghost import GHOST_MIN_USES, GhostSpan
 from kvstore.policy.tree import PrefixLinks
 from kvstore.routing import MAX_IMBALANCE, ROUTINGS, rank
 from kvstore.sim.belady import HitRates
-from kvstore.sim.replay import PROGRESS_EVERY, Progress, Space, TierSpec, index_keys
+from kvstore.sim.hints import Hinting, Hints
+from kvstore.sim.replay import PROGRESS_EVERY, Pop, Progress, Space, TierSpec, index_keys, plain_pop
 from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import DRAM, Block, Index, NsEntry, State, TierId
+from kvstore.store.retention import Retention
 
 MODES = ("isolated", "cluster", "global")
 GHOST_TTL_S: float = ClusterConfig.model_fields["ghost_ttl_s"].default  # the sidecar's default
@@ -84,6 +86,7 @@ class Directory:
         """Wrap the node's policy in a :class:`ClusterPolicy` and register it."""
         pol = ClusterPolicy(node.space.policy, node.id, self, prefer_replicas)
         node.space.policy = pol
+        node.victims_by(pol)
         self.policies.append(pol)
         self.spans.append(GhostSpan())
         self.visible.append(node.ns.visible)
@@ -152,6 +155,7 @@ class ClusterPolicy:
         self.prefer = prefer_replicas
         self.links = PrefixLinks()
         self.spare: set[Item] = set()
+        self.pop: Pop = plain_pop  # the node's victim rule (the soft pin with hints)
         self.access = inner.access
         self.access_many = inner.access_many
         self.hold = inner.hold
@@ -179,11 +183,15 @@ class ClusterPolicy:
             self.spare.add(item)
 
     def pop_victim(self, eligible: Eligible | None = None) -> Item | None:
+        """The spare blocks first, then any; with retention hints, each pass by the store's soft pin
+        (a spare copy is not the block's last, so the cluster loses nothing by it even retained)."""
         victim = None
-        if eligible is None and self.spare:
-            victim = self.inner.pop_victim(self.spare.__contains__)
+        pop = cast("Callable[[EvictionPolicy, Eligible | None], Item | None]", self.pop)
+        if self.spare:
+            spare = self.spare.__contains__
+            victim = pop(self.inner, spare if eligible is None else (lambda b: spare(b) and eligible(b)))
         if victim is None:
-            victim = self.inner.pop_victim(eligible)
+            victim = pop(self.inner, eligible)
         if victim is not None:
             self._left(victim, self.inner.uses(victim))  # (from its ghost now)
         return victim
@@ -215,23 +223,30 @@ class ClusterPolicy:
 class Node:
     """One sidecar's index and DRAM space."""
 
-    __slots__ = ("id", "index", "ns", "requests", "space")
+    __slots__ = ("id", "index", "ns", "pop", "requests", "retention", "space")
 
-    def __init__(self, node_id: int, capacity: int, policy: EvictionPolicy, label: str) -> None:
+    def __init__(self, node_id: int, capacity: int, policy: EvictionPolicy, label: str,
+                 retention: Retention | None = None) -> None:
         self.id = node_id
         self.index = Index()
         self.ns: NsEntry = self.index.namespace(NamespaceRoot(b"replay"), label)
         self.space = Space(TierSpec(TierId.DRAM, capacity), policy)
         self.space.tier = cast(TierId, DRAM)  # a plain int: enum arithmetic would run in Python
         self.requests = 0
+        self.retention = retention  # with hints: the store's soft pin picks the victims
+        self.pop: Pop = retention.pop_victim if retention is not None else plain_pop
+
+    def victims_by(self, policy: ClusterPolicy) -> None:
+        """The node joined a cluster: ``policy`` picks its victims, by the node's rule in each pass."""
+        policy.pop, self.pop = self.pop, plain_pop
 
     def allocate(self, n: int) -> int:
         """The store's Allocate: victims popped until ``n`` more blocks fit (or none is left to
         pop); how many of the ``n`` fit."""
         sp = self.space
-        pop_victim = cast("Callable[[Eligible | None], Block | None]", sp.policy.pop_victim)  # a node holds Blocks
+        pop, policy = self.pop, sp.policy
         while sp.used + n > sp.capacity:
-            v = pop_victim(None)
+            v = pop(policy, None)
             if v is None:
                 break
             sp.used -= 1
@@ -267,6 +282,8 @@ class ClusterRun(HitRates):
     replicas: int = 0  # fetched blocks kept locally
     requests: list[int] = field(default_factory=list)  # per node
     seconds: float = 0.0
+    hints: str = ""  # the --hints replayed ("" for none)
+    retained_peak: int = 0  # with hints: the most blocks retained at once, all nodes together
 
     @property
     def imbalance(self) -> float:
@@ -281,6 +298,9 @@ class ClusterRun(HitRates):
             refs = self.references or 1
             out["peer_hit_rate"] = round(self.peer_hits / refs, 6)
             out["replicas"] = self.replicas
+        if self.hints:
+            out["hints"] = self.hints
+            out["retained_peak_blocks"] = self.retained_peak
         if self.mode != "global":
             out["imbalance"] = round(self.imbalance, 4)
             out["requests_per_node"] = list(self.requests)
@@ -339,11 +359,13 @@ def node_prefixes(nodes: Sequence[Node], directory: Directory | None, keys: Sequ
 def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster", routing: str = "round-robin",
                    policy: str = "lru", seed: int = 0, max_imbalance: float = MAX_IMBALANCE,
                    prefer_replicas: bool = True, progress: bool = False, tie_seed: int | None = None,
-                   ghost_ttl_s: float = GHOST_TTL_S) -> ClusterRun:
+                   ghost_ttl_s: float = GHOST_TTL_S, hints: Hints | None = None) -> ClusterRun:
     """Replay ``trace`` over ``nodes`` nodes of ``capacity`` blocks each (``global``: one node of
     ``nodes`` × ``capacity``), in one of :data:`MODES`; ``tie_seed``: the node order of prefix
     routing's ties; ``ghost_ttl_s``: how long the cluster's ghost keeps a count, in the trace's time
-    (0: no ghost; the module's docstring)."""
+    (0: no ghost; the module's docstring); ``hints``: the retention hints the trace implies
+    (:mod:`kvstore.sim.hints`), kept by each node's soft pin; a replica takes its holder's
+    retention, as the directory record carries it."""
     if mode not in MODES:
         raise ValueError(f"mode: unknown {mode!r}; allowed: {list(MODES)}")
     if nodes < 1:
@@ -351,9 +373,10 @@ def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster
     if mode == "global":
         nodes, capacity = 1, nodes * capacity
     directory = Directory(ghost_ttl_s) if mode == "cluster" else None
+    hinting = Hinting(trace, hints) if hints is not None else None
     members = []
     for i in range(nodes):
-        node = Node(i, capacity, make_policy(policy), trace.name)
+        node = Node(i, capacity, make_policy(policy), trace.name, hinting.retention() if hinting else None)
         if directory is not None:
             directory.join(node, prefer_replicas)
         members.append(node)
@@ -366,9 +389,13 @@ def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster
         for ri, req in enumerate(trace.requests):
             if directory is not None:
                 directory.now_ms = req.timestamp
+            if hinting is not None:
+                hinting.at(req)
             node = router.pick(req)
             node.requests += 1
             _serve(node, members, directory, req, trace.block_tokens, res)
+            if hinting is not None and node.retention is not None:
+                hinting.retain(node.retention, ri, node.ns.blocks, index_keys(req), DRAM)
             if ri % PROGRESS_EVERY == 0:
                 bar.update(res.references - done)
                 done = res.references
@@ -376,6 +403,8 @@ def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster
         bar.close()
     res.requests = [n.requests for n in members]
     res.seconds = time.perf_counter() - t0
+    if hinting is not None:
+        res.hints, res.retained_peak = hints.label() if hints else "", hinting.peak
     return res
 
 
@@ -415,6 +444,10 @@ def _serve(node: Node, members: list[Node], directory: Directory | None, req: Re
     if fetched:  # replicas, as the store's peer fetch: slots first, then placed root first
         room = node.allocate(len(fetched))
         replicas = node.commit([(keys[i], keys[i - 1] if i else b"", bt_of[i], i + 1) for i in fetched[:room]])
+        if node.retention is not None:  # the directory record carries the holder's retention
+            for i, b in zip(fetched, replicas):
+                b.retain_until, b.retain_priority = run[i].retain_until, run[i].retain_priority
+                node.retention.adopt(b)
         for b in replicas:
             if uses := directory.add(b.key, node.id):  # type: ignore[union-attr]  # only with a directory
                 own.resume(b, uses)
@@ -443,15 +476,15 @@ def _serve(node: Node, members: list[Node], directory: Directory | None, req: Re
 def compare(trace: Trace, nodes: int, capacity: int, routings: Sequence[str] = ("round-robin", "prefix"),
             policy: str = "lru", seed: int = 0, max_imbalance: float = MAX_IMBALANCE,
             progress: bool = False, tie_seed: int | None = None,
-            ghost_ttl_s: float = GHOST_TTL_S) -> dict[str, object]:
+            ghost_ttl_s: float = GHOST_TTL_S, hints: Hints | None = None) -> dict[str, object]:
     """The global cache once, then isolated nodes and the cluster for each routing, with the
     cluster's ratios and load imbalance: the JSON of ``kvstore replay --nodes``."""
-    glob = replay_cluster(trace, nodes, capacity, "global", policy=policy, progress=progress)
+    glob = replay_cluster(trace, nodes, capacity, "global", policy=policy, progress=progress, hints=hints)
     out: dict[str, object] = {"global": {"capacity_blocks": nodes * capacity, **glob.to_json()}}
     by_routing: dict[str, object] = {}
     for routing in routings:
         runs = {mode: replay_cluster(trace, nodes, capacity, mode, routing, policy, seed, max_imbalance,
-                                     progress=progress, tie_seed=tie_seed, ghost_ttl_s=ghost_ttl_s)
+                                     progress=progress, tie_seed=tie_seed, ghost_ttl_s=ghost_ttl_s, hints=hints)
                 for mode in ("isolated", "cluster")}
         iso, clu = runs["isolated"].prefix_hit_rate, runs["cluster"].prefix_hit_rate
         by_routing[routing] = {

@@ -28,12 +28,14 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.policy import make_policy
 from kvstore.policy.base import Eligible, EvictionPolicy
 from kvstore.sim.belady import HitRates
+from kvstore.sim.hints import Hinting, Hints
 from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import Block, Index, NsEntry, State, TierId
 
@@ -61,6 +63,8 @@ class ReplayResult(HitRates):
     block_hits: int = 0
     tier_prefix_hits: dict[str, int] = field(default_factory=dict)  # by the tier that served it
     seconds: float = 0.0
+    hints: str = ""  # the --hints replayed ("" for none)
+    retained_peak: int = 0  # with hints: the most blocks retained at once
 
     @property
     def refs_per_s(self) -> float:
@@ -74,6 +78,9 @@ class ReplayResult(HitRates):
         if len(self.tier_prefix_hits) > 1:
             refs = self.references or 1
             out["tiers"] = {t: {"prefix_hit_rate": round(h / refs, 6)} for t, h in self.tier_prefix_hits.items()}
+        if self.hints:
+            out["hints"] = self.hints
+            out["retained_peak_blocks"] = self.retained_peak
         out["refs_per_s"] = round(self.refs_per_s)
         return out
 
@@ -96,10 +103,11 @@ class Progress:
 
 
 def replay(trace: Trace, tiers: int | Sequence[TierSpec], policy: str | Sequence[EvictionPolicy] = "lru",
-           progress: bool = False, **policy_kwargs: object) -> ReplayResult:
+           progress: bool = False, hints: Hints | None = None, **policy_kwargs: object) -> ReplayResult:
     """Replay ``trace`` with one policy per tier space. ``tiers`` is a DRAM block count or a list
     of tier specs, top tier first; ``policy`` a registry name or ready policy objects (one per
-    tier)."""
+    tier); ``hints``: the retention hints the trace implies (:mod:`kvstore.sim.hints`), kept by
+    the store's soft pin in every space."""
     specs = [TierSpec(TierId.DRAM, tiers)] if isinstance(tiers, int) else list(tiers)
     if isinstance(policy, str):
         name = policy
@@ -110,20 +118,24 @@ def replay(trace: Trace, tiers: int | Sequence[TierSpec], policy: str | Sequence
     if len(policies) != len(specs):
         raise ValueError("replay: one policy per tier space")
     result = ReplayResult(name, tier_prefix_hits={s.tier.label: 0 for s in specs})
+    hinting = Hinting(trace, hints) if hints is not None else None
     bar = Progress(trace.references, f"{name}", progress)
     t0 = time.perf_counter()
     try:
         if len(specs) == 1:
-            _replay_one(trace, specs[0], policies[0], result, bar)
+            _replay_one(trace, specs[0], policies[0], result, bar, hinting)
         else:
-            _replay_tiered(trace, specs, policies, result, bar)
+            _replay_tiered(trace, specs, policies, result, bar, hinting)
     finally:
         bar.close()
     result.seconds = time.perf_counter() - t0
+    if hinting is not None:
+        result.hints, result.retained_peak = hinting.hints.label(), hinting.peak
     return result
 
 
-def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: ReplayResult, bar: Progress) -> None:
+def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: ReplayResult, bar: Progress,
+                hinting: Hinting | None = None) -> None:
     """One space, in the store's order of calls (kvstore/store/block_store.py): Lookup (leading run), the
     run's hits via ``access_many`` deepest first, Allocate (victims popped for every new block,
     blocks added ALLOCATED), then Commit (published and inserted root first, with the parent
@@ -137,6 +149,9 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
     access_many, insert = policy.access_many, policy.insert
     # The policy's items are this replay's Blocks (the Protocol types them as any hashable).
     pop_victim = cast("Callable[[Eligible | None], Block | None]", policy.pop_victim)
+    retention = hinting.retention() if hinting is not None else None
+    if retention is not None:  # the store's soft pin picks the victims
+        pop_victim = partial(retention.pop_victim, policy)
     contains = policy.__contains__
     tier = int(spec.tier)
     untier = ~tier
@@ -147,6 +162,8 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
     refs = prefix = hits = 0
     since = 0
     for ri, req in enumerate(trace.requests):
+        if hinting is not None:
+            hinting.at(req)
         keys = index_keys(req)
         nk = len(keys)
         refs += nk
@@ -187,6 +204,8 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
                 parent = blocks.get(b.parent)
                 insert(b, parent if parent is not None and contains(parent) else None, b.depth, b.size)
             access_many(new[::-1])  # recency deepest first: ancestors at least as recent as descendants
+        if hinting is not None and retention is not None:
+            hinting.retain(retention, ri, blocks, keys, tier)
         if ri - since >= PROGRESS_EVERY:
             bar.update(refs - res.references)
             res.references = refs
@@ -233,17 +252,26 @@ def _evicted(ns: NsEntry, index: Index, top: Space, sp: Space, v: Block, arrival
         index.drop(v)
 
 
-def _allocate(ns: NsEntry, index: Index, top: Space, n: int, pinned: Sequence[Block] = ()) -> int:
+Pop = Callable[[EvictionPolicy, Callable[[Block], bool] | None], Block | None]
+
+
+def plain_pop(policy: EvictionPolicy, ok: Callable[[Block], bool] | None) -> Block | None:
+    """The policy's own victim (no retention hints: the soft pin's rule reduces to this)."""
+    return cast("Block | None", policy.pop_victim(cast("Eligible | None", ok)))
+
+
+def _allocate(ns: NsEntry, index: Index, top: Space, n: int, pinned: Sequence[Block] = (),
+              pop: Pop = plain_pop) -> int:
     """The store's slots for ``n`` blocks in the top space: victims popped until they fit (or none
     is left but ``pinned`` ones), each demoted; then every space below is brought within its
     capacity with its new arrivals and ``pinned`` held (being written, leased: the demotion
-    writer's ``_make_room``). How many of the ``n`` fit."""
+    writer's ``_make_room``). How many of the ``n`` fit. ``pop`` picks each victim (the soft pin's
+    :meth:`~kvstore.store.retention.Retention.pop_victim` with hints)."""
     arrivals: dict[Space, list[Block]] = {}
-    pop_victim = cast("Callable[[Eligible | None], Block | None]", top.policy.pop_victim)  # Blocks
     pins = set(pinned)
     ok = pins.__contains__
     while top.used + n > top.capacity:
-        v = pop_victim((lambda b: not ok(b)) if pins else None)
+        v = pop(top.policy, (lambda b: not ok(b)) if pins else None)
         if v is None:
             break
         _evicted(ns, index, top, top, v, arrivals)
@@ -253,14 +281,14 @@ def _allocate(ns: NsEntry, index: Index, top: Space, n: int, pinned: Sequence[Bl
         for b in held:
             sp.policy.hold(b)
         while sp.used > sp.capacity:
-            v = cast("Block | None", sp.policy.pop_victim(None))
+            v = pop(sp.policy, None)
             if v is None:
                 break
             _evicted(ns, index, top, sp, v, arrivals)
         for b in held:
             sp.policy.release(b)
         while sp.used > sp.capacity:  # only arrivals left: the oldest are refused (passed on or dropped)
-            v = cast("Block | None", sp.policy.pop_victim((lambda b: not ok(b)) if pins else None))
+            v = pop(sp.policy, (lambda b: not ok(b)) if pins else None)
             if v is None:
                 break
             _evicted(ns, index, top, sp, v, arrivals)
@@ -277,7 +305,7 @@ def _touch(spaces: Sequence[Space], run: Sequence[Block]) -> None:
 
 
 def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[EvictionPolicy],
-                   res: ReplayResult, bar: Progress) -> None:
+                   res: ReplayResult, bar: Progress, hinting: Hinting | None = None) -> None:
     """Several spaces, top (DRAM) first, inclusive of promoted copies, making the store's calls
     in the store's order (kvstore/store/block_store.py lookup, acquire, allocate, commit;
     kvstore/tiers/movers.py promote, demotion):
@@ -303,8 +331,12 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
     tier_hits = res.tier_prefix_hits
     allocated = State.ALLOCATED
     bt = trace.block_tokens
+    retention = hinting.retention() if hinting is not None else None
+    pop: Pop = retention.pop_victim if retention is not None else plain_pop
     refs = prefix = hits = 0
     for ri, req in enumerate(trace.requests):
+        if hinting is not None:
+            hinting.at(req)
         keys = index_keys(req)
         nk = len(keys)
         refs += nk
@@ -322,7 +354,7 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
         up = [b for b in run if not b.tiers & top.tier]
         if up:
             evicts = top.used + len(up) > top.capacity
-            room = _allocate(ns, index, top, len(up), run)
+            room = _allocate(ns, index, top, len(up), run, pop)
             for b in up[:room]:
                 _insert(ns, top, b)
             readable = list(itertools.takewhile(lambda b: bool(b.tiers & top.tier), run))
@@ -337,7 +369,7 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
             size = req.last_size if i == nk - 1 else bt
             new.append(index.add(ns, key, keys[i - 1] if i else b"", size, allocated, i + 1))
         if new:
-            room = _allocate(ns, index, top, len(new)) if top.capacity > 0 else 0
+            room = _allocate(ns, index, top, len(new), pop=pop) if top.capacity > 0 else 0
             for b in new[room:]:
                 index.drop(b)
             del new[room:]
@@ -346,6 +378,8 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
                 _insert(ns, top, b)
             if new:
                 top.policy.access_many(new[::-1])
+        if hinting is not None and retention is not None:
+            hinting.retain(retention, ri, blocks, keys, ~0)
         if ri % PROGRESS_EVERY == 0:
             bar.update(refs - res.references)
             res.references = refs

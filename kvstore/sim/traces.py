@@ -32,6 +32,7 @@ class Request:
     timestamp: int
     keys: tuple[int, ...]  # block ids of the prompt, root first
     last_size: int  # tokens in the last block (1..block_tokens)
+    output_length: int = 0  # tokens the request generated (the trace's output_length)
 
 
 @dataclass(slots=True)
@@ -55,17 +56,18 @@ class Trace:
         with open(path, "w") as f:
             for r in self.requests:
                 n = len(r.keys)
-                rec = {"timestamp": r.timestamp, "input_length": (n - 1) * bt + r.last_size, "output_length": 0,
+                rec = {"timestamp": r.timestamp, "input_length": (n - 1) * bt + r.last_size,
+                       "output_length": r.output_length,
                        "hash_ids": list(r.keys)}
                 f.write(json.dumps(rec) + "\n")
 
 
-def _request(ts: int, hash_ids: list[int], input_length: int, bt: int) -> Request:
+def _request(ts: int, hash_ids: list[int], input_length: int, bt: int, output_length: int = 0) -> Request:
     n = len(hash_ids)
     last = input_length - (n - 1) * bt
     if not 1 <= last <= bt:
         last = bt  # tolerate traces whose input_length disagrees with hash_ids
-    return Request(ts, tuple(hash_ids), last)
+    return Request(ts, tuple(hash_ids), last, max(0, output_length))
 
 
 def parse_records(records: Iterable[dict[str, Any]], name: str = "trace", block_tokens: int = BLOCK_TOKENS) -> Trace:
@@ -75,10 +77,11 @@ def parse_records(records: Iterable[dict[str, Any]], name: str = "trace", block_
             ids = rec["hash_ids"]
             ts = int(rec.get("timestamp", i))
             length = int(rec.get("input_length", len(ids) * block_tokens))
+            output = int(rec.get("output_length", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"trace {name}: record {i} lacks hash_ids/timestamp/input_length") from exc
         if ids:
-            reqs.append(_request(ts, [int(x) for x in ids], length, block_tokens))
+            reqs.append(_request(ts, [int(x) for x in ids], length, block_tokens, output))
     reqs.sort(key=lambda r: r.timestamp)  # stable: ties keep file order
     return Trace(name, reqs, block_tokens)
 

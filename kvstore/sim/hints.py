@@ -1,0 +1,142 @@
+"""Retention hints a trace implies: ``kvstore replay TRACE --hints continuation[:SECONDS]``.
+
+An agent framework that ends a turn in a tool call knows the conversation will come back with this
+turn's prompt and output as the next prompt's prefix. The replay gives each such request the hint
+the framework would: retain its blocks for SECONDS (default 60) from its end, through the store's
+own soft pin (:class:`~kvstore.store.retention.Retention`).
+
+The rule on a Mooncake trace, whose ``hash_ids`` name the prompt's blocks only (an id names a
+whole prefix, so equal ids at a position mean equal prefixes):
+
+* request A is *continued* when a later request B starts with A's **full** prompt blocks
+  (``input_length // block_tokens`` of them; A's partial last block is re-keyed once B's tokens
+  fill it, so B never repeats its id) and B's prompt is at least as long as A's prompt plus A's
+  output (``input_length + output_length``: A's whole turn is B's prefix, not just its prompt);
+* A retains those full blocks (the ones B will use). The trace names no block of A's output
+  (it is generated, not hashed), so no output block is retained or stored: B stores the blocks
+  that cover A's tail and output as its own new blocks, as the replay stores every prompt;
+* the trace has arrival times only, and the replay serves a request at once, so A's *end* is
+  its timestamp: the retention lasts until ``timestamp + SECONDS``, on the trace's clock.
+
+Only the first later request that continues A counts (the next turn); a request whose prompt
+has no full block retains nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidArgument
+from kvstore.sim.traces import Request, Trace
+from kvstore.store.index import Block
+from kvstore.store.retention import Retention
+
+KINDS = ("continuation",)
+DEFAULT_SECONDS = 60.0
+
+
+@dataclass(slots=True, frozen=True)
+class Hints:
+    kind: str
+    seconds: float
+
+    @property
+    def retain_ms(self) -> int:
+        return round(self.seconds * 1000)
+
+    def label(self) -> str:
+        return f"{self.kind}:{self.seconds:g}"
+
+
+def parse_hints(text: str) -> Hints:
+    """``continuation`` or ``continuation:SECONDS``."""
+    kind, sep, secs = text.partition(":")
+    if kind not in KINDS:
+        raise InvalidArgument(f"--hints: unknown kind {kind!r}; allowed: {list(KINDS)} (KIND[:SECONDS])")
+    try:
+        seconds = float(secs) if sep else DEFAULT_SECONDS
+    except ValueError:
+        raise InvalidArgument(f"--hints: {secs!r} is not a number of seconds") from None
+    if not 0 < seconds <= 86_400:
+        raise InvalidArgument(f"--hints: seconds must be in (0, 86400], got {secs}")
+    return Hints(kind, seconds)
+
+
+def full_blocks(trace: Trace, i: int) -> int:
+    """Request ``i``'s full prompt blocks (its partial last one excluded)."""
+    r = trace.requests[i]
+    return len(r.keys) - (r.last_size < trace.block_tokens)
+
+
+def continuations(trace: Trace) -> list[int]:
+    """Per request, how many of its leading blocks a later request continues (0: none), by the
+    module's rule. One pass: a request waits on (position, id) of its last full block."""
+    reqs, bt = trace.requests, trace.block_tokens
+    out = [0] * len(reqs)
+    waiting: dict[tuple[int, int], list[int]] = {}
+    for j, r in enumerate(reqs):
+        length = (len(r.keys) - 1) * bt + r.last_size
+        for pos, key in enumerate(r.keys):
+            waits = waiting.get((pos, key))
+            if not waits:
+                continue
+            left = []
+            for i in waits:
+                a = reqs[i]
+                if length >= (len(a.keys) - 1) * bt + a.last_size + a.output_length:
+                    out[i] = pos + 1
+                else:
+                    left.append(i)  # B shares A's prompt but not A's turn: not A's continuation
+            if left:
+                waiting[pos, key] = left
+            else:
+                del waiting[pos, key]
+        n = full_blocks(trace, j)
+        if n:
+            waiting.setdefault((n - 1, r.keys[n - 1]), []).append(j)
+    return out
+
+
+class TraceClock:
+    """The trace's clock in seconds, for the store's :class:`Retention` (set per request)."""
+
+    __slots__ = ("now",)
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Hinting:
+    """The hints of one replay: which requests retain how many leading blocks, on the trace's
+    clock, and the peak of blocks retained (in any node's cache)."""
+
+    def __init__(self, trace: Trace, hints: Hints) -> None:
+        self.hints = hints
+        self.keep = continuations(trace)
+        self.clock = TraceClock()
+        self.peak = 0  # blocks retained at once, at most (summed over the nodes)
+        self.retentions: list[Retention] = []
+
+    def retention(self) -> Retention:
+        """A cache's retention on the trace's clock (one per node)."""
+        r = Retention(self.clock)
+        self.retentions.append(r)
+        return r
+
+    def at(self, req: Request) -> None:
+        """The clock stands at ``req``'s arrival while it is served."""
+        self.clock.now = req.timestamp / 1000.0
+
+    def retain(self, retention: Retention, i: int, blocks: Mapping[bytes, Block], keys: Sequence[bytes],
+               tier: int) -> None:
+        """Request ``i``, served: retain its continued blocks that ``tier`` of this cache holds."""
+        n = self.keep[i]
+        if not n:
+            return
+        held = [b for k in keys[:n] if (b := blocks.get(k)) is not None and b.tiers & tier]
+        retention.retain(held, self.hints.retain_ms, 0)
+        self.peak = max(self.peak, sum(r.count() for r in self.retentions))
