@@ -29,6 +29,7 @@ import torch
 
 from connector.core.client import ConnectorClient
 from connector.core.counters import ConnectorStats
+from connector.core.hints import retain_ms
 from connector.core.metadata import LoadResult, SaveResult, SaveSpec
 from connector.core.ops import load_blocks, save_blocks
 from connector.core.report import DecisionReporter, decision_record
@@ -176,8 +177,10 @@ class HFConnector:
         cache = DynamicCache(ddp_cache_data=data, config=self.model.config)
         return Loaded(cache, m, result, decision, cached, spec.tiers)
 
-    def save(self, token_ids: Sequence[int], cache: Any) -> SaveResult | None:
-        """Store the full blocks of ``token_ids`` whose KV is in ``cache`` (sidecar skips known ones)."""
+    def save(self, token_ids: Sequence[int], cache: Any, *, retain_s: float = 0.0) -> SaveResult | None:
+        """Store the full blocks of ``token_ids`` whose KV is in ``cache`` (sidecar skips known ones).
+        ``retain_s``: retain them that long (connector/core/hints.py; ValueError naming it when bad)."""
+        ms = retain_ms(retain_s, "retain_s")
         kv = cache_tensors(cache)
         held = kv[0][0].shape[2] if kv else 0
         n = min(len(token_ids), held) // self.spec.block_size
@@ -189,7 +192,7 @@ class HFConnector:
             self.ns,
             bind_caches(self.spec, kv),
             self.transfer,
-            SaveSpec("hf-save", tuple(keys), tuple(range(n))),
+            SaveSpec("hf-save", tuple(keys), tuple(range(n)), ms),
         )
         self.stats.record_save(result)
         return result
@@ -219,10 +222,12 @@ class HFConnector:
 
     # --- the two roles ------------------------------------------------------------------------
 
-    def prefill(self, token_ids: Sequence[int], *, save: bool = True) -> Prefill:
-        """Load what is worth loading, compute the rest of the prompt, store its full blocks."""
+    def prefill(self, token_ids: Sequence[int], *, save: bool = True, retain_s: float = 0.0) -> Prefill:
+        """Load what is worth loading, compute the rest of the prompt, store its full blocks
+        (retained for ``retain_s`` when set: the conversation will come back)."""
         if len(token_ids) == 0:
             raise ValueError("prefill: empty prompt")
+        retain_ms(retain_s, "retain_s")  # refused before any work
         t_start = time.perf_counter()
         loaded = self.load(token_ids)
         cache, m, decision = loaded.cache, loaded.tokens, loaded.decision
@@ -244,14 +249,17 @@ class HFConnector:
             )
         result = Prefill(cache, logits, m, len(token_ids) - m, prefill_s, decision, loaded.result)
         if save:
-            result.save = self.save(token_ids, cache)
+            result.save = self.save(token_ids, cache, retain_s=retain_s)
         self.reporter.flush()  # after the first token: off the TTFT path
         return result
 
-    def generate(self, token_ids: Sequence[int], max_new_tokens: int, *, save: bool = True) -> Generation:
+    def generate(
+        self, token_ids: Sequence[int], max_new_tokens: int, *, save: bool = True, retain_s: float = 0.0
+    ) -> Generation:
         """Greedy decoding after :meth:`prefill`; with ``save`` the generated tokens' full blocks
-        are stored too, so the next turn of a conversation finds them."""
-        pre = self.prefill(token_ids, save=save)
+        are stored too, so the next turn of a conversation finds them; with ``retain_s`` the sidecar
+        retains them that long from the end (an agent's turn that ends in a tool call)."""
+        pre = self.prefill(token_ids, save=save, retain_s=retain_s)
         tokens: list[int] = []
         logits = [pre.logits]
         for step in range(max_new_tokens):
@@ -263,7 +271,7 @@ class HFConnector:
             gen.saves.append(pre.save)
         if save and tokens:
             fed = list(token_ids) + tokens[:-1]  # the last token's KV is not computed yet
-            extra = self.save(fed, pre.cache)
+            extra = self.save(fed, pre.cache, retain_s=retain_s)
             if extra is not None:
                 gen.saves.append(extra)
         return gen

@@ -41,6 +41,11 @@ What this module adds is only vLLM's call protocol:
   while fewer of those blocks are found, for at most ``handoff_wait_ms``, asking the sidecar
   again every :data:`HANDOFF_POLL_S`, and afterwards loads what is there and recomputes the rest.
 
+* **Retention hints**: a request whose ``kv_transfer_params`` carry ``{"kvstore_retain_s": 60}``
+  (an agent's turn that ends in a tool call) has its saves retain its blocks for that long
+  (connector/core/hints.py; the sidecar's soft pin). A hint that is not a number of seconds in
+  0..86400 is logged, naming the field, and the request is served without it.
+
 Requests with LoRA adapters, multimodal inputs, prompt embeddings or a ``cache_salt`` bypass the
 connector (their KV depends on more than the token ids). Tensor/pipeline parallel size must be 1.
 """
@@ -62,6 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connector.core import ConnectorMetadata, SchedulerConnector, WorkerConnector
 from connector.core.directory import directory_for
 from connector.core.finders import DirectoryFinder, Finder, LeaseFinder
+from connector.core.hints import retain_ms_of_params
 from connector.core.pipeline import PipelineSlot
 from connector.layout import KVSpec
 from connector.transfer import make_transfer
@@ -183,6 +189,17 @@ class _Req:
     request: Any  # vllm.v1.request.Request (live object in the scheduler's process)
     block_ids: list[int] = field(default_factory=list)
     offered: int = 0  # leading full blocks already handed over for saving
+    retain_ms: int = 0  # its retention hint (kv_transfer_params' kvstore_retain_s)
+
+
+def request_retain_ms(request: Request) -> int:
+    """The request's retention hint from its ``kv_transfer_params`` (0: none, or a bad one: logged,
+    naming the field, and the request served without it)."""
+    try:
+        return retain_ms_of_params(getattr(request, "kv_transfer_params", None))
+    except ValueError as exc:
+        log.warning("request %s: %s; served without a retention hint", request.request_id, exc)
+        return 0
 
 
 def _bypass(request: Request) -> bool:
@@ -273,7 +290,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
         if request.request_id not in self._reqs:
-            self._reqs[request.request_id] = _Req(request)
+            self._reqs[request.request_id] = _Req(request, retain_ms=request_retain_ms(request))
         if not self._load or _bypass(request):
             return 0, False
         # vLLM asks again every step while a request waits for free blocks: reuse the answer for a
@@ -365,7 +382,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         full = min(full, len(req.block_ids))
         if full > req.offered:
             assert self._sched is not None
-            self._sched.schedule_save(req_id, req.request.all_token_ids[: full * bs], req.block_ids[:full])
+            self._sched.schedule_save(req_id, req.request.all_token_ids[: full * bs], req.block_ids[:full],
+                                      req.retain_ms)
             req.offered = full
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

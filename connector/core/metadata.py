@@ -45,6 +45,7 @@ class SaveSpec:
     req_id: str
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
+    retain_ms: int = 0  # the request's retention hint (connector/core/hints.py): 0, none
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,3 +89,4 @@ class SaveResult:
     failure: Failure | None
     seconds: float
     nbytes: int
+    retained: int = 0  # with a retention hint: blocks the sidecar retains now

@@ -197,6 +197,7 @@ def save_blocks(
         failure = classify(exc)
         log.warning("save %s: %s (%s); %d blocks not stored", spec.req_id, failure.value, exc, len(spec.keys),
                     exc_info=failure is Failure.ERROR)
+    retained = _retain(client, ns, spec) if spec.retain_ms and failure is None else 0
     return SaveResult(
         req_id=spec.req_id,
         written=written,
@@ -204,4 +205,16 @@ def save_blocks(
         failure=failure,
         seconds=time.perf_counter() - t0,
         nbytes=written * size,
+        retained=retained,
     )
+
+
+def _retain(client: ConnectorClient, ns: Namespace, spec: SaveSpec) -> int:
+    """Retain every block of a saved spec (written now or there already) for its hint; how many
+    the sidecar retains. A refused hint (the tenant's bound) is logged and costs the save nothing."""
+    try:
+        return client.retain(ns, list(spec.keys), spec.retain_ms)
+    except Exception as exc:
+        log.warning("save %s: retention hint of %d ms not taken: %s", spec.req_id, spec.retain_ms, exc,
+                    exc_info=classify(exc) is Failure.ERROR)
+        return 0

@@ -221,16 +221,19 @@ class SchedulerConnector:
                 )
             )
 
-    def schedule_save(self, req_id: str, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int]) -> int:
+    def schedule_save(
+        self, req_id: str, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int], retain_ms: int = 0
+    ) -> int:
         """Store the full blocks of ``token_ids`` (computed KV in ``block_ids``); returns their count.
 
         All full blocks are offered: the sidecar skips those it already has without a copy.
+        ``retain_ms``: the request's retention hint, for all of them (connector/core/hints.py).
         """
         keys = self._request_keys(req_id, token_ids)[: len(block_ids)]
         if not keys:
             return 0
         with self._lock:
-            self._saves.append(SaveSpec(req_id, tuple(keys), tuple(block_ids[: len(keys)])))
+            self._saves.append(SaveSpec(req_id, tuple(keys), tuple(block_ids[: len(keys)]), retain_ms))
         return len(keys)
 
     def build_connector_meta(self) -> ConnectorMetadata:

@@ -1,0 +1,35 @@
+"""Retention hints from the engine's side: how long the sidecar should keep a request's blocks.
+
+An agent framework that ends a turn in a tool call knows the conversation will come back; it says
+so per request, as vLLM's ``kv_transfer_params`` ``{"kvstore_retain_s": 60}`` or the HF connector's
+``retain_s`` argument. The saves of that request then retain its blocks (the sidecar's soft pin,
+kvstore/store/retention.py): each save retains every full block of the prompt so far, so the
+retention runs from the request's last save, its end.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+RETAIN_KEY = "kvstore_retain_s"  # this connector's hint in kv_transfer_params
+MAX_RETAIN_S = 86_400.0  # the sidecar's limit (kvstore.store.retention.MAX_RETAIN_MS)
+
+
+def retain_ms(seconds: Any, field: str) -> int:
+    """``seconds`` as the sidecar's retain_ms (0: no hint); ValueError naming ``field`` when it
+    is not a number of seconds in [0, 86400]."""
+    if seconds is None:
+        return 0
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
+        raise ValueError(f"{field}: want a number of seconds, got {seconds!r}")
+    if not 0 <= seconds <= MAX_RETAIN_S:
+        raise ValueError(f"{field}: {seconds} is outside 0..{MAX_RETAIN_S:g} seconds")
+    return round(seconds * 1000)
+
+
+def retain_ms_of_params(params: Any) -> int:
+    """The hint in a request's ``kv_transfer_params`` (0: none); ValueError naming the field."""
+    if not isinstance(params, dict) or RETAIN_KEY not in params:
+        return 0
+    return retain_ms(params[RETAIN_KEY], f"kv_transfer_params.{RETAIN_KEY}")
