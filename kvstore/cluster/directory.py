@@ -6,7 +6,9 @@ Layout (every key starts with ``{key_prefix}:``):
   holds the block (the node id), valued with a sealed :class:`Record` (the node's incarnation,
   where the block lies on it, its size and checksum): a version byte, the 25 bytes of the record
   and a 16-byte MAC over them, the key and the node id with a key derived from the cluster token
-  (:class:`~kvstore.cluster.cluster_key.ClusterKey`), 42 bytes in all. A value that does not
+  (:class:`~kvstore.cluster.cluster_key.ClusterKey`), 42 bytes in all. A retained block's record
+  has 9 bytes more, an optional trailing field sealed with the rest (its retention's end on the
+  holder's wall clock and its priority, kvstore/store/retention.py): 34 and 51 bytes. A value that does not
   check out (written by someone without the token, moved from another key or node, or of an older
   version) is not read: counted in :attr:`Directory.rejected_records`, a miss. A node writes and
   deletes only its own fields; Redis drops the key with its last field. Keys spread over a Redis
@@ -63,6 +65,9 @@ from kvstore.policy.ghost import GHOST_MIN_USES
 from kvstore.util.resp_pipe import PipelinedLink, ReplyError, tcp_settings
 
 _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum (0: not sealed)
+# An optional trailing field, only on a retained block's record: its retention's end in ms since
+# the epoch (the holder's wall clock) and its priority (kvstore/store/retention.py).
+_RETAIN = struct.Struct("<QB")
 ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
 
 # KEYS[1] the members hash; ARGV: node id, address, incarnation, lease ms, forget-after ms.
@@ -160,15 +165,20 @@ class Record(NamedTuple):
     tiers: int  # placement bits on that node (kvstore.store.index: DRAM | SSD | REDIS | S3)
     size: int
     checksum: int  # 0 while the holder has not sealed it
+    retain_until_ms: int = 0  # a retained block's: its retention's end, ms since the epoch (0: none)
+    retain_priority: int = 0
 
     def pack(self) -> bytes:
-        return _RECORD.pack(*self)
+        base = _RECORD.pack(*self[:4])
+        return base + _RETAIN.pack(*self[4:]) if self.retain_until_ms else base
 
     @staticmethod
     def unpack(raw: bytes) -> Record | None:
-        if len(raw) != _RECORD.size:
-            return None  # another version's record: not ours to read
-        return Record._make(_RECORD.unpack(raw))
+        if len(raw) == _RECORD.size:
+            return Record(*_RECORD.unpack(raw))
+        if len(raw) == _RECORD.size + _RETAIN.size:
+            return Record._make(_RECORD.unpack_from(raw) + _RETAIN.unpack_from(raw, _RECORD.size))
+        return None  # another version's record: not ours to read
 
 
 @dataclass(slots=True, frozen=True)

@@ -298,7 +298,8 @@ class ClusterNode:
             live = index.namespaces.get(b.ns.root)
             now = live.visible.get(b.key) if live is not None else None
             if now is not None and now.tiers:
-                puts.append((b.ns.root, b.key, Record(self.incarnation, now.tiers, now.size, now.checksum or 0)))
+                puts.append((b.ns.root, b.key, Record(self.incarnation, now.tiers, now.size, now.checksum or 0,
+                                                      *self._retention_of(now))))
                 fresh.append(new if now is b else changed.get(now, False))
             else:
                 removes.append(where)
@@ -428,7 +429,8 @@ class ClusterNode:
                 break  # (the run goes through at most that many nodes: a miss from here)
             through.add(m.node)
             previous = m.node
-            peers.append(PeerBlock(m.node, rec.tiers, rec.size, rec.checksum))
+            peers.append(PeerBlock(m.node, rec.tiers, rec.size, rec.checksum, rec.retain_until_ms,
+                                   rec.retain_priority))
         self.stats["blocks_adopted"] += adopted
         return adopted, peers
 
@@ -535,11 +537,25 @@ class ClusterNode:
                 b.replica = True
                 index.publish(b)
                 space.place(b)
+                self._retained_as(b, group[j][1])
                 placed += 1
                 placed_bytes += b.size
         self.stats["blocks_fetched"] += placed
         self.stats["bytes_fetched"] += placed_bytes
         return placed
+
+    def _retention_of(self, b: Block) -> tuple[int, int]:
+        """``b``'s retention for its record: (end in ms since the epoch, priority); (0, 0): none."""
+        left = b.retain_until - self.store.clock()
+        return (round(time.time() * 1000 + left * 1000), b.retain_priority) if left > 0 else (0, 0)
+
+    def _retained_as(self, b: Block, holder: PeerBlock) -> None:
+        """A fetched block keeps what is left of its holder's retention (the record's), on this
+        node's clock (the two hosts' wall clocks are taken to agree)."""
+        left = holder.retain_until_ms / 1000 - time.time()
+        if holder.retain_until_ms and left > 0:
+            b.retain_until, b.retain_priority = self.store.clock() + left, holder.retain_priority
+            self.store.retention.adopt(b)
 
     def _client(self, node: str) -> PeerClient | None:
         """The client of ``node``'s peer data path; None when it is not a member, or its member

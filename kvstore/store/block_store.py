@@ -79,6 +79,7 @@ class BlockStore:
         self.tenants = Tenants.from_config(config.tenants)  # per tier; the sidecar hands the tiers theirs
         self.space.quotas = self.tenants.attach("dram")
         self.space.retention = self.retention = Retention(clock, config.tenants.retained_bounds())
+        self.retention.changed = self.index.moved  # a retained block's record carries its retention
         self._closed_allocations: OrderedDict[str, str] = OrderedDict()  # id -> "committed" | "aborted" | "reclaimed"
         self._unsealed: list[Block] = []
         self.remote: Remote = NoRemote()  # the rest of the cluster, once the sidecar wires it

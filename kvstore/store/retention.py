@@ -56,6 +56,7 @@ class Retention:
         self.bounds = {t: n for t, n in (bounds or {}).items() if n}  # tier label -> bytes per tenant
         self.blocks: dict[Block, None] = {}  # given a retention (some may have ended since)
         self.refused: Counter[str] = Counter()  # tenant -> hints refused by its bound
+        self.changed: Callable[[Block], None] = lambda b: None  # told of each block whose retention changed
         self._soonest = math.inf  # the earliest end among ``blocks``
 
     # --- hints ----------------------------------------------------------------------------------
@@ -95,6 +96,7 @@ class Retention:
             for b in blocks:
                 b.retain_until, b.retain_priority = 0.0, 0
                 self.blocks.pop(b, None)
+                self.changed(b)
             return
         until = now + retain_ms / 1000.0
         for b in blocks:
@@ -104,6 +106,7 @@ class Retention:
             else:
                 b.retain_until, b.retain_priority = until, priority
             self.blocks[b] = None
+            self.changed(b)
         self._soonest = min(self._soonest, until)
 
     def adopt(self, b: Block) -> None:

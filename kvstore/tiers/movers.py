@@ -332,8 +332,9 @@ class Tiering:
         The bytes are staged (one copy into a pooled page-aligned buffer) and queued; the queue
         is written in batches, so a burst of evictions costs an fsync per batch, not per block.
         The block stays findable meanwhile and is served from the staging copy."""
-        if b.replica:
+        if b.replica and b.retain_until <= self.space.retention.clock():
             return  # fetched from another node, which holds it: drop this copy, spend no tier on it
+        # (a retained replica is demoted as any block: the retention is a promise to keep it near)
         target = next((lv for lv in self.levels if not lv.down), None)
         if target is None or b.tiers & target.bit:
             return  # nowhere to go, or the next tier down has it already

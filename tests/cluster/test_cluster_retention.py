@@ -1,0 +1,61 @@
+"""Retention in a cluster (kvstore/store/retention.py, kvstore/cluster/directory.py): a retained
+block's directory record carries its retention (an optional trailing field), so a peer that
+fetched the block retains it too. Two sidecars and a real redis-server as the directory."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvstore.cluster.directory import Record
+from kvstore.keys import Namespace
+from kvstore.server.sidecar import Sidecar
+from tests.cluster.nodes import blocks, client_of, keys_for
+
+MINUTE = 60_000
+
+
+def test_a_record_without_retention_keeps_the_old_format() -> None:
+    plain = Record(5, 1, 4096, 77)
+    assert len(plain.pack()) == 25 and Record.unpack(plain.pack()) == plain
+    kept = Record(5, 1, 4096, 77, 1_900_000_000_000, 2)
+    assert len(kept.pack()) == 34 and Record.unpack(kept.pack()) == kept
+    assert Record.unpack(kept.pack()[:30]) is None  # another version's: not read
+
+
+async def test_a_peer_that_fetched_a_retained_block_retains_it(pair: tuple[Sidecar, Sidecar], ns: Namespace) -> None:
+    a, b = pair
+    kept, plain = keys_for(ns, 3, seed=1), keys_for(ns, 2, seed=2)
+    async with client_of(a) as ca, client_of(b) as cb:
+        await ca.put_blocks(ns, kept, blocks(3, seed=1), wait_published=True, retain=(MINUTE, 2))
+        await ca.put_blocks(ns, plain, blocks(2, seed=2), wait_published=True)
+        assert len(await cb.get_blocks(ns, kept, verify=True)) == 3
+        assert len(await cb.get_blocks(ns, plain, verify=True)) == 2
+        entry = b.store.index.namespaces[ns.root]
+        left = [entry.visible[k].retain_until - b.store.clock() for k in kept]
+        assert all(0 < s <= MINUTE / 1000 for s in left)
+        assert {entry.visible[k].retain_priority for k in kept} == {2}
+        assert [entry.visible[k].retain_until for k in plain] == [0.0, 0.0]
+        assert (await cb.stats())["retained"]["blocks"] == 3
+
+
+async def test_a_later_retain_is_published_to_the_directory(pair: tuple[Sidecar, Sidecar], ns: Namespace) -> None:
+    a, b = pair
+    ks = keys_for(ns, 2, seed=3)
+    async with client_of(a) as ca, client_of(b) as cb:
+        await ca.put_blocks(ns, ks, blocks(2, seed=3), wait_published=True)
+        assert await ca.retain(ns, ks, MINUTE, 1) == 2
+        node = a.cluster
+        assert node is not None
+
+        async def published() -> bool:
+            found = await node.directory.find(ns.root, ks)
+            return all(node.node in f and f[node.node].retain_until_ms for f in found)
+
+        for _ in range(200):  # bounded: the next publish pass
+            if await published():
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the retention never reached the directory")
+        await cb.get_blocks(ns, ks)
+        assert (await cb.stats())["retained"]["blocks"] == 2
