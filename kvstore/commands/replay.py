@@ -90,7 +90,8 @@ def register(subparsers: Subparsers) -> None:
                         "sidecar's cluster.ghost_ttl_s)")
     p.add_argument("--hints", metavar="KIND[:SECONDS]",
                    help="also replay with retention hints: 'continuation' retains a request's blocks for SECONDS "
-                        "(default 60) when a later request continues it (docs/eviction.md)")
+                        "(default 60) when a later request continues it; 'until-continued' also ends the retention "
+                        "when that request arrives (docs/eviction.md)")
     p.set_defaults(func=run)
 
 

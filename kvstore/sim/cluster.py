@@ -390,7 +390,7 @@ def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster
             if directory is not None:
                 directory.now_ms = req.timestamp
             if hinting is not None:
-                hinting.at(req)
+                hinting.at(req, ri)
             node = router.pick(req)
             node.requests += 1
             _serve(node, members, directory, req, trace.block_tokens, res)

@@ -20,6 +20,10 @@ whole prefix, so equal ids at a position mean equal prefixes):
 
 Only the first later request that continues A counts (the next turn); a request whose prompt
 has no full block retains nothing.
+
+``until-continued[:SECONDS]``, a variant: the retention also ends when the continuation arrives
+(the framework knows its tool call returned, and says ``Retain(keys, 0)`` as it sends the next
+turn, which retains what it needs with its own hint); a block a later hint extended keeps that.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import Block
 from kvstore.store.retention import Retention
 
-KINDS = ("continuation",)
+KINDS = ("continuation", "until-continued")
 DEFAULT_SECONDS = 60.0
 
 
@@ -40,6 +44,7 @@ DEFAULT_SECONDS = 60.0
 class Hints:
     kind: str
     seconds: float
+    until_continued: bool = False  # a variant: the retention also ends when the continuation arrives
 
     @property
     def retain_ms(self) -> int:
@@ -60,7 +65,7 @@ def parse_hints(text: str) -> Hints:
         raise InvalidArgument(f"--hints: {secs!r} is not a number of seconds") from None
     if not 0 < seconds <= 86_400:
         raise InvalidArgument(f"--hints: seconds must be in (0, 86400], got {secs}")
-    return Hints(kind, seconds)
+    return Hints(kind, seconds, until_continued=kind == "until-continued")
 
 
 def full_blocks(trace: Trace, i: int) -> int:
@@ -71,9 +76,15 @@ def full_blocks(trace: Trace, i: int) -> int:
 
 def continuations(trace: Trace) -> list[int]:
     """Per request, how many of its leading blocks a later request continues (0: none), by the
-    module's rule. One pass: a request waits on (position, id) of its last full block."""
+    module's rule."""
+    return [n for n, _ in continued_by(trace)]
+
+
+def continued_by(trace: Trace) -> list[tuple[int, int]]:
+    """Per request, (how many of its leading blocks a later request continues, that request's
+    index); (0, -1): none. One pass: a request waits on (position, id) of its last full block."""
     reqs, bt = trace.requests, trace.block_tokens
-    out = [0] * len(reqs)
+    out = [(0, -1)] * len(reqs)
     waiting: dict[tuple[int, int], list[int]] = {}
     for j, r in enumerate(reqs):
         length = (len(r.keys) - 1) * bt + r.last_size
@@ -85,7 +96,7 @@ def continuations(trace: Trace) -> list[int]:
             for i in waits:
                 a = reqs[i]
                 if length >= (len(a.keys) - 1) * bt + a.last_size + a.output_length:
-                    out[i] = pos + 1
+                    out[i] = (pos + 1, j)
                 else:
                     left.append(i)  # B shares A's prompt but not A's turn: not A's continuation
             if left:
@@ -116,7 +127,13 @@ class Hinting:
 
     def __init__(self, trace: Trace, hints: Hints) -> None:
         self.hints = hints
-        self.keep = continuations(trace)
+        links = continued_by(trace)
+        self.keep = [n for n, _ in links]
+        self.ends: dict[int, list[int]] = {}  # request -> the earlier ones it continues
+        for i, (_, j) in enumerate(links):
+            if j >= 0:
+                self.ends.setdefault(j, []).append(i)
+        self.held: dict[int, tuple[Retention, list[Block], float]] = {}  # request -> what it retained
         self.clock = TraceClock()
         self.peak = 0  # blocks retained at once, at most (summed over the nodes)
         self.retentions: list[Retention] = []
@@ -127,9 +144,17 @@ class Hinting:
         self.retentions.append(r)
         return r
 
-    def at(self, req: Request) -> None:
-        """The clock stands at ``req``'s arrival while it is served."""
+    def at(self, req: Request, j: int = -1) -> None:
+        """The clock stands at ``req`` (request ``j``)'s arrival while it is served; with
+        ``hints.until_continued``, the requests it continues end their retention now (the
+        framework's Retain(keys, 0)), on the blocks no later hint extended."""
         self.clock.now = req.timestamp / 1000.0
+        if self.hints.until_continued:
+            for i in self.ends.get(j, ()):
+                got = self.held.pop(i, None)
+                if got is not None:
+                    retention, blocks, until = got
+                    retention.retain([b for b in blocks if b.retain_until <= until], 0, 0)
 
     def retain(self, retention: Retention, i: int, blocks: Mapping[bytes, Block], keys: Sequence[bytes],
                tier: int) -> None:
@@ -139,4 +164,6 @@ class Hinting:
             return
         held = [b for k in keys[:n] if (b := blocks.get(k)) is not None and b.tiers & tier]
         retention.retain(held, self.hints.retain_ms, 0)
+        if self.hints.until_continued:
+            self.held[i] = (retention, held, self.clock.now + self.hints.retain_ms / 1000)
         self.peak = max(self.peak, sum(r.count() for r in self.retentions))

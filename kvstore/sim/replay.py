@@ -163,7 +163,7 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
     since = 0
     for ri, req in enumerate(trace.requests):
         if hinting is not None:
-            hinting.at(req)
+            hinting.at(req, ri)
         keys = index_keys(req)
         nk = len(keys)
         refs += nk
@@ -336,7 +336,7 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
     refs = prefix = hits = 0
     for ri, req in enumerate(trace.requests):
         if hinting is not None:
-            hinting.at(req)
+            hinting.at(req, ri)
         keys = index_keys(req)
         nk = len(keys)
         refs += nk

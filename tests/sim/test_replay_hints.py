@@ -38,6 +38,7 @@ def test_a_request_is_continued_when_a_later_prompt_holds_its_whole_turn() -> No
 def test_hints_parse_with_a_default_and_bad_ones_name_the_flag() -> None:
     assert parse_hints("continuation").seconds == 60.0
     assert parse_hints("continuation:2.5").retain_ms == 2500
+    assert parse_hints("until-continued:5").until_continued and not parse_hints("continuation").until_continued
     for bad in ("keepall", "continuation:x", "continuation:0", "continuation:-1"):
         with pytest.raises(InvalidArgument, match="--hints"):
             parse_hints(bad)
@@ -64,6 +65,17 @@ def test_the_continued_turn_is_kept_until_its_retention_ends(policy: str) -> Non
     tiered = replay(t, [TierSpec(TierId.DRAM, 4), TierSpec(TierId.SSD, 6)], policy,
                     hints=parse_hints("continuation:10"))
     assert tiered.prefix_hits == 4 and tiered.tier_prefix_hits["ssd"] > 0  # demoted, and kept below
+
+
+def test_until_continued_ends_the_retention_when_the_next_turn_arrives() -> None:
+    t = agent_trace(5.0)
+    t.requests[-1] = req(5.0, [1, 2, 3, 4, 5], 20, 8)  # the continuation; nothing continues it
+    t.requests += [req(6 + 0.1 * i, [300 + 2 * i, 301 + 2 * i], 8, 0) for i in range(4)]  # 8 more blocks
+    t.requests.append(req(9, [1, 2, 3, 4], 16, 0))  # the first turn's prompt again
+    kept = replay(t, 6, "lru", hints=parse_hints("continuation:30"))
+    ended = replay(t, 6, "lru", hints=parse_hints("until-continued:30"))
+    assert kept.prefix_hits == 8  # the 4 blocks, twice: still retained at 9 s
+    assert ended.prefix_hits == 4  # retained up to the continuation at 5 s only
 
 
 def test_the_cluster_replay_keeps_a_retained_turn_on_its_node() -> None:
