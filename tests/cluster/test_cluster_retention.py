@@ -5,11 +5,14 @@ fetched the block retains it too. Two sidecars and a real redis-server as the di
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from kvstore.cluster.directory import Record
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
-from tests.cluster.nodes import blocks, client_of, keys_for
+from kvstore.store.index import TOP_LABEL
+from kvstore.testing.servers import RedisServer
+from tests.cluster.nodes import blocks, client_of, keys_for, node_config
 
 MINUTE = 60_000
 
@@ -59,3 +62,24 @@ async def test_a_later_retain_is_published_to_the_directory(pair: tuple[Sidecar,
             raise AssertionError("the retention never reached the directory")
         await cb.get_blocks(ns, ks)
         assert (await cb.stats())["retained"]["blocks"] == 2
+
+
+async def test_a_retained_replica_is_demoted_where_an_unretained_one_is_dropped(
+    tmp_path: Path, directory: RedisServer, ns: Namespace
+) -> None:
+    ssd = {"ssd.enabled": True, "ssd.path": str(tmp_path / "ssd-b"), "ssd.capacity_bytes": 1 << 20}
+    async with Sidecar(node_config(tmp_path, "a", directory)) as a, \
+            Sidecar(node_config(tmp_path, "b", directory, **ssd)) as b:
+        await asyncio.sleep(0.25)  # a heartbeat each: both see the other
+        kept, plain = keys_for(ns, 3, seed=4), keys_for(ns, 2, seed=5)
+        async with client_of(a) as ca, client_of(b) as cb:
+            await ca.put_blocks(ns, kept, blocks(3, seed=4), wait_published=True, retain=(MINUTE, 2))
+            await ca.put_blocks(ns, plain, blocks(2, seed=5), wait_published=True)
+            await cb.get_blocks(ns, [*kept])
+            await cb.get_blocks(ns, [*plain])
+            for seed in range(10, 20):  # 40 of B's own blocks, retained higher: B's 32-block DRAM overflows
+                await cb.put_blocks(ns, keys_for(ns, 4, seed=seed), blocks(4, seed=seed), retain=(MINUTE, 3))
+            await b.store.tiering.flush()
+        entry = b.store.index.namespaces[ns.root]
+        assert [TOP_LABEL[entry.blocks[k].tiers] for k in kept] == ["ssd"] * 3  # demoted, still retained
+        assert [k in entry.blocks for k in plain] == [False, False]  # replicas: dropped, A holds them
