@@ -58,6 +58,7 @@ class Retention:
         self.refused: Counter[str] = Counter()  # tenant -> hints refused by its bound
         self.changed: Callable[[Block], None] = lambda b: None  # told of each block whose retention changed
         self._soonest = math.inf  # the earliest end among ``blocks``
+        self._prune_at = 1024  # past this many, the blocks no tier holds any more are let go too
 
     # --- hints ----------------------------------------------------------------------------------
 
@@ -108,6 +109,7 @@ class Retention:
             self.blocks[b] = None
             self.changed(b)
         self._soonest = min(self._soonest, until)
+        self._live()  # (lets go of the blocks no tier holds any more once they are many)
 
     def adopt(self, b: Block) -> None:
         """``b`` came with a retention of its own (a peer's directory record)."""
@@ -153,9 +155,10 @@ class Retention:
         if not self.blocks:
             return False
         now = self.clock()
-        if now >= self._soonest:
+        if now >= self._soonest or len(self.blocks) > self._prune_at:
             self.blocks = {b: None for b in self.blocks if b.retain_until > now and b.tiers}
             self._soonest = min((b.retain_until for b in self.blocks), default=math.inf)
+            self._prune_at = 2 * len(self.blocks) + 1024
         return bool(self.blocks)
 
     # --- reporting ------------------------------------------------------------------------------

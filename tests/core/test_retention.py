@@ -204,3 +204,19 @@ async def test_a_restart_drops_every_retention_and_keeps_the_blocks(tmp_path: Pa
         assert placement(sc, kept) == ["ssd"] * 4  # recovered from the SSD's headers
         assert (await c.stats())["retained"]["blocks"] == 0  # the retention did not survive the clock it ran on
         assert await c.retain(NS, kept, MINUTE) == 4  # the engine may hint again
+
+
+def test_the_retained_set_lets_go_of_blocks_no_tier_holds() -> None:
+    from kvstore.keys import NamespaceRoot
+    from kvstore.store.index import DRAM, Index, State
+    from kvstore.store.retention import Retention
+
+    index = Index()
+    entry = index.namespace(NamespaceRoot(b"r" * 16), "label")
+    r = Retention(clock=lambda: 0.0)
+    for i in range(10_000):  # retained for an hour, then dropped from every tier at once
+        b = index.add(entry, i.to_bytes(32, "big"), b"", 4096, State.COMMITTED)
+        b.tiers = DRAM
+        r.retain([b], 3_600_000, 0)
+        b.tiers = 0
+    assert len(r.blocks) <= 2048 and r.count() == 0
