@@ -63,6 +63,25 @@ def after_failure(path: str, s: socket.socket | None, exc: OSError, idle_break: 
     raise unavailable(path, exc) from None
 
 
+def connect(path: str, token: bytes, timeout: float) -> tuple[socket.socket, int]:
+    """A connection to the socket at ``path`` once its hello went through (blocking, each call
+    bounded by ``timeout``), and the longest call frame the sidecar takes (0: not known). The
+    sidecar's refusal raises its error; a socket that cannot be opened, the ``OSError``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(timeout)
+        s.connect(path)
+        with contextlib.suppress(BrokenPipeError):  # refused at once (too many connections): read why
+            s.sendall(frame(b"\0", token))
+        status, message = read_frame(s)
+        if status:
+            raise from_status_code(STATUS[status], message.decode())
+    except BaseException:
+        s.close()
+        raise
+    return s, hello_limit(message)
+
+
 class LocalChannel:
     """The client end: one connection per calling thread (calls on it are serial), opened on first use."""
 
@@ -78,19 +97,7 @@ class LocalChannel:
         self._socks: list[socket.socket] = []
 
     def _connect(self) -> socket.socket:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.settimeout(self._timeout)
-            s.connect(self.path)
-            with contextlib.suppress(BrokenPipeError):  # refused at once (too many connections): read why
-                s.sendall(frame(b"\0", self._token))
-            status, message = read_frame(s)
-            if status:
-                raise from_status_code(STATUS[status], message.decode())
-        except BaseException:
-            s.close()
-            raise
-        self._limit = hello_limit(message)
+        s, self._limit = connect(self.path, self._token, self._timeout)
         with self._lock:
             self._socks.append(s)
         return s
