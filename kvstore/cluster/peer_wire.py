@@ -34,9 +34,8 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
-from kvstore.cluster.cluster_key import Session
 from kvstore.util.threads import _Once
 from kvstore.wire import stream
 
@@ -59,6 +58,13 @@ SENDING = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-peer-send")
 _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 
 
+class Sealer(Protocol):
+    """The connection's key, as the hello left it (:class:`kvstore.cluster.cluster_key.Session`):
+    the MAC of an exchange's request or answer head."""
+
+    def seal(self, what: bytes, data: bytes) -> bytes: ...
+
+
 class PeerProtocolError(ConnectionError):
     """The other end sent something this format does not allow: drop the connection."""
 
@@ -68,14 +74,14 @@ class PeerStalled(ConnectionError):
     socket's send timeout, or too few over a window of it, :func:`send_buffers`): drop the connection."""
 
 
-def request(root: bytes, keys: list[bytes], session: Session) -> bytes:
+def request(root: bytes, keys: list[bytes], session: Sealer) -> bytes:
     """A request, sealed with the connection's key (the exchange's MAC: the session moves on to
     the next once the answer is in)."""
     body = REQUEST.pack(len(keys)) + root + b"".join(keys)
     return body + session.seal(ASKED, body)
 
 
-def answer_head(blocks: list[tuple[int, int]], session: Session) -> bytes:
+def answer_head(blocks: list[tuple[int, int]], session: Sealer) -> bytes:
     """The answer's head for blocks of these (size, checksum), sealed with the connection's key."""
     head = COUNT.pack(len(blocks)) + b"".join(ENTRY.pack(size, c) for size, c in blocks)
     return head + session.seal(ANSWERED, head)
