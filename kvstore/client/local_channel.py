@@ -1,4 +1,4 @@
-"""The client ends of the local socket (wire format: :mod:`kvstore.framing`): a blocking channel
+"""The client ends of the local socket (wire format: :mod:`kvstore.wire.framing`): a blocking channel
 (one connection per calling thread) and an asyncio one (a connection per call in flight), each a
 transport with the one ``call(name, request, timeout)`` of :mod:`kvstore.client.wire`.
 :func:`open_local` and :func:`open_local_async` open one only where the socket answers.
@@ -24,7 +24,8 @@ import grpc
 from google.protobuf.message import Message
 
 from kvstore.errors import KVStoreError, from_status_code
-from kvstore.framing import (
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.framing import (
     LEN,
     STATUS,
     BrokenStream,
@@ -37,7 +38,6 @@ from kvstore.framing import (
     response,
     unavailable,
 )
-from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.client")
 
@@ -53,7 +53,7 @@ def after_failure(path: str, s: socket.socket | None, exc: OSError, idle_break: 
     sidecar wrote before it closed the connection, read whole from the socket; else None, to send
     the call once more, when ``idle_break`` (a pooled connection, nothing of the call sent); else
     UNAVAILABLE, raised. A timed-out call's connection is still open: its answer is not awaited; a
-    broken stream's next frame is not the call's answer (:class:`~kvstore.framing.BrokenStream`)."""
+    broken stream's next frame is not the call's answer (:class:`~kvstore.wire.framing.BrokenStream`)."""
     if s is not None and not isinstance(exc, (TimeoutError, BrokenStream)):
         s.setblocking(False)  # what the sidecar wrote before it closed is in the socket already
         with contextlib.suppress(OSError):

@@ -32,9 +32,9 @@ from google.protobuf.message import Message
 from kvstore.client.local_channel import after_failure, connect, within_limit
 from kvstore.client.wire import DEFAULT_TIMEOUT_S, AsyncCall, Wire
 from kvstore.errors import KVStoreError
-from kvstore.framing import read_frame, request_frame, response, unavailable
 from kvstore.keys import Namespace
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.framing import read_frame, request_frame, response, unavailable
 
 log = logging.getLogger(__name__)
 

@@ -250,7 +250,7 @@ async def test_a_burst_of_deletes_opens_no_more_connections_than_the_pool_holds(
         await tier.close()
 
 
-# ---- the direct path (kvstore.tiers.resp) against redis-py -------------------------------------
+# ---- the direct path (kvstore.wire.resp) against redis-py -------------------------------------
 
 
 async def test_direct_and_redis_py_paths_read_each_others_blocks(redis_clean, block):
