@@ -125,11 +125,14 @@ class Connection:
         buffer, a bulk reply to command ``i`` is read straight into it and the reply is its length
         (:class:`Overflow` when it does not fit); elsewhere a bulk reply is ``bytes``. Error
         replies are returned as :class:`ErrorReply`, not raised; socket failures raise."""
-        send_buffers(self.sock, encode(commands))
+        self._send(encode(commands))
         dests = into if into is not None else [None] * len(commands)
         return [self._reply(d) for d in dests]
 
     # ---- wire ---------------------------------------------------------------------------------
+
+    def _send(self, bufs: list[Buffer]) -> None:
+        send_buffers(self.sock, bufs)
 
     def _fill(self) -> None:
         if self._lo == self._hi:

@@ -14,8 +14,9 @@ from redis.cluster import key_slot
 from kvstore.config import Config, RedisConfig
 from kvstore.errors import ResourceExhausted, Unavailable
 from kvstore.testing.servers import redis_server
-from kvstore.tiers import build_tier, resp
+from kvstore.tiers import build_tier
 from kvstore.tiers.redis import RedisTier
+from kvstore.wire import resp
 
 CHUNK = 64 * 1024
 SIZE = 3 * CHUNK + 100  # four chunks
