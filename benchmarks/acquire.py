@@ -6,7 +6,7 @@ The sidecar runs in its own process (`kvstore serve`) and holds ``--requests`` p
 of `kvstore bench vllm`). One *hit* is what a P/D decode instance does per request:
 
 * ``acquire``: the scheduler side's :class:`~connector.core.finders.LeaseFinder` sends the
-  ``Acquire`` on its :class:`~connector.core.pipeline.Pipeline` (the sidecar's Unix socket) and reads
+  ``Acquire`` on its :class:`~kvstore.client.Pipeline` (the sidecar's Unix socket) and reads
   the answer into the lease it hands the worker; then a ``Release`` of that lease on the same
   pipeline. Consecutive hits ask for different requests' blocks (the store counts a run touched
   twice in a row once).
@@ -40,8 +40,8 @@ import numpy as np
 
 from benchmarks.common import Result, percentile, process_cpu_s, sidecar_process
 from connector.core.finders import LeaseFinder
-from connector.core.pipeline import Pipeline, PipelineSlot
-from kvstore.client import KVStoreClient, SyncClient, namespace_pb
+from connector.core.pipeline import PipelineSlot
+from kvstore.client import KVStoreClient, Pipeline, SyncClient, namespace_pb
 from kvstore.config import load_config
 from kvstore.keys import BlockKey, Namespace, prefix_keys
 from kvstore.server.service import KVStoreServicer

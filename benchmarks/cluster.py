@@ -13,8 +13,8 @@ serves the baselines' bytes, host 1's receives them. Needs root (namespaces).
   block) against a plain TCP server on host 0 sending the same blocks, with the peer wire's answer
   head (a count, then size and checksum per block) before them, from memory over ONE connection
   into pre-faulted, page-aligned buffers on host 1, with the peer path's own system calls
-  (blocking ``sendmsg`` of every block, :func:`kvstore.cluster.peer_wire.send_buffers`; one
-  blocking ``recv_into`` with ``MSG_WAITALL`` per block, :func:`~kvstore.cluster.peer_wire.recv_into_all`),
+  (blocking ``sendmsg`` of every block, :func:`kvstore.wire.peer.send_buffers`; one
+  blocking ``recv_into`` with ``MSG_WAITALL`` per block, :func:`~kvstore.wire.peer.recv_into_all`),
   so the ratio prices kvstore's own work (the Prefetch call, the directory lookup, slots, the
   checksum of every block), not a different way of using the socket. GB/s of the median round
   each, and of the best.
@@ -66,8 +66,8 @@ from typing import IO, Any
 import numpy as np
 
 from benchmarks.common import Result, pages, percentile
-from kvstore.cluster import peer_wire as w
 from kvstore.keys import Namespace, prefix_keys
+from kvstore.wire import peer as w
 
 MiB = 1 << 20
 NS = Namespace(model="bench-cluster", kv_layout="raw", dtype="uint8", block_size=1)

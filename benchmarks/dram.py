@@ -1,7 +1,7 @@
 """Put and get of 2 MiB blocks through the sidecar against a raw copy into shared memory.
 
 The sidecar runs in its own process; this process is the worker, on the sidecar's host, so its
-calls go over the sidecar's Unix socket (:mod:`kvstore.framing`). Put = one Allocate for a
+calls go over the sidecar's Unix socket (:mod:`kvstore.wire.framing`). Put = one Allocate for a
 batch, a copy of every block into its slot, one Commit. Get = one Acquire, a copy of every slot
 into the worker's own buffer (the engine's KV memory), one Release. The raw baseline copies the
 same bytes into / out of a pre-faulted shared-memory mapping of the same size, in the same

@@ -19,7 +19,7 @@ parsing match; ratios are echo p50 / lookup p50 (above 1: the lookup is faster t
 * ``lookup_p50_vs_echo`` (and p99, calls/s): the async client over gRPC, both calls on the stub;
   per kind: ``lookup_<kind>_p50_vs_echo``.
 * The blocking client (what engine connectors use), over gRPC and over the sidecar's Unix socket
-  (:mod:`kvstore.framing`), each with a lookup and an echo over the same transport:
+  (:mod:`kvstore.wire.framing`), each with a lookup and an echo over the same transport:
   ``lookup_local_p50_vs_echo`` (socket lookup vs socket echo), ``lookup_sync_grpc_p50_vs_echo``
   (gRPC lookup vs gRPC echo); and ``local_vs_grpc_[idle_]p50`` = gRPC lookup p50 / socket lookup
   p50, back to back and after ``--idle-ms`` of idle before each call (an engine's lookup usually

@@ -90,7 +90,7 @@ GRACE_S = float(os.environ.get("KVSTORE_LEAK_GRACE_S", "5"))  # how long what is
 ENV_MARKER = "KVSTORE_LEAK_SESSION"
 SHM_DIR = "/dev/shm"
 # Names of the temp entries the project makes (kvstore.testing: kvstore-serve-*.log, kvstore-redis-*,
-# kvstore-cluster-*; kvstore.framing: kvstore-<segment>.sock; the tests: kvstore-perm-*, kvstore-hosts-*;
+# kvstore-cluster-*; kvstore.wire.framing: kvstore-<segment>.sock; the tests: kvstore-perm-*, kvstore-hosts-*;
 # benchmarks: kvstore-bench-*, lmcache-bench-*), and tempfile's default "tmp" for a bare mkdtemp() made
 # by this process.
 TMP_PREFIXES = ("kvstore", "kvs", "lmcache-bench", "tmp")
@@ -103,7 +103,7 @@ THREAD_ALLOW: dict[str, str] = {
                          "module-level, so no block hashing waits for a pool to start",
     r"kvstore-copy_\d+": "kvstore/dram/copying.py: the process-wide slot copy pool (COPY_THREADS), "
                          "module-level, shared by every client of every slab in the process",
-    r"kvstore-peer-(fetch|send)_\d+": "kvstore/cluster/peer_wire.py: the process-wide peer data path I/O "
+    r"kvstore-peer-(fetch|send)_\d+": "kvstore/wire/peer.py: the process-wide peer data path I/O "
                                      "pools (FETCHING, SENDING: IO_THREADS each), module-level, where every "
                                      "node's fetches and answers move",
 }

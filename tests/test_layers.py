@@ -335,6 +335,13 @@ def test_imports_follow_the_table(tree: tuple[dict[str, Path], list[Import]], ru
     assert not broken, "imports against docs/architecture.md's table:\n" + "\n".join(broken)
 
 
+def test_the_engine_side_reaches_the_sidecar_through_the_client_only(rules: Rules) -> None:
+    """The connectors build no message and speak no wire format: calls, pipelined ones included,
+    are the client's (``kvstore.client``); the table must not let them import either."""
+    reached = sorted({"kvstore.v1", "kvstore.wire"} & rules.allowed["connector"])
+    assert not reached, f"docs/architecture.md lets connector/ import {reached}: it talks through kvstore.client"
+
+
 def test_no_import_cycle(tree: tuple[dict[str, Path], list[Import]]) -> None:
     _, found = tree
     loops = cycles(found)

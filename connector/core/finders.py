@@ -14,7 +14,7 @@
 Each cross-process round trip after an idle spell costs milliseconds on a busy host (both
 processes must be woken), which is why the engine adapters that wait for loads use
 :class:`LeaseFinder`, and why a finder can :meth:`~LeaseFinder.begin` a lookup as soon as the
-engine has a request: the ``Acquire`` goes out on a :class:`~connector.core.pipeline.Pipeline`
+engine has a request: the ``Acquire`` goes out on a :class:`~kvstore.client.Pipeline`
 and is answered while the engine works on; :meth:`Pending.result` reads the answer when the
 engine asks.
 """
@@ -30,12 +30,13 @@ from typing import Any, Protocol
 
 from connector.core.client import ConnectorClient
 from connector.core.directory import BlockDirectory, epoch_of
-from connector.core.pipeline import Call, Pipeline, PipelineSlot
+from connector.core.pipeline import PipelineSlot
 from connector.cost import tier_name
-from kvstore.client import SlotRef, namespace_pb
+from kvstore.client import Pipeline, SlotRef
+from kvstore.client.pipeline import Call
 from kvstore.client.wire import acquired
+from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey, Namespace
-from kvstore.v1 import kvstore_pb2 as pb
 
 DEFAULT_LEASE_TTL_MS = 30_000  # LeaseFinder's lease when none is configured
 _LENGTH = operator.attrgetter("length")
@@ -171,7 +172,6 @@ class LeaseFinder:
     def __init__(self, client: Any, pipeline: PipelineSlot | None = None) -> None:
         self.client = client  # kvstore.client.SyncClient (acquire with a TTL, release)
         self.pipeline = pipeline
-        self._ns: tuple[Namespace, pb.Namespace] | None = None  # the last namespace, as sent
 
     def find(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Found:
         pending = self.begin(ns, keys, have, lease_ttl_ms)
@@ -190,10 +190,7 @@ class LeaseFinder:
             return None
         ttl = lease_ttl_ms or DEFAULT_LEASE_TTL_MS
         deadline = time.monotonic() + ttl / 1000  # before the sidecar starts the lease: on the safe side
-        if self._ns is None or self._ns[0] != ns:
-            self._ns = (ns, namespace_pb(ns))
-        request = pb.AcquireRequest(namespace=self._ns[1], keys=list(keys[have:]), lease_ttl_ms=ttl, packed=True)
-        call = pipe.send("Acquire", request)
+        call = pipe.acquire(ns, list(keys[have:]), ttl)
         return _Acquiring(pipe, call, have, len(keys) - have, deadline)
 
 
@@ -224,7 +221,7 @@ class _Acquiring:
         pipe = self.pipe
 
         def release(answer: Any) -> None:
-            if isinstance(answer, pb.AcquireResponse) and answer.lease_id:
-                pipe.send("Release", pb.ReleaseRequest(lease_id=answer.lease_id))  # answer read later, dropped
+            if not isinstance(answer, KVStoreError) and answer.lease_id:
+                pipe.release(answer.lease_id)  # answer read later, dropped
 
         pipe.forget(self.call, release)

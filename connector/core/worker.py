@@ -11,7 +11,7 @@ What the sidecar is told after a load (the lease's release, or the hit of an unl
 for the end of the *next* step (:meth:`WorkerConnector.get_finished`), or of the step in which
 the request finished: a round trip during the loading step's forward pass would compete with it
 for the GIL and the host's cores, on the request's time to its first token. Then a background
-thread sends all of that step's calls at once on a :class:`~connector.core.pipeline.Pipeline`
+thread sends all of that step's calls at once on a :class:`~kvstore.client.Pipeline`
 and reads their answers (or, where the sidecar's socket cannot be opened, makes one blocking
 call each).
 """
@@ -43,10 +43,8 @@ from connector.core.report import DecisionReporter, decision_record
 from connector.cost import CostModel
 from connector.layout import KVSpec
 from connector.transfer import NumpyTransfer, PagedKV, Transfer, bind_caches, register_slab
-from kvstore.client import namespace_pb
 from kvstore.errors import FailedPrecondition
 from kvstore.keys import Namespace
-from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +97,6 @@ class WorkerConnector:
         self._tell_due: list[_Tell] = []  # after the last step's: sent at this step's end
         self.reporter = DecisionReporter(client)
         self._last_flush = time.monotonic()
-        self._ns_pb = namespace_pb(ns)
 
     def register_kv_caches(self, caches: Sequence[Any]) -> None:
         """Bind the engine's per-layer caches (zero-copy views) once, at start-up, and register the
@@ -240,10 +237,9 @@ class WorkerConnector:
             if pipe is None:
                 (self._release if kind == "release" else self._touch)(arg)
             elif kind == "release":
-                pipe.send("Release", pb.ReleaseRequest(lease_id=arg), functools.partial(self._released, arg))
+                pipe.release(arg, functools.partial(self._released, arg))
             else:
-                request = pb.LookupRequest(namespace=self._ns_pb, keys=arg)
-                pipe.send("Lookup", request, functools.partial(self._touched, arg))
+                pipe.lookup(self.ns, arg, functools.partial(self._touched, arg))
         if pipe is not None:
             pipe.drain()
 

@@ -28,6 +28,7 @@ from google.protobuf.message import Message
 
 from kvstore.client.grpc_channel import DEFAULT_MAX_MESSAGE, AsyncGrpcChannel, Metadata, open_channel
 from kvstore.client.local_channel import open_local_async
+from kvstore.client.pipeline import AsyncPipeline
 from kvstore.client.wire import (
     DEFAULT_TIMEOUT_S,
     AllocationState,
@@ -112,6 +113,15 @@ class KVStoreClient:
         """Where the sidecar's local socket and shared-memory slab are."""
         r: pb.HelloResponse = await self._call("Hello", pb.HelloRequest())
         return r
+
+    async def pipeline(self) -> AsyncPipeline:
+        """Calls sent now and answered later (:class:`~kvstore.client.pipeline.AsyncPipeline`), on
+        this client's transport, chosen first (the blocking client's :meth:`SyncClient.pipeline
+        <kvstore.client.sync.SyncClient.pipeline>`; on asyncio any transport has calls in flight
+        at once, so there is always one)."""
+        if self._want_local:
+            await self._choose_transport()
+        return AsyncPipeline(self._call)
 
     async def lookup(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> LookupResult:
         return Wire.lookup_result(await self._call("Lookup", self._wire.lookup(ns, keys, lease_ttl_ms)))

@@ -1,4 +1,4 @@
-"""The client ends of the local socket (wire format: :mod:`kvstore.framing`): a blocking channel
+"""The client ends of the local socket (wire format: :mod:`kvstore.wire.framing`): a blocking channel
 (one connection per calling thread) and an asyncio one (a connection per call in flight), each a
 transport with the one ``call(name, request, timeout)`` of :mod:`kvstore.client.wire`.
 :func:`open_local` and :func:`open_local_async` open one only where the socket answers.
@@ -24,7 +24,8 @@ import grpc
 from google.protobuf.message import Message
 
 from kvstore.errors import KVStoreError, from_status_code
-from kvstore.framing import (
+from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.framing import (
     LEN,
     STATUS,
     BrokenStream,
@@ -37,7 +38,6 @@ from kvstore.framing import (
     response,
     unavailable,
 )
-from kvstore.v1 import kvstore_pb2 as pb
 
 log = logging.getLogger("kvstore.client")
 
@@ -53,7 +53,7 @@ def after_failure(path: str, s: socket.socket | None, exc: OSError, idle_break: 
     sidecar wrote before it closed the connection, read whole from the socket; else None, to send
     the call once more, when ``idle_break`` (a pooled connection, nothing of the call sent); else
     UNAVAILABLE, raised. A timed-out call's connection is still open: its answer is not awaited; a
-    broken stream's next frame is not the call's answer (:class:`~kvstore.framing.BrokenStream`)."""
+    broken stream's next frame is not the call's answer (:class:`~kvstore.wire.framing.BrokenStream`)."""
     if s is not None and not isinstance(exc, (TimeoutError, BrokenStream)):
         s.setblocking(False)  # what the sidecar wrote before it closed is in the socket already
         with contextlib.suppress(OSError):
@@ -61,6 +61,25 @@ def after_failure(path: str, s: socket.socket | None, exc: OSError, idle_break: 
     if idle_break and not isinstance(exc, TimeoutError):
         return None
     raise unavailable(path, exc) from None
+
+
+def connect(path: str, token: bytes, timeout: float) -> tuple[socket.socket, int]:
+    """A connection to the socket at ``path`` once its hello went through (blocking, each call
+    bounded by ``timeout``), and the longest call frame the sidecar takes (0: not known). The
+    sidecar's refusal raises its error; a socket that cannot be opened, the ``OSError``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(timeout)
+        s.connect(path)
+        with contextlib.suppress(BrokenPipeError):  # refused at once (too many connections): read why
+            s.sendall(frame(b"\0", token))
+        status, message = read_frame(s)
+        if status:
+            raise from_status_code(STATUS[status], message.decode())
+    except BaseException:
+        s.close()
+        raise
+    return s, hello_limit(message)
 
 
 class LocalChannel:
@@ -78,19 +97,7 @@ class LocalChannel:
         self._socks: list[socket.socket] = []
 
     def _connect(self) -> socket.socket:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.settimeout(self._timeout)
-            s.connect(self.path)
-            with contextlib.suppress(BrokenPipeError):  # refused at once (too many connections): read why
-                s.sendall(frame(b"\0", self._token))
-            status, message = read_frame(s)
-            if status:
-                raise from_status_code(STATUS[status], message.decode())
-        except BaseException:
-            s.close()
-            raise
-        self._limit = hello_limit(message)
+        s, self._limit = connect(self.path, self._token, self._timeout)
         with self._lock:
             self._socks.append(s)
         return s

@@ -25,6 +25,7 @@ from google.protobuf.message import Message
 
 from kvstore.client.grpc_channel import DEFAULT_MAX_MESSAGE, GrpcChannel, open_channel
 from kvstore.client.local_channel import open_local
+from kvstore.client.pipeline import Pipeline, open_pipeline
 from kvstore.client.wire import (
     DEFAULT_TIMEOUT_S,
     AllocationState,
@@ -103,6 +104,16 @@ class SyncClient:
         """Where the sidecar's local socket and shared-memory slab are."""
         r: pb.HelloResponse = self._call("Hello", pb.HelloRequest())
         return r
+
+    def pipeline(self) -> Pipeline | None:
+        """Calls sent now and answered later (:class:`~kvstore.client.pipeline.Pipeline`), on a
+        connection of their own to the sidecar's local socket; None where this client's calls go
+        over gRPC or the socket cannot be opened. The ``Hello`` it asks raises while the sidecar
+        cannot be reached. The caller closes it."""
+        hello = self.hello()
+        if not hello.local_socket or self.transport != "local":
+            return None
+        return open_pipeline(hello.local_socket, self._token)
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> LookupResult:
         return Wire.lookup_result(self._call("Lookup", self._wire.lookup(ns, keys, lease_ttl_ms)))

@@ -62,7 +62,7 @@ from kvstore.cluster.cluster_key import ClusterKey, frame
 from kvstore.config import ClusterConfig
 from kvstore.errors import Unavailable
 from kvstore.policy.ghost import GHOST_MIN_USES
-from kvstore.util.resp_pipe import PipelinedLink, ReplyError, tcp_settings
+from kvstore.wire.resp_pipe import PipelinedLink, ReplyError, tcp_settings
 
 _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum (0: not sealed)
 # An optional trailing field, only on a retained block's record: its retention's end in ms since
@@ -251,7 +251,7 @@ class Directory:
         self._heartbeat = client.register_script(HEARTBEAT)
         # a Redis Cluster spreads the keys over slots one script cannot span: a pipeline there.
         # On one Redis the lookup is the FIND script on a lean pipelined connection where one can
-        # connect as redis-py does (kvstore.util.resp_pipe: about half redis-py's time a call).
+        # connect as redis-py does (kvstore.wire.resp_pipe: about half redis-py's time a call).
         self._find = None if isinstance(client, RedisCluster) else client.register_script(FIND)
         self._link: PipelinedLink | None = None
         if not isinstance(client, RedisCluster) and (settings := tcp_settings(client)) is not None:

@@ -3,7 +3,7 @@
 One :class:`PeerClient` per holder address keeps a few idle connections (hello done once per
 connection: the holder proves it holds the cluster token, and is the node meant, before anything
 else is sent, :mod:`kvstore.cluster.peer_hello`). :meth:`PeerClient.fetch` sends one request for
-a run of blocks and, on an I/O thread (:func:`~kvstore.cluster.peer_wire.blocking`), reads each
+a run of blocks and, on an I/O thread (:func:`~kvstore.wire.peer.blocking`), reads each
 block with one blocking ``recv_into`` straight into the slot view it was given and hashes it there
 (xxh3 at ~28 GB/s a core: 1 MiB in under 40 us, while the kernel goes on filling the socket buffer
 with the next), all under one deadline. One holder's fetches take at most :data:`HOLDER_THREADS`
@@ -25,10 +25,10 @@ from typing import NamedTuple
 import numpy as np
 
 from kvstore.cluster import peer_hello
-from kvstore.cluster import peer_wire as w
 from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey, Session
 from kvstore.store.checksum import checksum
 from kvstore.util.address import split_host_port
+from kvstore.wire import peer as w
 
 IDLE_CONNECTIONS = 4
 # Fetch threads (peer_wire.FETCHING) one holder's fetches may hold at once; the others wait on the

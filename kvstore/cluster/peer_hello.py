@@ -17,7 +17,7 @@ A version 1 peer ("KVP1", the token in clear) is told nothing and closed.
 
 Both sides then hold the connection's own key (:class:`~kvstore.cluster.cluster_key.Session`,
 from the same nonces and names): every request and every answer's head after the hello carries
-its MAC (:mod:`kvstore.cluster.peer_wire`). A party on the path (or at an address a member entry
+its MAC (:mod:`kvstore.wire.peer`). A party on the path (or at an address a member entry
 names) that relays one node's hello to another can then read what passes, and cut or delay it,
 but not send a request of its own nor change what an answer announces. What it reads is in the
 clear (no TLS on this path): see docs/security.md.
@@ -30,9 +30,9 @@ import os
 import socket
 import struct
 
-from kvstore.cluster import peer_wire as w
 from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey, Session
 from kvstore.util.tokens import token_matches
+from kvstore.wire import peer as w
 
 MAGIC = b"KVP2"
 GREETING = struct.Struct("<4sH")  # magic, name length (then the nonce and the name)

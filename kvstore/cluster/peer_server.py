@@ -2,9 +2,9 @@
 
 Each connection says hello within ``HELLO_TIMEOUT_S``: both sides prove they hold the cluster
 token, which never crosses the wire (:mod:`kvstore.cluster.peer_hello`); then it sends requests
-(:mod:`kvstore.cluster.peer_wire`). The blocks of a request are lent by the node (:class:`Lender`:
+(:mod:`kvstore.wire.peer`). The blocks of a request are lent by the node (:class:`Lender`:
 promoted into DRAM and leased while they are sent) and written from their slots by blocking
-``sendmsg`` calls on an I/O thread (:func:`~kvstore.cluster.peer_wire.blocking`; a 64 MiB answer
+``sendmsg`` calls on an I/O thread (:func:`~kvstore.wire.peer.blocking`; a 64 MiB answer
 is a few system calls, no event-loop round per socket-buffer's worth), within ``send_timeout_s``
 and never past the lease's end (:attr:`Lent.left_s`: a holder slow to begin the send loses the
 connection before the slots can be reused; a lease over before the send begins sends nothing).
@@ -14,7 +14,7 @@ its fetcher takes bytes fast enough for the answer to go out in time: a send tha
 progress for ``send_stall_s`` (each blocking call is bounded by it), or that, over a window of
 ``send_stall_s``, goes too slowly for the rest to go out before its deadline at that rate (a
 fetcher that reads a byte now and then), is abandoned
-(:func:`~kvstore.cluster.peer_wire.send_buffers`), its lease released and its connection closed.
+(:func:`~kvstore.wire.peer.send_buffers`), its lease released and its connection closed.
 The deadline is twice the fetch's, so such a send would need more than twice its rate to reach
 its fetcher in time. And an answer takes its send slot (:attr:`PeerServer._sending`,
 one per send thread) before its blocks are lent, not after: answers waiting for a thread hold no
@@ -40,10 +40,10 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from kvstore.cluster import peer_hello
-from kvstore.cluster import peer_wire as w
 from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey, Session
 from kvstore.util.logs import Throttled
 from kvstore.util.tasks import cancel_and_wait
+from kvstore.wire import peer as w
 
 log = logging.getLogger("kvstore.cluster.peer_server")
 HELLO_TIMEOUT_S = 5.0
@@ -242,7 +242,7 @@ class PeerServer:
 def _send(conn: socket.socket, buffers: list[memoryview], stall_s: float, deadline: float) -> None:
     """Send an answer on an I/O thread: ``conn`` blocking while it does (each call bounded by
     ``stall_s``; no progress for that long, or a window of it too slow to finish by ``deadline``,
-    raises :class:`~kvstore.cluster.peer_wire.PeerStalled`), back to the loop's after."""
+    raises :class:`~kvstore.wire.peer.PeerStalled`), back to the loop's after."""
     w.set_blocking(conn, stall_s)
     try:
         w.send_buffers(conn, buffers, stall_s, deadline)

@@ -1,4 +1,4 @@
-"""The sidecar's end of the local socket (wire format: :mod:`kvstore.framing`): the servicer's unary
+"""The sidecar's end of the local socket (wire format: :mod:`kvstore.wire.framing`): the servicer's unary
 methods served on a Unix socket, one task per connection, with its own accept loop and limits."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvstore.framing import HELLO_MAX_BYTES, LEN, METHODS, error_frame, frame, frame_refusal, hello_answer
 from kvstore.server.auth import token_matches
 from kvstore.util.logs import Throttled
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.framing import HELLO_MAX_BYTES, LEN, METHODS, error_frame, frame, frame_refusal, hello_answer
 
 if TYPE_CHECKING:
     from kvstore.config import ServerConfig

@@ -27,7 +27,6 @@ from grpc_health.v1 import health_pb2
 from kvstore.config import Config
 from kvstore.dram.slab import Slab, unlink_stale
 from kvstore.errors import FailedPrecondition
-from kvstore.framing import socket_path
 from kvstore.server.local_server import LocalServer
 from kvstore.server.service import SERVICE_NAME, KVStoreServicer, start_grpc
 from kvstore.server.watchdog import ShutdownWatchdog
@@ -36,6 +35,7 @@ from kvstore.store.block_store import BlockStore
 from kvstore.store.counters import Stats
 from kvstore.tiers.movers import Tiering
 from kvstore.util.tasks import cancel_and_wait
+from kvstore.wire.framing import socket_path
 
 if TYPE_CHECKING:
     from aiohttp import web

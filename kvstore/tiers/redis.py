@@ -20,7 +20,7 @@ then header) in a MULTI/EXEC of its own: a put cut short (the process killed, th
 an OOM reply) stores nothing of that block, so no chunk is left behind without a header. Reads
 take one pipelined round trip per batch (headers and chunks together).
 
-Block bytes travel on :mod:`kvstore.tiers.resp` (``direct_io``, the default): pipelines on raw
+Block bytes travel on :mod:`kvstore.wire.resp` (``direct_io``, the default): pipelines on raw
 sockets in worker threads that receive chunks straight into the caller's buffers and hash each
 block as it lands. Everything else, and every batch that meets a cluster redirect, goes through
 redis-py. A client that redis-py connects in ways that path does not follow (TLS, a Unix socket,
@@ -54,7 +54,6 @@ from kvstore.errors import (
     Unavailable,
 )
 from kvstore.store.checksum import checksum
-from kvstore.tiers import resp
 from kvstore.tiers.base import (
     BlockMeta,
     BlockRef,
@@ -64,8 +63,9 @@ from kvstore.tiers.base import (
     encode_header,
     with_hashes,
 )
-from kvstore.util.resp_pipe import tcp_settings
 from kvstore.util.threads import in_threads, split
+from kvstore.wire import resp
+from kvstore.wire.resp_pipe import tcp_settings
 
 T = TypeVar("T")
 
@@ -177,7 +177,7 @@ class RedisTier(TierBase):
 
     @property
     def direct_io(self) -> bool:
-        """Whether block bytes travel on the direct path (:mod:`kvstore.tiers.resp`)."""
+        """Whether block bytes travel on the direct path (:mod:`kvstore.wire.resp`)."""
         return self._direct is not None
 
     @classmethod

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import redis
 
-from kvstore.cluster import peer_client, peer_wire
+from kvstore.cluster import peer_client
 from kvstore.cluster.cluster_key import ClusterKey
 from kvstore.cluster.directory import Directory, Record
 from kvstore.cluster.peer_client import PeerClient
@@ -29,6 +29,7 @@ from kvstore.store.index import DRAM
 from kvstore.testing.servers import RedisServer, redis_server
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.wire import peer as peer_wire
 from tests.cluster.nodes import BLOCK, TOKEN, blocks, client_of, keys_for, node_config
 from tests.cluster.test_cluster_races import eventually, sees
 from tests.conftest import small_config

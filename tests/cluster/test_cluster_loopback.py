@@ -126,8 +126,8 @@ async def test_a_wrong_token_gets_nothing(
     import os
 
     from kvstore.cluster import peer_hello
-    from kvstore.cluster import peer_wire as w
     from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey
+    from kvstore.wire import peer as w
 
     compared: list[tuple[bytes, bytes]] = []
     real = hmac.compare_digest
@@ -175,8 +175,8 @@ async def test_garbage_on_the_peer_port_drops_that_connection_only(
     import struct
     from collections.abc import Callable
 
-    from kvstore.cluster import peer_wire as w
     from kvstore.cluster.cluster_key import MAC_BYTES, Session
+    from kvstore.wire import peer as w
 
     a, b = pair
     assert a.cluster is not None

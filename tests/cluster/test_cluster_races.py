@@ -597,7 +597,7 @@ async def test_fetches_waiting_for_answers_starve_the_answers_of_io_threads(
 ) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvstore.cluster import peer_wire
+    from kvstore.wire import peer as peer_wire
 
     pools = [ThreadPoolExecutor(1, thread_name_prefix=f"kvstore-peer-{role}") for role in ("fetch", "send")]
     try:
@@ -668,7 +668,7 @@ async def test_a_sidecars_stop_leaves_a_peer_fetch_running(
 async def test_a_peer_that_stalls_mid_request_holds_its_connection_for_ever(
     tmp_path: Path, directory: RedisServer
 ) -> None:
-    from kvstore.cluster import peer_wire as w
+    from kvstore.wire import peer as w
 
     async with Sidecar(node_config(tmp_path, "a", directory, **{"cluster.fetch_timeout_s": 0.3})) as a:
         assert a.cluster is not None
@@ -709,7 +709,7 @@ async def test_a_peer_that_stalls_mid_request_holds_its_connection_for_ever(
 async def test_a_holder_sends_a_run_only_while_its_lease_holds(
     tmp_path: Path, directory: RedisServer, ns: Namespace
 ) -> None:
-    from kvstore.cluster import peer_wire as w
+    from kvstore.wire import peer as w
 
     async with Sidecar(node_config(tmp_path, "a", directory, **{"cluster.fetch_timeout_s": 0.3})) as a:
         assert a.cluster is not None and a.store is not None
@@ -754,7 +754,7 @@ async def test_a_holder_sends_a_run_only_while_its_lease_holds(
 async def test_peers_that_ask_and_never_read_hold_every_send_thread_and_their_leases(
     tmp_path: Path, directory: RedisServer, ns: Namespace
 ) -> None:
-    from kvstore.cluster import peer_wire as w
+    from kvstore.wire import peer as w
 
     mib = 1 << 20
     # a deadline longer than the whole test on the fixed code: B's fetch misses only if A's send
@@ -812,7 +812,7 @@ async def test_peers_that_ask_and_never_read_hold_every_send_thread_and_their_le
 async def test_a_peer_that_reads_a_trickle_holds_its_send_thread_and_lease_until_the_deadline(
     tmp_path: Path, directory: RedisServer, ns: Namespace
 ) -> None:
-    from kvstore.cluster import peer_wire as w
+    from kvstore.wire import peer as w
 
     mib = 1 << 20
     fetch_timeout_s = 10.0  # the lease, and the send's deadline: 2 x this, longer than the test on the fixed code

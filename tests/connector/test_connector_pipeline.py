@@ -1,6 +1,7 @@
 """Calls sent now and answered later on one connection to a real sidecar's Unix socket
-(``connector.core.pipeline``): the scheduler's lookup sent when the engine adds a request and read
-when the engine asks, and the worker's lease releases sent without waiting for their answers."""
+(``kvstore.client.pipeline``, held by the connectors in ``connector.core.pipeline``): the
+scheduler's lookup sent when the engine adds a request and read when the engine asks, and the
+worker's lease releases sent without waiting for their answers."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches, stored
 
 from connector.core import SchedulerConnector, WorkerConnector
 from connector.core.finders import LeaseFinder
-from connector.core.pipeline import Pipeline, PipelineSlot
-from kvstore.client import SyncClient, namespace_pb
+from connector.core.pipeline import PipelineSlot
+from kvstore.client import Pipeline, SyncClient, namespace_pb
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
 from kvstore.keys import Namespace
 from kvstore.testing.sidecar import ServeProcess

@@ -25,12 +25,12 @@ from typing import Any
 import redis
 
 from kvstore.client import SyncClient
-from kvstore.cluster import peer_wire
 from kvstore.cluster.directory import ROOT_BYTES, Record
 from kvstore.config import Config
 from kvstore.keys import Namespace
 from kvstore.store.checksum import checksum
 from kvstore.store.index import DRAM
+from kvstore.wire import peer as peer_wire
 from tests.conftest import small_config
 from tests.core.fuzz_model import ServerThread
 
@@ -125,7 +125,7 @@ class FakeHolder:
         self._thread.start()
 
     def serve(self, sock: socket.socket) -> None:
-        """One connection in the peer wire's format (``kvstore/cluster/peer_wire.py``); anything
+        """One connection in the peer wire's format (``kvstore/wire/peer.py``); anything
         else closes it."""
         try:
             magic, t, n = peer_wire.HELLO.unpack(_read(sock, peer_wire.HELLO.size))

@@ -28,12 +28,12 @@ import xxhash
 from kvstore.client import KVStoreClient, SyncClient
 from kvstore.client.wire import AllocationState, LeaseState, LookupResult
 from kvstore.config import Config
-from kvstore.framing import read_frame
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.audit import audit
 from kvstore.store.block_store import BlockStore
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.framing import read_frame
 from tests.core.raw_frames import send_frame
 
 T = TypeVar("T")
@@ -270,7 +270,7 @@ def changes(before: Fingerprint, after: Fingerprint) -> list[str]:
 class RawLocal:
     """A connection to the sidecar's local socket that sends any bytes as a request's body (the
     framing of :mod:`tests.core.raw_frames`), reopened when the sidecar closed it (a frame over its
-    limit). Answers are read whole (:func:`kvstore.framing.read_frame`: a socket with a timeout
+    limit). Answers are read whole (:func:`kvstore.wire.framing.read_frame`: a socket with a timeout
     is non-blocking underneath, where ``MSG_WAITALL`` may return part of a long answer)."""
 
     def __init__(self, path: str) -> None:

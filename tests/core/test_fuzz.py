@@ -89,7 +89,6 @@ from kvstore.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvstore.framing import STATUS
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.audit import audit
@@ -99,6 +98,7 @@ from kvstore.store.index import DRAM
 from kvstore.testing.servers import redis_server
 from kvstore.tiers.base import BlockRef
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.framing import STATUS
 from tests.conftest import small_config
 from tests.core.fuzz_cluster import NODES, TOKEN, Cluster, ClusterModel, DirectoryFaults, FakeHolder
 from tests.core.fuzz_model import (

@@ -60,10 +60,10 @@ async def test_the_buffers_handed_to_threads_are_let_go_when_it_returns() -> Non
 
 
 async def test_the_slots_handed_to_a_peer_io_thread_are_let_go_when_blocking_returns() -> None:
-    """The same for the peer data path's I/O pools (kvstore.cluster.peer_wire.blocking): a fetch's
+    """The same for the peer data path's I/O pools (kvstore.wire.peer.blocking): a fetch's
     thread reads the holder's answer straight into the slab's slots, an answer's thread sends from
     them; it used to submit the call and its views to the pool as they were."""
-    from kvstore.cluster import peer_wire
+    from kvstore.wire import peer as peer_wire
 
     shm = shared_memory.SharedMemory(name=f"kvstore-test-{uuid.uuid4().hex[:8]}", create=True, size=1 << 16)
     a, b = socket.socketpair()
@@ -83,7 +83,7 @@ async def test_the_slots_handed_to_a_peer_io_thread_are_let_go_when_blocking_ret
 
 
 def _stalled(sock: socket.socket, slot: memoryview) -> None:
-    from kvstore.cluster import peer_wire
+    from kvstore.wire import peer as peer_wire
 
     raise peer_wire.PeerStalled("took no bytes")  # (an answer abandoned: its fetcher stopped reading)
 
@@ -94,7 +94,7 @@ async def test_the_slots_of_a_failed_peer_io_call_are_let_go_too() -> None:
     alive until the next garbage collection, so an answer abandoned because its fetcher stopped
     reading (kvstore.cluster.peer_server) kept its slots' views after its lease was released, and
     a sidecar stopped before a collection failed to release the slab's mapping."""
-    from kvstore.cluster import peer_wire
+    from kvstore.wire import peer as peer_wire
 
     shm = shared_memory.SharedMemory(name=f"kvstore-test-{uuid.uuid4().hex[:8]}", create=True, size=1 << 16)
     a, b = socket.socketpair()

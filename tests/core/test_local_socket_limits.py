@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.client import SyncClient
-from kvstore.framing import HELLO_MAX_BYTES
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.framing import HELLO_MAX_BYTES
 from tests.core.raw_frames import recv_frame, send_frame
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)

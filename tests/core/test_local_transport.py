@@ -1,4 +1,4 @@
-"""The local transport (kvstore.framing, kvstore.server.local_server, kvstore.client.local_channel): the same calls
+"""The local transport (kvstore.wire.framing, kvstore.server.local_server, kvstore.client.local_channel): the same calls
 over the sidecar's Unix socket.
 
 A sidecar process (`kvstore serve`), the blocking and the async client in this process: a client
@@ -32,9 +32,9 @@ from kvstore.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvstore.framing import socket_path
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.framing import socket_path
 from tests.core.raw_frames import raw_server, recv_call, recv_frame, send_answer, send_frame
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)

@@ -1,4 +1,4 @@
-"""The pipelined asyncio RESP link (kvstore.util.resp_pipe) against a real redis-server: concurrent
+"""The pipelined asyncio RESP link (kvstore.wire.resp_pipe) against a real redis-server: concurrent
 calls each get their own reply, a caller that gives up does not shift anyone's reply, scripts
 survive a SCRIPT FLUSH and a restart, AUTH and SELECT on connect, and a server that stops answering
 is replaced instead of holding calls forever."""
@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from kvstore.testing.servers import redis_server
-from kvstore.util.resp_pipe import PipelinedLink, ReplyError, tcp_settings
+from kvstore.wire.resp_pipe import PipelinedLink, ReplyError, tcp_settings
 
 ECHO_KEYS = "return KEYS[1] .. ARGV[1]"
 

@@ -131,7 +131,7 @@ async def _corrupt_s3(tier: S3Tier, ref: BlockRef) -> None:
 
 @pytest.fixture(params=["ssd", "redis", "redis_py", "redis_cluster", "s3"])
 async def tier_env(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
-    """``redis`` moves block bytes on the direct path (kvstore.tiers.resp), ``redis_py`` through
+    """``redis`` moves block bytes on the direct path (kvstore.wire.resp), ``redis_py`` through
     redis-py (``direct_io=False``); the cluster uses the direct path."""
     kind = request.param
     if kind == "ssd":

@@ -14,8 +14,9 @@ from redis.cluster import key_slot
 from kvstore.config import Config, RedisConfig
 from kvstore.errors import ResourceExhausted, Unavailable
 from kvstore.testing.servers import redis_server
-from kvstore.tiers import build_tier, resp
+from kvstore.tiers import build_tier
 from kvstore.tiers.redis import RedisTier
+from kvstore.wire import resp
 
 CHUNK = 64 * 1024
 SIZE = 3 * CHUNK + 100  # four chunks
@@ -250,7 +251,7 @@ async def test_a_burst_of_deletes_opens_no_more_connections_than_the_pool_holds(
         await tier.close()
 
 
-# ---- the direct path (kvstore.tiers.resp) against redis-py -------------------------------------
+# ---- the direct path (kvstore.wire.resp) against redis-py -------------------------------------
 
 
 async def test_direct_and_redis_py_paths_read_each_others_blocks(redis_clean, block):

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from kvstore.testing.servers import redis_server
-from kvstore.tiers.resp import Connection, Endpoint, ErrorReply, Overflow, Pool, encode
+from kvstore.wire.resp import Connection, Endpoint, ErrorReply, Overflow, Pool, encode
 
 
 def test_encode_joins_small_parts_and_passes_large_buffers_by_reference():

@@ -34,7 +34,6 @@ not in full within ``server.local_frame_timeout_s`` of its first byte; a connect
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import struct
@@ -47,11 +46,13 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore.errors import KVStoreError, from_status_code
 from kvstore.v1 import kvstore_pb2 as pb
+from kvstore.wire.stream import recv_bytes, recv_bytes_async
 
 LEN = struct.Struct(">I")
 SUN_PATH_MAX = 107  # sockaddr_un.sun_path, less the terminating NUL
 METHODS = tuple(m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods)
 STATUS = {c.value[0]: c for c in grpc.StatusCode}
+CLOSED = "sidecar closed the local socket"
 HELLO_MAX_BYTES = 4096  # the hello carries the token only (a longer token raises the limit to fit it)
 
 
@@ -118,27 +119,14 @@ def unavailable(path: str, exc: BaseException) -> KVStoreError:
 
 async def read_async(s: socket.socket) -> tuple[int, bytes]:
     """:func:`read_frame` from a non-blocking socket, on the running loop."""
-    head = await _recv_exactly_async(s, 4)
-    return _split(await _recv_exactly_async(s, LEN.unpack(head)[0]))
-
-
-async def _recv_exactly_async(s: socket.socket, n: int) -> bytes:
-    loop = asyncio.get_running_loop()
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = await loop.sock_recv_into(s, view[got:])
-        if not k:
-            raise _closed()
-        got += k
-    return bytes(buf)
+    head = await recv_bytes_async(s, 4, CLOSED)
+    return _split(await recv_bytes_async(s, LEN.unpack(head)[0], CLOSED))
 
 
 def read_frame(s: socket.socket) -> tuple[int, bytes]:
     """One frame from a blocking socket: its status byte and the rest."""
-    head = recv_exactly(s, 4)
-    return _split(recv_exactly(s, LEN.unpack(head)[0]))
+    head = recv_bytes(s, 4, CLOSED)
+    return _split(recv_bytes(s, LEN.unpack(head)[0], CLOSED))
 
 
 class BrokenStream(ConnectionResetError):
@@ -153,19 +141,3 @@ def _split(body: bytes) -> tuple[int, bytes]:
     if not body:
         raise BrokenStream("the local socket's peer sent an empty frame (no status byte)")
     return body[0], body[1:]
-
-
-def recv_exactly(s: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = s.recv_into(view[got:])
-        if not k:
-            raise _closed()
-        got += k
-    return bytes(buf)
-
-
-def _closed() -> ConnectionResetError:
-    return ConnectionResetError("sidecar closed the local socket")

@@ -34,10 +34,10 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
-from kvstore.cluster.cluster_key import Session
 from kvstore.util.threads import _Once
+from kvstore.wire import stream
 
 T = TypeVar("T")
 
@@ -47,7 +47,6 @@ COUNT = struct.Struct("<I")  # blocks in the answer
 ENTRY = struct.Struct("<QQ")  # size, checksum
 ROOT_BYTES = KEY_BYTES = 32
 ASKED, ANSWERED = b"request", b"answer"  # what a Session MAC seals
-IOV_MAX = 512  # buffers handed to one sendmsg (Linux allows 1024)
 IO_THREADS = 16  # fetches moving at once, per process, and as many answers (each holds a thread while it moves)
 # Two pools, not one: a fetch holds its thread while it waits for the holder's answer, and an answer
 # needs a thread of the holder's process. Sharing one pool, a node whose threads all wait on fetches
@@ -59,6 +58,13 @@ SENDING = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvstore-peer-send")
 _TIMEVAL = struct.Struct("@ll")  # struct timeval: seconds, microseconds
 
 
+class Sealer(Protocol):
+    """The connection's key, as the hello left it (:class:`kvstore.cluster.cluster_key.Session`):
+    the MAC of an exchange's request or answer head."""
+
+    def seal(self, what: bytes, data: bytes) -> bytes: ...
+
+
 class PeerProtocolError(ConnectionError):
     """The other end sent something this format does not allow: drop the connection."""
 
@@ -68,14 +74,14 @@ class PeerStalled(ConnectionError):
     socket's send timeout, or too few over a window of it, :func:`send_buffers`): drop the connection."""
 
 
-def request(root: bytes, keys: list[bytes], session: Session) -> bytes:
+def request(root: bytes, keys: list[bytes], session: Sealer) -> bytes:
     """A request, sealed with the connection's key (the exchange's MAC: the session moves on to
     the next once the answer is in)."""
     body = REQUEST.pack(len(keys)) + root + b"".join(keys)
     return body + session.seal(ASKED, body)
 
 
-def answer_head(blocks: list[tuple[int, int]], session: Session) -> bytes:
+def answer_head(blocks: list[tuple[int, int]], session: Sealer) -> bytes:
     """The answer's head for blocks of these (size, checksum), sealed with the connection's key."""
     head = COUNT.pack(len(blocks)) + b"".join(ENTRY.pack(size, c) for size, c in blocks)
     return head + session.seal(ANSWERED, head)
@@ -124,11 +130,12 @@ def set_blocking(sock: socket.socket, timeout_s: float) -> None:
 def send_buffers(
     sock: socket.socket, buffers: Sequence[memoryview], window_s: float | None = None, deadline: float | None = None
 ) -> None:
-    """Send ``buffers`` in order on a blocking socket: one ``sendmsg`` takes up to ``IOV_MAX`` of
-    them and returns once the kernel has them all, or once its timeout (``SO_SNDTIMEO``) passed
-    with some taken: the rest goes next. A call that passes its timeout with none taken (the
-    socket buffer full all along: the other end reads nothing) raises :class:`PeerStalled`, so
-    the timeout bounds how long the send goes without progress, not how long it takes.
+    """Send ``buffers`` in order on a blocking socket (:func:`kvstore.wire.stream.send_buffers`):
+    one ``sendmsg`` takes up to ``IOV_MAX`` of them and returns once the kernel has them all, or
+    once its timeout (``SO_SNDTIMEO``) passed with some taken: the rest goes next. A call that
+    passes its timeout with none taken (the socket buffer full all along: the other end reads
+    nothing) raises :class:`PeerStalled`, so the timeout bounds how long the send goes without
+    progress, not how long it takes.
 
     With a ``deadline`` (``time.monotonic()``) and ``window_s`` (the socket's send timeout), the
     send must also keep the pace that finishes it in time: after each window of ``window_s``, if
@@ -139,35 +146,31 @@ def send_buffers(
     cannot finish anyway, so giving up once it is out of reach costs nothing that could arrive.
     A window rather than the whole send's average: a fetcher that read fast, then slows to a
     trickle, is caught one window later, not after its early bytes are averaged away."""
-    views = [b for b in buffers if len(b)]
-    left = sum(len(b) for b in views)
-    i = 0
-    begun, taken = time.monotonic(), 0  # this window's start and the bytes taken in it
-    while i < len(views):
-        try:
-            sent = sock.sendmsg(views[i : i + IOV_MAX])
-        except BlockingIOError:  # (EAGAIN: the kernel's timeout, the socket itself is blocking)
-            raise PeerStalled("peer took no bytes within the send timeout") from None
-        if sent == 0:
-            raise ConnectionError("peer stopped taking bytes")
-        left -= sent
-        taken += sent
-        while sent:
-            n = len(views[i])
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
+    pace = _Pace(window_s, deadline) if window_s is not None and deadline is not None else None
+    try:
+        stream.send_buffers(sock, buffers, pace)
+    except stream.SendStalled as exc:
+        raise PeerStalled(f"peer {exc}") from None
+
+
+class _Pace:
+    """The windows of one send (:func:`send_buffers`): each must take enough for the rest to go out
+    by the deadline at its rate."""
+
+    def __init__(self, window_s: float, deadline: float) -> None:
+        self.window_s, self.deadline = window_s, deadline
+        self.begun, self.taken = time.monotonic(), 0  # this window's start and the bytes taken in it
+
+    def __call__(self, sent: int, left: int) -> None:
+        self.taken += sent
         now = time.monotonic()
-        if left and window_s is not None and deadline is not None and now - begun >= window_s:
-            if _out_of_reach(taken, now - begun, left, deadline - now):
+        if left and now - self.begun >= self.window_s:
+            if _out_of_reach(self.taken, now - self.begun, left, self.deadline - now):
                 raise PeerStalled(
-                    f"peer took {taken} bytes in {now - begun:.2f} s: at that rate the {left} left "
-                    f"cannot go out in the {max(0.0, deadline - now):.2f} s before the deadline"
+                    f"peer took {self.taken} bytes in {now - self.begun:.2f} s: at that rate the {left} left "
+                    f"cannot go out in the {max(0.0, self.deadline - now):.2f} s before the deadline"
                 )
-            begun, taken = now, 0
+            self.begun, self.taken = now, 0
 
 
 def _out_of_reach(taken: int, elapsed_s: float, left: int, left_s: float) -> bool:
@@ -176,36 +179,24 @@ def _out_of_reach(taken: int, elapsed_s: float, left: int, left_s: float) -> boo
     return taken * left_s < left * elapsed_s
 
 
+CLOSED = "peer closed the connection"
+
+
 def recv_into_all(sock: socket.socket, into: memoryview) -> None:
     """Fill ``into`` from a blocking socket, in one ``recv_into`` (``MSG_WAITALL``) unless a
     signal or the timeout cuts it; EOF first is an error."""
-    view = into
-    while view:
-        n = sock.recv_into(view, 0, socket.MSG_WAITALL)
-        if n == 0:
-            raise ConnectionError("peer closed the connection")
-        view = view[n:]
+    stream.recv_into(sock, into, CLOSED, socket.MSG_WAITALL)
 
 
 def recv_all(sock: socket.socket, n: int) -> bytes:
     """``n`` bytes from a blocking socket."""
-    buf = bytearray(n)
-    recv_into_all(sock, memoryview(buf))
-    return bytes(buf)
+    return stream.recv_bytes(sock, n, CLOSED, socket.MSG_WAITALL)
 
 
 async def recv_exactly(sock: socket.socket, into: memoryview) -> None:
     """Fill ``into`` from ``sock`` (non-blocking, on the running loop); EOF first is an error."""
-    loop = asyncio.get_running_loop()
-    view = into
-    while view:
-        n = await loop.sock_recv_into(sock, view)
-        if n == 0:
-            raise ConnectionError("peer closed the connection")
-        view = view[n:]
+    await stream.recv_into_async(sock, into, CLOSED)
 
 
 async def recv_bytes(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    await recv_exactly(sock, memoryview(buf))
-    return bytes(buf)
+    return await stream.recv_bytes_async(sock, n, CLOSED)

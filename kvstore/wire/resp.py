@@ -22,12 +22,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
 
-Buffer = bytes | bytearray | memoryview
+from kvstore.wire.stream import Buffer, recv_into, send_buffers
+
 Command = Sequence[Buffer]
 # a bulk string read with no destination arrives as a bytearray; simple strings (+OK) are bytes
 Reply = Union[bytes, bytearray, int, None, "ErrorReply", "Overflow", list["Reply"]]
 
-_IOV_MAX = 512  # buffers per sendmsg (the kernel allows 1024)
+CLOSED = "redis closed the connection"
 _READ_BYTES = 64 * 1024  # the line buffer; bulk payloads bypass it
 _INLINE = 16 * 1024  # a command argument at least this long is sent from its own buffer
 
@@ -131,18 +132,7 @@ class Connection:
     # ---- wire ---------------------------------------------------------------------------------
 
     def _send(self, bufs: list[Buffer]) -> None:
-        views = [memoryview(b).cast("B") for b in bufs]
-        i = 0
-        while i < len(views):
-            sent = self.sock.sendmsg(views[i : i + _IOV_MAX])
-            while sent:
-                n = len(views[i])
-                if sent >= n:
-                    sent -= n
-                    i += 1
-                else:
-                    views[i] = views[i][sent:]
-                    sent = 0
+        send_buffers(self.sock, bufs)
 
     def _fill(self) -> None:
         if self._lo == self._hi:
@@ -155,7 +145,7 @@ class Connection:
                 raise ProtocolError(f"redis reply line over {len(self._buf)} bytes")
         n = self.sock.recv_into(self._view[self._hi :])
         if not n:
-            raise ConnectionResetError("redis closed the connection")
+            raise ConnectionResetError(CLOSED)
         self._hi += n
 
     def _line(self) -> bytes:
@@ -173,11 +163,8 @@ class Connection:
         have = min(n, self._hi - self._lo)
         dest[:have] = self._view[self._lo : self._lo + have]
         self._lo += have
-        while have < n:
-            got = self.sock.recv_into(dest[have:])
-            if not got:
-                raise ConnectionResetError("redis closed the connection")
-            have += got
+        if have < n:
+            recv_into(self.sock, dest[have:], CLOSED)
 
     def _skip(self, n: int) -> None:
         scratch = memoryview(bytearray(min(n, 1 << 20)))
