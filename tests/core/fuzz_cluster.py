@@ -13,6 +13,7 @@ that Redis reads it off the server.
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 import socketserver
 import struct
@@ -25,6 +26,7 @@ from typing import Any
 import redis
 
 from kvstore.client import SyncClient
+from kvstore.cluster import peer_hello
 from kvstore.cluster.directory import ROOT_BYTES, Record
 from kvstore.config import Config
 from kvstore.keys import Namespace
@@ -106,12 +108,13 @@ class Cluster:
 
 
 class FakeHolder:
-    """A listener posing as a holder: it welcomes any hello (and keeps the token it was sent) and
-    answers every request with :data:`EVIL_BYTES` for each key, under the checksum of those bytes."""
+    """A listener posing as a holder, for forged member entries to point at: it keeps what
+    fetchers send it and answers with :data:`EVIL_BYTES` under the checksum of those bytes."""
 
     def __init__(self) -> None:
         holder = self
-        self.tokens: list[bytes] = []  # what fetchers sent it as the cluster token
+        self.received: list[bytes] = []  # every byte fetchers sent it
+        self.name = EVIL  # the node its forged member entry names
 
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
@@ -125,21 +128,28 @@ class FakeHolder:
         self._thread.start()
 
     def serve(self, sock: socket.socket) -> None:
-        """One connection in the peer wire's format (``kvstore/wire/peer.py``); anything
-        else closes it."""
+        """One connection as an attacker without the token can speak the peer hello
+        (``kvstore/cluster/peer_hello.py``): it keeps every byte the fetcher sends, answers the
+        greeting with its own (a nonce, the name the fetcher asked for, a proof it cannot make:
+        random bytes) and, should the fetcher go on, answers every request with EVIL_BYTES."""
         try:
-            magic, t, n = peer_wire.HELLO.unpack(_read(sock, peer_wire.HELLO.size))
-            if magic != peer_wire.MAGIC:
+            magic, n = peer_hello.GREETING.unpack(self._keep(sock, peer_hello.GREETING.size))
+            if magic != peer_hello.MAGIC:
                 return
-            self.tokens.append(_read(sock, t + n)[:t])
-            sock.sendall(peer_wire.WELCOME)
+            self._keep(sock, peer_hello.NONCE_BYTES + n)
+            sock.sendall(peer_hello.opening(self.name, os.urandom(peer_hello.NONCE_BYTES))
+                         + os.urandom(peer_hello.PROOF_BYTES))
             entry = peer_wire.ENTRY.pack(BLOCK, checksum(EVIL_BYTES))
             while True:
-                (count,) = peer_wire.REQUEST.unpack(_read(sock, peer_wire.REQUEST.size))
-                _read(sock, peer_wire.ROOT_BYTES + count * peer_wire.KEY_BYTES)
-                sock.sendall(peer_wire.COUNT.pack(count) + entry * count + EVIL_BYTES * count)
+                self._keep(sock, 4096)
+                sock.sendall(entry + EVIL_BYTES)
         except (OSError, struct.error, EOFError):
             return
+
+    def _keep(self, sock: socket.socket, n: int) -> bytes:
+        got = _read(sock, n)
+        self.received.append(got)
+        return got
 
     def close(self) -> None:
         self.server.shutdown()
