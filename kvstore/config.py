@@ -59,6 +59,13 @@ class ServerConfig(_Section):
         30.0, gt=0, description="a local socket frame, once begun, arrives in full (and an answer is taken) within this"
     )
     http_address: str = Field("127.0.0.1:8080", description="HOST:PORT of /stats, /metrics, /healthz, dashboard")
+    http_max_connections: int = Field(
+        256, ge=1, description="HTTP connections open at once (at most half the open-file limit); more answered 503"
+    )
+    http_idle_timeout_s: float = Field(
+        60.0, gt=0, description="an HTTP connection idle, or whose request head or body has not arrived in full, "
+        "for this long is closed",
+    )
     max_message_bytes: int = Field(64 * MiB, ge=1 * MiB, description="gRPC send/receive limit")
     max_batch_blocks: int = Field(65536, ge=1, description="most blocks in one request")
     stats_namespaces: int = Field(

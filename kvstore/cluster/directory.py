@@ -51,7 +51,7 @@ record that was read, never one written since (a new incarnation's).
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -203,19 +203,59 @@ class Beat(NamedTuple):
 
     now_ms: int  # the directory server's time
     members: dict[str, Member]
+    unreadable: dict[bytes, bytes]  # the members entries this version cannot read (see Members)
     created: bool  # this node's entry was not there (a new member, or a directory that lost its data)
     incarnation: int  # this node's incarnation now: a later one when its lease had run out
 
 
-def parse_members(entries: Sequence[Any]) -> dict[str, Member]:
+class Members(NamedTuple):
+    """The ``members`` hash as read: the entries this version reads, and the rest."""
+
+    members: dict[str, Member]
+    unreadable: dict[bytes, bytes]  # field -> value of the entries it cannot read (not UTF-8, not
+    # ``address|incarnation|expiry_ms``): skipped, and deleted once they outlast a lease (ClusterNode)
+
+
+def parse_member(field: bytes, value: bytes) -> Member | None:
+    """One ``members`` entry, or None where it is none this version reads (a field or value that is
+    not UTF-8, a value not ``address|incarnation|expiry_ms`` in decimal digits)."""
+    try:
+        node, text = field.decode(), value.decode()
+    except UnicodeDecodeError:
+        return None
+    address, _, rest = text.rpartition("|")  # (rsplit without a list: 200 k entries a beat cost)
+    address, _, incarnation = address.rpartition("|")
+    if not (_digits(incarnation) and _digits(rest)) or not address:
+        return None
+    return Member(node, address, int(incarnation), int(rest))
+
+
+def _digits(s: str) -> bool:
+    return 0 < len(s) <= 20 and s.isascii() and s.isdigit()  # (str.isdigit alone: '²', which int() refuses)
+
+
+def parse_members(
+    entries: Sequence[Any], opened: Callable[[Member], Member | None] = lambda m: m
+) -> Members:
+    """The members hash from a flat field, value list (the :data:`HEARTBEAT` script's reply).
+    ``opened``: the entry as it checks out (its sealed address opened), None where it does not:
+    such an entry is unreadable too."""
     out: dict[str, Member] = {}
+    unreadable: dict[bytes, bytes] = {}
     for i in range(0, len(entries) - 1, 2):
-        node = _text(entries[i])
-        parts = _text(entries[i + 1]).rsplit("|", 2)
-        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
-            continue  # not an entry this version writes
-        out[node] = Member(node, parts[0], int(parts[1]), int(parts[2]))
-    return out
+        field, value = _raw(entries[i]), _raw(entries[i + 1])
+        m = parse_member(field, value)
+        if m is not None:
+            m = opened(m)
+        if m is None:
+            unreadable[field] = value
+        else:
+            out[m.node] = m
+    return Members(out, unreadable)
+
+
+def _raw(v: Any) -> bytes:
+    return v if isinstance(v, bytes) else str(v).encode()
 
 
 def _node_name(field: Any) -> str | None:
@@ -290,17 +330,13 @@ class Directory:
             self.rejected_records += 1
         return rec
 
-    def _authentic(self, members: dict[str, Member]) -> dict[str, Member]:
-        """``members`` whose address part checks out, their addresses opened; the rest counted."""
-        out: dict[str, Member] = {}
-        prefix = self.prefix.decode()
-        for node, m in members.items():
-            address = self.sealer.open_address(prefix, node, m.address)
-            if address is None:
-                self.rejected_members += 1
-            else:
-                out[node] = Member(node, address, m.incarnation, m.expiry_ms)
-        return out
+    def _member_opened(self, m: Member) -> Member | None:
+        """``m`` with its address opened, or None (counted) where its seal does not check out."""
+        address = self.sealer.open_address(self.prefix.decode(), m.node, m.address)
+        if address is None:
+            self.rejected_members += 1
+            return None
+        return Member(m.node, address, m.incarnation, m.expiry_ms)
 
     def ghost_key(self, root: bytes, key: bytes) -> bytes:
         return self.prefix + b":g:" + root[:ROOT_BYTES] + key
@@ -325,7 +361,8 @@ class Directory:
             )
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
-        return Beat(int(now), self._authentic(parse_members(entries)), bool(created), int(written))
+        members, unreadable = parse_members(entries, self._member_opened)
+        return Beat(int(now), members, unreadable, bool(created), int(written))
 
     async def leave(self) -> None:
         """Take this node out of the members now (a clean stop); its records die with it."""
@@ -333,6 +370,12 @@ class Directory:
             await self.client.hdel(self.members_key, self.node)
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
+
+    async def forget_members(self, entries: Sequence[tuple[bytes, bytes]]) -> int:
+        """Delete ``members`` entries (field, value), each only while it still holds that value
+        (:data:`FORGET`: an entry rewritten since stays). How many went."""
+        replies = await self._pipeline([("EVAL", FORGET, 1, self.members_key, f, v) for f, v in entries])
+        return sum(r == 1 for r in replies)
 
     async def publish(
         self,

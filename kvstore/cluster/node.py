@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from kvstore.cluster.directory import Directory, Ghosts, Member, Record
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.peer_server import NOTHING_LENT, Lent, PeerServer
+from kvstore.cluster.unreadable import UnreadableMembers
 from kvstore.config import Config
 from kvstore.errors import KVStoreError, Unavailable, shown
 from kvstore.keys import BlockKey, NamespaceRoot
@@ -50,16 +51,18 @@ from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, REDIS, S3, Block, NsEntry, State, top_label
 from kvstore.store.remote import MAX_HOLDERS, PeerBlock
 from kvstore.util.logs import Throttled
-from kvstore.util.tasks import cancel_and_wait
+from kvstore.util.tasks import TaskHealth, cancel_and_wait, every
 
 log = logging.getLogger("kvstore.cluster.node")
 SHARED = REDIS | S3
 PUBLISH_BATCH = 4096  # directory records in one pipeline
+FORGET_MEMBERS_BATCH = 8192  # unreadable members entries deleted at most a heartbeat
+HEARTBEAT_TASK, PUBLISH_TASK = "kvstore-cluster-heartbeat", "kvstore-cluster-publish"
 COUNTERS = (  # /stats "cluster": every one shown from the start, 0 until it happens
     "heartbeats", "directory_errors", "directory_lookups", "records_published", "records_removed",
     "peer_blocks_found", "blocks_adopted", "blocks_fetched", "bytes_fetched", "fetch_failures", "fetch_misses",
     "checksum_failures", "blocks_lent", "ghosts_written", "ghosts_resumed", "bad_addresses", "unheld_dropped",
-    "records_rejected", "members_rejected",
+    "records_rejected", "members_rejected", "members_unreadable", "members_forgotten",
 )
 # Keys peers asked for that this node does not hold, remembered for the next publish to delete their
 # records: at most this many (one pipeline's worth). While the directory is down nothing drains them;
@@ -75,8 +78,11 @@ def _rank(tiers: int) -> int:
 
 
 class ClusterNode:
-    def __init__(self, store: BlockStore, config: Config, directory: Directory, node: str) -> None:
+    def __init__(
+        self, store: BlockStore, config: Config, directory: Directory, node: str, health: TaskHealth | None = None
+    ) -> None:
         self.store = store
+        self.health = health or TaskHealth(store.stats.errors)  # the background loops' errors
         self.config = config
         self.cfg = config.cluster
         self.directory = directory
@@ -103,27 +109,36 @@ class ClusterNode:
         self._fetches: set[asyncio.Task[int]] = set()  # peer fetches in flight (shielded from their Acquire)
         self._closing = False  # the loops end at their next turn (a cancellation can be lost: close)
         self._warn = Throttled(log)
+        self._unreadable = UnreadableMembers()
         self._span = GhostSpan()  # how fast this node lets blocks go: how long its ghosts last
 
     # --- life cycle -------------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, store: BlockStore, config: Config) -> ClusterNode:
+    async def start(cls, store: BlockStore, config: Config, health: TaskHealth | None = None) -> ClusterNode:
         node_id = config.cluster.node_id or socket.gethostname()
         if len(config.cluster.token) < SHORT_TOKEN:
             log.warning("cluster.token is %d characters: anyone who reaches a node's peer port can test guesses "
                         "of it offline from one hello; use %d or more random characters",
                         len(config.cluster.token), SHORT_TOKEN)
-        self = cls(store, config, Directory.from_config(config.cluster, node_id), node_id)
+        self = cls(store, config, Directory.from_config(config.cluster, node_id), node_id, health)
         port = await self.server.start(config.cluster.peer_address)
         self.address = config.cluster.advertise_address or _advertised(config.cluster.peer_address, port)
         store.index.changed = {}
         self._republish_all()
-        await self._heartbeat()
+        try:
+            await self._heartbeat()
+        except Exception as exc:  # noqa: BLE001  (logged there; the loop below tries again, with back-off)
+            self.health.failed(HEARTBEAT_TASK, exc)
+        stop = self._stopping
         self._tasks = [
-            asyncio.create_task(self._heartbeats(), name="kvstore-cluster-heartbeat"),
-            asyncio.create_task(self._publisher(), name="kvstore-cluster-publish"),
+            asyncio.create_task(every(HEARTBEAT_TASK, self.cfg.heartbeat_ms / 1000.0, self._heartbeat, self.health,
+                                      stop=stop), name=HEARTBEAT_TASK),
+            asyncio.create_task(every(PUBLISH_TASK, self.cfg.publish_interval_ms / 1000.0, self.flush, self.health,
+                                      stop=stop), name=PUBLISH_TASK),
         ]
+        for t in self._tasks:
+            t.add_done_callback(self.health.ended)
         store.remote = self
         log.info(
             "cluster node %s (incarnation %d) serving peers at %s; directory %s",
@@ -168,6 +183,9 @@ class ClusterNode:
     def active(self) -> bool:
         return self._up
 
+    def _stopping(self) -> bool:
+        return self._closing
+
     # --- membership -------------------------------------------------------------------------
 
     def _now_ms(self) -> float:
@@ -206,6 +224,7 @@ class ClusterNode:
             self._count_rejected()
             self._up = True
             self.stats["heartbeats"] += 1
+            await self._unreadable_members(beat.unreadable, beat.now_ms)
             if beat.incarnation != self.incarnation:
                 # the lease had run out (a pause, a cut, a late heartbeat, with or without a call
                 # failing): a new life, whose records nobody has deleted as void
@@ -236,11 +255,20 @@ class ClusterNode:
             )
         self.stats["records_rejected"], self.stats["members_rejected"] = records, members
 
-    async def _heartbeats(self) -> None:
-        interval = self.cfg.heartbeat_ms / 1000.0
-        while not self._closing:
-            await asyncio.sleep(interval)
-            await self._heartbeat()
+    async def _unreadable_members(self, entries: dict[bytes, bytes], now_ms: int) -> None:
+        """Count the members entries this node cannot read (skipped) and delete those that have
+        outlasted a lease unchanged (:mod:`kvstore.cluster.unreadable`)."""
+        new = self._unreadable.seen(entries, now_ms)
+        if new:
+            self.stats["members_unreadable"] += new
+            self._warn.warning("cluster directory: %d members entries this node cannot read (not UTF-8 or not "
+                               "address|incarnation|expiry_ms; skipped, deleted after %d ms), e.g. %r",
+                               new, self.cfg.lease_ms, next(iter(entries))[:64])
+        due = self._unreadable.due(now_ms, self.cfg.lease_ms, FORGET_MEMBERS_BATCH)
+        if due:
+            async with asyncio.timeout(self.cfg.directory_timeout_s):
+                self.stats["members_forgotten"] += await self.directory.forget_members(due)
+            self._unreadable.gone(due)
 
     def live_members(self) -> list[Member]:
         now = self._now_ms()
@@ -262,12 +290,6 @@ class ClusterNode:
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         return fut
-
-    async def _publisher(self) -> None:
-        interval = self.cfg.publish_interval_ms / 1000.0
-        while not self._closing:
-            await asyncio.sleep(interval)
-            await self.flush()
 
     async def flush(self) -> None:
         """Write the changes gathered since the last pass (and the void records met meanwhile)."""

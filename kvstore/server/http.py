@@ -1,23 +1,36 @@
 """The sidecar's HTTP side: /healthz, /readyz, /stats (JSON), /metrics (Prometheus), dashboard,
 /route (KV-aware routing: POST a JSON RouteRequest, or GET with it in ``?q=``).
 
-It sees the sidecar only through :class:`HttpSource`: the token, whether it is ready, a /stats
-snapshot and the route call.
+It sees the sidecar only through :class:`HttpSource`: the token, whether it is ready (and which
+background loops are failing), a /stats snapshot and the route call. :class:`HttpServer` listens:
+at most ``server.http_max_connections`` connections at once (fewer when the open-file limit is
+low, as the local socket's); one more is answered 503 and closed. A connection idle for
+``server.http_idle_timeout_s``, or whose request head (or /route body) has not arrived in full by
+then, is closed: silent connections cannot hold the process's file descriptors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from kvstore.server.auth import token_matches
+from kvstore.server.local_server import connection_cap
 from kvstore.store.counters import document_json
+from kvstore.util.logs import Throttled
+
+if TYPE_CHECKING:
+    from kvstore.config import ServerConfig
+
+log = logging.getLogger("kvstore.http")
 
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = ("/healthz", "/readyz")  # probes answer without the token
@@ -32,6 +45,8 @@ class HttpSource:
     ready: Callable[[], bool]  # /readyz: serving
     snapshot: Callable[[], dict[str, Any]]  # /stats, /metrics and the dashboard: one stats document
     route: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None  # /route (a JSON RouteRequest)
+    failing: Callable[[], dict[str, str]] = dict  # /readyz: background loops whose last pass failed -> the error
+    body_timeout_s: float = 60.0  # a request body (/route) arrives in full within this
 
 
 def build_app(source: HttpSource) -> web.Application:
@@ -49,8 +64,9 @@ def build_app(source: HttpSource) -> web.Application:
         return web.json_response({"status": "ok"})
 
     async def readyz(_: web.Request) -> web.Response:
-        ready = source.ready()
-        return web.json_response({"ready": ready}, status=200 if ready else 503)
+        failing = source.failing()
+        ready = source.ready() and not failing
+        return web.json_response({"ready": ready, "failing": failing}, status=200 if ready else 503)
 
     async def stats(_: web.Request) -> web.Response:
         return web.Response(text=document_json(source.snapshot()), content_type="application/json")
@@ -70,7 +86,10 @@ def build_app(source: HttpSource) -> web.Application:
         if source.route is None:
             return web.json_response({"error": "routing is not served here"}, status=404)
         try:
-            body = await request.json() if request.can_read_body else json.loads(request.query.get("q", "{}"))
+            async with asyncio.timeout(source.body_timeout_s):
+                body = await request.json() if request.can_read_body else json.loads(request.query.get("q", "{}"))
+        except TimeoutError:
+            return web.json_response({"error": f"request: body not in within {source.body_timeout_s} s"}, status=408)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             return web.json_response({"error": f"request: not JSON: {exc}"}, status=400)
         except RecursionError:  # (the decoder's own limit, before MAX_DEPTH is looked at)
@@ -107,11 +126,51 @@ def _deeper(doc: Any, limit: int) -> bool:
     return True
 
 
-async def start_http(source: HttpSource, address: str) -> tuple[web.AppRunner, int]:
-    host, _, port = address.rpartition(":")
-    runner = web.AppRunner(build_app(source), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host or "127.0.0.1", int(port))
-    await site.start()
-    bound: int = runner.addresses[0][1]  # (host, port) or, on IPv6, (host, port, flowinfo, scope_id)
-    return runner, bound
+REFUSAL = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" \
+          b"Connection: close\r\n\r\n%s"
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the cap: answered 503 (a fresh socket's buffer takes it) and closed."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        body = b'{"error": "too many HTTP connections"}'
+        if isinstance(transport, asyncio.WriteTransport):
+            transport.write(REFUSAL % (len(body), body))
+        transport.close()
+
+
+class HttpServer:
+    """The HTTP side listening on ``config.http_address`` (see the module's doc for its limits)."""
+
+    def __init__(self, source: HttpSource, config: ServerConfig) -> None:
+        self.address = config.http_address
+        self.cap = connection_cap(config.http_max_connections)
+        self.refused = 0  # connections over the cap
+        self._runner = web.AppRunner(build_app(source), access_log=None, keepalive_timeout=config.http_idle_timeout_s)
+        self._listener: asyncio.Server | None = None
+        self._warn = Throttled(log)
+        self.port = 0
+
+    async def start(self) -> int:
+        host, _, port = self.address.rpartition(":")
+        await self._runner.setup()
+        loop = asyncio.get_running_loop()
+        self._listener = await loop.create_server(self._protocol, host.strip("[]") or "127.0.0.1", int(port))
+        self.port = self._listener.sockets[0].getsockname()[1]
+        return self.port
+
+    def _protocol(self) -> asyncio.BaseProtocol:
+        server = self._runner.server
+        assert server is not None  # (after setup)
+        if len(server.connections) >= self.cap:
+            self.refused += 1
+            self._warn.warning("http: %d connections open; refusing more", len(server.connections))
+            return _Refused()
+        return server()
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        await self._runner.cleanup()  # (shuts the open connections down)

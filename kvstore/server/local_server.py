@@ -16,6 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore.server.auth import token_matches
+from kvstore.util.backoff import Backoff
 from kvstore.util.logs import Throttled
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import HELLO_MAX_BYTES, LEN, METHODS, error_frame, frame, frame_refusal, hello_answer
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvstore.local")
 
-_ACCEPT_BACKOFF_MIN, _ACCEPT_BACKOFF_MAX = 0.01, 1.0  # seconds between accepts that fail
+ACCEPT_BACKOFF_MIN_S, ACCEPT_BACKOFF_MAX_S = 0.01, 1.0  # seconds between accepts that fail
 
 
 class _Abort(Exception):
@@ -130,18 +131,18 @@ class LocalServer:
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        backoff = _ACCEPT_BACKOFF_MIN
+        backoff = Backoff(ACCEPT_BACKOFF_MIN_S, ACCEPT_BACKOFF_MAX_S)
         while not self._closing:
             try:
                 conn, _ = await loop.sock_accept(listener)
             except (ConnectionAbortedError, InterruptedError):
                 continue
             except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM: wait for some to be freed
-                self._accept_warning.warning("local socket: accept failed (%s); retrying in %.2f s", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, _ACCEPT_BACKOFF_MAX)
+                wait = backoff.next()
+                self._accept_warning.warning("local socket: accept failed (%s); retrying in %.2f s", exc, wait)
+                await asyncio.sleep(wait)
                 continue
-            backoff = _ACCEPT_BACKOFF_MIN
+            backoff.reset()
             if self._closing:  # accepted as close() began: not served
                 conn.close()
                 return

@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import signal
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -34,16 +36,18 @@ from kvstore.store.below import NoMovers
 from kvstore.store.block_store import BlockStore
 from kvstore.store.counters import Stats
 from kvstore.tiers.movers import Tiering
-from kvstore.util.tasks import cancel_and_wait
+from kvstore.util.tasks import TaskHealth, cancel_and_wait, every
 from kvstore.wire.framing import socket_path
 
 if TYPE_CHECKING:
-    from aiohttp import web
     from grpc_health.v1 import health
 
     from kvstore.cluster.node import ClusterNode
+    from kvstore.server.http import HttpServer
 
 log = logging.getLogger("kvstore.server.sidecar")
+BACKGROUND_TASK = "kvstore-background"
+SAMPLE_EVERY_S = 2.0  # the hit-rate history's step
 
 
 class DataDirLock:
@@ -87,9 +91,11 @@ class Sidecar:
         self._grpc: grpc.aio.Server | None = None
         self._local: LocalServer | None = None
         self._health: health.aio.HealthServicer | None = None
-        self._http: web.AppRunner | None = None
+        self._http: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self.health = TaskHealth()  # the background loops' errors (/readyz, /stats "errors"); start() wires its counter
         self._stopped = asyncio.Event()
+        self._sampled = -SAMPLE_EVERY_S
         self.cluster: ClusterNode | None = None
         self.phase = ""  # the step stop() is in: what a stuck shutdown's watchdog names
         self._watchdog: ShutdownWatchdog | None = None
@@ -107,11 +113,12 @@ class Sidecar:
             )
             (self.data_dir / "segment").write_text(self.slab.name)
             self.store = BlockStore(cfg, self.slab, Stats())
+            self.health = TaskHealth(self.store.stats.errors)
             await self._start_tiering()
             if cfg.cluster.enabled:
                 from kvstore.cluster.node import ClusterNode
 
-                self.cluster = await ClusterNode.start(self.store, cfg)
+                self.cluster = await ClusterNode.start(self.store, cfg, self.health)
             servicer = KVStoreServicer(self.store)
             self._grpc, self.grpc_port, self._health = await start_grpc(servicer, cfg)
             path = socket_path(cfg.server.local_socket, self.data_dir, self.slab.name)
@@ -119,11 +126,19 @@ class Sidecar:
                 self._local = LocalServer(servicer, path, cfg.server, self.store.stats)
                 await self._local.start()
                 servicer.local_socket = str(path)
-            from kvstore.server.http import HttpSource, start_http
+            from kvstore.server.http import HttpServer, HttpSource
 
-            source = HttpSource(cfg.server.auth_token, lambda: self.ready, self.store.snapshot, servicer.route_json)
-            self._http, self.http_port = await start_http(source, cfg.server.http_address)
-            self._tasks.append(asyncio.create_task(self._background(), name="kvstore-background"))
+            source = HttpSource(
+                cfg.server.auth_token, lambda: self.ready, self.store.snapshot, servicer.route_json,
+                failing=lambda: dict(self.health.failing), body_timeout_s=cfg.server.http_idle_timeout_s,
+            )
+            self._http = HttpServer(source, cfg.server)
+            self.http_port = await self._http.start()
+            interval = cfg.index.reaper_interval_ms / 1000.0
+            task = asyncio.create_task(every(BACKGROUND_TASK, interval, self._background, self.health),
+                                       name=BACKGROUND_TASK)
+            task.add_done_callback(self.health.ended)
+            self._tasks.append(task)
             # The index holds millions of long-lived objects; default GC thresholds rescan them
             # every few requests. Collect young objects rarely (request lists are freed by
             # refcount anyway).
@@ -155,45 +170,80 @@ class Sidecar:
         self.phase = phase
 
     async def stop(self) -> None:
+        """Stop serving, then release everything; each step runs whatever became of the one before
+        (a step that fails is logged and the stop goes on: the cluster is left, leases released,
+        tiers closed and the slab unlinked however a background task or another step ended)."""
         self.ready = False
+        grace = self.config.server.shutdown_grace_s
+        steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            ("marking the health check NOT_SERVING", self._not_serving),
+            ("closing the local socket's connections", self._close_local),
+            (f"draining gRPC calls (grace {grace} s)", self._close_grpc),
+            ("stopping background tasks", self._close_tasks),
+            ("stopping the HTTP server", self._close_http),
+            ("leaving the cluster", self._close_cluster),
+            ("releasing leases and allocations", self._release),
+            ("finishing tier moves and closing the tiers", self._close_tiers),
+            ("unlinking the slab", self._unlink_slab),
+        ]
+        for phase, step in steps:
+            self._step(phase)
+            try:
+                await step()
+            except Exception:
+                log.exception("shutdown: %s failed; the stop goes on", phase)
+        self._step("stopped")
+        self.lock.release()
+        self._stopped.set()
+
+    async def _not_serving(self) -> None:
         if self._health is not None:
             await self._health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self._local is not None:
-            self._step("closing the local socket's connections")
-            await self._local.close()
-            self._local = None
-        if self._grpc is not None:
-            self._step(f"draining gRPC calls (grace {self.config.server.shutdown_grace_s} s)")
-            await self._grpc.stop(self.config.server.shutdown_grace_s)
-            self._grpc = None
-        self._step("stopping background tasks")
-        await cancel_and_wait(self._tasks)
-        self._tasks.clear()
-        if self._http is not None:
-            self._step("stopping the HTTP server")
-            await self._http.cleanup()
-            self._http = None
-        if self.cluster is not None:
-            self._step("leaving the cluster")
-            await self.cluster.close()
-            self.cluster = None
+
+    async def _close_local(self) -> None:
+        local, self._local = self._local, None
+        if local is not None:
+            await local.close()
+
+    async def _close_grpc(self) -> None:
+        server, self._grpc = self._grpc, None
+        if server is not None:
+            await server.stop(self.config.server.shutdown_grace_s)
+
+    async def _close_tasks(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        await cancel_and_wait(tasks)
+
+    async def _close_http(self) -> None:
+        http, self._http = self._http, None
+        if http is not None:
+            await http.close()
+
+    async def _close_cluster(self) -> None:
+        cluster, self.cluster = self.cluster, None
+        if cluster is not None:
+            await cluster.close()
+
+    async def _release(self) -> None:
         if self.store is not None:
             for lease_id in list(self.store.index.leases):
                 self.store.index.release_lease(lease_id)
             for alloc_id in list(self.store.index.allocations):
                 self.store.abort(alloc_id)
-            self._step("finishing tier moves and closing the tiers")
-            await self.store.tiering.close()
-            self.store.tiering = NoMovers()
-        if self.slab is not None:
-            self._step("unlinking the slab")
-            self.slab.close(unlink=True)
-            self.slab = None
+
+    async def _close_tiers(self) -> None:
+        if self.store is not None:
+            try:
+                await self.store.tiering.close()
+            finally:
+                self.store.tiering = NoMovers()
+
+    async def _unlink_slab(self) -> None:
+        slab, self.slab = self.slab, None
+        if slab is not None:
+            slab.close(unlink=True)
             with contextlib.suppress(FileNotFoundError):
                 (self.data_dir / "segment").unlink()
-        self._step("stopped")
-        self.lock.release()
-        self._stopped.set()
 
     async def __aenter__(self) -> Sidecar:
         return await self.start()
@@ -206,20 +256,13 @@ class Sidecar:
     # --- background ---------------------------------------------------------------------------
 
     async def _background(self) -> None:
-        interval = self.config.index.reaper_interval_ms / 1000.0
-        ticks_per_sample = max(1, int(2.0 / interval))
-        tick = 0
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                self.store.drain_touches()
-                self.store.reap()
-                await self.store.seal()
-                if tick % ticks_per_sample == 0:
-                    self.store.stats.sample()
-                tick += 1
-            except Exception:
-                log.exception("background pass failed")
+        """One pass of the store's upkeep (every ``index.reaper_interval_ms``)."""
+        self.store.drain_touches()
+        self.store.reap()
+        await self.store.seal()
+        if time.monotonic() - self._sampled >= SAMPLE_EVERY_S:
+            self._sampled = time.monotonic()
+            self.store.stats.sample()
 
     # --- serve until signalled ---------------------------------------------------------------
 

@@ -77,3 +77,29 @@ async def hello_socket(sock: socket.socket, me: str, holder: str = "a") -> Sessi
     """The fetcher's side of the peer hello on a connected non-blocking socket, as PeerClient says
     it; the connection's key."""
     return await asyncio.wait_for(peer_hello.greet(sock, ClusterKey(TOKEN), me, holder), 10)
+
+
+def serve_env(directory: RedisServer, name: str, prefix: str, **extra: str) -> dict[str, str]:
+    """The environment of a ``kvstore serve`` subprocess that joins the cluster on ``directory``
+    as ``name`` (the settings of :func:`node_config`, as ``KVSTORE_`` variables)."""
+    return {
+        "KVSTORE_DRAM__CAPACITY_BYTES": str(4 * 65536),
+        "KVSTORE_DRAM__PAGE_BYTES": "65536",
+        "KVSTORE_DRAM__MIN_SLOT_BYTES": "4096",
+        "KVSTORE_SSD__ENABLED": "false",
+        "KVSTORE_INDEX__REAPER_INTERVAL_MS": "50",
+        "KVSTORE_CLUSTER__ENABLED": "true",
+        "KVSTORE_CLUSTER__DIRECTORY_URL": directory.url,
+        "KVSTORE_CLUSTER__NODE_ID": name,
+        "KVSTORE_CLUSTER__PEER_ADDRESS": "127.0.0.1:0",
+        "KVSTORE_CLUSTER__TOKEN": TOKEN,
+        "KVSTORE_CLUSTER__KEY_PREFIX": prefix,
+        "KVSTORE_CLUSTER__PUBLISH_INTERVAL_MS": "2",
+        "KVSTORE_CLUSTER__HEARTBEAT_MS": "100",
+        "KVSTORE_CLUSTER__LEASE_MS": "1000",
+        **{f"KVSTORE_{k.upper()}": v for k, v in extra.items()},
+    }
+
+
+def serve_args(tmp_path: Path, name: str) -> list[str]:
+    return ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(tmp_path / name)]

@@ -12,8 +12,6 @@ import asyncio
 from collections.abc import Awaitable
 from pathlib import Path
 
-import pytest
-
 from kvstore.server.sidecar import Sidecar
 from kvstore.util.tasks import cancel_and_wait
 from tests.conftest import small_config
@@ -63,11 +61,13 @@ async def test_the_tasks_cancellation_is_not_raised_and_every_one_is_awaited() -
     await cancelled.wait()
     assert not waiting.done()  # still waiting for the one that holds out
     release.set()
-    assert await waiting is None
+    assert await waiting == []
     assert all(s.cancelled() for s in sleepers) and stubborn.done()
 
 
-async def test_an_error_a_task_ended_with_is_raised_once_all_have_ended() -> None:
+async def test_an_error_a_task_ended_with_is_returned_not_raised_once_all_have_ended() -> None:
+    """A stop goes on to its next step whatever its tasks died of (issue 29: a background task's
+    error re-raised here ended a sidecar's stop before it left the cluster or unlinked its slab)."""
     async def fails_when_cancelled() -> None:
         try:
             await asyncio.sleep(3600)
@@ -77,8 +77,8 @@ async def test_an_error_a_task_ended_with_is_raised_once_all_have_ended() -> Non
     failing = asyncio.create_task(fails_when_cancelled())
     sleeper = asyncio.create_task(asyncio.sleep(3600))
     await asyncio.sleep(0)
-    with pytest.raises(RuntimeError, match="cleanup failed"):
-        await cancel_and_wait([failing, sleeper])
+    errors = await cancel_and_wait([failing, sleeper])
+    assert [str(e) for e in errors] == ["cleanup failed"]
     assert sleeper.cancelled()
 
 

@@ -1,0 +1,183 @@
+"""Faults in the cluster directory's Redis (issue 29): members entries no node can read, ``d:``
+keys of the wrong type, records of dead incarnations and forgotten members. Real sidecars (in
+process, and ``kvstore serve`` subprocesses where a signal or a process limit is part of the
+case) and a real redis-server (and a Redis Cluster where the code differs)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+from aiohttp import ClientSession
+
+from kvstore.client import SyncClient
+from kvstore.keys import Namespace
+from kvstore.server.sidecar import DataDirLock, Sidecar
+from kvstore.testing.servers import RedisServer
+from kvstore.testing.sidecar import ServeProcess
+from tests.cluster.nodes import blocks, keys_for, node_config, serve_args, serve_env
+
+WAIT_S = 30.0
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+async def until(predicate: Callable[[], Any], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+def heartbeats(c: SyncClient) -> int:
+    return int(c.stats()["cluster"]["heartbeats"])
+
+
+def readyz(http: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{http}/readyz", timeout=5) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def prefix_of(tmp_path: Path) -> str:
+    return f"f{os.getpid()}x{abs(hash(tmp_path)) % 10**8}"
+
+
+# --- members entries no node can read (issue 29, case 3 and a bullet of case 10) -----------------------
+
+
+def test_an_undecodable_members_entry_stops_no_heartbeat_and_a_sigterm_still_cleans_up(
+    serve_process: Callable[..., ServeProcess], tmp_path: Path, directory: RedisServer, ns: Namespace
+) -> None:
+    """8dc5782: one non-UTF-8 field killed every node's heartbeat task for good (lookups of A's
+    blocks went to 0 after the lease, a new node failed to start, SIGTERM exited 1 without leaving
+    the cluster or unlinking the slab)."""
+    prefix = prefix_of(tmp_path)
+    a = serve_process(serve_args(tmp_path, "a"), serve_env(directory, "a", prefix))
+    b = serve_process(serve_args(tmp_path, "b"), serve_env(directory, "b", prefix))
+    keys, data = keys_for(ns, 4), blocks(4)
+    r = redis.Redis.from_url(directory.url)
+    members = f"{prefix}:members"
+    with SyncClient(a.grpc) as ca, SyncClient(b.grpc) as cb:
+        ca.put_blocks(ns, keys, data, wait_published=True)
+        wait_for(lambda: cb.lookup(ns, keys).matched == 4, "B finds A's blocks")
+        r.hset(members, b"\xff\xfe", b"127.0.0.1:1|1|99999999999999")  # the issue's entry
+        r.hset(members, b"junk", b"not|an|entry")  # UTF-8, not one
+        before = {id(c): heartbeats(c) for c in (ca, cb)}
+        # well past a lease (1 s): every node's heartbeat goes on
+        wait_for(lambda: all(heartbeats(c) >= before[id(c)] + 15 for c in (ca, cb)), "the heartbeats go on")
+        found = cb.lookup(ns, keys)
+        assert found.matched == 4 and [t for t, _ in found.blocks] == ["peer"] * 4
+        assert cb.stats()["cluster"]["members_unreadable"] >= 2
+        assert readyz(a.http) == 200 and readyz(b.http) == 200
+        c = serve_process(serve_args(tmp_path, "c"), serve_env(directory, "c", prefix))  # a new node starts
+        with SyncClient(c.grpc) as cc:
+            wait_for(lambda: cc.lookup(ns, keys).matched == 4, "the new node finds A's blocks")
+            assert [bytes(x) for x in cc.get_blocks(ns, keys, verify=True)] == [bytes(d) for d in data]
+        # nobody renews an entry nobody reads: gone once it has outlasted a lease
+        wait_for(lambda: not r.hexists(members, b"\xff\xfe") and not r.hexists(members, b"junk"),
+                 "the unreadable entries are deleted")
+        segment = a.ready["segment"]
+        assert a.stop(signal.SIGTERM) == 0
+    assert not os.path.exists(f"/dev/shm/{segment}"), "the slab must be unlinked"
+    assert not r.hexists(members, "a"), "A left the cluster"
+    assert not [k for k in r.scan_iter(f"{prefix}:d:*".encode()) if r.hexists(k, "a")], "A's records went with it"
+    r.close()
+
+
+async def test_thousands_of_unparsable_members_entries_are_forgotten_after_a_lease(
+    tmp_path: Path, directory: RedisServer
+) -> None:
+    """8dc5782: entries without an expiry the heartbeat script could read were kept for ever
+    (200 k of them slowed heartbeats to 0.33/s)."""
+    cfg = node_config(tmp_path, "a", directory)
+    members = f"{cfg.cluster.key_prefix}:members"
+    r = redis.asyncio.Redis.from_url(directory.url)
+    try:
+        async with r.pipeline(transaction=False) as pipe:
+            for i in range(5000):
+                pipe.hset(members, f"bad{i}".encode() + (b"\xff" if i % 2 else b""), b"x" * (i % 7))
+            await pipe.execute()
+        async with Sidecar(cfg) as a:
+            assert a.cluster is not None
+            await until(lambda: _hlen_is(r, members, 1), "only A's own entry is left")
+            assert a.store.stats.cluster["members_forgotten"] == 5000
+            assert a.store.stats.cluster["members_unreadable"] == 5000
+    finally:
+        await r.aclose()
+
+
+async def _hlen_is(r: Any, key: str, n: int) -> bool:
+    return bool(await r.hlen(key) == n)
+
+
+async def test_readyz_reports_a_background_task_that_cannot_run_and_its_loop_goes_on(
+    tmp_path: Path, directory: RedisServer
+) -> None:
+    """8dc5782: an unexpected error ended the heartbeat task silently and /readyz said ready."""
+    async with Sidecar(node_config(tmp_path, "a", directory)) as a, ClientSession() as http:
+        node = a.cluster
+        assert node is not None
+        real = node.directory.heartbeat
+
+        async def broken(*args: Any, **kw: Any) -> Any:
+            raise RuntimeError("a bug")
+
+        async def status() -> tuple[int, dict[str, Any]]:
+            async with http.get(f"http://127.0.0.1:{a.http_port}/readyz") as resp:
+                return resp.status, await resp.json()
+
+        async def failing() -> bool:
+            code, body = await status()
+            return code == 503 and "RuntimeError: a bug" in body["failing"].get("kvstore-cluster-heartbeat", "")
+
+        node.directory.heartbeat = broken  # type: ignore[method-assign]
+        await until(failing, "/readyz names the failing heartbeat")
+        assert a.store.stats.errors["task:kvstore-cluster-heartbeat"] >= 1
+        node.directory.heartbeat = real  # type: ignore[method-assign]
+        beats = node.stats["heartbeats"]
+
+        async def recovered() -> bool:
+            return (await status())[0] == 200 and node.stats["heartbeats"] > beats
+
+        await until(recovered, "the heartbeat runs again and /readyz is ready")
+
+
+async def test_a_stop_completes_when_a_background_task_died(tmp_path: Path, directory: RedisServer) -> None:
+    """8dc5782: cancel_and_wait re-raised a dead task's error into the stop, which ended there."""
+    a = await Sidecar(node_config(tmp_path, "a", directory)).start()
+
+    async def dies() -> None:
+        raise RuntimeError("died")
+
+    dead = asyncio.create_task(dies())
+    await asyncio.wait([dead])
+    a._tasks.append(dead)  # a background task that died of an unexpected error
+    assert a.cluster is not None
+    members, node = a.cluster.directory.members_key, a.cluster.node
+    segment = a.slab.name if a.slab else ""
+    await a.stop()
+    r = redis.asyncio.Redis.from_url(directory.url)
+    try:
+        assert not await r.hexists(members, node), "left the cluster"
+    finally:
+        await r.aclose()
+    assert not os.path.exists(f"/dev/shm/{segment}"), "the slab is unlinked"
+    lock = DataDirLock(a.data_dir)  # released: another sidecar may take the directory
+    lock.acquire()
+    lock.release()
