@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from redis.asyncio import Redis, RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from kvstore.cluster.cluster_key import ClusterKey, frame
 from kvstore.config import ClusterConfig
@@ -116,12 +116,16 @@ FORGET = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
 return 0
 """
-# KEYS: the blocks' directory keys. Returns each one's HGETALL (a flat field, value list). A
+# KEYS: the blocks' directory keys. Returns each one's HGETALL (a flat field, value list), false
+# for a key it cannot read (of another type: that key's error, a miss; the others are read). A
 # prompt's lookup on one Redis is this one command: one reply to parse instead of a pipeline's
 # one per key, which in redis-py costs about as much as the round trip itself.
 FIND = """
 local out = {}
-for i = 1, #KEYS do out[i] = redis.call('HGETALL', KEYS[i]) end
+for i = 1, #KEYS do
+  local r = redis.pcall('HGETALL', KEYS[i])
+  if r.err then out[i] = false else out[i] = r end
+end
 return out
 """
 # KEYS: ghost keys. Each one's count (false where there is none), deleted: the ghosts of blocks new
@@ -198,6 +202,15 @@ class Ghosts(NamedTuple):
     # Cluster before 6.2): the records landed
 
 
+class Published(NamedTuple):
+    """What a publish did: the ghosts, and the records the directory refused (their keys of
+    another type): index into the puts (or the removes) -> the error. The others landed."""
+
+    ghosts: Ghosts
+    refused_puts: dict[int, str]
+    refused_removes: dict[int, str]
+
+
 class Beat(NamedTuple):
     """A heartbeat's answer."""
 
@@ -252,6 +265,17 @@ def parse_members(
         else:
             out[m.node] = m
     return Members(out, unreadable)
+
+
+def _refusal(reply: Exception | None) -> str:
+    """A pipeline's per-command error: the key's own (``WRONGTYPE``: what it says), or the
+    directory's (a lost connection, a read-only replica, out of memory, a cluster that is down):
+    raised as :class:`~kvstore.errors.Unavailable`. None: the :data:`FIND` script's refused key."""
+    if reply is None:
+        return "WRONGTYPE: a key of another type"
+    if type(reply) is ResponseError and "WRONGTYPE" in str(reply):
+        return f"{type(reply).__name__}: {reply}"
+    raise Unavailable(f"cluster directory: {type(reply).__name__}: {reply}")
 
 
 def _raw(v: Any) -> bytes:
@@ -386,7 +410,7 @@ class Directory:
         uses: Sequence[int] = (),
         unread: Sequence[bool] = (),
         ttl_ms: int | None = None,
-    ) -> Ghosts:
+    ) -> Published:
         """This node holds ``puts`` (root, key, record) and no longer holds ``removes`` (root, key).
 
         With ghosts on (``ghost_ttl_ms``), in the same pipeline: the ghosts of the puts that
@@ -418,12 +442,11 @@ class Directory:
                 written.sort(key=lambda w: w[2])  # (LEAVE: those set over what is there first)
             cmds += self._ghost_commands(taken, written, ttl)
         replies = await self._pipeline(cmds)
-        for reply in replies[:records]:
-            if isinstance(reply, Exception):
-                raise Unavailable(f"cluster directory: {type(reply).__name__}: {reply}")
-        if not (read or written):
-            return Ghosts(0, {})
-        return self._ghosts(read, len(written), replies[records:])
+        refused = {i: _refusal(r) for i, r in enumerate(replies[:records]) if isinstance(r, Exception)}
+        ghosts = self._ghosts(read, len(written), replies[records:]) if read or written else Ghosts(0, {})
+        n = len(puts)
+        return Published(ghosts, {i: e for i, e in refused.items() if i < n},
+                         {i - n: e for i, e in refused.items() if i >= n})
 
     def _ghost_commands(
         self, taken: list[bytes], written: list[tuple[bytes, int, bool]], ttl: int
@@ -457,9 +480,10 @@ class Directory:
         refused = next((r for r in (*replies, *got) if isinstance(r, Exception)), None)  # (TAKE's: per key)
         return Ghosts(written, found, f"{type(refused).__name__}: {refused}" if refused is not None else "")
 
-    async def find(self, root: bytes, keys: Sequence[bytes]) -> list[dict[str, Record]]:
-        """Every node's record of each key (empty where none): one script call on a Redis, one
-        pipeline (to every shard at once) on a Redis Cluster."""
+    async def find(self, root: bytes, keys: Sequence[bytes]) -> list[dict[str, Record] | None]:
+        """Every node's record of each key (empty where none; None where the directory refuses
+        the key, of another type: that key's error, not the directory's): one script call on a
+        Redis, one pipeline (to every shard at once) on a Redis Cluster."""
         names = [self.key(root, k) for k in keys]
         if self._find is None:
             replies: list[Any] = await self._pipeline([("HGETALL", k) for k in names])
@@ -468,10 +492,12 @@ class Directory:
                 replies = await (self._link.script(FIND, names) if self._link else self._find(keys=names))
             except (RedisError, OSError, ReplyError) as exc:
                 raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
-        out: list[dict[str, Record]] = []
+        out: list[dict[str, Record] | None] = []
         for name, reply in zip(names, replies):
-            if isinstance(reply, Exception):
-                raise Unavailable(f"cluster directory: {type(reply).__name__}: {reply}")
+            if reply is None or isinstance(reply, Exception):
+                _refusal(reply)  # (raises where the directory, not the key, failed)
+                out.append(None)
+                continue
             items = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2])
             holders: dict[str, Record] = {}
             where = frame(name)

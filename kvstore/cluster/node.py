@@ -38,10 +38,11 @@ import socket
 import time
 from collections.abc import Sequence
 
-from kvstore.cluster.directory import Directory, Ghosts, Member, Record
+from kvstore.cluster.directory import Directory, Ghosts, Member, Published, Record
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.peer_server import NOTHING_LENT, Lent, PeerServer
 from kvstore.cluster.unreadable import UnreadableMembers
+from kvstore.cluster.waiters import PublishWaiters, Where
 from kvstore.config import Config
 from kvstore.errors import KVStoreError, Unavailable, shown
 from kvstore.keys import BlockKey, NamespaceRoot
@@ -50,7 +51,7 @@ from kvstore.store.block_store import BlockStore
 from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, REDIS, S3, Block, NsEntry, State, top_label
 from kvstore.store.remote import MAX_HOLDERS, PeerBlock
-from kvstore.util.logs import Throttled
+from kvstore.util.logs import Once, Throttled
 from kvstore.util.tasks import TaskHealth, cancel_and_wait, every
 
 log = logging.getLogger("kvstore.cluster.node")
@@ -62,7 +63,7 @@ COUNTERS = (  # /stats "cluster": every one shown from the start, 0 until it hap
     "heartbeats", "directory_errors", "directory_lookups", "records_published", "records_removed",
     "peer_blocks_found", "blocks_adopted", "blocks_fetched", "bytes_fetched", "fetch_failures", "fetch_misses",
     "checksum_failures", "blocks_lent", "ghosts_written", "ghosts_resumed", "bad_addresses", "unheld_dropped",
-    "records_rejected", "members_rejected", "members_unreadable", "members_forgotten",
+    "records_rejected", "members_rejected", "members_unreadable", "members_forgotten", "directory_key_errors",
 )
 # Keys peers asked for that this node does not hold, remembered for the next publish to delete their
 # records: at most this many (one pipeline's worth). While the directory is down nothing drains them;
@@ -102,13 +103,14 @@ class ClusterNode:
         self._clock: tuple[int, float] = (0, 0.0)  # (directory ms, local monotonic) at the last heartbeat
         self._up = False
         self._peers: dict[str, PeerClient] = {}
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters = PublishWaiters()
         self._stale: list[tuple[bytes, bytes, str, Record]] = []
         self._unheld: set[tuple[bytes, bytes]] = set()  # keys peers asked for that this node does not hold
         self._tasks: list[asyncio.Task[None]] = []
         self._fetches: set[asyncio.Task[int]] = set()  # peer fetches in flight (shielded from their Acquire)
         self._closing = False  # the loops end at their next turn (a cancellation can be lost: close)
         self._warn = Throttled(log)
+        self._key_errors = Once(log)  # a directory key of another type: told once per key
         self._unreadable = UnreadableMembers()
         self._span = GhostSpan()  # how fast this node lets blocks go: how long its ghosts last
 
@@ -173,9 +175,7 @@ class ClusterNode:
         await self.server.close()
         for p in self._peers.values():
             p.close()
-        for fut in self._waiters:
-            if not fut.done():
-                fut.set_result(None)
+        self._waiters.fail_all("the node stopped")
         self.store.index.changed = None
         await self.directory.close()
 
@@ -285,10 +285,11 @@ class ClusterNode:
                 changed.setdefault(b, False)
 
     def published(self, blocks: Sequence[Block]) -> asyncio.Future[None] | None:
+        """Answered after the pass that writes ``blocks``' records (:mod:`kvstore.cluster.waiters`):
+        an error at once while the directory is away."""
+        fut = self._waiters.add(blocks)
         if not self._up:
-            return None
-        fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+            self._waiters.fail_all("unreachable since the last call to it")
         return fut
 
     async def flush(self) -> None:
@@ -298,12 +299,12 @@ class ClusterNode:
         if changed is None:
             return
         if not self._up:  # nothing is written while the directory is away: whoever waits is told now
-            self._resolve()
+            self._waiters.fail_all("unreachable since the last call to it")
             return
         if not (changed or self._stale or self._waiters or self._unheld):
             return
         index.changed = {}
-        waiters, self._waiters = self._waiters, []
+        waiters = self._waiters.take()
         stale, self._stale = self._stale, []
         puts: list[tuple[bytes, bytes, Record]] = []
         fresh: list[bool] = []  # per put: new on this node (its ghost is read), not a re-publish
@@ -340,33 +341,54 @@ class ClusterNode:
                 unread.append(False)
         ttl_ms = round(1000 * self._span.ttl_s(self.store.space.ghost_size(), self.cfg.ghost_ttl_s))
         pending = changed
+        error = ""
+        refused: dict[Where, str] = {}
         try:
             # in pipelines of PUBLISH_BATCH records, each under the deadline: a node re-publishing
             # millions of blocks after an outage gets there in steps instead of timing out whole
             for i in range(0, max(len(puts), len(removes)), PUBLISH_BATCH):
                 batch = slice(i, i + PUBLISH_BATCH)
                 async with asyncio.timeout(self.cfg.directory_timeout_s):
-                    ghosts = await self.directory.publish(
+                    published = await self.directory.publish(
                         puts[batch], removes[batch], fresh=fresh[batch], uses=uses[batch], unread=unread[batch],
                         ttl_ms=ttl_ms,
                     )
-                self.stats["records_published"] += len(puts[batch])
-                self.stats["records_removed"] += len(removes[batch])
-                self._resume(puts[batch], ghosts)
+                refused.update(self._refused(puts[batch], removes[batch], published))
+                self.stats["records_published"] += len(puts[batch]) - len(published.refused_puts)
+                self.stats["records_removed"] += len(removes[batch]) - len(published.refused_removes)
+                self._resume(puts[batch], published.ghosts)
             pending = {}
             if stale:
                 async with asyncio.timeout(self.cfg.directory_timeout_s):
                     await self.directory.forget(stale)
-        except (Unavailable, TimeoutError) as exc:
-            self._up = False
-            self.stats["directory_errors"] += 1
-            self._warn.warning("cluster directory write failed (kept for the next pass): %s", exc)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
             merged = dict(pending)  # re-writing a batch that did land is harmless
             for b, new in (index.changed or {}).items():
                 merged[b] = merged.get(b, False) or new
             index.changed = merged
+            if not isinstance(exc, (Unavailable, TimeoutError)):
+                raise  # (not the directory's: its loop counts and logs it; the changes wait for the next pass)
+            self._up = False
+            self.stats["directory_errors"] += 1
+            self._warn.warning("cluster directory write failed (kept for the next pass): %s", exc)
         finally:
-            self._resolve(waiters)
+            self._waiters.answer(waiters, error, refused)
+
+    def _refused(
+        self, puts: Sequence[tuple[bytes, bytes, Record]], removes: Sequence[Where], published: Published
+    ) -> dict[Where, str]:
+        """The records of a batch the directory refused (their keys of another type): counted,
+        told once per key, left unlisted (a block of this node that no other node finds) and not
+        written again until everything is (a new incarnation, the directory back)."""
+        out = {puts[j][:2]: why for j, why in published.refused_puts.items()}
+        out.update({removes[j]: why for j, why in published.refused_removes.items()})
+        for (root, key), why in out.items():
+            self.stats["directory_key_errors"] += 1
+            self._key_errors.warning(key, "cluster directory refused the record of block %s (its key %s): %s; the "
+                                     "block stays on this node, unlisted", key.hex()[:16],
+                                     self.directory.key(root, key)[:48], why)
+        return out
 
     def _resume(self, puts: Sequence[tuple[bytes, bytes, Record]], ghosts: Ghosts) -> None:
         """Take up the use counts other nodes left of the blocks new here (``ghosts.found``, by
@@ -384,14 +406,6 @@ class ClusterNode:
                 space.resume(b, n)
                 self.stats["ghosts_resumed"] += 1
 
-    def _resolve(self, waiters: list[asyncio.Future[None]] | None = None) -> None:
-        """Wake the commits waiting for a publish (``waiters``; all of them by default)."""
-        if waiters is None:
-            waiters, self._waiters = self._waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
-
     # --- find ---------------------------------------------------------------------------------
 
     async def _records(self, root: bytes, keys: Sequence[bytes]) -> list[dict[str, Record]] | None:
@@ -405,7 +419,14 @@ class ClusterNode:
             return None
         self.stats["directory_lookups"] += 1
         self._count_rejected()
-        return found
+        out: list[dict[str, Record]] = []
+        for key, holders in zip(keys, found):
+            if holders is None:  # that key's error, not the directory's: a miss from that key on
+                self.stats["directory_key_errors"] += 1
+                self._key_errors.warning(key, "cluster directory: the key of block %s (%s) is of another type: a "
+                                         "miss", key.hex()[:16], self.directory.key(root, key)[:48])
+            out.append(holders or {})
+        return out
 
     async def find(
         self, ns: NsEntry, keys: Sequence[bytes], parent: bytes = b"", depth: int = 1

@@ -305,9 +305,10 @@ class BlockStore:
         """Publish the listed blocks (release the rest of the allocation). Returns (committed,
         written_through): with ``wait_write_through``, once the write-through tiers' writes of
         these blocks have finished, how many of them every such tier now holds; else 0. With
-        ``wait_published``, once the cluster directory lists them (or its write failed). With
-        ``retain_ms``, they are retained (kvstore.store.retention); a hint past the tenant's bound
-        refuses the commit, the allocation left open."""
+        ``wait_published``, once the cluster directory lists them: an error where it did not list
+        every one (refused a record, or could not be written to; the blocks stay committed here).
+        With ``retain_ms``, they are retained (kvstore.store.retention); a hint past the tenant's
+        bound refuses the commit, the allocation left open."""
         self._closed(alloc_id)
         alloc = self.index.allocation(alloc_id)
         self._check_batch(len(specs), "blocks")
@@ -373,6 +374,7 @@ class BlockStore:
         # reads them from there rather than from this node).
         if wait_published and (listed := self.remote.published(blocks)) is not None:
             await asyncio.wait([listed])  # a cancelled commit must not cancel the publish
+            listed.result()  # (not listed: FailedPrecondition or Unavailable, naming wait_published)
         return len(chosen), written
 
     def abort(self, alloc_id: str, fate: str = "aborted") -> int:

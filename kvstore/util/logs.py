@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Hashable
 
 
 class Throttled:
@@ -57,3 +58,24 @@ def setup_logging(level: str = "info", fmt: str = "json") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+class Once:
+    """Warnings to ``logger`` once per distinct subject (a key, an error): a fault that recurs on
+    every pass is told once, not every pass. Past ``limit`` subjects, new ones are throttled
+    (:class:`Throttled`)."""
+
+    def __init__(self, logger: logging.Logger, limit: int = 1024) -> None:
+        self._log = logger
+        self._limit = limit
+        self._seen: set[Hashable] = set()
+        self._more = Throttled(logger)
+
+    def warning(self, subject: Hashable, msg: str, *args: object) -> None:
+        if subject in self._seen:
+            return
+        if len(self._seen) >= self._limit:
+            self._more.warning(msg, *args)
+            return
+        self._seen.add(subject)
+        self._log.warning(msg, *args)

@@ -11,19 +11,24 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
+import redis.asyncio
 from aiohttp import ClientSession
 
 from kvstore.client import SyncClient
+from kvstore.config import Config
+from kvstore.errors import FailedPrecondition, Unavailable
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import DataDirLock, Sidecar
-from kvstore.testing.servers import RedisServer
+from kvstore.testing.servers import RedisServer, redis_cluster, redis_server
 from kvstore.testing.sidecar import ServeProcess
-from tests.cluster.nodes import blocks, keys_for, node_config, serve_args, serve_env
+from tests.cluster.nodes import blocks, client_of, keys_for, node_config, serve_args, serve_env
 
 WAIT_S = 30.0
 
@@ -181,3 +186,104 @@ async def test_a_stop_completes_when_a_background_task_died(tmp_path: Path, dire
     lock = DataDirLock(a.data_dir)  # released: another sidecar may take the directory
     lock.acquire()
     lock.release()
+
+
+# --- a d: key of another type (issue 29, case 7), on one Redis and on a Redis Cluster ----------------
+
+
+@dataclass
+class AnyDirectory:
+    server: RedisServer  # the redis-server, or the first node of the Redis Cluster
+    clustered: bool
+
+    def config(self, tmp_path: Path, name: str, **extra: Any) -> Config:
+        return node_config(tmp_path, name, self.server, **{"cluster.directory_cluster": self.clustered, **extra})
+
+    def client(self) -> redis.asyncio.Redis | redis.asyncio.RedisCluster:
+        cls = redis.asyncio.RedisCluster if self.clustered else redis.asyncio.Redis
+        return cls.from_url(self.server.url)
+
+
+@pytest.fixture(scope="module", params=["redis", "redis-cluster"])
+def any_directory(request: pytest.FixtureRequest) -> Iterator[AnyDirectory]:
+    if request.param == "redis":
+        with redis_server() as server:
+            yield AnyDirectory(server, False)
+    else:
+        with redis_cluster(3) as cluster:
+            yield AnyDirectory(cluster.nodes[0], True)
+
+
+def d_key(sc: Sidecar, ns: Namespace, key: bytes) -> bytes:
+    """The directory key of ``key``, spelled out: ``{prefix}:d:`` + root[:16] + key."""
+    return f"{sc.config.cluster.key_prefix}:d:".encode() + ns.root[:16] + key
+
+
+async def sees(sc: Sidecar, node: str) -> bool:
+    return sc.cluster is not None and node in {m.node for m in sc.cluster.live_members()}
+
+
+async def test_a_d_key_of_another_type_is_that_keys_miss_and_wait_published_says_so(
+    tmp_path: Path, any_directory: AnyDirectory, ns: Namespace
+) -> None:
+    """8dc5782: the SET key failed A's whole publish pipeline on every pass (A re-published all
+    its records every heartbeat and found B's blocks in 4 of 129 lookups), Commit(wait_published)
+    answered success without publishing, and a lookup that met the key turned B's cluster
+    lookups off."""
+    keys, data = keys_for(ns, 4, seed=7), blocks(4, seed=7)
+    others, other_data = keys_for(ns, 4, seed=8), blocks(4, seed=8)
+    r = any_directory.client()
+    try:
+        async with Sidecar(any_directory.config(tmp_path, "a")) as a, \
+                Sidecar(any_directory.config(tmp_path, "b")) as b:
+            await until(lambda: sees(a, "b"), "A sees B")
+            await until(lambda: sees(b, "a"), "B sees A")
+            await r.set(d_key(a, ns, keys[2]), b"not a hash")
+            async with client_of(a) as ca, client_of(b) as cb:
+                with pytest.raises(FailedPrecondition, match=r"wait_published: .*refused the records of 1 of the 4"):
+                    await ca.put_blocks(ns, keys, data, wait_published=True)
+                await ca.put_blocks(ns, others, other_data, wait_published=True)  # the publisher is not wedged
+                await cb.put_blocks(ns, keys_for(ns, 2, seed=9), blocks(2, seed=9), wait_published=True)
+                assert (await cb.lookup(ns, others)).matched == 4
+                found = await cb.lookup(ns, keys)  # the blocks before the bad key: found; from it on: a miss
+                assert found.matched == 2 and [t for t, _ in found.blocks] == ["peer"] * 2
+                assert (await ca.lookup(ns, keys_for(ns, 2, seed=9))).matched == 2
+                assert (await cb.lookup(ns, others)).matched == 4  # B's lookups stayed on
+                published = a.store.stats.cluster["records_published"]
+                beats = a.store.stats.cluster["heartbeats"]
+                await until(lambda: _past(a, beats + 3), "three more heartbeats of A")
+                # no re-publish of everything each heartbeat: nothing new to write, nothing written
+                assert a.store.stats.cluster["records_published"] == published
+            for sc in (a, b):
+                assert sc.store.stats.cluster["directory_errors"] == 0
+                assert sc.cluster is not None and sc.cluster.active
+            assert a.store.stats.cluster["directory_key_errors"] >= 1  # its refused record
+            assert b.store.stats.cluster["directory_key_errors"] >= 1  # its lookup that met the key
+    finally:
+        await r.aclose()
+
+
+async def _past(sc: Sidecar, beats: int) -> bool:
+    return bool(sc.store.stats.cluster["heartbeats"] >= beats)
+
+
+async def test_wait_published_is_an_error_while_the_directory_is_down(tmp_path: Path, ns: Namespace) -> None:
+    """8dc5782: Commit(wait_published=true) answered success at once with the directory down."""
+    with redis_server() as server:
+        async with Sidecar(node_config(tmp_path, "a", server)) as a, client_of(a) as ca:
+            server.stop()
+            await until(lambda: _down(a), "A finds the directory down")
+            with pytest.raises(Unavailable, match="wait_published: the cluster directory was not written"):
+                await ca.put_blocks(ns, keys_for(ns, 2), blocks(2), wait_published=True)
+            assert (await ca.lookup(ns, keys_for(ns, 2))).matched == 2  # committed here all the same
+            server.start()
+            await until(lambda: _up(a), "A finds the directory back")
+            await ca.put_blocks(ns, keys_for(ns, 2, seed=1), blocks(2, seed=1), wait_published=True)
+
+
+async def _down(sc: Sidecar) -> bool:
+    return sc.cluster is not None and not sc.cluster.active
+
+
+async def _up(sc: Sidecar) -> bool:
+    return sc.cluster is not None and sc.cluster.active

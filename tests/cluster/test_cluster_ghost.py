@@ -327,7 +327,7 @@ async def test_a_ghost_that_is_not_a_count_is_ignored(
         for k, raw in zip(keys, (b"9" * 5000, b"-3", b"", b"3"), strict=True):
             await redis.set(d.ghost_key(root, k), raw)
         rec = Record(1, 1, 8192, 7)
-        ghosts = await d.publish([(root, k, rec) for k in keys], [], fresh=[True] * 4)
+        ghosts = (await d.publish([(root, k, rec) for k in keys], [], fresh=[True] * 4)).ghosts
         assert ghosts.found == {3: 3}
         assert [f.get("x") for f in await d.find(root, keys)] == [rec] * 4
     finally:
@@ -345,7 +345,7 @@ async def test_a_ghost_command_the_directory_refuses_fails_no_record(
         await d.publish([], [(root, k) for k in keys[1:]], uses=[3, 3, 3])
         await redis.hset(d.ghost_key(root, keys[0]), "not", "a count")
         rec = Record(1, 1, 8192, 7)
-        ghosts = await d.publish([(root, k, rec) for k in keys], [], fresh=[True] * 4)
+        ghosts = (await d.publish([(root, k, rec) for k in keys], [], fresh=[True] * 4)).ghosts
         assert "WRONGTYPE" in ghosts.error
         assert [f.get("x") for f in await d.find(root, keys)] == [rec] * 4
         assert ghosts.found == {1: 3, 2: 3, 3: 3}
@@ -365,7 +365,7 @@ async def test_a_refused_ghost_loses_none_of_the_others(
         await d.publish([], [(root, k) for i, k in enumerate(keys) if i != 2], uses=[2, 3, 4])
         await redis.hset(bad, "not", "a count")
         rec = Record(1, 1, 8192, 7)
-        ghosts = await d.publish([(root, k, rec) for k in keys], [], fresh=[True] * 4)
+        ghosts = (await d.publish([(root, k, rec) for k in keys], [], fresh=[True] * 4)).ghosts
         assert "WRONGTYPE" in ghosts.error
         assert ghosts.found == {0: 2, 1: 3, 3: 4}
         assert [await redis.exists(d.ghost_key(root, k)) for k in keys] == [0, 0, 1, 0]
@@ -383,12 +383,12 @@ async def test_each_pass_writes_its_ghosts_for_the_time_it_is_given(
     try:
         root, keys = bytes(range(16)), [bytes([i]) * 32 for i in range(3)]
         for key, ttl_ms in zip(keys, (5_000, 3_600_000, None), strict=True):
-            ghosts = await d.publish([], [(root, key)], uses=[1], ttl_ms=ttl_ms)
+            ghosts = (await d.publish([], [(root, key)], uses=[1], ttl_ms=ttl_ms)).ghosts
             assert ghosts.written == 1
         ttls = [await redis.pttl(d.ghost_key(root, k)) for k in keys]
         assert 0 < ttls[0] <= 5_000 and 5_000 < ttls[1] <= 60_000 and 5_000 < ttls[2] <= 60_000, ttls
         other = b"\xff" * 32
-        ghosts = await d.publish([], [(root, other)], uses=[4], ttl_ms=0)
+        ghosts = (await d.publish([], [(root, other)], uses=[4], ttl_ms=0)).ghosts
         assert ghosts.written == 0 and not await redis.exists(d.ghost_key(root, other))
         assert await redis.get(d.ghost_key(root, keys[0])) == b"1"  # a count of 1 is kept (GHOST_MIN_USES)
     finally:
@@ -402,7 +402,7 @@ async def test_an_unread_remove_sets_its_count_only_where_none_is(
     try:
         root, keys = bytes(range(16)), [bytes([i]) * 32 for i in range(4)]
         await d.publish([], [(root, k) for k in keys[:2]], uses=[5, 5])
-        ghosts = await d.publish([], [(root, k) for k in keys], uses=[1, 2, 3, 4], unread=[True, False, True])
+        ghosts = (await d.publish([], [(root, k) for k in keys], uses=[1, 2, 3, 4], unread=[True, False, True])).ghosts
         assert ghosts.written == 3
         assert [await redis.get(d.ghost_key(root, k)) for k in keys] == [b"5", b"2", b"3", b"4"]
     finally:
@@ -418,7 +418,7 @@ async def test_a_redis_without_getdel_carries_the_counts() -> None:
             root, keys = bytes(range(16)), [bytes([i]) * 32 for i in range(3)]
             await d.publish([], [(root, k) for k in keys], uses=[1, 2, 3])
             rec = Record(1, 1, 8192, 7)
-            ghosts = await d.publish([(root, k, rec) for k in keys], [], fresh=[True, False, True])
+            ghosts = (await d.publish([(root, k, rec) for k in keys], [], fresh=[True, False, True])).ghosts
             assert (ghosts.found, ghosts.error) == ({0: 1, 2: 3}, "")
             assert [await d.client.exists(d.ghost_key(root, k)) for k in keys] == [0, 1, 0]
         finally:

@@ -20,6 +20,7 @@ import redis
 
 from kvstore.client import KVStoreClient
 from kvstore.cluster.cluster_key import MAC_BYTES
+from kvstore.errors import Unavailable
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.block_store import BlockSpec, CommitSpec
@@ -312,8 +313,11 @@ async def test_wait_published_hangs_for_the_whole_directory_outage(tmp_path: Pat
                     second = asyncio.create_task(
                         ca.put_blocks(ns, keys_for(ns, 1, seed=27), blocks(1, seed=27), wait_published=True)
                     )
-                    await asyncio.wait_for(first, 3)  # its write failed: it returns
-                    await asyncio.wait_for(second, 3)  # ... and this one should too
+                    # its write failed: it returns, with the error (issue 29: never success unpublished)
+                    with pytest.raises(Unavailable, match="wait_published"):
+                        await asyncio.wait_for(first, 3)
+                    with pytest.raises(Unavailable, match="wait_published"):
+                        await asyncio.wait_for(second, 3)  # ... and this one too
                 finally:
                     pauser.execute_command("CLIENT", "UNPAUSE")  # type: ignore[no-untyped-call]
                     pauser.close()
