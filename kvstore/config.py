@@ -302,6 +302,10 @@ class ClusterConfig(_Section):
         "(its blocks' lease released, the connection closed): a send thread is not held for the whole deadline",
     )
     directory_timeout_s: float = Field(2.0, gt=0, description="deadline of one directory round trip")
+    sweep_keys_per_s: int = Field(
+        1000, ge=0, description="directory keys each node reads a second in its walk that deletes void records "
+        "(of a past incarnation, a lapsed lease, a node gone); 0: no walk (lookups still delete those they meet)",
+    )
     ghost_ttl_s: float = Field(
         3600.0,
         ge=0,

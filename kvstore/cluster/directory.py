@@ -159,6 +159,8 @@ end
 return set
 """
 FORGET_AFTER_MS = 3_600_000  # a member silent this long leaves the members hash
+ScanCursor = tuple[int, int]  # a walk over the d: keys (Directory.scan): which primary, its SCAN cursor
+SCAN_START: ScanCursor = (0, 0)
 
 
 class Record(NamedTuple):
@@ -498,23 +500,67 @@ class Directory:
                 _refusal(reply)  # (raises where the directory, not the key, failed)
                 out.append(None)
                 continue
-            items = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2])
-            holders: dict[str, Record] = {}
-            where = frame(name)
-            for field, raw in items:
-                rec = self._opened(where, field, raw)
-                node = _node_name(field) if rec is not None else None
-                if rec is not None and node is not None:  # (else forged, or not a record this version writes: a miss)
-                    holders[node] = rec
-            out.append(holders)
+            out.append(self._holders(name, reply))
         return out
+
+    def _holders(self, name: bytes, reply: Any) -> dict[str, Record]:
+        """The HGETALL ``reply`` of the ``d:`` key ``name`` (a dict, or a flat field, value list):
+        node -> record. A record that does not check out (forged, moved, of an older version:
+        counted) or a field that is not UTF-8 is none this version wrote: skipped (a miss)."""
+        items = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2])
+        holders: dict[str, Record] = {}
+        where = frame(name)
+        for field, raw in items:
+            rec = self._opened(where, field, raw)
+            node = _node_name(field) if rec is not None else None
+            if rec is not None and node is not None:
+                holders[node] = rec
+        return holders
 
     async def forget(self, stale: Sequence[tuple[bytes, bytes, str, Record]]) -> None:
         """Delete records (root, key, node, record) found void (a past incarnation's), each only
         while the directory still holds that record (:data:`FORGET`)."""
-        await self._pipeline([
-            ("EVAL", FORGET, 1, self.key(r, k), n.encode(), self.value(r, k, n, rec)) for r, k, n, rec in stale
-        ])
+        await self.forget_keys([(self.key(r, k), n, rec) for r, k, n, rec in stale])
+
+    async def forget_keys(self, stale: Sequence[tuple[bytes, str, Record]]) -> int:
+        """:meth:`forget` by directory key (key, node, record); how many went. (The record is
+        compared as the directory holds it: sealed, as :meth:`value` seals it.)"""
+        seal = self.sealer.seal_record
+        cmds = [("EVAL", FORGET, 1, k, n.encode(), seal(rec.pack(), k, n.encode())) for k, n, rec in stale]
+        replies = await self._pipeline(cmds)
+        return sum(r == 1 for r in replies)
+
+    async def scan(self, cursor: ScanCursor, count: int) -> tuple[ScanCursor, list[tuple[bytes, dict[str, Record]]]]:
+        """A step of a walk over every ``d:`` key: about ``count`` keys from ``cursor`` (the walk
+        begins and ends at :data:`SCAN_START`) with every node's record of each, in two round
+        trips (SCAN, then their HGETALLs in one pipeline). On a Redis Cluster the walk goes
+        through each primary in turn."""
+        node_index, at = cursor
+        pattern = self.prefix + b":d:*"
+        try:
+            if self._clustered:
+                assert isinstance(self.client, RedisCluster)
+                primaries = sorted(self.client.get_primaries(), key=lambda n: n.name)
+                if node_index >= len(primaries):
+                    return SCAN_START, []
+                nxt, keys = await self.client.execute_command(
+                    "SCAN", at, "MATCH", pattern, "COUNT", count, target_nodes=primaries[node_index])
+                nxt = next(iter(nxt.values())) if isinstance(nxt, dict) else nxt  # (per node: the one asked)
+                after = (node_index, int(nxt)) if int(nxt) else (node_index + 1, 0)
+                after = SCAN_START if after[0] >= len(primaries) else after
+            else:
+                nxt, keys = await self.client.scan(at, match=pattern, count=count)
+                after = (0, int(nxt))
+        except (RedisError, OSError) as exc:
+            raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
+        replies = await self._pipeline([("HGETALL", k) for k in keys])
+        out: list[tuple[bytes, dict[str, Record]]] = []
+        for key, reply in zip(keys, replies):
+            if isinstance(reply, Exception) or reply is None:
+                _refusal(reply)  # (a key of another type: skipped; the directory down: raised)
+                continue
+            out.append((key, self._holders(key, reply)))
+        return after, out
 
     async def close(self) -> None:
         if self._link is not None:

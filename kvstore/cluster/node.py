@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from kvstore.cluster.directory import Directory, Ghosts, Member, Published, Record
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.peer_server import NOTHING_LENT, Lent, PeerServer
+from kvstore.cluster.sweep import Sweeper
 from kvstore.cluster.unreadable import UnreadableMembers
 from kvstore.cluster.waiters import PublishWaiters, Where
 from kvstore.config import Config
@@ -57,13 +58,17 @@ from kvstore.util.tasks import TaskHealth, cancel_and_wait, every
 log = logging.getLogger("kvstore.cluster.node")
 SHARED = REDIS | S3
 PUBLISH_BATCH = 4096  # directory records in one pipeline
+ABSENT_TRACKED = 65536  # nodes missing from the members followed at once (records of forged names)
+STALE_MAX = 65536  # void records met and not yet deleted (the publisher's next pass deletes them)
 FORGET_MEMBERS_BATCH = 8192  # unreadable members entries deleted at most a heartbeat
 HEARTBEAT_TASK, PUBLISH_TASK = "kvstore-cluster-heartbeat", "kvstore-cluster-publish"
+SWEEP_TASK = "kvstore-cluster-sweep"
 COUNTERS = (  # /stats "cluster": every one shown from the start, 0 until it happens
     "heartbeats", "directory_errors", "directory_lookups", "records_published", "records_removed",
     "peer_blocks_found", "blocks_adopted", "blocks_fetched", "bytes_fetched", "fetch_failures", "fetch_misses",
     "checksum_failures", "blocks_lent", "ghosts_written", "ghosts_resumed", "bad_addresses", "unheld_dropped",
     "records_rejected", "members_rejected", "members_unreadable", "members_forgotten", "directory_key_errors",
+    "sweep_keys", "sweep_forgotten", "sweep_walks",
 )
 # Keys peers asked for that this node does not hold, remembered for the next publish to delete their
 # records: at most this many (one pipeline's worth). While the directory is down nothing drains them;
@@ -112,6 +117,9 @@ class ClusterNode:
         self._warn = Throttled(log)
         self._key_errors = Once(log)  # a directory key of another type: told once per key
         self._unreadable = UnreadableMembers()
+        self._absent: dict[str, int] = {}  # nodes of records met that the members lack -> since (directory ms)
+        per_pass = round(self.cfg.sweep_keys_per_s * self.cfg.heartbeat_ms / 1000)
+        self._sweeper = Sweeper(directory, self.sweepable, self.stats, max(1, per_pass))
         self._span = GhostSpan()  # how fast this node lets blocks go: how long its ghosts last
 
     # --- life cycle -------------------------------------------------------------------------
@@ -132,15 +140,14 @@ class ClusterNode:
             await self._heartbeat()
         except Exception as exc:  # noqa: BLE001  (logged there; the loop below tries again, with back-off)
             self.health.failed(HEARTBEAT_TASK, exc)
-        stop = self._stopping
-        self._tasks = [
-            asyncio.create_task(every(HEARTBEAT_TASK, self.cfg.heartbeat_ms / 1000.0, self._heartbeat, self.health,
-                                      stop=stop), name=HEARTBEAT_TASK),
-            asyncio.create_task(every(PUBLISH_TASK, self.cfg.publish_interval_ms / 1000.0, self.flush, self.health,
-                                      stop=stop), name=PUBLISH_TASK),
-        ]
-        for t in self._tasks:
-            t.add_done_callback(self.health.ended)
+        beat_s, publish_s = self.cfg.heartbeat_ms / 1000.0, self.cfg.publish_interval_ms / 1000.0
+        loops = [(HEARTBEAT_TASK, beat_s, self._heartbeat), (PUBLISH_TASK, publish_s, self.flush)]
+        if self.cfg.sweep_keys_per_s:
+            loops.append((SWEEP_TASK, beat_s, self._sweep))
+        for name, interval, step in loops:
+            task = asyncio.create_task(every(name, interval, step, self.health, stop=self._stopping), name=name)
+            task.add_done_callback(self.health.ended)
+            self._tasks.append(task)
         store.remote = self
         log.info(
             "cluster node %s (incarnation %d) serving peers at %s; directory %s",
@@ -207,11 +214,34 @@ class ClusterNode:
         joined (or re-joined a directory that lost its data) since this node's last heartbeat, and
         a record of a later life than the members say is news this node has not heard: not void."""
         m = self._members.get(node)
-        if m is None:  # left cleanly (it took its records along), forgotten, or not yet seen: leave it
-            return False
+        if m is None:
+            # Joined (or re-joined) since this node's last heartbeat, or gone: left (a clean stop
+            # deletes its records, but may not finish), forgotten, or an entry nobody can read.
+            # Gone once it has been missing for a lease of this node's heartbeats.
+            now = self._clock[0]
+            if not now:
+                return False  # (no members read yet)
+            if node not in self._absent and len(self._absent) >= ABSENT_TRACKED:
+                del self._absent[next(iter(self._absent))]
+            return now - self._absent.setdefault(node, now) >= self.cfg.lease_ms
         if m.incarnation != rec.incarnation:
             return m.incarnation > rec.incarnation
         return m.expiry_ms < self._clock[0]
+
+    def sweepable(self, node: str, rec: Record) -> bool:
+        """Whether a record read from the directory can be deleted: not offered, and void."""
+        return self._live(node, rec, self._now_ms()) is None and self._void(node, rec)
+
+    async def _sweep(self) -> None:
+        """A pass of the walk that deletes void records (:mod:`kvstore.cluster.sweep`)."""
+        if not self._up or self._closing:
+            return
+        try:
+            async with asyncio.timeout(self.cfg.directory_timeout_s):
+                await self._sweeper.step()
+        except (Unavailable, TimeoutError) as exc:
+            self.stats["directory_errors"] += 1
+            self._warn.warning("cluster directory sweep failed (tried again next pass): %s", exc)
 
     async def _heartbeat(self) -> None:
         was_up = self._up
@@ -222,6 +252,8 @@ class ClusterNode:
             self._clock = (beat.now_ms, (sent + time.monotonic()) / 2)
             self._members = beat.members
             self._count_rejected()
+            for node in [n for n in self._absent if n in beat.members]:
+                del self._absent[node]
             self._up = True
             self.stats["heartbeats"] += 1
             await self._unreadable_members(beat.unreadable, beat.now_ms)
@@ -441,6 +473,7 @@ class ClusterNode:
         peers: list[PeerBlock] = []
         through: set[str] = set()  # the nodes the run goes through
         previous = ""
+        self._void_met(ns.root, keys, found, now)
         for i, holders in enumerate(found):
             key = keys[i]
             live: list[tuple[Member, Record]] = []
@@ -451,8 +484,6 @@ class ClusterNode:
                 m = self._live(node, rec, now)
                 if m is not None:
                     live.append((m, rec))
-                elif self._void(node, rec):
-                    self._stale.append((ns.root, key, node, rec))  # a past life's, or a lapsed lease's
                 if rec.tiers & SHARED and rec.checksum and shared is None:
                     shared = rec
             if not peers and shared is not None and index.get(ns, key) is None and slab.holds(shared.size):
@@ -476,6 +507,17 @@ class ClusterNode:
                                    rec.retain_priority))
         self.stats["blocks_adopted"] += adopted
         return adopted, peers
+
+    def _void_met(self, root: bytes, keys: Sequence[bytes], found: list[dict[str, Record]], now: float) -> None:
+        """Mark for deletion every void record a lookup read (of every key, not only those up to
+        where its run ends), this node's own past lives' included."""
+        for key, holders in zip(keys, found):
+            for node, rec in holders.items():
+                if len(self._stale) >= STALE_MAX:
+                    return  # (the sweep gets the rest)
+                if (node != self.node or rec.incarnation != self.incarnation) and self._live(node, rec, now) is None \
+                        and self._void(node, rec):
+                    self._stale.append((root, key, node, rec))  # a past life's, a lapsed lease's, a gone node's
 
     async def prefixes(self, ns: NsEntry, keys: Sequence[bytes]) -> dict[str, dict[str, int]]:
         found = await self._records(ns.root, keys) if self._up else None

@@ -22,6 +22,7 @@ import redis.asyncio
 from aiohttp import ClientSession
 
 from kvstore.client import SyncClient
+from kvstore.cluster.directory import Directory, Record
 from kvstore.config import Config
 from kvstore.errors import FailedPrecondition, Unavailable
 from kvstore.keys import Namespace
@@ -287,3 +288,101 @@ async def _down(sc: Sidecar) -> bool:
 
 async def _up(sc: Sidecar) -> bool:
     return sc.cluster is not None and sc.cluster.active
+
+
+# --- records of dead incarnations and of nodes gone (issue 29, case 8) ---------------------------------
+
+
+def records_of(r: redis.Redis, prefix: str, node: str) -> list[Record]:
+    out = []
+    for k in r.scan_iter(f"{prefix}:d:*".encode(), count=1000):
+        raw = r.hget(k, node)
+        if raw is not None and (rec := Record.unpack(raw)) is not None:
+            out.append(rec)
+    return out
+
+
+def test_a_killed_and_restarted_nodes_old_records_are_swept(
+    serve_process: Callable[..., ServeProcess], tmp_path: Path, directory: RedisServer, ns: Namespace
+) -> None:
+    """8dc5782: after kill -9 and a restart with the same node_id, the old life's records stayed
+    (450 of 500 after three rounds of lookups); nothing else ever deleted them."""
+    prefix = prefix_of(tmp_path)
+    env = serve_env(directory, "a", prefix)
+    r = redis.Redis.from_url(directory.url)
+    try:
+        a = serve_process(serve_args(tmp_path, "a"), env)
+        prompts = [keys_for(ns, 4, seed=s) for s in range(20, 26)]
+        with SyncClient(a.grpc) as ca:
+            for s, keys in enumerate(prompts):
+                ca.put_blocks(ns, keys, blocks(4, seed=s), wait_published=True)
+        old = records_of(r, prefix, "a")
+        assert len(old) == 24 and len({rec.incarnation for rec in old}) == 1
+        a.stop(signal.SIGKILL)  # no leave: every record stays behind
+        again = serve_process(serve_args(tmp_path, "a"), env)
+        with SyncClient(again.grpc) as ca:
+            ca.put_blocks(ns, prompts[0], blocks(4, seed=0), wait_published=True)  # held again, in the new life
+        wait_for(lambda: len(records_of(r, prefix, "a")) == 4, "only the new life's 4 records are left", 60)
+        assert {rec.incarnation for rec in records_of(r, prefix, "a")} != {old[0].incarnation}
+        with SyncClient(again.grpc) as ca:
+            assert ca.stats()["cluster"]["sweep_forgotten"] >= 20  # (and those of prompts[0] swept before the put)
+        assert again.stop(signal.SIGTERM) == 0
+    finally:
+        r.close()
+
+
+async def test_records_of_a_node_gone_are_swept_on_a_redis_and_a_redis_cluster(
+    tmp_path: Path, any_directory: AnyDirectory, ns: Namespace
+) -> None:
+    """8dc5782: a node gone for good (its member entry forgotten, or never there) left all its
+    records for ever. Namespaces and keys spread over the cluster's slots; the walk crosses every
+    primary."""
+    async with Sidecar(any_directory.config(tmp_path, "a")) as a:
+        assert a.cluster is not None
+        gone = Directory(any_directory.client(), a.config.cluster.key_prefix, "gone")
+        kept = Directory(any_directory.client(), a.config.cluster.key_prefix, "reader")
+        try:
+            roots = [Namespace(model=f"m{i}", kv_layout="raw", dtype="float16", block_size=16).root for i in range(3)]
+            record = Record(1, 1, 8192, 7)
+            puts = [(root, bytes([i, j]) * 16, record) for i, root in enumerate(roots) for j in range(40)]
+            await gone.publish(puts, [])
+            async with client_of(a) as ca:  # a live node's records stay
+                await ca.put_blocks(ns, keys_for(ns, 4, seed=30), blocks(4, seed=30), wait_published=True)
+
+            async def swept() -> bool:
+                found = await gone.find(roots[0], [k for _, k, _ in puts[:40]])
+                return not any(f for f in found) and a.store.stats.cluster["sweep_forgotten"] == 120
+
+            await until(swept, "the gone node's 120 records are deleted")
+            assert [f.get("a") is not None for f in await kept.find(ns.root, keys_for(ns, 4, seed=30))] == [True] * 4
+            assert a.store.stats.cluster["sweep_walks"] >= 1
+        finally:
+            await gone.close()
+            await kept.close()
+
+
+async def test_a_lookup_deletes_every_void_record_it_meets_not_only_the_first(
+    tmp_path: Path, directory: RedisServer, ns: Namespace
+) -> None:
+    """8dc5782: find() marked void records only up to the first key without a live holder, and
+    never those of a node missing from the members. (No sweep here: the lookups alone.)"""
+    no_sweep = {"cluster.sweep_keys_per_s": 0}
+    async with Sidecar(node_config(tmp_path, "a", directory, **no_sweep)) as a, \
+            Sidecar(node_config(tmp_path, "b", directory, **no_sweep)) as b:
+        assert a.cluster is not None and b.cluster is not None
+        keys = keys_for(ns, 10, seed=40)
+        past = Record(a.cluster.incarnation - 10, 1, 8192, 7)  # a's past life
+        await a.cluster.directory.publish([(ns.root, k, past) for k in keys[:5]], [])
+        gone = Directory(redis.asyncio.Redis.from_url(directory.url), a.config.cluster.key_prefix, "gone")
+        try:
+            await gone.publish([(ns.root, k, Record(1, 1, 8192, 7)) for k in keys[5:]], [])
+            async with client_of(b) as cb:
+
+                async def cleaned() -> bool:
+                    assert (await cb.lookup(ns, keys)).matched == 0
+                    await b.cluster.flush()  # type: ignore[union-attr]
+                    return not any(await gone.find(ns.root, keys))
+
+                await until(cleaned, "every void record the lookups met is deleted")
+        finally:
+            await gone.close()
