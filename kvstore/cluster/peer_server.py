@@ -24,7 +24,8 @@ A connection may sit idle between requests for ``IDLE_TIMEOUT_S``, but a request
 read whole (head and body) within ``request_timeout_s`` (the fetch timeout: its fetcher has given
 up by then), so a peer that sends part of one and stalls cannot hold its connection open for ever.
 A malformed or stalled request, a wrong token or a broken connection ends that connection only;
-the server keeps serving.
+the server keeps serving. An accept that fails (the process out of file descriptors) is retried
+with back-off, as the local socket's: the listener is read again once descriptors are free.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import numpy as np
 
 from kvstore.cluster import peer_hello
 from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey, Session
+from kvstore.util.backoff import accept_backoff
 from kvstore.util.logs import Throttled
 from kvstore.util.tasks import cancel_and_wait
 from kvstore.wire import peer as w
@@ -101,6 +103,7 @@ class PeerServer:
         self.port = 0
         # connections dropped: wrong token, bad or stalled request, no send slot in time, an answer not read, too many
         self.refused = 0
+        self.accept_failures = 0  # accepts that failed (out of file descriptors): retried with back-off
         self.served_blocks = 0
 
     async def start(self, address: str) -> int:
@@ -119,8 +122,19 @@ class PeerServer:
     async def _accept(self) -> None:
         assert self._sock is not None
         loop = asyncio.get_running_loop()
-        while True:
-            conn, _ = await loop.sock_accept(self._sock)
+        backoff = accept_backoff()
+        while not self._closing:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except (ConnectionAbortedError, InterruptedError):
+                continue
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM: wait for some to be freed
+                wait = backoff.next()
+                self.accept_failures += 1
+                self._warn.warning("peer data path: accept failed (%s); retrying in %.2f s", exc, wait)
+                await asyncio.sleep(wait)
+                continue
+            backoff.reset()
             if len(self._pending) >= MAX_PENDING:  # silent connections must not lock real peers out
                 oldest = next(iter(self._pending))
                 del self._pending[oldest]
@@ -131,8 +145,12 @@ class PeerServer:
                 self._warn.warning("peer data path: %d connections open; refusing more", len(self._conns))
                 conn.close()
                 continue
-            conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                conn.setblocking(False)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # (reset before it was set up: nothing to serve)
+                conn.close()
+                continue
             task = asyncio.create_task(self._serve(conn), name="kvstore-peer-conn")
             self._conns.add(task)
             self._pending[task] = None

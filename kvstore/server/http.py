@@ -147,6 +147,7 @@ class HttpServer:
         self.address = config.http_address
         self.cap = connection_cap(config.http_max_connections)
         self.refused = 0  # connections over the cap
+        self._unmade = 0  # connections accepted in this loop pass (not yet in server.connections)
         self._runner = web.AppRunner(build_app(source), access_log=None, keepalive_timeout=config.http_idle_timeout_s)
         self._listener: asyncio.Server | None = None
         self._warn = Throttled(log)
@@ -163,11 +164,19 @@ class HttpServer:
     def _protocol(self) -> asyncio.BaseProtocol:
         server = self._runner.server
         assert server is not None  # (after setup)
-        if len(server.connections) >= self.cap:
+        # server.connections counts a connection from its connection_made, which the loop runs
+        # after the whole batch it accepted in one pass: those of the batch are counted here
+        if len(server.connections) + self._unmade >= self.cap:
             self.refused += 1
             self._warn.warning("http: %d connections open; refusing more", len(server.connections))
             return _Refused()
+        if not self._unmade:  # (runs before the batch's connection_made calls, queued after it)
+            asyncio.get_running_loop().call_soon(self._made)
+        self._unmade += 1
         return server()
+
+    def _made(self) -> None:
+        self._unmade = 0
 
     async def close(self) -> None:
         if self._listener is not None:

@@ -16,7 +16,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore.server.auth import token_matches
-from kvstore.util.backoff import Backoff
+from kvstore.util.backoff import accept_backoff
 from kvstore.util.logs import Throttled
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import HELLO_MAX_BYTES, LEN, METHODS, error_frame, frame, frame_refusal, hello_answer
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from kvstore.store.counters import Stats
 
 log = logging.getLogger("kvstore.local")
-
-ACCEPT_BACKOFF_MIN_S, ACCEPT_BACKOFF_MAX_S = 0.01, 1.0  # seconds between accepts that fail
 
 
 class _Abort(Exception):
@@ -131,7 +129,7 @@ class LocalServer:
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        backoff = Backoff(ACCEPT_BACKOFF_MIN_S, ACCEPT_BACKOFF_MAX_S)
+        backoff = accept_backoff()
         while not self._closing:
             try:
                 conn, _ = await loop.sock_accept(listener)

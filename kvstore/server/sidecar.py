@@ -36,6 +36,7 @@ from kvstore.store.below import NoMovers
 from kvstore.store.block_store import BlockStore
 from kvstore.store.counters import Stats
 from kvstore.tiers.movers import Tiering
+from kvstore.util.logs import throttle_loop_errors
 from kvstore.util.tasks import TaskHealth, cancel_and_wait, every
 from kvstore.wire.framing import socket_path
 
@@ -268,6 +269,7 @@ class Sidecar:
 
     async def serve_forever(self) -> None:
         loop = asyncio.get_running_loop()
+        throttle_loop_errors(loop)
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

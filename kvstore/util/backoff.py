@@ -24,3 +24,12 @@ class Backoff:
 
     def reset(self) -> None:
         self._next = self.base_s
+
+
+ACCEPT_BACKOFF_MIN_S, ACCEPT_BACKOFF_MAX_S = 0.01, 1.0
+
+
+def accept_backoff() -> Backoff:
+    """The wait between accepts of a listener that fail (the process out of file descriptors):
+    short at first, a second at most, so the listener is read again soon after some are freed."""
+    return Backoff(ACCEPT_BACKOFF_MIN_S, ACCEPT_BACKOFF_MAX_S)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
 import time
 from collections.abc import Hashable
+from typing import Any
 
 
 class Throttled:
@@ -19,12 +21,20 @@ class Throttled:
         self._last = -interval
         self._held = 0
 
-    def warning(self, msg: str, *args: object) -> None:
+    def due(self) -> bool:
+        """Whether a warning now would be logged (one was not, within the interval): counts
+        those held back."""
         now = time.monotonic()
         if now - self._last < self._interval:
             self._held += 1
+            return False
+        self._last = now
+        return True
+
+    def warning(self, msg: str, *args: object) -> None:
+        if not self.due():
             return
-        held, self._held, self._last = self._held, 0, now
+        held, self._held = self._held, 0
         if held:
             msg, args = msg + " (%d more since the last warning)", (*args, held)
         self._log.warning(msg, *args)
@@ -79,3 +89,23 @@ class Once:
             return
         self._seen.add(subject)
         self._log.warning(msg, *args)
+
+
+def throttle_loop_errors(loop: asyncio.AbstractEventLoop, interval: float = 10.0) -> None:
+    """asyncio's own error reports through ``loop``'s default handler, each distinct message at
+    most every ``interval`` seconds: a listener out of file descriptors is reported once a second
+    for as long as that lasts ("socket.accept() out of system resource")."""
+    throttles: dict[str, Throttled] = {}
+    quiet = logging.getLogger("asyncio")
+
+    def handle(lp: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        msg = str(context.get("message", ""))
+        gate = throttles.get(msg)
+        if gate is None:
+            if len(throttles) >= 256:
+                throttles.clear()
+            gate = throttles[msg] = Throttled(quiet, interval)
+        if gate.due():
+            lp.default_exception_handler(context)
+
+    loop.set_exception_handler(handle)

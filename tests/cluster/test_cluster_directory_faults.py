@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -39,6 +40,16 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) 
     while not predicate():
         assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
         time.sleep(0.05)
+
+
+def settle(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Wait up to ``timeout`` for ``predicate``, asserting nothing: whether it came true."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 async def until(predicate: Callable[[], Any], what: str, timeout: float = WAIT_S) -> None:
@@ -386,3 +397,56 @@ async def test_a_lookup_deletes_every_void_record_it_meets_not_only_the_first(
                 await until(cleaned, "every void record the lookups met is deleted")
         finally:
             await gone.close()
+
+
+# --- the peer listener out of file descriptors (issue 29, case 5) ---------------------------------------
+
+NOFILE = 256
+LIMITED = ("-c", "import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+           f"({NOFILE}, {NOFILE})); sys.argv = ['kvstore', 'serve', *sys.argv[1:]]; "
+           "runpy.run_module('kvstore', run_name='__main__')")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_the_peer_listener_serves_again_after_the_process_ran_out_of_descriptors(
+    serve_process: Callable[..., ServeProcess], tmp_path: Path, directory: RedisServer, ns: Namespace
+) -> None:
+    """8dc5782: with nofile 256, idle connections to the sidecar's ports ran it out of
+    descriptors; an accept on the peer port then failed with EMFILE and ended the peer accept loop
+    for good: once the connections were closed, fetches from that node got 0 blocks while it kept
+    advertising them."""
+    prefix = prefix_of(tmp_path)
+    a = serve_process(serve_args(tmp_path, "a"), serve_env(directory, "a", prefix), entry=LIMITED)
+    b = serve_process(serve_args(tmp_path, "b"), serve_env(directory, "b", prefix))
+    keys, data = keys_for(ns, 4, seed=50), blocks(4, seed=50)
+    pid = a.proc.pid
+    peer_host, _, peer_port = a.ready["peer"].rpartition(":")
+    with SyncClient(a.grpc) as ca:
+        ca.put_blocks(ns, keys, data, wait_published=True)
+    idle: list[socket.socket] = []
+    try:
+        targets = [a.http, a.grpc] * 200
+        for target in targets:  # idle connections that send nothing, until the process is out of descriptors
+            host, _, port = target.rpartition(":")
+            idle.append(socket.create_connection((host, int(port)), timeout=5))
+            if len(idle) % 50 == 0 and open_fds(pid) >= NOFILE - 2:
+                break
+        wait_for(lambda: open_fds(pid) >= NOFILE - 2, f"the sidecar holds ~{NOFILE} descriptors")
+        for _ in range(4):  # peers knock while it has none left: their accepts fail with EMFILE
+            idle.append(socket.create_connection((peer_host, int(peer_port)), timeout=5))
+        # (not an assertion: 8dc5782 logs nothing here, its accept loop just ends)
+        settle(lambda: "peer data path: accept failed" in a.logs(), 5.0)
+    finally:
+        for s in idle:
+            s.close()
+    wait_for(lambda: open_fds(pid) < NOFILE // 2, "the sidecar's descriptors are freed")
+    with SyncClient(b.grpc) as cb:
+        wait_for(lambda: cb.lookup(ns, keys).matched == 4, "B finds A's blocks")
+        got = cb.get_blocks(ns, keys, verify=True)  # fetched from A over its peer listener
+        assert [bytes(x) for x in got] == [bytes(d) for d in data]
+        assert cb.stats()["cluster"]["blocks_fetched"] == 4
+    assert "peer data path: accept failed" in a.logs()  # it did run out (EMFILE), and came back
+    assert a.stop(signal.SIGTERM) == 0
