@@ -74,7 +74,7 @@ def test_http_endpoints_and_stats_cli(serve_process, tmp_path):
     run_py(WRITER, sc.grpc)
     run_py(READER, sc.grpc)
     assert json.loads(urllib.request.urlopen(f"http://{sc.http}/healthz").read()) == {"status": "ok"}
-    assert json.loads(urllib.request.urlopen(f"http://{sc.http}/readyz").read()) == {"ready": True}
+    assert json.loads(urllib.request.urlopen(f"http://{sc.http}/readyz").read()) == {"ready": True, "failing": {}}
     out = subprocess.run([sys.executable, "-m", "kvstore", "stats", "--url", sc.grpc, "--json"],
                          capture_output=True, text=True, check=True, cwd=REPO).stdout
     doc = json.loads(out)
