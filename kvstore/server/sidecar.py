@@ -156,7 +156,7 @@ class Sidecar:
         return self
 
     async def _start_tiering(self) -> None:
-        self.store.tiering = await Tiering.start(self.store.space, self.config, self.store.tenants)
+        self.store.tiering = await Tiering.start(self.store.space, self.config, self.store.tenants, self.health)
 
     def _cleanup_stale_segment(self) -> None:
         marker = self.data_dir / "segment"

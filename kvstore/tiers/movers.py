@@ -54,7 +54,7 @@ from kvstore.store.tenants import Quotas, Tenants
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import BlockMeta, BlockRef, Bounded, Recoverable, Tier
 from kvstore.tiers.verify import verified_get
-from kvstore.util.tasks import cancel_and_wait
+from kvstore.util.tasks import TaskHealth, cancel_and_wait, every
 from kvstore.util.tuning import trim_heap
 
 log = logging.getLogger("kvstore.tiers.movers")
@@ -75,6 +75,7 @@ SEAL_BATCH = 8  # blocks per thread hop of the demotion sealer
 # DRAM that evicted faster than it wrote, and ~120 MiB in a burst: the sidecar's RSS moved with
 # that backlog (docs/soak.md), while every one of those blocks was in Redis already.
 SPARE_STAGED = 2 * DEMOTE_DEPTH * DEMOTE_BATCH
+PROBE_TASK = "kvstore-tier-probe"
 OUTAGE_TRIM_S = 5.0  # while a tier is down, the heap is trimmed this often (_probe_down_tiers)
 
 Staged = tuple[Block, np.ndarray, mmap.mmap]  # a demotion in flight: block, its bytes, their buffer
@@ -181,15 +182,19 @@ class Tiering:
         self._through_ended = asyncio.Event()  # set as each write-through ends (its blocks' ``moving`` down)
         self._tasks: set[asyncio.Task[None]] = set()
         self._probe: asyncio.Task[None] | None = None
+        self._trimmed = 0.0  # (loop time) the heap's last trim during an outage
         self.outage_trims = 0  # heap trims while a tier was down
         self._closing = False
 
     # --- construction ----------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, space: DramSpace, config: Config, tenants: Tenants | None = None) -> Movers:
+    async def start(
+        cls, space: DramSpace, config: Config, tenants: Tenants | None = None, health: TaskHealth | None = None
+    ) -> Movers:
         """The configured chain below ``space``, its blocks recovered (and each tenant brought
-        within its quotas); :class:`NoMovers` when no tier is enabled."""
+        within its quotas); :class:`NoMovers` when no tier is enabled. ``health``: where the
+        probe loop's errors go (counted, logged, reported by ``/readyz``)."""
         enabled = {"ssd": config.ssd.enabled, "redis": config.redis.enabled, "s3": config.s3.enabled}
         names = [n for n in config.tiering.chain if enabled[n]]
         if not names:
@@ -211,7 +216,12 @@ class Tiering:
         for lv in levels:
             if lv.quotas is not None and lv.quotas.over():  # quotas lowered since these blocks were written
                 self._spawn(self._trim(lv))
-        self._probe = asyncio.create_task(self._probe_down_tiers(), name="kvstore-tier-probe")
+        self._trimmed = asyncio.get_running_loop().time()
+        # (stopped by _closing, not only by a cancel: a probe through redis-py can lose it, gh-86296)
+        self._probe = asyncio.create_task(
+            every(PROBE_TASK, 1.0, self._probe_down_tiers, health or TaskHealth(), stop=lambda: self._closing),
+            name=PROBE_TASK,
+        )
         return self
 
     async def recover(self) -> int:
@@ -925,33 +935,27 @@ class Tiering:
             self.stats.tier(lv.name, "errors")
 
     async def _probe_down_tiers(self) -> None:
-        """Every second, each down tier is probed; one that answers is up again. While any is down,
+        """A pass a second: each down tier is probed; one that answers is up again. While any is down,
         the heap is trimmed every ``OUTAGE_TRIM_S`` as well as when it comes back: an outage's
         failed calls (their tracebacks, frames, dead connections) are garbage in reference cycles
         that only a full collection frees, and left to pile up for the outage's length they grow
         the heap to a peak it keeps (the soak's sidecar: ``RssAnon`` +6.7 MiB in an 18 s outage)."""
         probe = BlockRef(NamespaceRoot(bytes(32)), BlockKey(bytes(32)))
-        loop = asyncio.get_running_loop()
-        trimmed = loop.time()
-        while not self._closing:  # not only on cancel: a probe through redis-py can lose it (gh-86296)
-            await asyncio.sleep(1.0)
-            if any(lv.down for lv in self.levels) and loop.time() - trimmed >= OUTAGE_TRIM_S:
-                trimmed = loop.time()
-                self.outage_trims += 1
-                trim_heap()
-            for lv in self.levels:
-                if not lv.down:
-                    continue
-                try:
-                    await lv.tier.contains(probe)
-                except Unavailable:
-                    continue
-                except Exception:
-                    log.exception("probe of %s failed", lv.name)
-                    continue
-                log.info("tier %s is back", lv.name)
-                lv.down = False
-                trim_heap()  # the outage's garbage (failed calls, dead connections): not kept at its peak
+        now = asyncio.get_running_loop().time()
+        if any(lv.down for lv in self.levels) and now - self._trimmed >= OUTAGE_TRIM_S:
+            self._trimmed = now
+            self.outage_trims += 1
+            trim_heap()
+        for lv in self.levels:
+            if not lv.down:
+                continue
+            try:
+                await lv.tier.contains(probe)
+            except Unavailable:
+                continue
+            log.info("tier %s is back", lv.name)
+            lv.down = False
+            trim_heap()  # the outage's garbage (failed calls, dead connections): not kept at its peak
 
     # --- reporting / shutdown ------------------------------------------------------------------
 
