@@ -25,7 +25,8 @@ from kvstore.server.sidecar import Sidecar
 from kvstore.testing.servers import redis_server
 
 
-async def run(url: str, n: int) -> None:
+async def run(url: str, n: int, lease_ms: int = 6000, window_s: float = 10.0) -> dict[str, float]:
+    """Returns (and prints) the seconds until they are deleted and the heartbeat rate after."""
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config(None, {
             "data_dir": str(Path(d) / "data"), "server.grpc_address": "127.0.0.1:0",
@@ -33,7 +34,7 @@ async def run(url: str, n: int) -> None:
             "dram.page_bytes": 65536, "dram.min_slot_bytes": 4096, "ssd.enabled": False,
             "cluster.enabled": True, "cluster.directory_url": url, "cluster.node_id": "a",
             "cluster.peer_address": "127.0.0.1:0", "cluster.token": "bench", "cluster.key_prefix": "bench",
-            "cluster.heartbeat_ms": 1000, "cluster.lease_ms": 6000,
+            "cluster.heartbeat_ms": min(1000, lease_ms // 2), "cluster.lease_ms": lease_ms,
         })
         r = aredis.Redis.from_url(url)
         key = "bench:members"
@@ -46,12 +47,15 @@ async def run(url: str, n: int) -> None:
                 await asyncio.sleep(0.1)
             deleted_s = time.monotonic() - started
             before = stats["heartbeats"]
-            await asyncio.sleep(10)
-            rate = (stats["heartbeats"] - before) / 10
-            print(f"{n} unreadable entries: all deleted {deleted_s:.1f} s after the start (lease 6 s); then "
-                  f"{rate:.2f} heartbeats/s (heartbeat_ms 1000); members_unreadable {stats['members_unreadable']}, "
+            await asyncio.sleep(window_s)
+            rate = (stats["heartbeats"] - before) / window_s
+            print(f"{n} unreadable entries: all deleted {deleted_s:.1f} s after the start (lease {lease_ms} ms); "
+                  f"then {rate:.2f} heartbeats/s; members_unreadable {stats['members_unreadable']}, "
                   f"members_forgotten {stats['members_forgotten']}")
+            out = {"deleted_s": deleted_s, "heartbeats_per_s": rate, "unreadable": stats["members_unreadable"],
+                   "forgotten": stats["members_forgotten"]}
         await r.aclose()
+    return out
 
 
 def main() -> None:
