@@ -37,8 +37,11 @@ Layout (every key starts with ``{key_prefix}:``):
 
 A record is offered only while its node's lease runs and its incarnation is the node's current one:
 a node that restarts is a new incarnation, and every record of its past life is void at once.
-Stale fields cost a miss (and are deleted by whoever meets them), never a wrong block: the fetch
-checks the bytes against the record's checksum.
+Stale fields cost a miss (and are deleted by whoever meets them, and by each node's bounded walk
+over the keys, :meth:`Directory.scan` and :mod:`kvstore.cluster.sweep`), never a wrong block: the
+fetch checks the bytes against the record's checksum. A key of another type is that key's error (a
+miss, a refused record: :class:`Published`), never the directory's; a ``members`` entry this
+version cannot read is skipped (:func:`parse_member`) and deleted after a lease.
 
 A lease that ran out ends that incarnation too, though its process lives on (paused, cut off from
 the directory, its heartbeat late): another node may have deleted its records meanwhile, as void.

@@ -211,8 +211,9 @@ class ClusterNode:
         in the directory's clock, not this node's estimate of it: a lease renewed in time, read
         late here, is not void; one renewed after it ran out is a new incarnation, see
         :data:`~kvstore.cluster.directory.HEARTBEAT`). A node missing from the members may have
-        joined (or re-joined a directory that lost its data) since this node's last heartbeat, and
-        a record of a later life than the members say is news this node has not heard: not void."""
+        joined (or re-joined a directory that lost its data) since this node's last heartbeat: its
+        records are void only once it has been missing for a lease of this node's heartbeats. A
+        record of a later life than the members say is news this node has not heard: not void."""
         m = self._members.get(node)
         if m is None:
             # Joined (or re-joined) since this node's last heartbeat, or gone: left (a clean stop
