@@ -23,14 +23,14 @@ import redis.asyncio
 from aiohttp import ClientSession
 
 from kvstore.client import SyncClient
-from kvstore.cluster.directory import Directory, Record
+from kvstore.cluster.directory import SCAN_START, Directory, Record
 from kvstore.config import Config
 from kvstore.errors import FailedPrecondition, Unavailable
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import DataDirLock, Sidecar
 from kvstore.testing.servers import RedisServer, redis_cluster, redis_server
 from kvstore.testing.sidecar import ServeProcess
-from tests.cluster.nodes import blocks, client_of, keys_for, node_config, serve_args, serve_env
+from tests.cluster.nodes import TOKEN, blocks, client_of, keys_for, node_config, serve_args, serve_env
 
 WAIT_S = 30.0
 
@@ -304,13 +304,23 @@ async def _up(sc: Sidecar) -> bool:
 # --- records of dead incarnations and of nodes gone (issue 29, case 8) ---------------------------------
 
 
-def records_of(r: redis.Redis, prefix: str, node: str) -> list[Record]:
-    out = []
-    for k in r.scan_iter(f"{prefix}:d:*".encode(), count=1000):
-        raw = r.hget(k, node)
-        if raw is not None and (rec := Record.unpack(raw)) is not None:
-            out.append(rec)
+async def _records_of(url: str, prefix: str, node: str) -> list[Record]:
+    """Every record of ``node`` in the directory, read (and checked) as a node of the cluster reads them."""
+    d = Directory(redis.asyncio.Redis.from_url(url), prefix, "reader", token=TOKEN)
+    out: list[Record] = []
+    try:
+        cursor, first = SCAN_START, True
+        while first or cursor != SCAN_START:
+            first = False
+            cursor, found = await d.scan(cursor, 1000)
+            out += [holders[node] for _, holders in found if node in holders]
+    finally:
+        await d.close()
     return out
+
+
+def records_of(url: str, prefix: str, node: str) -> list[Record]:
+    return asyncio.run(_records_of(url, prefix, node))
 
 
 def test_a_killed_and_restarted_nodes_old_records_are_swept(
@@ -320,26 +330,22 @@ def test_a_killed_and_restarted_nodes_old_records_are_swept(
     (450 of 500 after three rounds of lookups); nothing else ever deleted them."""
     prefix = prefix_of(tmp_path)
     env = serve_env(directory, "a", prefix)
-    r = redis.Redis.from_url(directory.url)
-    try:
-        a = serve_process(serve_args(tmp_path, "a"), env)
-        prompts = [keys_for(ns, 4, seed=s) for s in range(20, 26)]
-        with SyncClient(a.grpc) as ca:
-            for s, keys in enumerate(prompts):
-                ca.put_blocks(ns, keys, blocks(4, seed=s), wait_published=True)
-        old = records_of(r, prefix, "a")
-        assert len(old) == 24 and len({rec.incarnation for rec in old}) == 1
-        a.stop(signal.SIGKILL)  # no leave: every record stays behind
-        again = serve_process(serve_args(tmp_path, "a"), env)
-        with SyncClient(again.grpc) as ca:
-            ca.put_blocks(ns, prompts[0], blocks(4, seed=0), wait_published=True)  # held again, in the new life
-        wait_for(lambda: len(records_of(r, prefix, "a")) == 4, "only the new life's 4 records are left", 60)
-        assert {rec.incarnation for rec in records_of(r, prefix, "a")} != {old[0].incarnation}
-        with SyncClient(again.grpc) as ca:
-            assert ca.stats()["cluster"]["sweep_forgotten"] >= 20  # (and those of prompts[0] swept before the put)
-        assert again.stop(signal.SIGTERM) == 0
-    finally:
-        r.close()
+    a = serve_process(serve_args(tmp_path, "a"), env)
+    prompts = [keys_for(ns, 4, seed=s) for s in range(20, 26)]
+    with SyncClient(a.grpc) as ca:
+        for s, keys in enumerate(prompts):
+            ca.put_blocks(ns, keys, blocks(4, seed=s), wait_published=True)
+    old = records_of(directory.url, prefix, "a")
+    assert len(old) == 24 and len({rec.incarnation for rec in old}) == 1
+    a.stop(signal.SIGKILL)  # no leave: every record stays behind
+    again = serve_process(serve_args(tmp_path, "a"), env)
+    with SyncClient(again.grpc) as ca:
+        ca.put_blocks(ns, prompts[0], blocks(4, seed=0), wait_published=True)  # held again, in the new life
+    wait_for(lambda: len(records_of(directory.url, prefix, "a")) == 4, "only the new life's 4 records are left", 60)
+    assert {rec.incarnation for rec in records_of(directory.url, prefix, "a")} != {old[0].incarnation}
+    with SyncClient(again.grpc) as ca:
+        assert ca.stats()["cluster"]["sweep_forgotten"] >= 20  # (and those of prompts[0] swept before the put)
+    assert again.stop(signal.SIGTERM) == 0
 
 
 async def test_records_of_a_node_gone_are_swept_on_a_redis_and_a_redis_cluster(
@@ -350,8 +356,8 @@ async def test_records_of_a_node_gone_are_swept_on_a_redis_and_a_redis_cluster(
     primary."""
     async with Sidecar(any_directory.config(tmp_path, "a")) as a:
         assert a.cluster is not None
-        gone = Directory(any_directory.client(), a.config.cluster.key_prefix, "gone")
-        kept = Directory(any_directory.client(), a.config.cluster.key_prefix, "reader")
+        gone = Directory(any_directory.client(), a.config.cluster.key_prefix, "gone", token=TOKEN)
+        kept = Directory(any_directory.client(), a.config.cluster.key_prefix, "reader", token=TOKEN)
         try:
             roots = [Namespace(model=f"m{i}", kv_layout="raw", dtype="float16", block_size=16).root for i in range(3)]
             record = Record(1, 1, 8192, 7)
@@ -384,7 +390,7 @@ async def test_a_lookup_deletes_every_void_record_it_meets_not_only_the_first(
         keys = keys_for(ns, 10, seed=40)
         past = Record(a.cluster.incarnation - 10, 1, 8192, 7)  # a's past life
         await a.cluster.directory.publish([(ns.root, k, past) for k in keys[:5]], [])
-        gone = Directory(redis.asyncio.Redis.from_url(directory.url), a.config.cluster.key_prefix, "gone")
+        gone = Directory(redis.asyncio.Redis.from_url(directory.url), a.config.cluster.key_prefix, "gone", token=TOKEN)
         try:
             await gone.publish([(ns.root, k, Record(1, 1, 8192, 7)) for k in keys[5:]], [])
             async with client_of(b) as cb:

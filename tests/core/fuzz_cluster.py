@@ -186,6 +186,9 @@ class DirectoryFaults:
         return self.prefix + b":members"
 
     def _hset(self, name: bytes, fld: bytes, value: bytes) -> None:
+        if name in self.keys:  # made a string by wrong_type: a writer of the directory replaces it
+            self.r.delete(name)
+            self.keys.discard(name)
         self.r.hset(name, fld, value)
         self.fields.add((name, fld))
 
