@@ -96,12 +96,13 @@ class ClusterNode:
         self.incarnation = time.time_ns() // 1_000_000  # ms: each start of a node is a later life
         self.address = ""
         self.stats = store.stats.cluster
+        self.latency = store.stats.latency  # directory round trips, peer fetches (kvstore/store/latency.py)
         for name in COUNTERS:
             self.stats[name] += 0
         self.key = directory.sealer  # (derived from cluster.token: the hello's proofs, as the records' MACs)
         self.server = PeerServer(
             self, self.key, node, send_timeout_s=2 * self.cfg.fetch_timeout_s, send_stall_s=self.cfg.send_stall_s,
-            request_timeout_s=self.cfg.fetch_timeout_s,
+            request_timeout_s=self.cfg.fetch_timeout_s, latency=self.latency,
         )
         self.max_blocks = config.server.max_batch_blocks
         self._members: dict[str, Member] = {}
@@ -246,10 +247,12 @@ class ClusterNode:
 
     async def _heartbeat(self) -> None:
         was_up = self._up
+        start = time.perf_counter()
         try:
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 sent = time.monotonic()
                 beat = await self.directory.heartbeat(self.address, self.incarnation, self.cfg.lease_ms)
+            self._round_trip("heartbeat", start, "ok")
             self._clock = (beat.now_ms, (sent + time.monotonic()) / 2)
             self._members = beat.members
             self._count_rejected()
@@ -272,6 +275,7 @@ class ClusterNode:
                          " and had lost this node's entry" if beat.created else "")
                 self._republish_all()
         except (Unavailable, TimeoutError) as exc:
+            self._round_trip("heartbeat", start, "error")
             self._up = False
             self.stats["directory_errors"] += 1
             self._warn.warning("cluster directory unreachable (serving local and shared tiers only): %s", exc)
@@ -302,6 +306,11 @@ class ClusterNode:
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 self.stats["members_forgotten"] += await self.directory.forget_members(due)
             self._unreadable.gone(due)
+
+    def _round_trip(self, op: str, start: float, outcome: str) -> None:
+        """A directory call begun at ``start`` (``time.perf_counter()``) has ended: its latency."""
+        self.latency.histogram("directory", (op, outcome)).since(start)
+
 
     def live_members(self) -> list[Member]:
         now = self._now_ms()
@@ -376,24 +385,29 @@ class ClusterNode:
         pending = changed
         error = ""
         refused: dict[Where, str] = {}
+        op, start = "publish", time.perf_counter()
         try:
             # in pipelines of PUBLISH_BATCH records, each under the deadline: a node re-publishing
             # millions of blocks after an outage gets there in steps instead of timing out whole
             for i in range(0, max(len(puts), len(removes)), PUBLISH_BATCH):
                 batch = slice(i, i + PUBLISH_BATCH)
+                start = time.perf_counter()
                 async with asyncio.timeout(self.cfg.directory_timeout_s):
                     published = await self.directory.publish(
                         puts[batch], removes[batch], fresh=fresh[batch], uses=uses[batch], unread=unread[batch],
                         ttl_ms=ttl_ms,
                     )
+                self._round_trip(op, start, "ok")
                 refused.update(self._refused(puts[batch], removes[batch], published))
                 self.stats["records_published"] += len(puts[batch]) - len(published.refused_puts)
                 self.stats["records_removed"] += len(removes[batch]) - len(published.refused_removes)
                 self._resume(puts[batch], published.ghosts)
             pending = {}
             if stale:
+                op, start = "forget", time.perf_counter()
                 async with asyncio.timeout(self.cfg.directory_timeout_s):
                     await self.directory.forget(stale)
+                self._round_trip(op, start, "ok")
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
             merged = dict(pending)  # re-writing a batch that did land is harmless
@@ -402,6 +416,7 @@ class ClusterNode:
             index.changed = merged
             if not isinstance(exc, (Unavailable, TimeoutError)):
                 raise  # (not the directory's: its loop counts and logs it; the changes wait for the next pass)
+            self._round_trip(op, start, "error")
             self._up = False
             self.stats["directory_errors"] += 1
             self._warn.warning("cluster directory write failed (kept for the next pass): %s", exc)
@@ -442,14 +457,17 @@ class ClusterNode:
     # --- find ---------------------------------------------------------------------------------
 
     async def _records(self, root: bytes, keys: Sequence[bytes]) -> list[dict[str, Record]] | None:
+        start = time.perf_counter()
         try:
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 found = await self.directory.find(root, keys)
         except (Unavailable, TimeoutError) as exc:
+            self._round_trip("find", start, "error")
             self._up = False
             self.stats["directory_errors"] += 1
             self._warn.warning("cluster directory lookup failed (a miss): %s", exc)
             return None
+        self._round_trip("find", start, "ok")
         self.stats["directory_lookups"] += 1
         self._count_rejected()
         out: list[dict[str, Record]] = []
@@ -680,8 +698,11 @@ class ClusterNode:
         if client is None:
             return 0
         views = [self.store.space.view(b) for b, _ in group]
+        start = time.perf_counter()
         result = await client.fetch(root, [b.key for b, _ in group], views, self.cfg.fetch_timeout_s)
         got = result.checksums
+        outcome = "error" if result.error else "short" if len(got) < len(group) else "ok"
+        self.latency.histogram("peer_fetch", (outcome,)).since(start)
         if result.error:
             self.stats["fetch_failures"] += 1
             self._warn.warning("peer fetch from %s ended after %d of %d blocks: %s",

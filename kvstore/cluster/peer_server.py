@@ -42,6 +42,7 @@ import numpy as np
 
 from kvstore.cluster import peer_hello
 from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey, Session
+from kvstore.store.latency import Latencies
 from kvstore.util.backoff import accept_backoff
 from kvstore.util.logs import Throttled
 from kvstore.util.tasks import cancel_and_wait
@@ -85,9 +86,11 @@ class PeerServer:
         send_timeout_s: float,
         send_stall_s: float,
         request_timeout_s: float,
+        latency: Latencies | None = None,
     ) -> None:
         self.lender = lender
         self.name = name  # this node's id: the holder's name in the hello
+        self.latency = latency if latency is not None else Latencies()  # answers' (kvstore/store/latency.py)
         self.send_timeout_s = send_timeout_s
         self.send_stall_s = send_stall_s
         self.request_timeout_s = request_timeout_s
@@ -220,6 +223,8 @@ class PeerServer:
         the lease and the connection, at the lease's end or after a window of ``send_stall_s`` in
         which the fetcher took too little for the rest to go out by then (no byte, or a trickle),
         whichever comes first."""
+        start = time.perf_counter()
+        outcome = "error"
         lent = await self.lender.lend(root, keys)
         try:
             blocks = lent.blocks
@@ -234,6 +239,7 @@ class PeerServer:
             deadline = time.monotonic() + budget  # when asyncio.timeout below cuts the send
             async with asyncio.timeout(budget):
                 await w.blocking(conn, w.SENDING, _send, conn, [memoryview(answer), *payload], stall, deadline)
+            outcome = "ok"
         except w.PeerStalled as e:
             self.refused += 1
             self._warn.warning("peer data path: dropped an answer (%d blocks) its fetcher takes too slowly: %s",
@@ -241,6 +247,7 @@ class PeerServer:
             return False
         finally:
             lent.release()
+            self.latency.histogram("peer_answer", (outcome,)).since(start)
         session.next()
         self.served_blocks += len(blocks)
         return True

@@ -5,7 +5,9 @@
 One custom collector reads the snapshot document; nothing is counted twice and there is no
 global registry. Every name starts with ``kvstore_``; per-tier series carry ``tier``, per
 namespace series ``namespace`` (the busiest ``server.stats_namespaces`` and ``other``, as on
-/stats). Counters end in ``_total``; ratios and occupancy are gauges.
+/stats). Counters end in ``_total``; ratios and occupancy are gauges; latencies are histograms
+``kvstore_<family>_duration_seconds`` (buckets 50 µs to 10 s, kvstore/store/latency.py), each
+family exported, with its HELP and TYPE, before its first observation.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from kvstore.store.latency import BOUNDS_S, FAMILIES
 
 PREFIX = "kvstore_"
 
@@ -66,6 +71,7 @@ class SnapshotCollector(Collector):
         yield from self._events()
         yield from self._tenants()
         yield from self._retained()
+        yield from self._latencies()
 
     def _retained(self) -> Iterator[Metric]:
         """Retention hints (kvstore/store/retention.py): bytes retained now per tier and tenant."""
@@ -83,6 +89,19 @@ class SnapshotCollector(Collector):
         for t, n in sorted(doc.get("refused", {}).items()):
             refused.add_metric([t], _num(n))
         yield from (g, blocks, refused)
+
+    def _latencies(self) -> Iterator[Metric]:
+        section: Mapping[str, Any] = self.doc.get("latency", {})
+        bounds = [floatToGoString(b) for b in section.get("bounds_s", BOUNDS_S)] + ["+Inf"]
+        for family, (names, doc) in FAMILIES.items():
+            h = HistogramMetricFamily(f"{PREFIX}{family}_duration_seconds", f"seconds: {doc}", labels=list(names))
+            for row in section.get(family, []):
+                seen, cumulative = 0, []
+                for le, n in zip(bounds, row["buckets"]):
+                    seen += n
+                    cumulative.append((le, float(seen)))
+                h.add_metric([str(row[n]) for n in names], cumulative, _num(row.get("sum_s")))
+            yield h
 
     def _tenants(self) -> Iterator[Metric]:
         tenants: Mapping[str, Any] = self.doc.get("tenants", {})

@@ -14,6 +14,7 @@ import logging
 import math
 import operator
 from collections.abc import Awaitable, Callable
+from time import perf_counter
 from typing import Any, TypeVar
 
 import grpc
@@ -88,23 +89,35 @@ Handler = Callable[["KVStoreServicer", Req, Context], Awaitable[Resp]]
 
 
 def _rpc(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    """The method, its errors answered as status codes and its time in the ``rpc`` latency
+    histogram by transport (the context's ``transport``: the local socket's says "local"),
+    method and outcome: one clock read at each end, one bucket increment."""
     name = method.__name__
 
     @functools.wraps(method)
     async def wrapper(self: KVStoreServicer, request: Req, context: Context) -> Resp:
+        start = perf_counter()
+        outcome = "ok"
         try:
             return await method(self, request, context)
         except KVStoreError as exc:
-            self.store.stats.errors[exc.code.name] += 1
+            outcome = exc.code.name
+            self.store.stats.errors[outcome] += 1
             await context.abort(exc.code, str(exc)[:MAX_MESSAGE_CHARS])  # (values in it are shown())
         except asyncio.CancelledError:
+            outcome = "CANCELLED"
             raise
         except Exception as exc:  # a bug: keep serving, say so loudly
             if isinstance(exc, grpc.aio.AbortError):
+                outcome = "ABORTED"
                 raise
+            outcome = "INTERNAL"
             log.exception("internal error in %s", name)
             self.store.stats.errors["INTERNAL"] += 1
             await context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error: {type(exc).__name__}: {exc}")
+        finally:
+            labels = (getattr(context, "transport", "grpc"), name, outcome)
+            self.store.stats.latency.histogram("rpc", labels).since(start)
         raise AssertionError("unreachable")
 
     return wrapper
@@ -352,6 +365,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return json_format.MessageToDict(answer, always_print_fields_with_no_presence=True)
 
     async def Echo(self, request: pb.EchoRequest, context: Context) -> pb.EchoResponse:
+        # (not timed: the benchmarks' bare call, the baseline the others are measured against)
         return pb.EchoResponse(payload=request.payload)
 
     def bad_request(self, method: str, request_type: type[Message], exc: Exception) -> str:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.errors import InvalidArgument
+from kvstore.store.latency import Latencies
 
 TIER_LABELS = ("dram", "ssd", "redis", "s3")
 OTHER = "other"  # the /stats namespace entry that sums every namespace not shown on its own
@@ -102,6 +103,7 @@ class Stats:
     decisions: Counter[str] = field(default_factory=Counter)
     recent_decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))
     history: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=360))
+    latency: Latencies = field(default_factory=Latencies)  # histograms (kvstore/store/latency.py)
 
     def lookup(self, label: str, requested: int, hit: int) -> None:
         self.lookups.add(requested, hit)
@@ -172,4 +174,5 @@ class Stats:
             "bad_requests": self.bad_requests,
             "decisions": {"counts": dict(self.decisions), "recent": list(self.recent_decisions)},
             "history": list(self.history),
+            "latency": self.latency.snapshot(),
         }

@@ -34,6 +34,7 @@ import mmap
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -472,8 +473,10 @@ class Tiering:
                 live = [(b, d) for b, d, _ in batch if b.tiers & lv.bit and b.ns.blocks.get(b.key) is b]
                 lv.putting.update(b for b, _ in live)
                 items = [(self._meta(lv, b), d.data) for b, d in live]
+                start = perf_counter()
                 async with lv.slots:
                     await lv.tier.put_many(items)
+                self.stats.latency.histogram("demotion", (lv.name,)).since(start)
                 self.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
                 self._release_staged(batch)  # written
         finally:
@@ -647,8 +650,10 @@ class Tiering:
                     async with self._room(target, [b]) as taken:
                         if taken:
                             meta = self._meta(target, b)
+                            start = perf_counter()
                             async with target.slots:
                                 await target.tier.put(meta, buf.data)
+                            self.stats.latency.histogram("demotion", (target.name,)).since(start)
                             self._placed(target, b)
                             self.stats.tier(lv.name, "demotions")
             except Unavailable as exc:
@@ -706,6 +711,7 @@ class Tiering:
 
     async def _write_through(self, lv: Level, pinned: list[Block]) -> None:
         """(``pinned`` stay pinned until the task has ended: :meth:`_unpin`.)"""
+        start = perf_counter()
         with self._failures(lv, f"write-through of {len(pinned)} blocks to"):
             async with self._room(lv, pinned, fresh=True) as blocks:  # (a tenant past its quota: not all)
                 if not blocks:
@@ -718,6 +724,7 @@ class Tiering:
                 for b in blocks:
                     if b.ns.blocks.get(b.key) is b:  # not deleted meanwhile
                         self._placed(lv, b)
+                self.stats.latency.histogram("write_through", (lv.name,)).since(start)
                 self.stats.tier(lv.name, "bytes_in", sum(b.size for b in blocks))
 
     async def writes_ended(self, blocks: Sequence[Block]) -> None:
@@ -842,9 +849,11 @@ class Tiering:
         """Read ``items`` from ``lv`` and verify them; a bad or missing copy is unplaced."""
         blocks = [b for b, _ in items]
         views = [v for _, v in items]
+        start = perf_counter()
         try:
             async with lv.slots:
                 read = await lv.tier.get_many_hashed([lv.ref(b) for b in blocks], [v.data for v in views])
+            self.stats.latency.histogram("promotion", (lv.name,)).since(start)
         except Unavailable as exc:
             self._mark_down(lv, exc)
             return [False] * len(items)
