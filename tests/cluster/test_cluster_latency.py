@@ -1,0 +1,32 @@
+"""Latency of the cluster's calls through two real sidecars and a redis-server directory: peer
+fetches (the fetcher's side), answers (the holder's) and directory round trips."""
+
+from __future__ import annotations
+
+from kvstore.keys import Namespace
+from kvstore.server.sidecar import Sidecar
+from tests.cluster.nodes import blocks, client_of, keys_for
+
+
+def rows(doc: dict, family: str, *labels: str) -> dict[tuple[str, ...], dict]:
+    return {tuple(r[n] for n in labels): r for r in doc["latency"][family]}
+
+
+async def test_peer_fetches_answers_and_directory_round_trips_are_timed(
+    pair: tuple[Sidecar, Sidecar], ns: Namespace
+) -> None:
+    a, b = pair
+    keys, data = keys_for(ns, 4), blocks(4)
+    async with client_of(a) as ca, client_of(b) as cb:
+        await ca.put_blocks(ns, keys, data, wait_published=True)
+        got = await cb.get_blocks(ns, keys, verify=True)
+        assert [bytes(g) for g in got] == [bytes(d) for d in data]
+        on_a, on_b = await ca.stats(), await cb.stats()
+    fetches = rows(on_b, "peer_fetch", "outcome")
+    assert fetches[("ok",)]["count"] == 1 and fetches[("ok",)]["p50_s"] > 0
+    assert rows(on_a, "peer_answer", "outcome")[("ok",)]["count"] == 1
+    assert not on_a["latency"]["peer_fetch"] and not on_b["latency"]["peer_answer"]
+    trips_a, trips_b = rows(on_a, "directory", "op", "outcome"), rows(on_b, "directory", "op", "outcome")
+    assert trips_a[("publish", "ok")]["count"] >= 1 and trips_a[("heartbeat", "ok")]["count"] >= 1
+    assert trips_b[("find", "ok")]["count"] >= 1
+    assert on_b["cluster"]["directory_lookups"] == trips_b[("find", "ok")]["count"]
