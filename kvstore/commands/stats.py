@@ -40,6 +40,29 @@ def _bytes(n: float) -> str:
     return str(n)
 
 
+def seconds(s: float) -> str:
+    """A latency as `kvstore stats` and the dashboard page show it: in µs, ms or s, with 2
+    decimals under 10, 1 under 100, none above."""
+    v, unit = (s, "s") if s >= 1 else (s * 1e3, "ms") if s >= 1e-3 else (s * 1e6, "µs")
+    return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
+
+
+def latency_rows(doc: dict[str, Any]) -> list[tuple[str, str, int, float, float]]:
+    """(family, labels, calls, p50 s, p99 s) of every latency series observed at least once."""
+    out = []
+    for family, series in doc.get("latency", {}).items():
+        if family == "bounds_s":
+            continue
+        for r in series:
+            if r["count"]:
+                labels = " ".join(str(v) for k, v in r.items() if k not in LATENCY_FIELDS)
+                out.append((family, labels, r["count"], r["p50_s"], r["p99_s"]))
+    return out
+
+
+LATENCY_FIELDS = ("count", "sum_s", "p50_s", "p99_s", "buckets")
+
+
 def render(doc: dict[str, Any]) -> str:
     lk = doc["lookups"]
     lines = [
@@ -62,6 +85,11 @@ def render(doc: dict[str, Any]) -> str:
         for label, c in doc["namespaces"].items():
             lines.append(f"{label[:40]:<40} {c['calls']:>8} {c['blocks_requested']:>10} {c['blocks_hit']:>8} "
                          f"{_pct(c['hit_rate']):>9}")
+    latencies = latency_rows(doc)
+    if latencies:
+        lines += ["", f"{'latency':<14} {'labels':<34} {'calls':>8} {'p50':>9} {'p99':>9}"]
+        for family, labels, n, p50, p99 in latencies:
+            lines.append(f"{family:<14} {labels[:34]:<34} {n:>8} {seconds(p50):>9} {seconds(p99):>9}")
     d = doc["decisions"]["counts"]
     if d:
         lines += ["", "reload-vs-recompute decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(d.items()))]

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import KVStoreClient
+from kvstore.commands.stats import render, seconds
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.latency import BOUNDS_S, FAMILIES, Histogram, Latencies, quantile
@@ -109,3 +110,12 @@ async def test_every_rpc_is_timed_by_transport_method_and_outcome(tmp_path):
         assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
         bad = (("method", "Commit"), ("outcome", "INVALID_ARGUMENT"), ("transport", "grpc"))
         assert m["kvstore_rpc_duration_seconds_count"][bad] == 1
+
+        shown = render(doc).splitlines()  # `kvstore stats`
+        line = next(x for x in shown if x.startswith("rpc") and "grpc Lookup ok" in x)
+        assert line.split()[-5:] == ["5", *seconds(look["p50_s"]).split(), *seconds(look["p99_s"]).split()]
+
+
+def test_latencies_are_shown_in_us_ms_and_s():
+    assert [seconds(x) for x in (25e-6, 999.4e-6, 1.5e-3, 0.25, 3.0)] == [
+        "25.0 µs", "999 µs", "1.50 ms", "250 ms", "3.00 s"]

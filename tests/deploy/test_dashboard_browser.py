@@ -17,6 +17,7 @@ from playwright.sync_api import Browser, Page, sync_playwright
 from traffic import one_round
 
 from kvstore.client import SyncClient
+from kvstore.commands.stats import latency_rows, seconds
 
 CHROMIUM = os.environ.get("KVSTORE_CHROMIUM", "/usr/bin/chromium")
 TOKEN = "dashboard-token"
@@ -66,13 +67,15 @@ def expected(doc: dict, path: str) -> tuple[float | str, str]:
     else:
         v = doc
         for part in path.split("."):
-            v = v.get(part, 0) if isinstance(v, dict) else 0
+            v = v.get(part, 0) if isinstance(v, dict) else v[int(part)] if isinstance(v, list) else 0
     if path == "policy":
         return v, v
     if path in ("hit_rate",) or path.startswith("hit_rate_by_tier."):
         return v, pct(v)
     if path == "bytes_moved":
         return v, human_bytes(v)
+    if path.startswith("latency.") and path.endswith("_s"):
+        return v, seconds(v)  # as `kvstore stats` shows it
     return v, str(v)
 
 
@@ -131,6 +134,12 @@ def test_dashboard_renders_live_charts_that_match_stats(browser, serve_process, 
     )
     assert ns_rows == [[label, str(c["calls"]), str(c["blocks_requested"]), str(c["blocks_hit"]), pct(c["hit_rate"])]
                        for label, c in doc["namespaces"].items()]
+    # the latencies: every series timed, its p50 and p99 as `kvstore stats` prints them
+    timed = page.eval_on_selector_all(
+        "#latency tbody tr", "rows => rows.map(r => [...r.cells].slice(0, 5).map(c => c.textContent.trim()))")
+    assert timed == [[f, labels, str(n), seconds(p50), seconds(p99)] for f, labels, n, p50, p99 in latency_rows(doc)]
+    assert any(row[0] == "rpc" and row[1].endswith("Lookup ok") for row in timed)
+    assert any(path.startswith("latency.rpc.") and path.endswith(".p99_s") for path, _, _ in shown)
     latest = page.eval_on_selector_all("#decisions tbody tr", "rows => rows.map(r => r.cells[1].textContent)")
     assert latest == [d["outcome"] for d in reversed(doc["decisions"]["recent"][-8:])]
 
