@@ -18,7 +18,6 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from kvstore.store.latency import BOUNDS_S, FAMILIES
 
@@ -92,7 +91,7 @@ class SnapshotCollector(Collector):
 
     def _latencies(self) -> Iterator[Metric]:
         section: Mapping[str, Any] = self.doc.get("latency", {})
-        bounds = [floatToGoString(b) for b in section.get("bounds_s", BOUNDS_S)] + ["+Inf"]
+        bounds = [repr(float(b)) for b in section.get("bounds_s", BOUNDS_S)] + ["+Inf"]  # (5e-05, 0.0001, 1.0)
         for family, (names, doc) in FAMILIES.items():
             h = HistogramMetricFamily(f"{PREFIX}{family}_duration_seconds", f"seconds: {doc}", labels=list(names))
             for row in section.get(family, []):
