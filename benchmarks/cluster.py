@@ -66,6 +66,7 @@ from typing import IO, Any
 import numpy as np
 
 from benchmarks.common import Result, pages, percentile
+from kvstore.cluster.cluster_key import MAC_BYTES, Session
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.wire import peer as w
 
@@ -557,12 +558,14 @@ def _op_serve(st: AgentState, ip: str) -> dict[str, Any]:
         while True:
             conn, _ = listener.accept()
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            session = Session(bytes(32))  # the answer's head sealed as the peer path seals it (same bytes)
             with conn, contextlib.suppress(OSError):
                 while True:
                     w.recv_into_all(conn, memoryview(head))
                     set_id, n = REQ.unpack(head)
                     views = st.round(set_id)[:n]
-                    answer = w.answer_head([(len(v), 0) for v in views])  # the peer path's answer format
+                    answer = w.answer_head([(len(v), 0) for v in views], session)  # the peer path's answer format
+                    session.next()
                     w.send_buffers(conn, [memoryview(answer), *views])  # and its sends: sendmsg of all
 
     threading.Thread(target=serve_raw, name="raw-tcp-server", daemon=True).start()
@@ -611,7 +614,7 @@ def _check(views: list[memoryview], set_id: int, side: str) -> None:
 def _op_raw(st: AgentState, set_id: int) -> dict[str, Any]:
     views = st.round(set_id)
     _clear(views)
-    sock, head = st.raw, bytearray(w.COUNT.size + len(views) * w.ENTRY.size)
+    sock, head = st.raw, bytearray(w.COUNT.size + len(views) * w.ENTRY.size + MAC_BYTES)
     assert sock is not None
     t = time.perf_counter()
     sock.sendall(REQ.pack(set_id, len(views)))
