@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.vllm import VLLM_ENV  # the settings every vLLM run here uses
+from kvstore.harness.instance import VLLM_ENV  # the settings every vLLM run here uses
 
 # Multiprocess by default here (--in-process turns it off), with threads bound to cores.
 ENV_DEFAULTS = {k: v for k, v in VLLM_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}

@@ -213,8 +213,9 @@ def _note(msg: str) -> None:
 def _run_cross_host(tokens: int, new_tokens: int, block_size: int, n_prompts: int) -> dict[str, Any]:
     import numpy as np
 
-    from benchmarks.common import percentile
-    from benchmarks.vllm import CrossHost, Instance, kvstore_config, read_handoff, write_handoff
+    from kvstore.harness.cross_host import CrossHost
+    from kvstore.harness.handoff import read_handoff, write_handoff
+    from kvstore.harness.instance import Instance, kvstore_config
     from kvstore.testing.tiny_model import build_tiny_llama
 
     t_start = time.perf_counter()
@@ -273,7 +274,7 @@ def _run_cross_host(tokens: int, new_tokens: int, block_size: int, n_prompts: in
     match = [q["tokens"] == r["tokens"] for q, r in zip(handoff, recompute)]
     external = sum(q["by_source"].get("external_kv_transfer", 0) for q in handoff)
     local = sum(q["by_source"].get("local_cache_hit", 0) for q in handoff)
-    t_handoff, t_recompute = percentile(ttft, 50), percentile(ttft_re, 50)
+    t_handoff, t_recompute = float(np.percentile(np.asarray(ttft), 50)), float(np.percentile(np.asarray(ttft_re), 50))
     summary = {
         "ok": bool(match) and all(match) and peer.get("blocks_fetched", 0) > 0,
         "outputs_match": all(match),

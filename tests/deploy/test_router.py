@@ -208,7 +208,7 @@ TIMEOUT_S = 900.0  # two vLLM servers starting at once on a shared 2-core machin
 
 
 def vllm_env() -> dict[str, str]:
-    from benchmarks.vllm import VLLM_ENV
+    from kvstore.harness.instance import VLLM_ENV
 
     env = dict(VLLM_ENV)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the OpenAI server runs its engine core in a process of its own

@@ -1,7 +1,7 @@
 """Fixtures for the vLLM connector tests: the tiny Llama (built once), a real sidecar, and the
 no-connector reference outputs.
 
-Every vLLM instance runs in its own process (``benchmarks.vllm.run_instance``: in-process engine,
+Every vLLM instance runs in its own process (``kvstore.harness.instance.run_instance``: in-process engine,
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``), so no vLLM state leaks between instances or into pytest.
 """
 
