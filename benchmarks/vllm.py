@@ -77,7 +77,7 @@ from typing import Any
 from kvstore.harness.cross_host import CrossHost
 from kvstore.harness.instance import Instance, kvstore_config
 from kvstore.harness.phases import thread_cpu_seconds
-from kvstore.testing.servers import free_port
+from kvstore.harness.servers import free_port
 
 # --- the benchmark --------------------------------------------------------------------------------
 
@@ -253,7 +253,7 @@ def _configs(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.common import Result, sidecar_process
-    from kvstore.testing.tiny_model import build_tiny_llama
+    from kvstore.harness.tiny_model import build_tiny_llama
 
     res = Result("vllm")
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-vllm-"))

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").exists():
-        from kvstore.testing.tiny_model import build_tiny_llama
+        from kvstore.harness.tiny_model import build_tiny_llama
         t = time.perf_counter()
         build_tiny_llama(model_dir)
         print(f"[smoke] built tiny model in {model_dir} ({time.perf_counter() - t:.1f}s)")

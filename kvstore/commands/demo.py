@@ -102,8 +102,8 @@ async def _worker(role: str, spec_path: Path) -> dict[str, Any]:
 
 async def _demo(args: argparse.Namespace) -> dict[str, Any]:
     from kvstore.config import load_config
+    from kvstore.harness.tiny_model import build_tiny_llama, generate_corpus
     from kvstore.server.sidecar import Sidecar
-    from kvstore.testing.tiny_model import build_tiny_llama, generate_corpus
 
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as tmp:
@@ -187,7 +187,7 @@ def _cross_host_unmet() -> str:
     missing = [t for t in ("ip", "nsenter", "unshare") if shutil.which(t) is None]
     if missing:
         return f"kvstore demo --cross-host needs {', '.join(missing)} (iproute2, util-linux) on PATH"
-    from kvstore.testing.servers import REDIS_SERVER
+    from kvstore.harness.servers import REDIS_SERVER
 
     if not os.path.exists(REDIS_SERVER):
         return "kvstore demo --cross-host needs redis-server (the cluster directory): apt-get install redis-server"
@@ -216,7 +216,7 @@ def _run_cross_host(tokens: int, new_tokens: int, block_size: int, n_prompts: in
     from kvstore.harness.cross_host import CrossHost
     from kvstore.harness.handoff import read_handoff, write_handoff
     from kvstore.harness.instance import Instance, kvstore_config
-    from kvstore.testing.tiny_model import build_tiny_llama
+    from kvstore.harness.tiny_model import build_tiny_llama
 
     t_start = time.perf_counter()
     timeout = 900.0

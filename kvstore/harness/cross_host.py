@@ -14,17 +14,17 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
+from kvstore.harness.hosts import Hosts
 from kvstore.harness.instance import repo_pythonpath
-from kvstore.testing.hosts import Hosts
-from kvstore.testing.servers import RedisCluster, RedisServer, redis_cluster, redis_server
-from kvstore.testing.sidecar import REPO
+from kvstore.harness.servers import RedisCluster, RedisServer, redis_cluster, redis_server
+from kvstore.harness.sidecar import REPO
 from kvstore.util.tuning import ENV as MALLOC_ENV
 
 
 class CrossHost:
     """Two separate hosts on this machine, one sidecar each, one cache: the cross-host P/D rig.
 
-    Two network namespaces with private ``/dev/shm`` on a bridge (:class:`kvstore.testing.hosts.Hosts`),
+    Two network namespaces with private ``/dev/shm`` on a bridge (:class:`kvstore.harness.hosts.Hosts`),
     a ``kvstore serve`` on each (its own TOML config, gRPC/HTTP/peer ports on its host's address),
     forming one cluster through a ``redis-server`` on the bridge (the directory). With
     ``redis_tier="redis"``, that redis-server is also a Redis tier both sidecars write through to

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvstore.testing.sidecar import REPO
+from kvstore.harness.sidecar import REPO
 from kvstore.util.tuning import ENV as MALLOC_ENV
 
 VLLM_ENV = {

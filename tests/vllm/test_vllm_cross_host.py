@@ -39,8 +39,8 @@ from vllm_cases import BS, DOC_1, DOC_2, DOC_3, NEW, POOL
 from kvstore.harness.cross_host import CrossHost
 from kvstore.harness.handoff import read_handoff, write_handoff
 from kvstore.harness.instance import Instance, kvstore_config, run_instance
+from kvstore.harness.sidecar import REPO
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.testing.sidecar import REPO
 
 pytestmark = pytest.mark.vllm
 
