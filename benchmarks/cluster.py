@@ -1,7 +1,7 @@
 """The cluster between two hosts: peer fetch, directory writes and remote lookups, each against a
 raw baseline measured in the same run between the same hosts.
 
-Two hosts (network namespaces with a private /dev/shm each, :class:`kvstore.testing.hosts.Hosts`),
+Two hosts (network namespaces with a private /dev/shm each, :class:`kvstore.harness.hosts.Hosts`),
 one redis-server on their bridge as the directory. Sidecar A (``kvstore serve``, cluster on) runs in
 host 0 and holds the blocks; sidecar B runs in host 1. Every client is an agent process on its
 sidecar's host (``nsenter`` into that sidecar's network and mount namespaces, so it reaches the
@@ -76,7 +76,7 @@ TOKEN = "bench-cluster-token"
 LOOKUP_BLOCK = 4096
 WARM_LOOKUPS = 10  # untimed lookups on each sidecar first, on key sets of their own
 FETCH_SET, LOOKUP_SET = 1_000, 100_000  # key set ids: fetch round r uses FETCH_SET + r
-SHM_BYTES = 1 << 30  # each test host's /dev/shm (kvstore.testing.hosts)
+SHM_BYTES = 1 << 30  # each test host's /dev/shm (kvstore.harness.hosts)
 REQ = struct.Struct("<II")  # the baselines' request: key set id, blocks
 STAMP = struct.Struct("<QQ")  # the first bytes of every block: its key set and index
 GRPC_METHOD = "/kvstore.bench.Blocks/Fetch"
@@ -118,7 +118,7 @@ def _preflight(args: argparse.Namespace) -> None:
     if os.geteuid() != 0:
         raise SystemExit(
             "kvstore bench cluster needs root: it makes two test hosts (network namespaces with a private "
-            "/dev/shm, kvstore.testing.hosts) and enters them with nsenter; run it as root"
+            "/dev/shm, kvstore.harness.hosts) and enters them with nsenter; run it as root"
         )
     missing = [t for t in ("ip", "nsenter", "unshare", "redis-server") if shutil.which(t) is None]
     if missing:
@@ -263,8 +263,8 @@ class Bench:
         self.stack.close()
 
     def _start(self) -> None:
-        from kvstore.testing.hosts import Hosts
-        from kvstore.testing.servers import redis_server
+        from kvstore.harness.hosts import Hosts
+        from kvstore.harness.servers import redis_server
 
         a = self.args
         page = max(4 * MiB, _slot_bytes(self.size))

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.testing.sidecar import ServeProcess
+from kvstore.harness.sidecar import ServeProcess
 
 
 class Result:

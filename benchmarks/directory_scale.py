@@ -1,7 +1,7 @@
 """The cluster directory's cost at scale: Redis memory per block record, publish / unpublish rates,
 and the latency of a prompt's lookup, through :class:`kvstore.cluster.directory.Directory` itself.
 
-Two real redis-servers (``kvstore.testing.servers.redis_server``, no persistence), the second a
+Two real redis-servers (``kvstore.harness.servers.redis_server``, no persistence), the second a
 twin for the raw baseline, and, unless ``--no-cluster``, two 3-master Redis Clusters
 (``redis_cluster(3)``) the same way. On each:
 
@@ -76,8 +76,8 @@ from benchmarks.common import Result, percentile
 from kvstore.cluster.cluster_key import MAC_BYTES
 from kvstore.cluster.directory import LEAVE, ROOT_BYTES, TAKE, Directory, Record
 from kvstore.config import ClusterConfig
+from kvstore.harness.servers import redis_cluster, redis_server
 from kvstore.store.index import DRAM
-from kvstore.testing.servers import redis_cluster, redis_server
 
 PREFIX = "kvstore"  # ClusterConfig.key_prefix's default
 NODE_A, NODE_B = "node-000", "node-001"  # node ids; a real one defaults to the host name (often longer)

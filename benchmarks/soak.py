@@ -3,7 +3,7 @@
 
 What runs (everything on loopback, everything started here and cleaned up on exit, error or not):
 
-* a ``redis-server`` (:func:`kvstore.testing.servers.redis_server`, no persistence) behind a small
+* a ``redis-server`` (:func:`kvstore.harness.servers.redis_server`, no persistence) behind a small
   asyncio TCP proxy (:class:`DelayProxy`, a thread of this process) that can be switched to
   delaying every chunk it forwards (a slow Redis);
 * one sidecar (``kvstore serve`` subprocess): a small DRAM slab, an SSD tier on a tmpfs mounted
@@ -556,7 +556,7 @@ class Soak:
         return time.time() - self.t0 if self.t0 else 0.0
 
     def setup(self, stack: contextlib.ExitStack) -> None:
-        from kvstore.testing.servers import free_port, redis_server
+        from kvstore.harness.servers import free_port, redis_server
 
         self.root = Path(tempfile.mkdtemp(prefix="kvstore-soak-"))
         stack.callback(shutil.rmtree, self.root, ignore_errors=True)
@@ -623,7 +623,7 @@ class Soak:
         }
 
     def _start_sidecar(self) -> float:
-        from kvstore.testing.sidecar import ServeProcess
+        from kvstore.harness.sidecar import ServeProcess
 
         t = time.perf_counter()
         sc = ServeProcess(

@@ -56,7 +56,7 @@ Figures are MiB/s (best of ``--repeat``); ratios are raw time / our time (higher
 1.0 = parity): ``tier_{put,get}_<tier>``, ``tier_put_ssd_fresh`` and ``service_{put,get}_<tier>``. For Redis also the
 server memory per block byte each side's keys take (``tier.<tier>.memory.*``, ``MEMORY USAGE``
 summed) and ``memory_<tier>`` = raw's / ours. Servers come from
-:mod:`kvstore.testing.servers` unless their addresses are given (``--redis-url``,
+:mod:`kvstore.harness.servers` unless their addresses are given (``--redis-url``,
 ``--redis-cluster-url``, ``--s3-endpoint``). ``--peers`` adds LMCache 0.5.6's storage backends
 on the same servers (see :mod:`benchmarks.peers`). Run: ``python -m benchmarks.tiers`` or
 ``kvstore bench tiers --json``.
@@ -700,7 +700,7 @@ class _Bench:
 @contextlib.contextmanager
 def servers(args: argparse.Namespace, wanted: set[str]) -> Any:
     """The servers the run needs: the given addresses, or fresh ones on free loopback ports."""
-    from kvstore.testing.servers import (
+    from kvstore.harness.servers import (
         MOTO_CREDENTIALS,
         moto_server,
         redis_cluster,

@@ -193,7 +193,7 @@ def reload(model: Any, conn: Any, prompt: list[int]) -> tuple[float, float, Any]
 
 
 def sidecar_env(tier: str, servers: dict[str, Any]) -> dict[str, str]:
-    from kvstore.testing.servers import MOTO_CREDENTIALS
+    from kvstore.harness.servers import MOTO_CREDENTIALS
 
     env = {"KVSTORE_SSD__ENABLED": str(tier == "ssd").lower(), "KVSTORE_LOG_LEVEL": "warning"}
     if tier == "redis":
@@ -209,7 +209,7 @@ def sidecar_env(tier: str, servers: dict[str, Any]) -> dict[str, str]:
 
 @contextlib.contextmanager
 def tier_servers(tiers: list[str]) -> Iterator[dict[str, Any]]:
-    from kvstore.testing.servers import moto_server, redis_server
+    from kvstore.harness.servers import moto_server, redis_server
 
     with contextlib.ExitStack() as stack:
         servers: dict[str, Any] = {}

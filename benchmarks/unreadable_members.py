@@ -1,7 +1,7 @@
 """Members entries no node can read (issue 29): how long a node takes to delete N of them, and its
 heartbeat rate once they are gone.
 
-One redis-server (``kvstore.testing.servers.redis_server``); N fields of the ``members`` hash that
+One redis-server (``kvstore.harness.servers.redis_server``); N fields of the ``members`` hash that
 are not UTF-8 written first; then one in-process sidecar joins (heartbeat 1 s, lease 6 s). It
 counts them (``members_unreadable``) and deletes each once it has stayed unchanged for a lease,
 ``kvstore.cluster.node.FORGET_MEMBERS_BATCH`` a heartbeat. Printed: the seconds from the start
@@ -21,8 +21,8 @@ from pathlib import Path
 import redis.asyncio as aredis
 
 from kvstore.config import load_config
+from kvstore.harness.servers import redis_server
 from kvstore.server.sidecar import Sidecar
-from kvstore.testing.servers import redis_server
 
 
 async def run(url: str, n: int, lease_ms: int = 6000, window_s: float = 10.0) -> dict[str, float]:

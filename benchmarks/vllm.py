@@ -19,7 +19,7 @@ configuration gets more cores than another). The configurations (``--configs``):
   runs ``store`` in its own process, then a ``kv_consumer`` instance in another process runs
   every other phase, loading what the first stored. kvstore's decode instance runs with its
   directory off: each of its hits asks the sidecar.
-* ``kvstore_xhost``: prefill -> decode across hosts (:class:`CrossHost`, needs root): the
+* ``kvstore_xhost``: prefill -> decode across hosts (:class:`~kvstore.harness.cross_host.CrossHost`, needs root): the
   prefill instance and its sidecar on test host A, the decode instance and its sidecar on host
   B (network namespaces, private /dev/shm), one cluster through a redis-server on the bridge
   (the directory only). The decode instance runs ``repeat`` first, so each of those requests
@@ -53,8 +53,9 @@ against its peers in the same setting (none: ``kvstore``, ``_nodir``: ``kvstore_
 ``ttft_xhost_vs_recompute`` = the no-connector p50 TTFT of ``repeat`` / ``kvstore_xhost``'s p50
 TTFT of its ``repeat`` hits (decode side, blocks fetched from the other host).
 
-The same module runs one vLLM instance from a JSON spec (``python -m benchmarks.vllm --instance
-SPEC``); the vLLM tests use it too (:func:`run_instance`).
+Each vLLM instance is :class:`kvstore.harness.instance.Instance` (a process of its own, running
+a JSON spec's phases), ``kvstore_xhost``'s two hosts :class:`kvstore.harness.cross_host.CrossHost`:
+the harness ``kvstore demo --cross-host`` and the vLLM tests use too.
 """
 
 from __future__ import annotations
@@ -63,488 +64,20 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
-import select
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
-
-from kvstore.testing.servers import free_port
-from kvstore.util.tuning import ENV as MALLOC_ENV
-
-REPO = Path(__file__).resolve().parents[1]
-
-VLLM_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "OMP_NUM_THREADS": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    **MALLOC_ENV,
-}
-
-
-# --- one vLLM instance (child process) ----------------------------------------------------------
-
-
-def kvstore_config(url: str, role: str = "kv_both", **extra: Any) -> dict[str, Any]:
-    """``kv_transfer_config`` for the kvstore connector."""
-    return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connector.vllm", "kv_role": role,
-            "kv_connector_extra_config": {"url": url, **extra}}
-
-
-def run_instance(
-    spec: dict[str, Any], *, env: dict[str, str] | None = None, timeout: float = 600, prefix: Sequence[str] = (),
-) -> dict[str, Any]:
-    """Run one vLLM instance in a fresh process (see :func:`instance_main`); returns its results."""
-    with Instance(spec, env=env, prefix=prefix) as inst:
-        return inst.result(timeout)
-
-
-class Instance:
-    """One vLLM instance in its own process. With ``paced``, each request or batch round of its
-    ``paced`` phases waits for :meth:`turn` (one byte each way on a pair of pipes): ``R`` = ready
-    for the next, ``G`` = go, ``D`` = all its phases are done (the next ``G`` lets it shut down:
-    :meth:`result`). ``prefix``: the command line starts with it, e.g. ``["nsenter", "-t", PID,
-    "-m", "-n"]`` to run the instance on a test host, in its sidecar's namespaces
-    (:meth:`CrossHost.nsenter`)."""
-
-    def __init__(
-        self, spec: dict[str, Any], *, env: dict[str, str] | None = None, paced: bool = False,
-        prefix: Sequence[str] = (),
-    ) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="kvstore-vllm-")
-        path = Path(self._dir.name) / "spec.json"
-        self.out = Path(self._dir.name) / "out.json"
-        self.log = Path(self._dir.name) / "log.txt"
-        fds: tuple[int, ...] = ()
-        self._go: int | None = None
-        if paced:
-            go_r, self._go = os.pipe()
-            self._ready, ready_w = os.pipe()
-            spec = {**spec, "pace": {"in": go_r, "out": ready_w}}
-            fds = (go_r, ready_w)
-        path.write_text(json.dumps({**spec, "out": str(self.out)}))
-        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(
-                [*prefix, sys.executable, "-m", "benchmarks.vllm", "--instance", str(path)], cwd=REPO, pass_fds=fds,
-                env={**os.environ, **VLLM_ENV, "PYTHONPATH": pythonpath, **(env or {})}, stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        for fd in fds:
-            os.close(fd)  # the child's ends
-
-    def signal(self, timeout: float) -> bytes:
-        """The instance's next byte (``R`` or ``D``); b"" if it exited or fell silent."""
-        ready, _, _ = select.select([self._ready], [], [], timeout)
-        return os.read(self._ready, 1) if ready else b""
-
-    def go(self) -> None:
-        """Let it run its next request (or batch round), without waiting: :meth:`signal` says
-        when it is done."""
-        assert self._go is not None, "not a paced instance"
-        os.write(self._go, b"G")
-
-    def turn(self, timeout: float) -> bytes:
-        """Let it run one request or batch round; returns what it says afterwards."""
-        self.go()
-        return self.signal(timeout)
-
-    def result(self, timeout: float) -> dict[str, Any]:
-        if self._go is not None:
-            with contextlib.suppress(OSError):  # a paced instance waits for leave to shut down
-                os.write(self._go, b"G")
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        log = self.log.read_text(errors="replace")
-        if code != 0 or not self.out.exists():
-            raise RuntimeError(f"vLLM instance exited {code}:\n{log[-6000:]}")
-        return {**json.loads(self.out.read_text()), "log": log}
-
-    def __enter__(self) -> Instance:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        if self._go is not None:
-            os.close(self._go)
-            os.close(self._ready)
-        self._dir.cleanup()
-
-
-class CrossHost:
-    """Two separate hosts on this machine, one sidecar each, one cache: the cross-host P/D rig.
-
-    Two network namespaces with private ``/dev/shm`` on a bridge (:class:`kvstore.testing.hosts.Hosts`),
-    a ``kvstore serve`` on each (its own TOML config, gRPC/HTTP/peer ports on its host's address),
-    forming one cluster through a ``redis-server`` on the bridge (the directory). With
-    ``redis_tier="redis"``, that redis-server is also a Redis tier both sidecars write through to
-    (``tiering.write_through = ["redis"]``); with ``redis_tier="cluster"`` a 3-master Redis Cluster on
-    the bridge is both the directory and that shared tier; with ``None`` blocks move between the
-    hosts only by peer fetch. A vLLM instance runs on host ``i`` with ``Instance(..., prefix=rig.nsenter(i))`` and
-    reaches its sidecar at :meth:`url`. Needs root (namespaces); raises RuntimeError saying why not."""
-
-    TOKEN = "kvstore-cross-host"
-
-    def __init__(self, work: Path, *, redis_tier: Literal["redis", "cluster"] | None = None,
-                 dram_bytes: int = 256 << 20, lease_ms: int = 3000, heartbeat_ms: int = 500) -> None:
-        from kvstore.testing.hosts import Hosts
-        from kvstore.testing.servers import RedisCluster, RedisServer, redis_cluster, redis_server
-
-        self._stack = contextlib.ExitStack()
-        self.work = work
-        work.mkdir(parents=True, exist_ok=True)
-        try:
-            if os.geteuid() != 0:
-                raise RuntimeError("needs root: it creates network namespaces (ip netns) and mounts a /dev/shm "
-                                   "per host")
-            missing = [t for t in ("ip", "nsenter", "unshare") if shutil.which(t) is None]
-            if missing:
-                raise RuntimeError(f"needs {', '.join(missing)} (util-linux, iproute2) on PATH")
-            self.hosts = self._stack.enter_context(Hosts(2, prefix="kvx"))
-            bridge = self.hosts.bridge_ip
-            self.redis: RedisServer | RedisCluster
-            if redis_tier == "cluster":
-                self.redis = self._stack.enter_context(redis_cluster(3, host=bridge))
-            else:
-                self.redis = self._stack.enter_context(redis_server(host=bridge))
-            self.procs: list[subprocess.Popen[str]] = []
-            self.ready: list[dict[str, str]] = []
-            for i, name in enumerate(("a", "b")):
-                self._start(i, name, redis_tier, dram_bytes, lease_ms, heartbeat_ms)
-            time.sleep(2 * heartbeat_ms / 1000)  # each node has heard of the other
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self, i: int, name: str, redis_tier: Literal["redis", "cluster"] | None, dram_bytes: int,
-               lease_ms: int, heartbeat_ms: int) -> None:
-        host = self.hosts[i]
-        cluster = "true" if redis_tier == "cluster" else "false"
-        tier = f"""
-[redis]
-enabled = true
-url = "{self.redis.url}"
-cluster = {cluster}
-key_prefix = "xhost-tier"
-[tiering]
-write_through = ["redis"]
-""" if redis_tier else ""
-        config = self.work / f"sidecar-{name}.toml"
-        config.write_text(f"""data_dir = "{self.work / f"sidecar-{name}"}"
-log_level = "warning"
-[server]
-grpc_address = "{host.ip}:0"
-http_address = "{host.ip}:0"
-[dram]
-capacity_bytes = {dram_bytes}
-[ssd]
-enabled = false
-[cluster]
-enabled = true
-directory_url = "{self.redis.url}"
-directory_cluster = {cluster}
-key_prefix = "xhost"
-node_id = "{name}"
-peer_address = "{host.ip}:0"
-token = "{self.TOKEN}"
-lease_ms = {lease_ms}
-heartbeat_ms = {heartbeat_ms}
-fetch_timeout_s = 2.0
-{tier}""")
-        log = (self.work / f"sidecar-{name}.log").open("a")
-        self._stack.callback(log.close)
-        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        proc: subprocess.Popen[str] = host.popen(
-            [sys.executable, "-m", "kvstore", "serve", "--config", str(config)], stdout=subprocess.PIPE, stderr=log,
-            text=True, cwd=REPO, env={**os.environ, **MALLOC_ENV, "PYTHONPATH": pythonpath},
-        )
-        self.procs.append(proc)
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            log.flush()
-            raise RuntimeError(f"sidecar {name} on {host.name} exited {proc.wait()}: "
-                               f"{(self.work / f'sidecar-{name}.log').read_text()[-3000:]}")
-        self.ready.append(json.loads(line))
-
-    def url(self, i: int) -> str:
-        """Host ``i``'s sidecar's gRPC address (reachable from that host; the connector then finds
-        the sidecar's Unix socket and shared memory there)."""
-        return self.ready[i]["grpc"]
-
-    @property
-    def pids(self) -> tuple[int, ...]:
-        return tuple(p.pid for p in self.procs)
-
-    def nsenter(self, i: int) -> list[str]:
-        """The command prefix that runs a program on host ``i``, in its sidecar's network and mount
-        namespaces (its address, its /dev/shm)."""
-        return ["nsenter", "-t", str(self.procs[i].pid), "-m", "-n", f"--wd={REPO}"]
-
-    def stats(self, i: int) -> dict[str, Any]:
-        """Host ``i``'s sidecar's ``/stats`` (over the bridge, from this namespace)."""
-        import urllib.request
-
-        with urllib.request.urlopen(f"http://{self.ready[i]['http']}/stats", timeout=10) as r:
-            doc: dict[str, Any] = json.loads(r.read())
-        return doc
-
-    def cluster(self, i: int) -> dict[str, int]:
-        """Host ``i``'s sidecar's cluster counters (blocks_fetched, blocks_lent, blocks_adopted, ...)."""
-        return dict(self.stats(i).get("cluster", {}))
-
-    def kill(self, i: int) -> None:
-        """kill -9 host ``i``'s sidecar."""
-        proc = self.procs[i]
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-
-    def close(self) -> None:
-        for proc in getattr(self, "procs", []):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
-            if proc.stdout is not None:
-                proc.stdout.close()
-        self._stack.close()  # redis-server, then the hosts
-
-    def __enter__(self) -> CrossHost:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _by_source(llm: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for m in llm.get_metrics():
-        if m.name == "vllm:prompt_tokens_by_source":
-            out[m.labels.get("source", "")] = int(m.value)
-        elif m.name == "vllm:external_prefix_cache_hits":
-            out["external_hits"] = int(m.value)
-    return out
-
-
-def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    return {k: v - before.get(k, 0) for k, v in after.items()}
-
-
-def _connectors(llm: Any) -> dict[str, Any]:
-    """The engine's KV connector objects by role (in-process engine only; none without one)."""
-    from vllm.distributed.kv_transfer import (
-        get_kv_transfer_group,
-        has_kv_transfer_group,
-    )
-
-    conns: dict[str, Any] = {}
-    if has_kv_transfer_group():
-        conns["worker"] = get_kv_transfer_group()
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    sched = getattr(getattr(core, "scheduler", None), "connector", None)
-    if sched is not None:
-        conns["scheduler"] = sched
-    return conns
-
-
-HOOKS = ("on_new_request", "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "update_connector_output", "request_finished", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
-         "wait_for_save", "get_finished")
-
-
-class HookTimes:
-    """Wall time the engine spends in its connector's hooks (both roles), per hook: every
-    connector's instance methods are wrapped in a timer, the same for every configuration."""
-
-    def __init__(self, conns: dict[str, Any]) -> None:
-        self._s: dict[str, float] = {}
-        for conn in conns.values():
-            for name in HOOKS:
-                if hasattr(conn, name):
-                    setattr(conn, name, self._timed(name, getattr(conn, name)))
-
-    def _timed(self, name: str, fn: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._s[name] = self._s.get(name, 0.0) + time.perf_counter() - t
-
-        return timed
-
-    def take(self) -> dict[str, float]:
-        """Milliseconds per hook since the last call."""
-        out, self._s = {k: round(v * 1e3, 4) for k, v in self._s.items()}, {}
-        return out
-
-
-def _shutdown(llm: Any) -> dict[str, Any]:
-    """Shut the engine down (connectors finish their saves) and return the kvstore connector
-    counters of both roles (in-process engine only)."""
-    stats: dict[str, Any] = {}
-    try:
-        conns = _connectors(llm)
-        llm.llm_engine.engine_core.shutdown()
-        for role, conn in conns.items():
-            if conn is not None and hasattr(conn, "kvstore_stats"):
-                stats[role] = conn.kvstore_stats()
-                stats["namespace"] = dataclasses.asdict(conn.ns)
-    except Exception as exc:  # noqa: BLE001 - informational
-        stats["error"] = repr(exc)
-    return stats
-
-
-def instance_main(spec_path: str) -> None:
-    """Child process: build ``vllm.LLM`` from the spec, run its phases, write the results JSON.
-
-    Spec: ``model``, ``block_size``, ``num_blocks``, ``max_model_len``, ``dtype``,
-    ``kv_transfer_config`` (dict or null), ``phases``: list of ``{name, prompts: [[token ids]],
-    max_tokens, batch: bool, evict: [[token ids]] (run before each prompt, or before the batch),
-    stats: bool (per-request prompt_tokens_by_source deltas), paced: bool (each request or batch
-    round waits for its turn), handoff_out: DIR (after request i, its output's
-    ``kv_transfer_params`` go to DIR/i.json), handoff_in: DIR (request i is sent with the
-    ``kv_transfer_params`` in DIR/i.json, as a P/D proxy passes a prefill's on to the decode
-    request), skip_cache: bool (``skip_reading_prefix_cache``: nothing is loaded, neither from
-    vLLM's own cache nor from the connector -- a recompute)}``, ``out``, ``pace`` (set by
-    :class:`Instance`).
-    """
-    spec = json.loads(Path(spec_path).read_text())
-    t0 = time.perf_counter()
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-
-    t_import = time.perf_counter() - t0
-    kv = spec.get("kv_transfer_config")
-    t1 = time.perf_counter()
-    llm = LLM(
-        model=spec["model"], tokenizer=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
-        max_model_len=spec.get("max_model_len", 1024), max_num_batched_tokens=spec.get("max_model_len", 1024),
-        max_num_seqs=spec.get("max_num_seqs", 4), block_size=spec.get("block_size", 32),
-        num_gpu_blocks_override=spec.get("num_blocks", 64), enable_prefix_caching=True,
-        disable_log_stats=False, seed=0, kv_transfer_config=KVTransferConfig(**kv) if kv else None,
-    )
-    startup = time.perf_counter() - t1
-    hooks = HookTimes(_connectors(llm))  # per measured request or batch round: "connector_ms"
-
-    def gen(
-        prompts: list[list[int]], max_tokens: int, params: dict[str, Any] | None = None, skip: bool = False,
-    ) -> tuple[list[Any], float]:
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            extra_args={"kv_transfer_params": params} if params else None,
-                            skip_reading_prefix_cache=True if skip else None)
-        t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        return outs, time.perf_counter() - t
-
-    def record(o: Any) -> dict[str, Any]:
-        m = o.metrics
-        return {"tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
-                "ttft_s": getattr(m, "first_token_latency", None) if m is not None else None,
-                "kv_transfer_params": o.kv_transfer_params}
-
-    phases: dict[str, Any] = {}
-    for ph in spec["phases"]:
-        evict = ph.get("evict") or []  # fresh prompts per use: [[prompt, ...] per request or batch]
-        reqs: list[dict[str, Any]] = []
-        before_phase = _by_source(llm)
-        pace = spec.get("pace") if ph.get("paced") else None
-        if ph.get("batch"):
-            walls, round_hooks, round_cpu = [], [], []
-            threads_before = thread_cpu_seconds(os.getpid())
-            for fill in evict or [[]]:  # one round per eviction fill
-                _await_turn(pace)
-                if fill:
-                    gen(fill, 1)
-                time.sleep(ph.get("gap_s", 0.0))
-                hooks.take()
-                cpu = time.process_time()
-                outs, dt = gen(ph["prompts"], ph["max_tokens"])
-                round_cpu.append(time.process_time() - cpu)
-                round_hooks.append(hooks.take())
-                reqs += [record(o) for o in outs]
-                walls.append(dt)
-            wall = sum(walls)
-        else:
-            wall = 0.0
-            for i, p in enumerate(ph["prompts"]):
-                _await_turn(pace)
-                if evict:
-                    gen(evict[i], 1)
-                if ph.get("warm"):
-                    gen([p], ph["max_tokens"])  # the prompt is now in vLLM's own cache
-                time.sleep(ph.get("gap_s", 0.0))  # idle time before the request arrives
-                params = read_handoff(ph["handoff_in"], i) if ph.get("handoff_in") else None
-                before = _by_source(llm) if ph.get("stats", True) else {}
-                hooks.take()
-                [o], dt = gen([p], ph["max_tokens"], params, bool(ph.get("skip_cache")))
-                wall += dt
-                if ph.get("handoff_out"):
-                    write_handoff(ph["handoff_out"], i, o.kv_transfer_params)
-                r = {**record(o), "connector_ms": hooks.take()}
-                if ph.get("stats", True):
-                    r["by_source"] = _delta(_by_source(llm), before)
-                reqs.append(r)
-        phases[ph["name"]] = {"requests": reqs, "wall_s": wall, "by_source": _delta(_by_source(llm), before_phase)}
-        if ph.get("batch"):
-            phases[ph["name"]]["round_wall_s"] = walls
-            phases[ph["name"]]["round_connector_ms"] = round_hooks
-            phases[ph["name"]]["round_cpu_s"] = round_cpu  # the instance's CPU time, all its threads
-            threads = thread_cpu_seconds(os.getpid())  # over the whole phase, fills and gaps included
-            phases[ph["name"]]["thread_cpu_s"] = {k: v - threads_before.get(k, 0.0) for k, v in threads.items()}
-    if spec.get("pace"):  # all done: shut down only when told, not during another's turn
-        os.write(spec["pace"]["out"], b"D")
-        os.read(spec["pace"]["in"], 1)
-    result = {"import_s": t_import, "startup_s": startup, "phases": phases, "connector": _shutdown(llm)}
-    Path(spec["out"]).write_text(json.dumps(result))
-    os._exit(0)  # the engine is shut down; skip the interpreter's slow teardown
-
-
-def write_handoff(directory: str | Path, i: int, params: dict[str, Any] | None) -> None:
-    """Request ``i``'s ``kv_transfer_params`` for the other side of a handoff (see :func:`read_handoff`)."""
-    path = Path(directory, f"{i}.json")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(params))
-    tmp.replace(path)  # whole or not at all
-
-
-def read_handoff(directory: str | Path, i: int) -> dict[str, Any] | None:
-    """What :func:`write_handoff` wrote for request ``i`` (None: nothing, or no file)."""
-    path = Path(directory, f"{i}.json")
-    params: dict[str, Any] | None = json.loads(path.read_text()) if path.exists() else None
-    return params
-
-
-def _await_turn(pace: dict[str, int] | None) -> None:
-    """A paced instance says it is ready and waits for its turn."""
-    if pace:
-        os.write(pace["out"], b"R")
-        if os.read(pace["in"], 1) != b"G":
-            raise RuntimeError("the benchmark went away")
-
+from typing import Any
+
+from kvstore.harness.cross_host import CrossHost
+from kvstore.harness.instance import Instance, kvstore_config
+from kvstore.harness.phases import thread_cpu_seconds
+from kvstore.harness.servers import free_port
 
 # --- the benchmark --------------------------------------------------------------------------------
 
@@ -720,7 +253,7 @@ def _configs(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.common import Result, sidecar_process
-    from kvstore.testing.tiny_model import build_tiny_llama
+    from kvstore.harness.tiny_model import build_tiny_llama
 
     res = Result("vllm")
     work = Path(tempfile.mkdtemp(prefix="kvstore-bench-vllm-"))
@@ -743,20 +276,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return res.as_dict()
-
-
-def thread_cpu_seconds(pid: int) -> dict[str, float]:
-    """CPU time of process ``pid`` so far, per thread name (``/proc/PID/task/*/schedstat``, ns);
-    empty where that cannot be read."""
-    out: dict[str, float] = {}
-    try:
-        for task in os.scandir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                name = Path(task.path, "comm").read_text().strip()
-                out[name] = out.get(name, 0.0) + int(Path(task.path, "schedstat").read_text().split()[0]) / 1e9
-    except OSError:
-        return {}
-    return out
 
 
 def cpu_seconds(pid: int) -> float:
@@ -1020,9 +539,6 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], log: Path, timeout: flo
 def main(argv: list[str] | None = None) -> None:
     if argv is None:
         argv = sys.argv[1:]
-    if argv[:1] == ["--instance"]:
-        instance_main(argv[1])
-        return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p)
     print(json.dumps(run(p.parse_args(argv)), indent=2))

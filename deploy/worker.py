@@ -51,7 +51,7 @@ def ensure_model(model_dir: Path, seed: int = 0) -> Path:
     """Build the tiny model once; concurrent workers race safely (build aside, then rename)."""
     if (model_dir / "config.json").exists():
         return model_dir
-    from kvstore.testing.tiny_model import build_tiny_llama
+    from kvstore.harness.tiny_model import build_tiny_llama
 
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = model_dir.with_name(f"{model_dir.name}.tmp-{os.getpid()}")

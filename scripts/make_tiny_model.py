@@ -3,7 +3,7 @@
 
 Usage: python scripts/make_tiny_model.py OUT_DIR [--seed N] [--dtype float32|bfloat16]
 
-The logic lives in kvstore.testing.tiny_model.build_tiny_llama.
+The logic lives in kvstore.harness.tiny_model.build_tiny_llama.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvstore.testing.tiny_model import build_tiny_llama
+from kvstore.harness.tiny_model import build_tiny_llama
 
 
 def main(argv: list[str] | None = None) -> int:

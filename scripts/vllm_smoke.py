@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.vllm import VLLM_ENV  # the settings every vLLM run here uses
+from kvstore.harness.instance import VLLM_ENV  # the settings every vLLM run here uses
 
 # Multiprocess by default here (--in-process turns it off), with threads bound to cores.
 ENV_DEFAULTS = {k: v for k, v in VLLM_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").exists():
-        from kvstore.testing.tiny_model import build_tiny_llama
+        from kvstore.harness.tiny_model import build_tiny_llama
         t = time.perf_counter()
         build_tiny_llama(model_dir)
         print(f"[smoke] built tiny model in {model_dir} ({time.perf_counter() - t:.1f}s)")

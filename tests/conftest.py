@@ -12,9 +12,9 @@ import pytest
 
 from kvstore.client import KVStoreClient
 from kvstore.config import Config, load_config
+from kvstore.harness.sidecar import ServeProcess
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
-from kvstore.testing.sidecar import ServeProcess
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -89,7 +89,7 @@ KINDS = ("shm", "fds", "threads", "processes", "tmp", "sidecars")
 GRACE_S = float(os.environ.get("KVSTORE_LEAK_GRACE_S", "5"))  # how long what is on its way out may take
 ENV_MARKER = "KVSTORE_LEAK_SESSION"
 SHM_DIR = "/dev/shm"
-# Names of the temp entries the project makes (kvstore.testing: kvstore-serve-*.log, kvstore-redis-*,
+# Names of the temp entries the project makes (kvstore.harness: kvstore-serve-*.log, kvstore-redis-*,
 # kvstore-cluster-*; kvstore.wire.framing: kvstore-<segment>.sock; the tests: kvstore-perm-*, kvstore-hosts-*;
 # benchmarks: kvstore-bench-*, lmcache-bench-*), and tempfile's default "tmp" for a bare mkdtemp() made
 # by this process.
@@ -161,7 +161,7 @@ _created: list[str] = []  # temp-dir paths this process created (audit hook), in
 _spawned: set[int] = {os.getpid()}  # pids this process started (Popen, multiprocessing) and itself
 _own_shm: set[str] = set()  # shared_memory segments this process created
 _sidecars: weakref.WeakSet[Any] = weakref.WeakSet()  # every in-process Sidecar started
-_serve_logs: set[str] = set()  # kvstore.testing.sidecar.ServeProcess logs (see _process_wide)
+_serve_logs: set[str] = set()  # kvstore.harness.sidecar.ServeProcess logs (see _process_wide)
 _tmpdirs: set[str] = set()
 
 
@@ -389,7 +389,7 @@ def _process_wide() -> Owned:
       on ``/dev/shm/<segment> (deleted)`` and its mapping, which keeps the unlinked segment's pages
       (the whole slab, prefaulted by ``_prefault``) allocated. Here: one fd (and up to the slab's
       size in memory) per subprocess sidecar a test attached. Allowed by exactly those fds.
-    * PRODUCT DEFECT kvstore/testing/sidecar.py:26-28 (``ServeProcess``): its stderr log is a
+    * PRODUCT DEFECT kvstore/harness/sidecar.py:26-28 (``ServeProcess``): its stderr log is a
       ``NamedTemporaryFile(prefix="kvstore-serve-", delete=False)`` that nothing removes (``stop()``
       closes it, ``logs()`` reads it afterwards): one /tmp/kvstore-serve-*.log per ``kvstore serve``
       a test starts. Allowed by exactly the paths ServeProcess created (tests/conftest.py's
@@ -690,7 +690,7 @@ def install() -> None:
 
     Sidecar.start = start_and_record  # type: ignore[method-assign]
 
-    from kvstore.testing.sidecar import ServeProcess
+    from kvstore.harness.sidecar import ServeProcess
 
     def serve_log(p: Any) -> None:
         log = getattr(p, "log", None)

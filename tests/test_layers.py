@@ -300,6 +300,31 @@ def describe(cycle: list[Import]) -> str:
     return f"  {' -> '.join([cycle[0].importer, *(i.target for i in cycle)])}\n{steps}"
 
 
+# --- the product stands apart from its benchmarks and tests ----------------------------------------------
+
+OUTSIDE = ("benchmarks", "tests")  # not the product: the suites and the test suite
+SUITE_LAUNCHER = "kvstore.commands.bench"  # `kvstore bench SUITE` loads the suite's module by name when asked
+_DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+
+
+def outside_references(root: Path, known: dict[str, Path]) -> list[str]:
+    """Every import of ``benchmarks`` or ``tests`` (or a module under them) by the given modules,
+    at module level or inside a function, and every such module named as a string (to
+    ``importlib``, in ``python -m ...``), except the suite launcher's table of suites."""
+    out = []
+    for module, path in known.items():
+        reader = _Reader()
+        reader.read(ast.parse(path.read_text(), str(path)))
+        rel = str(path.relative_to(root))
+        for written, _, line, _, how in reader.found:
+            if written.split(".")[0] not in OUTSIDE:
+                continue
+            if how == "by name" and (not _DOTTED.fullmatch(written) or module == SUITE_LAUNCHER):
+                continue
+            out.append(f"{rel}:{line}: {module} {'names' if how == 'by name' else 'imports'} {written}")
+    return sorted(out)
+
+
 # --- the tree's own checks -------------------------------------------------------------------------------
 
 
@@ -347,6 +372,13 @@ def test_no_import_cycle(tree: tuple[dict[str, Path], list[Import]]) -> None:
     loops = cycles(found)
     assert not loops, "module-level import cycles (TYPE_CHECKING-only imports aside):\n" + "\n".join(
         map(describe, loops))
+
+
+def test_the_product_imports_nothing_from_benchmarks_or_tests(tree: tuple[dict[str, Path], list[Import]]) -> None:
+    known, _ = tree
+    found = outside_references(ROOT, known)
+    assert not found, ("kvstore/ and connector/ reach into benchmarks/ or tests/ (what both need belongs in the "
+                       "product, e.g. kvstore/harness/):\n" + "\n".join(found))
 
 
 # --- the checks themselves catch what they are for -----------------------------------------------------
@@ -425,6 +457,31 @@ def test_the_checks_report_what_breaks_and_where(tmp_path: Path) -> None:
         "  kvstore.store.block_store -> kvstore.store.index -> kvstore.store.block_store\n"
         "    kvstore/store/block_store.py:4: kvstore.store.block_store imports kvstore.store.index\n"
         "    kvstore/store/index.py:8: kvstore.store.index imports kvstore.store.block_store"
+    ]
+
+
+def test_the_outside_check_finds_imports_and_names_but_not_the_suite_launcher(tmp_path: Path) -> None:
+    _write(tmp_path, {
+        "kvstore/__init__.py": "",
+        "kvstore/commands/__init__.py": "",
+        "kvstore/commands/bench.py": 'SUITES = {"vllm": "benchmarks.vllm"}\n',
+        "kvstore/commands/demo.py": """\
+            \"\"\"Runs what benchmarks.vllm runs (a docstring, not an import).\"\"\"
+            import subprocess
+
+
+            def run():
+                from benchmarks.vllm import CrossHost
+                subprocess.run(["python", "-m", "tests.support.x"], check=True)
+                return "benchmarks are slow"
+            """,
+        "connector/__init__.py": "import benchmarks\nfrom tests.conftest import small_config\n",
+    })
+    assert outside_references(tmp_path, modules(tmp_path)) == [
+        "connector/__init__.py:1: connector imports benchmarks",
+        "connector/__init__.py:2: connector imports tests.conftest",
+        "kvstore/commands/demo.py:6: kvstore.commands.demo imports benchmarks.vllm",
+        "kvstore/commands/demo.py:7: kvstore.commands.demo names tests.support.x",
     ]
 
 

@@ -102,8 +102,8 @@ async def _worker(role: str, spec_path: Path) -> dict[str, Any]:
 
 async def _demo(args: argparse.Namespace) -> dict[str, Any]:
     from kvstore.config import load_config
+    from kvstore.harness.tiny_model import build_tiny_llama, generate_corpus
     from kvstore.server.sidecar import Sidecar
-    from kvstore.testing.tiny_model import build_tiny_llama, generate_corpus
 
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as tmp:
@@ -187,7 +187,7 @@ def _cross_host_unmet() -> str:
     missing = [t for t in ("ip", "nsenter", "unshare") if shutil.which(t) is None]
     if missing:
         return f"kvstore demo --cross-host needs {', '.join(missing)} (iproute2, util-linux) on PATH"
-    from kvstore.testing.servers import REDIS_SERVER
+    from kvstore.harness.servers import REDIS_SERVER
 
     if not os.path.exists(REDIS_SERVER):
         return "kvstore demo --cross-host needs redis-server (the cluster directory): apt-get install redis-server"
@@ -213,9 +213,10 @@ def _note(msg: str) -> None:
 def _run_cross_host(tokens: int, new_tokens: int, block_size: int, n_prompts: int) -> dict[str, Any]:
     import numpy as np
 
-    from benchmarks.common import percentile
-    from benchmarks.vllm import CrossHost, Instance, kvstore_config, read_handoff, write_handoff
-    from kvstore.testing.tiny_model import build_tiny_llama
+    from kvstore.harness.cross_host import CrossHost
+    from kvstore.harness.handoff import read_handoff, write_handoff
+    from kvstore.harness.instance import Instance, kvstore_config
+    from kvstore.harness.tiny_model import build_tiny_llama
 
     t_start = time.perf_counter()
     timeout = 900.0
@@ -273,7 +274,7 @@ def _run_cross_host(tokens: int, new_tokens: int, block_size: int, n_prompts: in
     match = [q["tokens"] == r["tokens"] for q, r in zip(handoff, recompute)]
     external = sum(q["by_source"].get("external_kv_transfer", 0) for q in handoff)
     local = sum(q["by_source"].get("local_cache_hit", 0) for q in handoff)
-    t_handoff, t_recompute = percentile(ttft, 50), percentile(ttft_re, 50)
+    t_handoff, t_recompute = float(np.percentile(np.asarray(ttft), 50)), float(np.percentile(np.asarray(ttft_re), 50))
     summary = {
         "ok": bool(match) and all(match) and peer.get("blocks_fetched", 0) > 0,
         "outputs_match": all(match),

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from benchmarks import soak
-from kvstore.testing.servers import free_port, redis_server
+from kvstore.harness.servers import free_port, redis_server
 
 
 def _args(*argv: str) -> argparse.Namespace:

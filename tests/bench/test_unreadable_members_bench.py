@@ -4,7 +4,7 @@ lease. No timed assertions."""
 from __future__ import annotations
 
 from benchmarks import unreadable_members
-from kvstore.testing.servers import redis_server
+from kvstore.harness.servers import redis_server
 
 
 async def test_unreadable_members_bench_shape() -> None:

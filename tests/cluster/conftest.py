@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.harness.servers import RedisServer, redis_server
 from kvstore.server.sidecar import Sidecar
-from kvstore.testing.servers import RedisServer, redis_server
 from tests.cluster.nodes import node_config
 
 

@@ -14,9 +14,9 @@ from kvstore.client import KVStoreClient
 from kvstore.cluster import peer_hello
 from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey, Session
 from kvstore.config import Config
+from kvstore.harness.servers import RedisServer
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
-from kvstore.testing.servers import RedisServer
 from kvstore.wire import peer as w
 from tests.conftest import small_config
 

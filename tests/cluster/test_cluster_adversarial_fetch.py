@@ -22,11 +22,11 @@ from kvstore.cluster.directory import Directory, Record
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.config import Config
 from kvstore.errors import ConfigError, KVStoreError
+from kvstore.harness.servers import RedisServer, redis_server
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.audit import audit
 from kvstore.store.index import DRAM
-from kvstore.testing.servers import RedisServer, redis_server
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import peer as peer_wire

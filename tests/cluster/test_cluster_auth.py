@@ -25,10 +25,10 @@ import pytest
 from redis.asyncio import Redis, RedisCluster
 
 from kvstore.cluster.directory import Directory, Record
+from kvstore.harness.servers import RedisServer, redis_cluster, redis_server
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.checksum import checksum
-from kvstore.testing.servers import RedisServer, redis_cluster, redis_server
 from tests.cluster.nodes import BLOCK, TOKEN, blocks, client_of, keys_for, node_config
 
 DRAM = 1

@@ -26,10 +26,10 @@ from kvstore.client import SyncClient
 from kvstore.cluster.directory import SCAN_START, Directory, Record
 from kvstore.config import Config
 from kvstore.errors import FailedPrecondition, Unavailable
+from kvstore.harness.servers import RedisServer, redis_cluster, redis_server
+from kvstore.harness.sidecar import ServeProcess
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import DataDirLock, Sidecar
-from kvstore.testing.servers import RedisServer, redis_cluster, redis_server
-from kvstore.testing.sidecar import ServeProcess
 from tests.cluster.nodes import TOKEN, blocks, client_of, keys_for, node_config, serve_args, serve_env
 
 WAIT_S = 30.0

@@ -17,12 +17,12 @@ from redis.asyncio import Redis, RedisCluster
 from kvstore.client import KVStoreClient
 from kvstore.cluster.directory import Directory, Record
 from kvstore.config import Config
+from kvstore.harness.servers import RedisServer, redis_cluster, redis_server
 from kvstore.keys import Namespace
 from kvstore.policy import make_policy
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.block_store import BlockSpec, CommitSpec
 from kvstore.store.index import SSD, Block
-from kvstore.testing.servers import RedisServer, redis_cluster, redis_server
 from tests.cluster.nodes import BLOCK, blocks, client_of, keys_for, node_config
 from tests.tiers.test_tier_uses import Traffic, reused_on_ssd
 from tests.tiers.test_tiering import PAGE

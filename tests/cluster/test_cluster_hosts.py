@@ -4,7 +4,7 @@ redis-server (and, in the last test, a 3-node Redis Cluster) on the bridge as th
 
 Every client call runs as a process on its sidecar's host (``tests/cluster/host_client.py`` under
 ``nsenter``). Needs root, as CI has: where namespaces cannot be made, the fixture fails and says
-why (kvstore.testing.hosts).
+why (kvstore.harness.hosts).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
+from kvstore.harness.hosts import Host, Hosts
+from kvstore.harness.servers import RedisServer, redis_cluster, redis_server
 from kvstore.store.checksum import checksum
-from kvstore.testing.hosts import Host, Hosts
-from kvstore.testing.servers import RedisServer, redis_cluster, redis_server
 
 sys.path.insert(0, str(Path(__file__).parent))
 from host_client import make_blocks

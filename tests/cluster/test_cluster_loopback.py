@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.harness.servers import RedisServer, redis_server
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
-from kvstore.testing.servers import RedisServer, redis_server
 from tests.cluster.nodes import TOKEN, blocks, client_of, hello_stream, keys_for, node_config
 
 

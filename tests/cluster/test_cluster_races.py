@@ -21,11 +21,11 @@ import redis
 from kvstore.client import KVStoreClient
 from kvstore.cluster.cluster_key import MAC_BYTES
 from kvstore.errors import Unavailable
+from kvstore.harness.servers import RedisServer, redis_server
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.block_store import BlockSpec, CommitSpec
 from kvstore.store.index import State
-from kvstore.testing.servers import RedisServer, redis_server
 from tests.cluster.nodes import hello_socket, hello_stream
 from tests.conftest import small_config
 

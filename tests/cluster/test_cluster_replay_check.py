@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from kvstore.client import SyncClient
+from kvstore.harness.servers import RedisServer, redis_server
+from kvstore.harness.sidecar import ServeProcess
 from kvstore.keys import Namespace
 from kvstore.sim.cluster import replay_cluster
 from kvstore.sim.traces import Trace, load_trace
-from kvstore.testing.servers import RedisServer, redis_server
-from kvstore.testing.sidecar import ServeProcess
 
 REPO = Path(__file__).resolve().parents[2]
 SEGMENT = 300  # requests: 8,490 block references

@@ -8,10 +8,10 @@ import asyncio
 from pathlib import Path
 
 from kvstore.cluster.directory import Record
+from kvstore.harness.servers import RedisServer
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.index import TOP_LABEL
-from kvstore.testing.servers import RedisServer
 from tests.cluster.nodes import blocks, client_of, keys_for, node_config
 
 MINUTE = 60_000

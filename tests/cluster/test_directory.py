@@ -11,7 +11,7 @@ import pytest
 from redis.asyncio import Redis, RedisCluster
 
 from kvstore.cluster.directory import Directory, Record
-from kvstore.testing.servers import redis_cluster, redis_server
+from kvstore.harness.servers import redis_cluster, redis_server
 
 
 @pytest.fixture(scope="module", params=["redis", "redis-cluster"])

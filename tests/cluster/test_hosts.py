@@ -1,4 +1,4 @@
-"""kvstore.testing.hosts with real namespaces: hosts reach each other and the root namespace over the
+"""kvstore.harness.hosts with real namespaces: hosts reach each other and the root namespace over the
 bridge, /dev/shm is private to each host, a cut link stops traffic, and close() leaves nothing behind."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstore.testing.hosts import Hosts, cleanup_stale
+from kvstore.harness.hosts import Hosts, cleanup_stale
 
 PORT = 7070
 # Echoes one message per connection until killed; prints "ready" once listening.
@@ -127,7 +127,7 @@ def test_close_removes_everything() -> None:
 
 
 def test_cleanup_stale_removes_what_a_killed_run_left() -> None:
-    code = "import time; from kvstore.testing.hosts import Hosts; h = Hosts(1); print(h[0].name, h.bridge, flush=True)"
+    code = "import time; from kvstore.harness.hosts import Hosts; h = Hosts(1); print(h[0].name, h.bridge, flush=True)"
     code += "; time.sleep(60)"
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None

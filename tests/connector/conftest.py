@@ -1,5 +1,5 @@
 """Fixtures for the connector's integration tests: a tiny Llama on disk and a real sidecar
-(`kvstore serve` in a subprocess on free loopback ports, via kvstore.testing.sidecar.ServeProcess)."""
+(`kvstore serve` in a subprocess on free loopback ports, via kvstore.harness.sidecar.ServeProcess)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from kvstore.client import SyncClient
-from kvstore.testing.sidecar import ServeProcess
+from kvstore.harness.sidecar import ServeProcess
 
 SIDECAR_DRAM_BYTES = 64 << 20
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvstore.testing.tiny_model import build_tiny_llama
+    from kvstore.harness.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
 

@@ -23,9 +23,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from connector.core import Failure
 from connector.hf import HFConnector, reference_generate
 from kvstore.client import SyncClient
+from kvstore.harness.servers import RedisServer, redis_server
+from kvstore.harness.sidecar import ServeProcess
 from kvstore.keys import prefix_keys
-from kvstore.testing.servers import RedisServer, redis_server
-from kvstore.testing.sidecar import ServeProcess
 from tests.connector.conftest import serve_args
 
 BS = 16

@@ -24,7 +24,7 @@ from connector.core import Failure
 from connector.cost import CostModel, ModelShape, TierRate
 from connector.hf import HFConnector, cache_tensors, reference_generate
 from kvstore.client import SyncClient
-from kvstore.testing.sidecar import corrupt_dram_block
+from tests.support.corrupt import corrupt_dram_block
 
 HERE = Path(__file__).resolve().parent
 BS = 16

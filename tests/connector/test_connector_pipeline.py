@@ -21,8 +21,8 @@ from connector.core.finders import LeaseFinder
 from connector.core.pipeline import PipelineSlot
 from kvstore.client import Pipeline, SyncClient, namespace_pb
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
+from kvstore.harness.sidecar import ServeProcess
 from kvstore.keys import Namespace
-from kvstore.testing.sidecar import ServeProcess
 from kvstore.v1 import kvstore_pb2 as pb
 from tests.connector.conftest import serve_args
 from tests.core.raw_frames import raw_server, recv_call, send_answer

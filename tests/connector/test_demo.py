@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from kvstore.testing.sidecar import REPO
+from kvstore.harness.sidecar import REPO
 
 
 def test_demo_hands_off_and_matches_a_full_recompute() -> None:

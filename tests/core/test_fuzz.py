@@ -89,13 +89,13 @@ from kvstore.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvstore.harness.servers import redis_server
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.audit import audit
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
 from kvstore.store.checksum import checksum
 from kvstore.store.index import DRAM
-from kvstore.testing.servers import redis_server
 from kvstore.tiers.base import BlockRef
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import STATUS

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import urllib.request
 
-from kvstore.testing.servers import free_port
+from kvstore.harness.servers import free_port
 from tests.conftest import REPO
 
 WRITER = """

@@ -11,7 +11,7 @@ import socket
 import pytest
 import redis
 
-from kvstore.testing.servers import redis_server
+from kvstore.harness.servers import redis_server
 from kvstore.wire.resp_pipe import PipelinedLink, ReplyError, tcp_settings
 
 ECHO_KEYS = "return KEYS[1] .. ARGV[1]"

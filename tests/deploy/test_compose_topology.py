@@ -20,9 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from traffic import NAMESPACES
 
 from kvstore.client import SyncClient
+from kvstore.harness.servers import free_port, moto_server, redis_cluster, redis_server
+from kvstore.harness.sidecar import ServeProcess
 from kvstore.keys import prefix_keys
-from kvstore.testing.servers import free_port, moto_server, redis_cluster, redis_server
-from kvstore.testing.sidecar import ServeProcess
 
 REPO = topo.REPO
 DOCKERFILE = topo.Dockerfile()

@@ -30,9 +30,9 @@ import numpy as np
 import pytest
 
 from kvstore.client import SyncClient
+from kvstore.harness.servers import free_port, redis_server
+from kvstore.harness.sidecar import ServeProcess
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.testing.servers import free_port, redis_server
-from kvstore.testing.sidecar import ServeProcess
 
 sys.path.insert(0, str(topo.REPO / "deploy"))
 try:
@@ -208,7 +208,7 @@ TIMEOUT_S = 900.0  # two vLLM servers starting at once on a shared 2-core machin
 
 
 def vllm_env() -> dict[str, str]:
-    from benchmarks.vllm import VLLM_ENV
+    from kvstore.harness.instance import VLLM_ENV
 
     env = dict(VLLM_ENV)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the OpenAI server runs its engine core in a process of its own
@@ -372,7 +372,7 @@ def completion(c: Cluster, prompt: Any, **extra: Any) -> tuple[str, str, dict[st
 
 @pytest.mark.vllm
 def test_requests_for_a_cached_document_go_to_the_node_that_holds_it(cluster: Cluster) -> None:
-    from kvstore.testing.tiny_model import generate_corpus
+    from kvstore.harness.tiny_model import generate_corpus
 
     c = cluster
     lines = generate_corpus(seed=7, n_lines=200)

@@ -18,8 +18,7 @@ import redis
 import redis.asyncio
 import redis.asyncio.cluster
 
-from kvstore.store.checksum import checksum
-from kvstore.testing.servers import (
+from kvstore.harness.servers import (
     MOTO_CREDENTIALS,
     MotoServer,
     RedisCluster,
@@ -28,6 +27,7 @@ from kvstore.testing.servers import (
     redis_cluster,
     redis_server,
 )
+from kvstore.store.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef
 from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.s3 import S3Tier, client_config

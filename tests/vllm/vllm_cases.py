@@ -36,7 +36,7 @@ def fill(seed: int) -> list[list[int]]:
 def instance(
     model: Path, kv: dict[str, Any] | None, phases: list[dict[str, Any]], env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    from benchmarks.vllm import run_instance
+    from kvstore.harness.instance import run_instance
 
     spec = {"model": str(model), "block_size": BS, "num_blocks": POOL, "max_model_len": 1024, "dtype": "float32",
             "kv_transfer_config": kv, "phases": phases}

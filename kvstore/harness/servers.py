@@ -112,7 +112,7 @@ class RedisServer:
     workdir: Path
     extra_args: Sequence[str] = ()
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
-    host: str = "127.0.0.1"  # another address of this machine: a test host's bridge (kvstore.testing.hosts)
+    host: str = "127.0.0.1"  # another address of this machine: a test host's bridge (kvstore.harness.hosts)
 
     @property
     def url(self) -> str:

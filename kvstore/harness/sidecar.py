@@ -8,9 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 from kvstore.server.watchdog import EXIT_STUCK
 from kvstore.util.tuning import ENV as MALLOC_ENV
@@ -77,20 +75,3 @@ class ServeProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def corrupt_dram_block(client: Any, ns: Any, key: bytes, timeout: float = 30.0) -> None:
-    """Flip one byte of a committed block in the sidecar's shared memory, its recorded checksum
-    unchanged -- once the sidecar has sealed it (checksums are computed off the commit's path)."""
-    from kvstore.dram.slab import attach
-
-    deadline = time.monotonic() + timeout
-    while True:
-        with client.acquire(ns, [key]) as lease:
-            if lease.checksums[0]:
-                slot = lease.slots[0]
-                attach(slot.segment)[slot.offset + slot.length // 2] ^= 0xFF
-                return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"block {key.hex()[:16]} was not sealed within {timeout}s")
-        time.sleep(0.01)
