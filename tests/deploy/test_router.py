@@ -396,7 +396,11 @@ def test_requests_for_a_cached_document_go_to_the_node_that_holds_it(cluster: Cl
                                                                "temperature": 0, "stream": True})
     assert status == 200 and headers["X-KVStore-Node"] == n1 and headers["Content-Type"].startswith("text/event-stream")
     events = [line.removeprefix("data: ") for line in raw.decode().splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and len(events) >= 3 and all(json.loads(e)["choices"] for e in events[:-1])
+    # the stream passes through the router: data events, then [DONE] (vLLM merges a request's
+    # outputs into one event when its reader falls behind, so a loaded machine may send the 4
+    # tokens in one): at least one data event, each with its choices
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and len(chunks) >= 1 and all(c["choices"] for c in chunks)
     hits = {n: metric(c.metrics(n), "vllm:prefix_cache_hits_total") - hits_before[n] for n in ENGINES}
     assert hits[n1] >= 2 * 4 * 32 and hits[n2] == 0, hits  # the follow-ups hit n1's own cache
 
