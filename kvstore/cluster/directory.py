@@ -65,6 +65,7 @@ from kvstore.cluster.cluster_key import ClusterKey, frame
 from kvstore.config import ClusterConfig
 from kvstore.errors import Unavailable
 from kvstore.policy.ghost import GHOST_MIN_USES
+from kvstore.store.remote import MAX_HOLDERS
 from kvstore.wire.resp_pipe import PipelinedLink, ReplyError, tcp_settings
 
 _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum (0: not sealed)
@@ -82,9 +83,13 @@ ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is
 # script gave the node in a reply the node never read (a heartbeat that timed out at the node
 # after it ran here): the node takes that one up at its next heartbeat. (A later start of a node
 # with this id is at least seconds, thousands of ms, later.) Drops entries long expired.
+# A members key of another type (a directory writer's) is deleted first, so the hash is written
+# anew and every node joins it again; its type is returned last ('' when it was a hash or none).
 HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local kind = redis.call('TYPE', KEYS[1]).ok
+if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', KEYS[1]) else kind = '' end
 local created = 0
 local incarnation = tonumber(ARGV[3])
 if ARGV[1] ~= '' then
@@ -111,7 +116,7 @@ for i = 1, #all, 2 do
     out[#out + 1] = all[i + 1]
   end
 end
-return {now, out, created, string.format('%.0f', incarnation)}
+return {now, out, created, string.format('%.0f', incarnation), kind}
 """
 # KEYS[1] a block's directory key; ARGV: node id, the record read. Deletes that node's field only
 # while it still holds that record: a record written since (a new incarnation's) stays.
@@ -119,15 +124,21 @@ FORGET = """
 if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return redis.call('HDEL', KEYS[1], ARGV[1]) end
 return 0
 """
-# KEYS: the blocks' directory keys. Returns each one's HGETALL (a flat field, value list), false
-# for a key it cannot read (of another type: that key's error, a miss; the others are read). A
-# prompt's lookup on one Redis is this one command: one reply to parse instead of a pipeline's
-# one per key, which in redis-py costs about as much as the round trip itself.
+# KEYS: the blocks' directory keys; ARGV[1]: the most fields a key is read with (FIELDS_MAX).
+# Returns each one's HGETALL (a flat field, value list), false for a key it cannot read (of another
+# type: that key's error, a miss; the others are read), its field count for a key with more fields
+# than that (a directory writer's forgeries: not read, a miss, left to the sweep). A prompt's
+# lookup on one Redis is this one command: one reply to parse instead of a pipeline's one per key,
+# which in redis-py costs about as much as the round trip itself. (On a Redis Cluster: one call per
+# key, in one pipeline.)
 FIND = """
 local out = {}
+local most = tonumber(ARGV[1])
 for i = 1, #KEYS do
-  local r = redis.pcall('HGETALL', KEYS[i])
-  if r.err then out[i] = false else out[i] = r end
+  local n = redis.pcall('HLEN', KEYS[i])
+  if type(n) ~= 'number' then out[i] = false
+  elseif n > most then out[i] = n
+  else out[i] = redis.call('HGETALL', KEYS[i]) end
 end
 return out
 """
@@ -162,6 +173,14 @@ end
 return set
 """
 FORGET_AFTER_MS = 3_600_000  # a member silent this long leaves the members hash
+# A d: key holds one field per node that holds its block: a key with more fields than any run goes
+# through (MAX_HOLDERS) holds a directory writer's forgeries, and the sweep deletes its fields that do
+# not check out (only there: a node given another token, or of an older version, writes one field
+# per key, which is left alone, as it was). A lookup reads no key with far more (a miss, counted:
+# Oversized) and leaves it to the sweep.
+CROWDED = MAX_HOLDERS
+FIELDS_MAX = 4 * MAX_HOLDERS
+SWEEP_FIELDS = 256  # fields the sweep asks for in one HSCAN of a key (its COUNT)
 ScanCursor = tuple[int, int]  # a walk over the d: keys (Directory.scan): which primary, its SCAN cursor
 SCAN_START: ScanCursor = (0, 0)
 
@@ -207,6 +226,23 @@ class Ghosts(NamedTuple):
     # Cluster before 6.2): the records landed
 
 
+class Oversized(NamedTuple):
+    """A ``d:`` key a lookup did not read: it holds more than :data:`FIELDS_MAX` fields."""
+
+    fields: int
+
+
+class Piece(NamedTuple):
+    """A piece of a ``d:`` key the sweep read (:meth:`Directory.read_fields`)."""
+
+    key: bytes
+    cursor: int  # where its HSCAN goes on; 0: the key has been read through
+    size: int  # the key's field count (HLEN) when the piece was read
+    fields: int  # how many fields this piece had
+    holders: dict[str, Record]  # node -> record, of the fields that check out
+    forged: list[tuple[bytes, bytes]]  # field, value of those whose MAC fails
+
+
 class Published(NamedTuple):
     """What a publish did: the ghosts, and the records the directory refused (their keys of
     another type): index into the puts (or the removes) -> the error. The others landed."""
@@ -224,6 +260,7 @@ class Beat(NamedTuple):
     unreadable: dict[bytes, bytes]  # the members entries this version cannot read (see Members)
     created: bool  # this node's entry was not there (a new member, or a directory that lost its data)
     incarnation: int  # this node's incarnation now: a later one when its lease had run out
+    wrong_type: str = ""  # the type the members key was of, not a hash (deleted, written anew); "" when it was
 
 
 class Members(NamedTuple):
@@ -348,17 +385,6 @@ class Directory:
         """``node``'s record of the block (``root``, ``key``) as the directory holds it: sealed."""
         return self.sealer.seal_record(rec.pack(), self.key(root, key), node.encode())
 
-    def _opened(self, where: bytes, field: Any, raw: Any) -> Record | None:
-        """The record in the value ``raw`` of node ``field`` under the directory key framed in
-        ``where`` (:func:`~kvstore.cluster.cluster_key.frame`), when it checks out; None (counted)
-        when not."""
-        node = field if isinstance(field, bytes) else str(field).encode()
-        fields = self.sealer.open_framed(raw, where + frame(node)) if isinstance(raw, bytes) else None
-        rec = Record.unpack(fields) if fields is not None else None
-        if rec is None:
-            self.rejected_records += 1
-        return rec
-
     def _member_opened(self, m: Member) -> Member | None:
         """``m`` with its address opened, or None (counted) where its seal does not check out."""
         address = self.sealer.open_address(self.prefix.decode(), m.node, m.address)
@@ -385,13 +411,13 @@ class Directory:
         """Renew this node's lease (see :data:`HEARTBEAT`)."""
         sealed = self.sealer.seal_address(self.prefix.decode(), self.node, address)
         try:
-            now, entries, created, written = await self._heartbeat(
+            now, entries, created, written, kind = await self._heartbeat(
                 keys=[self.members_key], args=[self.node, sealed, incarnation, lease_ms, FORGET_AFTER_MS]
             )
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
         members, unreadable = parse_members(entries, self._member_opened)
-        return Beat(int(now), members, unreadable, bool(created), int(written))
+        return Beat(int(now), members, unreadable, bool(created), int(written), _text(kind))
 
     async def leave(self) -> None:
         """Take this node out of the members now (a clean stop); its records die with it."""
@@ -403,7 +429,12 @@ class Directory:
     async def forget_members(self, entries: Sequence[tuple[bytes, bytes]]) -> int:
         """Delete ``members`` entries (field, value), each only while it still holds that value
         (:data:`FORGET`: an entry rewritten since stays). How many went."""
-        replies = await self._pipeline([("EVAL", FORGET, 1, self.members_key, f, v) for f, v in entries])
+        return await self.forget_fields([(self.members_key.encode(), f, v) for f, v in entries])
+
+    async def forget_fields(self, entries: Sequence[tuple[bytes, bytes, bytes]]) -> int:
+        """Delete hash fields (key, field, value), each only while it still holds that value
+        (:data:`FORGET`). How many went."""
+        replies = await self._pipeline([("EVAL", FORGET, 1, k, f, v) for k, f, v in entries])
         return sum(r == 1 for r in replies)
 
     async def publish(
@@ -485,40 +516,55 @@ class Directory:
         refused = next((r for r in (*replies, *got) if isinstance(r, Exception)), None)  # (TAKE's: per key)
         return Ghosts(written, found, f"{type(refused).__name__}: {refused}" if refused is not None else "")
 
-    async def find(self, root: bytes, keys: Sequence[bytes]) -> list[dict[str, Record] | None]:
+    async def find(self, root: bytes, keys: Sequence[bytes]) -> list[dict[str, Record] | Oversized | None]:
         """Every node's record of each key (empty where none; None where the directory refuses
-        the key, of another type: that key's error, not the directory's): one script call on a
-        Redis, one pipeline (to every shard at once) on a Redis Cluster."""
+        the key, of another type: that key's error, not the directory's; :class:`Oversized`
+        where it holds more than :data:`FIELDS_MAX` fields, not read): one script call on a
+        Redis, one pipeline of a call per key (to every shard at once) on a Redis Cluster."""
         names = [self.key(root, k) for k in keys]
         if self._find is None:
-            replies: list[Any] = await self._pipeline([("HGETALL", k) for k in names])
+            calls = await self._pipeline([("EVAL", FIND, 1, k, FIELDS_MAX) for k in names])
+            replies: list[Any] = [r[0] if isinstance(r, list) and r else r for r in calls]
         else:
             try:
-                replies = await (self._link.script(FIND, names) if self._link else self._find(keys=names))
+                replies = await (self._link.script(FIND, names, [FIELDS_MAX]) if self._link
+                                 else self._find(keys=names, args=[FIELDS_MAX]))
             except (RedisError, OSError, ReplyError) as exc:
                 raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
-        out: list[dict[str, Record] | None] = []
+        out: list[dict[str, Record] | Oversized | None] = []
         for name, reply in zip(names, replies):
             if reply is None or isinstance(reply, Exception):
                 _refusal(reply)  # (raises where the directory, not the key, failed)
                 out.append(None)
-                continue
-            out.append(self._holders(name, reply))
+            elif isinstance(reply, int):
+                out.append(Oversized(reply))
+            else:
+                out.append(self._read(name, reply)[0])
         return out
 
-    def _holders(self, name: bytes, reply: Any) -> dict[str, Record]:
-        """The HGETALL ``reply`` of the ``d:`` key ``name`` (a dict, or a flat field, value list):
-        node -> record. A record that does not check out (forged, moved, of an older version:
-        counted) or a field that is not UTF-8 is none this version wrote: skipped (a miss)."""
+    def _read(self, name: bytes, reply: Any) -> tuple[dict[str, Record], list[tuple[bytes, bytes]]]:
+        """The fields ``reply`` of the ``d:`` key ``name`` (a dict, or a flat field, value list):
+        node -> record, and the fields (field, value) whose MAC fails. A record that does not
+        check out (forged, moved, of an older version: counted) or a field that is not UTF-8 is
+        none this version wrote: skipped (a miss). (One whose MAC holds but that this version
+        cannot unpack, a later version's, is not forged.)"""
         items = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2])
         holders: dict[str, Record] = {}
+        forged: list[tuple[bytes, bytes]] = []
         where = frame(name)
         for field, raw in items:
-            rec = self._opened(where, field, raw)
-            node = _node_name(field) if rec is not None else None
-            if rec is not None and node is not None:
-                holders[node] = rec
-        return holders
+            node = field if isinstance(field, bytes) else str(field).encode()
+            fields = self.sealer.open_framed(raw, where + frame(node)) if isinstance(raw, bytes) else None
+            rec = Record.unpack(fields) if fields is not None else None
+            if rec is None:
+                self.rejected_records += 1
+                if fields is None:
+                    forged.append((node, _raw(raw)))
+                continue
+            holder = _node_name(field)
+            if holder is not None:
+                holders[holder] = rec
+        return holders, forged
 
     async def forget(self, stale: Sequence[tuple[bytes, bytes, str, Record]]) -> None:
         """Delete records (root, key, node, record) found void (a past incarnation's), each only
@@ -533,10 +579,9 @@ class Directory:
         replies = await self._pipeline(cmds)
         return sum(r == 1 for r in replies)
 
-    async def scan(self, cursor: ScanCursor, count: int) -> tuple[ScanCursor, list[tuple[bytes, dict[str, Record]]]]:
+    async def scan_keys(self, cursor: ScanCursor, count: int) -> tuple[ScanCursor, list[bytes]]:
         """A step of a walk over every ``d:`` key: about ``count`` keys from ``cursor`` (the walk
-        begins and ends at :data:`SCAN_START`) with every node's record of each, in two round
-        trips (SCAN, then their HGETALLs in one pipeline). On a Redis Cluster the walk goes
+        begins and ends at :data:`SCAN_START`), one SCAN. On a Redis Cluster the walk goes
         through each primary in turn."""
         node_index, at = cursor
         pattern = self.prefix + b":d:*"
@@ -556,14 +601,23 @@ class Directory:
                 after = (0, int(nxt))
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
-        replies = await self._pipeline([("HGETALL", k) for k in keys])
-        out: list[tuple[bytes, dict[str, Record]]] = []
-        for key, reply in zip(keys, replies):
+        return after, list(keys)
+
+    async def read_fields(self, keys: Sequence[tuple[bytes, int]], count: int = SWEEP_FIELDS) -> list[Piece]:
+        """The next piece of each ``d:`` key (key, HSCAN cursor: 0 to begin), about ``count``
+        fields each (a small hash whole), and its field count, in one pipeline. A key of another
+        type is skipped (that key's error; the directory down: raised)."""
+        cmds = [c for k, at in keys for c in (("HLEN", k), ("HSCAN", k, at, "COUNT", count))]
+        replies = await self._pipeline(cmds)
+        out: list[Piece] = []
+        for (key, _), size, reply in zip(keys, replies[::2], replies[1::2]):
             if isinstance(reply, Exception) or reply is None:
-                _refusal(reply)  # (a key of another type: skipped; the directory down: raised)
+                _refusal(reply)
                 continue
-            out.append((key, self._holders(key, reply)))
-        return after, out
+            nxt, fields = reply
+            holders, forged = self._read(key, fields)
+            out.append(Piece(key, int(nxt), size if isinstance(size, int) else 0, len(fields), holders, forged))
+        return out
 
     async def close(self) -> None:
         if self._link is not None:

@@ -38,7 +38,7 @@ import socket
 import time
 from collections.abc import Sequence
 
-from kvstore.cluster.directory import Directory, Ghosts, Member, Published, Record
+from kvstore.cluster.directory import Directory, Ghosts, Member, Oversized, Published, Record
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.peer_server import NOTHING_LENT, Lent, PeerServer
 from kvstore.cluster.sweep import Sweeper
@@ -68,7 +68,7 @@ COUNTERS = (  # /stats "cluster": every one shown from the start, 0 until it hap
     "peer_blocks_found", "blocks_adopted", "blocks_fetched", "bytes_fetched", "fetch_failures", "fetch_misses",
     "checksum_failures", "blocks_lent", "ghosts_written", "ghosts_resumed", "bad_addresses", "unheld_dropped",
     "records_rejected", "members_rejected", "members_unreadable", "members_forgotten", "directory_key_errors",
-    "sweep_keys", "sweep_forgotten", "sweep_walks",
+    "sweep_keys", "sweep_forgotten", "sweep_walks", "sweep_forged_forgotten", "directory_keys_oversized",
 )
 # Keys peers asked for that this node does not hold, remembered for the next publish to delete their
 # records: at most this many (one pipeline's worth). While the directory is down nothing drains them;
@@ -243,7 +243,7 @@ class ClusterNode:
                 await self._sweeper.step()
         except (Unavailable, TimeoutError) as exc:
             self.stats["directory_errors"] += 1
-            self._warn.warning("cluster directory sweep failed (tried again next pass): %s", exc)
+            self._warn.warning("cluster directory sweep failed (tried again next pass): %s", self._why(exc))
 
     async def _heartbeat(self) -> None:
         was_up = self._up
@@ -255,6 +255,11 @@ class ClusterNode:
             self._round_trip("heartbeat", start, "ok")
             self._clock = (beat.now_ms, (sent + time.monotonic()) / 2)
             self._members = beat.members
+            if beat.wrong_type:
+                self.stats["directory_key_errors"] += 1
+                self._warn.warning("cluster directory: the members key %s was a %s, not a hash (a directory "
+                                   "writer's): deleted, written anew by this heartbeat; every node joins it again "
+                                   "at its next", self.directory.members_key, beat.wrong_type)
             self._count_rejected()
             for node in [n for n in self._absent if n in beat.members]:
                 del self._absent[node]
@@ -278,7 +283,8 @@ class ClusterNode:
             self._round_trip("heartbeat", start, "error")
             self._up = False
             self.stats["directory_errors"] += 1
-            self._warn.warning("cluster directory unreachable (serving local and shared tiers only): %s", exc)
+            self._warn.warning("cluster directory unreachable (serving local and shared tiers only): %s",
+                               self._why(exc))
 
     def _count_rejected(self) -> None:
         """Show the directory's count of records and member entries that did not check out (written
@@ -306,6 +312,13 @@ class ClusterNode:
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 self.stats["members_forgotten"] += await self.directory.forget_members(due)
             self._unreadable.gone(due)
+
+    def _why(self, exc: BaseException) -> str:
+        """What a directory call failed with, for a log line: a deadline (a TimeoutError says
+        nothing) named as one."""
+        if isinstance(exc, TimeoutError) and not str(exc):
+            return f"no answer within cluster.directory_timeout_s ({self.cfg.directory_timeout_s:g} s)"
+        return str(exc)
 
     def _round_trip(self, op: str, start: float, outcome: str) -> None:
         """A directory call begun at ``start`` (``time.perf_counter()``) has ended: its latency."""
@@ -419,7 +432,8 @@ class ClusterNode:
             self._round_trip(op, start, "error")
             self._up = False
             self.stats["directory_errors"] += 1
-            self._warn.warning("cluster directory write failed (kept for the next pass): %s", exc)
+            self._warn.warning("cluster directory write failed (kept for the next pass): %s",
+                               self._why(exc))
         finally:
             self._waiters.answer(waiters, error, refused)
 
@@ -465,7 +479,7 @@ class ClusterNode:
             self._round_trip("find", start, "error")
             self._up = False
             self.stats["directory_errors"] += 1
-            self._warn.warning("cluster directory lookup failed (a miss): %s", exc)
+            self._warn.warning("cluster directory lookup failed (a miss): %s", self._why(exc))
             return None
         self._round_trip("find", start, "ok")
         self.stats["directory_lookups"] += 1
@@ -476,6 +490,13 @@ class ClusterNode:
                 self.stats["directory_key_errors"] += 1
                 self._key_errors.warning(key, "cluster directory: the key of block %s (%s) is of another type: a "
                                          "miss", key.hex()[:16], self.directory.key(root, key)[:48])
+            elif isinstance(holders, Oversized):  # (a directory writer's forgeries: the sweep deletes them)
+                self.stats["directory_keys_oversized"] += 1
+                self._key_errors.warning(key, "cluster directory: the key of block %s (%s) holds %d fields, far "
+                                         "more than any block's holders: not read, a miss (the sweep deletes "
+                                         "those not sealed with the cluster token)", key.hex()[:16],
+                                         self.directory.key(root, key)[:48], holders.fields)
+                holders = {}
             out.append(holders or {})
         return out
 

@@ -12,6 +12,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,9 @@ import redis.asyncio
 from aiohttp import ClientSession
 
 from kvstore.client import SyncClient
+from kvstore.cluster import directory as directory_module
 from kvstore.cluster.directory import SCAN_START, Directory, Record
+from kvstore.cluster.sweep import Sweeper
 from kvstore.config import Config
 from kvstore.errors import FailedPrecondition, Unavailable
 from kvstore.harness.servers import RedisServer, redis_cluster, redis_server
@@ -279,6 +282,44 @@ async def _past(sc: Sidecar, beats: int) -> bool:
     return bool(sc.store.stats.cluster["heartbeats"] >= beats)
 
 
+async def test_a_members_key_of_another_type_is_deleted_by_the_next_heartbeat_and_the_cluster_heals(
+    tmp_path: Path, any_directory: AnyDirectory, ns: Namespace, caplog: pytest.LogCaptureFixture
+) -> None:
+    """8dc5782: ``SET {prefix}:members x`` failed every node's heartbeat with WRONGTYPE for good,
+    logged as "cluster directory unreachable", and lookups of peers' blocks fell to 0. Now the
+    heartbeat deletes a members key of another type and writes the hash anew (a directory writer
+    could delete it anyway): a key error, counted and told as one; every node joins again."""
+    keys, data = keys_for(ns, 4, seed=62), blocks(4, seed=62)
+    r = any_directory.client()
+    try:
+        async with Sidecar(any_directory.config(tmp_path, "a")) as a, \
+                Sidecar(any_directory.config(tmp_path, "b")) as b:
+            assert a.cluster is not None
+            members = a.cluster.directory.members_key
+            await until(lambda: sees(b, "a"), "B sees A")
+            async with client_of(a) as ca, client_of(b) as cb:
+                await ca.put_blocks(ns, keys, data, wait_published=True)
+                await r.set(members, b"x")
+                await until(lambda: _type_is(r, members, b"hash"), "the members key is a hash again")
+                beats = {sc: sc.store.stats.cluster["heartbeats"] for sc in (a, b)}
+                await until(lambda: _past(a, beats[a] + 3), "three more heartbeats of A")
+                await until(lambda: _past(b, beats[b] + 3), "three more heartbeats of B")
+                await until(lambda: sees(b, "a"), "B sees A again")
+                found = await cb.lookup(ns, keys)
+                assert found.matched == 4 and [t for t, _ in found.blocks] == ["peer"] * 4
+            assert sum(sc.store.stats.cluster["directory_key_errors"] for sc in (a, b)) >= 1
+            for sc in (a, b):
+                assert sc.store.stats.cluster["directory_errors"] == 0
+        assert "the members key" in caplog.text and "not a hash" in caplog.text
+        assert "unreachable" not in caplog.text
+    finally:
+        await r.aclose()
+
+
+async def _type_is(r: Any, key: str, kind: bytes) -> bool:
+    return bool(await r.type(key) == kind)
+
+
 async def test_wait_published_is_an_error_while_the_directory_is_down(tmp_path: Path, ns: Namespace) -> None:
     """8dc5782: Commit(wait_published=true) answered success at once with the directory down."""
     with redis_server() as server:
@@ -312,8 +353,12 @@ async def _records_of(url: str, prefix: str, node: str) -> list[Record]:
         cursor, first = SCAN_START, True
         while first or cursor != SCAN_START:
             first = False
-            cursor, found = await d.scan(cursor, 1000)
-            out += [holders[node] for _, holders in found if node in holders]
+            cursor, keys = await d.scan_keys(cursor, 1000)
+            pending = [(k, 0) for k in keys]
+            while pending:
+                pieces = await d.read_fields(pending)
+                out += [p.holders[node] for p in pieces if node in p.holders]
+                pending = [(p.key, p.cursor) for p in pieces if p.cursor]
     finally:
         await d.close()
     return out
@@ -403,6 +448,143 @@ async def test_a_lookup_deletes_every_void_record_it_meets_not_only_the_first(
                 await until(cleaned, "every void record the lookups met is deleted")
         finally:
             await gone.close()
+
+
+# --- forged fields piled into d: keys (issue 29 follow-up) -------------------------------------------
+
+FORGED = b"\x02" + bytes(41)  # a sealed record's shape (version byte, record, MAC), its MAC wrong
+FEW = 500  # FIELDS_MAX in these tests: the piles are a few thousand fields, not hundreds of thousands
+
+
+async def _pile(r: Any, key: bytes, n: int) -> None:
+    """``n`` forged fields in ``key``, HSET in pieces: what a directory writer without the token can do."""
+    for i in range(0, n, 1000):
+        await r.hset(key, mapping={f"forged{j}".encode(): FORGED for j in range(i, min(n, i + 1000))})
+
+
+async def test_a_lookup_reads_no_d_key_of_thousands_of_forged_fields_and_the_directory_stays_up(
+    tmp_path: Path, any_directory: AnyDirectory, ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8dc5782: a lookup read (HGETALL) and checked every field of every key it met: 200 k forged
+    fields in each of a prompt's keys took 2 s, timed out and marked the directory down. Now a key
+    with more than FIELDS_MAX fields is not read: that key's miss, counted; the directory stays up."""
+    monkeypatch.setattr(directory_module, "FIELDS_MAX", FEW, raising=False)  # (8dc5782 has none)
+    no_sweep = {"cluster.sweep_keys_per_s": 0}
+    keys, data = keys_for(ns, 4, seed=60), blocks(4, seed=60)
+    r = any_directory.client()
+    try:
+        async with Sidecar(any_directory.config(tmp_path, "a", **no_sweep)) as a, \
+                Sidecar(any_directory.config(tmp_path, "b", **no_sweep)) as b:
+            await until(lambda: sees(b, "a"), "B sees A")
+            async with client_of(a) as ca, client_of(b) as cb:
+                await ca.put_blocks(ns, keys, data, wait_published=True)
+                fat = d_key(a, ns, keys[2])
+                await _pile(r, fat, 3000)
+                found = await cb.lookup(ns, keys)  # the blocks before the fat key: found; from it on: a miss
+                assert found.matched == 2 and [t for t, _ in found.blocks] == ["peer"] * 2
+                stats = b.store.stats.cluster
+                assert stats["directory_keys_oversized"] == 1
+                assert stats["records_rejected"] == 0  # not one forged field was read
+                assert stats["directory_errors"] == 0 and b.cluster is not None and b.cluster.active
+                await r.hdel(fat, *[f"forged{j}".encode() for j in range(3000)])
+                assert (await cb.lookup(ns, keys)).matched == 4
+    finally:
+        await r.aclose()
+
+
+async def test_the_sweep_deletes_forged_fields_and_keeps_the_real_records(
+    tmp_path: Path, any_directory: AnyDirectory, ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8dc5782: forged fields were rejected by every read and deleted by none: the sweep re-read
+    (HGETALL) every one of them at every walk of every node, for ever (400 k in one key stalled a
+    node's loop 0.7 s a walk). Now the sweep deletes the fields whose MAC fails from a key with
+    more fields than any block's holders; lookups then read the key again. A lone field whose MAC
+    fails (a node given another token writes one a key) is left alone."""
+    monkeypatch.setattr(directory_module, "FIELDS_MAX", FEW, raising=False)  # (8dc5782 has none)
+    keys, data = keys_for(ns, 4, seed=61), blocks(4, seed=61)
+    r = any_directory.client()
+    try:
+        async with Sidecar(any_directory.config(tmp_path, "a", **{"cluster.sweep_keys_per_s": 0})) as a, \
+                client_of(a) as ca:
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            held, stray = d_key(a, ns, keys[1]), d_key(a, ns, b"\xf0" * 32)
+            await _pile(r, held, 3000)
+            await _pile(r, stray, 3000)
+            lone = d_key(a, ns, keys[2])
+            await r.hset(lone, b"other", FORGED)
+            async with Sidecar(any_directory.config(tmp_path, "b")) as b, client_of(b) as cb:  # B sweeps
+
+                async def cleaned() -> bool:
+                    return bool(await r.hlen(held) == 1 and not await r.exists(stray))
+
+                await until(cleaned, "the sweep deleted every forged field")
+                walks = b.store.stats.cluster["sweep_walks"]
+                await until(lambda: _walked(b, walks + 2), "two more walks of B's sweep")
+                assert await r.hget(lone, b"other") == FORGED
+                assert b.store.stats.cluster["sweep_forged_forgotten"] == 6000
+                assert b.store.stats.cluster["directory_errors"] == 0
+                assert (await cb.lookup(ns, keys)).matched == 4
+                got = await cb.get_blocks(ns, keys, verify=True)
+                assert [bytes(x) for x in got] == [bytes(d) for d in data]
+    finally:
+        await r.aclose()
+
+
+async def _walked(sc: Sidecar, walks: int) -> bool:
+    return bool(sc.store.stats.cluster["sweep_walks"] >= walks)
+
+
+async def test_a_sweep_pass_reads_a_bounded_piece_of_a_fat_key_and_deletes_by_compare(
+    tmp_path: Path, directory: RedisServer
+) -> None:
+    """8dc5782: a pass read each key whole (HGETALL) and deleted no forged field. Now a pass reads
+    at most about keys_per_pass x FIELDS_PER_KEY fields (HSCAN pieces) and goes on where it left
+    off at the next; a field is deleted only while it holds the value read."""
+    prefix = prefix_of(tmp_path)
+    r = redis.asyncio.Redis.from_url(directory.url)
+    d = Directory(redis.asyncio.Redis.from_url(directory.url), prefix, "reader", token=TOKEN)
+    try:
+        fat = f"{prefix}:d:".encode() + b"F" * 48
+        await _pile(r, fat, 3000)
+        stats: Counter[str] = Counter()
+        sweeper = Sweeper(d, lambda node, rec: False, stats, keys_per_pass=10)
+        await sweeper.step()
+        first = stats["sweep_forged_forgotten"]
+        assert 0 < first < 3000 and await r.hlen(fat) == 3000 - first
+        for _ in range(200):
+            if not await r.exists(fat):
+                break
+            await sweeper.step()
+        assert stats["sweep_forged_forgotten"] == 3000 and not await r.exists(fat)
+        assert stats["sweep_walks"] >= 1
+        await r.hset(fat, b"x", FORGED)  # rewritten since it was read: stays
+        assert await d.forget_fields([(fat, b"x", FORGED[:-1] + b"\x01")]) == 0 and await r.hexists(fat, b"x")
+        assert await d.forget_fields([(fat, b"x", FORGED)]) == 1
+    finally:
+        await d.close()
+        await r.aclose()
+
+
+async def test_a_sweep_pass_past_its_deadline_says_so_in_its_log_line(
+    tmp_path: Path, directory: RedisServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """8dc5782: a sweep pass that ran out of time logged "cluster directory sweep failed (tried
+    again next pass): " and nothing after it (a TimeoutError's message is empty)."""
+    async with Sidecar(node_config(tmp_path, "a", directory, **{"cluster.directory_timeout_s": 0.2})) as a:
+        assert a.cluster is not None
+
+        async def stuck(*args: Any, **kw: Any) -> Any:
+            await asyncio.sleep(3600)
+
+        monkeypatch.setattr(a.cluster.directory, "scan_keys", stuck, raising=False)
+        monkeypatch.setattr(a.cluster.directory, "scan", stuck, raising=False)  # (8dc5782's)
+
+        async def told() -> bool:
+            return "sweep failed" in caplog.text
+
+        await until(told, "the sweep's deadline is logged")
+        assert "sweep failed (tried again next pass): no answer within cluster.directory_timeout_s (0.2 s)" \
+            in caplog.text
 
 
 # --- the peer listener out of file descriptors (issue 29, case 5) ---------------------------------------
