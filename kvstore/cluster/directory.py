@@ -38,10 +38,14 @@ Layout (every key starts with ``{key_prefix}:``):
 A record is offered only while its node's lease runs and its incarnation is the node's current one:
 a node that restarts is a new incarnation, and every record of its past life is void at once.
 Stale fields cost a miss (and are deleted by whoever meets them, and by each node's bounded walk
-over the keys, :meth:`Directory.scan` and :mod:`kvstore.cluster.sweep`), never a wrong block: the
+over the keys, :meth:`Directory.scan_keys` and :mod:`kvstore.cluster.sweep`), never a wrong block: the
 fetch checks the bytes against the record's checksum. A key of another type is that key's error (a
 miss, a refused record: :class:`Published`), never the directory's; a ``members`` entry this
-version cannot read is skipped (:func:`parse_member`) and deleted after a lease.
+version cannot read is skipped (:func:`parse_member`) and deleted after a lease; a ``members`` key
+of another type is deleted by the next heartbeat, which writes the hash anew (:data:`HEARTBEAT`). A
+``d:`` key piled with more fields than any block has holders is not read by a lookup (a miss:
+:class:`Oversized`, :data:`FIELDS_MAX`); the sweep deletes its fields that do not check out
+(:data:`CROWDED`).
 
 A lease that ran out ends that incarnation too, though its process lives on (paused, cut off from
 the directory, its heartbeat late): another node may have deleted its records meanwhile, as void.
@@ -181,7 +185,7 @@ FORGET_AFTER_MS = 3_600_000  # a member silent this long leaves the members hash
 CROWDED = MAX_HOLDERS
 FIELDS_MAX = 4 * MAX_HOLDERS
 SWEEP_FIELDS = 256  # fields the sweep asks for in one HSCAN of a key (its COUNT)
-ScanCursor = tuple[int, int]  # a walk over the d: keys (Directory.scan): which primary, its SCAN cursor
+ScanCursor = tuple[int, int]  # a walk over the d: keys (Directory.scan_keys): which primary, its SCAN cursor
 SCAN_START: ScanCursor = (0, 0)
 
 
