@@ -19,8 +19,8 @@ node of an older version: one field a key) is left alone, as it costs what a key
 no node deletes another's records for a mistake in its own configuration. A key is read in pieces
 (``HSCAN`` with a ``COUNT``, :meth:`~kvstore.cluster.directory.Directory.read_fields`),
 :data:`PIPELINE_KEYS` keys a round trip (the loop runs between them), at most ``keys_per_pass`` ×
-:data:`FIELDS_PER_KEY` fields a pass: a key with more is taken up again at the next pass where its
-HSCAN left off.
+:data:`FIELDS_PER_KEY` fields a pass; a key read in part goes on at the next pass where its HSCAN
+left off, beside the walk, which goes on meanwhile (half of each pass's fields for each).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from kvstore.cluster.directory import CROWDED, SCAN_START, Directory, Piece, Rec
 
 PIPELINE_KEYS = 64  # keys read in one round trip
 FIELDS_PER_KEY = 16  # a pass reads at most keys_per_pass times this many fields
+LONG_KEYS = PIPELINE_KEYS  # keys read in part followed at most: past this, the walk takes no new keys
 
 
 class Sweeper:
@@ -44,29 +45,45 @@ class Sweeper:
         self.keys_per_pass = keys_per_pass
         self.fields_per_pass = keys_per_pass * FIELDS_PER_KEY
         self._cursor: ScanCursor = SCAN_START
-        # keys of the walk not read through: (key, HSCAN cursor, whether it was crowded when read first)
-        self._pending: deque[tuple[bytes, int, bool]] = deque()
+        self._scanned = False  # the walk's SCAN is back at its start: the walk ends with its last keys
+        # keys to read: (key, HSCAN cursor, whether it was crowded when read first); those the SCAN
+        # gave, and those read in part (a long key: it goes on beside the walk, which does not wait)
+        self._fresh: deque[tuple[bytes, int, bool]] = deque()
+        self._long: deque[tuple[bytes, int, bool]] = deque()
 
     async def step(self) -> int:
-        """Read the next keys (or pieces of keys) of the walk and delete their void records and
-        forged fields; how many went. What a pass cut short (its deadline) left is read next pass."""
-        if not self._pending:
+        """Read the next keys of the walk (half the pass's fields at most) and the next pieces of
+        long keys (the rest), and delete their void records and forged fields; how many went.
+        What a pass cut short (its deadline) left is read next pass."""
+        if not self._fresh and len(self._long) <= LONG_KEYS:
             self._cursor, keys = await self.directory.scan_keys(self._cursor, self.keys_per_pass)
-            self._pending.extend((k, 0, False) for k in keys)
+            going = {k for k, _, _ in self._long}  # (read on where they are: not again from the start)
+            self._fresh.extend((k, 0, False) for k in keys if k not in going)
+            self._scanned = self._cursor == SCAN_START
+        gone, read = await self._drain(self._fresh, self.fields_per_pass // 2)
+        if self._scanned and not self._fresh:
+            self.stats["sweep_walks"] += 1
+            self._scanned = False
+        more, _ = await self._drain(self._long, self.fields_per_pass - read)
+        return gone + more
+
+    async def _drain(self, keys: deque[tuple[bytes, int, bool]], budget: int) -> tuple[int, int]:
+        """Read ``keys`` a pipeline at a time until about ``budget`` fields are read; a key read
+        in part goes to the long keys. How many records went, how many fields were read."""
         gone = read = 0
-        while self._pending and read < self.fields_per_pass:
-            batch = [self._pending[i] for i in range(min(PIPELINE_KEYS, len(self._pending)))]
-            pieces = await self.directory.read_fields([(k, at) for k, at, _ in batch])
-            crowded = {k for k, at, was in batch if was}
+        while keys and read < budget:
+            batch = [keys.popleft() for _ in range(min(PIPELINE_KEYS, len(keys)))]
+            try:
+                pieces = await self.directory.read_fields([(k, at) for k, at, _ in batch])
+            except BaseException:
+                keys.extendleft(reversed(batch))  # (read again next pass)
+                raise
+            crowded = {k for k, _, was in batch if was}
             crowded.update(p.key for p in pieces if p.size > CROWDED)
-            for _ in batch:
-                self._pending.popleft()
-            self._pending.extend((p.key, p.cursor, p.key in crowded) for p in pieces if p.cursor)
+            self._long.extend((p.key, p.cursor, p.key in crowded) for p in pieces if p.cursor)
             read += sum(p.fields for p in pieces)
             gone += await self._forget(pieces, crowded)
-        if self._cursor == SCAN_START and not self._pending:
-            self.stats["sweep_walks"] += 1
-        return gone
+        return gone, read
 
     async def _forget(self, pieces: list[Piece], crowded: set[bytes]) -> int:
         """Delete the void records of ``pieces``, and the forged fields of those of ``crowded``
