@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import time
+from decimal import ROUND_HALF_UP, Decimal
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -44,7 +45,14 @@ def seconds(s: float) -> str:
     """A latency as `kvstore stats` and the dashboard page show it: in µs, ms or s, with 2
     decimals under 10, 1 under 100, none above."""
     v, unit = (s, "s") if s >= 1 else (s * 1e3, "ms") if s >= 1e-3 else (s * 1e6, "µs")
-    return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
+    return f"{_fixed(v, 2 if v < 10 else 1 if v < 100 else 0)} {unit}"
+
+
+def _fixed(v: float, places: int) -> str:
+    """``v`` with ``places`` decimals as the page's JavaScript ``toFixed`` writes it: the exact
+    binary value, a tie rounded up (Python's format rounds a tie to even: 162.5 -> "162", the
+    page "163")."""
+    return f"{Decimal(v).quantize(Decimal(1).scaleb(-places), rounding=ROUND_HALF_UP):.{places}f}"
 
 
 def latency_rows(doc: dict[str, Any]) -> list[tuple[str, str, int, float, float]]:

@@ -119,3 +119,11 @@ async def test_every_rpc_is_timed_by_transport_method_and_outcome(tmp_path):
 def test_latencies_are_shown_in_us_ms_and_s():
     assert [seconds(x) for x in (25e-6, 999.4e-6, 1.5e-3, 0.25, 3.0)] == [
         "25.0 µs", "999 µs", "1.50 ms", "250 ms", "3.00 s"]
+
+
+def test_a_tie_rounds_up_as_the_pages_javascript_does():
+    """The dashboard page writes latencies with JavaScript's toFixed (a tie goes to the larger
+    number) and the browser test compares them with `kvstore stats`: 162.5 µs is "163 µs" in both
+    (Python's format alone wrote "162 µs": the fresh-clone run's failure)."""
+    assert [seconds(x) for x in (162.5e-6, 0.0125, 2.5)] == ["163 µs", "12.5 ms", "2.50 s"]
+    assert seconds(0.5e-6 * 325) == "163 µs"
