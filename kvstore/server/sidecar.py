@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import gc
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from kvstore.store.counters import Stats
 from kvstore.tiers.movers import Tiering
 from kvstore.util.logs import throttle_loop_errors
 from kvstore.util.tasks import TaskHealth, cancel_and_wait, every
+from kvstore.util.tuning import quiet_gc, restore_gc
 from kvstore.wire.framing import socket_path
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ class Sidecar:
         self._health: health.aio.HealthServicer | None = None
         self._http: HttpServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._quiet = False  # whether this sidecar's start tuned the collector (restore_gc at stop)
         self.health = TaskHealth()  # the background loops' errors (/readyz, /stats "errors"); start() wires its counter
         self._stopped = asyncio.Event()
         self._sampled = -SAMPLE_EVERY_S
@@ -140,11 +141,8 @@ class Sidecar:
                                        name=BACKGROUND_TASK)
             task.add_done_callback(self.health.ended)
             self._tasks.append(task)
-            # The index holds millions of long-lived objects; default GC thresholds rescan them
-            # every few requests. Collect young objects rarely (request lists are freed by
-            # refcount anyway).
-            gc.set_threshold(50_000, 50, 100)
-            gc.freeze()
+            quiet_gc()  # (kvstore.util.tuning: undone when the last sidecar of the process stops)
+            self._quiet = True
             self.ready = True
         except BaseException:
             await self.stop()
@@ -193,6 +191,9 @@ class Sidecar:
                 await step()
             except Exception:
                 log.exception("shutdown: %s failed; the stop goes on", phase)
+        if self._quiet:
+            self._quiet = False
+            restore_gc()
         self._step("stopped")
         self.lock.release()
         self._stopped.set()
