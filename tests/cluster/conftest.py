@@ -7,9 +7,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from redis.asyncio import Redis, RedisCluster
 
 from kvstore.harness.servers import RedisServer, redis_server
 from kvstore.server.sidecar import Sidecar
+from tests.cluster.directories import DirectoryServer
 from tests.cluster.nodes import node_config
 
 
@@ -24,3 +26,13 @@ async def pair(tmp_path: Path, directory: RedisServer) -> AsyncIterator[tuple[Si
     async with Sidecar(node_config(tmp_path, "a", directory)) as a, Sidecar(node_config(tmp_path, "b", directory)) as b:
         await asyncio.sleep(0.25)  # a heartbeat each: both see the other
         yield a, b
+
+
+@pytest.fixture
+async def redis(directory: DirectoryServer) -> AsyncIterator[Redis | RedisCluster]:
+    """An async client of the module's :class:`~tests.cluster.directories.DirectoryServer`."""
+    client = directory.client()
+    try:
+        yield client
+    finally:
+        await client.aclose()

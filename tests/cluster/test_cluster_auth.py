@@ -25,45 +25,20 @@ import pytest
 from redis.asyncio import Redis, RedisCluster
 
 from kvstore.cluster.directory import Directory, Record
-from kvstore.harness.servers import RedisServer, redis_cluster, redis_server
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.checksum import checksum
-from tests.cluster.nodes import BLOCK, TOKEN, blocks, client_of, keys_for, node_config
+from tests.cluster.directories import KINDS, DirectoryServer, directory_server
+from tests.cluster.nodes import BLOCK, TOKEN, blocks, client_of, keys_for
 
 DRAM = 1
 FAR_MS = 10**13  # an expiry past any test's end (ms since the epoch, in the directory's clock)
 
 
-@dataclass
-class DirectoryServer:
-    server: RedisServer  # the redis-server, or the first node of the Redis Cluster
-    clustered: bool
-
-    def config(self, tmp_path: Path, name: str, **extra: Any) -> Any:
-        return node_config(tmp_path, name, self.server, **{"cluster.directory_cluster": self.clustered, **extra})
-
-    def client(self) -> Redis | RedisCluster:
-        return RedisCluster.from_url(self.server.url) if self.clustered else Redis.from_url(self.server.url)
-
-
-@pytest.fixture(scope="module", params=["redis", "redis-cluster"])
+@pytest.fixture(scope="module", params=KINDS)
 def directory(request: pytest.FixtureRequest) -> Iterator[DirectoryServer]:
-    if request.param == "redis":
-        with redis_server() as server:
-            yield DirectoryServer(server, False)
-    else:
-        with redis_cluster(3) as cluster:
-            yield DirectoryServer(cluster.nodes[0], True)
-
-
-@pytest.fixture
-async def redis(directory: DirectoryServer) -> AsyncIterator[Redis | RedisCluster]:
-    client = directory.client()
-    try:
-        yield client
-    finally:
-        await client.aclose()
+    with directory_server(request.param) as d:
+        yield d
 
 
 @dataclass

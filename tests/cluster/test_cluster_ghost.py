@@ -6,58 +6,30 @@ Cluster, with in-process sidecars."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 from redis.asyncio import Redis, RedisCluster
 
 from kvstore.client import KVStoreClient
 from kvstore.cluster.directory import Directory, Record
-from kvstore.config import Config
-from kvstore.harness.servers import RedisServer, redis_cluster, redis_server
+from kvstore.harness.servers import redis_server
 from kvstore.keys import Namespace
 from kvstore.policy import make_policy
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.block_store import BlockSpec, CommitSpec
 from kvstore.store.index import SSD, Block
-from tests.cluster.nodes import BLOCK, blocks, client_of, keys_for, node_config
+from tests.cluster.directories import KINDS, DirectoryServer, directory_server
+from tests.cluster.nodes import BLOCK, blocks, client_of, keys_for
 from tests.tiers.test_tier_uses import Traffic, reused_on_ssd
 from tests.tiers.test_tiering import PAGE
 
 
-@dataclass
-class DirectoryServer:
-    server: RedisServer  # the redis-server, or the first node of the Redis Cluster
-    clustered: bool
-
-    def config(self, tmp_path: Path, name: str, **extra: Any) -> Config:
-        return node_config(tmp_path, name, self.server, **{
-            "cluster.directory_cluster": self.clustered, "index.policy": "credit", **extra})
-
-    def client(self) -> Redis | RedisCluster:
-        return RedisCluster.from_url(self.server.url) if self.clustered else Redis.from_url(self.server.url)
-
-
-@pytest.fixture(scope="module", params=["redis", "redis-cluster"])
+@pytest.fixture(scope="module", params=KINDS)
 def directory(request: pytest.FixtureRequest) -> Iterator[DirectoryServer]:
-    if request.param == "redis":
-        with redis_server() as server:
-            yield DirectoryServer(server, False)
-    else:
-        with redis_cluster(3) as cluster:
-            yield DirectoryServer(cluster.nodes[0], True)
-
-
-@pytest.fixture
-async def redis(directory: DirectoryServer) -> AsyncIterator[Redis | RedisCluster]:
-    client = directory.client()
-    try:
-        yield client
-    finally:
-        await client.aclose()
+    with directory_server(request.param, **{"index.policy": "credit"}) as d:
+        yield d
 
 
 def ghost_keys(sc: Sidecar, ns: Namespace, keys: Sequence[bytes]) -> list[bytes]:
