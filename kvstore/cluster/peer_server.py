@@ -43,6 +43,7 @@ import numpy as np
 from kvstore.cluster import peer_hello
 from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey, Session
 from kvstore.store.latency import Latencies
+from kvstore.util.address import split_host_port
 from kvstore.util.backoff import accept_backoff
 from kvstore.util.logs import Throttled
 from kvstore.util.tasks import cancel_and_wait
@@ -110,11 +111,11 @@ class PeerServer:
         self.served_blocks = 0
 
     async def start(self, address: str) -> int:
-        host, _, port = address.rpartition(":")
-        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        host, port = split_host_port(address, listen=True)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host.strip("[]"), int(port)))
+        sock.bind((host, port))
         sock.listen(128)
         sock.setblocking(False)
         self._sock = sock

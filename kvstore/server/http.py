@@ -25,6 +25,7 @@ from aiohttp.typedefs import Handler
 from kvstore.server.auth import token_matches
 from kvstore.server.local_server import connection_cap
 from kvstore.store.counters import document_json
+from kvstore.util.address import split_host_port
 from kvstore.util.logs import Throttled
 
 if TYPE_CHECKING:
@@ -154,10 +155,10 @@ class HttpServer:
         self.port = 0
 
     async def start(self) -> int:
-        host, _, port = self.address.rpartition(":")
+        host, port = split_host_port(self.address, listen=True)
         await self._runner.setup()
         loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(self._protocol, host.strip("[]") or "127.0.0.1", int(port))
+        self._listener = await loop.create_server(self._protocol, host or "127.0.0.1", port)
         self.port = self._listener.sockets[0].getsockname()[1]
         return self.port
 
