@@ -4,7 +4,7 @@ heartbeat rate once they are gone.
 One redis-server (``kvstore.harness.servers.redis_server``); N fields of the ``members`` hash that
 are not UTF-8 written first; then one in-process sidecar joins (heartbeat 1 s, lease 6 s). It
 counts them (``members_unreadable``) and deletes each once it has stayed unchanged for a lease,
-``kvstore.cluster.node.FORGET_MEMBERS_BATCH`` a heartbeat. Printed: the seconds from the start
+``kvstore.cluster.membership.FORGET_MEMBERS_BATCH`` a heartbeat. Printed: the seconds from the start
 until only its own entry is left, and its heartbeats a second over the 10 s after.
 
     python3 -m benchmarks.unreadable_members 200000

@@ -1,7 +1,7 @@
 """The directory's bounded background sweep: void records (and piles of forged fields) are deleted.
 
 A lookup deletes every void record it meets (a past incarnation's, a lapsed lease's, a member's
-that left or was forgotten: :meth:`~kvstore.cluster.node.ClusterNode.void`), but records of
+that left or was forgotten: :meth:`~kvstore.cluster.membership.Membership.void`), but records of
 prompts nobody asks for again would stay for ever: a node killed and restarted, or gone for good,
 would leave all it held. So each node walks the directory's ``d:`` keys
 (:meth:`~kvstore.cluster.directory.Directory.scan_keys`), about ``keys_per_pass`` a pass, a pass

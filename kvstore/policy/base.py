@@ -62,7 +62,7 @@ class EvictionPolicy(Protocol):
     def uses(self, item: Item) -> int:
         """The uses this space counts or remembers of ``item`` (resident, or on a ghost list by its
         key), 0 when it keeps no count: what a node tells the cluster's directory when the block
-        leaves it (kvstore/cluster/node.py), so that the next node to store it may resume it."""
+        leaves it (kvstore/cluster/publisher.py), so that the next node to store it may resume it."""
         ...
 
     def ghost_size(self) -> int:

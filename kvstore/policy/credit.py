@@ -22,7 +22,7 @@ so it is the first to go.
   space's capacity). A block that comes back resumes its count, so a block that was evicted and
   then needed again is kept longer the second time. In a cluster the count also outlives the node:
   a node that lets a block go tells the directory its count (:meth:`uses`), and the next node to
-  store it resumes that count (:meth:`resume`; kvstore/cluster/node.py).
+  store it resumes that count (:meth:`resume`; kvstore/cluster/publisher.py).
 * **Prefix-aware.** A block with resident children is never the victim (its children go first).
   Owners access a request's blocks deepest first, so an ancestor is at least as recent and at
   least as often used as its descendants.

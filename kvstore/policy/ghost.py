@@ -13,7 +13,7 @@ for ``entries / rate`` seconds at the node's current let-go rate. That is the ti
 every ``g:`` key the node writes, never more than ``cluster.ghost_ttl_s`` (the ceiling, also the
 value while the node has not let enough go to know its rate) and never under :data:`MIN_TTL_S`.
 
-One rule for the sidecar (kvstore/cluster/node.py, wall seconds) and the replay
+One rule for the sidecar (kvstore/cluster/publisher.py, wall seconds) and the replay
 (kvstore/sim/cluster.py, the trace's timestamps), so both keep the same counts for the same time:
 it lives with the policies, which both may use.
 """

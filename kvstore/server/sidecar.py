@@ -34,6 +34,7 @@ from kvstore.server.watchdog import ShutdownWatchdog
 from kvstore.store.below import NoMovers
 from kvstore.store.block_store import BlockStore
 from kvstore.store.counters import Stats
+from kvstore.store.remote import NoRemote
 from kvstore.tiers.movers import Tiering
 from kvstore.util.logs import throttle_loop_errors
 from kvstore.util.tasks import TaskHealth, cancel_and_wait, every
@@ -118,9 +119,7 @@ class Sidecar:
             self.health = TaskHealth(self.store.stats.errors)
             await self._start_tiering()
             if cfg.cluster.enabled:
-                from kvstore.cluster.node import ClusterNode
-
-                self.cluster = await ClusterNode.start(self.store, cfg, self.health)
+                await self._start_cluster()
             servicer = KVStoreServicer(self.store)
             self._grpc, self.grpc_port, self._health = await start_grpc(servicer, cfg)
             path = socket_path(cfg.server.local_socket, self.data_dir, self.slab.name)
@@ -221,9 +220,22 @@ class Sidecar:
         if http is not None:
             await http.close()
 
+    async def _start_cluster(self) -> None:
+        """Join the cluster: the node reads the store (its change feed, its blocks) and is then
+        wired in as the store's :class:`~kvstore.store.remote.Remote` (lookups continue through it)."""
+        from kvstore.cluster.node import ClusterNode
+
+        assert self.store is not None
+        self.cluster = await ClusterNode.start(self.store, self.config, self.health)
+        self.store.remote = self.cluster
+
     async def _close_cluster(self) -> None:
+        """Leave the cluster: the store stops asking it first, then the node stops offering and
+        serving this node's blocks."""
         cluster, self.cluster = self.cluster, None
         if cluster is not None:
+            if self.store is not None:
+                self.store.remote = NoRemote()
             await cluster.close()
 
     async def _release(self) -> None:

@@ -24,10 +24,9 @@ may call it after every request. What it checks:
   as a peer fetch pins the local run it extends, so only then may it be more).
 * **Allocations** -- an open allocation's blocks are ALLOCATED, filed in its namespace, each under
   the slot id it was handed; no block belongs to two; no open allocation is recorded as closed;
-  every ALLOCATED block belongs to an open allocation. The one exception: a cluster node's peer
-  fetch (``kvstore/cluster/node.py``) holds ALLOCATED blocks of no allocation while it awaits the
-  peer; on a store with a cluster wired in such a block is allowed (with a slot, in no tier) unless
-  ``quiescent`` says no request is in flight.
+  every ALLOCATED block belongs to an open allocation. A peer fetch's reservation
+  (:class:`kvstore.store.exchange.Reservation`) is an open allocation too: its blocks are
+  ALLOCATED, filed in its namespace, each holding a slot; no block belongs to two.
 * **Tenant quotas** -- each tier's quotas count, per tenant, exactly the bytes of its blocks there
   (DRAM: the sizes of the blocks with the DRAM bit; a level: what the level counts for them); with
   no request in flight, no DRAM bytes are reserved for blocks on their way in (``Quotas.reserve``).
@@ -37,8 +36,8 @@ may call it after every request. What it checks:
   only in tiers the store has; a demotion in flight (staged) is placed in a level.
 
 ``quiescent=True`` asserts that no request and no mover is in flight (every client call answered,
-``Movers.flush`` done): then no promotion may hold a slot or pin a run, no block is ALLOCATED
-outside an allocation, nothing is staged, no block is ``moving``, and a bounded level is within
+``Movers.flush`` done): then no promotion may hold a slot or pin a run, no peer fetch holds a
+reservation, nothing is staged, no block is ``moving``, and a bounded level is within
 its capacity and its policy orders every block it holds.
 """
 
@@ -344,13 +343,30 @@ def _allocations(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _
                     f"{'no slot' if b.slot is None else _slot_name(b.slot)}")
             if b.ns is not alloc.ns or not _indexed(b, namespaces):
                 bad(f"{_name(b)} of open allocation {alloc_id!r} is not the index's block under its key")
-    fetches_allowed = not quiescent and not isinstance(store.remote, NoRemote)
+    _reservations(store, owner, quiescent, bad)
     for b in blocks:
         if b.state is not State.ALLOCATED or b in owner:
             continue
-        if fetches_allowed and b.slot is not None and not b.tiers:
-            continue  # a peer fetch in flight (kvstore/cluster/node.py): published or freed when it lands
         bad(f"{_name(b)} is ALLOCATED but no open allocation owns it (its slot never comes back)")
+
+
+def _reservations(store: BlockStore, owner: dict[Block, str], quiescent: bool, bad: _Findings) -> None:
+    """A peer fetch's open reservation: an allocation of the cluster's (``owner`` gains its blocks)."""
+    namespaces = store.index.namespaces
+    for r in store.exchange.reservations:
+        name = f"peer fetch reservation {id(r):#x}"
+        if quiescent:
+            bad(f"{name} is open with no request in flight")
+        for b in r.blocks:
+            first = owner.setdefault(b, name)
+            if first != name:
+                bad(f"{_name(b)} belongs to {first!r} and {name!r}")
+            if b.state is not State.ALLOCATED:
+                bad(f"{_name(b)} of {name} is {b.state.name}")
+            if b.slot is None:
+                bad(f"{_name(b)} of {name} holds no slot")
+            if not _indexed(b, namespaces):
+                bad(f"{_name(b)} of {name} is not the index's block under its key")
 
 
 # --- tiers ----------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ Every public method validates its whole request before it changes anything, so a
 request leaves no trace. Methods run on the event loop thread; only checksum work (which
 releases the GIL) is sent to a thread. DRAM -- slots, placement, eviction, the policy -- is the
 :class:`~kvstore.store.space.DramSpace`'s; the tiers below DRAM are :attr:`BlockStore.tiering`, the
-movers (:class:`~kvstore.store.below.NoMovers` for a DRAM-only store).
+movers (:class:`~kvstore.store.below.NoMovers` for a DRAM-only store). The rest of a cluster is
+:attr:`BlockStore.remote`, which works on this store only through :attr:`BlockStore.exchange`
+(:mod:`kvstore.store.exchange`: a peer fetch's reserved slots, adopted shared-tier blocks, runs lent).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvstore.policy.base import EvictionPolicy
 from kvstore.store.below import Movers
 from kvstore.store.checksum import checksums
 from kvstore.store.counters import Stats
+from kvstore.store.exchange import Exchange
 from kvstore.store.index import (
     DRAM,
     Allocation,
@@ -83,6 +86,7 @@ class BlockStore:
         self._closed_allocations: OrderedDict[str, str] = OrderedDict()  # id -> "committed" | "aborted" | "reclaimed"
         self._unsealed: list[Block] = []
         self.remote: Remote = NoRemote()  # the rest of the cluster, once the sidecar wires it
+        self.exchange = Exchange(self.index, self.space, self.retention, clock)  # what the cluster may do here
 
     @property
     def tiering(self) -> Movers:

@@ -126,16 +126,55 @@ class Lease:
     deadline: float
 
 
+class ChangeFeed:
+    """The blocks whose visibility or placement changed since their reader last drained them, in
+    order: what the cluster's publisher writes to the directory. Each is True when it became
+    visible meanwhile (:meth:`Index.publish`: new on this node, whose cluster-wide use count the
+    publisher reads) and False when only it moved. Handed out by :meth:`Index.subscribe`, so the
+    index keeps no log while nothing reads one (a node on its own)."""
+
+    def __init__(self) -> None:
+        self.changes: dict[Block, bool] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.changes)
+
+    def moved(self, block: Block) -> None:
+        """``block`` changed (new here, when it already was since the last drain)."""
+        self.changes.setdefault(block, False)
+
+    def drain(self) -> dict[Block, bool]:
+        """The changes gathered so far; the feed starts empty again."""
+        out, self.changes = self.changes, {}
+        return out
+
+    def restore(self, pending: dict[Block, bool]) -> None:
+        """Put back changes drained but not written (a failed pass): they come before the ones
+        gathered since, and a block new in either is new."""
+        merged = dict(pending)
+        for b, new in self.changes.items():
+            merged[b] = merged.get(b, False) or new
+        self.changes = merged
+
+
 class Index:
     def __init__(self) -> None:
         self.namespaces: dict[NamespaceRoot, NsEntry] = {}
         self.allocations: dict[str, Allocation] = {}
         self.leases: dict[str, Lease] = {}
-        # Blocks whose visibility or placement changed since the cluster's publisher last looked
-        # (in order), each True when it became visible meanwhile (:meth:`publish`: new on this
-        # node, whose cluster-wide use count the publisher reads) and False when only it moved;
-        # None when nothing watches (no cluster).
-        self.changed: dict[Block, bool] | None = None
+        self._feed: ChangeFeed | None = None  # the one subscriber's (the cluster's publisher)
+
+    # --- the change feed ----------------------------------------------------------------
+
+    def subscribe(self) -> ChangeFeed:
+        """A feed of the blocks whose visibility or placement changes from now on (one reader: a
+        new subscription replaces the last)."""
+        self._feed = ChangeFeed()
+        return self._feed
+
+    def unsubscribe(self) -> None:
+        """Stop keeping the feed (its reader has gone)."""
+        self._feed = None
 
     # --- namespaces ---------------------------------------------------------------------
 
@@ -208,16 +247,16 @@ class Index:
 
     def moved(self, block: Block) -> None:
         """``block``'s visibility or placement changed (for the cluster directory, when one watches)."""
-        if self.changed is not None:
-            self.changed.setdefault(block, False)
+        if self._feed is not None:
+            self._feed.changes.setdefault(block, False)
 
     def publish(self, block: Block) -> None:
         """ALLOCATED -> COMMITTED: the block becomes visible to lookups (committed, or fetched
         from a peer: new on this node)."""
         block.state = State.COMMITTED
         block.ns._show(block)
-        if self.changed is not None:
-            self.changed[block] = True
+        if self._feed is not None:
+            self._feed.changes[block] = True
 
     def drop(self, block: Block) -> None:
         """Forget a block that no tier holds any more. A committed block whose last copy goes

@@ -3,7 +3,8 @@
 
 The real one is :class:`kvstore.cluster.node.ClusterNode`; the sidecar wires it in
 (``BlockStore.remote``) when ``cluster.enabled``. The state layer never imports the cluster
-package: this Protocol is all it knows.
+package: this Protocol is all it knows, and the cluster works on the store only through
+:mod:`kvstore.store.exchange`.
 """
 
 from __future__ import annotations

@@ -441,12 +441,12 @@ async def test_records_republished_after_a_directory_loss_are_deleted_by_a_stale
                 await ca.put_blocks(ns, keys, data, wait_published=True)
                 with redis.Redis(host="127.0.0.1", port=own.port) as r:
                     r.flushdb()
-                    await b.cluster._heartbeat()  # B reads the members first: only itself
+                    await b.cluster.membership.heartbeat()  # B reads the members first: only itself
                     # A's heartbeat: its entry and records are back
                     await eventually(lambda: r.hgetall(dir_key(a, ns, keys[0])) != {}, "A re-published")
                 await cb.lookup(ns, keys)  # B, with its view from before A came back
                 await asyncio.sleep(0.1)
-                await b.cluster._heartbeat()  # B's next heartbeat: A is a member again
+                await b.cluster.membership.heartbeat()  # B's next heartbeat: A is a member again
                 assert (await cb.lookup(ns, keys)).matched == 2, "B deleted A's re-published records"
 
 
@@ -572,7 +572,7 @@ async def test_a_lease_that_ran_out_while_its_node_lived_loses_its_records_for_g
 
                     await eventually(lapsed, "A's lease ran out in the directory's clock")
                     # 1. B reads the members (A's lease out) and meets A's records: void, deleted
-                    await b.cluster._heartbeat()
+                    await b.cluster.membership.heartbeat()
                     assert (await cb.lookup(ns, keys)).matched == 0
                     await b.cluster.flush()
                     assert r.hgetall(k0) == {}
@@ -583,7 +583,7 @@ async def test_a_lease_that_ran_out_while_its_node_lived_loses_its_records_for_g
                     await cb.lookup(ns, keys)  # a miss until B hears of A's new life
                     await b.cluster.flush()
                     assert r.hgetall(k0) != {}, "B deleted A's re-published records with its stale view"
-                await b.cluster._heartbeat()
+                await b.cluster.membership.heartbeat()
                 assert (await cb.lookup(ns, keys)).matched == 2
                 got = await cb.get_blocks(ns, keys, verify=True)
                 assert [bytes(g) for g in got] == [bytes(d) for d in data]
@@ -875,7 +875,7 @@ async def test_a_peer_that_reads_a_trickle_holds_its_send_thread_and_lease_until
 async def test_a_lend_cancelled_while_it_hashes_keeps_its_lease_until_the_deadline(
     tmp_path: Path, directory: RedisServer, ns: Namespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvstore.cluster.node as node_module
+    import kvstore.store.exchange as exchange_module  # (where the lend hashes: BlockStore.exchange.lend)
 
     # a deadline longer than the test: the old code's lease would outlive it
     async with Sidecar(node_config(tmp_path, "a", directory, **{"cluster.fetch_timeout_s": 60.0})) as a:
@@ -894,7 +894,7 @@ async def test_a_lend_cancelled_while_it_hashes_keeps_its_lease_until_the_deadli
             await never.wait()
             raise AssertionError("the lend was not cancelled")
 
-        monkeypatch.setattr(node_module, "checksums", stalled_checksums)
+        monkeypatch.setattr(exchange_module, "checksums", stalled_checksums)
         lending = asyncio.create_task(a.cluster.lend(entry.root, keys))
         await asyncio.wait_for(hashing.wait(), 10)
         assert len(store.index.leases) == 1, "the lend leased its run before it hashed"

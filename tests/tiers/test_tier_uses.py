@@ -4,7 +4,7 @@ most any tier's policy counts or remembers, not DRAM's alone.
 A block reused while the SSD holds it, and long out of DRAM since, has fallen off DRAM's ghost list
 (credit keeps 4 x DRAM's capacity there) while the SSD's policy still counts it, and remembers it on
 its own ghost once the SSD lets it go: that count is what a cluster node leaves in the directory's
-ghost when the block leaves the node (kvstore/cluster/node.py; tests/cluster/test_cluster_ghost.py).
+ghost when the block leaves the node (kvstore/cluster/publisher.py; tests/cluster/test_cluster_ghost.py).
 A real sidecar over gRPC with the ``credit`` policy and an SSD directory."""
 
 from __future__ import annotations

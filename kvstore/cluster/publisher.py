@@ -1,0 +1,255 @@
+"""This node's records in the cluster directory: the index's change feed written out in passes.
+
+The index feeds the publisher every block whose visibility or placement changes
+(:meth:`kvstore.store.index.Index.subscribe`); every ``publish_interval_ms`` :meth:`Publisher.flush`
+writes those records to the directory in one pipeline (HSET for a block this node holds, HDEL for
+one it no longer does), deletes the void records met meanwhile (by lookups) and the records of
+blocks peers asked for that this node does not hold. A failed write keeps the changes for the next
+pass; when the directory comes back, or this node begins a new incarnation, it re-publishes
+everything it holds (:meth:`Publisher.republish_all`). The same pipeline carries the cluster's
+ghosts (the ``g:`` keys of :mod:`kvstore.cluster.directory`): a block this node lets go leaves
+behind the use count its policies have of it, for about as long as this node's own ghost would
+keep it (:class:`~kvstore.policy.ghost.GhostSpan`), and a block new here (committed, or fetched
+from a peer) takes up the count another node left, in the policies of the spaces that hold it.
+
+Why a feed: the index says what changed as it changes and the publisher reads it when it writes,
+so a pass costs the changes since the last one, never a walk over everything held; and nothing is
+kept while no publisher reads (a node on its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvstore.cluster.directory import Ghosts, Published, Record
+from kvstore.cluster.membership import Membership
+from kvstore.cluster.waiters import PublishWaiters, Where
+from kvstore.errors import Unavailable
+from kvstore.keys import NamespaceRoot
+from kvstore.policy.ghost import GhostSpan
+from kvstore.store.block_store import BlockStore
+from kvstore.store.index import Block, ChangeFeed
+
+PUBLISH_BATCH = 4096  # directory records in one pipeline
+STALE_MAX = 65536  # void records met and not yet deleted (the publisher's next pass deletes them)
+# Keys peers asked for that this node does not hold, remembered for the next publish to delete their
+# records: at most this many (one pipeline's worth). While the directory is down nothing drains them;
+# past this, a request's key is not remembered (another request, or the holder's own next look at
+# it, finds the record again).
+UNHELD_MAX = PUBLISH_BATCH
+
+
+@dataclass(slots=True)
+class _Pass:
+    """One pass's records: the puts (and per put whether it is new here), the removes (and per
+    remove the use count this node leaves in the ghost, and whether it was let go this pass)."""
+
+    puts: list[tuple[bytes, bytes, Record]] = field(default_factory=list)
+    fresh: list[bool] = field(default_factory=list)  # per put: new on this node (its ghost is read), not a re-publish
+    removes: list[tuple[bytes, bytes]] = field(default_factory=list)
+    uses: list[int] = field(default_factory=list)  # per remove: the use count its policies have or remember of it
+    unread: list[bool] = field(default_factory=list)  # per remove: stored and let go since the last pass
+
+
+class Publisher:
+    def __init__(self, store: BlockStore, members: Membership) -> None:
+        self.store = store
+        self.members = members
+        self.stats = members.stats
+        self._feed: ChangeFeed | None = None  # while the node runs
+        self._waiters = PublishWaiters()
+        self._stale: list[tuple[bytes, bytes, str, Record]] = []
+        self._unheld: set[tuple[bytes, bytes]] = set()  # keys peers asked for that this node does not hold
+        self._span = GhostSpan()  # how fast this node lets blocks go: how long its ghosts last
+        self._call: tuple[str, float] = ("publish", 0.0)  # the directory call in flight, and its start
+
+    def start(self) -> None:
+        """Read the index's changes from now on, everything it holds first."""
+        self._feed = self.store.index.subscribe()
+        self.republish_all()
+
+    def stop(self, why: str) -> None:
+        self._waiters.fail_all(why)
+        self.store.index.unsubscribe()
+        self._feed = None
+
+    # --- what the next pass writes ----------------------------------------------------------
+
+    def republish_all(self) -> None:
+        feed = self._feed
+        if feed is None:
+            return
+        for ns in self.store.index.namespaces.values():
+            for b in ns.visible.values():
+                feed.moved(b)
+
+    def void_met(self, root: bytes, key: bytes, node: str, rec: Record) -> bool:
+        """Delete this void record at the next pass; False when too many wait already (the sweep
+        gets the rest)."""
+        if len(self._stale) >= STALE_MAX:
+            return False
+        self._stale.append((root, key, node, rec))
+        return True
+
+    def unheld(self, root: bytes, key: bytes) -> None:
+        """A peer asked for a block this node does not hold: its record goes at the next pass."""
+        if len(self._unheld) < UNHELD_MAX:
+            self._unheld.add((root, key))
+        else:
+            self.stats["unheld_dropped"] += 1
+
+    def published(self, blocks: Sequence[Block]) -> asyncio.Future[None] | None:
+        """Answered after the pass that writes ``blocks``' records (:mod:`kvstore.cluster.waiters`):
+        an error at once while the directory is away."""
+        fut = self._waiters.add(blocks)
+        if not self.members.up:
+            self._waiters.fail_all("unreachable since the last call to it")
+        return fut
+
+    # --- a pass -----------------------------------------------------------------------------
+
+    async def flush(self) -> None:
+        """Write the changes gathered since the last pass (and the void records met meanwhile)."""
+        feed = self._feed
+        if feed is None:
+            return
+        if not self.members.up:  # nothing is written while the directory is away: whoever waits is told now
+            self._waiters.fail_all("unreachable since the last call to it")
+            return
+        if not (feed or self._stale or self._waiters or self._unheld):
+            return
+        changed = feed.drain()
+        waiters = self._waiters.take()
+        stale, self._stale = self._stale, []
+        records = self._gather(changed)
+        pending = changed
+        error = ""
+        refused: dict[Where, str] = {}
+        try:
+            await self._write(records, refused)
+            pending = {}
+            if stale:
+                self._call = ("forget", time.perf_counter())
+                async with asyncio.timeout(self.members.cfg.directory_timeout_s):
+                    await self.members.directory.forget(stale)
+                self.members.round_trip("forget", self._call[1], "ok")
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+            feed.restore(pending)  # re-writing a batch that did land is harmless
+            if not isinstance(exc, (Unavailable, TimeoutError)):
+                raise  # (not the directory's: its loop counts and logs it; the changes wait for the next pass)
+            self.members.unreachable(*self._call, exc, "cluster directory write failed (kept for the next pass)")
+        finally:
+            self._waiters.answer(waiters, error, refused)
+
+    def _gather(self, changed: dict[Block, bool]) -> _Pass:
+        """The records of ``changed`` (one per key, as the index has it now: not per Block object,
+        a key deleted and written again is two Blocks) and of the keys peers asked for in vain."""
+        out = _Pass()
+        index, count, incarnation = self.store.index, self.store.exchange.uses, self.members.incarnation
+        seen: set[tuple[bytes, bytes]] = set()
+        for b, new in changed.items():
+            where: tuple[bytes, bytes] = (b.ns.root, b.key)
+            if where in seen:
+                continue
+            seen.add(where)
+            live = index.namespaces.get(b.ns.root)
+            now = live.visible.get(b.key) if live is not None else None
+            if now is not None and now.tiers:
+                out.puts.append(
+                    (
+                        b.ns.root,
+                        b.key,
+                        Record(incarnation, now.tiers, now.size, now.checksum or 0, *self._retention_of(now)),
+                    )
+                )
+                out.fresh.append(new if now is b else changed.get(now, False))
+            else:
+                out.removes.append(where)
+                out.uses.append(count(b))
+                out.unread.append(new)  # (the key's first change of the pass: it was not held before it)
+        if out.removes:  # the blocks let go this pass: the rate the node's ghosts turn over at
+            self._span.let_go(len(out.removes), time.monotonic())
+        unheld, self._unheld = self._unheld, set()
+        for where in unheld - seen:
+            live = index.namespaces.get(NamespaceRoot(where[0]))
+            if live is None or where[1] not in live.visible:
+                out.removes.append(where)
+                # A record left behind, not a block let go now: its count went to the ghost when
+                # it left (rewriting it could replace a newer count another node left since).
+                out.uses.append(0)
+                out.unread.append(False)
+        return out
+
+    async def _write(self, records: _Pass, refused: dict[Where, str]) -> None:
+        """Write ``records`` in pipelines of PUBLISH_BATCH, each under the deadline: a node
+        re-publishing millions of blocks after an outage gets there in steps instead of timing out
+        whole. The records the directory refused go into ``refused``."""
+        members = self.members
+        ttl_ms = round(1000 * self._span.ttl_s(self.store.exchange.ghost_size(), members.cfg.ghost_ttl_s))
+        puts, removes = records.puts, records.removes
+        self._call = ("publish", time.perf_counter())
+        for i in range(0, max(len(puts), len(removes)), PUBLISH_BATCH):
+            batch = slice(i, i + PUBLISH_BATCH)
+            self._call = ("publish", time.perf_counter())
+            async with asyncio.timeout(members.cfg.directory_timeout_s):
+                published = await members.directory.publish(
+                    puts[batch],
+                    removes[batch],
+                    fresh=records.fresh[batch],
+                    uses=records.uses[batch],
+                    unread=records.unread[batch],
+                    ttl_ms=ttl_ms,
+                )
+            members.round_trip("publish", self._call[1], "ok")
+            refused.update(self._refused(puts[batch], removes[batch], published))
+            self.stats["records_published"] += len(puts[batch]) - len(published.refused_puts)
+            self.stats["records_removed"] += len(removes[batch]) - len(published.refused_removes)
+            self._resume(puts[batch], published.ghosts)
+
+    def _retention_of(self, b: Block) -> tuple[int, int]:
+        """``b``'s retention for its record: (end in ms since the epoch, priority); (0, 0): none."""
+        left = b.retain_until - self.store.clock()
+        return (round(time.time() * 1000 + left * 1000), b.retain_priority) if left > 0 else (0, 0)
+
+    def _refused(
+        self, puts: Sequence[tuple[bytes, bytes, Record]], removes: Sequence[Where], published: Published
+    ) -> dict[Where, str]:
+        """The records of a batch the directory refused (their keys of another type): counted,
+        told once per key, left unlisted (a block of this node that no other node finds) and not
+        written again until everything is (a new incarnation, the directory back)."""
+        out = {puts[j][:2]: why for j, why in published.refused_puts.items()}
+        out.update({removes[j]: why for j, why in published.refused_removes.items()})
+        for (root, key), why in out.items():
+            self.stats["directory_key_errors"] += 1
+            self.members.key_errors.warning(
+                key,
+                "cluster directory refused the record of block %s (its key %s): %s; the block stays on this "
+                "node, unlisted",
+                key.hex()[:16],
+                self.members.directory.key(root, key)[:48],
+                why,
+            )
+        return out
+
+    def _resume(self, puts: Sequence[tuple[bytes, bytes, Record]], ghosts: Ghosts) -> None:
+        """Take up the use counts other nodes left of the blocks new here (``ghosts.found``, by
+        index into ``puts``): the policies of the spaces that still hold each one resume them."""
+        self.stats["ghosts_written"] += ghosts.written
+        if ghosts.error:
+            self.members.warn.warning(
+                "cluster directory refused a ghost command (the records landed; a Redis "
+                "Cluster's GETDEL needs Redis 6.2 or later): %s",
+                ghosts.error,
+            )
+        namespaces = self.store.index.namespaces
+        for i, n in ghosts.found.items():
+            root, key, _ = puts[i]
+            ns = namespaces.get(NamespaceRoot(root))
+            b = ns.visible.get(key) if ns is not None else None
+            if b is not None and b.tiers:  # (let go meanwhile: the count goes with it)
+                self.store.exchange.resume(b, n)
+                self.stats["ghosts_resumed"] += 1

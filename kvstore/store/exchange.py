@@ -1,0 +1,202 @@
+"""What the rest of a cluster may do to this store: blocks brought in from a peer or a shared tier,
+blocks lent out to a peer, and the use counts the cluster's ghosts carry.
+
+- **Reserve, then settle** (a peer fetch): :meth:`Exchange.reserve` files the blocks another node
+  holds as ALLOCATED, each holding a DRAM slot, in a :class:`Reservation` (an open allocation of
+  the cluster's, which :func:`kvstore.store.audit.audit` knows); the peer data path writes their
+  bytes into :meth:`Reservation.views`; :meth:`Reservation.settle` places the leading run that
+  arrived intact as replicas (with the checksum they arrived with and what is left of the
+  holder's retention) and frees every other slot.
+- **Adopt** (a shared tier's block): a block another node wrote to a Redis or S3 tier this node
+  has joins the index as placed there (the movers read and verify it as any promotion).
+- **Lend** (the holder's side of a fetch): the run is promoted into DRAM, leased, sealed where it
+  was not, and handed out as views with the call that releases the lease.
+
+Why a door of its own: the cluster (``kvstore/cluster/``) works on the store only through these
+calls and read-only lookups, so placing, pinning and sealing stay where the state layer does them
+for its own requests, and the cluster knows nothing of the index's states, the DRAM space's slots
+or the movers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockKey
+from kvstore.store.checksum import checksums
+from kvstore.store.index import DRAM, Block, Index, NsEntry, State
+from kvstore.store.remote import PeerBlock
+from kvstore.store.retention import Retention
+from kvstore.store.space import DramSpace
+
+
+class Reservation:
+    """Slots reserved for a peer fetch: ``blocks`` (ALLOCATED, each holding a slot, in no tier),
+    one per ``holders``' entry (where its bytes come from). Open until :meth:`settle`."""
+
+    def __init__(self, exchange: Exchange, ns: NsEntry, blocks: list[Block], holders: list[PeerBlock]) -> None:
+        self.exchange = exchange
+        self.ns = ns
+        self.blocks = blocks
+        self.holders = holders
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def keys(self, start: int, stop: int) -> list[bytes]:
+        return [b.key for b in self.blocks[start:stop]]
+
+    def views(self, start: int, stop: int) -> list[np.ndarray]:
+        """The slots of blocks ``start`` to ``stop``, to be written into."""
+        return [self.exchange.space.view(b) for b in self.blocks[start:stop]]
+
+    def settle(self, sums: Sequence[int]) -> int:
+        """The leading ``len(sums)`` blocks arrived intact with these checksums: placed in DRAM
+        as replicas, visible; every other block's slot goes back (it was never visible). How many
+        were placed. The reservation is closed."""
+        self.exchange.closed(self)
+        index, space = self.exchange.index, self.exchange.space
+        for j, b in enumerate(self.blocks):
+            if j >= len(sums):
+                space.free(b)  # never visible: the slot goes back, the block leaves the index
+                continue
+            b.checksum = sums[j]
+            b.replica = True
+            index.publish(b)
+            space.place(b)
+            self.exchange.retained_as(b, self.holders[j])
+        return min(len(sums), len(self.blocks))
+
+
+@dataclass(slots=True, frozen=True)
+class Loan:
+    """A run lent to a peer: its blocks as (checksum, bytes), the call that ends the lease, and
+    the seconds left of it."""
+
+    blocks: list[tuple[int, np.ndarray]]
+    release: Callable[[], None]
+    left_s: Callable[[], float]
+
+
+class Exchange:
+    """The store's door for the cluster (see the module's docstring)."""
+
+    def __init__(self, index: Index, space: DramSpace, retention: Retention, clock: Callable[[], float]) -> None:
+        self.index = index
+        self.space = space
+        self.retention = retention
+        self.clock = clock
+        self.reservations: set[Reservation] = set()  # open: a peer fetch in flight each
+
+    # --- a peer fetch ---------------------------------------------------------------------
+
+    def reserve(
+        self, ns: NsEntry, keys: Sequence[bytes], parent: bytes, depth: int, holders: Sequence[PeerBlock]
+    ) -> Reservation:
+        """Slots for the leading run of ``keys`` (``holders``' blocks, one each; ``parent`` is the
+        key before ``keys[0]``, ``depth`` its 1-based position) that is not here yet: the run
+        stops at a key stored (written or fetched here meanwhile), or when DRAM cannot take
+        one more (full of pinned blocks, or a size this slab has no class for)."""
+        index, space = self.index, self.space
+        ns = index.live(ns)
+        blocks: list[Block] = []
+        for i, pb in enumerate(holders):
+            key = keys[i]
+            if index.get(ns, key) is not None:
+                break
+            b = index.add(ns, BlockKey(key), keys[i - 1] if i else parent, pb.size, State.ALLOCATED, depth + i)
+            ns = b.ns
+            try:
+                b.slot = space.take_slot(b)
+            except KVStoreError:
+                index.drop(b)
+                break
+            blocks.append(b)
+        reservation = Reservation(self, ns, blocks, list(holders[: len(blocks)]))
+        self.reservations.add(reservation)
+        return reservation
+
+    def closed(self, reservation: Reservation) -> None:
+        self.reservations.discard(reservation)
+
+    def retained_as(self, b: Block, holder: PeerBlock) -> None:
+        """A fetched block keeps what is left of its holder's retention (the record's), on this
+        node's clock (the two hosts' wall clocks are taken to agree)."""
+        left = holder.retain_until_ms / 1000 - time.time()
+        if holder.retain_until_ms and left > 0:
+            b.retain_until, b.retain_priority = self.clock() + left, holder.retain_priority
+            self.retention.adopt(b)
+
+    # --- a shared tier's block --------------------------------------------------------------
+
+    def adopt(
+        self, ns: NsEntry, key: bytes, parent: bytes, size: int, tiers: int, checksum: int, depth: int
+    ) -> NsEntry | None:
+        """File ``key`` (not stored here) as placed in the shared tiers of ``tiers`` this node has
+        and that are up, with the checksum its writer recorded; the namespace's live entry, or None
+        when it is stored here already, fits no slot here, or no such tier takes it."""
+        if self.index.get(ns, key) is not None or not self.space.slab.holds(size):
+            return None
+        b = self.index.add(ns, BlockKey(key), parent, size, State.COMMITTED, depth)
+        b.checksum = checksum
+        if self.space.movers.adopt(b, tiers):
+            return b.ns
+        self.index.drop(b)  # this node lacks that tier, or it is down
+        return None
+
+    # --- the holder's side ------------------------------------------------------------------
+
+    async def lend(self, run: list[Block], lease_s: float) -> Loan | None:
+        """``run`` (a leading run held here) brought into DRAM, leased for ``lease_s`` and sealed:
+        its leading blocks readable from DRAM now, None when there are none."""
+        run = await self.space.movers.promote(run)
+        readable: list[Block] = []
+        for b in run:
+            if not b.tiers & DRAM or b.state is not State.COMMITTED or b.slot is None:
+                break
+            readable.append(b)
+        if not readable:
+            return None
+        index, space = self.index, self.space
+        lease = index.take_lease(readable, self.clock() + lease_s)
+
+        def release() -> None:
+            if lease.id in index.leases:
+                index.release_lease(lease.id)
+
+        def left_s() -> float:  # (the hashing below, a busy loop: less than the lease's length)
+            return lease.deadline - self.clock()
+
+        # A task cancelled while it hashes (its connection dropped, the server stopping) would
+        # otherwise leave the lease pinning these blocks in DRAM until its deadline: until the
+        # Loan owns the lease, anything that ends the call releases it.
+        try:
+            unsealed = [b for b in readable if b.checksum is None]
+            if unsealed:
+                for b, c in zip(unsealed, await checksums([space.view(b) for b in unsealed])):
+                    if b.checksum is None:
+                        b.checksum = c
+            space.touch(readable)
+            return Loan([(b.checksum or 0, space.view(b)) for b in readable], release, left_s)
+        except BaseException:
+            release()
+            raise
+
+    # --- the cluster's ghosts ---------------------------------------------------------------
+
+    def uses(self, b: Block | bytes) -> int:
+        """The use count this node's policies have or remember of ``b`` (:meth:`DramSpace.uses`)."""
+        return self.space.uses(b)
+
+    def ghost_size(self) -> int:
+        """How many evicted blocks' counts this node's tiers remember (:meth:`DramSpace.ghost_size`)."""
+        return self.space.ghost_size()
+
+    def resume(self, b: Block, uses: int) -> None:
+        """Another node left ``uses`` uses of ``b``: its spaces' policies resume them."""
+        self.space.resume(b, uses)
