@@ -272,7 +272,7 @@ class Members(NamedTuple):
 
     members: dict[str, Member]
     unreadable: dict[bytes, bytes]  # field -> value of the entries it cannot read (not UTF-8, not
-    # ``address|incarnation|expiry_ms``): skipped, and deleted once they outlast a lease (ClusterNode)
+    # ``address|incarnation|expiry_ms``): skipped, and deleted once they outlast a lease (Membership)
 
 
 def parse_member(field: bytes, value: bytes) -> Member | None:

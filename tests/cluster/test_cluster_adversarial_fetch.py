@@ -41,7 +41,7 @@ def other_tenant(ns: Namespace, salt: str) -> Namespace:
 
 def fetches_in_flight() -> bool:
     """Whether any peer fetch is still under way in this process: a task running a holder's run
-    (ClusterNode._fetch_group) or an I/O thread in the middle of an answer (peer_client._exchange)."""
+    (Fetcher._fetch_group) or an I/O thread in the middle of an answer (peer_client._exchange)."""
     tasks = any(getattr(t.get_coro(), "__qualname__", "").endswith("_fetch_group") for t in asyncio.all_tasks())
     frames = sys._current_frames()
     threads = False
