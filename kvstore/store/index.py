@@ -94,11 +94,14 @@ class NsEntry:
             return next(iter(self.visible_sizes))
         return 0
 
-    def _show(self, block: Block) -> None:
+    def show(self, block: Block) -> None:
+        """Make ``block`` visible to lookups, its size counted in ``visible_sizes`` (:meth:`Index.add`
+        and :meth:`Index.publish` do, for a committed block)."""
         self.visible[block.key] = block
         self.visible_sizes[block.size] = self.visible_sizes.get(block.size, 0) + 1
 
-    def _hide(self, block: Block) -> None:
+    def hide(self, block: Block) -> None:
+        """Take the visible ``block`` out of lookups and of ``visible_sizes`` (:meth:`Index.drop` does)."""
         del self.visible[block.key]
         n = self.visible_sizes[block.size] - 1
         if n:
@@ -241,7 +244,7 @@ class Index:
         block = Block(ns, key, parent, size, depth, state)
         ns.blocks[key] = block
         if state is State.COMMITTED:
-            ns._show(block)
+            ns.show(block)
             self.moved(block)
         return block
 
@@ -254,7 +257,7 @@ class Index:
         """ALLOCATED -> COMMITTED: the block becomes visible to lookups (committed, or fetched
         from a peer: new on this node)."""
         block.state = State.COMMITTED
-        block.ns._show(block)
+        block.ns.show(block)
         if self._feed is not None:
             self._feed.changes[block] = True
 
@@ -266,7 +269,7 @@ class Index:
         if ns.blocks.get(block.key) is block:
             del ns.blocks[block.key]
             if ns.visible.get(block.key) is block:
-                ns._hide(block)
+                ns.hide(block)
                 self.moved(block)
             if not ns.blocks and self.namespaces.get(ns.root) is ns:
                 del self.namespaces[ns.root]
