@@ -39,7 +39,6 @@ from kvstore.client.wire import (
     PutResult,
     Retain,
     Wire,
-    accept_answer_async,
     as_uint8,
 )
 from kvstore.dram.copying import copy_blocks_async
@@ -198,7 +197,7 @@ class Allocation(AllocationState):
         self._send = call
 
     async def __aenter__(self) -> Allocation:
-        await accept_answer_async(self, await self._send("Allocate", self.request), self._send)  # refused: aborted
+        await self._accept_async(await self._send("Allocate", self.request), self._send)  # refused: aborted
         return self
 
     async def commit(
@@ -236,7 +235,7 @@ class Lease(LeaseState):
         self._send = call
 
     async def __aenter__(self) -> Lease:
-        await accept_answer_async(self, await self._send("Acquire", self.request), self._send)  # refused: released
+        await self._accept_async(await self._send("Acquire", self.request), self._send)  # refused: released
         return self
 
     async def __aexit__(

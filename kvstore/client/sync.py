@@ -36,7 +36,6 @@ from kvstore.client.wire import (
     Retain,
     Transport,
     Wire,
-    accept_answer,
     as_uint8,
 )
 from kvstore.dram.copying import copy_blocks
@@ -189,7 +188,7 @@ class SyncAllocation(AllocationState):
         self._send = call
 
     def __enter__(self) -> SyncAllocation:
-        accept_answer(self, self._send("Allocate", self.request), self._send)  # refused: aborted
+        self._accept(self._send("Allocate", self.request), self._send)  # refused: aborted
         return self
 
     def commit(
@@ -224,7 +223,7 @@ class SyncLease(LeaseState):
         self._send = call
 
     def __enter__(self) -> SyncLease:
-        accept_answer(self, self._send("Acquire", self.request), self._send)  # refused: released
+        self._accept(self._send("Acquire", self.request), self._send)  # refused: released
         return self
 
     def __exit__(

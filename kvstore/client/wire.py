@@ -234,8 +234,8 @@ class Opened(Generic[_Answer]):
     no Commit, Abort or Release of the client's follows, and what the sidecar opened would stay (an allocation's
     slots reserved, a lease's blocks pinned in DRAM) until its TTL ended it.
 
-    :meth:`_open` is the one place that decides what follows a refused answer; :func:`accept_answer`
-    and :func:`accept_answer_async` the one place each client sends what it decides."""
+    :meth:`_open` is the one place that decides what follows a refused answer; :meth:`_accept` and
+    :meth:`_accept_async` the one place each client sends what it decides."""
 
     id: str  # what the answer opened ("": nothing)
 
@@ -262,21 +262,19 @@ class Opened(Generic[_Answer]):
                 yield self._undo()
             raise
 
+    def _accept(self, answer: _Answer, send: Call) -> None:
+        """Read ``answer`` (:meth:`_open`); a refused one's undo is sent before the refusal raises.
+        Best effort: the undo's own error (already ended, unreachable: its TTL ends it) is
+        suppressed, since the refusal is the error to report."""
+        for name, request in self._open(answer):
+            with contextlib.suppress(KVStoreError):
+                send(name, request)
 
-def accept_answer(state: Opened[_Answer], answer: _Answer, send: Call) -> None:
-    """Read ``answer`` into ``state`` (:meth:`Opened._open`); a refused one's undo is sent before
-    the refusal raises. Best effort: the undo's own error (already ended, unreachable: its TTL
-    ends it) is suppressed, since the refusal is the error to report."""
-    for name, request in state._open(answer):
-        with contextlib.suppress(KVStoreError):
-            send(name, request)
-
-
-async def accept_answer_async(state: Opened[_Answer], answer: _Answer, send: AsyncCall) -> None:
-    """:func:`accept_answer`, for the async client."""
-    for name, request in state._open(answer):
-        with contextlib.suppress(KVStoreError):
-            await send(name, request)
+    async def _accept_async(self, answer: _Answer, send: AsyncCall) -> None:
+        """:meth:`_accept`, for the async client."""
+        for name, request in self._open(answer):
+            with contextlib.suppress(KVStoreError):
+                await send(name, request)
 
 
 class AllocationState(Opened[pb.AllocateResponse]):
