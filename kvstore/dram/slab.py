@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import mmap
 import os
 import threading
 import uuid
@@ -320,14 +321,19 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14+; not exported by Python 3.11's mmap modu
 def _prefault(shm: shared_memory.SharedMemory) -> None:
     """Map every page of the slab into this process now, writable, without touching the data:
     otherwise each worker pays a page fault per 4 KiB on its first copy into a slot."""
+    mapping = _mapping(shm).obj  # the mmap.mmap object the segment's buffer views
+    assert isinstance(mapping, mmap.mmap)
     with contextlib.suppress(OSError, AttributeError, ValueError):  # older kernel: pages fault in on first use
-        shm._mmap.madvise(MADV_POPULATE_WRITE)  # type: ignore[attr-defined]  # SharedMemory keeps its mmap private
+        mapping.madvise(MADV_POPULATE_WRITE)
 
 
 def _untrack(shm: shared_memory.SharedMemory) -> None:
-    """Take ``shm`` off this process's resource tracker: it must not unlink the sidecar's slab at exit."""
+    """Take ``shm`` off this process's resource tracker: it must not unlink the sidecar's slab at exit.
+
+    The tracker knows the segment by the name ``shm_open`` got: on POSIX, SharedMemory puts a
+    "/" before the name it reports as ``shm.name``."""
     with contextlib.suppress(Exception):  # the tracker is not running in this process: nothing to undo
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]  # its private name
+        resource_tracker.unregister("/" + shm.name, "shared_memory")
 
 
 def unlink_stale(segment: str) -> bool:
