@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import argparse
 
-    # What ``add_subparsers()`` returns, as each command's ``register`` takes it: argparse gives the
-    # class no public name, and it is generic only in typeshed (subscripting it fails at run time).
-    Subparsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]
+
+class Subparsers(Protocol):
+    """What each command's ``register`` uses of what ``add_subparsers()`` returns: argparse gives
+    that class no public name (and it is generic only in typeshed)."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser: ...
