@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.typedefs import Handler, Middleware
 
 from kvstore.server.auth import token_matches
 from kvstore.server.local_server import connection_cap
@@ -51,16 +51,6 @@ class HttpSource:
 
 
 def build_app(source: HttpSource) -> web.Application:
-    token = source.token
-
-    @web.middleware
-    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token and request.path not in OPEN_PATHS:
-            header, query = request.headers.get("Authorization", ""), request.query.get("token", "")
-            if not (token_matches(header, f"Bearer {token}") or token_matches(query, token)):
-                return web.json_response({"error": "missing or wrong bearer token"}, status=401)
-        return await handler(request)
-
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -80,6 +70,38 @@ def build_app(source: HttpSource) -> web.Application:
 
     async def dashboard(_: web.Request) -> web.StreamResponse:
         return web.FileResponse(STATIC / "dashboard.html")  # package data: ships with kvstore
+
+    route = _route_handler(source)
+    app = web.Application(middlewares=[_auth(source.token)])
+    app.router.add_get("/route", route)
+    app.router.add_post("/route", route)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/", dashboard)
+    app.router.add_get("/dashboard", dashboard)
+    return app
+
+
+def _auth(token: str) -> Middleware:
+    """Every path but the probes (``OPEN_PATHS``) answers 401 without ``token``, sent as a bearer
+    token or in ``?token=``; an empty ``token`` opens every path."""
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token and request.path not in OPEN_PATHS:
+            header, query = request.headers.get("Authorization", ""), request.query.get("token", "")
+            if not (token_matches(header, f"Bearer {token}") or token_matches(query, token)):
+                return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+        return await handler(request)
+
+    return auth
+
+
+def _route_handler(source: HttpSource) -> Handler:
+    """/route: a JSON RouteRequest (the POST body, or ``?q=`` of a GET) read within
+    ``source.body_timeout_s`` and at most ``MAX_DEPTH`` deep, answered by ``source.route``."""
 
     async def route(request: web.Request) -> web.Response:
         from kvstore.errors import KVStoreError
@@ -104,16 +126,7 @@ def build_app(source: HttpSource) -> web.Application:
         except KVStoreError as exc:
             return web.json_response({"error": str(exc)}, status=400 if exc.code.name == "INVALID_ARGUMENT" else 503)
 
-    app = web.Application(middlewares=[auth])
-    app.router.add_get("/route", route)
-    app.router.add_post("/route", route)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/stats", stats)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/", dashboard)
-    app.router.add_get("/dashboard", dashboard)
-    return app
+    return route
 
 
 def _deeper(doc: Any, limit: int) -> bool:
