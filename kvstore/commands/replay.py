@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvstore.commands import Subparsers
     from kvstore.sim.hints import Hints
+    from kvstore.sim.replay import TierSpec
     from kvstore.sim.traces import Trace
 
 
@@ -101,68 +102,21 @@ def _blocks(cap: tuple[str, float], unique: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvstore.errors import InvalidArgument
-    from kvstore.policy import DEFAULT_POLICY, policy_names
-    from kvstore.sim.belady import belady
     from kvstore.sim.hints import parse_hints
-    from kvstore.sim.replay import TierSpec, replay
     from kvstore.sim.traces import load_trace
-    from kvstore.store.index import TierId
 
     hints = parse_hints(args.hints) if args.hints else None
     trace = load_trace(args.trace, args.block_tokens)
     unique = trace.unique_blocks()
-    names = args.policy or ["lru", DEFAULT_POLICY]
-    if "all" in names:
-        names = policy_names()
-    names = list(dict.fromkeys(names))
-    for n in names:
-        if n not in policy_names():
-            raise InvalidArgument(f"--policy: unknown policy {n!r}; allowed: {policy_names()}")
+    names = _policy_names(args.policy)
     progress = not args.no_progress and sys.stderr.isatty() and trace.references > 200_000
     if args.nodes is not None:
         return _run_cluster(args, trace, unique, names, progress, hints)
     key_lists = [r.keys for r in trace.requests]
-
-    runs: list[tuple[list[TierSpec], dict[str, Any]]] = []
-    if args.tier:
-        specs = []
-        for name, cap in args.tier:
-            try:
-                tier = TierId[name]
-            except KeyError:
-                allowed = [t.label for t in TierId]
-                raise InvalidArgument(f"--tier: unknown tier {name!r}; allowed: {allowed}") from None
-            specs.append(TierSpec(tier, _blocks(cap, unique)))
-        runs.append((specs, {}))
-    else:
-        for cap in args.capacity or [("frac", 0.05)]:
-            runs.append(([TierSpec(TierId.DRAM, _blocks(cap, unique))], {}))
-
     plot_rows: list[tuple[int, dict[str, float], float]] = []
-    for specs, _ in runs:
-        total = sum(s.capacity for s in specs)
-        bound = belady(key_lists, total)
-        out: dict[str, Any] = {
-            "trace": trace.name,
-            "unique_blocks": unique,
-            "references": trace.references,
-            "capacity_blocks": total,
-            "default_policy": DEFAULT_POLICY,
-            "policies": {},
-            "belady": {"prefix_hit_rate": round(bound.prefix_hit_rate, 6),
-                       "block_hit_rate": round(bound.block_hit_rate, 6)},
-        }
-        if len(specs) > 1:
-            out["tiers"] = {s.tier.label: s.capacity for s in specs}
-        for n in names:
-            res = replay(trace, specs, n, progress=progress)
-            out["policies"][n] = res.to_json()
-            if hints is not None:
-                hinted = replay(trace, specs, n, progress=progress, hints=hints)
-                out["policies"][n]["hints"] = hinted.to_json()
-                out["policies"][n]["hints_vs_none"] = _ratio(hinted.prefix_hit_rate, res.prefix_hit_rate)
-        plot_rows.append((total, {n: out["policies"][n]["prefix_hit_rate"] for n in names}, bound.prefix_hit_rate))
+    for specs in _tier_specs(args, unique):
+        out, bound = _replay_size(trace, unique, key_lists, specs, names, progress, hints)
+        plot_rows.append((out["capacity_blocks"], {n: out["policies"][n]["prefix_hit_rate"] for n in names}, bound))
         if args.json:
             print(json.dumps(out), flush=True)
         else:
@@ -170,6 +124,74 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(args.plot, trace.name, unique, names, plot_rows)
     return 0
+
+
+def _policy_names(asked: list[str] | None) -> list[str]:
+    """The policies to replay, each once: those asked (every one for 'all'), by default lru and the
+    default policy; an unknown name is an error."""
+    from kvstore.errors import InvalidArgument
+    from kvstore.policy import DEFAULT_POLICY, policy_names
+
+    names = asked or ["lru", DEFAULT_POLICY]
+    if "all" in names:
+        names = policy_names()
+    names = list(dict.fromkeys(names))
+    for n in names:
+        if n not in policy_names():
+            raise InvalidArgument(f"--policy: unknown policy {n!r}; allowed: {policy_names()}")
+    return names
+
+
+def _tier_specs(args: argparse.Namespace, unique: int) -> list[list[TierSpec]]:
+    """The caches to replay: the tiers of ``--tier`` as one cache, else one DRAM cache per
+    ``--capacity`` (default 5%)."""
+    from kvstore.errors import InvalidArgument
+    from kvstore.sim.replay import TierSpec
+    from kvstore.store.index import TierId
+
+    if not args.tier:
+        return [[TierSpec(TierId.DRAM, _blocks(cap, unique))] for cap in args.capacity or [("frac", 0.05)]]
+    specs = []
+    for name, cap in args.tier:
+        try:
+            tier = TierId[name]
+        except KeyError:
+            allowed = [t.label for t in TierId]
+            raise InvalidArgument(f"--tier: unknown tier {name!r}; allowed: {allowed}") from None
+        specs.append(TierSpec(tier, _blocks(cap, unique)))
+    return [specs]
+
+
+def _replay_size(trace: Trace, unique: int, key_lists: list[tuple[int, ...]], specs: list[TierSpec],
+                 names: list[str], progress: bool, hints: Hints | None) -> tuple[dict[str, Any], float]:
+    """One cache (``specs``) replayed under every policy, beside Belady's bound at its total
+    capacity: the JSON object printed for it, and the bound's prefix hit rate (unrounded)."""
+    from kvstore.policy import DEFAULT_POLICY
+    from kvstore.sim.belady import belady
+    from kvstore.sim.replay import replay
+
+    total = sum(s.capacity for s in specs)
+    bound = belady(key_lists, total)
+    out: dict[str, Any] = {
+        "trace": trace.name,
+        "unique_blocks": unique,
+        "references": trace.references,
+        "capacity_blocks": total,
+        "default_policy": DEFAULT_POLICY,
+        "policies": {},
+        "belady": {"prefix_hit_rate": round(bound.prefix_hit_rate, 6),
+                   "block_hit_rate": round(bound.block_hit_rate, 6)},
+    }
+    if len(specs) > 1:
+        out["tiers"] = {s.tier.label: s.capacity for s in specs}
+    for n in names:
+        res = replay(trace, specs, n, progress=progress)
+        out["policies"][n] = res.to_json()
+        if hints is not None:
+            hinted = replay(trace, specs, n, progress=progress, hints=hints)
+            out["policies"][n]["hints"] = hinted.to_json()
+            out["policies"][n]["hints_vs_none"] = _ratio(hinted.prefix_hit_rate, res.prefix_hit_rate)
+    return out, bound.prefix_hit_rate
 
 
 def _ratio(a: float, b: float) -> float | None:
