@@ -20,10 +20,10 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 __all__ = ["SPECIAL_TOKENS", "build_tiny_llama", "generate_corpus"]
 
@@ -139,8 +139,7 @@ def build_tiny_llama(
     ``"bfloat16"`` (both accepted by vLLM CPU; float16 also works on CPUs with
     AVX512-FP16 support but is not recommended here).
     """
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,6 +167,20 @@ def build_tiny_llama(
     )
     config.architectures = ["LlamaForCausalLM"]
 
+    model = _random_model(config, tokenizer, seed, dtype)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _random_model(
+    config: LlamaConfig, tokenizer: PreTrainedTokenizerFast, seed: int, dtype: str
+) -> LlamaForCausalLM:
+    """A LlamaForCausalLM of ``config`` with weights drawn from ``torch``'s RNG seeded with ``seed``
+    (its state restored after), cast to ``dtype`` and set to decode greedily."""
+    import torch
+    from transformers import GenerationConfig, LlamaForCausalLM
+
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                    "float16": torch.float16}[dtype]
     prev_state = torch.random.get_rng_state()
@@ -182,14 +195,12 @@ def build_tiny_llama(
                     p.normal_(mean=1.0, std=0.1)
     finally:
         torch.random.set_rng_state(prev_state)
-    model = model.to(torch_dtype).eval()  # type: ignore[arg-type]  # .to is functools.wraps'd: mypy binds no self
+    # .to is functools.wraps'd: mypy binds no self, and what it returns is Any
+    model = cast("LlamaForCausalLM", model.to(torch_dtype).eval())  # type: ignore[arg-type]
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]  # transformers: untyped __init__
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         do_sample=False,
     )
-
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
+    return model
