@@ -128,12 +128,8 @@ _RESTRUCTURED = "issue #31, being restructured"
 
 # (path, kind, name) -> why it is still here; the list shrinks to empty
 PENDING: dict[tuple[str, str, str], str] = {
-    ("kvstore/tiers/movers.py", "class", "Tiering"): _RESTRUCTURED,
     ("kvstore/store/block_store.py", "class", "BlockStore"): _RESTRUCTURED,
     ("kvstore/store/block_store.py", "function", "BlockStore.commit"): _RESTRUCTURED,
-    ("kvstore/store/audit.py", "function", "_slab"): _RESTRUCTURED,
-    ("kvstore/store/audit.py", "private", "slab._free_pages"): _RESTRUCTURED,
-    ("kvstore/store/audit.py", "private", "store._closed_allocations"): _RESTRUCTURED,
     ("kvstore/sim/replay.py", "function", "_replay_one"): _RESTRUCTURED,
     ("kvstore/sim/replay.py", "function", "_replay_tiered"): _RESTRUCTURED,
     ("kvstore/sim/cluster.py", "function", "_serve"): _RESTRUCTURED,

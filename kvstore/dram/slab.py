@@ -200,6 +200,10 @@ class Slab:
     def free_pages(self) -> int:
         return len(self._free_pages)
 
+    def pool_pages(self) -> list[Page]:
+        """The pages of the free-page pool (a copy: what an audit reads)."""
+        return list(self._free_pages)
+
     def per_page(self, cls: int) -> int:
         return self.classes[cls].per_page
 

@@ -30,10 +30,11 @@ may call it after every request. What it checks:
 * **Tenant quotas** -- each tier's quotas count, per tenant, exactly the bytes of its blocks there
   (DRAM: the sizes of the blocks with the DRAM bit; a level: what the level counts for them); with
   no request in flight, no DRAM bytes are reserved for blocks on their way in (``Quotas.reserve``).
-* **Index <-> tiers** (a store with movers that have ``levels``, i.e. ``kvstore.tiers.movers.Tiering``)
-  -- a level counts (``sizes``) exactly the blocks with its bit, none the index has dropped;
-  ``used`` and ``queued_bytes`` add up; a bounded level's policy orders its blocks; a block lies
-  only in tiers the store has; a demotion in flight (staged) is placed in a level.
+* **Index <-> tiers** (the levels below DRAM, :class:`~kvstore.store.below.Lower`, read through
+  the DRAM space's ``below``) -- a level counts (``held``) exactly the blocks with its bit, none the
+  index has dropped; ``used`` and ``queued_bytes`` add up; a bounded level's policy orders its
+  blocks; a block lies only in tiers the store has; a demotion in flight (the movers' ``staged``)
+  is placed in a level.
 
 ``quiescent=True`` asserts that no request and no mover is in flight (every client call answered,
 ``Movers.flush`` done): then no promotion may hold a slot or pin a run, no peer fetch holds a
@@ -44,8 +45,8 @@ its capacity and its policy orders every block it holds.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
 from kvstore.keys import KEY_BYTES, NamespaceRoot
 from kvstore.store.below import NoMovers
@@ -54,27 +55,11 @@ from kvstore.store.remote import NoRemote
 
 if TYPE_CHECKING:
     from kvstore.dram.slab import Page, Slot
-    from kvstore.policy.base import EvictionPolicy
     from kvstore.store.block_store import BlockStore
     from kvstore.store.tenants import Quotas
 
 ALL_TIERS = 15  # DRAM | SSD | REDIS | S3
 MAX_FINDINGS = 200  # past this, one sentence says how many more
-
-
-class _Level(Protocol):
-    """What the audit reads of one level of ``kvstore.tiers.movers.Tiering`` (the state layer does
-    not import the tiers: it reads them by shape)."""
-
-    name: str
-    bit: int
-    capacity: int | None
-    policy: EvictionPolicy | None
-    used: int
-    sizes: dict[Block, int]
-    queued: set[Block]
-    queued_bytes: int
-    quotas: Quotas | None
 
 
 def _name(b: Block) -> str:
@@ -201,17 +186,15 @@ def _blocks(store: BlockStore, blocks: list[Block], bad: _Findings) -> None:
 # --- slab -----------------------------------------------------------------------------------------
 
 
-def _promotions(store: BlockStore) -> Mapping[Block, object]:
+def _promotions(store: BlockStore) -> Collection[Block]:
     """Blocks whose promotion into DRAM is in flight (they hold a slot their ``slot`` does not name yet)."""
-    promoting = getattr(store.space.movers, "_promoting", None)
-    return promoting if isinstance(promoting, dict) else {}
+    return store.space.movers.promoting
 
 
 def _slab(
-    store: BlockStore, blocks: list[Block], promoting: Mapping[Block, object], quiescent: bool, bad: _Findings
+    store: BlockStore, blocks: list[Block], promoting: Collection[Block], quiescent: bool, bad: _Findings
 ) -> None:
     slab = store.slab
-    namespaces = store.index.namespaces
     free_ids: set[int] = set()  # id() of every free slot of a cut page
     in_use = 0
     reading = 0  # slots promotions in flight read into
@@ -236,39 +219,67 @@ def _slab(
                 bad(f"{where} is cut but has no slot in use (stranded: only a freed last slot returns a page)")
             if bool(page.free) != (page in sc.open):
                 bad(f"{where} has {len(page.free)} free slots but is {'' if page in sc.open else 'not '}open")
-            base = page.index * slab.page_bytes
-            for i, s in enumerate(page.slots):
-                if (s.page, s.cls, s.capacity, s.offset) != (page.index, cls, sc.size, base + i * sc.size):
-                    bad(f"{_slot_name(s)} does not lie where {where} cuts its slot {i}")
-                if id(s) in free:
-                    if s.holder is not None:
-                        bad(f"free {_slot_name(s)} still names {_name(s.holder)} as its holder")
-                    continue
-                in_use += 1
-                h = s.holder
-                if h is None:
-                    bad(f"{_slot_name(s)} is in use but has no holder (leaked)")
-                elif h.slot is s:
-                    if not _indexed(h, namespaces):
-                        bad(f"{_slot_name(s)} is held by {_name(h)}, which the index no longer holds (leaked)")
-                elif h.slot is None and h in promoting and not quiescent:
-                    reading += 1  # a promotion reads into it; placed (or given back) when the read lands
-                else:
-                    bad(f"{_slot_name(s)} is in use, its holder {_name(h)} holds "
-                        f"{'no slot' if h.slot is None else _slot_name(h.slot)}")
+            n, r = _slots(store, cls, page, free, promoting, quiescent, bad)
+            in_use, reading = in_use + n, reading + r
             free_ids |= free
         if used != sc.used:
             bad(f"class {sc.size} B counts {sc.used} slots in use, its pages {used}")
         if set(sc.open) - set(sc.pages):
             bad(f"class {sc.size} B lists open pages it is not cut into")
-    pool = slab._free_pages
+    pool = slab.pool_pages()
     for page in pool:
         if page.cls != -1 or page.used or page.free:
             bad(f"page {page.index} is in the free-page pool but cut for class {page.cls} with {page.used} in use")
     indices = sorted(p.index for p in [*placed, *pool])
     if indices != list(range(slab.num_pages)):
         bad(f"the slab's {slab.num_pages} pages are not each in the pool or one class: {indices}")
+    _holders(store, blocks, free_ids, in_use, reading, bad)
 
+
+def _slots(
+    store: BlockStore,
+    cls: int,
+    page: Page,
+    free: set[int],
+    promoting: Collection[Block],
+    quiescent: bool,
+    bad: _Findings,
+) -> tuple[int, int]:
+    """Check the slots ``page`` (listed for class ``cls``) is cut into (``free``: the id() of its
+    free ones); how many are in use, and how many of those a promotion in flight reads into."""
+    slab, namespaces = store.slab, store.index.namespaces
+    sc = slab.classes[cls]
+    where = f"page {page.index} (class {sc.size} B)"
+    in_use = reading = 0
+    base = page.index * slab.page_bytes
+    for i, s in enumerate(page.slots):
+        if (s.page, s.cls, s.capacity, s.offset) != (page.index, cls, sc.size, base + i * sc.size):
+            bad(f"{_slot_name(s)} does not lie where {where} cuts its slot {i}")
+        if id(s) in free:
+            if s.holder is not None:
+                bad(f"free {_slot_name(s)} still names {_name(s.holder)} as its holder")
+            continue
+        in_use += 1
+        h = s.holder
+        if h is None:
+            bad(f"{_slot_name(s)} is in use but has no holder (leaked)")
+        elif h.slot is s:
+            if not _indexed(h, namespaces):
+                bad(f"{_slot_name(s)} is held by {_name(h)}, which the index no longer holds (leaked)")
+        elif h.slot is None and h in promoting and not quiescent:
+            reading += 1  # a promotion reads into it; placed (or given back) when the read lands
+        else:
+            bad(f"{_slot_name(s)} is in use, its holder {_name(h)} holds "
+                f"{'no slot' if h.slot is None else _slot_name(h.slot)}")
+    return in_use, reading
+
+
+def _holders(
+    store: BlockStore, blocks: list[Block], free_ids: set[int], in_use: int, reading: int, bad: _Findings
+) -> None:
+    """Each block's slot: its own, handed out, still cut, of its size class; ``in_use`` slots (of
+    which promotions in flight read into ``reading``) are the blocks' slots."""
+    slab = store.slab
     holders: dict[int, Block] = {}  # id(slot) -> the block holding it
     with_slot = 0
     for b in blocks:
@@ -325,7 +336,7 @@ def _leases(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findi
 
 def _allocations(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findings) -> None:
     namespaces = store.index.namespaces
-    closed = store._closed_allocations
+    closed = store.closed_allocations
     owner: dict[Block, str] = {}
     for alloc_id, alloc in store.index.allocations.items():
         if alloc.id != alloc_id:
@@ -373,8 +384,7 @@ def _reservations(store: BlockStore, owner: dict[Block, str], quiescent: bool, b
 
 
 def _tiers(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findings) -> None:
-    movers = store.space.movers
-    levels: list[_Level] = list(getattr(movers, "levels", None) or [])
+    levels = store.space.below.levels
     namespaces = store.index.namespaces
     have = DRAM
     for lv in levels:
@@ -389,39 +399,38 @@ def _tiers(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findin
     for lv in levels:
         held = holding[lv.bit]
         for b in held:
-            if b not in lv.sizes:
+            if b not in lv.held:
                 bad(f"{_name(b)} has the {lv.name} bit but the {lv.name} level does not count it")
-        for b in lv.sizes:
+        for b in lv.held:
             if not b.tiers & lv.bit:
                 bad(f"the {lv.name} level counts {_name(b)}, which lacks its bit")
             elif not _indexed(b, namespaces):
                 bad(f"the {lv.name} level counts {_name(b)}, which the index no longer holds")
-        total = sum(lv.sizes.values())
+        total = sum(lv.held.values())
         if lv.used != total:
             bad(f"the {lv.name} level counts {lv.used} bytes used, its blocks take {total}")
-        if not lv.queued <= lv.sizes.keys():
+        if not lv.queued <= lv.held.keys():
             bad(f"the {lv.name} level queues blocks it does not count")
-        queued = sum(lv.sizes.get(b, 0) for b in lv.queued)
+        queued = sum(lv.held.get(b, 0) for b in lv.queued)
         if lv.queued_bytes != queued:
             bad(f"the {lv.name} level counts {lv.queued_bytes} bytes queued, its queued blocks take {queued}")
         if lv.policy is not None:
-            if len(lv.policy) > len(lv.sizes):
-                bad(f"the {lv.name} policy orders {len(lv.policy)} blocks, the level holds {len(lv.sizes)}")
+            if len(lv.policy) > len(lv.held):
+                bad(f"the {lv.name} policy orders {len(lv.policy)} blocks, the level holds {len(lv.held)}")
             if quiescent:
-                missing = [b for b in lv.sizes if b not in lv.policy]
-                if missing or len(lv.policy) != len(lv.sizes):
-                    bad(f"the {lv.name} policy orders {len(lv.policy)} blocks, the level holds {len(lv.sizes)} "
+                missing = [b for b in lv.held if b not in lv.policy]
+                if missing or len(lv.policy) != len(lv.held):
+                    bad(f"the {lv.name} policy orders {len(lv.policy)} blocks, the level holds {len(lv.held)} "
                         f"({len(missing)} not in the policy)")
         if quiescent and lv.capacity is not None and lv.used > lv.capacity:
             bad(f"the {lv.name} level holds {lv.used} bytes, over its capacity of {lv.capacity}")
-    staged = getattr(movers, "_staged", None)
-    if isinstance(staged, dict):
-        below = have & ~DRAM
-        for b in staged:
-            if not b.tiers & below:
-                bad(f"{_name(b)} is staged for demotion but placed in no level")
-        if quiescent and staged:
-            bad(f"{len(staged)} demotion(s) staged with no mover in flight")
+    staged = store.space.movers.staged
+    below = have & ~DRAM
+    for b in staged:
+        if not b.tiers & below:
+            bad(f"{_name(b)} is staged for demotion but placed in no level")
+    if quiescent and staged:
+        bad(f"{len(staged)} demotion(s) staged with no mover in flight")
     if quiescent:
         if _promotions(store):
             bad(f"{len(_promotions(store))} promotion(s) listed with no mover in flight")
@@ -437,9 +446,9 @@ def _quotas(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findi
         if quiescent and store.space.quotas.coming:  # (reserved by a promotion or peer fetch in flight)
             bad(f"the DRAM quotas count {dict(store.space.quotas.coming)} bytes per tenant on their way in, "
                 "with nothing in flight")
-    for lv in list(getattr(store.space.movers, "levels", None) or []):
+    for lv in store.space.below.levels:
         if lv.quotas is not None:
-            counted.append((lv.name, lv.quotas, lv.sizes))
+            counted.append((lv.name, lv.quotas, lv.held))
     for name, quotas, sizes in counted:
         held: Counter[str] = Counter()
         for b, n in sizes.items():

@@ -1,55 +1,162 @@
-"""What the block store and the DRAM space ask of the tiers below DRAM: the :class:`Movers`
-interface, and :class:`NoMovers`, the nothing-below of a DRAM-only store.
+"""What the block store and the DRAM space know of the tiers below DRAM: the levels, each a
+placement space of its own (:class:`Lower`, all of them together :class:`Below`), and the work that
+moves blocks between them and DRAM (:class:`Movers`; :class:`NoMovers` for a DRAM-only store).
 
-The real movers are :class:`kvstore.tiers.movers.Tiering`; the sidecar wires them in
-(``BlockStore.tiering``). The state layer never imports the tiers: this Protocol is all it knows.
+The real ones are :class:`kvstore.tiers.level.Level` and :class:`kvstore.tiers.movers.Tiering`; the
+sidecar wires them in (``BlockStore.tiering``). The state layer never imports the tiers: these
+Protocols are all it knows.
+
+Why two: the levels are read and placed into synchronously, on the request's path (their policies
+learn DRAM's hits, lookups skip a level that is down, a cluster adopts a shared tier's copy, the
+stats show their occupancy); the movers run tasks that copy bytes. The DRAM space reaches each
+level's policy itself, as it reaches its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Collection, Mapping, Sequence, Set
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
+from kvstore.store.index import REDIS, S3
+
 if TYPE_CHECKING:
+    from kvstore.policy.base import EvictionPolicy
     from kvstore.store.index import Block
+    from kvstore.store.tenants import Quotas
+
+SHARED = REDIS | S3  # tiers every node of a cluster reaches (a node's SSD is its own)
 
 
-class Movers(Protocol):
-    """The tiers below DRAM and the work that moves blocks between them and DRAM."""
+class Lower(Protocol):
+    """One tier below DRAM: its placement bit, its policy and its books."""
 
     @property
-    def busy(self) -> bool:
-        """Whether moves are in flight (their pins may be all that stands in a write's way)."""
+    def name(self) -> str: ...
+
+    @property
+    def bit(self) -> int: ...
+
+    @property
+    def policy(self) -> EvictionPolicy | None:
+        """The policy ordering its blocks (a bounded level's, or one with tenant quotas)."""
         ...
 
-    def down_mask(self) -> int:
-        """Placement bits of the tiers that are down (lookups treat them as a miss)."""
+    @property
+    def capacity(self) -> int | None:
+        """Its bytes at most; None: the tier's server manages its own memory."""
         ...
+
+    @property
+    def quotas(self) -> Quotas | None: ...
+
+    @property
+    def write_through(self) -> bool:
+        """Whether every committed block is written here at once."""
+        ...
+
+    @property
+    def down(self) -> bool: ...
+
+    @property
+    def used(self) -> int:
+        """Bytes of the blocks placed here (their footprints), queued ones included."""
+        ...
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of the placed blocks whose demotion batch has not started writing."""
+        ...
+
+    @property
+    def held(self) -> Mapping[Block, int]:
+        """Each block placed here and the bytes it takes."""
+        ...
+
+    @property
+    def queued(self) -> Set[Block]:
+        """The placed blocks whose demotion batch has not started writing."""
+        ...
+
+    def place(self, b: Block) -> None:
+        """``b`` is in this tier now: its bit, its footprint, its tenant's share, the policy."""
+        ...
+
+    def occupancy(self) -> dict[str, object]: ...
+
+
+class Below:
+    """The levels below DRAM, fastest first, as the DRAM space and the block store use them."""
+
+    def __init__(self, levels: Sequence[Lower] = ()) -> None:
+        self.levels = tuple(levels)
 
     def touch(self, run: Sequence[Block]) -> None:
-        """Hits on ``run``, for the policies of the tiers that hold its blocks."""
-        ...
+        """Hits on ``run``, for the policies of the levels that hold its blocks (deepest first)."""
+        for lv in self.levels:
+            if lv.policy is not None:
+                lv.policy.access_many([b for b in reversed(run) if b.tiers & lv.bit])
 
     def resume(self, b: Block, uses: int) -> None:
         """Another node remembered ``uses`` uses of ``b`` (the cluster's ghost): the policies of
-        the tiers that hold it resume them (:meth:`~kvstore.policy.base.EvictionPolicy.resume`)."""
-        ...
+        the levels that hold it resume them (:meth:`~kvstore.policy.base.EvictionPolicy.resume`)."""
+        for lv in self.levels:
+            if lv.policy is not None and b.tiers & lv.bit:
+                lv.policy.resume(b, uses)
 
     def uses(self, b: Block | bytes) -> int:
-        """The most uses a tier's policy counts or remembers of ``b`` (a Block, or a block key for
+        """The most uses a level's policy counts or remembers of ``b`` (a Block, or a block key for
         its ghost), 0 when none keeps a count."""
-        ...
+        return max((lv.policy.uses(b) for lv in self.levels if lv.policy is not None), default=0)
 
     def ghost_size(self) -> int:
-        """The most evicted blocks' counts one tier's policy keeps (0: none keeps any)."""
-        ...
+        """The most evicted blocks' counts one level's policy keeps (0: none keeps any)."""
+        return max((lv.policy.ghost_size() for lv in self.levels if lv.policy is not None), default=0)
+
+    def down_mask(self) -> int:
+        """Placement bits of the levels that are down (lookups treat them as a miss)."""
+        mask = 0
+        for lv in self.levels:
+            if lv.down:
+                mask |= lv.bit
+        return mask
 
     def adopt(self, b: Block, mask: int) -> int:
         """Place ``b`` in the shared tiers of ``mask`` (written by another node of a cluster) that
         this node has and that are up; the placement bits it has there now."""
+        for lv in self.levels:
+            if lv.bit & mask & SHARED and not lv.down:
+                lv.place(b)
+        return b.tiers & SHARED
+
+    def written_through(self, blocks: Sequence[Block]) -> int:
+        """How many of ``blocks`` every write-through level holds (0 when there is none)."""
+        mask = sum(lv.bit for lv in self.levels if lv.write_through)
+        return sum(1 for b in blocks if b.tiers & mask == mask) if mask else 0
+
+    def occupancy(self) -> dict[str, dict[str, object]]:
+        """Each level's occupancy, by name."""
+        return {lv.name: lv.occupancy() for lv in self.levels}
+
+
+class Movers(Protocol):
+    """The work that moves blocks between DRAM and the levels below it."""
+
+    @property
+    def levels(self) -> Sequence[Lower]:
+        """The levels below DRAM, fastest first (the DRAM space holds them as :class:`Below`)."""
+        ...
+
+    @property
+    def staged(self) -> Collection[Block]:
+        """The blocks whose demotion is in flight (placed in a level, their bytes staged)."""
+        ...
+
+    @property
+    def promoting(self) -> Collection[Block]:
+        """The blocks whose promotion is in flight (each holds a slot its ``slot`` does not name yet)."""
         ...
 
     def on_dram_evict(self, b: Block) -> None:
@@ -62,10 +169,6 @@ class Movers(Protocol):
 
     def committed(self, blocks: Sequence[Block]) -> list[asyncio.Future[None]]:
         """Freshly committed ``blocks``: the write-throughs started for them."""
-        ...
-
-    def written_through(self, blocks: Sequence[Block]) -> int:
-        """How many of ``blocks`` every write-through tier holds."""
         ...
 
     async def promote(self, run: list[Block]) -> list[Block]:
@@ -81,39 +184,20 @@ class Movers(Protocol):
         result removes their copies."""
         ...
 
-    async def flush(self) -> None:
-        """Wait for the moves in flight."""
-        ...
-
-    def occupancy(self) -> dict[str, dict[str, object]]:
-        """Each lower tier's occupancy, by name."""
+    async def flush(self) -> bool:
+        """Wait for the moves in flight; whether there were any (their pins may be all that stood
+        in a write's way)."""
         ...
 
     async def close(self) -> None: ...
 
 
 class NoMovers:
-    """A DRAM-only store: nothing below, nothing moves, nothing is ever down."""
+    """A DRAM-only store: nothing below, nothing moves."""
 
-    busy = False
-
-    def down_mask(self) -> int:
-        return 0
-
-    def touch(self, run: Sequence[Block]) -> None:
-        pass
-
-    def resume(self, b: Block, uses: int) -> None:
-        pass
-
-    def uses(self, b: Block | bytes) -> int:
-        return 0
-
-    def ghost_size(self) -> int:
-        return 0
-
-    def adopt(self, b: Block, mask: int) -> int:
-        return 0
+    levels: tuple[Lower, ...] = ()
+    staged: frozenset[Block] = frozenset()
+    promoting: frozenset[Block] = frozenset()
 
     def on_dram_evict(self, b: Block) -> None:
         pass
@@ -124,9 +208,6 @@ class NoMovers:
     def committed(self, blocks: Sequence[Block]) -> list[asyncio.Future[None]]:
         return []
 
-    def written_through(self, blocks: Sequence[Block]) -> int:
-        return 0
-
     async def promote(self, run: list[Block]) -> list[Block]:
         return run
 
@@ -136,11 +217,8 @@ class NoMovers:
     def forget(self, blocks: Sequence[Block]) -> Awaitable[None]:
         return nothing()
 
-    async def flush(self) -> None:
-        pass
-
-    def occupancy(self) -> dict[str, dict[str, object]]:
-        return {}
+    async def flush(self) -> bool:
+        return False
 
     async def close(self) -> None:
         pass

@@ -16,8 +16,9 @@ import logging
 import operator
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from kvstore.config import Config
 from kvstore.dram.slab import Slab, Slot
@@ -31,7 +32,7 @@ from kvstore.errors import (
 from kvstore.keys import KEY_BYTES, Namespace, check_key
 from kvstore.policy import make_policy
 from kvstore.policy.base import EvictionPolicy
-from kvstore.store.below import Movers
+from kvstore.store.below import Below, Movers
 from kvstore.store.checksum import checksums
 from kvstore.store.counters import Stats
 from kvstore.store.exchange import Exchange
@@ -96,6 +97,13 @@ class BlockStore:
     @tiering.setter
     def tiering(self, movers: Movers) -> None:
         self.space.movers = movers
+        self.space.below = Below(movers.levels)
+
+    @property
+    def closed_allocations(self) -> Mapping[str, str]:
+        """The allocations closed lately (the last 10,000), each with its fate: "committed",
+        "aborted" or "reclaimed"."""
+        return MappingProxyType(self._closed_allocations)
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -143,7 +151,7 @@ class BlockStore:
         run = self.index.leading_run(ns, keys)
         if len(run) < len(keys):  # a full hit proves every key well-formed (stored keys are)
             self._check_keys(keys, "keys")
-        if down := self.space.movers.down_mask():
+        if down := self.space.below.down_mask():
             run = self._reachable(run, down)
         self.stats.lookup(ns.label, len(keys), len(run))
         masks = set(map(_TIERS, run))
@@ -234,10 +242,8 @@ class BlockStore:
         try:
             return self.allocate_now(ns, specs, ttl_ms)
         except ResourceExhausted:
-            movers = self.space.movers
-            if not movers.busy:
+            if not await self.space.movers.flush():
                 raise
-            await movers.flush()
             return self.allocate_now(ns, specs, ttl_ms)
 
     def allocate_now(
@@ -373,7 +379,7 @@ class BlockStore:
         if wait_write_through:
             if writes:
                 await asyncio.wait(writes)  # not gather: a cancelled commit must not cancel the writes
-            written = space.movers.written_through(blocks)
+            written = space.below.written_through(blocks)
         # After the write-through: the record then lists the shared tiers too (a reader elsewhere
         # reads them from there rather than from this node).
         if wait_published and (listed := self.remote.published(blocks)) is not None:
@@ -535,7 +541,7 @@ class BlockStore:
         return len(batch)
 
     def occupancy(self) -> dict[str, dict[str, object]]:
-        return {"dram": self.space.occupancy(), **self.space.movers.occupancy()}
+        return {"dram": self.space.occupancy(), **self.space.below.occupancy()}
 
     def snapshot(self) -> dict[str, object]:
         doc = self.stats.snapshot(self.occupancy(), self.index.count())

@@ -144,7 +144,7 @@ class Exchange:
             return None
         b = self.index.add(ns, BlockKey(key), parent, size, State.COMMITTED, depth)
         b.checksum = checksum
-        if self.space.movers.adopt(b, tiers):
+        if self.space.below.adopt(b, tiers):
             return b.ns
         self.index.drop(b)  # this node lacks that tier, or it is down
         return None

@@ -20,7 +20,7 @@ import numpy as np
 from kvstore.dram.slab import Page, Slab, Slot
 from kvstore.errors import ResourceExhausted
 from kvstore.policy.base import EvictionPolicy
-from kvstore.store.below import Movers, NoMovers
+from kvstore.store.below import Below, Movers, NoMovers
 from kvstore.store.counters import Stats
 from kvstore.store.index import DRAM, Block, Index
 from kvstore.store.retention import Retention
@@ -41,6 +41,7 @@ class DramSpace:
         self.index = index
         self.stats = stats
         self.movers: Movers = NoMovers()  # the tiers below DRAM, once the sidecar wires them
+        self.below = Below()  # their levels, whose policies learn this space's hits
         self.quotas: Quotas | None = None  # tenant quotas (kvstore.store.tenants), when configured
         # The retention hints (the soft pin): every victim of DRAM and of the tiers below is its pick.
         self.retention = Retention()
@@ -66,22 +67,22 @@ class DramSpace:
         them, as if their own ghosts had remembered them."""
         if b.tiers & DRAM:
             self.policy.resume(b, uses)
-        self.movers.resume(b, uses)
+        self.below.resume(b, uses)
 
     def uses(self, b: Block | bytes) -> int:
         """The use count this node's policies have or remember of ``b`` (a Block, or a block key
         for the ghosts), the most any of its tiers keeps: what it leaves in the cluster's ghost
         when it lets ``b`` go (a block evicted from its SSD may be long gone from DRAM's ghost)."""
-        return max(self.policy.uses(b), self.movers.uses(b))
+        return max(self.policy.uses(b), self.below.uses(b))
 
     def ghost_size(self) -> int:
         """The most evicted blocks' counts one of this node's tiers remembers: how long a count
         lasts in the node's own ghosts (kvstore.policy.ghost)."""
-        return max(self.policy.ghost_size(), self.movers.ghost_size())
+        return max(self.policy.ghost_size(), self.below.ghost_size())
 
     def drain_touches(self) -> None:
         touches, self._touches = self._touches, []
-        access_many, touch_below = self.policy.access_many, self.movers.touch
+        access_many, touch_below = self.policy.access_many, self.below.touch
         for run, all_in_dram in touches:
             # Deepest first, so that an ancestor is always at least as recent as its descendants.
             access_many(run[::-1] if all_in_dram else [b for b in reversed(run) if b.tiers & DRAM])

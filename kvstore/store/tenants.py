@@ -20,7 +20,7 @@ while they are in DRAM (slots of open allocations count from their commit):
   tenants without a quota, or over theirs, are (the set is fixed when the request starts, so the
   DRAM space's plan and its evictions agree).
 
-The tiers below (:mod:`kvstore.tiers.movers`), counting what each tier counts against its capacity
+The tiers below (:mod:`kvstore.tiers.eviction`), counting what each tier counts against its capacity
 (the SSD: block files; Redis, S3: block bytes), blocks on their way in included: before a
 demotion batch, a write-through or a demotion from the tier above is written, a tenant past its
 quota there loses its own oldest blocks in that tier (demoted further down, or dropped, as any

@@ -220,7 +220,7 @@ async def _delete_during_a_demotion_write(tmp_path: Path, monkeypatch: pytest.Mo
             await asyncio.sleep(0.01)
         root = sc.store.index.namespaces[ns.root]
         ssd = next(lv for lv in sc.store.tiering.levels if lv.name == "ssd")
-        in_flight = [k for k in keys[:i] if (b := root.blocks.get(k)) is not None and b in ssd.sizes]
+        in_flight = [k for k in keys[:i] if (b := root.blocks.get(k)) is not None and b in ssd.held]
         await c.delete(ns, in_flight)  # while their files are being written
         await sc.store.tiering.flush()
         orphans = sum(1 for k in in_flight if ssd.tier.path_of(BlockRef(ns.root, k)).exists())

@@ -1136,7 +1136,7 @@ class StoreMachine(RuleBasedStateMachine):
             store = self.srv.store
             slab = store.slab
             return (store.index.count(), slab.used_bytes, slab.free_pages,
-                    {name: (occ["used_bytes"], occ["blocks"]) for name, occ in store.tiering.occupancy().items()})
+                    {name: (occ["used_bytes"], occ["blocks"]) for name, occ in store.space.below.occupancy().items()})
 
         counts, used, free_pages, below = self.srv.on_loop(left)
         assert counts == {"namespaces": 0, "blocks": 0, "allocations": 0, "leases": 0}, counts
@@ -1493,7 +1493,7 @@ async def test_a_delete_right_after_a_commit_deletes_blocks_that_are_being_writt
         assert store.index.count()["blocks"] == 0 and store.slab.used_bytes == 0
         await store.tiering.flush()
         assert store.index.count()["blocks"] == 0
-        assert store.tiering.occupancy()["redis"]["blocks"] == 0  # its copies too: nothing left to resurrect
+        assert store.space.below.occupancy()["redis"]["blocks"] == 0  # its copies too: nothing left to resurrect
         redis_tier = next(lv.tier for lv in store.tiering.levels if lv.name == "redis")
         assert await redis_tier.contains_many([BlockRef(NS.root, k) for k in keys]) == [False, False]
 
@@ -1506,7 +1506,7 @@ async def test_a_delete_waiting_for_a_write_through_cancelled_before_it_began_en
     async with _write_through_sidecar(tmp_path) as sc:
         store = sc.store
         keys, _ = await _commit_two_blocks(store)
-        [through] = store.tiering._tasks  # the write-through, not begun: the commit did not await since
+        [through] = store.tiering.crew.tasks  # the write-through, not begun: the commit did not await since
         through.cancel()
         deleting = asyncio.ensure_future(store.delete(store.namespace(NS), keys, False))
         await asyncio.wait([deleting], timeout=30)

@@ -22,7 +22,7 @@ from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef
-from kvstore.tiers.movers import Level
+from kvstore.tiers.level import Level
 from kvstore.tiers.recycle import FREE_DIR
 from kvstore.tiers.ssd import SsdTier
 from tests.conftest import small_config
@@ -60,7 +60,7 @@ def block_files(root: Path) -> list[Path]:
 def assert_books_balance(sc: Sidecar, root: Path) -> None:
     """What the index places on the SSD is what the directory holds, byte for byte."""
     lv = ssd_level(sc)
-    placed = {lv.tier.path_of(lv.ref(b)) for b in lv.sizes}
+    placed = {lv.tier.path_of(lv.ref(b)) for b in lv.held}
     files = block_files(root)
     assert placed == set(files)
     on_disk = sum(p.stat().st_size for p in files)
@@ -143,7 +143,7 @@ async def test_a_directory_an_older_version_left_readable_is_tightened_at_start(
 
     cfg = small_config(tmp_path, **{"ssd.enabled": True, "ssd.path": str(ssd), "ssd.capacity_bytes": 1 << 20})
     async with Sidecar(cfg) as sc:
-        assert len(ssd_level(sc).sizes) == 2  # both blocks recovered
+        assert len(ssd_level(sc).held) == 2  # both blocks recovered
         everything = [ssd, *ssd.rglob("*")]
         assert {str(p): mode(p) for p in everything} == {str(p): 0o700 if p.is_dir() else 0o600 for p in everything}
         for path in everything:

@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import ClientSession
 
+from kvstore.errors import Unavailable
 from kvstore.harness.servers import RedisServer
 from kvstore.server.sidecar import Sidecar
 from tests.conftest import small_config
@@ -34,7 +35,7 @@ async def test_a_probe_that_fails_unexpectedly_is_reported_and_retried(
                 return resp.status, await resp.json()
 
         level.tier.contains = broken
-        level.down = True  # the next pass probes it
+        level.mark_down(Unavailable("redis: down (the test)"))  # the next pass probes it
         deadline = time.monotonic() + WAIT_S
         while (await readyz())[1].get("failing", {}).get("kvstore-tier-probe", "") != "RuntimeError: a probe bug":
             assert time.monotonic() < deadline, await readyz()

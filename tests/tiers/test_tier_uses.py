@@ -19,7 +19,8 @@ from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.index import SSD, Block
-from kvstore.tiers.movers import Level, Tiering
+from kvstore.tiers.level import Level
+from kvstore.tiers.movers import Tiering
 from tests.tiers.test_tiering import PAGE, tiered_config
 
 PROMPT = 4  # blocks per filler prompt (DRAM holds 4 blocks of a PAGE)

@@ -85,7 +85,7 @@ async def test_mover_tasks_cancelled_before_they_began_leave_no_waiter_waiting(t
 
         promoting = asyncio.ensure_future(tiering.promote([ns.blocks[k] for k in a]))
         await asyncio.sleep(0)  # the promotion waits for its batch, which has not begun
-        [batch] = tiering._tasks
+        [batch] = tiering.crew.tasks
         batch.cancel()
         await asyncio.wait([promoting], timeout=30)
         assert promoting.done(), "a promotion waits for a batch that was cancelled before it began"
@@ -93,7 +93,7 @@ async def test_mover_tasks_cancelled_before_they_began_leave_no_waiter_waiting(t
 
         deleting = asyncio.ensure_future(store.delete(ns, a, False))
         await asyncio.sleep(0)  # the Delete waits for its copies' removal, which has not begun
-        [removal] = tiering._tasks
+        [removal] = tiering.crew.tasks
         removal.cancel()
         await asyncio.wait([deleting], timeout=30)
         assert deleting.done() and not deleting.cancelled(), "the Delete ended as the removal's cancellation"
@@ -111,16 +111,16 @@ async def test_demotions_whose_task_is_cancelled_give_their_buffers_back(tmp_pat
     them, and a writer's place among the ``DEMOTE_DEPTH`` batches in flight stayed taken for good.
     Their demotions fail now however the task ends (one cancelled as it writes, too: its buffers go
     back once, not twice), and the next ones are written as before."""
-    from kvstore.tiers.movers import Tiering
+    from kvstore.tiers.demotion import Demotion
 
     async with Sidecar(tiered_config(tmp_path)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         tiering = sc.store.tiering
         [ssd] = tiering.levels
-        pool = tiering._pool
-        stage = Tiering._seal_queue if cancelled.startswith("sealer") else Tiering._write_batch
+        pool, lane = tiering.demotion.pool, tiering.demotion.lane(ssd)
+        stage = Demotion._seal_queue if cancelled.startswith("sealer") else Demotion._write_batch
         writing = asyncio.Event()
         if cancelled.endswith("first step"):
-            spawn = tiering._spawn
+            spawn = tiering.crew.spawn
 
             def cancelled_at_once(coro, ended=None):
                 task = spawn(coro, ended)
@@ -128,7 +128,7 @@ async def test_demotions_whose_task_is_cancelled_give_their_buffers_back(tmp_pat
                     task.cancel()  # before the loop runs its first step
                 return task
 
-            monkeypatch.setattr(tiering, "_spawn", cancelled_at_once)
+            monkeypatch.setattr(tiering.crew, "spawn", cancelled_at_once)
         else:
             async def held_put_many(items):
                 writing.set()
@@ -141,12 +141,12 @@ async def test_demotions_whose_task_is_cancelled_give_their_buffers_back(tmp_pat
         await c.put_blocks(NS, b, blocks_for(4, 8))  # DRAM holds 4 slots: a is demoted
         if cancelled == "writer while it writes":
             await asyncio.wait([asyncio.ensure_future(writing.wait())], timeout=30)
-            [writer] = [t for t in tiering._tasks if t.get_coro().cr_code is stage.__code__]
+            [writer] = [t for t in tiering.crew.tasks if t.get_coro().cr_code is stage.__code__]
             writer.cancel()
         await settle(sc)
         assert (pool.taken, pool.used) == (0, 0), "staging buffers of demotions that ended unwritten are still taken"
-        assert ssd.writing == 0, "a write batch that never ran still counts as in flight"
-        assert not tiering._staged and not ssd.queue and not ssd.ready
+        assert lane.writing == 0, "a write batch that never ran still counts as in flight"
+        assert not tiering.staged and not lane.queue and not lane.ready
         assert (ssd.used, ssd.queued_bytes) == (0, 0)  # nothing of a counted in the SSD
         assert placement(sc, a) == ["gone"] * 4  # a demotion that failed: the block is lost, not found where it is not
 
@@ -156,7 +156,7 @@ async def test_demotions_whose_task_is_cancelled_give_their_buffers_back(tmp_pat
         assert placement(sc, b) == ["ssd"] * 4
         assert [g.tobytes() for g in await c.get_blocks(NS, b)] == blocks_for(4, 8)
         await settle(sc)
-        assert (pool.taken, pool.used, ssd.writing) == (0, 0, 0)
+        assert (pool.taken, pool.used, lane.writing) == (0, 0, 0)
         assert all(t["errors"] == 0 for t in (await c.stats())["tiers"].values())
 
 
@@ -395,11 +395,11 @@ async def test_closing_ends_the_down_tier_probe_even_if_it_loses_its_cancel(tmp_
             raise Unavailable("redis: still down")
 
         level.tier.contains = contains_losing_its_cancel
-        level.down = True
+        level.mark_down(Unavailable("redis: down (the test)"))
         await asyncio.wait_for(probed.wait(), 30)
     finally:
         await asyncio.wait([asyncio.ensure_future(sc.stop())], timeout=60)
-    assert tiering._probe is not None and tiering._probe.done()
+    assert tiering.probe.task is not None and tiering.probe.task.done()
 
 
 async def test_s3_unreachable_is_counted_and_dram_keeps_serving(tmp_path, moto_clean, aws_env):
@@ -543,13 +543,13 @@ async def test_a_backlog_of_demotions_stages_no_more_blocks_that_redis_holds(tmp
     past that it leaves DRAM as it is, counted in ``demotions_skipped``, and is read from Redis. The
     soak's sidecar kept ~5,300 such blocks (82 MiB of staging buffers, ~120 MiB in a burst) behind
     its SSD writer: its RSS moved with the backlog."""
-    from kvstore.tiers import movers as tiering
+    from kvstore.tiers import demotion
 
     size = 4096  # 64 slots in the 4 x 64 KiB slab
     cfg = tiered_config(tmp_path, **{"ssd.capacity_bytes": 1000 * (size + 4096), "redis.enabled": True,
                                      "redis.url": redis_clean.url, "tiering.write_through": ["redis"]})
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
-        ssd, pool = sc.store.tiering.levels[0].tier, sc.store.tiering._pool
+        ssd, pool = sc.store.tiering.levels[0].tier, sc.store.tiering.demotion.pool
         real_put_many, real_take, gate, most = ssd.put_many, pool.take, asyncio.Event(), [0]
 
         async def held_put_many(items):
@@ -569,7 +569,7 @@ async def test_a_backlog_of_demotions_stages_no_more_blocks_that_redis_holds(tmp
                 assert (await c.put_blocks(NS, k, d, wait_write_through=True)).written_through == 16
                 keys += k
                 data += d
-            assert 0 < most[0] <= tiering.SPARE_STAGED < 640 - 64  # the old movers staged all 576
+            assert 0 < most[0] <= demotion.SPARE_STAGED < 640 - 64  # the old movers staged all 576
             skipped = (await c.stats())["tiers"]["dram"]["demotions_skipped"]
             assert skipped == 640 - 64 - most[0]
         finally:
@@ -586,7 +586,7 @@ async def test_a_burst_of_demotions_is_written_two_batches_at_a_time(tmp_path):
     """More evictions than two writer batches: the writer keeps ``DEMOTE_DEPTH`` batches in
     flight (the next one's files written while the last one waits for its fsync), never more,
     and every demoted block lands on SSD with its bytes."""
-    from kvstore.tiers import movers as tiering
+    from kvstore.tiers import demotion
 
     size = 4096  # 64 slots in the 4 x 64 KiB slab
     cfg = tiered_config(tmp_path, **{"ssd.capacity_bytes": 400 * (size + 4096)})
@@ -611,7 +611,7 @@ async def test_a_burst_of_demotions_is_written_two_batches_at_a_time(tmp_path):
             keys += k
             data += d
         await settle(sc)
-        assert most[0] == tiering.DEMOTE_DEPTH == 2
+        assert most[0] == demotion.DEMOTE_DEPTH == 2
         demoted = [(k, d) for k, d, where in zip(keys, data, placement(sc, keys)) if where == "ssd"]
         assert len(demoted) == 208 - 64
         blocks = sc.store.index.namespaces[NS.root].blocks

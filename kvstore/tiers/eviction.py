@@ -1,0 +1,205 @@
+"""Eviction: room in a level below DRAM before blocks are written there.
+
+Before a level takes blocks (a demotion batch, a write-through, a victim of the level above), every
+tenant past its quota there loses its own blocks first, then a bounded level (SSD) evicts through
+its own policy until what it holds fits its capacity. A victim that no other tier holds is read
+back, checked, and written to the next level down that is up and takes it (its own room made the
+same way), or dropped when there is none. What the room cannot be made for is refused: the caller
+leaves it out of the level.
+
+Why apart from the level's books: room is made across the chain (a victim goes on down), it waits
+for the tier (reads, writes, deletes), and it follows the store's rules for victims (the retention's
+soft pin, DRAM's pending hits); the level only counts what it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Container, Sequence
+from time import perf_counter
+
+import numpy as np
+
+from kvstore.errors import Unavailable
+from kvstore.store.counters import Stats
+from kvstore.store.index import DRAM, Block
+from kvstore.store.space import DramSpace
+from kvstore.store.tenants import Quotas
+from kvstore.tiers.level import Level
+from kvstore.tiers.verify import verified_get
+
+
+class Eviction:
+    """Room in the levels of one chain (fastest first)."""
+
+    def __init__(self, space: DramSpace, levels: Sequence[Level], staged: Container[Block]) -> None:
+        self.space = space
+        self.stats: Stats = space.stats
+        self.levels = levels
+        self.staged = staged  # demotions in flight: never a victim (their bytes are not written yet)
+
+    def down_from(self, lv: Level, b: Block) -> Level | None:
+        """Where ``b`` goes when it leaves ``lv``: the next level below ``lv`` that is up and does not
+        hold it already; None: nowhere (dropped)."""
+        below = self.levels[self.levels.index(lv) + 1 :]
+        return next((t for t in below if not t.down and not t.holds(b)), None)
+
+    async def trim(self, lv: Level) -> None:
+        """Every tenant within its quota in ``lv`` (quotas lowered since its blocks were written)."""
+        await self.make_room(lv)
+
+    @contextlib.asynccontextmanager
+    async def room(self, lv: Level, blocks: Sequence[Block], fresh: bool = False) -> AsyncIterator[list[Block]]:
+        """Room in ``lv`` for ``blocks``, about to be written there (:meth:`make_room`): the blocks
+        that fit, their bytes reserved against their tenants' quotas until the body (which writes
+        and places them) ends."""
+        kept = await self.make_room(lv, blocks, fresh)
+        async with lv.reserved(kept):
+            yield kept
+
+    async def make_room(self, lv: Level, incoming: Sequence[Block] = (), fresh: bool = False) -> list[Block]:
+        """Room in ``lv`` for ``incoming`` (a demotion batch, placed already; or blocks about to be
+        written there, ``fresh`` ones just committed): every tenant past its quota in ``lv`` loses
+        its own blocks first (:meth:`_within_quotas`), then a bounded level evicts until it fits,
+        never a block of a tenant within its quota (each victim demoted to the next tier down, or
+        dropped). Returns the blocks of ``incoming`` that fit, once the victims' copies are gone;
+        the caller leaves the others out of ``lv``."""
+        if lv.policy is None:
+            return list(incoming)
+        async with lv.evicting:
+            keep = list(incoming)
+            out: dict[Block, int] = {}  # refused blocks ``lv`` counts still (placed demotions)
+            if lv.quotas is not None:
+                await self._within_quotas(lv, lv.quotas, keep, out, fresh)
+            if lv.capacity is not None:
+                await self._within_capacity(lv, lv.capacity, keep, out)
+            return keep
+
+    @staticmethod
+    def _refuse(lv: Level, b: Block, keep: list[Block], out: dict[Block, int]) -> None:
+        keep.remove(b)
+        if lv.holds(b):
+            out[b] = lv.size_of(b)
+
+    def _evictable(self, lv: Level, ok: Callable[[Block], bool]) -> Block | None:
+        """The policy's next victim in ``lv`` that ``ok`` accepts, and that is not pinned or being
+        written there (out of the policy now); any such block when the policy offers none (a
+        prefix-aware one keeps parents for their children)."""
+        policy = lv.policy
+        assert policy is not None
+        staged = self.staged
+
+        def may(x: Block) -> bool:
+            return not x.pinned and x not in staged and ok(x)
+
+        retention = self.space.retention  # the soft pin: a retained block goes last here too
+        b = retention.pop_victim(policy, may)
+        if b is None:
+            b = retention.least(x for x in lv.held if x in policy and may(x))
+            if b is not None:
+                policy.remove(b)
+        return b
+
+    async def _within_quotas(
+        self, lv: Level, quotas: Quotas, keep: list[Block], out: dict[Block, int], fresh: bool
+    ) -> None:
+        """Each tenant of ``keep``, and each past its quota in ``lv``, within its quota there
+        (:meth:`_tenant_within`)."""
+        for tenant in sorted({quotas.tenant(b) for b in keep} | set(quotas.over())):
+            if quotas.quota(tenant):
+                await self._tenant_within(lv, quotas, tenant, keep, out, fresh)
+
+    async def _tenant_within(
+        self, lv: Level, quotas: Quotas, tenant: str, keep: list[Block], out: dict[Block, int], fresh: bool
+    ) -> None:
+        """``tenant`` within its quota in ``lv``. It counts what ``lv`` holds of it, what is being
+        written there and ``keep``; blocks queued for later batches count in theirs. What goes, in
+        this order: its blocks in ``lv`` that are not in DRAM (colder than anything DRAM holds or
+        has just let go), in the policy's order; then its blocks of ``keep``, oldest first, and its
+        copies of blocks DRAM holds -- the copies first when ``keep`` is ``fresh`` (just
+        committed, the newest there are)."""
+        tenant_of = quotas.tenant
+        incoming = set(keep)
+
+        def own(x: Block) -> bool:
+            return x not in incoming and tenant_of(x) == tenant
+
+        def cold(x: Block) -> bool:
+            return own(x) and not x.tiers & DRAM
+
+        while True:
+            mine = [b for b in keep if tenant_of(b) == tenant]
+            new = sum(lv.footprint(b.size, b.ns.label) for b in mine if not lv.holds(b))
+            gone = sum(n for b, n in out.items() if lv.holds(b) and tenant_of(b) == tenant)
+            if not quotas.excess(tenant, new + lv.pending(tenant) - gone):
+                return
+            victim = self._evictable(lv, cold)
+            if victim is None and (fresh or not mine):
+                victim = self._evictable(lv, own)
+            if victim is not None:
+                await self._evict(lv, victim)
+            elif mine:
+                quotas.refused[tenant] += 1
+                self._refuse(lv, mine[0], keep, out)
+            else:
+                return
+
+    async def _within_capacity(self, lv: Level, capacity: int, keep: list[Block], out: dict[Block, int]) -> None:
+        """Evict from a bounded level until what it holds fits ``capacity``, never a block of a
+        tenant within its quota; when nothing may go, the oldest placed blocks of ``keep`` are
+        refused instead."""
+        may = lv.quotas.evictable_for(None) if lv.quotas is not None else (lambda x: True)
+        if lv.used - lv.queued_bytes > capacity:
+            self.space.drain_touches()
+        while True:
+            held = lv.used - lv.queued_bytes - sum(n for b, n in out.items() if lv.holds(b))
+            if held + lv.releasing <= capacity:
+                return
+            if held <= capacity:  # deletes in flight make the room
+                await lv.wait_released()
+                continue
+            victim = self._evictable(lv, may)
+            if victim is not None:
+                await self._evict(lv, victim)
+                continue
+            placed = [b for b in keep if lv.holds(b)]
+            if not placed:
+                return
+            self._refuse(lv, placed[0], keep, out)
+
+    async def _evict(self, lv: Level, b: Block) -> None:
+        """Evict ``b`` (out of ``lv``'s policy already) from ``lv``: when no other tier holds it, its
+        bytes go to the next tier down that is up and takes them (its quotas), else it is dropped."""
+        self.stats.tier(lv.name, "evictions")
+        if lv.quotas is not None:
+            lv.quotas.evictions[lv.quotas.tenant(b)] += 1
+        target = self.down_from(lv, b)
+        if target is not None and not b.tiers & ~(DRAM | lv.bit):
+            try:
+                await self._pass_down(lv, target, b)
+            except Unavailable as exc:
+                target.mark_down(exc)
+        # Unplaced (and dropped if no tier holds it) before the await: a lookup meanwhile
+        # found a visible block in no tier ("internal error: KeyError: 'none'").
+        lv.unplace(b)
+        try:
+            await lv.tier.delete(lv.ref(b))
+        except Unavailable as exc:
+            lv.mark_down(exc)
+
+    async def _pass_down(self, lv: Level, target: Level, b: Block) -> None:
+        """``b``'s bytes read back from ``lv`` (checked) and written to ``target``, when it takes them."""
+        buf = np.empty(b.size, dtype=np.uint8)
+        async with lv.slots:
+            got = await verified_get(lv.tier, lv.ref(b), buf.data, b.checksum or 0)
+        if got is None:
+            return
+        async with self.room(target, [b]) as taken:
+            if taken:
+                meta = target.meta(b)
+                start = perf_counter()
+                async with target.slots:
+                    await target.tier.put(meta, buf.data)
+                self.stats.latency.histogram("demotion", (target.name,)).since(start)
+                target.place(b)
+                self.stats.tier(lv.name, "demotions")
