@@ -8,9 +8,10 @@
 
 TRACE is Mooncake-format JSONL, plain or gzip-compressed; the Mooncake traces ship in
 ``data/traces/`` of the repository. The last line of ``--json`` output is one JSON object per
-capacity (one line each). With ``--nodes N`` the capacity is each node's (default 1%), and each
-object holds, per policy, the global cache of N x the capacity and, per routing, the isolated
-nodes, the cluster, ``cluster_vs_isolated``, ``cluster_vs_global`` and the load imbalance
+capacity (one line each). With ``--nodes N`` the capacity is each node's (default 1%; with
+``--capacity-total`` the cluster's, split evenly over the nodes), and each object holds, per
+policy, the global cache of N x the capacity and, per routing, the isolated nodes, the cluster,
+``cluster_vs_isolated``, ``cluster_vs_global`` and the load imbalance
 (:mod:`kvstore.sim.cluster`, docs/cluster.md). With ``--hints``, every policy (and with ``--nodes``
 every mode) is replayed without and with the retention hints the trace implies
 (:mod:`kvstore.sim.hints`): the hinted run's result is under ``hints`` and the ratio of prefix hit
@@ -79,6 +80,9 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--nodes", type=_nodes, metavar="N",
                    help="cluster replay over N nodes, --capacity each (default 1%%): isolated nodes, the cluster "
                         "(directory + peer fetch) and one global cache of N x the capacity")
+    p.add_argument("--capacity-total", action="store_true",
+                   help="with --nodes: each --capacity is the cluster's total, split evenly over the nodes (each "
+                        "node gets CAP / N, rounded down) instead of each node's")
     p.add_argument("--routing", action="append", choices=ROUTINGS,
                    help="with --nodes: how requests reach nodes, repeatable (default: round-robin and prefix)")
     p.add_argument("--seed", type=int, default=0, help="with --routing random: the seed (default 0)")
@@ -112,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress and sys.stderr.isatty() and trace.references > 200_000
     if args.nodes is not None:
         return _run_cluster(args, trace, unique, names, progress, hints)
+    if args.capacity_total:
+        from kvstore.errors import InvalidArgument
+
+        raise InvalidArgument("--capacity-total: for the cluster replay (--nodes N)")
     key_lists = [r.keys for r in trace.requests]
     plot_rows: list[tuple[int, dict[str, float], float]] = []
     for specs in _tier_specs(args, unique):
@@ -221,10 +229,12 @@ def _run_cluster(args: argparse.Namespace, trace: Trace, unique: int, names: lis
     if ghost < 0 or not math.isfinite(ghost):
         raise InvalidArgument(f"--ghost-ttl: a finite number of seconds >= 0, got {ghost}")
     for cap in args.capacity or [("frac", 0.01)]:
-        per_node = _blocks(cap, unique)
+        per_node = _node_blocks(cap, unique, args.nodes, args.capacity_total)
         policies: dict[str, Any] = {}
         out = {"trace": trace.name, "unique_blocks": unique, "references": trace.references, "nodes": args.nodes,
-               "capacity_blocks": per_node, "tie_seed": args.tie_seed, "ghost_ttl_s": ghost, "policies": policies}
+               "capacity_blocks": per_node, "capacity_total_blocks": per_node * args.nodes,
+               "capacity_of": "cluster" if args.capacity_total else "node", "tie_seed": args.tie_seed,
+               "ghost_ttl_s": ghost, "policies": policies}
         for n in names:
             policies[n] = compare(trace, args.nodes, per_node, routings, n, args.seed, progress=progress,
                                   tie_seed=args.tie_seed, ghost_ttl_s=ghost)
@@ -238,6 +248,15 @@ def _run_cluster(args: argparse.Namespace, trace: Trace, unique: int, names: lis
         else:
             _print_cluster(out)
     return 0
+
+
+def _node_blocks(cap: tuple[str, float], unique: int, nodes: int, total: bool) -> int:
+    """Each node's blocks for ``--capacity CAP``: CAP itself, or with ``--capacity-total`` CAP split
+    over ``nodes`` (rounded down, so the cluster holds at most CAP)."""
+    if not total:
+        return _blocks(cap, unique)
+    kind, v = cap
+    return max(0, int(v * unique / nodes)) if kind == "frac" else int(v) // nodes
 
 
 def _cluster_ratios(plain: dict[str, Any], hinted: dict[str, Any]) -> dict[str, Any]:
@@ -255,7 +274,8 @@ def _cluster_ratios(plain: dict[str, Any], hinted: dict[str, Any]) -> dict[str, 
 def _print_cluster(out: dict[str, Any]) -> None:
     cap, unique = out["capacity_blocks"], out["unique_blocks"]
     print(f"{out['trace']}: {out['references']:,} references, {unique:,} unique blocks; {out['nodes']} nodes x "
-          f"{cap:,} blocks ({cap / max(unique, 1):.1%} each)")
+          f"{cap:,} blocks ({cap / max(unique, 1):.3%} each, {out['capacity_total_blocks'] / max(unique, 1):.2%} "
+          f"in all)")
     print(f"  {'policy':<8} {'routing':<12} {'isolated':>9} {'cluster':>9} {'(peer)':>8} {'global':>8} "
           f"{'x isol.':>8} {'x global':>8} {'busiest/mean':>12}")
     for name, pol in out["policies"].items():

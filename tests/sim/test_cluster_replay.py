@@ -204,3 +204,18 @@ def test_command_rejects_bad_cluster_flags(tmp_path: Path, capsys: pytest.Captur
         main(["replay", str(path), "--nodes", "2", "--routing", "sticky"])
     assert main(["replay", str(path), "--nodes", "2", "--ghost-ttl", "-1"]) == 2
     assert "--ghost-ttl" in capsys.readouterr().err
+
+
+def test_capacity_total_splits_the_capacity_over_the_nodes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    SHARED.to_jsonl(path)
+    for flags, per_node, of in (([], 6, "node"), (["--capacity-total"], 3, "cluster")):
+        assert main(["replay", str(path), "--nodes", "2", "--capacity", "6", "--policy", "lru", "--json", *flags]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        got = (out["capacity_blocks"], out["capacity_total_blocks"], out["capacity_of"])
+        assert got == (per_node, 2 * per_node, of)
+        assert out["policies"]["lru"]["global"]["capacity_blocks"] == 2 * per_node
+    assert main(["replay", str(path), "--nodes", "4", "--capacity", "50%", "--capacity-total", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["capacity_blocks"] == 0  # 3 blocks over 4
+    assert main(["replay", str(path), "--capacity", "6", "--capacity-total"]) == 2  # not without --nodes
+    assert "--capacity-total" in capsys.readouterr().err
