@@ -12,8 +12,10 @@ as the single-space replay does (``Node.allocate`` pops victims until a request'
   kept locally as replicas, counted against the fetching node's capacity, and the read counts as
   an access on the holder's policy (the holder serves it). Eviction prefers a block that another
   node also holds (the policy's own order, restricted to replicated blocks: the policy's
-  ``eligible`` filter), so a replica goes before any block's last copy. The directory also keeps
-  the cluster's ghost, as the sidecar's does (kvstore/cluster/node.py): a node that lets a block go
+  ``eligible`` filter), so a replica goes before any block's last copy. With retention hints
+  the spare copies still go in the policy's order, a retained one handing its retention to the
+  copies left (:meth:`Directory.hand_on`), and last copies by the store's soft pin. The
+  directory also keeps the cluster's ghost, as the sidecar's does (kvstore/cluster/node.py): a node that lets a block go
   leaves its use count there (the policy's ``uses``; 0, nothing, for LRU), and the next node to store
   it takes the count and resumes it (``resume``). An entry lasts as long as the sidecar's ``g:`` key
   would in Redis, in the trace's own time (its requests' timestamps): about as long as the node's
@@ -137,6 +139,22 @@ class Directory:
         block = self.visible[node][key]
         self.policies[node].replicated(block, yes)
 
+    def hand_on(self, b: Block, node: int) -> None:
+        """``node`` lets go of ``b`` while it is retained: the other holders' copies take its
+        retention (the later end, the higher priority, as a second hint would give), so a spare
+        copy leaving takes neither the block nor its retention out of the cluster."""
+        for h in self.holders.get(b.key, ()):
+            retention = self.policies[h].retention
+            if h == node or retention is None:
+                continue
+            c = self.visible[h][b.key]
+            if c.retain_until > retention.clock():
+                c.retain_until = max(c.retain_until, b.retain_until)
+                c.retain_priority = max(c.retain_priority, b.retain_priority)
+            else:
+                c.retain_until, c.retain_priority = b.retain_until, b.retain_priority
+            retention.adopt(c)
+
 
 class ClusterPolicy:
     """One node's policy with the cluster's eviction preference: the victim is the policy's own
@@ -155,7 +173,8 @@ class ClusterPolicy:
         self.prefer = prefer_replicas
         self.links = PrefixLinks()
         self.spare: set[Item] = set()
-        self.pop: Pop = plain_pop  # the node's victim rule (the soft pin with hints)
+        self.pop: Pop = plain_pop  # the node's victim rule among last copies (the soft pin with hints)
+        self.retention: Retention | None = None  # with hints: the node's retained blocks
         self.access = inner.access
         self.access_many = inner.access_many
         self.hold = inner.hold
@@ -183,14 +202,18 @@ class ClusterPolicy:
             self.spare.add(item)
 
     def pop_victim(self, eligible: Eligible | None = None) -> Item | None:
-        """The spare blocks first, then any; with retention hints, each pass by the store's soft pin
-        (a spare copy is not the block's last, so the cluster loses nothing by it even retained)."""
-        victim = None
-        pop = cast("Callable[[EvictionPolicy, Eligible | None], Item | None]", self.pop)
+        """The spare blocks first, in the policy's own order, then any by the node's rule (with
+        retention hints, the store's soft pin). A spare copy is not the block's last, and a
+        retained one hands its retention to the other copies as it goes (:meth:`Directory.hand_on`),
+        so the cluster loses neither the block nor its retention by it: the soft pin has nothing
+        to keep among spare copies, and reordering them by retention only moved other blocks'
+        hits (docs/eviction.md, "Retention hints")."""
+        victim: Item | None = None
         if self.spare:
             spare = self.spare.__contains__
-            victim = pop(self.inner, spare if eligible is None else (lambda b: spare(b) and eligible(b)))
+            victim = plain_pop(self.inner, spare if eligible is None else (lambda b: spare(b) and eligible(b)))
         if victim is None:
+            pop = cast("Callable[[EvictionPolicy, Eligible | None], Item | None]", self.pop)
             victim = pop(self.inner, eligible)
         if victim is not None:
             self._left(victim, self.inner.uses(victim))  # (from its ghost now)
@@ -207,6 +230,9 @@ class ClusterPolicy:
         parent = links.parent.get(item)
         links.unlink(item)
         self.spare.discard(item)
+        retention = self.retention
+        if retention is not None and item.retain_until > retention.clock():  # type: ignore[attr-defined]  # a Block
+            self.directory.hand_on(cast(Block, item), self.node)
         self.directory.remove(item.key, self.node)  # type: ignore[attr-defined]  # policy items are Blocks
         self.directory.let_go(item.key, self.node, uses, self.inner.ghost_size())  # type: ignore[attr-defined]
         if (self.prefer and parent is not None and parent not in links.kids
@@ -239,6 +265,7 @@ class Node:
     def victims_by(self, policy: ClusterPolicy) -> None:
         """The node joined a cluster: ``policy`` picks its victims, by the node's rule in each pass."""
         policy.pop, self.pop = self.pop, plain_pop
+        policy.retention = self.retention
 
     def allocate(self, n: int) -> int:
         """The store's Allocate: victims popped until ``n`` more blocks fit (or none is left to

@@ -101,3 +101,49 @@ def test_the_json_has_hints_vs_none_per_policy(tmp_path, capsys) -> None:
                  "--hints", "continuation", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(out["policies"]["lru"]["hints_vs_none"]) == {"global", "round-robin", "prefix"}
+
+
+@pytest.mark.parametrize("policy", ["lru", "credit"])
+def test_a_retained_spare_copy_hands_its_retention_to_the_copy_left_in_the_cluster(policy: str) -> None:
+    # 2 nodes x 3 blocks, round-robin (node 0: even requests, node 1: odd). Request 1 fetches 1, 2
+    # from node 0 and retains its replicas (request 5 continues it); node 0's copies are not
+    # retained. Request 3 needs a slot on node 1: its spare copy of 2 goes first (node 0 holds it
+    # too). Request 4 needs a slot on node 0, where 2 is now the last copy: without the retention
+    # handed on, the policy's victim is 2 and request 5 finds only block 1; with it, 10 goes instead.
+    t = Trace("spare", [
+        req(0.0, [1, 2], 8, 100),  # not continued: no later prompt holds its 108 tokens
+        req(0.1, [1, 2], 8, 0),  # continued by request 5: retains 1, 2 on node 1
+        req(0.2, [10], 4, 100),
+        req(0.3, [20, 21], 8, 100),
+        req(0.4, [30], 4, 100),
+        req(0.5, [1, 2, 40], 12, 0),
+    ], BT)
+    hints = parse_hints("continuation:10")
+    plain = replay_cluster(t, 2, 3, "cluster", "round-robin", policy)
+    kept = replay_cluster(t, 2, 3, "cluster", "round-robin", policy, hints=hints)
+    assert (plain.prefix_hits, kept.prefix_hits) == (3, 4)
+    assert kept.retained_peak == 2
+
+
+@pytest.mark.parametrize("policy", ["lru", "credit"])
+def test_spare_copies_go_in_the_policys_order_retained_or_not(policy: str) -> None:
+    # 2 nodes x 3 blocks, round-robin. Node 1 fetches 1 (retained: request 7 continues request 1)
+    # and then 2 from node 0: two spare copies, 1 the older. Request 5 needs a slot on node 1: the
+    # policy's victim among spare copies is 1, retained or not (node 0 still holds it, and takes
+    # its retention), so the hinted run evicts what the plain one does and request 7 finds 1 on
+    # node 0, a peer hit, as without hints. (Kept by the soft pin among spare copies, 1 stayed
+    # on node 1 and 2 went in its place: other blocks' hits moved and none gained, docs/eviction.md.)
+    t = Trace("spares", [
+        req(0.0, [1], 4, 100),
+        req(0.1, [1], 4, 0),  # continued by request 7: retains its copy of 1 on node 1
+        req(0.2, [2], 4, 100),
+        req(0.3, [2], 4, 100),
+        req(0.4, [60], 4, 100),
+        req(0.5, [70, 71], 8, 100),
+        req(0.6, [80], 4, 100),
+        req(0.7, [1, 90], 8, 0),
+    ], BT)
+    plain = replay_cluster(t, 2, 3, "cluster", "round-robin", policy)
+    kept = replay_cluster(t, 2, 3, "cluster", "round-robin", policy, hints=parse_hints("continuation:10"))
+    assert (plain.prefix_hits, plain.peer_hits) == (3, 3)
+    assert (kept.prefix_hits, kept.peer_hits) == (3, 3)
