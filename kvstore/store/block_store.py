@@ -361,9 +361,10 @@ class BlockStore:
         for b, c in chosen:
             space.place(b)  # into the slot it was allocated
             self.index.publish(b)
-            b.checksum = c
             if c is None:
                 self._unsealed.append(b)
+            else:
+                b.seal(c)
             nbytes += b.size
         # Recency deepest first, so that ancestors are at least as recent as their descendants.
         space.policy.access_many([b for b, _ in reversed(chosen)])
@@ -463,9 +464,7 @@ class BlockStore:
             self._end_lease(lease)
             raise
         for i, (b, got) in enumerate(zip(run, sums)):
-            if b.checksum is None:
-                b.checksum = got  # sealed now; nothing earlier to compare with
-            elif got != b.checksum:
+            if not b.seal(got):  # (an unsealed one is sealed now: nothing earlier to compare with)
                 log.warning("checksum mismatch on DRAM block %s; dropping it", b.key.hex()[:16])
                 self.stats.tier("dram", "checksum_failures")
                 self._end_lease(lease)
@@ -536,8 +535,8 @@ class BlockStore:
             return 0
         sums = await checksums([self.space.view(b) for b in batch])
         for b, c in zip(batch, sums):
-            if b.checksum is None and b.slot is not None:
-                b.checksum = c
+            if b.slot is not None:  # (still in DRAM: these are its bytes)
+                b.seal(c)
         return len(batch)
 
     def occupancy(self) -> dict[str, dict[str, object]]:

@@ -65,7 +65,7 @@ class Reservation:
             if j >= len(sums):
                 space.free(b)  # never visible: the slot goes back, the block leaves the index
                 continue
-            b.checksum = sums[j]
+            b.seal(sums[j])
             b.replica = True
             index.publish(b)
             space.place(b)
@@ -143,7 +143,7 @@ class Exchange:
         if self.index.get(ns, key) is not None or not self.space.slab.holds(size):
             return None
         b = self.index.add(ns, BlockKey(key), parent, size, State.COMMITTED, depth)
-        b.checksum = checksum
+        b.seal(checksum)
         if self.space.below.adopt(b, tiers):
             return b.ns
         self.index.drop(b)  # this node lacks that tier, or it is down
@@ -179,8 +179,7 @@ class Exchange:
             unsealed = [b for b in readable if b.checksum is None]
             if unsealed:
                 for b, c in zip(unsealed, await checksums([space.view(b) for b in unsealed])):
-                    if b.checksum is None:
-                        b.checksum = c
+                    b.seal(c)  # (sealed meanwhile: the same bytes, kept)
             space.touch(readable)
             return Loan([(b.checksum or 0, space.view(b)) for b in readable], release, left_s)
         except BaseException:

@@ -76,6 +76,21 @@ class Block:
     def pinned(self) -> bool:
         return self.leases > 0 or self.state is State.ALLOCATED or self.moving > 0
 
+    def seal(self, checksum: int) -> bool:
+        """Record ``checksum`` as the block's (the xxh3-64 of its bytes): the one place a block's
+        checksum is written (``tests/test_checksum_owner.py`` holds the tree to it).
+
+        The rule: a block's checksum is recorded once and never changes. An unsealed block
+        (``checksum`` None) takes the one given, whoever computed it first (the writer at commit,
+        the sealer, a read, a peer's record, a tier's header). A sealed block keeps its own, and
+        the answer says whether ``checksum`` agrees with it: False means the bytes just hashed are
+        not the bytes sealed (a corrupt copy), which the caller counts and drops or skips. True
+        when the block now carries ``checksum``."""
+        if self.checksum is None:
+            self.checksum = checksum
+            return True
+        return self.checksum == checksum
+
 
 @dataclass(slots=True, eq=False)
 class NsEntry:
@@ -199,9 +214,7 @@ class Index:
             entry.namespace = namespace
         return entry
 
-    def find(
-        self, root: NamespaceRoot, label: str, namespace: Namespace | None = None, tenant: str = ""
-    ) -> NsEntry:
+    def find(self, root: NamespaceRoot, label: str, namespace: Namespace | None = None, tenant: str = "") -> NsEntry:
         """The namespace's entry, or a detached empty one when it holds nothing (not registered:
         a lookup must not make the index grow)."""
         entry = self.namespaces.get(root)
@@ -324,8 +337,12 @@ class Index:
     # --- counts -------------------------------------------------------------------------
 
     def count(self) -> dict[str, int]:
-        out = {"namespaces": len(self.namespaces), "blocks": 0, "allocations": len(self.allocations),
-               "leases": len(self.leases)}
+        out = {
+            "namespaces": len(self.namespaces),
+            "blocks": 0,
+            "allocations": len(self.allocations),
+            "leases": len(self.leases),
+        }
         for ns in self.namespaces.values():
             out["blocks"] += len(ns.blocks)
         return out

@@ -57,7 +57,7 @@ async def seal(blocks: Sequence[Block], views: Sequence[np.ndarray | memoryview]
     """Checksums of the blocks the server had not sealed yet, from their bytes in ``views``."""
     unsealed = [(b, v) for b, v in zip(blocks, views) if b.checksum is None]
     for (b, _), c in zip(unsealed, await checksums([v for _, v in unsealed])):
-        b.checksum = c
+        b.seal(c)  # (sealed meanwhile from the slot: the same bytes, kept)
 
 
 class Lane:

@@ -185,7 +185,7 @@ class Level:
                 b = ns.blocks.get(meta.ref.key)
                 if b is None:
                     b = index.add(ns, meta.ref.key, meta.parent, meta.size, State.COMMITTED)
-                    b.checksum = meta.checksum
+                    b.seal(meta.checksum)
                 elif b.checksum != meta.checksum:
                     continue
                 self.place(b)
