@@ -317,7 +317,7 @@ def _leases(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findi
         for b in lease.blocks:
             named[b] = named.get(b, 0) + 1
     # A promotion pins the run it brings up (leases + 1, no Lease) until it returns, and a peer fetch
-    # the local run it extends (BlockStore._with_cluster): only then more.
+    # the local run it extends (ClusterReads.complete): only then more.
     pinning = not isinstance(store.space.movers, NoMovers) or not isinstance(store.remote, NoRemote)
     pins_allowed = not quiescent and pinning
     for b, n in named.items():
