@@ -115,8 +115,10 @@ def _namespaces(store: BlockStore, bad: _Findings) -> list[Block]:
     out: list[Block] = []
     for root, ns in store.index.namespaces.items():
         if ns.root != root:
-            bad(f"namespace {ns.label!r} is registered under root {bytes(root).hex()[:16]}, its root is "
-                f"{bytes(ns.root).hex()[:16]}")
+            bad(
+                f"namespace {ns.label!r} is registered under root {bytes(root).hex()[:16]}, its root is "
+                f"{bytes(ns.root).hex()[:16]}"
+            )
         if not ns.blocks:
             bad(f"namespace {ns.label!r} is registered but holds no block (the last block to go takes its entry)")
         for key, b in ns.blocks.items():
@@ -137,8 +139,10 @@ def _namespaces(store: BlockStore, bad: _Findings) -> list[Block]:
         for b in ns.visible.values():
             sizes[b.size] = sizes.get(b.size, 0) + 1
         if sizes != ns.visible_sizes:
-            bad(f"namespace {ns.label!r}: visible_sizes is {dict(sorted(ns.visible_sizes.items()))}, its visible "
-                f"blocks have sizes {dict(sorted(sizes.items()))}")
+            bad(
+                f"namespace {ns.label!r}: visible_sizes is {dict(sorted(ns.visible_sizes.items()))}, its visible "
+                f"blocks have sizes {dict(sorted(sizes.items()))}"
+            )
     return out
 
 
@@ -269,8 +273,10 @@ def _slots(
         elif h.slot is None and h in promoting and not quiescent:
             reading += 1  # a promotion reads into it; placed (or given back) when the read lands
         else:
-            bad(f"{_slot_name(s)} is in use, its holder {_name(h)} holds "
-                f"{'no slot' if h.slot is None else _slot_name(h.slot)}")
+            bad(
+                f"{_slot_name(s)} is in use, its holder {_name(h)} holds "
+                f"{'no slot' if h.slot is None else _slot_name(h.slot)}"
+            )
     return in_use, reading
 
 
@@ -291,8 +297,10 @@ def _holders(
         if other is not b:
             bad(f"{_slot_name(slot)} is held twice: by {_name(other)} and {_name(b)}")
         if slot.holder is not b:
-            bad(f"{_name(b)} holds {_slot_name(slot)}, which names "
-                f"{'no holder (freed)' if slot.holder is None else _name(slot.holder)}")
+            bad(
+                f"{_name(b)} holds {_slot_name(slot)}, which names "
+                f"{'no holder (freed)' if slot.holder is None else _name(slot.holder)}"
+            )
         if id(slot) in free_ids:
             bad(f"{_name(b)} holds {_slot_name(slot)}, which is free")
         page = slab.page_of(slot)
@@ -350,8 +358,10 @@ def _allocations(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _
             if b.state is not State.ALLOCATED:
                 bad(f"{_name(b)} of open allocation {alloc_id!r} is {b.state.name}")
             if b.slot is None or b.slot.slot_id != slot_id:
-                bad(f"{_name(b)} is filed under slot {slot_id} in allocation {alloc_id!r} but holds "
-                    f"{'no slot' if b.slot is None else _slot_name(b.slot)}")
+                bad(
+                    f"{_name(b)} is filed under slot {slot_id} in allocation {alloc_id!r} but holds "
+                    f"{'no slot' if b.slot is None else _slot_name(b.slot)}"
+                )
             if b.ns is not alloc.ns or not _indexed(b, namespaces):
                 bad(f"{_name(b)} of open allocation {alloc_id!r} is not the index's block under its key")
     _reservations(store, owner, quiescent, bad)
@@ -420,8 +430,10 @@ def _tiers(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findin
             if quiescent:
                 missing = [b for b in lv.held if b not in lv.policy]
                 if missing or len(lv.policy) != len(lv.held):
-                    bad(f"the {lv.name} policy orders {len(lv.policy)} blocks, the level holds {len(lv.held)} "
-                        f"({len(missing)} not in the policy)")
+                    bad(
+                        f"the {lv.name} policy orders {len(lv.policy)} blocks, the level holds {len(lv.held)} "
+                        f"({len(missing)} not in the policy)"
+                    )
         if quiescent and lv.capacity is not None and lv.used > lv.capacity:
             bad(f"the {lv.name} level holds {lv.used} bytes, over its capacity of {lv.capacity}")
     staged = store.space.movers.staged
@@ -444,8 +456,10 @@ def _quotas(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findi
     if store.space.quotas is not None:
         counted.append(("DRAM", store.space.quotas, {b: b.size for b in blocks if b.tiers & DRAM}))
         if quiescent and store.space.quotas.coming:  # (reserved by a promotion or peer fetch in flight)
-            bad(f"the DRAM quotas count {dict(store.space.quotas.coming)} bytes per tenant on their way in, "
-                "with nothing in flight")
+            bad(
+                f"the DRAM quotas count {dict(store.space.quotas.coming)} bytes per tenant on their way in, "
+                "with nothing in flight"
+            )
     for lv in store.space.below.levels:
         if lv.quotas is not None:
             counted.append((lv.name, lv.quotas, lv.held))
