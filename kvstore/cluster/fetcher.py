@@ -32,7 +32,7 @@ from kvstore.store.index import DRAM, REDIS, S3, NsEntry, top_label
 from kvstore.store.remote import MAX_HOLDERS, PeerBlock
 from kvstore.util.tasks import cancel_and_wait
 
-log = logging.getLogger("kvstore.cluster.fetcher")
+log = logging.getLogger("kvstore.cluster.node")  # (the node's logger: its parts log as the node did)
 SHARED = REDIS | S3
 
 
