@@ -162,9 +162,13 @@ class Fetcher:
         where its run ends), this node's own past lives' included."""
         for key, holders in zip(keys, found):
             for node, rec in holders.items():
-                # a past life's, a lapsed lease's, a gone node's
-                if self.members.stale(node, rec, now) and not self.publisher.void_met(root, key, node, rec):
+                # Full first, then judged: judging a record of a node missing from the members
+                # starts that node's absence clock (Membership.void), which only records that
+                # can still be deleted may do.
+                if self.publisher.voids_full:
                     return  # (the sweep gets the rest)
+                if self.members.stale(node, rec, now):  # a past life's, a lapsed lease's, a gone node's
+                    self.publisher.void_met(root, key, node, rec)
 
     async def prefixes(self, ns: NsEntry, keys: Sequence[bytes]) -> dict[str, dict[str, int]]:
         members = self.members

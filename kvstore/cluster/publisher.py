@@ -86,13 +86,16 @@ class Publisher:
             for b in ns.visible.values():
                 feed.moved(b)
 
-    def void_met(self, root: bytes, key: bytes, node: str, rec: Record) -> bool:
-        """Delete this void record at the next pass; False when too many wait already (the sweep
-        gets the rest)."""
-        if len(self._stale) >= STALE_MAX:
-            return False
-        self._stale.append((root, key, node, rec))
-        return True
+    @property
+    def voids_full(self) -> bool:
+        """Whether as many void records wait for the next pass as it deletes (the sweep gets the
+        rest): a lookup then judges no more of the records it read."""
+        return len(self._stale) >= STALE_MAX
+
+    def void_met(self, root: bytes, key: bytes, node: str, rec: Record) -> None:
+        """Delete this void record at the next pass (unless :attr:`voids_full`)."""
+        if not self.voids_full:
+            self._stale.append((root, key, node, rec))
 
     def unheld(self, root: bytes, key: bytes) -> None:
         """A peer asked for a block this node does not hold: its record goes at the next pass."""
