@@ -2,9 +2,10 @@
 
 ``kvstore replay TRACE --nodes N --routing round-robin|random|prefix`` runs three models of the
 same N × capacity blocks, all on the replay's cache model (:mod:`kvstore.sim.replay`: an
-``Index`` per node and a ``Space`` of one policy), making the store's calls in the store's order
-as the single-space replay does (``Node.allocate`` pops victims until a request's blocks fit,
-``Node.commit`` inserts them root first with their parents, then ``access_many`` deepest first):
+``Index`` per node and a ``ReplaySpace`` of one policy, the store's placement), making the store's
+calls in the store's order as the single-space replay does (``Node.allocate`` pops victims until a
+request's blocks fit, ``Node.commit`` places them root first with their parents, then
+``access_many`` deepest first):
 
 * **isolated**: every node its own cache; a request hits only what its node holds;
 * **cluster**: a directory of which node holds each committed block, and peer fetch. A request's
@@ -59,7 +60,7 @@ from kvstore.policy.tree import PrefixLinks
 from kvstore.routing import MAX_IMBALANCE, ROUTINGS, rank
 from kvstore.sim.belady import HitRates
 from kvstore.sim.hints import Hinting, Hints
-from kvstore.sim.replay import PROGRESS_EVERY, Pop, Progress, Space, TierSpec, index_keys, plain_pop
+from kvstore.sim.replay import PROGRESS_EVERY, Pop, Progress, ReplaySpace, TierSpec, index_keys, plain_pop
 from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import DRAM, Block, Index, NsEntry, State, TierId
 from kvstore.store.retention import Retention
@@ -256,8 +257,7 @@ class Node:
         self.id = node_id
         self.index = Index()
         self.ns: NsEntry = self.index.namespace(NamespaceRoot(b"replay"), label)
-        self.space = Space(TierSpec(TierId.DRAM, capacity), policy)
-        self.space.tier = cast(TierId, DRAM)  # a plain int: enum arithmetic would run in Python
+        self.space = ReplaySpace(TierSpec(TierId.DRAM, capacity), policy, self.index)
         self.requests = 0
         self.retention = retention  # with hints: the store's soft pin picks the victims
         self.pop: Pop = retention.pop_victim if retention is not None else plain_pop
@@ -272,27 +272,21 @@ class Node:
         pop); how many of the ``n`` fit."""
         sp = self.space
         pop, policy = self.pop, sp.policy
-        while sp.used + n > sp.capacity:
+        while len(sp.sizes) + n > sp.capacity:
             v = pop(policy, None)
             if v is None:
                 break
-            sp.used -= 1
-            v.tiers &= ~sp.tier
-            self.index.drop(v)
-        return max(0, min(n, sp.capacity - sp.used))
+            sp.unplace(v)
+        return max(0, min(n, sp.capacity - len(sp.sizes)))
 
     def commit(self, specs: Sequence[tuple[BlockKey, bytes, int, int]]) -> list[Block]:
         """The store's Commit of allocated blocks, ``(key, parent key, size, depth)`` root first: each
-        added and inserted with its parent Block when the policy holds it."""
-        sp, blocks = self.space, self.ns.blocks
-        pol = sp.policy
+        added and placed (inserted with its parent Block when the policy holds it)."""
+        place, add, ns = self.space.place, self.index.add, self.ns
         out = []
         for key, parent, size, depth in specs:
-            b = self.index.add(self.ns, key, parent, size, State.COMMITTED, depth)
-            pb = blocks.get(parent)
-            b.tiers |= sp.tier
-            pol.insert(b, pb if pb is not None and pb in pol else None, depth, size)
-            sp.used += 1
+            b = add(ns, key, parent, size, State.COMMITTED, depth)
+            place(b)
             out.append(b)
         return out
 

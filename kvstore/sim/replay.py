@@ -1,4 +1,4 @@
-"""Replay a prefix-cache trace through the server's own Index and eviction policies.
+"""Replay a prefix-cache trace through the server's own Index, placement and eviction policies.
 
 For each request, in timestamp order, the replay does what the store does:
 
@@ -18,6 +18,9 @@ For each request, in timestamp order, the replay does what the store does:
    before writing it); each tier below makes room after each allocation, its new arrivals held
    (being written). A block that no tier holds is dropped from the Index.
 
+Each tier space is the store's own :class:`~kvstore.store.placement.Space` (a
+:class:`ReplaySpace`): a block enters and leaves it as it enters and leaves the store's DRAM or a
+tier below it (the tier bit, the policy's insert linked to the parent, the index).
 Capacities are block counts per tier space (fixed-size slots: a partial block takes a whole slot).
 Block ``size`` is the block's token count, so policies can tell a partial tail from a full block.
 """
@@ -37,7 +40,8 @@ from kvstore.policy.base import Eligible, EvictionPolicy
 from kvstore.sim.belady import HitRates
 from kvstore.sim.hints import Hinting, Hints
 from kvstore.sim.traces import Request, Trace
-from kvstore.store.index import Block, Index, NsEntry, State, TierId
+from kvstore.store.index import Block, Index, State, TierId
+from kvstore.store.placement import Space
 
 PROGRESS_EVERY = 1024  # requests between progress-bar updates
 
@@ -102,8 +106,14 @@ class Progress:
             self.bar.close()
 
 
-def replay(trace: Trace, tiers: int | Sequence[TierSpec], policy: str | Sequence[EvictionPolicy] = "lru",
-           progress: bool = False, hints: Hints | None = None, **policy_kwargs: object) -> ReplayResult:
+def replay(
+    trace: Trace,
+    tiers: int | Sequence[TierSpec],
+    policy: str | Sequence[EvictionPolicy] = "lru",
+    progress: bool = False,
+    hints: Hints | None = None,
+    **policy_kwargs: object,
+) -> ReplayResult:
     """Replay ``trace`` with one policy per tier space. ``tiers`` is a DRAM block count or a list
     of tier specs, top tier first; ``policy`` a registry name or ready policy objects (one per
     tier); ``hints``: the retention hints the trace implies (:mod:`kvstore.sim.hints`), kept by
@@ -134,8 +144,14 @@ def replay(trace: Trace, tiers: int | Sequence[TierSpec], policy: str | Sequence
     return result
 
 
-def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: ReplayResult, bar: Progress,
-                hinting: Hinting | None = None) -> None:
+def _replay_one(
+    trace: Trace,
+    spec: TierSpec,
+    policy: EvictionPolicy,
+    res: ReplayResult,
+    bar: Progress,
+    hinting: Hinting | None = None,
+) -> None:
     """One space, in the store's order of calls (kvstore/store/block_store.py): Lookup (leading run), the
     run's hits via ``access_many`` deepest first, Allocate (victims popped for every new block,
     blocks added ALLOCATED), then Commit (published and inserted root first, with the parent
@@ -146,19 +162,18 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
     blocks, visible = ns.blocks, ns.visible
     leading_run = index.leading_run
     add, drop, publish = index.add, index.drop, index.publish
-    access_many, insert = policy.access_many, policy.insert
+    space = ReplaySpace(spec, policy, index)
+    place, unplace, placed = space.place, space.unplace, space.sizes
+    access_many = policy.access_many
     # The policy's items are this replay's Blocks (the Protocol types them as any hashable).
     pop_victim = cast("Callable[[Eligible | None], Block | None]", policy.pop_victim)
     retention = hinting.retention() if hinting is not None else None
     if retention is not None:  # the store's soft pin picks the victims
         pop_victim = partial(retention.pop_victim, policy)
-    contains = policy.__contains__
-    tier = int(spec.tier)
-    untier = ~tier
+    tier = space.bit
     capacity = spec.capacity
     allocated = State.ALLOCATED
     bt = trace.block_tokens
-    resident = 0
     refs = prefix = hits = 0
     since = 0
     for ri, req in enumerate(trace.requests):
@@ -185,24 +200,18 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
             if capacity <= 0:
                 drop(b)
                 continue
-            while resident >= capacity:
-                v = pop_victim(None)
-                if v is None:
-                    break
-                v.tiers &= untier
-                drop(v)
-                resident -= 1
-            if resident >= capacity:
+            short = len(placed) + len(new) + 1 - capacity  # slots: the placed, this allocation's, b's
+            while short > 0 and (v := pop_victim(None)) is not None:
+                unplace(v)  # (each victim frees its slot)
+                short -= 1
+            if short > 0:
                 drop(b)
                 continue
-            resident += 1
             new.append(b)
         if new:
             for b in new:  # commit: root first, so each parent is there to link to
-                b.tiers |= tier
                 publish(b)
-                parent = blocks.get(b.parent)
-                insert(b, parent if parent is not None and contains(parent) else None, b.depth, b.size)
+                place(b)
             access_many(new[::-1])  # recency deepest first: ancestors at least as recent as descendants
         if hinting is not None and retention is not None:
             hinting.retain(retention, ri, blocks, keys, tier)
@@ -215,41 +224,35 @@ def _replay_one(trace: Trace, spec: TierSpec, policy: EvictionPolicy, res: Repla
     res.tier_prefix_hits[spec.tier.label] = prefix
 
 
-class Space:
-    __slots__ = ("below", "capacity", "policy", "tier", "used")
+class ReplaySpace(Space):
+    """A replayed tier space: the store's placement (:class:`~kvstore.store.placement.Space`, a
+    block taking its token count), with a capacity in blocks (``len(sizes)`` counts them) and the
+    next space down."""
 
-    def __init__(self, spec: TierSpec, policy: EvictionPolicy) -> None:
-        self.tier = spec.tier
+    __slots__ = ("below", "capacity")
+    policy: EvictionPolicy  # always one here
+
+    def __init__(self, spec: TierSpec, policy: EvictionPolicy, index: Index) -> None:
+        super().__init__(int(spec.tier), policy, index)
         self.capacity = spec.capacity
-        self.policy = policy
-        self.used = 0
-        self.below: Space | None = None
+        self.below: ReplaySpace | None = None
 
 
-def _insert(ns: NsEntry, sp: Space, b: Block) -> None:
-    """``b`` enters space ``sp``, linked to its parent when ``sp`` holds that (the store's ``enter``)."""
-    pb = ns.blocks.get(b.parent)
-    b.tiers |= sp.tier
-    sp.policy.insert(b, pb if pb is not None and pb.tiers & sp.tier else None, b.depth, b.size)
-    sp.used += 1
-
-
-def _evicted(ns: NsEntry, index: Index, top: Space, sp: Space, v: Block, arrivals: dict[Space, list[Block]]) -> None:
+def _evicted(top: ReplaySpace, sp: ReplaySpace, v: Block, arrivals: dict[ReplaySpace, list[Block]]) -> None:
     """``v`` was popped from ``sp``. The movers place it in the next space down at once (a
     demotion, written later): from the top when the next space lacks it, from a space below
-    when no space but the top holds it still (to the first one below that lacks it)."""
-    sp.used -= 1
-    v.tiers &= ~sp.tier
+    when no space but the top holds it still (to the first one below that lacks it). Then it
+    leaves ``sp`` (and the index, when no space holds it)."""
+    rest = v.tiers & ~sp.bit  # where else it is
     below = sp.below
     if sp is not top:
-        below = None if v.tiers & ~top.tier else below
-        while below is not None and v.tiers & below.tier:
+        below = None if rest & ~top.bit else below
+        while below is not None and rest & below.bit:
             below = below.below
-    if below is not None and below.capacity > 0 and not v.tiers & below.tier:
-        _insert(ns, below, v)
+    if below is not None and below.capacity > 0 and not rest & below.bit:
+        below.place(v)
         arrivals.setdefault(below, []).append(v)
-    if not v.tiers:
-        index.drop(v)
+    sp.unplace(v)
 
 
 Pop = Callable[[EvictionPolicy, Callable[[Block], bool] | None], Block | None]
@@ -260,52 +263,57 @@ def plain_pop(policy: EvictionPolicy, ok: Callable[[Block], bool] | None) -> Blo
     return cast("Block | None", policy.pop_victim(cast("Eligible | None", ok)))
 
 
-def _allocate(ns: NsEntry, index: Index, top: Space, n: int, pinned: Sequence[Block] = (),
-              pop: Pop = plain_pop) -> int:
+def _allocate(top: ReplaySpace, n: int, pinned: Sequence[Block] = (), pop: Pop = plain_pop) -> int:
     """The store's slots for ``n`` blocks in the top space: victims popped until they fit (or none
     is left but ``pinned`` ones), each demoted; then every space below is brought within its
     capacity with its new arrivals and ``pinned`` held (being written, leased: the demotion
     writer's ``_make_room``). How many of the ``n`` fit. ``pop`` picks each victim (the soft pin's
     :meth:`~kvstore.store.retention.Retention.pop_victim` with hints)."""
-    arrivals: dict[Space, list[Block]] = {}
+    arrivals: dict[ReplaySpace, list[Block]] = {}
     pins = set(pinned)
     ok = pins.__contains__
-    while top.used + n > top.capacity:
+    while len(top.sizes) + n > top.capacity:
         v = pop(top.policy, (lambda b: not ok(b)) if pins else None)
         if v is None:
             break
-        _evicted(ns, index, top, top, v, arrivals)
+        _evicted(top, top, v, arrivals)
     sp = top.below
     while sp is not None:
         held = [*arrivals.get(sp, []), *pinned]
         for b in held:
             sp.policy.hold(b)
-        while sp.used > sp.capacity:
+        while len(sp.sizes) > sp.capacity:
             v = pop(sp.policy, None)
             if v is None:
                 break
-            _evicted(ns, index, top, sp, v, arrivals)
+            _evicted(top, sp, v, arrivals)
         for b in held:
             sp.policy.release(b)
-        while sp.used > sp.capacity:  # only arrivals left: the oldest are refused (passed on or dropped)
+        while len(sp.sizes) > sp.capacity:  # only arrivals left: the oldest are refused (passed on or dropped)
             v = pop(sp.policy, (lambda b: not ok(b)) if pins else None)
             if v is None:
                 break
-            _evicted(ns, index, top, sp, v, arrivals)
+            _evicted(top, sp, v, arrivals)
         sp = sp.below
-    return max(0, min(n, top.capacity - top.used))
+    return max(0, min(n, top.capacity - len(top.sizes)))
 
 
-def _touch(spaces: Sequence[Space], run: Sequence[Block]) -> None:
+def _touch(spaces: Sequence[ReplaySpace], run: Sequence[Block]) -> None:
     """The store's touch of a run: ``access_many`` deepest first, in each space on what it holds."""
     for sp in spaces:
-        mine = [b for b in reversed(run) if b.tiers & sp.tier]
+        mine = [b for b in reversed(run) if b.tiers & sp.bit]
         if mine:
             sp.policy.access_many(mine)
 
 
-def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[EvictionPolicy],
-                   res: ReplayResult, bar: Progress, hinting: Hinting | None = None) -> None:
+def _replay_tiered(
+    trace: Trace,
+    specs: Sequence[TierSpec],
+    policies: Sequence[EvictionPolicy],
+    res: ReplayResult,
+    bar: Progress,
+    hinting: Hinting | None = None,
+) -> None:
     """Several spaces, top (DRAM) first, inclusive of promoted copies, making the store's calls
     in the store's order (kvstore/store/block_store.py lookup, acquire, allocate, commit;
     kvstore/tiers/movers.py promote, demotion):
@@ -323,11 +331,11 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
     index = Index()
     ns = index.namespace(NamespaceRoot(b"replay"), trace.name)
     blocks = ns.blocks
-    spaces = [Space(s, p) for s, p in zip(specs, policies)]
+    spaces = [ReplaySpace(s, p, index) for s, p in zip(specs, policies)]
     for upper, lower in itertools.pairwise(spaces):
         upper.below = lower
     top = spaces[0]
-    labels = [(sp.tier, sp.tier.label) for sp in spaces]
+    labels = [(int(s.tier), s.tier.label) for s in specs]
     tier_hits = res.tier_prefix_hits
     allocated = State.ALLOCATED
     bt = trace.block_tokens
@@ -351,13 +359,13 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
                     break
         if n:
             _touch(spaces, run)
-        up = [b for b in run if not b.tiers & top.tier]
+        up = [b for b in run if not b.tiers & top.bit]
         if up:
-            evicts = top.used + len(up) > top.capacity
-            room = _allocate(ns, index, top, len(up), run, pop)
+            evicts = len(top.sizes) + len(up) > top.capacity
+            room = _allocate(top, len(up), run, pop)
             for b in up[:room]:
-                _insert(ns, top, b)
-            readable = list(itertools.takewhile(lambda b: bool(b.tiers & top.tier), run))
+                top.place(b)
+            readable = list(itertools.takewhile(lambda b: bool(b.tiers & top.bit), run))
             if evicts or readable != run:
                 _touch(spaces, readable)
         new: list[Block] = []
@@ -369,13 +377,13 @@ def _replay_tiered(trace: Trace, specs: Sequence[TierSpec], policies: Sequence[E
             size = req.last_size if i == nk - 1 else bt
             new.append(index.add(ns, key, keys[i - 1] if i else b"", size, allocated, i + 1))
         if new:
-            room = _allocate(ns, index, top, len(new), pop=pop) if top.capacity > 0 else 0
+            room = _allocate(top, len(new), pop=pop) if top.capacity > 0 else 0
             for b in new[room:]:
                 index.drop(b)
             del new[room:]
             for b in new:  # commit: root first, so each parent is there to link to
                 index.publish(b)
-                _insert(ns, top, b)
+                top.place(b)
             if new:
                 top.policy.access_many(new[::-1])
         if hinting is not None and retention is not None:

@@ -7,7 +7,9 @@ each block it evicts to the movers, which keep its bytes below DRAM (:class:`~kv
 
 A slot's :attr:`~kvstore.dram.slab.Slot.holder` is the block written into it. A block is *in DRAM*
 once its bytes are there (the DRAM bit, :meth:`DramSpace.place`); until then (an allocation being
-written, a promotion being read) it holds its slot and cannot be evicted.
+written, a promotion being read) it holds its slot and cannot be evicted. What placing it changes
+(the bit, the policy, the footprint, the tenant's bytes, the index) is DRAM's
+:class:`~kvstore.store.placement.Space`, the one every tier and ``kvstore replay`` place through.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvstore.policy.base import EvictionPolicy
 from kvstore.store.below import Below, Movers, NoMovers
 from kvstore.store.counters import Stats
 from kvstore.store.index import DRAM, Block, Index
+from kvstore.store.placement import Space
 from kvstore.store.retention import Retention
 from kvstore.store.tenants import Quotas
 
@@ -37,15 +40,28 @@ def enter(policy: EvictionPolicy, b: Block) -> None:
 class DramSpace:
     def __init__(self, slab: Slab, policy: EvictionPolicy, index: Index, stats: Stats) -> None:
         self.slab = slab
-        self.policy = policy
+        self.placement = Space(DRAM, policy, index)  # the blocks placed in DRAM (footprint: their size)
         self.index = index
         self.stats = stats
         self.movers: Movers = NoMovers()  # the tiers below DRAM, once the sidecar wires them
         self.below = Below()  # their levels, whose policies learn this space's hits
-        self.quotas: Quotas | None = None  # tenant quotas (kvstore.store.tenants), when configured
         # The retention hints (the soft pin): every victim of DRAM and of the tiers below is its pick.
         self.retention = Retention()
         self._touches: list[tuple[list[Block], bool]] = []
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        """DRAM's eviction policy (its placement's)."""
+        return cast(EvictionPolicy, self.placement.policy)
+
+    @property
+    def quotas(self) -> Quotas | None:
+        """DRAM's tenant quotas (kvstore.store.tenants), when configured (its placement's)."""
+        return self.placement.quotas
+
+    @quotas.setter
+    def quotas(self, quotas: Quotas | None) -> None:
+        self.placement.quotas = quotas
 
     # --- hits -----------------------------------------------------------------------------
 
@@ -144,8 +160,13 @@ class DramSpace:
     def policy_blocks(self) -> list[Block]:
         """The blocks in DRAM (placed), in slab order."""
         slab = self.slab
-        return [cast(Block, s.holder) for c in range(len(slab.classes)) for p in slab.pages(c) for s in p.slots
-                if _placed(s)]
+        return [
+            cast(Block, s.holder)
+            for c in range(len(slab.classes))
+            for p in slab.pages(c)
+            for s in p.slots
+            if _placed(s)
+        ]
 
     def take_slot(self, holder: Block) -> Slot:
         """One slot for ``holder``'s bytes (see :meth:`take`); it holds the slot from now on. With
@@ -169,17 +190,14 @@ class DramSpace:
 
     def place(self, b: Block, slot: Slot | None = None) -> None:
         """``b``'s bytes are in ``slot`` now (by default the slot it was allocated): it is in DRAM
-        and the policy orders it."""
+        and the policy orders it (:meth:`Space.place`); its slot's reservation against its
+        tenant's quota ends."""
         if slot is not None:
             b.slot = slot
             slot.holder = b
         if self.quotas is not None:
             self.quotas.settle(b)
-            if not b.tiers & DRAM:
-                self.quotas.placed(b)
-        b.tiers |= DRAM
-        enter(self.policy, b)
-        self.index.moved(b)
+        self.placement.place(b)
 
     def release(self, slot: Slot) -> None:
         """Give back a slot that never held a placed block (a promotion that found no good copy)."""
@@ -188,22 +206,20 @@ class DramSpace:
         self.slab.free(slot)
 
     def free(self, b: Block) -> None:
-        """``b`` leaves DRAM (the policy no longer holds it); a block no tier holds leaves the index."""
+        """``b`` gives back its slot and leaves DRAM (:meth:`Space.unplace`); a block no tier
+        holds leaves the index, one never placed (an allocation let go) too."""
         if b.slot is not None:
             self.slab.free(b.slot)
             b.slot = None
         if self.quotas is not None:
             self.quotas.settle(b)
-            if b.tiers & DRAM:
-                self.quotas.freed(b)
-        b.tiers &= ~DRAM
-        self.index.moved(b)
-        self.index.drop_if_gone(b)
+        if not self.placement.unplace(b):
+            self.index.moved(b)
+            self.index.drop_if_gone(b)
 
     def remove(self, b: Block) -> None:
-        """``b`` leaves DRAM for another reason than eviction (a delete, a corrupt copy)."""
-        if b in self.policy:
-            self.policy.remove(b)
+        """``b`` leaves DRAM for another reason than eviction (a delete, a corrupt copy): out of
+        the policy too."""
         self.free(b)
 
     def evict(self, b: Block) -> None:
@@ -406,8 +422,12 @@ class _Room:
         may_evict = self.may_evict
 
         def victim_ok(b: Block) -> bool:
-            return (not b.pinned and (may_evict is None or may_evict(b)) and donor(_slot_of(b).cls)
-                    and self._is_whole(slab.page_of(_slot_of(b))))
+            return (
+                not b.pinned
+                and (may_evict is None or may_evict(b))
+                and donor(_slot_of(b).cls)
+                and self._is_whole(slab.page_of(_slot_of(b)))
+            )
 
         victim = self.space.retention.pop_victim(self.space.policy, victim_ok)
         if victim is not None:

@@ -1,0 +1,93 @@
+"""Placement in one tier space: the one place a block enters or leaves a tier.
+
+A :class:`Space` is one tier's bookkeeping of the blocks placed in it: the tier's bit in
+``Block.tiers``, the eviction policy that orders them (entered linked to the parent when the
+space holds the parent too: the prefix-aware policies evict leaves first), what each block takes
+there (its footprint) and the sum, and the tier's tenant quotas. :meth:`Space.place` and
+:meth:`Space.unplace` change all of these together and tell the index (``Index.moved``; a block
+that leaves its last tier leaves the index).
+
+Every placement goes through one: the DRAM space's (:class:`~kvstore.store.space.DramSpace`,
+which adds the slab and its slots), each lower tier's level (:mod:`kvstore.tiers.movers`, which
+adds the demotion queue and the writes), and ``kvstore replay``'s tier spaces
+(:mod:`kvstore.sim.replay`, :mod:`kvstore.sim.cluster`, which add a capacity in blocks), so the
+simulator places as the store does. Pure bookkeeping, no I/O; it decides no victim (the owner
+of the space pops the policy's, through the retention's soft pin).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvstore.policy.base import EvictionPolicy
+from kvstore.store.index import Block, Index
+from kvstore.store.tenants import Quotas
+
+Footprint = Callable[[int, str], int]  # (block size, namespace label) -> what the block takes in the tier
+
+
+class Space:
+    """The blocks placed in one tier: bit, policy, footprints, quotas (see the module)."""
+
+    __slots__ = ("bit", "footprint", "index", "policy", "quotas", "sizes", "used")
+
+    def __init__(
+        self,
+        bit: int,
+        policy: EvictionPolicy | None,
+        index: Index,
+        footprint: Footprint | None = None,
+        quotas: Quotas | None = None,
+    ) -> None:
+        self.bit = bit  # the tier's bit in Block.tiers (a plain int: enum arithmetic runs in Python)
+        self.policy = policy  # orders the placed blocks; None: an unordered tier (no eviction here)
+        self.index = index
+        self.footprint = footprint  # None: a block takes its size
+        self.quotas = quotas  # the tier's tenant quotas, when configured
+        self.sizes: dict[Block, int] = {}  # each placed block -> its footprint
+        self.used = 0  # the sum of ``sizes``
+
+    def place(self, b: Block) -> bool:
+        """``b`` is in this tier now: its bit, its footprint (counted against its tenant's quota),
+        the policy's insert with its parent when the policy holds that. False (nothing done)
+        when it was placed already."""
+        bit = self.bit
+        if b.tiers & bit:
+            return False
+        b.tiers |= bit
+        self.index.moved(b)
+        footprint = self.footprint
+        n = self.sizes[b] = b.size if footprint is None else footprint(b.size, b.ns.label)
+        self.used += n
+        if self.quotas is not None:
+            self.quotas.placed(b, n)
+        policy = self.policy
+        if policy is not None:
+            parent = b.ns.blocks.get(b.parent)  # (a root's b"" is no block's key)
+            policy.insert(b, parent if parent is not None and parent in policy else None, b.depth, b.size)
+        return True
+
+    def unplace(self, b: Block) -> bool:
+        """``b`` leaves this tier (out of the policy too, unless the policy gave it up as a
+        victim already); a block that no tier holds any more leaves the index. False (nothing
+        done) when it was not placed here."""
+        bit = self.bit
+        if not b.tiers & bit:
+            return False
+        b.tiers &= ~bit
+        index = self.index
+        index.moved(b)
+        n = self.sizes.pop(b, 0)
+        self.used -= n
+        if self.quotas is not None:
+            self.quotas.freed(b, n)
+        policy = self.policy
+        if policy is not None and b in policy:
+            policy.remove(b)
+        if not b.tiers:  # (Index.drop_if_gone, inline)
+            index.drop(b)
+        return True
+
+    def __len__(self) -> int:
+        """How many blocks are placed here."""
+        return len(self.sizes)
