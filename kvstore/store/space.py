@@ -30,13 +30,6 @@ from kvstore.store.retention import Retention
 from kvstore.store.tenants import Quotas
 
 
-def enter(policy: EvictionPolicy, b: Block) -> None:
-    """``b`` entered the space ``policy`` orders (DRAM, or a tier below it), linked to its parent
-    when that space holds the parent too (the prefix-aware policies evict leaves first)."""
-    parent = b.ns.blocks.get(b.parent) if b.parent else None
-    policy.insert(b, parent if parent is not None and parent in policy else None, b.depth, b.size)
-
-
 class DramSpace:
     def __init__(self, slab: Slab, policy: EvictionPolicy, index: Index, stats: Stats) -> None:
         self.slab = slab

@@ -25,7 +25,7 @@ from kvstore.errors import Unavailable
 from kvstore.policy.base import EvictionPolicy
 from kvstore.store.counters import Stats
 from kvstore.store.index import Block, Index, State
-from kvstore.store.space import enter
+from kvstore.store.placement import Footprint, Space
 from kvstore.store.tenants import Quotas
 from kvstore.tiers.base import BlockMeta, BlockRef, Recoverable, Tier
 
@@ -54,12 +54,11 @@ class Level:
         write_through: bool = False,
     ) -> None:
         self.name = name
-        self.bit = bit
         self.tier = tier
         self.capacity = capacity  # None: the server manages its own memory (Redis maxmemory, S3)
-        self.policy = policy  # a bounded level's, or one with tenant quotas
-        self.footprint = footprint  # (block size, namespace label) -> bytes it takes in the tier
-        self.quotas = quotas  # tenant quotas in this tier (kvstore.store.tenants)
+        # The blocks placed here: the tier bit, the policy (a bounded level's, or one with tenant
+        # quotas), each block's footprint and their sum, the tenant quotas in this tier.
+        self.placement = Space(bit, policy, index, footprint, quotas)
         self.write_through = write_through  # every committed block is written here at once
         self._index = index
         self._stats = stats
@@ -71,8 +70,6 @@ class Level:
         # and its put failed "ssd tier full" at the capacity's edge).
         self.evicting = asyncio.Lock()
         self._down = False
-        self._used = 0
-        self._sizes: dict[Block, int] = {}
         # Placed blocks whose demotion batch has not started writing: counted in ``used`` (lookups
         # find them) but taking no room in the tier yet, so eviction does not wait for them. A burst
         # of evictions bigger than the tier left ``used`` over the capacity with nothing evictable,
@@ -98,6 +95,26 @@ class Level:
     # --- what it holds (read-only) --------------------------------------------------------------
 
     @property
+    def bit(self) -> int:
+        """The tier's bit in ``Block.tiers``."""
+        return self.placement.bit
+
+    @property
+    def policy(self) -> EvictionPolicy | None:
+        """What orders the blocks here: a bounded level's policy, or one with tenant quotas."""
+        return self.placement.policy
+
+    @property
+    def footprint(self) -> Footprint:
+        """``(block size, namespace label) -> bytes`` it takes in the tier."""
+        return self.placement.footprint or _size
+
+    @property
+    def quotas(self) -> Quotas | None:
+        """The tenant quotas in this tier (kvstore.store.tenants)."""
+        return self.placement.quotas
+
+    @property
     def down(self) -> bool:
         """Whether the tier is out of reach (lookups treat it as a miss until the probe finds it back)."""
         return self._down
@@ -105,7 +122,7 @@ class Level:
     @property
     def used(self) -> int:
         """Bytes of the blocks placed here (their footprints), queued ones included."""
-        return self._used
+        return self.placement.used
 
     @property
     def queued_bytes(self) -> int:
@@ -115,7 +132,7 @@ class Level:
     @property
     def held(self) -> Mapping[Block, int]:
         """Each block placed here and the bytes it takes (its footprint)."""
-        return MappingProxyType(self._sizes)
+        return MappingProxyType(self.placement.sizes)
 
     @property
     def queued(self) -> Set[Block]:
@@ -132,7 +149,7 @@ class Level:
 
     def size_of(self, b: Block) -> int:
         """The bytes ``b`` takes here (0: not placed here)."""
-        return self._sizes.get(b, 0)
+        return self.placement.sizes.get(b, 0)
 
     def ref(self, b: Block) -> BlockRef:
         return BlockRef(b.ns.root, b.key)
@@ -145,32 +162,15 @@ class Level:
 
     def place(self, b: Block) -> None:
         """``b`` is in this tier now (or on its way: a staged demotion): its bit, its footprint,
-        its tenant's share, the policy's insert with its parent."""
-        if b.tiers & self.bit:
-            return
-        b.tiers |= self.bit
-        self._index.moved(b)
-        nbytes = self._sizes[b] = self.footprint(b.size, b.ns.label)
-        self._used += nbytes
-        if self.quotas is not None:
-            self.quotas.placed(b, nbytes)
-        if self.policy is not None:
-            enter(self.policy, b)
+        its tenant's share, the policy's insert with its parent (:meth:`Space.place`)."""
+        self.placement.place(b)
 
     def unplace(self, b: Block) -> None:
-        """``b`` is no longer in this tier; a block no tier holds leaves the index."""
-        if not b.tiers & self.bit:
-            return
-        b.tiers &= ~self.bit
-        self._index.moved(b)
-        self.dequeue(b)
-        nbytes = self._sizes.pop(b, 0)
-        self._used -= nbytes
-        if self.quotas is not None:
-            self.quotas.freed(b, nbytes)
-        if self.policy is not None and b in self.policy:
-            self.policy.remove(b)
-        self._index.drop_if_gone(b)  # (a block with no tier bit is committed: only those are placed)
+        """``b`` is no longer in this tier; a block no tier holds leaves the index
+        (:meth:`Space.unplace`)."""
+        if b.tiers & self.bit:
+            self.dequeue(b)  # (while its footprint still counts here: the queue counted it)
+            self.placement.unplace(b)  # (a block with no tier bit is committed: only those are placed)
 
     async def recover(self) -> int:
         """Re-enter every block the tier holds into the index (a restart); how many copies. A
@@ -199,7 +199,7 @@ class Level:
     def enqueue(self, b: Block) -> None:
         """``b`` (placed) waits for its demotion batch."""
         self._queued.add(b)
-        nbytes = self._sizes[b]
+        nbytes = self.placement.sizes[b]
         self._queued_bytes += nbytes
         if self.quotas is not None:
             self._queued_by[self.quotas.tenant(b)] += nbytes
@@ -208,7 +208,7 @@ class Level:
         """``b``'s bytes are being written now, or it left the tier: no longer waiting."""
         if b in self._queued:
             self._queued.discard(b)
-            nbytes = self._sizes.get(b, 0)
+            nbytes = self.placement.sizes.get(b, 0)
             self._queued_bytes -= nbytes
             if self.quotas is not None:
                 t = self.quotas.tenant(b)
@@ -233,7 +233,7 @@ class Level:
         """A delete takes ``b`` (placed here) out of the books now; its room counts as releasing
         until :meth:`released`. Returns its bytes when its copy is the caller's to delete, None
         when a demotion put is writing it (that writer deletes it once its put lands)."""
-        nbytes = self._sizes.get(b, 0)
+        nbytes = self.placement.sizes.get(b, 0)
         self._releasing += nbytes
         self.unplace(b)
         if b in self._putting:
@@ -315,10 +315,10 @@ class Level:
 
     def occupancy(self) -> dict[str, object]:
         return {
-            "used_bytes": self._used,
+            "used_bytes": self.placement.used,
             "capacity_bytes": self.capacity or 0,
             "recycled_bytes": getattr(self.tier, "recycled_bytes", 0),  # SSD: deleted files kept for reuse
-            "blocks": len(self._sizes),
+            "blocks": len(self.placement.sizes),
             "down": self._down,
             "write_through": self.write_through,
         }

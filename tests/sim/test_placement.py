@@ -7,11 +7,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kvstore.client import KVStoreClient
 from kvstore.dram.slab import Slab
 from kvstore.keys import Namespace, NamespaceRoot, prefix_keys
 from kvstore.policy import make_policy
+from kvstore.server.sidecar import Sidecar
 from kvstore.sim.cluster import replay_cluster
 from kvstore.sim.replay import TierSpec, replay
 from kvstore.sim.traces import multi_turn
@@ -22,6 +25,7 @@ from kvstore.store.tenants import Quotas
 from tests.conftest import small_config
 
 NS = Namespace(model="m", kv_layout="raw", dtype="uint8", block_size=16)
+PAGE = 65536
 
 
 @pytest.fixture
@@ -57,6 +61,22 @@ async def test_the_store_places_through_the_space(tmp_path: Path, placements: li
         assert placements[3:] == [("unplace", DRAM, "Space")] * 3
     finally:
         slab.close()
+
+
+async def test_the_lower_tiers_place_through_the_space(tmp_path: Path, placements: list[tuple[str, int, str]]) -> None:
+    cfg = small_config(
+        tmp_path, **{"ssd.enabled": True, "ssd.path": str(tmp_path / "ssd"), "ssd.capacity_bytes": 64 * PAGE}
+    )
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        [ssd] = sc.store.tiering.levels  # type: ignore[attr-defined]  # the Movers of a store with tiers
+        assert isinstance(ssd.placement, Space) and ssd.placement.bit == SSD
+        rng = np.random.default_rng(7)
+        for first in (7, 8):  # DRAM holds 4 slots: the first chain is demoted
+            keys = prefix_keys(NS, [first] * (4 * NS.block_size))
+            await c.put_blocks(NS, keys, [rng.integers(0, 256, PAGE, dtype=np.uint8).tobytes() for _ in keys])
+        await sc.store.tiering.flush()  # type: ignore[attr-defined]
+        assert ("place", SSD, "Space") in placements
+        assert ssd.used == sum(ssd.held.values()) > 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "credit"])
