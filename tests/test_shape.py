@@ -128,8 +128,6 @@ _RESTRUCTURED = "issue #31, being restructured"
 
 # (path, kind, name) -> why it is still here; the list shrinks to empty
 PENDING: dict[tuple[str, str, str], str] = {
-    ("kvstore/sim/replay.py", "function", "_replay_one"): _RESTRUCTURED,
-    ("kvstore/sim/replay.py", "function", "_replay_tiered"): _RESTRUCTURED,
     ("kvstore/sim/cluster.py", "function", "_serve"): _RESTRUCTURED,
 }
 

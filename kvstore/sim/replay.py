@@ -133,9 +133,9 @@ def replay(
     t0 = time.perf_counter()
     try:
         if len(specs) == 1:
-            _replay_one(trace, specs[0], policies[0], result, bar, hinting)
+            _OneSpace(trace, specs[0], policies[0], hinting).run(trace, result, bar)
         else:
-            _replay_tiered(trace, specs, policies, result, bar, hinting)
+            _Tiered(trace, specs, policies, hinting, result.tier_prefix_hits).run(trace, result, bar)
     finally:
         bar.close()
     result.seconds = time.perf_counter() - t0
@@ -144,51 +144,118 @@ def replay(
     return result
 
 
-def _replay_one(
-    trace: Trace,
-    spec: TierSpec,
-    policy: EvictionPolicy,
-    res: ReplayResult,
-    bar: Progress,
-    hinting: Hinting | None = None,
-) -> None:
+class _Replay:
+    """One replay's loop over the trace's requests, in timestamp order: the clock set for the
+    hints, the request served by the store's calls (:meth:`serve`, the subclass's: one space or
+    several), its retention hints given, the counts kept. The loop's state lives in slots, read
+    as fast as locals; each step binds what it calls to locals once per request, and the
+    per-reference loops stay inside one step."""
+
+    __slots__ = ("blocks", "hinting", "hits", "index", "ns", "prefix", "retained", "retention")
+
+    def __init__(self, trace: Trace, hinting: Hinting | None, retained: int) -> None:
+        self.index = Index()
+        self.ns = self.index.namespace(NamespaceRoot(b"replay"), trace.name)
+        self.blocks = self.ns.blocks
+        self.hinting = hinting
+        self.retention = hinting.retention() if hinting is not None else None  # the store's soft pin
+        self.retained = retained  # the tier bits whose blocks a request's hints retain
+        self.prefix = self.hits = 0  # prefix hits, block hits
+
+    def serve(self, req: Request, keys: Sequence[BlockKey]) -> None:
+        """The store's calls for one request (counting its hits)."""
+        raise NotImplementedError
+
+    def run(self, trace: Trace, res: ReplayResult, bar: Progress) -> None:
+        """Serve every request of ``trace`` in order; the counts into ``res``."""
+        hinting, retention, blocks, retained = self.hinting, self.retention, self.blocks, self.retained
+        serve = self.serve
+        refs = 0
+        for ri, req in enumerate(trace.requests):
+            if hinting is not None:
+                hinting.at(req, ri)
+            keys = index_keys(req)
+            refs += len(keys)
+            serve(req, keys)
+            if hinting is not None and retention is not None:
+                hinting.retain(retention, ri, blocks, keys, retained)
+            if ri % PROGRESS_EVERY == 0:
+                bar.update(refs - res.references)
+                res.references = refs
+        bar.update(refs - res.references)
+        res.references, res.prefix_hits, res.block_hits = refs, self.prefix, self.hits
+
+
+class _OneSpace(_Replay):
     """One space, in the store's order of calls (kvstore/store/block_store.py): Lookup (leading run), the
     run's hits via ``access_many`` deepest first, Allocate (victims popped for every new block,
     blocks added ALLOCATED), then Commit (published and inserted root first, with the parent
     Block when the policy holds it, then ``access_many`` on them deepest first). The hot loop is kept
     lean: no per-reference allocation beyond the new Blocks themselves."""
-    index = Index()
-    ns = index.namespace(NamespaceRoot(b"replay"), trace.name)
-    blocks, visible = ns.blocks, ns.visible
-    leading_run = index.leading_run
-    add, drop, publish = index.add, index.drop, index.publish
-    space = ReplaySpace(spec, policy, index)
-    place, unplace, placed = space.place, space.unplace, space.sizes
-    access_many = policy.access_many
-    # The policy's items are this replay's Blocks (the Protocol types them as any hashable).
-    pop_victim = cast("Callable[[Eligible | None], Block | None]", policy.pop_victim)
-    retention = hinting.retention() if hinting is not None else None
-    if retention is not None:  # the store's soft pin picks the victims
-        pop_victim = partial(retention.pop_victim, policy)
-    tier = space.bit
-    capacity = spec.capacity
-    allocated = State.ALLOCATED
-    bt = trace.block_tokens
-    refs = prefix = hits = 0
-    since = 0
-    for ri, req in enumerate(trace.requests):
-        if hinting is not None:
-            hinting.at(req, ri)
-        keys = index_keys(req)
-        nk = len(keys)
-        refs += nk
-        run = leading_run(ns, keys)
+
+    __slots__ = (
+        "access_many",
+        "add",
+        "bt",
+        "capacity",
+        "drop",
+        "label",
+        "place",
+        "placed",
+        "pop_victim",
+        "publish",
+        "unplace",
+        "visible",
+    )
+
+    def __init__(self, trace: Trace, spec: TierSpec, policy: EvictionPolicy, hinting: Hinting | None) -> None:
+        super().__init__(trace, hinting, int(spec.tier))
+        index = self.index
+        space = ReplaySpace(spec, policy, index)
+        self.visible = self.ns.visible
+        self.add, self.drop, self.publish = index.add, index.drop, index.publish
+        self.place, self.unplace, self.placed = space.place, space.unplace, space.sizes
+        self.access_many = policy.access_many
+        # The policy's items are this replay's Blocks (the Protocol types them as any hashable).
+        pop_victim = cast("Callable[[Eligible | None], Block | None]", policy.pop_victim)
+        if self.retention is not None:  # the store's soft pin picks the victims
+            pop_victim = partial(self.retention.pop_victim, policy)
+        self.pop_victim = pop_victim
+        self.capacity = spec.capacity
+        self.bt = trace.block_tokens
+        self.label = spec.tier.label
+
+    def run(self, trace: Trace, res: ReplayResult, bar: Progress) -> None:
+        super().run(trace, res, bar)
+        res.tier_prefix_hits[self.label] = res.prefix_hits
+
+    def serve(self, req: Request, keys: Sequence[BlockKey]) -> None:
+        n = self.lookup(keys)
+        new = self.allocate(req, keys, n)
+        if new:
+            self.commit(new)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """Lookup: the leading run of ``keys`` (its length), each block a prefix hit, touched
+        deepest first."""
+        run = Index.leading_run(self.ns, keys)
         n = len(run)
-        prefix += n
-        hits += n
+        self.prefix += n
+        self.hits += n
         if n:
-            access_many(run[::-1])
+            self.access_many(run[::-1])
+        return n
+
+    def allocate(self, req: Request, keys: Sequence[BlockKey], n: int) -> list[Block]:
+        """Allocate: each key after the run of ``n`` that the index lacks, added ALLOCATED with
+        victims popped until it has a slot (dropped when none is left to pop); the blocks allocated,
+        root first. A key present behind the gap is a block hit only."""
+        blocks, visible, add, drop = self.blocks, self.visible, self.add, self.drop
+        pop_victim, unplace, placed = self.pop_victim, self.unplace, self.placed
+        ns, capacity, bt, allocated = self.ns, self.capacity, self.bt, State.ALLOCATED
+        hits = 0
         new: list[Block] = []
+        nk = len(keys)
         last = nk - 1
         for i in range(n, nk):
             key = keys[i]
@@ -208,20 +275,17 @@ def _replay_one(
                 drop(b)
                 continue
             new.append(b)
-        if new:
-            for b in new:  # commit: root first, so each parent is there to link to
-                publish(b)
-                place(b)
-            access_many(new[::-1])  # recency deepest first: ancestors at least as recent as descendants
-        if hinting is not None and retention is not None:
-            hinting.retain(retention, ri, blocks, keys, tier)
-        if ri - since >= PROGRESS_EVERY:
-            bar.update(refs - res.references)
-            res.references = refs
-            since = ri
-    bar.update(refs - res.references)
-    res.references, res.prefix_hits, res.block_hits = refs, prefix, hits
-    res.tier_prefix_hits[spec.tier.label] = prefix
+        self.hits += hits
+        return new
+
+    def commit(self, new: list[Block]) -> None:
+        """Commit: ``new`` published and placed root first (so each parent is there to link to),
+        then touched deepest first (ancestors at least as recent as descendants)."""
+        publish, place = self.publish, self.place
+        for b in new:
+            publish(b)
+            place(b)
+        self.access_many(new[::-1])
 
 
 class ReplaySpace(Space):
@@ -306,14 +370,7 @@ def _touch(spaces: Sequence[ReplaySpace], run: Sequence[Block]) -> None:
             sp.policy.access_many(mine)
 
 
-def _replay_tiered(
-    trace: Trace,
-    specs: Sequence[TierSpec],
-    policies: Sequence[EvictionPolicy],
-    res: ReplayResult,
-    bar: Progress,
-    hinting: Hinting | None = None,
-) -> None:
+class _Tiered(_Replay):
     """Several spaces, top (DRAM) first, inclusive of promoted copies, making the store's calls
     in the store's order (kvstore/store/block_store.py lookup, acquire, allocate, commit;
     kvstore/tiers/movers.py promote, demotion):
@@ -328,46 +385,74 @@ def _replay_tiered(
 
     A victim of the top goes to the next space down at once (the movers place a demotion before
     it is written); the spaces below make room after each allocation, their arrivals held."""
-    index = Index()
-    ns = index.namespace(NamespaceRoot(b"replay"), trace.name)
-    blocks = ns.blocks
-    spaces = [ReplaySpace(s, p, index) for s, p in zip(specs, policies)]
-    for upper, lower in itertools.pairwise(spaces):
-        upper.below = lower
-    top = spaces[0]
-    labels = [(int(s.tier), s.tier.label) for s in specs]
-    tier_hits = res.tier_prefix_hits
-    allocated = State.ALLOCATED
-    bt = trace.block_tokens
-    retention = hinting.retention() if hinting is not None else None
-    pop: Pop = retention.pop_victim if retention is not None else plain_pop
-    refs = prefix = hits = 0
-    for ri, req in enumerate(trace.requests):
-        if hinting is not None:
-            hinting.at(req, ri)
-        keys = index_keys(req)
-        nk = len(keys)
-        refs += nk
-        run = index.leading_run(ns, keys)
+
+    __slots__ = ("bt", "labels", "pop", "spaces", "tier_hits", "top")
+
+    def __init__(
+        self,
+        trace: Trace,
+        specs: Sequence[TierSpec],
+        policies: Sequence[EvictionPolicy],
+        hinting: Hinting | None,
+        tier_hits: dict[str, int],
+    ) -> None:
+        super().__init__(trace, hinting, ~0)
+        spaces = [ReplaySpace(s, p, self.index) for s, p in zip(specs, policies)]
+        for upper, lower in itertools.pairwise(spaces):
+            upper.below = lower
+        self.spaces, self.top = spaces, spaces[0]
+        self.labels = [(int(s.tier), s.tier.label) for s in specs]
+        self.tier_hits = tier_hits  # prefix hits by the tier that served them
+        self.bt = trace.block_tokens
+        self.pop: Pop = self.retention.pop_victim if self.retention is not None else plain_pop
+
+    def serve(self, req: Request, keys: Sequence[BlockKey]) -> None:
+        run = self.lookup(keys)
+        if run:
+            self.acquire(run)
+        new = self.allocate(req, keys, len(run))
+        if new:
+            self.commit(new)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[Block]:
+        """Lookup: the leading run of ``keys``, each block a prefix hit of the highest tier that
+        holds it, the run touched."""
+        run = self.index.leading_run(self.ns, keys)
         n = len(run)
-        prefix += n
-        hits += n
+        self.prefix += n
+        self.hits += n
+        labels, tier_hits = self.labels, self.tier_hits
         for b in run:
             for t, label in labels:
                 if b.tiers & t:
                     tier_hits[label] += 1
                     break
         if n:
-            _touch(spaces, run)
+            _touch(self.spaces, run)
+        return run
+
+    def acquire(self, run: list[Block]) -> None:
+        """Acquire: the run's blocks only below the top promoted (slots for all, the run pinned,
+        then placed root first), and the readable run touched again when that evicted."""
+        top = self.top
         up = [b for b in run if not b.tiers & top.bit]
-        if up:
-            evicts = len(top.sizes) + len(up) > top.capacity
-            room = _allocate(top, len(up), run, pop)
-            for b in up[:room]:
-                top.place(b)
-            readable = list(itertools.takewhile(lambda b: bool(b.tiers & top.bit), run))
-            if evicts or readable != run:
-                _touch(spaces, readable)
+        if not up:
+            return
+        evicts = len(top.sizes) + len(up) > top.capacity
+        room = _allocate(top, len(up), run, self.pop)
+        for b in up[:room]:
+            top.place(b)
+        readable = list(itertools.takewhile(lambda b: bool(b.tiers & top.bit), run))
+        if evicts or readable != run:
+            _touch(self.spaces, readable)
+
+    def allocate(self, req: Request, keys: Sequence[BlockKey], n: int) -> list[Block]:
+        """Allocate: each key after the run of ``n`` that the index lacks, added ALLOCATED; slots
+        for all of them in the top space, the ones that do not fit dropped. The blocks allocated,
+        root first. A key present behind the gap is a block hit only."""
+        blocks, index, ns, bt, allocated = self.blocks, self.index, self.ns, self.bt, State.ALLOCATED
+        nk = len(keys)
+        hits = 0
         new: list[Block] = []
         for i in range(n, nk):
             key = keys[i]
@@ -376,20 +461,20 @@ def _replay_tiered(
                 continue
             size = req.last_size if i == nk - 1 else bt
             new.append(index.add(ns, key, keys[i - 1] if i else b"", size, allocated, i + 1))
+        self.hits += hits
         if new:
-            room = _allocate(top, len(new), pop=pop) if top.capacity > 0 else 0
+            top = self.top
+            room = _allocate(top, len(new), pop=self.pop) if top.capacity > 0 else 0
             for b in new[room:]:
                 index.drop(b)
             del new[room:]
-            for b in new:  # commit: root first, so each parent is there to link to
-                index.publish(b)
-                top.place(b)
-            if new:
-                top.policy.access_many(new[::-1])
-        if hinting is not None and retention is not None:
-            hinting.retain(retention, ri, blocks, keys, ~0)
-        if ri % PROGRESS_EVERY == 0:
-            bar.update(refs - res.references)
-            res.references = refs
-    bar.update(refs - res.references)
-    res.references, res.prefix_hits, res.block_hits = refs, prefix, hits
+        return new
+
+    def commit(self, new: list[Block]) -> None:
+        """Commit: ``new`` published and placed in the top space root first (so each parent is
+        there to link to), then touched deepest first."""
+        index, top = self.index, self.top
+        for b in new:
+            index.publish(b)
+            top.place(b)
+        top.policy.access_many(new[::-1])
