@@ -405,21 +405,8 @@ def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster
     res = ClusterRun(mode, routing, capacity)
     bar = Progress(trace.references, f"{mode} {routing}", progress)
     t0 = time.perf_counter()
-    done = 0
     try:
-        for ri, req in enumerate(trace.requests):
-            if directory is not None:
-                directory.now_ms = req.timestamp
-            if hinting is not None:
-                hinting.at(req, ri)
-            node = router.pick(req)
-            node.requests += 1
-            _serve(node, members, directory, req, trace.block_tokens, res)
-            if hinting is not None and node.retention is not None:
-                hinting.retain(node.retention, ri, node.ns.blocks, index_keys(req), DRAM)
-            if ri % PROGRESS_EVERY == 0:
-                bar.update(res.references - done)
-                done = res.references
+        _replay_requests(trace, members, router, directory, hinting, res, bar)
     finally:
         bar.close()
     res.requests = [n.requests for n in members]
@@ -427,6 +414,27 @@ def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster
     if hinting is not None:
         res.hints, res.retained_peak = hints.label() if hints else "", hinting.peak
     return res
+
+
+def _replay_requests(trace: Trace, members: list[Node], router: _Router, directory: Directory | None,
+                     hinting: Hinting | None, res: ClusterRun, bar: Progress) -> None:
+    """Each request of ``trace`` in timestamp order: the directory's and the hints' clocks set,
+    routed to a node, served there (:func:`_serve`), the retention its hints imply given."""
+    bt = trace.block_tokens
+    done = 0
+    for ri, req in enumerate(trace.requests):
+        if directory is not None:
+            directory.now_ms = req.timestamp
+        if hinting is not None:
+            hinting.at(req, ri)
+        node = router.pick(req)
+        node.requests += 1
+        _serve(node, members, directory, req, bt, res)
+        if hinting is not None and node.retention is not None:
+            hinting.retain(node.retention, ri, node.ns.blocks, index_keys(req), DRAM)
+        if ri % PROGRESS_EVERY == 0:
+            bar.update(res.references - done)
+            done = res.references
 
 
 def _serve(node: Node, members: list[Node], directory: Directory | None, req: Request, bt: int,
