@@ -236,8 +236,12 @@ class ClusterPolicy:
             self.directory.hand_on(cast(Block, item), self.node)
         self.directory.remove(item.key, self.node)  # type: ignore[attr-defined]  # policy items are Blocks
         self.directory.let_go(item.key, self.node, uses, self.inner.ghost_size())  # type: ignore[attr-defined]
-        if (self.prefer and parent is not None and parent not in links.kids
-                and self.directory.copies(parent.key) > 1):  # type: ignore[attr-defined]  # a Block
+        if (
+            self.prefer
+            and parent is not None
+            and parent not in links.kids  # no child left here
+            and self.directory.copies(parent.key) > 1  # type: ignore[attr-defined]  # a Block
+        ):
             self.spare.add(parent)  # a leaf again
 
     def __len__(self) -> int:
@@ -252,8 +256,9 @@ class Node:
 
     __slots__ = ("id", "index", "ns", "pop", "requests", "retention", "space")
 
-    def __init__(self, node_id: int, capacity: int, policy: EvictionPolicy, label: str,
-                 retention: Retention | None = None) -> None:
+    def __init__(
+        self, node_id: int, capacity: int, policy: EvictionPolicy, label: str, retention: Retention | None = None
+    ) -> None:
         self.id = node_id
         self.index = Index()
         self.ns: NsEntry = self.index.namespace(NamespaceRoot(b"replay"), label)
@@ -313,8 +318,10 @@ class ClusterRun(HitRates):
         return max(self.requests) * len(self.requests) / total if total else 0.0
 
     def to_json(self) -> dict[str, object]:
-        out: dict[str, object] = {"prefix_hit_rate": round(self.prefix_hit_rate, 6),
-                                  "block_hit_rate": round(self.block_hit_rate, 6)}
+        out: dict[str, object] = {
+            "prefix_hit_rate": round(self.prefix_hit_rate, 6),
+            "block_hit_rate": round(self.block_hit_rate, 6),
+        }
         if self.mode == "cluster":
             refs = self.references or 1
             out["peer_hit_rate"] = round(self.peer_hits / refs, 6)
@@ -329,8 +336,15 @@ class ClusterRun(HitRates):
 
 
 class _Router:
-    def __init__(self, routing: str, nodes: list[Node], directory: Directory | None, seed: int,
-                 max_imbalance: float, tie_seed: int | None = None) -> None:
+    def __init__(
+        self,
+        routing: str,
+        nodes: list[Node],
+        directory: Directory | None,
+        seed: int,
+        max_imbalance: float,
+        tie_seed: int | None = None,
+    ) -> None:
         if routing not in ROUTINGS:
             raise ValueError(f"routing: unknown {routing!r}; allowed: {list(ROUTINGS)}")
         self.nodes = nodes
@@ -339,8 +353,11 @@ class _Router:
         self.max_imbalance = max_imbalance
         self.rng = random.Random(seed)
         self.turn = 0
-        self.pick: Callable[[Request], Node] = {"round-robin": self._round_robin, "random": self._random,
-                                                "prefix": self._prefix}[routing]
+        self.pick: Callable[[Request], Node] = {
+            "round-robin": self._round_robin,
+            "random": self._random,
+            "prefix": self._prefix,
+        }[routing]
 
     def _round_robin(self, req: Request) -> Node:
         node = self.nodes[self.turn % len(self.nodes)]
@@ -377,10 +394,21 @@ def node_prefixes(nodes: Sequence[Node], directory: Directory | None, keys: Sequ
     return out
 
 
-def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster", routing: str = "round-robin",
-                   policy: str = "lru", seed: int = 0, max_imbalance: float = MAX_IMBALANCE,
-                   prefer_replicas: bool = True, progress: bool = False, tie_seed: int | None = None,
-                   ghost_ttl_s: float = GHOST_TTL_S, hints: Hints | None = None) -> ClusterRun:
+def replay_cluster(
+    trace: Trace,
+    nodes: int,
+    capacity: int,
+    mode: str = "cluster",
+    routing: str = "round-robin",
+    policy: str = "lru",
+    seed: int = 0,
+    max_imbalance: float = MAX_IMBALANCE,
+    prefer_replicas: bool = True,
+    progress: bool = False,
+    tie_seed: int | None = None,
+    ghost_ttl_s: float = GHOST_TTL_S,
+    hints: Hints | None = None,
+) -> ClusterRun:
     """Replay ``trace`` over ``nodes`` nodes of ``capacity`` blocks each (``global``: one node of
     ``nodes`` × ``capacity``), in one of :data:`MODES`; ``tie_seed``: the node order of prefix
     routing's ties; ``ghost_ttl_s``: how long the cluster's ghost keeps a count, in the trace's time
@@ -416,8 +444,15 @@ def replay_cluster(trace: Trace, nodes: int, capacity: int, mode: str = "cluster
     return res
 
 
-def _replay_requests(trace: Trace, members: list[Node], router: _Router, directory: Directory | None,
-                     hinting: Hinting | None, res: ClusterRun, bar: Progress) -> None:
+def _replay_requests(
+    trace: Trace,
+    members: list[Node],
+    router: _Router,
+    directory: Directory | None,
+    hinting: Hinting | None,
+    res: ClusterRun,
+    bar: Progress,
+) -> None:
     """Each request of ``trace`` in timestamp order: the directory's and the hints' clocks set,
     routed to a node, served there (:func:`_serve`), the retention its hints imply given."""
     bt = trace.block_tokens
@@ -437,8 +472,9 @@ def _replay_requests(trace: Trace, members: list[Node], router: _Router, directo
             done = res.references
 
 
-def _serve(node: Node, members: list[Node], directory: Directory | None, req: Request, bt: int,
-           res: ClusterRun) -> None:
+def _serve(
+    node: Node, members: list[Node], directory: Directory | None, req: Request, bt: int, res: ClusterRun
+) -> None:
     keys = index_keys(req)
     nk = len(keys)
     last = nk - 1
@@ -502,19 +538,42 @@ def _serve(node: Node, members: list[Node], directory: Directory | None, req: Re
                 own.resume(b, uses)
 
 
-def compare(trace: Trace, nodes: int, capacity: int, routings: Sequence[str] = ("round-robin", "prefix"),
-            policy: str = "lru", seed: int = 0, max_imbalance: float = MAX_IMBALANCE,
-            progress: bool = False, tie_seed: int | None = None,
-            ghost_ttl_s: float = GHOST_TTL_S, hints: Hints | None = None) -> dict[str, object]:
+def compare(
+    trace: Trace,
+    nodes: int,
+    capacity: int,
+    routings: Sequence[str] = ("round-robin", "prefix"),
+    policy: str = "lru",
+    seed: int = 0,
+    max_imbalance: float = MAX_IMBALANCE,
+    progress: bool = False,
+    tie_seed: int | None = None,
+    ghost_ttl_s: float = GHOST_TTL_S,
+    hints: Hints | None = None,
+) -> dict[str, object]:
     """The global cache once, then isolated nodes and the cluster for each routing, with the
     cluster's ratios and load imbalance: the JSON of ``kvstore replay --nodes``."""
     glob = replay_cluster(trace, nodes, capacity, "global", policy=policy, progress=progress, hints=hints)
     out: dict[str, object] = {"global": {"capacity_blocks": nodes * capacity, **glob.to_json()}}
     by_routing: dict[str, object] = {}
     for routing in routings:
-        runs = {mode: replay_cluster(trace, nodes, capacity, mode, routing, policy, seed, max_imbalance,
-                                     progress=progress, tie_seed=tie_seed, ghost_ttl_s=ghost_ttl_s, hints=hints)
-                for mode in ("isolated", "cluster")}
+        runs = {
+            mode: replay_cluster(
+                trace,
+                nodes,
+                capacity,
+                mode,
+                routing,
+                policy,
+                seed,
+                max_imbalance,
+                progress=progress,
+                tie_seed=tie_seed,
+                ghost_ttl_s=ghost_ttl_s,
+                hints=hints,
+            )
+            for mode in ("isolated", "cluster")
+        }
         iso, clu = runs["isolated"].prefix_hit_rate, runs["cluster"].prefix_hit_rate
         by_routing[routing] = {
             "isolated": runs["isolated"].to_json(),
