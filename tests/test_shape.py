@@ -128,7 +128,6 @@ _RESTRUCTURED = "issue #31, being restructured"
 
 # (path, kind, name) -> why it is still here; the list shrinks to empty
 PENDING: dict[tuple[str, str, str], str] = {
-    ("kvstore/sim/cluster.py", "function", "_serve"): _RESTRUCTURED,
 }
 
 

@@ -67,6 +67,7 @@ from kvstore.store.retention import Retention
 
 MODES = ("isolated", "cluster", "global")
 GHOST_TTL_S: float = ClusterConfig.model_fields["ghost_ttl_s"].default  # the sidecar's default
+CommitSpec = tuple[BlockKey, bytes, int, int]  # a block Node.commit adds: key, parent key, size, depth
 
 
 class Directory:
@@ -284,7 +285,7 @@ class Node:
             sp.unplace(v)
         return max(0, min(n, sp.capacity - len(sp.sizes)))
 
-    def commit(self, specs: Sequence[tuple[BlockKey, bytes, int, int]]) -> list[Block]:
+    def commit(self, specs: Sequence[CommitSpec]) -> list[Block]:
         """The store's Commit of allocated blocks, ``(key, parent key, size, depth)`` root first: each
         added and placed (inserted with its parent Block when the policy holds it)."""
         place, add, ns = self.space.place, self.index.add, self.ns
@@ -475,15 +476,40 @@ def _replay_requests(
 def _serve(
     node: Node, members: list[Node], directory: Directory | None, req: Request, bt: int, res: ClusterRun
 ) -> None:
+    """``req`` on ``node``, in the store's order of calls (the module's four steps): the usable
+    prefix looked up, its blocks touched deepest first where they are held, the peer blocks fetched
+    as replicas, then each key after the prefix that no node holds allocated and committed."""
     keys = index_keys(req)
     nk = len(keys)
-    last = nk - 1
-    visible = node.ns.visible
     held = directory.holders if directory is not None else {}
-    run: list[Block] = []  # the usable prefix: this node's blocks, or the holder's for peer blocks
-    owners: list[EvictionPolicy] = []  # the policy of the node that holds each
+    run, owners, fetched = _usable_prefix(node, members, held, keys)
+    n = len(run)
+    res.references += nk
+    res.prefix_hits += n
+    res.block_hits += n
+    res.peer_hits += len(fetched)
+    for i in range(n - 1, -1, -1):  # deepest first, in the policy of the node that holds it
+        owners[i].access(run[i])
+    if fetched and directory is not None:  # (only a directory names peers)
+        res.replicas += _fetch(node, directory, _specs(req, bt, fetched), [run[i] for i in fetched])
+    blocks = node.ns.blocks
+    new = [i for i in range(n, nk) if keys[i] not in blocks and keys[i] not in held]
+    res.block_hits += nk - n - len(new)  # the keys held behind the gap: useless to the prefix
+    if new:
+        _store(node, directory, _specs(req, bt, new))
+
+
+def _usable_prefix(
+    node: Node, members: list[Node], held: dict[BlockKey, list[int]], keys: Sequence[BlockKey]
+) -> tuple[list[Block], list[EvictionPolicy], list[int]]:
+    """Lookup: the leading run of ``keys`` that ``node`` holds, continued through the keys that
+    ``held`` (the directory) names a holder of: its blocks (this node's, or the first holder's for
+    a peer block), the policy of the node that holds each, and the positions that a peer holds."""
+    visible = node.ns.visible
+    run: list[Block] = []
+    owners: list[EvictionPolicy] = []
     own = node.space.policy
-    fetched: list[int] = []  # positions in the run served by a peer
+    fetched: list[int] = []
     for i, key in enumerate(keys):
         b = visible.get(key)
         if b is None:
@@ -497,42 +523,45 @@ def _serve(
         else:
             owners.append(own)
         run.append(b)
-    n = len(run)
-    res.references += nk
-    res.prefix_hits += n
-    res.block_hits += n
-    res.peer_hits += len(fetched)
-    for i in range(n - 1, -1, -1):  # deepest first, in the policy of the node that holds it
-        owners[i].access(run[i])
-    bt_of = [bt] * nk
-    bt_of[last] = req.last_size
-    if fetched:  # replicas, as the store's peer fetch: slots first, then placed root first
-        room = node.allocate(len(fetched))
-        replicas = node.commit([(keys[i], keys[i - 1] if i else b"", bt_of[i], i + 1) for i in fetched[:room]])
-        if node.retention is not None:  # the directory record carries the holder's retention
-            for i, b in zip(fetched, replicas):
-                b.retain_until, b.retain_priority = run[i].retain_until, run[i].retain_priority
-                node.retention.adopt(b)
-        for b in replicas:
-            if uses := directory.add(b.key, node.id):  # type: ignore[union-attr]  # only with a directory
-                own.resume(b, uses)
-        res.replicas += len(replicas)
-    blocks = node.ns.blocks
-    new: list[int] = []
-    for i in range(n, nk):
-        if keys[i] in blocks or keys[i] in held:  # behind the gap: useless to the prefix
-            res.block_hits += 1
-        else:
-            new.append(i)
-    if not new:
-        return
-    # The store's Allocate (victims popped for every new block), then Commit: inserted root first,
-    # then ``access_many`` deepest first (ancestors at least as recent as descendants), the order
-    # kvstore/sim/replay.py's single-space replay follows.
-    room = node.allocate(len(new))
-    committed = node.commit([(keys[i], keys[i - 1] if i else b"", bt_of[i], i + 1) for i in new[:room]])
+    return run, owners, fetched
+
+
+def _specs(req: Request, bt: int, positions: Sequence[int]) -> list[CommitSpec]:
+    """:meth:`Node.commit`'s specs of ``req``'s blocks at ``positions``: key, parent key, size
+    (``bt`` tokens, the last block its own), depth."""
+    keys = index_keys(req)
+    last = len(keys) - 1
+    return [(keys[i], keys[i - 1] if i else b"", req.last_size if i == last else bt, i + 1) for i in positions]
+
+
+def _fetch(node: Node, directory: Directory, specs: Sequence[CommitSpec], sources: Sequence[Block]) -> int:
+    """The store's peer fetch of the blocks ``specs`` names (``sources``: the holders' copies):
+    slots made for all of them, then placed root first as replicas, with no commit ``access``;
+    each takes its holder's retention (the directory record carries it) and resumes a count the
+    cluster's ghost kept. How many were kept."""
+    room = node.allocate(len(specs))
+    replicas = node.commit(specs[:room])
+    if node.retention is not None:
+        for b, src in zip(replicas, sources):
+            b.retain_until, b.retain_priority = src.retain_until, src.retain_priority
+            node.retention.adopt(b)
+    own = node.space.policy
+    for b in replicas:
+        if uses := directory.add(b.key, node.id):
+            own.resume(b, uses)
+    return len(replicas)
+
+
+def _store(node: Node, directory: Directory | None, specs: Sequence[CommitSpec]) -> None:
+    """The store's Allocate of the new blocks ``specs`` names (victims popped for all of them),
+    then Commit: inserted root first, then ``access_many`` deepest first (ancestors at least as
+    recent as descendants), the order kvstore/sim/replay.py's single-space replay follows. Then
+    published in the directory: a count the cluster's ghost kept resumes."""
+    room = node.allocate(len(specs))
+    committed = node.commit(specs[:room])
+    own = node.space.policy
     own.access_many(committed[::-1])
-    if directory is not None:  # published after the commit: a count the cluster's ghost kept resumes then
+    if directory is not None:
         for b in committed:
             if uses := directory.add(b.key, node.id):
                 own.resume(b, uses)
