@@ -8,16 +8,13 @@ up its classes). Nested functions count inside the function that holds them, and
 their class. A class or function is measured from its ``class``/``def`` line to its last line;
 the generated ``kvstore/v1/`` is left out. Read with ``ast``, never imported.
 
-Two lists, each entry with its reason, name what may stay:
+One list, each entry with its reason, names what may stay: ``ALLOWED``, names that only look
+private: the standard library's public API that happens to start with an underscore
+(``os._exit``; namedtuple's ``_make``, ``_replace``, ``_fields``, ``_asdict``, underscored so as
+not to clash with field names). No class or function over its limit may stay: it is split.
 
-- ``ALLOWED``: names that only look private: the standard library's public API that happens to
-  start with an underscore (``os._exit``; namedtuple's ``_make``, ``_replace``, ``_fields``,
-  ``_asdict``, underscored so as not to clash with field names);
-- ``PENDING``: offenders being restructured under issue #31 by work not yet landed; the list only
-  shrinks.
-
-Both lists are exact: the test fails on an offender that neither names, and on an entry that no
-longer offends (remove it), so neither becomes a blanket. The failure names each file:line and
+The list is exact: the test fails on an offender that it does not name, and on an entry that no
+longer offends (remove it), so it never becomes a blanket. The failure names each file:line and
 the measure.
 """
 
@@ -49,7 +46,7 @@ class Offence:
 
     @property
     def key(self) -> tuple[str, str, str]:
-        """What the lists name: no line number (lines move as the file changes around it)."""
+        """What the list names: no line number (lines move as the file changes around it)."""
         return self.path, self.kind, self.name
 
     def __str__(self) -> str:
@@ -112,7 +109,7 @@ def offences(root: Path, packages: Iterable[str] = PACKAGES) -> list[Offence]:
     return out
 
 
-# --- the lists -----------------------------------------------------------------------------------------
+# --- the list ------------------------------------------------------------------------------------------
 
 _OS_EXIT = "os._exit is the os module's public API (exit at once, no clean-up); the underscore is its name"
 _NAMEDTUPLE = "namedtuple's public API (_make, _replace, _fields, _asdict: underscored not to clash with fields)"
@@ -124,28 +121,16 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("kvstore/cluster/directory.py", "Record._make"): _NAMEDTUPLE,
 }
 
-_RESTRUCTURED = "issue #31, being restructured"
 
-# (path, kind, name) -> why it is still here; the list shrinks to empty
-PENDING: dict[tuple[str, str, str], str] = {
-}
-
-
-def listed(
-    found: Iterable[Offence], allowed: dict[tuple[str, str], str], pending: dict[tuple[str, str, str], str]
-) -> tuple[list[str], list[str]]:
-    """(offences neither list names, entries of the lists that no longer offend), as messages."""
+def listed(found: Iterable[Offence], allowed: dict[tuple[str, str], str]) -> tuple[list[str], list[str]]:
+    """(offences the list does not name, entries of the list that no longer offend), as messages."""
     found = list(found)
     allowed_keys = {(path, "private", expr) for path, expr in allowed}
-    unlisted = [str(o) for o in found if o.key not in allowed_keys and o.key not in pending]
+    unlisted = [str(o) for o in found if o.key not in allowed_keys]
     seen = {o.key for o in found}
     stale = [
         f"{path}: {kind} {name} is in ALLOWED but no longer found: remove it"
         for path, kind, name in sorted(allowed_keys - seen)
-    ]
-    stale += [
-        f"{path}: {kind} {name} is in PENDING but no longer offends: remove it"
-        for path, kind, name in sorted(set(pending) - seen)
     ]
     return unlisted, stale
 
@@ -154,11 +139,11 @@ def listed(
 
 
 def test_every_reason_is_given() -> None:
-    assert all(ALLOWED.values()) and all(PENDING.values())
+    assert all(ALLOWED.values())
 
 
 def test_no_class_function_or_private_access_over_the_limits() -> None:
-    unlisted, _ = listed(offences(ROOT), ALLOWED, PENDING)
+    unlisted, _ = listed(offences(ROOT), ALLOWED)
     assert not unlisted, (
         f"kvstore/ and connector/ hold classes over {MAX_CLASS_LINES} lines, functions over {MAX_FUNCTION_LINES} "
         "lines or accesses to another object's private member (split them, or give the member a public name; "
@@ -167,7 +152,7 @@ def test_no_class_function_or_private_access_over_the_limits() -> None:
 
 
 def test_every_listed_offence_still_offends() -> None:
-    _, stale = listed(offences(ROOT), ALLOWED, PENDING)
+    _, stale = listed(offences(ROOT), ALLOWED)
     assert not stale, "tests/test_shape.py lists what no longer offends:\n" + "\n".join(stale)
 
 
@@ -228,17 +213,14 @@ def test_the_checker_reports_what_is_over_and_where(tmp_path: Path) -> None:
     ]
 
     allowed = {("kvstore/access.py", "os._exit"): "public", ("kvstore/gone.py", "os._exit"): "public"}
-    pending = {("kvstore/big.py", "class", "Big"): "later", ("kvstore/big.py", "function", "Big.short"): "later"}
-    unlisted, stale = listed(found, allowed, pending)
+    unlisted, stale = listed(found, allowed)
     assert unlisted == [
         "kvstore/access.py:7: private other._theirs: a private member of another object",
         "kvstore/access.py:8: private other.__mangled: a private member of another object",
         "kvstore/access.py:8: private self.peer._x: a private member of another object",
+        "kvstore/big.py:1: class Big: 401 lines (at most 400)",
         "kvstore/big.py:2: function Big.long: 61 lines (at most 60)",
         "kvstore/big.py:465: function outer: 62 lines (at most 60)",
         "kvstore/big.py:466: function outer.inner: 61 lines (at most 60)",
     ]
-    assert stale == [
-        "kvstore/gone.py: private os._exit is in ALLOWED but no longer found: remove it",
-        "kvstore/big.py: function Big.short is in PENDING but no longer offends: remove it",
-    ]
+    assert stale == ["kvstore/gone.py: private os._exit is in ALLOWED but no longer found: remove it"]
