@@ -104,8 +104,11 @@ async def test_every_rpc_is_timed_by_transport_method_and_outcome(tmp_path):
         key = (("method", "Lookup"), ("outcome", "ok"), ("transport", "grpc"))
         assert m["kvstore_rpc_duration_seconds_count"][key] == 5
         assert m["kvstore_rpc_duration_seconds_bucket"][(("le", "+Inf"), *key)] == 5
-        buckets = sorted((float(dict(k)["le"]), v) for k, v in m["kvstore_rpc_duration_seconds_bucket"].items()
-                         if dict(k)["method"] == "Lookup" and dict(k)["transport"] == "grpc")
+        buckets = sorted(
+            (float(dict(k)["le"]), v)
+            for k, v in m["kvstore_rpc_duration_seconds_bucket"].items()
+            if dict(k)["method"] == "Lookup" and dict(k)["transport"] == "grpc"
+        )
         assert [le for le, _ in buckets] == [*BOUNDS_S, float("inf")]
         assert [v for _, v in buckets] == sorted(v for _, v in buckets)  # cumulative
         bad = (("method", "Commit"), ("outcome", "INVALID_ARGUMENT"), ("transport", "grpc"))
@@ -118,7 +121,12 @@ async def test_every_rpc_is_timed_by_transport_method_and_outcome(tmp_path):
 
 def test_latencies_are_shown_in_us_ms_and_s():
     assert [seconds(x) for x in (25e-6, 999.4e-6, 1.5e-3, 0.25, 3.0)] == [
-        "25.0 µs", "999 µs", "1.50 ms", "250 ms", "3.00 s"]
+        "25.0 µs",
+        "999 µs",
+        "1.50 ms",
+        "250 ms",
+        "3.00 s",
+    ]
 
 
 def test_a_tie_rounds_up_as_the_pages_javascript_does():

@@ -42,26 +42,51 @@ REQUIRED = {  # what Grafana needs of a provisioned dashboard to draw its panels
         "uid": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,40}$"},
         "title": {"type": "string", "minLength": 1},
         "schemaVersion": {"type": "integer", "minimum": 36},
-        "panels": {"type": "array", "minItems": 1, "items": {
-            "type": "object",
-            "required": ["id", "type", "title", "gridPos"],
-            "properties": {
-                "id": {"type": "integer"},
-                "type": {"enum": ["row", "timeseries", "stat", "gauge", "table", "bargauge", "heatmap"]},
-                "title": {"type": "string", "minLength": 1},
-                "gridPos": {"type": "object", "required": ["h", "w", "x", "y"], "properties": {
-                    "h": {"type": "integer", "minimum": 1}, "w": {"type": "integer", "minimum": 1, "maximum": 24},
-                    "x": {"type": "integer", "minimum": 0, "maximum": 23}, "y": _INT}},
-                "datasource": {"type": "object", "required": ["type", "uid"],
-                               "properties": {"type": {"const": "prometheus"}}},
-                "targets": {"type": "array", "items": {
-                    "type": "object", "required": ["refId", "expr"],
-                    "properties": {"refId": {"type": "string", "minLength": 1},
-                                   "expr": {"type": "string", "minLength": 1}, "legendFormat": {"type": "string"}}}},
+        "panels": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["id", "type", "title", "gridPos"],
+                "properties": {
+                    "id": {"type": "integer"},
+                    "type": {"enum": ["row", "timeseries", "stat", "gauge", "table", "bargauge", "heatmap"]},
+                    "title": {"type": "string", "minLength": 1},
+                    "gridPos": {
+                        "type": "object",
+                        "required": ["h", "w", "x", "y"],
+                        "properties": {
+                            "h": {"type": "integer", "minimum": 1},
+                            "w": {"type": "integer", "minimum": 1, "maximum": 24},
+                            "x": {"type": "integer", "minimum": 0, "maximum": 23},
+                            "y": _INT,
+                        },
+                    },
+                    "datasource": {
+                        "type": "object",
+                        "required": ["type", "uid"],
+                        "properties": {"type": {"const": "prometheus"}},
+                    },
+                    "targets": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["refId", "expr"],
+                            "properties": {
+                                "refId": {"type": "string", "minLength": 1},
+                                "expr": {"type": "string", "minLength": 1},
+                                "legendFormat": {"type": "string"},
+                            },
+                        },
+                    },
+                },
             },
-        }},
-        "templating": {"type": "object", "required": ["list"], "properties": {"list": {"type": "array", "items": {
-            "type": "object", "required": ["name", "type"]}}}},
+        },
+        "templating": {
+            "type": "object",
+            "required": ["list"],
+            "properties": {"list": {"type": "array", "items": {"type": "object", "required": ["name", "type"]}}},
+        },
     },
 }
 
@@ -84,18 +109,46 @@ def test_the_dashboard_loads_as_a_grafana_dashboard():
 
     assert lost(DOC, again, "") == []
     ids = [p["id"] for p in DOC["panels"]]
-    assert len(ids) == len(set(ids)) and all(len({t["refId"] for t in p["targets"]}) == len(p["targets"])
-                                             for p in panels())
+    assert len(ids) == len(set(ids)) and all(
+        len({t["refId"] for t in p["targets"]}) == len(p["targets"]) for p in panels()
+    )
     titles = " | ".join(p["title"] for p in panels())
-    for shown in ("Hit rate per tier", "RPC p99", "Promotion p50 / p99 by tier", "Occupancy", "Evictions",
-                  "Peer fetch rate and failures", "Retained bytes", "Directory round trips"):
+    for shown in (
+        "Hit rate per tier",
+        "RPC p99",
+        "Promotion p50 / p99 by tier",
+        "Occupancy",
+        "Evictions",
+        "Peer fetch rate and failures",
+        "Retained bytes",
+        "Directory round trips",
+    ):
         assert shown in titles
 
 
 # PromQL words that are not metric names: functions, aggregations, keywords
 PROMQL_WORDS = {
-    "sum", "avg", "min", "max", "count", "by", "without", "rate", "irate", "increase", "histogram_quantile",
-    "scalar", "ignoring", "on", "group_left", "group_right", "and", "or", "unless", "bool", "offset",
+    "sum",
+    "avg",
+    "min",
+    "max",
+    "count",
+    "by",
+    "without",
+    "rate",
+    "irate",
+    "increase",
+    "histogram_quantile",
+    "scalar",
+    "ignoring",
+    "on",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
 }
 
 
@@ -121,14 +174,28 @@ def exported(text: str) -> set[str]:
     names = set()
     for fam in text_string_to_metric_families(text):
         names.update(s.name for s in fam.samples)
-        names.update({"histogram": [f"{fam.name}_bucket", f"{fam.name}_count", f"{fam.name}_sum"],
-                      "counter": [f"{fam.name}_total"]}.get(fam.type, [fam.name]))
+        names.update(
+            {
+                "histogram": [f"{fam.name}_bucket", f"{fam.name}_count", f"{fam.name}_sum"],
+                "counter": [f"{fam.name}_total"],
+            }.get(fam.type, [fam.name])
+        )
     return names
 
 
 def test_every_panel_query_names_a_metric_a_live_sidecar_exports(serve_process, tmp_path):
-    sc = serve_process(["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
-                        "--data-dir", str(tmp_path / "d"), "--dram-bytes", str(8 << 20)])
+    sc = serve_process(
+        [
+            "--grpc-address",
+            "127.0.0.1:0",
+            "--http-address",
+            "127.0.0.1:0",
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--dram-bytes",
+            str(8 << 20),
+        ]
+    )
     with SyncClient(sc.grpc) as c:
         for r in range(3):
             one_round(c, r)
@@ -176,9 +243,15 @@ def test_kubernetes_manifests_carry_the_dashboard_as_a_configmap():
     kubectl = shutil.which("kubectl")
     if kubectl is None:  # the build itself needs kubectl (or kustomize); the structure is checked above
         return
-    built = subprocess.run([kubectl, "kustomize", str(topo.REPO / "deploy" / "k8s")], capture_output=True,
-                           text=True, timeout=60, check=True).stdout
-    cm = next(d for d in yaml.safe_load_all(built) if d and d["kind"] == "ConfigMap"
-              and d["metadata"]["name"] == gen["name"])
+    built = subprocess.run(
+        [kubectl, "kustomize", str(topo.REPO / "deploy" / "k8s")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    cm = next(
+        d for d in yaml.safe_load_all(built) if d and d["kind"] == "ConfigMap" and d["metadata"]["name"] == gen["name"]
+    )
     assert cm["metadata"]["namespace"] == k8s["namespace"]
     assert json.loads(cm["data"][DASHBOARD.name]) == DOC

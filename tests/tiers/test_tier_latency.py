@@ -13,8 +13,9 @@ def by_tier(doc: dict, family: str) -> dict[str, dict]:
 
 
 async def test_demotions_promotions_and_write_through_are_timed_by_tier(tmp_path, redis_clean):
-    cfg = tiered_config(tmp_path, **{"redis.enabled": True, "redis.url": redis_clean.url,
-                                     "tiering.write_through": ["redis"]})
+    cfg = tiered_config(
+        tmp_path, **{"redis.enabled": True, "redis.url": redis_clean.url, "tiering.write_through": ["redis"]}
+    )
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         a, b = chain(1, 4), chain(2, 4)
         await c.put_blocks(NS, a, blocks_for(4, 1), wait_write_through=True)
