@@ -41,6 +41,10 @@ BOUNDS_S: tuple[float, ...] = (
 )
 QUANTILES = {"p50_s": 0.5, "p99_s": 0.99}
 
+# The outcome of a call to a tier (promotion, demotion, write-through). Every call is timed, however
+# it ends: a tier timing out is what an operator looks for in these histograms.
+TIER_OUTCOMES = "ok; error: the call raised, timed out or was cancelled"
+
 # family -> (label names, what one observation is); kvstore_<family>_duration_seconds on /metrics
 FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
     "rpc": (
@@ -48,9 +52,21 @@ FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
         "KVStore calls, from the decoded request to the answer, by transport (grpc, local), method and "
         "outcome (ok, or the status code answered)",
     ),
-    "promotion": (("tier",), "promotion batches: one read of a batch of blocks from the tier below DRAM into DRAM"),
-    "demotion": (("tier",), "demotions: one batch written to the tier (a write of one block for an eviction's)"),
-    "write_through": (("tier",), "write-throughs of a commit's blocks to the tier, from the commit to the write"),
+    "promotion": (
+        ("tier", "outcome"),
+        "promotion batches: one read of a batch of blocks from the tier below DRAM into DRAM, by tier and "
+        f"outcome ({TIER_OUTCOMES}; a block the tier did not hold is a miss within an ok read)",
+    ),
+    "demotion": (
+        ("tier", "outcome"),
+        "demotions: one batch written to the tier (a write of one block for an eviction's), by tier and outcome "
+        f"({TIER_OUTCOMES})",
+    ),
+    "write_through": (
+        ("tier", "outcome"),
+        "write-throughs of a commit's blocks to the tier, from the commit to the write, by tier and outcome "
+        f"({TIER_OUTCOMES}; a tenant past its quota writes nothing and is not timed)",
+    ),
     "peer_fetch": (("outcome",), "fetches of a run of blocks from one peer (ok, short: fewer lent, error)"),
     "peer_answer": (("outcome",), "answers to a peer's fetch: lend, hash and send the run (ok, error)"),
     "directory": (("op", "outcome"), "round trips to the cluster directory (find, publish, forget, heartbeat)"),

@@ -197,9 +197,12 @@ class Eviction:
         async with self.room(target, [b]) as taken:
             if taken:
                 meta = target.meta(b)
-                start = perf_counter()
-                async with target.slots:
-                    await target.tier.put(meta, buf.data)
-                self.stats.latency.histogram("demotion", (target.name,)).since(start)
+                start, outcome = perf_counter(), "error"
+                try:
+                    async with target.slots:
+                        await target.tier.put(meta, buf.data)
+                    outcome = "ok"
+                finally:  # timed however it ended (a failure is _evict's to handle)
+                    self.stats.latency.histogram("demotion", (target.name, outcome)).since(start)
                 target.place(b)
                 self.stats.tier(lv.name, "demotions")

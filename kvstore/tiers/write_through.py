@@ -60,20 +60,26 @@ class WriteThrough:
     async def _write(self, lv: Level, pinned: list[Block]) -> None:
         """(``pinned`` stay pinned until the task has ended: :meth:`_unpin`.)"""
         start = perf_counter()
-        with lv.failures(f"write-through of {len(pinned)} blocks to"):
-            async with self.eviction.room(lv, pinned, fresh=True) as blocks:  # (a tenant past its quota: not all)
-                if not blocks:
-                    return
-                views = [self.space.view(b) for b in blocks]
-                await seal(blocks, views)
-                items = [(lv.meta(b), v.data) for b, v in zip(blocks, views)]
-                async with lv.slots:
-                    await lv.tier.put_many(items)
-                for b in blocks:
-                    if b.ns.blocks.get(b.key) is b:  # not deleted meanwhile
-                        lv.place(b)
-                self.stats.latency.histogram("write_through", (lv.name,)).since(start)
-                self.stats.tier(lv.name, "bytes_in", sum(b.size for b in blocks))
+        outcome: str | None = "error"
+        try:
+            with lv.failures(f"write-through of {len(pinned)} blocks to"):
+                async with self.eviction.room(lv, pinned, fresh=True) as blocks:  # (a tenant past its quota: not all)
+                    if not blocks:
+                        outcome = None  # nothing written: nothing timed
+                        return
+                    views = [self.space.view(b) for b in blocks]
+                    await seal(blocks, views)
+                    items = [(lv.meta(b), v.data) for b, v in zip(blocks, views)]
+                    async with lv.slots:
+                        await lv.tier.put_many(items)
+                    for b in blocks:
+                        if b.ns.blocks.get(b.key) is b:  # not deleted meanwhile
+                            lv.place(b)
+                    outcome = "ok"
+                    self.stats.tier(lv.name, "bytes_in", sum(b.size for b in blocks))
+        finally:  # timed however it ended (lv.failures has counted a failure): a tier timing out shows
+            if outcome is not None:
+                self.stats.latency.histogram("write_through", (lv.name, outcome)).since(start)
 
     async def ended(self, blocks: Sequence[Block]) -> None:
         """Wait until no write-through reads any of ``blocks`` (a delete's, before it takes them:

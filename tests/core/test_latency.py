@@ -49,9 +49,12 @@ def test_a_series_has_its_familys_labels():
     lat = Latencies()
     with pytest.raises(ValueError, match="rpc"):
         lat.histogram("rpc", ("grpc", "Lookup"))
-    lat.histogram("promotion", ("ssd",)).observe(0.003)
+    with pytest.raises(ValueError, match="promotion"):
+        lat.histogram("promotion", ("ssd",))  # (tier, outcome): every call is timed, a failed one too
+    lat.histogram("promotion", ("ssd", "ok")).observe(0.003)
     [row] = lat.snapshot()["promotion"]
-    assert row["tier"] == "ssd" and row["count"] == 1 and row["buckets"][BOUNDS_S.index(5e-3)] == 1
+    assert row["tier"] == "ssd" and row["outcome"] == "ok"
+    assert row["count"] == 1 and row["buckets"][BOUNDS_S.index(5e-3)] == 1
     assert set(lat.snapshot()) == {"bounds_s", *FAMILIES}
 
 

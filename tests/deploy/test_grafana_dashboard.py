@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from traffic import one_round
 
 from kvstore.client import SyncClient
+from kvstore.store.latency import FAMILIES
 
 GRAFANA = topo.REPO / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "kvstore.json"
@@ -166,6 +167,31 @@ def test_metric_names_are_read_out_of_promql():
     expr = 'histogram_quantile(0.99, sum by (le, tier) (rate(kvstore_x_bucket{a=~"b|c"}[$__rate_interval])))'
     assert metric_names(expr) == {"kvstore_x_bucket"}
     assert metric_names("sum(a_total) / ignoring(tier) group_left b > 0") == {"a_total", "b"}
+
+
+LATENCY_SERIES = re.compile(r"\bkvstore_(\w+)_duration_seconds_(?:bucket|count|sum)\b")
+
+
+def test_latency_queries_name_only_their_familys_labels():
+    """A panel that filters or sums a latency family by a label the family does not have shows
+    nothing and says nothing (``outcome="error"`` on a family timed by tier alone): every label a
+    latency query names, in its matchers and its by/without lists, is one of its family's
+    (kvstore/store/latency.py), ``le`` or the scrape's ``instance``."""
+    checked = 0
+    for p in panels():
+        for t in p["targets"]:
+            families = set(LATENCY_SERIES.findall(t["expr"]))
+            if not families:
+                continue
+            assert len(families) == 1, f"{p['title']}: one latency family a query, got {families}"
+            [family] = families
+            allowed = {*FAMILIES[family][0], "le", "instance"}
+            text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', t["expr"])
+            named = {m for sel in re.findall(r"\{([^}]*)\}", text) for m in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", sel)}
+            named |= {w for g in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", text) for w in re.findall(r"\w+", g)}
+            assert named <= allowed, f"{p['title']}: {sorted(named - allowed)} not labels of {family} ({t['expr']})"
+            checked += 1
+    assert checked >= 6  # (rpc, promotion, demotion, write-through, peers, directory: all read)
 
 
 def exported(text: str) -> set[str]:
