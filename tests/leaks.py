@@ -394,15 +394,14 @@ def _process_wide() -> Owned:
       closes it, ``logs()`` reads it afterwards): one /tmp/kvstore-serve-*.log per ``kvstore serve``
       a test starts. Allowed by exactly the paths ServeProcess created (tests/conftest.py's
       ``serve_process`` fixture removes the ones it starts).
-    * PRODUCT DEFECT kvstore/dram/slab.py:244-255 (``Slab.close``): when a view of the slab's
-      mapping is still alive, ``self._shm.close()`` raises BufferError, which is suppressed -- and
-      with it ``SharedMemory.close()`` stops before ``os.close(self._fd)``; the SharedMemory's
-      ``__del__`` later fails the same way, so that fd is never closed (nor, while the view lives,
-      the mapping and its mmap's fd). Seen when a tier goes down during a test: the warning
-      (kvstore/tiers/movers.py:211 logs the exception object as an argument) is kept by pytest's
-      log capture until the test ends, its traceback's frames hold slot views, and the in-process
-      sidecar stops while they are alive. Allowed by exactly the fds on a slab this process created
-      and has since closed and unlinked (``/dev/shm/<name> (deleted)``, no longer in ``_owned``).
+    * a slab closed while a view of its mapping is still alive (``Slab.close``,
+      ``kvstore.dram.slab._close_when_unexported``): its SharedMemory cannot close yet, so it keeps
+      its fd (and its mapping's) until the last view is gone and the next garbage collection closes
+      it. Seen when a tier goes down during a test: the warning (kvstore/tiers/movers.py:211 logs the
+      exception object as an argument) is kept by pytest's log capture until the test ends, its
+      traceback's frames hold slot views, and the in-process sidecar stops while they are alive.
+      Allowed by exactly the fds on a slab this process created and has since closed and unlinked
+      (``/dev/shm/<name> (deleted)``, no longer in ``_owned``).
     * the CUDA driver's device files (``/dev/nvidia*``): opened by the first CUDA call, kept for the
       process's life; its eventfds and pipes are made part of a GPU test's "before" (``_init_cuda``).
     * tqdm's monitor threads (``TMonitor``, one per tqdm class), and ``threading._DummyThread``
@@ -424,8 +423,8 @@ def _process_wide() -> Owned:
     attached = {f"{SHM_DIR}/{name}" for name in list(getattr(slab, "_attached", {}))}
     attached |= {f"{t} (deleted)" for t in attached}
     wide.fds.update((fd, t) for fd, t in fds.items() if t in attached)
-    # PRODUCT DEFECT kvstore/dram/slab.py:244-255 (Slab.close), seen above: the fds of an in-process slab
-    # that has been closed and unlinked, still open because a view was alive at close
+    # the fds of an in-process slab that has been closed and unlinked, still open while a view of it
+    # is alive (seen above)
     owned_now = set(getattr(slab, "_owned", {}))
     closed = {f"{SHM_DIR}/{n} (deleted)" for n in _own_shm if n not in owned_now and _ours_by_name(n, {os.getpid()})}
     wide.fds.update((fd, t) for fd, t in fds.items() if t in closed)

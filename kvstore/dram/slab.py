@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import mmap
 import os
 import threading
@@ -85,6 +86,7 @@ class Slab:
         self.num_pages = capacity_bytes // page_bytes
         self.capacity_bytes = self.num_pages * page_bytes
         self.name = f"{name_prefix}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        _retry_closing()  # an earlier slab's views may have gone since
         self._shm = shared_memory.SharedMemory(name=self.name, create=True, size=self.capacity_bytes + HEADER_BYTES)
         _owned[self.name] = self._shm
         mapped = _mapping(self._shm)
@@ -254,8 +256,7 @@ class Slab:
         self._epoch[0] += 1  # nothing a client learned about this slab holds any more
         del self.buf, self._epoch
         _arrays.pop(self.name, None)
-        with contextlib.suppress(BufferError):  # views still referenced (a traceback): the mapping goes with them
-            self._shm.close()
+        _close_when_unexported(self._shm)
         _owned.pop(self.name, None)
         _attached.pop(self.name, None)
         if unlink:
@@ -285,11 +286,48 @@ _arrays: dict[str, np.ndarray] = {}  # each mapping as one uint8 array: clients 
 _attach_lock = threading.Lock()
 
 
+_closing: dict[str, shared_memory.SharedMemory] = {}  # closed slabs whose mapping a live view still exports
+_closing_lock = threading.Lock()
+
+
 @atexit.register
 def _release_arrays() -> None:
     """Drop the cached arrays before the mappings are finalized: a mapping with a live export
     cannot close ("BufferError: cannot close exported pointers exist" at exit)."""
     _arrays.clear()
+    _retry_closing()
+
+
+def _close_when_unexported(shm: shared_memory.SharedMemory) -> None:
+    """Close ``shm`` now, or, while a view of its mapping is still alive, as soon as none is.
+
+    A view can outlive the slab's close legitimately: a caller's lease or allocation, or the frames
+    of a traceback someone keeps (a test's ``pytest.raises``, a logged exception) hold slot views
+    until they are dropped or, in a reference cycle, collected. ``SharedMemory.close`` then raises
+    BufferError, and a SharedMemory dropped in that state raises it again from its ``__del__``
+    (an unraisable "cannot close exported pointers exist", and its fd stays open). So it is kept
+    here, and closed again after every garbage collection (which is what frees views held in
+    cycles), at the next slab's start or close, and at exit: an entry lives only while its views do."""
+    _closing[shm.name] = shm
+    _retry_closing()
+
+
+def _retry_closing(*_: object) -> None:
+    """Close the segments :func:`_close_when_unexported` keeps whose views are gone (also a
+    :data:`gc.callbacks` entry). Skipped when another thread, or a collection inside this one,
+    is already at it: that one closes what can be closed."""
+    if not _closing or not _closing_lock.acquire(blocking=False):
+        return
+    try:
+        for name, shm in list(_closing.items()):
+            with contextlib.suppress(BufferError):  # a view is still alive: the next try
+                shm.close()  # after a failed close, closes the mapping and fd still open
+                del _closing[name]
+    finally:
+        _closing_lock.release()
+
+
+gc.callbacks.append(_retry_closing)
 
 
 def attach(segment: str) -> np.ndarray:

@@ -4,6 +4,10 @@ socket, plus the slab's page bookkeeping on its own."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
+import sys
 from collections.abc import AsyncIterator, Iterator
 from itertools import pairwise
 from pathlib import Path
@@ -316,3 +320,41 @@ def test_every_free_moves_the_epoch_and_the_pool_is_only_cut_when_asked(slab: Sl
     assert int(epoch[0]) == e0 + 2 and pool(slab) == 4
     assert slab.try_alloc(small, grow=False) is None and pool(slab) == 4
     assert slab.fits({small: 64}) and not slab.fits({small: 65})
+
+
+def _segment_fds(name: str) -> list[str]:
+    """This process's descriptors on the shared-memory segment ``name`` (its own and its mapping's)."""
+    found = []
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):  # the descriptor iterdir itself opened, closed by now
+            if (target := os.readlink(fd)).startswith(f"/dev/shm/{name}"):
+                found.append(target)
+    return found
+
+
+@pytest.mark.parametrize("held_by", ["a variable", "a reference cycle"])
+def test_a_slab_closed_under_a_live_view_closes_its_segment_once_the_view_is_gone(held_by: str):
+    """A slot's view can outlive the slab's close: a caller's lease or allocation, the frames of a
+    traceback a test keeps (``pytest.raises``) in a cycle with its own frame. The segment is closed
+    once the last view is gone; its SharedMemory was dropped with the slab instead, and its
+    ``__del__`` raised an unraisable BufferError ("cannot close exported pointers exist", in
+    whichever test the collection happened to run) and left its descriptors open for good."""
+    s = Slab(65536, page_bytes=65536, min_slot_bytes=4096, prefault=False, name_prefix="kvstore-test")
+    name, view = s.name, s.view(s.try_alloc(0), 4096)
+    unraisable: list[Any] = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        s.close()
+        del s
+        gc.collect()
+        assert _segment_fds(name) and unraisable == []  # still mapped: the view reads the slot
+        view[:] = 7
+        if held_by == "a reference cycle":
+            cycle: list[Any] = [view]
+            cycle.append(cycle)
+            del cycle
+        del view
+        gc.collect()  # frees the cycle; and closes what no view exports any more
+    finally:
+        sys.unraisablehook = hook
+    assert [u.exc_value for u in unraisable] == [] and _segment_fds(name) == []
