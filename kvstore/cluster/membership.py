@@ -120,10 +120,13 @@ class Membership:
         """A pass of the walk that deletes void records (:mod:`kvstore.cluster.sweep`)."""
         if not self.up or self.closing:
             return
+        start = time.perf_counter()
         try:
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 await self._sweeper.step()
+            self.round_trip("sweep", start, "ok")
         except (Unavailable, TimeoutError) as exc:
+            self.round_trip("sweep", start, "error")
             self.stats["directory_errors"] += 1
             self.warn.warning("cluster directory sweep failed (tried again next pass): %s", self.why(exc))
 

@@ -69,7 +69,11 @@ FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
     ),
     "peer_fetch": (("outcome",), "fetches of a run of blocks from one peer (ok, short: fewer lent, error)"),
     "peer_answer": (("outcome",), "answers to a peer's fetch: lend, hash and send the run (ok, error)"),
-    "directory": (("op", "outcome"), "round trips to the cluster directory (find, publish, forget, heartbeat)"),
+    "directory": (
+        ("op", "outcome"),
+        "round trips to the cluster directory (find, publish, forget, heartbeat; sweep: one pass of the walk "
+        "that deletes void records, its scan, reads and deletes together)",
+    ),
 }
 
 

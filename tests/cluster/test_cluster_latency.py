@@ -45,3 +45,19 @@ async def test_peer_fetches_answers_and_directory_round_trips_are_timed(
     assert trips_a[("publish", "ok")]["count"] >= 1 and trips_a[("heartbeat", "ok")]["count"] >= 1
     assert trips_b[("find", "ok")]["count"] >= 1
     assert on_b["cluster"]["directory_lookups"] == trips_b[("find", "ok")]["count"]
+
+
+async def test_the_sweeps_passes_are_timed(pair: tuple[Sidecar, Sidecar]) -> None:
+    """Each pass of the walk that deletes void records (kvstore/cluster/sweep.py) is a directory
+    round trip of its own, ``op="sweep"`` (bounded polling: the walk runs on the heartbeat's
+    interval, no timing assumed)."""
+    a, _ = pair
+    async with client_of(a) as ca:
+        for _ in range(400):
+            doc: dict[str, Any] = await ca.stats()
+            trips = rows(doc, "directory", "op", "outcome")
+            if ("sweep", "ok") in trips:
+                break
+            await asyncio.sleep(0.025)
+    assert trips[("sweep", "ok")]["count"] >= 1 and trips[("sweep", "ok")]["sum_s"] > 0
+    assert ("sweep", "error") not in trips
