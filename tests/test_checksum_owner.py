@@ -20,10 +20,9 @@ from pathlib import Path
 
 from kvstore.keys import BlockKey, Namespace
 from kvstore.store.index import Index, State
+from tests.support.source_tree import PACKAGES, parsed_sources, write_tree
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvstore", "connector")
-GENERATED = ("kvstore/v1",)  # protoc's output
 FIELD = "checksum"
 
 # (path, the enclosing function's qualified name) -> why it may write an attribute named checksum
@@ -80,14 +79,10 @@ class _Reader(ast.NodeVisitor):
 def writes(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[Write]:
     """Every write of an attribute named ``checksum`` in ``packages`` under ``root``."""
     out: list[Write] = []
-    for pkg in packages:
-        for path in sorted((root / pkg).rglob("*.py")):
-            rel = path.relative_to(root).as_posix()
-            if "__pycache__" in path.parts or any(rel.startswith(g + "/") for g in GENERATED):
-                continue
-            reader = _Reader(rel)
-            reader.visit(ast.parse(path.read_text(), rel))
-            out += reader.found
+    for rel, tree in parsed_sources(root, packages):
+        reader = _Reader(rel)
+        reader.visit(tree)
+        out += reader.found
     return out
 
 
@@ -154,9 +149,7 @@ def test_the_check_finds_every_kind_of_write(tmp_path: Path) -> None:
         "kvstore/v1/store_pb2.py": "def generated(m):\n    m.checksum = 1\n",
         "connector/ok.py": "def read(b):\n    return b.checksum\n",
     }
-    for rel, text in files.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
+    write_tree(tmp_path, files)
 
     found = writes(tmp_path)
     assert [str(w) for w in found] == [
