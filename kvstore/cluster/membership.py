@@ -154,7 +154,6 @@ class Membership:
                 del self._absent[node]
             self.up = True
             self.stats["heartbeats"] += 1
-            await self._unreadable_members(beat.unreadable, beat.now_ms)
             if beat.incarnation != self.incarnation:
                 # the lease had run out (a pause, a cut, a late heartbeat, with or without a call
                 # failing): a new life, whose records nobody has deleted as void
@@ -179,6 +178,8 @@ class Membership:
             self.unreachable(
                 "heartbeat", start, exc, "cluster directory unreachable (serving local and shared tiers only)"
             )
+            return
+        await self._unreadable_members(beat.unreadable, beat.now_ms)
 
     def count_rejected(self) -> None:
         """Show the directory's count of records and member entries that did not check out (written
@@ -208,10 +209,19 @@ class Membership:
                 next(iter(entries))[:64],
             )
         due = self._unreadable.due(now_ms, self.cfg.lease_ms, FORGET_MEMBERS_BATCH)
-        if due:
+        if not due:
+            return
+        start = time.perf_counter()  # a round trip of its own, after the heartbeat's: op="forget_members"
+        try:
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 self.stats["members_forgotten"] += await self.directory.forget_members(due)
-            self._unreadable.gone(due)
+        except (Unavailable, TimeoutError) as exc:
+            self.unreachable(
+                "forget_members", start, exc, "cluster directory unreachable deleting unreadable members entries"
+            )
+            return
+        self.round_trip("forget_members", start, "ok")
+        self._unreadable.gone(due)
 
     # --- the directory's calls ------------------------------------------------------------
 

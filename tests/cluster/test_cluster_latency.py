@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import redis.asyncio
+
 from kvstore.client import KVStoreClient
+from kvstore.harness.servers import RedisServer
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
 from tests.cluster.nodes import blocks, client_of, keys_for
@@ -61,3 +64,27 @@ async def test_the_sweeps_passes_are_timed(pair: tuple[Sidecar, Sidecar]) -> Non
             await asyncio.sleep(0.025)
     assert trips[("sweep", "ok")]["count"] >= 1 and trips[("sweep", "ok")]["sum_s"] > 0
     assert ("sweep", "error") not in trips
+
+
+async def test_the_deletion_of_unreadable_members_entries_is_timed(
+    pair: tuple[Sidecar, Sidecar], directory: RedisServer
+) -> None:
+    """Deleting members entries nobody can read (kvstore/cluster/unreadable.py), once they have
+    outlasted a lease (1 s here), is a directory round trip of its own after the heartbeat's,
+    ``op="forget_members"`` (bounded polling, no timing assumed)."""
+    a, _ = pair
+    r = redis.asyncio.Redis.from_url(directory.url)
+    try:
+        await r.hset(f"{a.config.cluster.key_prefix}:members", b"junk", b"not|an|entry")
+        async with client_of(a) as ca:
+            for _ in range(400):
+                doc: dict[str, Any] = await ca.stats()
+                trips = rows(doc, "directory", "op", "outcome")
+                if ("forget_members", "ok") in trips:
+                    break
+                await asyncio.sleep(0.025)
+        assert trips[("forget_members", "ok")]["count"] >= 1 and trips[("forget_members", "ok")]["sum_s"] > 0
+        assert ("forget_members", "error") not in trips
+        assert not await r.hexists(f"{a.config.cluster.key_prefix}:members", b"junk")
+    finally:
+        await r.aclose()
