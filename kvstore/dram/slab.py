@@ -50,6 +50,9 @@ class Slot:
     capacity: int
     page: int  # index of the page it is cut from
     holder: Block | None = None  # the block written into it (set by its owner, kvstore.store.space); None once freed
+    # Times it was freed (Slab.free): a block holding it now and as many frees as when it was read has
+    # held it without a break since (slot objects are reused: ``holder is b`` alone does not say so).
+    frees: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -181,6 +184,7 @@ class Slab:
         """Give a slot back; the last one of its page takes the page back to the pool."""
         self._epoch[0] += 1  # before the slot can be handed out again
         slot.holder = None
+        slot.frees += 1
         page = self._pages[slot.page]
         sc = self.classes[slot.cls]
         sc.used -= 1

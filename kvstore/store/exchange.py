@@ -32,7 +32,7 @@ from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, Block, Index, NsEntry, State
 from kvstore.store.remote import PeerBlock
 from kvstore.store.retention import Retention
-from kvstore.store.space import DramSpace
+from kvstore.store.space import DramSpace, held, tenure
 
 
 class Reservation:
@@ -178,8 +178,18 @@ class Exchange:
         try:
             unsealed = [b for b in readable if b.checksum is None]
             if unsealed:
+                tenures = {b: tenure(b) for b in readable}
                 for b, c in zip(unsealed, await checksums([space.view(b) for b in unsealed])):
-                    b.seal(c)  # (sealed meanwhile: the same bytes, kept)
+                    if held(b, tenures[b]):
+                        b.seal(c)  # (sealed meanwhile: the same bytes, kept)
+                # The lease ended while they were hashed (the reaper): the run ends before the first
+                # block that left its slot meanwhile (what was hashed there was not only its bytes).
+                moved = next((i for i, b in enumerate(readable) if not held(b, tenures[b])), None)
+                if moved is not None:
+                    readable = readable[:moved]
+                    if not readable:
+                        release()
+                        return None
             space.touch(readable)
             return Loan([(b.checksum or 0, space.view(b)) for b in readable], release, left_s)
         except BaseException:

@@ -230,6 +230,27 @@ class DramSpace:
         return {**self.slab.occupancy(), "blocks": len(self.policy)}
 
 
+Tenure = tuple[Slot, int]  # a block's slot, and how many times that slot had been freed (:func:`tenure`)
+
+
+def tenure(b: Block) -> Tenure:
+    """``b``'s slot and its count of frees, read before an await that reads the slot's bytes
+    (hashing them); :func:`held` says afterwards whether they were ``b``'s throughout."""
+    slot = b.slot
+    assert slot is not None, "a block without a slot has no bytes in DRAM"
+    return slot, slot.frees
+
+
+def held(b: Block, t: Tenure) -> bool:
+    """Whether ``b`` has held the slot of ``t`` without a break since ``t`` was read, so that
+    what was read from it meanwhile was ``b``'s bytes. Not when it left DRAM meanwhile (evicted
+    or deleted once nothing pinned it: an expired lease, an allocation reclaimed): it may be
+    back in another slot, or in the same one after another block's bytes were there (slot
+    objects are reused, so ``b.slot is slot`` alone does not say)."""
+    slot, frees = t
+    return b.slot is slot and slot.frees == frees
+
+
 def _placed(slot: Slot) -> bool:
     """Whether the slot holds a block placed in DRAM."""
     b = slot.holder
