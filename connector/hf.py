@@ -177,9 +177,10 @@ class HFConnector:
         cache = DynamicCache(ddp_cache_data=data, config=self.model.config)
         return Loaded(cache, m, result, decision, cached, spec.tiers)
 
-    def save(self, token_ids: Sequence[int], cache: Any, *, retain_s: float = 0.0) -> SaveResult | None:
+    def save(self, token_ids: Sequence[int], cache: Any, *, retain_s: float | None = None) -> SaveResult | None:
         """Store the full blocks of ``token_ids`` whose KV is in ``cache`` (sidecar skips known ones).
-        ``retain_s``: retain them that long (connector/core/hints.py; ValueError naming it when bad)."""
+        ``retain_s``: retain them that long (0: end their retention; None: say nothing;
+        connector/core/hints.py; ValueError naming it when bad)."""
         ms = retain_ms(retain_s, "retain_s")
         kv = cache_tensors(cache)
         held = kv[0][0].shape[2] if kv else 0
@@ -222,7 +223,7 @@ class HFConnector:
 
     # --- the two roles ------------------------------------------------------------------------
 
-    def prefill(self, token_ids: Sequence[int], *, save: bool = True, retain_s: float = 0.0) -> Prefill:
+    def prefill(self, token_ids: Sequence[int], *, save: bool = True, retain_s: float | None = None) -> Prefill:
         """Load what is worth loading, compute the rest of the prompt, store its full blocks
         (retained for ``retain_s`` when set: the conversation will come back)."""
         if len(token_ids) == 0:
@@ -254,11 +255,12 @@ class HFConnector:
         return result
 
     def generate(
-        self, token_ids: Sequence[int], max_new_tokens: int, *, save: bool = True, retain_s: float = 0.0
+        self, token_ids: Sequence[int], max_new_tokens: int, *, save: bool = True, retain_s: float | None = None
     ) -> Generation:
         """Greedy decoding after :meth:`prefill`; with ``save`` the generated tokens' full blocks
         are stored too, so the next turn of a conversation finds them; with ``retain_s`` the sidecar
-        retains them that long from the end (an agent's turn that ends in a tool call)."""
+        retains them that long from the end (an agent's turn that ends in a tool call); ``retain_s=0``
+        on the next turn ends the retention of what it continues."""
         pre = self.prefill(token_ids, save=save, retain_s=retain_s)
         tokens: list[int] = []
         logits = [pre.logits]

@@ -43,8 +43,9 @@ What this module adds is only vLLM's call protocol:
 
 * **Retention hints**: a request whose ``kv_transfer_params`` carry ``{"kvstore_retain_s": 60}``
   (an agent's turn that ends in a tool call) has its saves retain its blocks for that long
-  (connector/core/hints.py; the sidecar's soft pin). A hint that is not a number of seconds in
-  0..86400 is logged, naming the field, and the request is served without it.
+  (connector/core/hints.py; the sidecar's soft pin); ``{"kvstore_retain_s": 0}`` on the next turn
+  ends the retention of the blocks it covers (the tool call returned). A hint that is not a number
+  of seconds in 0..86400 is logged, naming the field, and the request is served without it.
 
 Requests with LoRA adapters, multimodal inputs, prompt embeddings or a ``cache_salt`` bypass the
 connector (their KV depends on more than the token ids). Tensor/pipeline parallel size must be 1.
@@ -189,17 +190,17 @@ class _Req:
     request: Any  # vllm.v1.request.Request (live object in the scheduler's process)
     block_ids: list[int] = field(default_factory=list)
     offered: int = 0  # leading full blocks already handed over for saving
-    retain_ms: int = 0  # its retention hint (kv_transfer_params' kvstore_retain_s)
+    retain_ms: int | None = None  # its retention hint (kv_transfer_params' kvstore_retain_s; None: none)
 
 
-def request_retain_ms(request: Request) -> int:
-    """The request's retention hint from its ``kv_transfer_params`` (0: none, or a bad one: logged,
+def request_retain_ms(request: Request) -> int | None:
+    """The request's retention hint from its ``kv_transfer_params`` (None: none, or a bad one: logged,
     naming the field, and the request served without it)."""
     try:
         return retain_ms_of_params(getattr(request, "kv_transfer_params", None))
     except ValueError as exc:
         log.warning("request %s: %s; served without a retention hint", request.request_id, exc)
-        return 0
+        return None
 
 
 def _bypass(request: Request) -> bool:

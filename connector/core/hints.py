@@ -5,6 +5,12 @@ so per request, as vLLM's ``kv_transfer_params`` ``{"kvstore_retain_s": 60}`` or
 ``retain_s`` argument. The saves of that request then retain its blocks (the sidecar's soft pin,
 kvstore/store/retention.py): each save retains every full block of the prompt so far, so the
 retention runs from the request's last save, its end.
+
+A hint of 0 (given, not left out) ends the retention of the blocks the request's saves cover:
+the next turn, sent once the tool call has returned, says the earlier turn's retention has done
+its work (``Retain(keys, 0)``; a turn that ends in a tool call again says its own seconds, which
+keep the later end). That is the rule ``kvstore replay --hints until-continued`` measures, the
+best of those measured (docs/eviction.md, "Retention hints"). No hint (None): nothing is said.
 """
 
 from __future__ import annotations
@@ -16,11 +22,11 @@ RETAIN_KEY = "kvstore_retain_s"  # this connector's hint in kv_transfer_params
 MAX_RETAIN_S = 86_400.0  # the sidecar's limit (kvstore.store.retention.MAX_RETAIN_MS)
 
 
-def retain_ms(seconds: Any, field: str) -> int:
-    """``seconds`` as the sidecar's retain_ms (0: no hint); ValueError naming ``field`` when it
-    is not a number of seconds in [0, 86400]."""
+def retain_ms(seconds: Any, field: str) -> int | None:
+    """``seconds`` as the sidecar's retain_ms (None: no hint; 0: end the retention); ValueError
+    naming ``field`` when it is not a number of seconds in [0, 86400]."""
     if seconds is None:
-        return 0
+        return None
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds):
         raise ValueError(f"{field}: want a number of seconds, got {seconds!r}")
     if not 0 <= seconds <= MAX_RETAIN_S:
@@ -28,8 +34,9 @@ def retain_ms(seconds: Any, field: str) -> int:
     return round(seconds * 1000)
 
 
-def retain_ms_of_params(params: Any) -> int:
-    """The hint in a request's ``kv_transfer_params`` (0: none); ValueError naming the field."""
+def retain_ms_of_params(params: Any) -> int | None:
+    """The hint in a request's ``kv_transfer_params`` (None: none; 0: end the retention);
+    ValueError naming the field."""
     if not isinstance(params, dict) or RETAIN_KEY not in params:
-        return 0
+        return None
     return retain_ms(params[RETAIN_KEY], f"kv_transfer_params.{RETAIN_KEY}")

@@ -45,7 +45,7 @@ class SaveSpec:
     req_id: str
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
-    retain_ms: int = 0  # the request's retention hint (connector/core/hints.py): 0, none
+    retain_ms: int | None = None  # the request's retention hint (connector/core/hints.py): None, none; 0, end it
 
 
 @dataclass(slots=True, frozen=True)

@@ -197,7 +197,7 @@ def save_blocks(
         failure = classify(exc)
         log.warning("save %s: %s (%s); %d blocks not stored", spec.req_id, failure.value, exc, len(spec.keys),
                     exc_info=failure is Failure.ERROR)
-    retained = _retain(client, ns, spec) if spec.retain_ms and failure is None else 0
+    retained = _retain(client, ns, spec) if spec.retain_ms is not None and failure is None else 0
     return SaveResult(
         req_id=spec.req_id,
         written=written,
@@ -210,10 +210,13 @@ def save_blocks(
 
 
 def _retain(client: ConnectorClient, ns: Namespace, spec: SaveSpec) -> int:
-    """Retain every block of a saved spec (written now or there already) for its hint; how many
-    the sidecar retains. A refused hint (the tenant's bound) is logged and costs the save nothing."""
+    """Retain every block of a saved spec (written now or there already) for its hint, or end
+    their retention (a hint of 0); how many the sidecar retains. A refused hint (the tenant's
+    bound) is logged and costs the save nothing."""
+    assert spec.retain_ms is not None
     try:
-        return client.retain(ns, list(spec.keys), spec.retain_ms)
+        found = client.retain(ns, list(spec.keys), spec.retain_ms)
+        return found if spec.retain_ms else 0
     except Exception as exc:
         log.warning("save %s: retention hint of %d ms not taken: %s", spec.req_id, spec.retain_ms, exc,
                     exc_info=classify(exc) is Failure.ERROR)

@@ -222,7 +222,7 @@ class SchedulerConnector:
             )
 
     def schedule_save(
-        self, req_id: str, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int], retain_ms: int = 0
+        self, req_id: str, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int], retain_ms: int | None = None
     ) -> int:
         """Store the full blocks of ``token_ids`` (computed KV in ``block_ids``); returns their count.
 

@@ -63,8 +63,47 @@ def test_kv_transfer_params_hint_reaches_the_sidecar_through_the_save_specs(clie
         worker.close()
     assert retained(client) == 5
     with caplog.at_level(logging.WARNING, logger="connector.vllm"):
-        assert request_retain_ms(SimpleNamespace(request_id="r", kv_transfer_params={"kvstore_retain_s": "1m"})) == 0
+        assert request_retain_ms(SimpleNamespace(request_id="r", kv_transfer_params={"kvstore_retain_s": "1m"})) is None
     assert "kv_transfer_params.kvstore_retain_s: want a number of seconds" in caplog.text
-    assert retain_ms_of_params(None) == retain_ms_of_params({"other": 1}) == 0
+    assert retain_ms_of_params(None) is None and retain_ms_of_params({"other": 1}) is None
     with pytest.raises(ValueError, match="kvstore_retain_s: 100000 is outside"):
         retain_ms_of_params({"kvstore_retain_s": 100_000})
+
+
+def test_hf_next_turn_with_a_hint_of_zero_ends_the_retention_it_continues(
+    tiny_model_dir: Path, client: SyncClient
+) -> None:
+    """The next turn, sent once the tool call returned, says ``retain_s=0``: the turn it continues
+    is retained no longer (the rule ``kvstore replay --hints until-continued`` measures); a turn
+    that says nothing leaves the retention as it was."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    hf = HFConnector(model, client, model_id="tiny-llama", block_size=16)
+    prompt = [(7 * i + 3) % 200 for i in range(50)]
+    first = hf.generate(prompt, 20, retain_s=30)  # 69 tokens: 4 full blocks retained
+    assert retained(client) == 4
+    turn = prompt + first.tokens + [(3 * i + 2) % 200 for i in range(20)]  # the tool's answer appended
+    hf.generate(turn, 2)  # no hint: the retention stays
+    assert retained(client) == 4
+    second = hf.generate(turn, 2, retain_s=0)
+    assert retained(client) == 0
+    assert all(s.retained == 0 and s.failure is None for s in second.saves)
+    assert second.prefill.loaded_tokens >= 64  # it read the first turn's blocks back
+
+
+def test_kv_transfer_params_hint_of_zero_ends_the_retention_through_the_save_specs(client: SyncClient) -> None:
+    sched = SchedulerConnector(client, NS, SPEC)
+    worker = WorkerConnector(client, NS, SPEC)
+    rng = np.random.default_rng(2)
+    worker.register_kv_caches([rng.standard_normal((NB, H, BS, 2 * D)).astype(np.float32) for _ in range(L)])
+    try:
+        turns = (("turn-1", {"kvstore_retain_s": 60}), ("turn-2", {}), ("turn-3", {"kvstore_retain_s": 0}))
+        for req_id, params in turns:
+            ms = request_retain_ms(SimpleNamespace(request_id=req_id, kv_transfer_params=params))
+            sched.schedule_save(req_id, TOKENS, [7, 3, 11, 0, 5], ms)
+            meta = sched.build_connector_meta()
+            assert [s.retain_ms for s in meta.saves] == [{"turn-1": 60_000, "turn-2": None, "turn-3": 0}[req_id]]
+            worker.start(meta)
+            worker.wait_for_saves()
+            assert retained(client) == {"turn-1": 5, "turn-2": 5, "turn-3": 0}[req_id]
+    finally:
+        worker.close()
