@@ -22,8 +22,11 @@ Only the first later request that continues A counts (the next turn); a request 
 has no full block retains nothing.
 
 ``until-continued[:SECONDS]``, a variant: the retention also ends when the continuation arrives
-(the framework knows its tool call returned, and says ``Retain(keys, 0)`` as it sends the next
-turn, which retains what it needs with its own hint); a block a later hint extended keeps that.
+(the framework knows its tool call returned, and says ``Retain(keys, 0)`` for the earlier turn's
+blocks as it sends the next turn, which retains what it needs with its own hint: the connectors'
+hint of 0, connector/core/hints.py). As the sidecar's ``Retain(keys, 0)`` does, it ends the
+retention of every one of those blocks, also where another request's hint extended it (a shared
+system prompt): the sidecar keeps one retention per block, not one per hint.
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ class Hinting:
         for i, (_, j) in enumerate(links):
             if j >= 0:
                 self.ends.setdefault(j, []).append(i)
-        self.held: dict[int, tuple[Retention, list[Block], float]] = {}  # request -> what it retained
+        self.held: dict[int, tuple[Retention, list[Block]]] = {}  # request -> what it retained
         self.clock = TraceClock()
         self.peak = 0  # blocks retained at once, at most (summed over the nodes)
         self.retentions: list[Retention] = []
@@ -147,14 +150,14 @@ class Hinting:
     def at(self, req: Request, j: int = -1) -> None:
         """The clock stands at ``req`` (request ``j``)'s arrival while it is served; with
         ``hints.until_continued``, the requests it continues end their retention now (the
-        framework's Retain(keys, 0)), on the blocks no later hint extended."""
+        framework's Retain(keys, 0): on all their blocks, as the sidecar ends it)."""
         self.clock.now = req.timestamp / 1000.0
         if self.hints.until_continued:
             for i in self.ends.get(j, ()):
                 got = self.held.pop(i, None)
                 if got is not None:
-                    retention, blocks, until = got
-                    retention.retain([b for b in blocks if b.retain_until <= until], 0, 0)
+                    retention, blocks = got
+                    retention.retain(blocks, 0, 0)
 
     def retain(self, retention: Retention, i: int, blocks: Mapping[bytes, Block], keys: Sequence[bytes],
                tier: int) -> None:
@@ -165,5 +168,5 @@ class Hinting:
         held = [b for k in keys[:n] if (b := blocks.get(k)) is not None and b.tiers & tier]
         retention.retain(held, self.hints.retain_ms, 0)
         if self.hints.until_continued:
-            self.held[i] = (retention, held, self.clock.now + self.hints.retain_ms / 1000)
+            self.held[i] = (retention, held)
         self.peak = max(self.peak, sum(r.count() for r in self.retentions))

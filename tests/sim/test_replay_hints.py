@@ -78,6 +78,24 @@ def test_until_continued_ends_the_retention_when_the_next_turn_arrives() -> None
     assert ended.prefix_hits == 4  # retained up to the continuation at 5 s only
 
 
+def test_until_continued_ends_the_retention_as_the_sidecar_does_shared_blocks_too() -> None:
+    """The framework's ``Retain(keys, 0)`` for a turn that came back ends the retention of all its
+    blocks, also of a shared prefix that another conversation's hint extended: the sidecar keeps
+    one retention per block (kvstore/store/retention.py), and the replay does what it does."""
+    t = Trace("shared", [
+        req(0, [1, 2, 3, 4], 16, 0),  # agent A: 4 full blocks, continued at 5 s
+        req(1, [1, 2], 8, 16),  # agent C: A's first 2 blocks, retained to 31 s; continued at 20 s
+        req(5, [1, 2, 3, 4, 5], 20, 0),  # A comes back: A's retention ends, on [1, 2] too
+        *[req(6 + 0.1 * i, [100 + 2 * i, 101 + 2 * i], 8, 0) for i in range(8)],  # 16 other blocks
+        req(20, [1, 2, 9, 10, 11, 12], 24, 0),  # C comes back
+    ], BT)
+    assert continuations(t)[:3] == [4, 2, 0]
+    kept = replay(t, 6, "lru", hints=parse_hints("continuation:30"))
+    ended = replay(t, 6, "lru", hints=parse_hints("until-continued:30"))
+    assert kept.prefix_hits == 2 + 4 + 2  # C finds [1, 2]; A its turn; C its turn, [1, 2]
+    assert ended.prefix_hits == 2 + 4  # [1, 2] went with A's retention, unretained, before C came
+
+
 def test_the_cluster_replay_keeps_a_retained_turn_on_its_node() -> None:
     t = agent_trace(5.0)
     hints = parse_hints("continuation:10")
