@@ -21,12 +21,14 @@ whole prefix, so equal ids at a position mean equal prefixes):
 Only the first later request that continues A counts (the next turn); a request whose prompt
 has no full block retains nothing.
 
-``until-continued[:SECONDS]``, a variant: the retention also ends when the continuation arrives
-(the framework knows its tool call returned, and says ``Retain(keys, 0)`` for the earlier turn's
-blocks as it sends the next turn, which retains what it needs with its own hint: the connectors'
-hint of 0, connector/core/hints.py). As the sidecar's ``Retain(keys, 0)`` does, it ends the
-retention of every one of those blocks, also where another request's hint extended it (a shared
-system prompt): the sidecar keeps one retention per block, not one per hint.
+``until-continued[:SECONDS]``, a variant: the retention also ends when the continuation is
+served (the framework knows its tool call returned, and the next turn says ``Retain(keys, 0)``
+for the earlier turn's blocks after its save, then retains what it needs with its own hint: the
+connectors' hint of 0, connector/core/hints.py). As the sidecar's ``Retain(keys, 0)`` does, it
+ends the retention of every one of those blocks, also where another request's hint extended it (a
+shared system prompt): the sidecar keeps one retention per block, not one per hint. And as that
+call does, it acts on the cache that serves the next turn only: in a cluster replay whose routing
+sends it elsewhere, the earlier turn's node keeps its copies retained until their time runs out.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ class Hinting:
         for i, (_, j) in enumerate(links):
             if j >= 0:
                 self.ends.setdefault(j, []).append(i)
-        self.held: dict[int, tuple[Retention, list[Block]]] = {}  # request -> what it retained
+        self.held: dict[int, list[bytes]] = {}  # request -> the keys it retained
         self.clock = TraceClock()
         self.peak = 0  # blocks retained at once, at most (summed over the nodes)
         self.retentions: list[Retention] = []
@@ -147,26 +149,27 @@ class Hinting:
         self.retentions.append(r)
         return r
 
-    def at(self, req: Request, j: int = -1) -> None:
-        """The clock stands at ``req`` (request ``j``)'s arrival while it is served; with
-        ``hints.until_continued``, the requests it continues end their retention now (the
-        framework's Retain(keys, 0): on all their blocks, as the sidecar ends it)."""
+    def at(self, req: Request) -> None:
+        """The clock stands at ``req``'s arrival while it is served."""
         self.clock.now = req.timestamp / 1000.0
-        if self.hints.until_continued:
-            for i in self.ends.get(j, ()):
-                got = self.held.pop(i, None)
-                if got is not None:
-                    retention, blocks = got
-                    retention.retain(blocks, 0, 0)
 
     def retain(self, retention: Retention, i: int, blocks: Mapping[bytes, Block], keys: Sequence[bytes],
                tier: int) -> None:
-        """Request ``i``, served: retain its continued blocks that ``tier`` of this cache holds."""
+        """Request ``i``, served by the cache of ``retention`` and ``blocks``: with
+        ``hints.until_continued``, the requests it continues end their retention in that cache
+        first (the framework's Retain(keys, 0) after the save: on all their blocks held there, as
+        the sidecar ends it, and in no other cache); then it retains its continued blocks that
+        ``tier`` of this cache holds."""
+        if self.hints.until_continued:
+            for a in self.ends.get(i, ()):
+                ended = self.held.pop(a, None)
+                if ended is not None:
+                    retention.retain([b for k in ended if (b := blocks.get(k)) is not None and b.tiers], 0, 0)
         n = self.keep[i]
         if not n:
             return
         held = [b for k in keys[:n] if (b := blocks.get(k)) is not None and b.tiers & tier]
         retention.retain(held, self.hints.retain_ms, 0)
         if self.hints.until_continued:
-            self.held[i] = (retention, held)
+            self.held[i] = list(keys[:n])
         self.peak = max(self.peak, sum(r.count() for r in self.retentions))

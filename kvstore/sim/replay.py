@@ -173,7 +173,7 @@ class _Replay:
         refs = 0
         for ri, req in enumerate(trace.requests):
             if hinting is not None:
-                hinting.at(req, ri)
+                hinting.at(req)
             keys = index_keys(req)
             refs += len(keys)
             serve(req, keys)

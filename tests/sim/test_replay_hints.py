@@ -105,6 +105,24 @@ def test_the_cluster_replay_keeps_a_retained_turn_on_its_node() -> None:
         assert (plain.prefix_hits, kept.prefix_hits) == (0, 4), mode
 
 
+def test_until_continued_ends_the_retention_only_on_the_node_the_next_turn_reaches() -> None:
+    """The next turn's ``Retain(keys, 0)`` reaches the sidecar that serves it: routed to another
+    node, it ends nothing on the node that retained the earlier turn, whose copies keep their
+    retention until it runs out (docs/architecture.md, "Retention hints")."""
+    fill = [req(6 + 0.1 * i, [100 + 2 * i, 101 + 2 * i], 8, 0) for i in range(8)]  # 2 blocks each
+    t = Trace("two-nodes", [
+        req(0, [1, 2, 3, 4], 16, 0),  # A, on node 0: 4 full blocks, continued by B, retained to 30 s
+        req(5, [1, 2, 3, 4, 5], 20, 0),  # B, A's next turn, on node 1 (round-robin)
+        *[r for pair in zip(fill[::2], fill[1::2]) for r in pair],  # 4 prompts to each node
+        req(10, [1, 2, 3, 4, 9], 20, 0),  # D, on node 0: A's prompt, another question
+    ], BT)
+    assert continuations(t)[:2] == [4, 0]
+    kept = replay_cluster(t, 2, 6, "isolated", "round-robin", "lru", hints=parse_hints("continuation:30"))
+    ended = replay_cluster(t, 2, 6, "isolated", "round-robin", "lru", hints=parse_hints("until-continued:30"))
+    assert kept.prefix_hits == 4  # D finds A's blocks, kept on node 0 by A's retention
+    assert ended.prefix_hits == 4  # B's Retain(keys, 0) went to node 1: node 0 kept them too
+
+
 def test_the_json_has_hints_vs_none_per_policy(tmp_path, capsys) -> None:
     path = tmp_path / "agent.jsonl"
     agent_trace(5.0).to_jsonl(path)
