@@ -72,7 +72,8 @@ FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
     "directory": (
         ("op", "outcome"),
         "round trips to the cluster directory (find, publish, forget, heartbeat; sweep: one pass of the walk "
-        "that deletes void records, its scan, reads and deletes together)",
+        "that deletes void records, its scan, reads and deletes together; forget_members: the deletion of "
+        "members entries nobody could read for a lease, after the heartbeat that found them due)",
     ),
 }
 

@@ -4,7 +4,9 @@ timed by transport, method and outcome through a real sidecar, on /stats and /me
 from __future__ import annotations
 
 import asyncio
+import re
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -56,6 +58,18 @@ def test_a_series_has_its_familys_labels():
     assert row["tier"] == "ssd" and row["outcome"] == "ok"
     assert row["count"] == 1 and row["buckets"][BOUNDS_S.index(5e-3)] == 1
     assert set(lat.snapshot()) == {"bounds_s", *FAMILIES}
+
+
+def test_the_directory_familys_help_names_every_op_the_operations_guide_lists():
+    """/metrics' HELP line of ``kvstore_directory_duration_seconds`` and docs/operations.md's
+    table of latency families name the same round trips (op="forget_members" was in the guide
+    only: a scrape's reader could not tell what it was)."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    [row] = [line for line in guide.splitlines() if line.strip().startswith("| `directory` | `op` (")]
+    listed = re.findall(r"`(\w+)`", row.split("`op` (", 1)[1].split(")", 1)[0])
+    assert "heartbeat" in listed and "forget_members" in listed
+    helped = set(re.findall(r"\w+", FAMILIES["directory"][1]))
+    assert [op for op in listed if op not in helped] == []
 
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
