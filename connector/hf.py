@@ -225,7 +225,8 @@ class HFConnector:
 
     def prefill(self, token_ids: Sequence[int], *, save: bool = True, retain_s: float | None = None) -> Prefill:
         """Load what is worth loading, compute the rest of the prompt, store its full blocks
-        (retained for ``retain_s`` when set: the conversation will come back)."""
+        (retained for ``retain_s`` when it is more than 0: the conversation will come back; 0 ends
+        their retention, after the load: the turn it continues has come back)."""
         if len(token_ids) == 0:
             raise ValueError("prefill: empty prompt")
         retain_ms(retain_s, "retain_s")  # refused before any work
