@@ -197,7 +197,10 @@ def save_blocks(
         failure = classify(exc)
         log.warning("save %s: %s (%s); %d blocks not stored", spec.req_id, failure.value, exc, len(spec.keys),
                     exc_info=failure is Failure.ERROR)
-    retained = _retain(client, ns, spec) if spec.retain_ms is not None and failure is None else 0
+    # A hint to retain follows a save that stood; an end (0) is sent however the save went: the
+    # turn it ends does not depend on this one's blocks.
+    end = spec.retain_ms == 0
+    retained = _retain(client, ns, spec) if end or (spec.retain_ms and failure is None) else 0
     return SaveResult(
         req_id=spec.req_id,
         written=written,
@@ -218,6 +221,6 @@ def _retain(client: ConnectorClient, ns: Namespace, spec: SaveSpec) -> int:
         found = client.retain(ns, list(spec.keys), spec.retain_ms)
         return found if spec.retain_ms else 0
     except Exception as exc:
-        log.warning("save %s: retention hint of %d ms not taken: %s", spec.req_id, spec.retain_ms, exc,
-                    exc_info=classify(exc) is Failure.ERROR)
+        what = f"retention hint of {spec.retain_ms} ms not taken" if spec.retain_ms else "retention not ended"
+        log.warning("save %s: %s: %s", spec.req_id, what, exc, exc_info=classify(exc) is Failure.ERROR)
         return 0

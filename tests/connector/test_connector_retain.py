@@ -107,3 +107,27 @@ def test_kv_transfer_params_hint_of_zero_ends_the_retention_through_the_save_spe
             assert retained(client) == {"turn-1": 5, "turn-2": 5, "turn-3": 0}[req_id]
     finally:
         worker.close()
+
+
+def test_a_hint_of_zero_ends_the_retention_even_when_its_save_fails(client: SyncClient, caplog) -> None:
+    """The end of a retention does not depend on the next turn's own blocks being stored: a save
+    that fails (here engine block ids past the registered caches: an error on the worker) still
+    ends the retention of the blocks it names."""
+    sched = SchedulerConnector(client, NS, SPEC)
+    worker = WorkerConnector(client, NS, SPEC)
+    rng = np.random.default_rng(3)
+    worker.register_kv_caches([rng.standard_normal((NB, H, BS, 2 * D)).astype(np.float32) for _ in range(L)])
+    try:
+        sched.schedule_save("turn-1", TOKENS, [7, 3, 11, 0, 5], 60_000)
+        worker.start(sched.build_connector_meta())
+        worker.wait_for_saves()
+        assert retained(client) == 5
+        turn = TOKENS[:20] + [200, 201, 202, 203]  # turn 1's 5 blocks, then a new one, from a bad engine block
+        sched.schedule_save("turn-2", turn, [7, 3, 11, 0, 5, NB + 50], 0)
+        worker.start(sched.build_connector_meta())
+        with caplog.at_level(logging.WARNING):
+            [done] = worker.wait_for_saves()
+        assert done.failure is not None and done.written == 0
+        assert retained(client) == 0
+    finally:
+        worker.close()
