@@ -96,7 +96,8 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--hints", metavar="KIND[:SECONDS]",
                    help="also replay with retention hints: 'continuation' retains a request's blocks for SECONDS "
                         "(default 60) when a later request continues it; 'until-continued' also ends the retention "
-                        "when that request arrives (docs/eviction.md)")
+                        "once that request is served, where it is served (the connectors' hint of 0), "
+                        "'until-returned' when it arrives, where the earlier one was served (docs/eviction.md)")
     p.set_defaults(func=run)
 
 

@@ -462,7 +462,7 @@ def _replay_requests(
         if directory is not None:
             directory.now_ms = req.timestamp
         if hinting is not None:
-            hinting.at(req)
+            hinting.at(req, ri)
         node = router.pick(req)
         node.requests += 1
         _serve(node, members, directory, req, bt, res)

@@ -29,6 +29,12 @@ ends the retention of every one of those blocks, also where another request's hi
 shared system prompt): the sidecar keeps one retention per block, not one per hint. And as that
 call does, it acts on the cache that serves the next turn only: in a cluster replay whose routing
 sends it elsewhere, the earlier turn's node keeps its copies retained until their time runs out.
+
+``until-returned[:SECONDS]``, the other way to end it: the framework itself says ``Retain(keys, 0)``
+to the sidecar that served the earlier turn (it routed the turn, so it knows which) when the tool
+call returns, at the next turn's arrival, before it is served: on all the turn's blocks in that
+cache, and in no other (copies other nodes fetched keep theirs). Under routing that sends a
+continuation to its prefix the two are one cache; under round-robin they are not.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import Block
 from kvstore.store.retention import Retention
 
-KINDS = ("continuation", "until-continued")
+KINDS = ("continuation", "until-continued", "until-returned")
+ENDS = {"until-continued": "next-turn", "until-returned": "origin"}  # where the retention is ended
 DEFAULT_SECONDS = 60.0
 
 
@@ -49,7 +56,7 @@ DEFAULT_SECONDS = 60.0
 class Hints:
     kind: str
     seconds: float
-    until_continued: bool = False  # a variant: the retention also ends when the continuation arrives
+    end: str = ""  # the variants: "next-turn" or "origin" (:data:`ENDS`); "": the retention runs out
 
     @property
     def retain_ms(self) -> int:
@@ -70,7 +77,7 @@ def parse_hints(text: str) -> Hints:
         raise InvalidArgument(f"--hints: {secs!r} is not a number of seconds") from None
     if not 0 < seconds <= 86_400:
         raise InvalidArgument(f"--hints: seconds must be in (0, 86400], got {secs}")
-    return Hints(kind, seconds, until_continued=kind == "until-continued")
+    return Hints(kind, seconds, end=ENDS.get(kind, ""))
 
 
 def full_blocks(trace: Trace, i: int) -> int:
@@ -139,6 +146,7 @@ class Hinting:
             if j >= 0:
                 self.ends.setdefault(j, []).append(i)
         self.held: dict[int, list[bytes]] = {}  # request -> the keys it retained
+        self.origin: dict[int, tuple[Retention, Mapping[bytes, Block]]] = {}  # request -> the cache that served it
         self.clock = TraceClock()
         self.peak = 0  # blocks retained at once, at most (summed over the nodes)
         self.retentions: list[Retention] = []
@@ -149,18 +157,27 @@ class Hinting:
         self.retentions.append(r)
         return r
 
-    def at(self, req: Request) -> None:
-        """The clock stands at ``req``'s arrival while it is served."""
+    def at(self, req: Request, j: int = -1) -> None:
+        """The clock stands at ``req`` (request ``j``)'s arrival while it is served; with
+        ``until-returned``, the requests it continues end their retention now, in the caches that
+        served them (the framework's Retain(keys, 0) there: on all their blocks, as the sidecar
+        ends it)."""
         self.clock.now = req.timestamp / 1000.0
+        if self.hints.end == "origin":
+            for a in self.ends.get(j, ()):
+                keys = self.held.pop(a, None)
+                if keys is not None:
+                    retention, blocks = self.origin.pop(a)
+                    retention.retain([b for k in keys if (b := blocks.get(k)) is not None and b.tiers], 0, 0)
 
     def retain(self, retention: Retention, i: int, blocks: Mapping[bytes, Block], keys: Sequence[bytes],
                tier: int) -> None:
         """Request ``i``, served by the cache of ``retention`` and ``blocks``: with
-        ``hints.until_continued``, the requests it continues end their retention in that cache
+        ``until-continued``, the requests it continues end their retention in that cache
         first (the framework's Retain(keys, 0) after the save: on all their blocks held there, as
         the sidecar ends it, and in no other cache); then it retains its continued blocks that
         ``tier`` of this cache holds."""
-        if self.hints.until_continued:
+        if self.hints.end == "next-turn":
             for a in self.ends.get(i, ()):
                 ended = self.held.pop(a, None)
                 if ended is not None:
@@ -170,6 +187,7 @@ class Hinting:
             return
         held = [b for k in keys[:n] if (b := blocks.get(k)) is not None and b.tiers & tier]
         retention.retain(held, self.hints.retain_ms, 0)
-        if self.hints.until_continued:
+        if self.hints.end:
             self.held[i] = list(keys[:n])
+            self.origin[i] = (retention, blocks)
         self.peak = max(self.peak, sum(r.count() for r in self.retentions))

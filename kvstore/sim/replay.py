@@ -173,7 +173,7 @@ class _Replay:
         refs = 0
         for ri, req in enumerate(trace.requests):
             if hinting is not None:
-                hinting.at(req)
+                hinting.at(req, ri)
             keys = index_keys(req)
             refs += len(keys)
             serve(req, keys)

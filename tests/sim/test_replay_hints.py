@@ -38,7 +38,8 @@ def test_a_request_is_continued_when_a_later_prompt_holds_its_whole_turn() -> No
 def test_hints_parse_with_a_default_and_bad_ones_name_the_flag() -> None:
     assert parse_hints("continuation").seconds == 60.0
     assert parse_hints("continuation:2.5").retain_ms == 2500
-    assert parse_hints("until-continued:5").until_continued and not parse_hints("continuation").until_continued
+    assert parse_hints("until-continued:5").end == "next-turn" and parse_hints("until-returned").end == "origin"
+    assert not parse_hints("continuation").end
     for bad in ("keepall", "continuation:x", "continuation:0", "continuation:-1"):
         with pytest.raises(InvalidArgument, match="--hints"):
             parse_hints(bad)
@@ -91,9 +92,10 @@ def test_until_continued_ends_the_retention_as_the_sidecar_does_shared_blocks_to
     ], BT)
     assert continuations(t)[:3] == [4, 2, 0]
     kept = replay(t, 6, "lru", hints=parse_hints("continuation:30"))
-    ended = replay(t, 6, "lru", hints=parse_hints("until-continued:30"))
     assert kept.prefix_hits == 2 + 4 + 2  # C finds [1, 2]; A its turn; C its turn, [1, 2]
-    assert ended.prefix_hits == 2 + 4  # [1, 2] went with A's retention, unretained, before C came
+    for kind in ("until-continued", "until-returned"):  # (one cache: the next turn's, the earlier one's)
+        ended = replay(t, 6, "lru", hints=parse_hints(f"{kind}:30"))
+        assert ended.prefix_hits == 2 + 4, kind  # [1, 2] went with A's retention, unretained, before C came
 
 
 def test_the_cluster_replay_keeps_a_retained_turn_on_its_node() -> None:
@@ -121,6 +123,8 @@ def test_until_continued_ends_the_retention_only_on_the_node_the_next_turn_reach
     ended = replay_cluster(t, 2, 6, "isolated", "round-robin", "lru", hints=parse_hints("until-continued:30"))
     assert kept.prefix_hits == 4  # D finds A's blocks, kept on node 0 by A's retention
     assert ended.prefix_hits == 4  # B's Retain(keys, 0) went to node 1: node 0 kept them too
+    returned = replay_cluster(t, 2, 6, "isolated", "round-robin", "lru", hints=parse_hints("until-returned:30"))
+    assert returned.prefix_hits == 0  # the framework's Retain(keys, 0) went to node 0, which served A
 
 
 def test_the_json_has_hints_vs_none_per_policy(tmp_path, capsys) -> None:
