@@ -122,7 +122,7 @@ def test_a_hint_of_zero_ends_the_retention_even_when_its_save_fails(client: Sync
         worker.start(sched.build_connector_meta())
         worker.wait_for_saves()
         assert retained(client) == 5
-        turn = TOKENS[:20] + [200, 201, 202, 203]  # turn 1's 5 blocks, then a new one, from a bad engine block
+        turn = [*TOKENS[:20], 200, 201, 202, 203]  # turn 1's 5 blocks, then a new one, from a bad engine block
         sched.schedule_save("turn-2", turn, [7, 3, 11, 0, 5, NB + 50], 0)
         worker.start(sched.build_connector_meta())
         with caplog.at_level(logging.WARNING):
