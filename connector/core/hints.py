@@ -9,8 +9,12 @@ retention runs from the request's last save, its end.
 A hint of 0 (given, not left out) ends the retention of the blocks the request's saves cover:
 the next turn, sent once the tool call has returned, says the earlier turn's retention has done
 its work (``Retain(keys, 0)``; a turn that ends in a tool call again says its own seconds, which
-keep the later end). That is the rule ``kvstore replay --hints until-continued`` measures, the
-best of those measured (docs/eviction.md, "Retention hints"). No hint (None): nothing is said.
+keep the later end). That is the rule ``kvstore replay --hints until-continued`` measures
+(docs/eviction.md, "Retention hints"): a long hint (600 s) ended so gives 1.4-2.5x the prefix hit
+rate at 1% of one node, and holds over 8 nodes under prefix routing, where the next turn runs on
+the node holding the turn it continues. Like every Retain it acts on the sidecar it reaches, so
+under other routing the framework ends the retention on the sidecar that served the earlier turn
+(``until-returned``). No hint (None): nothing is said.
 """
 
 from __future__ import annotations
