@@ -8,7 +8,8 @@ Spec: ``model``, ``block_size``, ``num_blocks``, ``max_model_len``, ``dtype``, `
 prompt_tokens_by_source deltas), paced: bool (each request or batch round waits for its turn),
 handoff_out: DIR (after request i, its output's ``kv_transfer_params`` go to DIR/i.json),
 handoff_in: DIR (request i is sent with the ``kv_transfer_params`` in DIR/i.json, as a P/D proxy
-passes a prefill's on to the decode request), skip_cache: bool (``skip_reading_prefix_cache``:
+passes a prefill's on to the decode request), params: [dict or null] (request i's own
+``kv_transfer_params``, a retention hint), skip_cache: bool (``skip_reading_prefix_cache``:
 nothing is loaded, neither from vLLM's own cache nor from the connector -- a recompute)}``, ``out``,
 ``pace`` (set by :class:`~kvstore.harness.instance.Instance`).
 """
@@ -183,7 +184,9 @@ def _requests(eng: _Engine, ph: dict[str, Any], pace: dict[str, int] | None) -> 
         if ph.get("warm"):
             eng.gen([p], ph["max_tokens"])  # the prompt is now in vLLM's own cache
         time.sleep(ph.get("gap_s", 0.0))  # idle time before the request arrives
-        params = read_handoff(ph["handoff_in"], i) if ph.get("handoff_in") else None
+        params = ph["params"][i] if ph.get("params") else None  # its own kv_transfer_params
+        if ph.get("handoff_in"):
+            params = read_handoff(ph["handoff_in"], i)
         before = _by_source(eng.llm) if ph.get("stats", True) else {}
         eng.hooks.take()
         [o], dt = eng.gen([p], ph["max_tokens"], params, bool(ph.get("skip_cache")))

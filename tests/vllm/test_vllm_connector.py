@@ -7,6 +7,7 @@
    another PYTHONHASHSEED) loads and decodes; outputs equal the no-connector run.
 3. Failures: sidecar down, or a block corrupted in the sidecar's DRAM -> vLLM recomputes, the
    output is still right, and the failure is counted.
+4. Retention hints in ``kv_transfer_params``: a turn retains its blocks, the next turn ends that.
 """
 
 from __future__ import annotations
@@ -91,3 +92,24 @@ def test_corrupted_block_is_recomputed_and_counted(tiny_model: Path, reference, 
     assert worker["failures"] == {"load.checksum": 1}
     assert worker["loaded_blocks"] == 3
     assert sched["recomputed_after_failed_load_blocks"] == loadable(DOC_3) // BS - 3
+
+
+def retained(url: str) -> int:
+    with SyncClient(url) as c:
+        return int(c.stats()["retained"]["blocks"])
+
+
+def test_a_turn_retains_its_blocks_and_the_next_turn_ends_that(tiny_model: Path, reference, sidecar) -> None:
+    """Retention hints through vLLM's own request path (``SamplingParams.extra_args
+    ["kv_transfer_params"]``): an agent's turn ending in a tool call retains its blocks; the next
+    turn, sent once the tool returned, carries ``{"kvstore_retain_s": 0}`` and ends it."""
+    kv = kvstore_config(sidecar.grpc)
+    first = instance(tiny_model, kv, [{"name": "turn", "prompts": [DOC_1], "max_tokens": NEW,
+                                       "params": [{"kvstore_retain_s": 60}]}])
+    assert outputs(first, "turn") == [reference[tuple(DOC_1)]]
+    assert retained(sidecar.grpc) == len(DOC_1) // BS  # the prompt's full blocks
+    nxt = [*DOC_1, *outputs(first, "turn")[0], *FOLLOW_UP[8 * BS :]]  # the turn, then the tool's answer
+    second = instance(tiny_model, kv, [{"name": "next", "prompts": [nxt], "max_tokens": NEW,
+                                        "params": [{"kvstore_retain_s": 0}]}])
+    assert by_source(second, "next")[0]["external_kv_transfer"] >= len(DOC_1) // BS * BS  # the turn, loaded
+    assert retained(sidecar.grpc) == 0
