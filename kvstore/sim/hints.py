@@ -145,8 +145,9 @@ class Hinting:
         for i, (_, j) in enumerate(links):
             if j >= 0:
                 self.ends.setdefault(j, []).append(i)
-        self.held: dict[int, list[bytes]] = {}  # request -> the keys it retained
-        self.origin: dict[int, tuple[Retention, Mapping[bytes, Block]]] = {}  # request -> the cache that served it
+        self.held: dict[int, list[bytes]] = {}  # request -> the keys it retained, until its next turn
+        # with until-returned, request -> the cache that served it (popped with ``held``)
+        self.origin: dict[int, tuple[Retention, Mapping[bytes, Block]]] = {}
         self.clock = TraceClock()
         self.peak = 0  # blocks retained at once, at most (summed over the nodes)
         self.retentions: list[Retention] = []
@@ -189,5 +190,6 @@ class Hinting:
         retention.retain(held, self.hints.retain_ms, 0)
         if self.hints.end:
             self.held[i] = list(keys[:n])
+        if self.hints.end == "origin":
             self.origin[i] = (retention, blocks)
         self.peak = max(self.peak, sum(r.count() for r in self.retentions))

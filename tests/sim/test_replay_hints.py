@@ -11,10 +11,10 @@ import pytest
 from kvstore.cli import main
 from kvstore.errors import InvalidArgument
 from kvstore.sim.cluster import replay_cluster
-from kvstore.sim.hints import continuations, parse_hints
-from kvstore.sim.replay import TierSpec, replay
+from kvstore.sim.hints import Hinting, continuations, parse_hints
+from kvstore.sim.replay import TierSpec, index_keys, replay
 from kvstore.sim.traces import Request, Trace
-from kvstore.store.index import TierId
+from kvstore.store.index import DRAM, TierId
 
 BT = 4  # tokens per block in these traces
 
@@ -96,6 +96,21 @@ def test_until_continued_ends_the_retention_as_the_sidecar_does_shared_blocks_to
     for kind in ("until-continued", "until-returned"):  # (one cache: the next turn's, the earlier one's)
         ended = replay(t, 6, "lru", hints=parse_hints(f"{kind}:30"))
         assert ended.prefix_hits == 2 + 4, kind  # [1, 2] went with A's retention, unretained, before C came
+
+
+@pytest.mark.parametrize("kind", ["until-continued", "until-returned"])
+def test_a_turn_whose_next_turn_came_leaves_nothing_behind(kind: str) -> None:
+    """What a hint that ends keeps per turn (its keys, the cache that served it) goes when the
+    next turn ends the retention: a long trace's replay holds only the turns still awaited."""
+    t = agent_trace(5.0)  # the first request is continued by the last; none other is continued
+    hinting = Hinting(t, parse_hints(f"{kind}:30"))
+    retention = hinting.retention()
+    for i, r in enumerate(t.requests):
+        hinting.at(r, i)
+        hinting.retain(retention, i, {}, index_keys(r), DRAM)
+        if i == 0:
+            assert list(hinting.held) == [0]  # awaiting its next turn
+    assert hinting.held == {} and hinting.origin == {}
 
 
 def test_the_cluster_replay_keeps_a_retained_turn_on_its_node() -> None:
