@@ -104,8 +104,10 @@ def test_a_turn_retains_its_blocks_and_the_next_turn_ends_that(tiny_model: Path,
     ["kv_transfer_params"]``): an agent's turn ending in a tool call retains its blocks; the next
     turn, sent once the tool returned, carries ``{"kvstore_retain_s": 0}`` and ends it."""
     kv = kvstore_config(sidecar.grpc)
+    # An hour: the retention must outlast the next instance's start, or it runs out by itself and
+    # the last assertion holds without the hint of 0 (a minute did, on a slow start).
     first = instance(tiny_model, kv, [{"name": "turn", "prompts": [DOC_1], "max_tokens": NEW,
-                                       "params": [{"kvstore_retain_s": 60}]}])
+                                       "params": [{"kvstore_retain_s": 3600}]}])
     assert outputs(first, "turn") == [reference[tuple(DOC_1)]]
     assert retained(sidecar.grpc) == len(DOC_1) // BS  # the prompt's full blocks
     nxt = [*DOC_1, *outputs(first, "turn")[0], *FOLLOW_UP[8 * BS :]]  # the turn, then the tool's answer
