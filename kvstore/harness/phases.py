@@ -185,8 +185,8 @@ def _requests(eng: _Engine, ph: dict[str, Any], pace: dict[str, int] | None) -> 
             eng.gen([p], ph["max_tokens"])  # the prompt is now in vLLM's own cache
         time.sleep(ph.get("gap_s", 0.0))  # idle time before the request arrives
         params = ph["params"][i] if ph.get("params") else None  # its own kv_transfer_params
-        if ph.get("handoff_in"):
-            params = read_handoff(ph["handoff_in"], i)
+        if ph.get("handoff_in"):  # a prefill's handoff params, with the request's own beside them
+            params = {**(params or {}), **(read_handoff(ph["handoff_in"], i) or {})} or None
         before = _by_source(eng.llm) if ph.get("stats", True) else {}
         eng.hooks.take()
         [o], dt = eng.gen([p], ph["max_tokens"], params, bool(ph.get("skip_cache")))

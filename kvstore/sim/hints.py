@@ -158,7 +158,7 @@ class Hinting:
         self.retentions.append(r)
         return r
 
-    def at(self, req: Request, j: int = -1) -> None:
+    def at(self, req: Request, j: int) -> None:
         """The clock stands at ``req`` (request ``j``)'s arrival while it is served; with
         ``until-returned``, the requests it continues end their retention now, in the caches that
         served them (the framework's Retain(keys, 0) there: on all their blocks, as the sidecar
