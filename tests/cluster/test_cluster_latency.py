@@ -4,6 +4,7 @@ fetches (the fetcher's side), answers (the holder's) and directory round trips."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio
@@ -19,15 +20,27 @@ def rows(doc: dict, family: str, *labels: str) -> dict[tuple[str, ...], dict]:
     return {tuple(r[n] for n in labels): r for r in doc["latency"][family]}
 
 
-async def once_answered(holder: KVStoreClient) -> dict[str, Any]:
-    """The holder's stats once its answer is counted: it is observed as the send's task ends, which
-    may come after the fetcher has every byte (bounded polling, no timing assumed)."""
+async def stats_once(client: KVStoreClient, ready: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The sidecar's stats once ``ready`` holds of them (bounded polling, no timing assumed): the
+    last ones read if it never does."""
     for _ in range(400):
-        doc: dict[str, Any] = await holder.stats()
-        if doc["latency"]["peer_answer"]:
+        doc: dict[str, Any] = await client.stats()
+        if ready(doc):
             break
         await asyncio.sleep(0.025)
     return doc
+
+
+async def once_answered(holder: KVStoreClient) -> dict[str, Any]:
+    """The holder's stats once its answer is counted: it is observed as the send's task ends, which
+    may come after the fetcher has every byte."""
+    return await stats_once(holder, lambda doc: bool(doc["latency"]["peer_answer"]))
+
+
+async def trips_once(client: KVStoreClient, op: str) -> dict[tuple[str, ...], dict]:
+    """The directory round trips by (op, outcome) once one of ``op`` has ended ok."""
+    doc = await stats_once(client, lambda d: (op, "ok") in rows(d, "directory", "op", "outcome"))
+    return rows(doc, "directory", "op", "outcome")
 
 
 async def test_peer_fetches_answers_and_directory_round_trips_are_timed(
@@ -56,12 +69,7 @@ async def test_the_sweeps_passes_are_timed(pair: tuple[Sidecar, Sidecar]) -> Non
     interval, no timing assumed)."""
     a, _ = pair
     async with client_of(a) as ca:
-        for _ in range(400):
-            doc: dict[str, Any] = await ca.stats()
-            trips = rows(doc, "directory", "op", "outcome")
-            if ("sweep", "ok") in trips:
-                break
-            await asyncio.sleep(0.025)
+        trips = await trips_once(ca, "sweep")
     assert trips[("sweep", "ok")]["count"] >= 1 and trips[("sweep", "ok")]["sum_s"] > 0
     assert ("sweep", "error") not in trips
 
@@ -77,12 +85,7 @@ async def test_the_deletion_of_unreadable_members_entries_is_timed(
     try:
         await r.hset(f"{a.config.cluster.key_prefix}:members", b"junk", b"not|an|entry")
         async with client_of(a) as ca:
-            for _ in range(400):
-                doc: dict[str, Any] = await ca.stats()
-                trips = rows(doc, "directory", "op", "outcome")
-                if ("forget_members", "ok") in trips:
-                    break
-                await asyncio.sleep(0.025)
+            trips = await trips_once(ca, "forget_members")
         assert trips[("forget_members", "ok")]["count"] >= 1 and trips[("forget_members", "ok")]["sum_s"] > 0
         assert ("forget_members", "error") not in trips
         assert not await r.hexists(f"{a.config.cluster.key_prefix}:members", b"junk")

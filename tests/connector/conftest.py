@@ -10,6 +10,7 @@ import pytest
 
 from kvstore.client import SyncClient
 from kvstore.harness.sidecar import ServeProcess
+from tests.support.sidecar_args import loopback_args
 
 SIDECAR_DRAM_BYTES = 64 << 20
 
@@ -22,8 +23,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def serve_args(data_dir: Path, dram_bytes: int = SIDECAR_DRAM_BYTES) -> list[str]:
-    return ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(data_dir),
-            "--dram-bytes", str(dram_bytes), "--log-format", "text"]
+    return [*loopback_args(data_dir, dram_bytes), "--log-format", "text"]
 
 
 @pytest.fixture

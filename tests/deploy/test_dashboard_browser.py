@@ -18,6 +18,7 @@ from traffic import one_round
 
 from kvstore.client import SyncClient
 from kvstore.commands.stats import latency_rows, seconds
+from tests.support.sidecar_args import loopback_args
 
 CHROMIUM = os.environ.get("KVSTORE_CHROMIUM", "/usr/bin/chromium")
 TOKEN = "dashboard-token"
@@ -96,8 +97,7 @@ def painted_pixels(page: Page, canvas_id: str) -> int:
 
 def test_dashboard_renders_live_charts_that_match_stats(browser, serve_process, tmp_path):
     sc = serve_process(
-        ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(tmp_path / "d"),
-         "--dram-bytes", str(1 << 20)],
+        loopback_args(tmp_path / "d", 1 << 20),
         {"KVSTORE_SERVER__AUTH_TOKEN": TOKEN, "KVSTORE_DRAM__PAGE_BYTES": "65536"},
     )
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -168,16 +168,7 @@ def test_dashboard_renders_live_charts_that_match_stats(browser, serve_process, 
 
 def test_dashboard_needs_the_token(browser, serve_process, tmp_path):
     sc = serve_process(
-        [
-            "--grpc-address",
-            "127.0.0.1:0",
-            "--http-address",
-            "127.0.0.1:0",
-            "--data-dir",
-            str(tmp_path / "d"),
-            "--dram-bytes",
-            str(1 << 20),
-        ],
+        loopback_args(tmp_path / "d", 1 << 20),
         {"KVSTORE_SERVER__AUTH_TOKEN": TOKEN, "KVSTORE_DRAM__PAGE_BYTES": "65536"},
     )
     page = browser.new_page()

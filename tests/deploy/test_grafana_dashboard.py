@@ -25,6 +25,7 @@ from traffic import one_round
 
 from kvstore.client import SyncClient
 from kvstore.store.latency import FAMILIES
+from tests.support.sidecar_args import loopback_args
 
 GRAFANA = topo.REPO / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "kvstore.json"
@@ -210,18 +211,7 @@ def exported(text: str) -> set[str]:
 
 
 def test_every_panel_query_names_a_metric_a_live_sidecar_exports(serve_process, tmp_path):
-    sc = serve_process(
-        [
-            "--grpc-address",
-            "127.0.0.1:0",
-            "--http-address",
-            "127.0.0.1:0",
-            "--data-dir",
-            str(tmp_path / "d"),
-            "--dram-bytes",
-            str(8 << 20),
-        ]
-    )
+    sc = serve_process(loopback_args(tmp_path / "d", 8 << 20))
     with SyncClient(sc.grpc) as c:
         for r in range(3):
             one_round(c, r)

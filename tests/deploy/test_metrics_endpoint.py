@@ -12,6 +12,7 @@ from traffic import NAMESPACES, one_round
 
 from kvstore.client import SyncClient
 from kvstore.server.metrics import render
+from tests.support.sidecar_args import loopback_args
 
 
 def scrape(http: str) -> tuple[dict[str, dict[tuple, float]], str]:
@@ -27,8 +28,7 @@ def scrape(http: str) -> tuple[dict[str, dict[tuple, float]], str]:
 
 @pytest.fixture
 def busy_sidecar(serve_process, tmp_path):
-    sc = serve_process(["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0",
-                        "--data-dir", str(tmp_path / "d"), "--dram-bytes", str(8 << 20)])
+    sc = serve_process(loopback_args(tmp_path / "d", 8 << 20))
     with SyncClient(sc.grpc) as c:
         for r in range(6):
             one_round(c, r)

@@ -33,6 +33,7 @@ from kvstore.client import SyncClient
 from kvstore.harness.servers import free_port, redis_server
 from kvstore.harness.sidecar import ServeProcess
 from kvstore.keys import Namespace, prefix_keys
+from tests.support.sidecar_args import loopback_args
 
 sys.path.insert(0, str(topo.REPO / "deploy"))
 try:
@@ -65,8 +66,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProces
         try:
             for name in ("a", "b"):
                 nodes.append(ServeProcess(
-                    ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(root / name),
-                     "--dram-bytes", str(16 << 20)],
+                    loopback_args(root / name, 16 << 20),
                     {"KVSTORE_SSD__ENABLED": "false", "KVSTORE_SERVER__AUTH_TOKEN": TOKEN,
                      "KVSTORE_CLUSTER__ENABLED": "true", "KVSTORE_CLUSTER__DIRECTORY_URL": directory.url,
                      "KVSTORE_CLUSTER__NODE_ID": name, "KVSTORE_CLUSTER__PEER_ADDRESS": "127.0.0.1:0",

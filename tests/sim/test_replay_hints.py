@@ -83,7 +83,7 @@ def test_until_continued_ends_the_retention_as_the_sidecar_does_shared_blocks_to
     """The framework's ``Retain(keys, 0)`` for a turn that came back ends the retention of all its
     blocks, also of a shared prefix that another conversation's hint extended: the sidecar keeps
     one retention per block (kvstore/store/retention.py), and the replay does what it does."""
-    t = Trace("shared", [
+    t = Trace("common-prefix", [
         req(0, [1, 2, 3, 4], 16, 0),  # agent A: 4 full blocks, continued at 5 s
         req(1, [1, 2], 8, 16),  # agent C: A's first 2 blocks, retained to 31 s; continued at 20 s
         req(5, [1, 2, 3, 4, 5], 20, 0),  # A comes back: A's retention ends, on [1, 2] too
