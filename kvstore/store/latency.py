@@ -3,6 +3,9 @@
     h = stats.latency.histogram("rpc", ("grpc", "Lookup", "ok"))
     start = time.perf_counter(); ...; h.since(start)
 
+    with stats.latency.timed("promotion", (tier,)):  # outcome "ok", or "error" if it raised
+        ...
+
 The buckets (seconds, Prometheus' ``le``) run from 50 µs to 10 s in 1-2-5 steps, and one more
 takes anything slower (``+Inf``). A family has fixed label names (:data:`FAMILIES`); its series
 are made on first use, so the labels' values must come from bounded sets (method names, status
@@ -16,7 +19,8 @@ does (linear within the bucket); /metrics renders the same counts as Prometheus 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from time import perf_counter
 from typing import Any
 
@@ -132,6 +136,17 @@ class Latencies:
                 raise ValueError(f"latency family {family}: labels {names}, got {labels!r}")
             got = self.series[family][labels] = Histogram()
         return got
+
+    @contextmanager
+    def timed(self, family: str, labels: tuple[str, ...]) -> Iterator[None]:
+        """Time the ``with`` block however it ends, its outcome the last label: ``ok``, or
+        ``error`` when it raised, timed out or was cancelled (the exception goes on)."""
+        start, outcome = perf_counter(), "error"
+        try:
+            yield
+            outcome = "ok"
+        finally:
+            self.histogram(family, (*labels, outcome)).since(start)
 
     def snapshot(self) -> dict[str, Any]:
         """The /stats section: the bucket bounds, then per family a list of its series, each its

@@ -20,7 +20,6 @@ import contextlib
 import functools
 import mmap
 from collections.abc import Iterator, Mapping, Sequence
-from time import perf_counter
 from types import MappingProxyType
 
 import numpy as np
@@ -248,13 +247,9 @@ class Demotion:
 
     async def _put(self, lv: Level, live: list[tuple[Block, np.ndarray]]) -> None:
         items = [(lv.meta(b), d.data) for b, d in live]
-        start, outcome = perf_counter(), "error"
-        try:
+        with self.stats.latency.timed("demotion", (lv.name,)):  # (a failure is _write_batch's to handle)
             async with lv.slots:
                 await lv.tier.put_many(items)
-            outcome = "ok"
-        finally:  # timed however it ended (a failure is _write_batch's to handle)
-            self.stats.latency.histogram("demotion", (lv.name, outcome)).since(start)
         self.stats.tier(lv.name, "bytes_in", sum(b.size for b, _ in live))
 
     def _batch_ended(self, lv: Level, batch: list[Staged]) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Container, Sequence
-from time import perf_counter
 
 import numpy as np
 
@@ -197,12 +196,8 @@ class Eviction:
         async with self.room(target, [b]) as taken:
             if taken:
                 meta = target.meta(b)
-                start, outcome = perf_counter(), "error"
-                try:
+                with self.stats.latency.timed("demotion", (target.name,)):  # (a failure is _evict's to handle)
                     async with target.slots:
                         await target.tier.put(meta, buf.data)
-                    outcome = "ok"
-                finally:  # timed however it ended (a failure is _evict's to handle)
-                    self.stats.latency.histogram("demotion", (target.name, outcome)).since(start)
                 target.place(b)
                 self.stats.tier(lv.name, "demotions")
