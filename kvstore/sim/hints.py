@@ -168,8 +168,7 @@ class Hinting:
             for a in self.ends.get(j, ()):
                 keys = self.held.pop(a, None)
                 if keys is not None:
-                    retention, blocks = self.origin.pop(a)
-                    retention.retain([b for k in keys if (b := blocks.get(k)) is not None and b.tiers], 0, 0)
+                    _end(*self.origin.pop(a), keys)
 
     def retain(self, retention: Retention, i: int, blocks: Mapping[bytes, Block], keys: Sequence[bytes],
                tier: int) -> None:
@@ -182,7 +181,7 @@ class Hinting:
             for a in self.ends.get(i, ()):
                 ended = self.held.pop(a, None)
                 if ended is not None:
-                    retention.retain([b for k in ended if (b := blocks.get(k)) is not None and b.tiers], 0, 0)
+                    _end(retention, blocks, ended)
         n = self.keep[i]
         if not n:
             return
@@ -193,3 +192,9 @@ class Hinting:
         if self.hints.end == "origin":
             self.origin[i] = (retention, blocks)
         self.peak = max(self.peak, sum(r.count() for r in self.retentions))
+
+
+def _end(retention: Retention, blocks: Mapping[bytes, Block], keys: Sequence[bytes]) -> None:
+    """The framework's ``Retain(keys, 0)`` on one cache: the retention of every block of ``keys``
+    it holds, in any tier, ends (as :meth:`kvstore.store.block_store.BlockStore.retain` ends it)."""
+    retention.retain([b for k in keys if (b := blocks.get(k)) is not None and b.tiers], 0, 0)
