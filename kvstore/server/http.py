@@ -36,6 +36,7 @@ log = logging.getLogger("kvstore.http")
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = ("/healthz", "/readyz")  # probes answer without the token
 MAX_DEPTH = 8  # of a /route body: a RouteRequest is 2 deep ({"namespace": {...}}); what parses it recurses
+MAX_DIGITS = 20  # of an integer in a /route body: its widest integer field is a uint64 (20 digits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +111,11 @@ def _route_handler(source: HttpSource) -> Handler:
             return web.json_response({"error": "routing is not served here"}, status=404)
         try:
             async with asyncio.timeout(source.body_timeout_s):
-                body = await request.json() if request.can_read_body else json.loads(request.query.get("q", "{}"))
+                text = await request.text() if request.can_read_body else request.query.get("q", "{}")
+            body = _loads(text)
         except TimeoutError:
             return web.json_response({"error": f"request: body not in within {source.body_timeout_s} s"}, status=408)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except ValueError as exc:  # (not JSON, not UTF-8)
             return web.json_response({"error": f"request: not JSON: {exc}"}, status=400)
         except RecursionError:  # (the decoder's own limit, before MAX_DEPTH is looked at)
             return web.json_response({"error": f"request: nested deeper than {MAX_DEPTH} levels"}, status=400)
@@ -121,12 +123,43 @@ def _route_handler(source: HttpSource) -> Handler:
             return web.json_response({"error": "request: a JSON object"}, status=400)
         if _deeper(body, MAX_DEPTH):
             return web.json_response({"error": f"request: nested deeper than {MAX_DEPTH} levels"}, status=400)
+        where = _oversized(body)
+        if where is not None:
+            return web.json_response({"error": f"{where}: an integer of more than {MAX_DIGITS} digits"}, status=400)
         try:
             return web.json_response(await source.route(body))
         except KVStoreError as exc:
             return web.json_response({"error": str(exc)}, status=400 if exc.code.name == "INVALID_ARGUMENT" else 503)
 
     return route
+
+
+class _Oversized(str):
+    """An integer literal longer than ``MAX_DIGITS`` digits, kept as its text until its field is named
+    (Python refuses to convert one of more than 4,300 digits at all: a ValueError, not a field)."""
+
+
+def _int(literal: str) -> int | _Oversized:
+    return int(literal) if len(literal.lstrip("-")) <= MAX_DIGITS else _Oversized(literal)
+
+
+def _loads(text: str) -> Any:
+    """A /route body decoded, its integers parsed only when a field could hold them."""
+    return json.loads(text, parse_int=_int)
+
+
+def _oversized(doc: Any) -> str | None:
+    """The path (``namespace.blockSize``, ``tokens[3]``) of the first oversized integer in ``doc``
+    (at most ``MAX_DEPTH`` deep: :func:`_deeper` said so), or None."""
+    if isinstance(doc, _Oversized):
+        return ""
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for k, v in items:
+        inner = _oversized(v)
+        if inner is not None:
+            here = f"{k}" if isinstance(k, str) else f"[{k}]"
+            return here + (inner if not inner or inner.startswith("[") else f".{inner}")
+    return None
 
 
 def _deeper(doc: Any, limit: int) -> bool:

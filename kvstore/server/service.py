@@ -345,14 +345,20 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         keys, tokens = body.pop("keys", None), body.pop("tokens", None)
         try:
             request = json_format.ParseDict(body, pb.RouteRequest())
-        except json_format.ParseError as exc:
+        except (json_format.ParseError, ValueError, TypeError, OverflowError) as exc:
             raise InvalidArgument(f"request: {exc}") from None
         if tokens is not None:
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens):
+            if not isinstance(tokens, list) or not all(
+                type(t) is int and 0 <= t < 2**32 for t in tokens  # (not a bool: True is an int)
+            ):
                 raise InvalidArgument("tokens: a list of token ids (0 <= id < 2^32)")
             ns = self._namespace(request).namespace
             if ns is None or ns.block_size <= 0:
                 raise InvalidArgument("namespace.block_size: required with tokens")
+            limit = self.store.config.server.max_batch_blocks  # (checked before any block is hashed)
+            if len(tokens) // ns.block_size > limit:
+                raise InvalidArgument(f"tokens: {len(tokens)} token ids make more than {limit} blocks "
+                                      "(server.max_batch_blocks)")
             request.keys.extend(prefix_keys(ns, tokens))
         elif isinstance(keys, list):
             try:
