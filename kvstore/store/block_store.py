@@ -22,6 +22,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
+from typing import Any
 
 from kvstore.config import Config
 from kvstore.dram.slab import Slab, Slot
@@ -37,7 +38,7 @@ from kvstore.policy.base import EvictionPolicy
 from kvstore.store.below import Below, Movers
 from kvstore.store.checks import BlockSpec, Checks, CommitSpec
 from kvstore.store.cluster_reads import ClusterReads
-from kvstore.store.counters import Stats
+from kvstore.store.counters import Stats, busiest, folded
 from kvstore.store.exchange import Exchange
 from kvstore.store.index import (
     DRAM,
@@ -418,5 +419,19 @@ class BlockStore:
         doc["policy"] = self.space.policy.name
         if self.tenants.attached:
             doc["tenants"] = self.tenants.snapshot(self.config.server.stats_namespaces)
-        doc["retained"] = self.retention.snapshot()
+        doc["retained"] = self._retained(self.config.server.stats_namespaces)
+        return doc
+
+    def _retained(self, shown: int) -> dict[str, Any]:
+        """The ``retained`` entry of /stats with its tenants capped as the others' (a salt is free):
+        bytes per tier of the ``shown`` tenants retaining the most, refusals of the ``shown`` refused
+        most, each tier's and the refusals' rest summed as "other"."""
+        doc: dict[str, Any] = self.retention.snapshot()
+        by_tier: dict[str, dict[str, int]] = doc["tenants"]
+        total: Counter[str] = Counter()
+        for c in by_tier.values():
+            total.update(c)
+        keep = busiest(total, shown)
+        doc["tenants"] = {tier: folded(c, keep) for tier, c in by_tier.items()}
+        doc["refused"] = folded(doc["refused"], busiest(doc["refused"], shown))
         return doc

@@ -13,6 +13,7 @@ import json
 import math
 import time
 from collections import Counter, deque
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.store.latency import Latencies
 
 TIER_LABELS = ("dram", "ssd", "redis", "s3")
-OTHER = "other"  # the /stats namespace entry that sums every namespace not shown on its own
+OTHER = "other"  # the /stats namespace (or tenant) entry that sums every one not shown on its own
 OUTCOMES = ("loaded", "recomputed", "fallback")  # a decision's outcome: one of these, or "fallback:<reason>"
 DECISION_STRINGS = {"namespace": 1024, "tier": 16, "outcome": 64}  # longest allowed, in characters
 DECISION_TIERS = ("", *TIER_LABELS, "peer")  # a decision's slowest tier ("peer": another node's copy)
@@ -63,6 +64,22 @@ class LookupCounters:
 
 def _traffic(counters: LookupCounters) -> tuple[int, int]:
     return counters.blocks_requested, counters.calls
+
+
+def busiest(counts: Mapping[str, float], shown: int) -> set[str]:
+    """The ``shown`` labels with the largest counts (``server.stats_namespaces``: the cap on every
+    per-namespace and per-tenant series of /stats and /metrics)."""
+    return {label for label, _ in Counter(counts).most_common(shown)}
+
+
+def folded(counts: Mapping[str, int], keep: Collection[str]) -> dict[str, int]:
+    """``counts`` of the labels in ``keep``, every other label's summed under ``"other"`` (absent
+    when none is left out): a series per client-chosen label (a cache salt) stays bounded."""
+    out = {label: n for label, n in sorted(counts.items()) if label in keep}
+    rest = sum(n for label, n in counts.items() if label not in keep)
+    if rest:
+        out[OTHER] = rest
+    return out
 
 
 def document_json(doc: dict[str, Any]) -> str:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.config import QUOTA_TIERS
 from kvstore.keys import salt_tag
+from kvstore.store.counters import busiest
 
 if TYPE_CHECKING:
     from kvstore.config import TenantsConfig
@@ -152,5 +153,5 @@ class Tenants:
         for q in tiers.values():
             total.update(q.used)
         named = {t for q in tiers.values() for t in q.quotas}
-        tenants = named | {t for t, _ in total.most_common(shown)}
+        tenants = named | busiest(total, shown)
         return {(t or "-"): {tier: q.entry(t) for tier, q in tiers.items()} for t in sorted(tenants)}
