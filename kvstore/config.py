@@ -62,6 +62,10 @@ class ServerConfig(_Section):
     http_max_connections: int = Field(
         256, ge=1, description="HTTP connections open at once (at most half the open-file limit); more answered 503"
     )
+    http_probe_connections: int = Field(
+        8, ge=1, description="HTTP connections past http_max_connections served /healthz, /readyz and /metrics "
+        "only (any other path 503); when these are full too, the oldest of them is closed for a new one",
+    )
     http_idle_timeout_s: float = Field(
         60.0, gt=0, description="an HTTP connection idle, or whose request head or body has not arrived in full, "
         "for this long is closed",

@@ -4,7 +4,11 @@
 It sees the sidecar only through :class:`HttpSource`: the token, whether it is ready (and which
 background loops are failing), a /stats snapshot and the route call. :class:`HttpServer` listens:
 at most ``server.http_max_connections`` connections at once (fewer when the open-file limit is
-low, as the local socket's); one more is answered 503 and closed. A connection idle for
+low, as the local socket's). Past that, ``server.http_probe_connections`` more are served the
+probes only (``PROBE_PATHS``: /healthz, /readyz, /metrics; any other path 503), and when those are
+full too the oldest of them is closed for the new one: idle connections that fill the cap cannot
+fail a liveness probe (which would restart the sidecar and drop its DRAM), since a probe connects
+and asks at once. A connection idle for
 ``server.http_idle_timeout_s``, or whose request head (or /route body) has not arrived in full by
 then, is closed: silent connections cannot hold the process's file descriptors.
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +39,8 @@ log = logging.getLogger("kvstore.http")
 
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = ("/healthz", "/readyz")  # probes answer without the token
+PROBE_PATHS = ("/healthz", "/readyz", "/metrics")  # served in the probes' room too (HttpServer)
+FULL = "too many HTTP connections"
 MAX_DEPTH = 8  # of a /route body: a RouteRequest is 2 deep ({"namespace": {...}}); what parses it recurses
 MAX_DIGITS = 20  # of an integer in a /route body: its widest integer field is a uint64 (20 digits)
 
@@ -51,7 +57,9 @@ class HttpSource:
     body_timeout_s: float = 60.0  # a request body (/route) arrives in full within this
 
 
-def build_app(source: HttpSource) -> web.Application:
+def build_app(source: HttpSource, paths: Collection[str] | None = None) -> web.Application:
+    """The HTTP side's paths (only ``paths``, with 503 for any other, when given)."""
+
     async def healthz(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -73,16 +81,21 @@ def build_app(source: HttpSource) -> web.Application:
         return web.FileResponse(STATIC / "dashboard.html")  # package data: ships with kvstore
 
     route = _route_handler(source)
+    routes = [("GET", "/route", route), ("POST", "/route", route), ("GET", "/healthz", healthz),
+              ("GET", "/readyz", readyz), ("GET", "/stats", stats), ("GET", "/metrics", metrics),
+              ("GET", "/", dashboard), ("GET", "/dashboard", dashboard)]
     app = web.Application(middlewares=[_auth(source.token)])
-    app.router.add_get("/route", route)
-    app.router.add_post("/route", route)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/stats", stats)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/", dashboard)
-    app.router.add_get("/dashboard", dashboard)
+    for method, path, handler in routes:
+        if paths is None or path in paths:
+            app.router.add_route(method, path, handler)
+    if paths is not None:
+        app.router.add_route("*", "/{tail:.*}", _full)
     return app
+
+
+async def _full(_: web.Request) -> web.Response:
+    """Any other path asked over the probes' room: what a connection past the cap is answered."""
+    return web.json_response({"error": FULL}, status=503)
 
 
 def _auth(token: str) -> Middleware:
@@ -181,10 +194,49 @@ class _Refused(asyncio.Protocol):
     """A connection over the cap: answered 503 (a fresh socket's buffer takes it) and closed."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        body = b'{"error": "too many HTTP connections"}'
+        body = json.dumps({"error": FULL}).encode()
         if isinstance(transport, asyncio.WriteTransport):
             transport.write(REFUSAL % (len(body), body))
         transport.close()
+
+
+class _Pool:
+    """The connections of one aiohttp server, counted against ``cap``."""
+
+    def __init__(self, runner: web.AppRunner, cap: int) -> None:
+        self.runner, self.cap = runner, cap
+        self._unmade = 0  # connections accepted in this loop pass (not yet in server.connections)
+        self._shed: set[web.RequestHandler] = set()  # closed by shed(), until they are gone
+
+    def _server(self) -> web.Server:
+        server = self.runner.server
+        assert server is not None  # (after setup)
+        return server
+
+    def full(self) -> bool:
+        # server.connections counts a connection from its connection_made, which the loop runs
+        # after the whole batch it accepted in one pass: those of the batch are counted here
+        connections = self._server().connections
+        self._shed.intersection_update(connections)
+        return len(connections) - len(self._shed) + self._unmade >= self.cap
+
+    def take(self) -> asyncio.BaseProtocol:
+        if not self._unmade:  # (runs before the batch's connection_made calls, queued after it)
+            asyncio.get_running_loop().call_soon(self._made)
+        self._unmade += 1
+        return self._server()()
+
+    def _made(self) -> None:
+        self._unmade = 0
+
+    def shed(self) -> bool:
+        """Close the oldest connection (not closed already) to make room; False: none to close."""
+        for handler in self._server().connections:  # (in the order they were made)
+            if handler not in self._shed:
+                self._shed.add(handler)
+                handler.force_close()
+                return True
+        return False
 
 
 class HttpServer:
@@ -192,41 +244,43 @@ class HttpServer:
 
     def __init__(self, source: HttpSource, config: ServerConfig) -> None:
         self.address = config.http_address
-        self.cap = connection_cap(config.http_max_connections)
-        self.refused = 0  # connections over the cap
-        self._unmade = 0  # connections accepted in this loop pass (not yet in server.connections)
-        self._runner = web.AppRunner(build_app(source), access_log=None, keepalive_timeout=config.http_idle_timeout_s)
+        self.refused = 0  # connections over the cap and the probes' room
+        self.shed = 0  # connections of the probes' room closed for a newer one
+        idle = config.http_idle_timeout_s
+        self._clients = _Pool(web.AppRunner(build_app(source), access_log=None, keepalive_timeout=idle),
+                              connection_cap(config.http_max_connections))
+        self._probes = _Pool(web.AppRunner(build_app(source, PROBE_PATHS), access_log=None, keepalive_timeout=idle),
+                             config.http_probe_connections)
+        self.cap = self._clients.cap
         self._listener: asyncio.Server | None = None
         self._warn = Throttled(log)
         self.port = 0
 
     async def start(self) -> int:
         host, port = split_host_port(self.address, listen=True)
-        await self._runner.setup()
+        for pool in (self._clients, self._probes):
+            await pool.runner.setup()
         loop = asyncio.get_running_loop()
         self._listener = await loop.create_server(self._protocol, host or "127.0.0.1", port)
         self.port = self._listener.sockets[0].getsockname()[1]
         return self.port
 
     def _protocol(self) -> asyncio.BaseProtocol:
-        server = self._runner.server
-        assert server is not None  # (after setup)
-        # server.connections counts a connection from its connection_made, which the loop runs
-        # after the whole batch it accepted in one pass: those of the batch are counted here
-        if len(server.connections) + self._unmade >= self.cap:
-            self.refused += 1
-            self._warn.warning("http: %d connections open; refusing more", len(server.connections))
-            return _Refused()
-        if not self._unmade:  # (runs before the batch's connection_made calls, queued after it)
-            asyncio.get_running_loop().call_soon(self._made)
-        self._unmade += 1
-        return server()
-
-    def _made(self) -> None:
-        self._unmade = 0
+        """A new connection: a client's while the cap has room, else one in the probes' room (the
+        oldest there closed for it when that is full too), else refused."""
+        if not self._clients.full():
+            return self._clients.take()
+        self._warn.warning("http: %d connections open; more are served the probes only", self.cap)
+        if self._probes.full():
+            if not self._probes.shed():
+                self.refused += 1
+                return _Refused()
+            self.shed += 1
+        return self._probes.take()
 
     async def close(self) -> None:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        await self._runner.cleanup()  # (shuts the open connections down)
+        for pool in (self._clients, self._probes):
+            await pool.runner.cleanup()  # (shuts the open connections down)
