@@ -112,7 +112,7 @@ class DramSpace:
                 with self.movers.staging_batch():
                     self._within_quota(tenant, nbytes)
             except ResourceExhausted:
-                self.quotas.refused[tenant] += sum(needs.values())
+                self.quotas.refuse(tenant, sum(needs.values()))
                 raise
             may_evict = self.quotas.evictable_for(tenant)
         if slab.fits(needs):
@@ -220,7 +220,7 @@ class DramSpace:
         bytes below DRAM first when a lower tier takes them."""
         self.stats.tier("dram", "evictions")
         if self.quotas is not None:
-            self.quotas.evictions[self.quotas.tenant(b)] += 1
+            self.quotas.evicted(b)
         self.movers.on_dram_evict(b)
         self.free(b)
 

@@ -46,16 +46,19 @@ if TYPE_CHECKING:
 
 __all__ = ["Quotas", "Tenants", "salt_tag"]
 
+PRUNE_FLOOR = 1024  # tenants' counters kept past those with bytes in the tier before they are let go
+
 
 class Quotas:
     def __init__(self, default_bytes: int, per_salt: Mapping[str, int]) -> None:
         self.default = default_bytes
         self.quotas = {salt_tag(s): n for s, n in per_salt.items()}
         self.used: Counter[str] = Counter()  # tenant -> bytes in the tier
-        self.evictions: Counter[str] = Counter()  # tenant -> its blocks evicted from the tier
-        self.refused: Counter[str] = Counter()  # tenant -> its blocks kept out of the tier by its quota
+        self.evictions: Counter[str] = Counter()  # tenant -> its blocks evicted from the tier (evicted())
+        self.refused: Counter[str] = Counter()  # tenant -> its blocks kept out of the tier by its quota (refuse())
         self.coming: Counter[str] = Counter()  # tenant -> bytes of its blocks holding slots their bytes are on
         self._coming: dict[Block, str] = {}  # their way into (a promotion, a peer fetch): see reserve
+        self._prune_at = PRUNE_FLOOR  # counters past this many: those of tenants gone are let go
 
     @classmethod
     def from_config(cls, default_bytes: int, per_salt: Mapping[str, int]) -> Quotas | None:
@@ -79,6 +82,29 @@ class Quotas:
         self.used[t] -= b.size if nbytes is None else nbytes
         if self.used[t] <= 0:
             del self.used[t]
+
+    def evicted(self, b: Block) -> None:
+        """``b`` was evicted from the tier: one more of its tenant's evictions."""
+        self.evictions[self.tenant(b)] += 1
+        self._prune()
+
+    def refuse(self, tenant: str, blocks: int) -> None:
+        """``tenant``'s quota kept ``blocks`` of its blocks out of the tier."""
+        self.refused[tenant] += blocks
+        self._prune()
+
+    def _prune(self) -> None:
+        """A salt is free: the counters of tenants with no bytes in the tier (nor any on their way)
+        and no quota of their own, which /stats does not show (:meth:`Tenants.snapshot`), are let go
+        once they are many (amortised: the next pass when the kept ones have doubled), so that
+        counters kept per salt ever seen do not grow without bound. A tenant that comes back
+        counts from 0 (a counter reset, as a restart's)."""
+        if len(self.evictions) + len(self.refused) <= self._prune_at:
+            return
+        for counts in (self.evictions, self.refused):
+            for t in [t for t in counts if t not in self.used and t not in self.coming and t not in self.quotas]:
+                del counts[t]
+        self._prune_at = 2 * (len(self.evictions) + len(self.refused)) + PRUNE_FLOOR
 
     def reserve(self, b: Block) -> None:
         """``b`` holds a slot its bytes are on their way into (a promotion, a peer fetch): its size

@@ -138,7 +138,7 @@ class Eviction:
             if victim is not None:
                 await self._evict(lv, victim)
             elif mine:
-                quotas.refused[tenant] += 1
+                quotas.refuse(tenant, 1)
                 self._refuse(lv, mine[0], keep, out)
             else:
                 return
@@ -171,7 +171,7 @@ class Eviction:
         bytes go to the next tier down that is up and takes them (its quotas), else it is dropped."""
         self.stats.tier(lv.name, "evictions")
         if lv.quotas is not None:
-            lv.quotas.evictions[lv.quotas.tenant(b)] += 1
+            lv.quotas.evicted(b)
         target = self.down_from(lv, b)
         if target is not None and not b.tiers & ~(DRAM | lv.bit):
             try:

@@ -107,3 +107,35 @@ async def test_two_thousand_salts_make_at_most_cap_plus_one_refused_series(
     assert len(samples) == SHOWN + 1 and "other" in {s.labels["tenant"] for s in samples}
     assert sum(s.value for s in samples) == SALTS
     assert len(doc["refused"]) == SHOWN + 1 and sum(doc["refused"].values()) == SALTS
+
+
+@pytest.fixture
+async def quoted(tmp_path: Path) -> AsyncIterator[tuple[Sidecar, KVStoreClient]]:
+    async for env in sidecar(tmp_path, **{"tenants.dram_quota_bytes": 2 * BLOCK}):  # two blocks each
+        yield env
+
+
+async def test_two_thousand_salts_gone_leave_no_quota_counters_behind(quoted: tuple[Sidecar, KVStoreClient]) -> None:
+    """Each salt is refused a write past its DRAM quota, evicts one of its own blocks for another
+    and deletes what it holds: the tier's per-tenant counters of evictions and refusals (shown on
+    /stats only for tenants that hold bytes or have a quota of their own) are let go once there are
+    many, not kept per salt for ever (on 66d9839, 2,000 of each)."""
+    sc, c = quoted
+
+    async def come_and_go(c: KVStoreClient, i: int) -> None:
+        ns, keys = salted(i)
+        keys += prefix_keys(ns, list(range(48)))[2:]
+        blocks = [np.full(BLOCK, i % 251, dtype=np.uint8)] * 3
+        with pytest.raises(ResourceExhausted):
+            await c.put_blocks(ns, keys, blocks)  # three at once: past the quota, refused
+        await c.put_blocks(ns, keys[:2], blocks[:2])
+        await c.put_blocks(ns, keys[:3], blocks)  # the third: its own first block evicted for it
+        assert await c.delete(ns, all_keys=True) == (2, 0)
+
+    await each_salt(c, come_and_go)
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{sc.http_port}/stats") as r:
+        doc = await r.json()
+    assert doc["tiers"]["dram"]["evictions"] == SALTS and doc.get("tenants", {}) == {}  # (each evicted one; gone)
+    quotas = sc.store.tenants.attached["dram"]
+    kept = len(quotas.evictions) + len(quotas.refused)
+    assert not quotas.used and kept <= 1024 + 1, kept  # (let go past 1,024: tenants.PRUNE_FLOOR)
