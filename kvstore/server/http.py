@@ -86,8 +86,8 @@ def build_app(source: HttpSource, paths: Collection[str] | None = None) -> web.A
               ("GET", "/", dashboard), ("GET", "/dashboard", dashboard)]
     app = web.Application(middlewares=[_auth(source.token)])
     for method, path, handler in routes:
-        if paths is None or path in paths:
-            app.router.add_route(method, path, handler)
+        if paths is None or path in paths:  # (add_get answers HEAD too)
+            (app.router.add_get if method == "GET" else app.router.add_post)(path, handler)
     if paths is not None:
         app.router.add_route("*", "/{tail:.*}", _full)
     return app
