@@ -67,8 +67,8 @@ def _traffic(counters: LookupCounters) -> tuple[int, int]:
 
 
 def busiest(counts: Mapping[str, float], shown: int) -> set[str]:
-    """The ``shown`` labels with the largest counts (``server.stats_namespaces``: the cap on every
-    per-namespace and per-tenant series of /stats and /metrics)."""
+    """The ``shown`` labels with the largest counts (``shown``: ``server.stats_namespaces``, the cap
+    on the per-tenant series of /stats and /metrics, as on the per-namespace ones)."""
     return {label for label, _ in Counter(counts).most_common(shown)}
 
 
