@@ -136,7 +136,9 @@ class Membership:
         try:
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 sent = time.monotonic()
-                beat = await self.directory.heartbeat(self.address, self.incarnation, self.cfg.lease_ms)
+                # (the entry is sealed whole, its expiry too: estimated here in the directory's clock)
+                expiry = round(self.now_ms()) + self.cfg.lease_ms if self._clock[0] else 0
+                beat = await self.directory.heartbeat(self.address, self.incarnation, self.cfg.lease_ms, expiry)
             self.round_trip("heartbeat", start, "ok")
             self._clock = (beat.now_ms, (sent + time.monotonic()) / 2)
             self._members = beat.members
@@ -202,8 +204,9 @@ class Membership:
         if new:
             self.stats["members_unreadable"] += new
             self.warn.warning(
-                "cluster directory: %d members entries this node cannot read (not UTF-8 or not "
-                "address|incarnation|expiry_ms; skipped, deleted after %d ms), e.g. %r",
+                "cluster directory: %d members entries this node cannot read (not UTF-8, not "
+                "address|incarnation|expiry_ms, or not sealed whole with this cluster's token; skipped, deleted after "
+                "%d ms), e.g. %r",
                 new,
                 self.cfg.lease_ms,
                 next(iter(entries))[:64],

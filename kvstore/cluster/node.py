@@ -92,6 +92,7 @@ class ClusterNode:
             self,
             directory.sealer,
             node,
+            lambda: self.membership.incarnation,
             send_timeout_s=2 * self.cfg.fetch_timeout_s,
             send_stall_s=self.cfg.send_stall_s,
             request_timeout_s=self.cfg.fetch_timeout_s,

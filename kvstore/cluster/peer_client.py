@@ -1,8 +1,8 @@
 """The fetcher's end of the peer data path: read another node's blocks straight into local slots.
 
 One :class:`PeerClient` per holder address keeps a few idle connections (hello done once per
-connection: the holder proves it holds the cluster token, and is the node meant, before anything
-else is sent, :mod:`kvstore.cluster.peer_hello`). :meth:`PeerClient.fetch` sends one request for
+connection: the holder proves it holds the cluster token, and is the node and the incarnation
+meant, before anything else is sent, :mod:`kvstore.cluster.peer_hello`). :meth:`PeerClient.fetch` sends one request for
 a run of blocks and, on an I/O thread (:func:`~kvstore.wire.peer.blocking`), reads each
 block with one blocking ``recv_into`` straight into the slot view it was given and hashes it there
 (xxh3 at ~28 GB/s a core: 1 MiB in under 40 us, while the kernel goes on filling the socket buffer
@@ -46,10 +46,13 @@ class FetchResult:
 
 
 class PeerClient:
-    def __init__(self, address: str, key: ClusterKey, node: str, holder: str, io_timeout_s: float) -> None:
+    def __init__(
+        self, address: str, key: ClusterKey, node: str, holder: str, incarnation: int, io_timeout_s: float
+    ) -> None:
         self.address = address
         self._host, self._port = split_host_port(address)  # (ValueError: not an address to dial)
         self.holder = holder  # the node meant: the one at ``address`` must prove it is that node, with the token
+        self.incarnation = incarnation  # ... and this life of it (the one its member entry names)
         self.io_timeout_s = io_timeout_s  # the kernel's bound on one blocking call (the deadline is the loop's)
         self._key = key
         self._node = node
@@ -67,7 +70,7 @@ class PeerClient:
         try:
             await loop.sock_connect(sock, (self._host, self._port))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = await peer_hello.greet(sock, self._key, self._node, self.holder)  # (nothing else sent before)
+            session = await peer_hello.greet(sock, self._key, self._node, self.holder, self.incarnation)
             w.set_blocking(sock, self.io_timeout_s)  # from here on only I/O threads use it
         except BaseException:
             sock.close()

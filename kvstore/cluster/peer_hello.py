@@ -1,11 +1,14 @@
-"""The peer data path's hello: each side proves it holds the cluster token without sending it.
+"""The peer data path's hello: each side proves it holds the cluster token without sending it, and
+the holder proves which incarnation of its node answers.
 
-    fetcher -> holder   "KVP2" u16 name length, nonce (16 random bytes), the fetcher's node id
-    holder -> fetcher   "KVP2" u16 name length, nonce (16 random bytes), the holder's node id,
-                        proof (32) = HMAC(hello key, "holder", both nonces, both names)
-    fetcher -> holder   proof (32) = HMAC(hello key, "fetcher", both nonces, both names)
-                        (only once the holder's proof checked out, and the holder is the node the
-                        fetcher meant: otherwise the fetcher closes and sends nothing more)
+    fetcher -> holder   "KVP3" u16 name length, nonce (16 random bytes), the fetcher's node id
+    holder -> fetcher   "KVP3" u16 name length, nonce (16 random bytes), the holder's node id,
+                        u64 its incarnation,
+                        proof (32) = HMAC(hello key, "holder", both nonces, both names, incarnation)
+    fetcher -> holder   proof (32) = HMAC(hello key, "fetcher", both nonces, both names, incarnation)
+                        (only once the holder's proof checked out, and the holder is the node and
+                        the incarnation the fetcher meant: otherwise the fetcher closes and sends
+                        nothing more)
     holder -> fetcher   "OK\\0\\0" (or the connection closes: a wrong proof)
 
 The hello key is derived from the token (:class:`~kvstore.cluster.cluster_key.ClusterKey`); the
@@ -13,14 +16,22 @@ proofs are compared in constant time (:func:`~kvstore.util.tokens.token_matches`
 on both sides make every proof good for one connection only: a recorded hello replays nowhere.
 Nothing the fetcher sends before the holder proved itself says more than the fetcher's name (a
 listener that is not a node learns no token and no namespace root: requests come after the hello).
-A version 1 peer ("KVP1", the token in clear) is told nothing and closed.
+
+The incarnation: a fetcher dials the address of a member entry (sealed whole with the entry's
+incarnation and expiry, :class:`~kvstore.cluster.cluster_key.ClusterKey`) to read records of that
+incarnation, and talks only to that incarnation. A directory writer who puts back a node's entry
+of a past life (its old address) and relays that address to where the node lives now gets the
+node's current incarnation in the hello: the fetcher closes before it sends a request.
+
+A peer of another version ("KVP1", the token in clear; "KVP2", no incarnation) is told nothing and
+closed: old and new versions miss each other (docs/cluster.md, "Rolling updates").
 
 Both sides then hold the connection's own key (:class:`~kvstore.cluster.cluster_key.Session`,
-from the same nonces and names): every request and every answer's head after the hello carries
-its MAC (:mod:`kvstore.wire.peer`). A party on the path (or at an address a member entry
-names) that relays one node's hello to another can then read what passes, and cut or delay it,
-but not send a request of its own nor change what an answer announces. What it reads is in the
-clear (no TLS on this path): see docs/security.md.
+from the same nonces, names and incarnation): every request and every answer's head after the
+hello carries its MAC (:mod:`kvstore.wire.peer`). A party on the path that relays one node's hello
+to another can then read what passes, and cut or delay it, but not send a request of its own nor
+change what an answer announces. What it reads is in the clear (no TLS on this path): see
+docs/security.md.
 """
 
 from __future__ import annotations
@@ -34,8 +45,9 @@ from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey, Se
 from kvstore.util.tokens import token_matches
 from kvstore.wire import peer as w
 
-MAGIC = b"KVP2"
+MAGIC = b"KVP3"
 GREETING = struct.Struct("<4sH")  # magic, name length (then the nonce and the name)
+INCARNATION = struct.Struct("<Q")  # the holder's, after its name
 MAX_NODE = 1024
 HOLDER, FETCHER = b"holder", b"fetcher"  # whose proof
 
@@ -59,36 +71,43 @@ async def _their_opening(sock: socket.socket) -> tuple[bytes, bytes]:
     return rest[:NONCE_BYTES], rest[NONCE_BYTES:]
 
 
-async def greet(sock: socket.socket, key: ClusterKey, me: str, holder: str) -> Session:
+async def greet(sock: socket.socket, key: ClusterKey, me: str, holder: str, incarnation: int) -> Session:
     """The fetcher's side, on a connected non-blocking ``sock``: the connection's key, once both
     sides proved themselves; raises :class:`HelloRefused` when ``holder`` did not (or is another
-    node)."""
+    node, or another ``incarnation`` of it)."""
     loop = asyncio.get_running_loop()
     mine, name = os.urandom(NONCE_BYTES), me.encode()
     await loop.sock_sendall(sock, opening(me, mine))
     theirs, their_name = await _their_opening(sock)
-    proof = await w.recv_bytes(sock, PROOF_BYTES)
+    rest = await w.recv_bytes(sock, INCARNATION.size + PROOF_BYTES)
+    (theirs_is,), proof = INCARNATION.unpack_from(rest), rest[INCARNATION.size :]
     if their_name != holder.encode():
         raise HelloRefused(f"the node at this address says it is {their_name[:64]!r}, not {holder[:64]!r}")
-    if not token_matches(proof, key.proof(HOLDER, mine, theirs, name, their_name)):
+    if not token_matches(proof, key.proof(HOLDER, mine, theirs, name, their_name, theirs_is)):
         raise HelloRefused(f"{holder[:64]!r} did not prove it holds the cluster token")
-    await loop.sock_sendall(sock, key.proof(FETCHER, mine, theirs, name, their_name))
+    if theirs_is != incarnation:
+        raise HelloRefused(
+            f"{holder[:64]!r} at this address is incarnation {theirs_is}, not {incarnation}, which its member "
+            "entry names (another life of the node: a member entry put back, or the node restarted since)"
+        )
+    await loop.sock_sendall(sock, key.proof(FETCHER, mine, theirs, name, their_name, incarnation))
     if await w.recv_bytes(sock, len(w.WELCOME)) != w.WELCOME:
         raise w.PeerProtocolError("the holder did not welcome us")
-    return key.session(mine, theirs, name, their_name)
+    return key.session(mine, theirs, name, their_name, incarnation)
 
 
-async def welcome(sock: socket.socket, key: ClusterKey, me: str) -> tuple[str, Session]:
-    """The holder's side, on a connected non-blocking ``sock``: the fetcher's name and the
-    connection's key once it proved itself (and was welcomed); raises :class:`HelloRefused` when
-    its proof was wrong (nothing more is sent)."""
+async def welcome(sock: socket.socket, key: ClusterKey, me: str, incarnation: int) -> tuple[str, Session]:
+    """The holder's side, on a connected non-blocking ``sock``, as this node's ``incarnation``: the
+    fetcher's name and the connection's key once it proved itself (and was welcomed); raises
+    :class:`HelloRefused` when its proof was wrong (nothing more is sent)."""
     loop = asyncio.get_running_loop()
     theirs, their_name = await _their_opening(sock)
     mine, name = os.urandom(NONCE_BYTES), me.encode()
-    await loop.sock_sendall(sock, opening(me, mine) + key.proof(HOLDER, theirs, mine, their_name, name))
+    proof = key.proof(HOLDER, theirs, mine, their_name, name, incarnation)
+    await loop.sock_sendall(sock, opening(me, mine) + INCARNATION.pack(incarnation) + proof)
     proof = await w.recv_bytes(sock, PROOF_BYTES)
     shown = their_name.decode(errors="replace")
-    if not token_matches(proof, key.proof(FETCHER, theirs, mine, their_name, name)):
+    if not token_matches(proof, key.proof(FETCHER, theirs, mine, their_name, name, incarnation)):
         raise HelloRefused(f"a peer calling itself {shown[:64]!r} did not prove it holds the cluster token")
     await loop.sock_sendall(sock, w.WELCOME)
-    return shown, key.session(theirs, mine, their_name, name)
+    return shown, key.session(theirs, mine, their_name, name, incarnation)

@@ -84,6 +84,7 @@ class PeerServer:
         lender: Lender,
         key: ClusterKey,
         name: str,
+        incarnation: Callable[[], int],
         send_timeout_s: float,
         send_stall_s: float,
         request_timeout_s: float,
@@ -91,6 +92,7 @@ class PeerServer:
     ) -> None:
         self.lender = lender
         self.name = name  # this node's id: the holder's name in the hello
+        self.incarnation = incarnation  # this node's incarnation now: the hello proves it too
         self.latency = latency if latency is not None else Latencies()  # answers' (kvstore/store/latency.py)
         self.send_timeout_s = send_timeout_s
         self.send_stall_s = send_stall_s
@@ -167,7 +169,8 @@ class PeerServer:
     async def _serve(self, conn: socket.socket) -> None:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
-                _, session = await peer_hello.welcome(conn, self._key, self.name)  # (HelloRefused: a PeerProtocolError)
+                # (HelloRefused: a PeerProtocolError)
+                _, session = await peer_hello.welcome(conn, self._key, self.name, self.incarnation())
             current = asyncio.current_task()
             if current is not None:
                 self._pending.pop(current, None)  # it said hello: a connection like any other now

@@ -64,19 +64,21 @@ async def hello_stream(
     key, mine = ClusterKey(TOKEN), os.urandom(NONCE_BYTES)
     writer.write(peer_hello.opening(me, mine))
     magic, n = peer_hello.GREETING.unpack(await reader.readexactly(peer_hello.GREETING.size))
-    rest = await reader.readexactly(NONCE_BYTES + n + PROOF_BYTES)
-    theirs, name, proof = rest[:NONCE_BYTES], rest[NONCE_BYTES:-PROOF_BYTES], rest[-PROOF_BYTES:]
+    rest = await reader.readexactly(NONCE_BYTES + n + peer_hello.INCARNATION.size + PROOF_BYTES)
+    theirs, name = rest[:NONCE_BYTES], rest[NONCE_BYTES : NONCE_BYTES + n]
+    (incarnation,), proof = peer_hello.INCARNATION.unpack_from(rest, NONCE_BYTES + n), rest[-PROOF_BYTES:]
     assert (magic, name) == (peer_hello.MAGIC, holder.encode())
-    assert proof == key.proof(peer_hello.HOLDER, mine, theirs, me.encode(), name)
-    writer.write(key.proof(peer_hello.FETCHER, mine, theirs, me.encode(), name))
+    assert proof == key.proof(peer_hello.HOLDER, mine, theirs, me.encode(), name, incarnation)
+    writer.write(key.proof(peer_hello.FETCHER, mine, theirs, me.encode(), name, incarnation))
     assert await reader.readexactly(len(w.WELCOME)) == w.WELCOME
-    return key.session(mine, theirs, me.encode(), name)
+    return key.session(mine, theirs, me.encode(), name, incarnation)
 
 
-async def hello_socket(sock: socket.socket, me: str, holder: str = "a") -> Session:
+async def hello_socket(sock: socket.socket, me: str, holder: Sidecar) -> Session:
     """The fetcher's side of the peer hello on a connected non-blocking socket, as PeerClient says
-    it; the connection's key."""
-    return await asyncio.wait_for(peer_hello.greet(sock, ClusterKey(TOKEN), me, holder), 10)
+    it to ``holder`` (node "a", of its incarnation now); the connection's key."""
+    assert holder.cluster is not None
+    return await asyncio.wait_for(peer_hello.greet(sock, ClusterKey(TOKEN), me, "a", holder.cluster.incarnation), 10)
 
 
 def serve_env(directory: RedisServer, name: str, prefix: str, **extra: str) -> dict[str, str]:

@@ -30,6 +30,7 @@ from kvstore.server.sidecar import Sidecar
 from kvstore.store.checksum import checksum
 from tests.cluster.directories import KINDS, DirectoryServer, directory_server
 from tests.cluster.nodes import BLOCK, TOKEN, blocks, client_of, keys_for
+from tests.cluster.relay import Relay
 
 DRAM = 1
 FAR_MS = 10**13  # an expiry past any test's end (ms since the epoch, in the directory's clock)
@@ -45,9 +46,9 @@ def directory(request: pytest.FixtureRequest) -> Iterator[DirectoryServer]:
 class Listener:
     """An attacker's TCP listener posing as a node. It records every byte it receives. To a version
     1 hello ("KVP1", the token in clear) it says welcome and answers every request with its own
-    bytes for the keys it has (``serve``, under its own checksums); to a version 2 opening it
+    bytes for the keys it has (``serve``, under its own checksums); to a version 3 opening it
     answers with the fetcher's own nonce reflected back under the name the fetcher expects
-    (``holder``) and a made-up proof, then records whatever comes."""
+    (``holder``), a made-up incarnation and proof, then records whatever comes."""
 
     serve: dict[bytes, np.ndarray]
     holder: str = "a"
@@ -83,12 +84,12 @@ class Listener:
                     (n,) = struct.unpack("<I", await self._read(reader, 4))
                     body = await self._read(reader, 32 + 32 * n)
                     writer.write(self._answer([body[i : i + 32] for i in range(32, len(body), 32)]))
-            elif magic == b"KVP2":
+            elif magic == b"KVP3":
                 (n,) = struct.unpack("<H", await self._read(reader, 2))
                 nonce = await self._read(reader, 16)
                 await self._read(reader, n)
                 name = self.holder.encode()
-                writer.write(b"KVP2" + struct.pack("<H", len(name)) + nonce + name + os.urandom(32))
+                writer.write(b"KVP3" + struct.pack("<H", len(name)) + nonce + name + os.urandom(8 + 32))
                 self.received += await reader.read()  # whatever the fetcher says next, until it closes
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if isinstance(exc, asyncio.IncompleteReadError):
@@ -205,12 +206,13 @@ async def test_a_listener_at_a_replayed_member_address_learns_no_token_and_no_ro
     tmp_path: Path, directory: DirectoryServer, redis: Redis | RedisCluster, ns: Namespace
 ) -> None:
     """A directory writer cannot forge an entry, but it can replay one: A's own member entry and
-    records, put back after A left (with a later expiry: the directory's script writes that part,
-    it is not sealed), while the attacker listens on A's old port. B connects: the listener gets
+    records, put back whole after A left (within A's lease: its expiry is sealed with the rest),
+    while the attacker listens on A's old port. B connects: the listener gets
     B's opening (a nonce and B's name) and nothing else, answers with a reflected one, and B, the
     proof wrong, closes. No token, no namespace root, no key; B's fetch is a miss."""
     keys, data = keys_for(ns, 3, seed=42), blocks(3, seed=42)
-    async with Sidecar(directory.config(tmp_path, "a")) as a, \
+    long_lease = {"cluster.lease_ms": 60_000}  # A's entry, put back, still runs when B reads it
+    async with Sidecar(directory.config(tmp_path, "a", **long_lease)) as a, \
             Sidecar(directory.config(tmp_path, "b", **{"cluster.fetch_timeout_s": 2.0})) as b:
         assert a.cluster is not None and b.cluster is not None
         port = a.cluster.server.port
@@ -223,8 +225,7 @@ async def test_a_listener_at_a_replayed_member_address_learns_no_token_and_no_ro
             listener = Listener({k: d for k, d in zip(keys, blocks(3, seed=667), strict=True)})
             await listener.start(port)
             try:
-                address_part, incarnation, _ = entry.rsplit(b"|", 2)
-                await redis.hset(members_key(a), "a", address_part + b"|" + incarnation + f"|{FAR_MS}".encode())
+                await redis.hset(members_key(a), "a", entry)  # type: ignore[misc]
                 for k, raw in zip(keys, records, strict=True):
                     await redis.hset(dir_key(a, ns, k), "a", raw)  # type: ignore[misc]
 
@@ -240,7 +241,7 @@ async def test_a_listener_at_a_replayed_member_address_learns_no_token_and_no_ro
                 root = ns.root
                 assert root not in heard and root[:16] not in heard, "the namespace root went to the listener"
                 assert not any(k in heard for k in keys), "a block key went to the listener"
-                assert heard[:4] == b"KVP2" and len(heard) == 4 + 2 + 16 + len(b"b")  # B's opening only
+                assert heard[:4] == b"KVP3" and len(heard) == 4 + 2 + 16 + len(b"b")  # B's opening only
                 assert (await cb.stats())["cluster"]["fetch_failures"] >= 1
             finally:
                 await listener.close()
@@ -278,43 +279,6 @@ async def test_a_record_or_member_entry_moved_to_another_key_or_node_is_rejected
         await other.close()
 
 
-@dataclass
-class Relay:
-    """A party on the path between nodes: forwards every byte both ways to ``target`` (a port on
-    127.0.0.1, set once known) and records what the fetcher sent and what came back."""
-
-    target: int = 0
-    sent: bytearray = field(default_factory=bytearray)  # fetcher -> holder
-    back: bytearray = field(default_factory=bytearray)  # holder -> fetcher
-    upstreams: list[asyncio.StreamWriter] = field(default_factory=list)  # to the holder: to inject bytes on
-    port: int = 0
-    _server: asyncio.Server | None = None
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5)
-
-    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
-        self.upstreams.append(up_w)
-
-        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, log: bytearray) -> None:
-            with contextlib.suppress(ConnectionError):
-                while chunk := await r.read(65536):
-                    log += chunk
-                    w.write(chunk)
-                    await w.drain()
-            w.close()
-
-        await asyncio.gather(pipe(reader, up_w, self.sent), pipe(up_r, writer, self.back))
-
-
 async def test_an_observer_on_the_path_sees_blocks_but_not_the_token_and_cannot_replay_the_hello(
     tmp_path: Path, directory: DirectoryServer, ns: Namespace
 ) -> None:
@@ -350,7 +314,7 @@ async def test_an_observer_on_the_path_sees_blocks_but_not_the_token_and_cannot_
             finally:
                 writer.close()
             assert not any(bytes(d) in answer for d in data), "a replayed hello got blocks"
-            assert answer[:4] == b"KVP2" and len(answer) == 4 + 2 + 16 + len(b"a") + 32  # its greeting only
+            assert answer[:4] == b"KVP3" and len(answer) == 4 + 2 + 16 + len(b"a") + 8 + 32  # its greeting only
             assert a.cluster.server.refused == refused + 1
     finally:
         await relay.close()

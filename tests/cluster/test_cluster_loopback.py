@@ -155,16 +155,17 @@ async def test_a_wrong_token_gets_nothing(
             mine, wrong = os.urandom(NONCE_BYTES), ClusterKey("not-the-token")
             writer.write(peer_hello.opening("b", mine))
             _, n = peer_hello.GREETING.unpack(await reader.readexactly(peer_hello.GREETING.size))
-            rest = await reader.readexactly(NONCE_BYTES + n + PROOF_BYTES)
-            theirs, name = rest[:NONCE_BYTES], rest[NONCE_BYTES:-PROOF_BYTES]
-            proof = wrong.proof(peer_hello.FETCHER, mine, theirs, b"b", name)
+            rest = await reader.readexactly(NONCE_BYTES + n + peer_hello.INCARNATION.size + PROOF_BYTES)
+            theirs, name = rest[:NONCE_BYTES], rest[NONCE_BYTES : NONCE_BYTES + n]
+            (incarnation,) = peer_hello.INCARNATION.unpack_from(rest, NONCE_BYTES + n)
+            proof = wrong.proof(peer_hello.FETCHER, mine, theirs, b"b", name, incarnation)
             writer.write(proof)
             with contextlib.suppress(ConnectionResetError):
                 assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, no welcome
         finally:
             writer.close()
         assert a.cluster.server.refused == 1
-        assert (proof, ClusterKey(TOKEN).proof(peer_hello.FETCHER, mine, theirs, b"b", name)) in compared
+        assert (proof, ClusterKey(TOKEN).proof(peer_hello.FETCHER, mine, theirs, b"b", name, incarnation)) in compared
         assert not any(TOKEN.encode() in pair for pair in compared)
         assert w.WELCOME not in rest
 

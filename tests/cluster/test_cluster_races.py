@@ -791,7 +791,7 @@ async def test_peers_that_ask_and_never_read_hold_every_send_thread_and_their_le
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: a small window)
                 s.setblocking(False)
                 await loop.sock_connect(s, ("127.0.0.1", a.cluster.server.port))
-                session = await hello_socket(s, f"staller-{i}")
+                session = await hello_socket(s, f"staller-{i}", a)
                 await loop.sock_sendall(s, w.request(a.store.namespace(ns).root, keys, session))  # ... and never reads
             await eventually(lambda: len(index.leases) >= w.IO_THREADS, "every send thread holds a stalled answer")
             async with client_of(b) as cb:  # a well-behaved node fetches while the stallers still sit there
@@ -850,7 +850,7 @@ async def test_a_peer_that_reads_a_trickle_holds_its_send_thread_and_lease_until
         reading: asyncio.Task[None] | None = None
         try:
             await loop.sock_connect(s, ("127.0.0.1", server.port))
-            session = await hello_socket(s, "trickler")
+            session = await hello_socket(s, "trickler", a)
             await loop.sock_sendall(s, w.request(a.store.namespace(ns).root, keys, session))
             reading = asyncio.create_task(trickle())
             await eventually(lambda: len(index.leases) == 1, "the answer leased")

@@ -138,7 +138,7 @@ class FakeHolder:
                 return
             self._keep(sock, peer_hello.NONCE_BYTES + n)
             sock.sendall(peer_hello.opening(self.name, os.urandom(peer_hello.NONCE_BYTES))
-                         + os.urandom(peer_hello.PROOF_BYTES))
+                         + os.urandom(peer_hello.INCARNATION.size + peer_hello.PROOF_BYTES))
             entry = peer_wire.ENTRY.pack(BLOCK, checksum(EVIL_BYTES))
             while True:
                 self._keep(sock, 4096)
