@@ -67,7 +67,7 @@ from typing import Any, NamedTuple
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
-from kvstore.cluster.cluster_key import ClusterKey, frame
+from kvstore.cluster.cluster_key import MEMBER_VERSION, ClusterKey, frame
 from kvstore.config import ClusterConfig
 from kvstore.errors import Unavailable
 from kvstore.policy.ghost import GHOST_MIN_USES
@@ -79,6 +79,7 @@ _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum 
 # the epoch (the holder's wall clock) and its priority (kvstore/store/retention.py).
 _RETAIN = struct.Struct("<QB")
 ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
+MEMBER_MARK = MEMBER_VERSION.encode()  # how a member entry of this version begins
 
 # KEYS[1] the members hash; ARGV: node id, its sealed entry, the incarnation and expiry (ms) it
 # seals, lease ms, forget-after ms. Returns the server's time (ms), every member's entry, 1 when
@@ -279,6 +280,7 @@ class Beat(NamedTuple):
     incarnation: int  # this node's incarnation now: a later one when its lease had run out
     wrong_type: str = ""  # the type the members key was of, not a hash (deleted, written anew); "" when it was
     written: bool = True  # this node's entry was written (not: sealed with another incarnation or expiry)
+    older: int = 0  # entries of an older version (``address|incarnation|expiry_ms`` without the version mark)
 
 
 class Members(NamedTuple):
@@ -435,7 +437,8 @@ class Directory:
             reply = await self._beat(address, int(reply[3]), lease_ms, int(reply[0]) + lease_ms)
         now, entries, created, decided, kind, written = reply
         members, unreadable = parse_members(entries, self._member_opened)
-        return Beat(int(now), members, unreadable, bool(created), int(decided), _text(kind), bool(written))
+        older = sum(1 for f, v in unreadable.items() if not v.startswith(MEMBER_MARK) and parse_member(f, v))
+        return Beat(int(now), members, unreadable, bool(created), int(decided), _text(kind), bool(written), older)
 
     async def _beat(self, address: str, incarnation: int, lease_ms: int, expiry_ms: int) -> list[Any]:
         sealed = self.sealer.seal_member(self.prefix.decode(), self.node, address, incarnation, expiry_ms)
