@@ -113,18 +113,34 @@ class ClusterKey:
     # --- the peer hello -------------------------------------------------------------------------
 
     def proof(
-        self, role: bytes, fetcher_nonce: bytes, holder_nonce: bytes, fetcher: bytes, holder: bytes, incarnation: int
+        self,
+        role: bytes,
+        fetcher_nonce: bytes,
+        holder_nonce: bytes,
+        fetcher: bytes,
+        holder: bytes,
+        incarnation: int,
+        flags: bytes,
     ) -> bytes:
         """A side's proof that it holds the token, for one hello (``role``: whose proof it is) with
-        the holder of this ``incarnation``."""
-        msg = framed(role, fetcher_nonce, holder_nonce, fetcher, holder, incarnation.to_bytes(8, "little"))
+        the holder of this ``incarnation``, both sides having said these ``flags`` (the fetcher's,
+        the holder's: one byte each)."""
+        msg = framed(role, fetcher_nonce, holder_nonce, fetcher, holder, incarnation.to_bytes(8, "little"), flags)
         return hmac.digest(self._hello, msg, "sha256")
 
     def session(
-        self, fetcher_nonce: bytes, holder_nonce: bytes, fetcher: bytes, holder: bytes, incarnation: int
+        self,
+        fetcher_nonce: bytes,
+        holder_nonce: bytes,
+        fetcher: bytes,
+        holder: bytes,
+        incarnation: int,
+        flags: bytes,
+        encrypted: bool,
     ) -> Session:
-        """The key of the connection whose hello had these nonces, names and holder's incarnation."""
-        return Session(self.proof(SESSION, fetcher_nonce, holder_nonce, fetcher, holder, incarnation))
+        """The key of the connection whose hello had these nonces, names, holder's incarnation and
+        flags; ``encrypted``: whether its exchanges are sealed (:mod:`kvstore.cluster.peer_frames`)."""
+        return Session(self.proof(SESSION, fetcher_nonce, holder_nonce, fetcher, holder, incarnation, flags), encrypted)
 
 
 SESSION = b"session"  # (a role of its own: the session key is never a proof either side sent)
@@ -136,9 +152,15 @@ class Session:
     at a time), so one can neither be forged, nor replayed on the connection, nor stand for
     another. Both ends call :meth:`next` once an exchange is over."""
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, encrypted: bool = False) -> None:
         self._key = key
         self._seq = 0
+        self.encrypted = encrypted  # the exchanges are sealed whole instead (kvstore.cluster.peer_frames)
+
+    def keys(self) -> tuple[bytes, bytes]:
+        """The keys of an encrypted connection's two directions (fetcher to holder, holder to fetcher),
+        each its own (HKDF of this connection's key), so no nonce is used under one key by both ends."""
+        return hkdf(self._key, b"peer frames to the holder"), hkdf(self._key, b"peer frames to the fetcher")
 
     def seal(self, what: bytes, data: bytes) -> bytes:
         """The MAC of ``data`` as this exchange's ``what``."""

@@ -285,6 +285,7 @@ class Fetcher:
                     node,
                     m.incarnation,
                     self.members.cfg.fetch_timeout_s,
+                    self.members.cfg.peer_encryption,
                 )
             except ValueError as exc:
                 self.stats["bad_addresses"] += 1

@@ -97,6 +97,7 @@ class ClusterNode:
             send_stall_s=self.cfg.send_stall_s,
             request_timeout_s=self.cfg.fetch_timeout_s,
             latency=store.stats.latency,
+            encrypt=self.cfg.peer_encryption,
         )
         self.max_blocks = config.server.max_batch_blocks
         self._tasks: list[asyncio.Task[None]] = []

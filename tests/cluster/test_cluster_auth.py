@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis, RedisCluster
 
+from kvstore.cluster import peer_hello
+from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES
 from kvstore.cluster.directory import Directory, Record
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
@@ -85,11 +87,11 @@ class Listener:
                     body = await self._read(reader, 32 + 32 * n)
                     writer.write(self._answer([body[i : i + 32] for i in range(32, len(body), 32)]))
             elif magic == b"KVP3":
-                (n,) = struct.unpack("<H", await self._read(reader, 2))
+                (n, _) = struct.unpack("<HB", await self._read(reader, 3))
                 nonce = await self._read(reader, 16)
                 await self._read(reader, n)
                 name = self.holder.encode()
-                writer.write(b"KVP3" + struct.pack("<H", len(name)) + nonce + name + os.urandom(8 + 32))
+                writer.write(b"KVP3" + struct.pack("<HB", len(name), 0) + nonce + name + os.urandom(8 + 32))
                 self.received += await reader.read()  # whatever the fetcher says next, until it closes
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if isinstance(exc, asyncio.IncompleteReadError):
@@ -241,7 +243,7 @@ async def test_a_listener_at_a_replayed_member_address_learns_no_token_and_no_ro
                 root = ns.root
                 assert root not in heard and root[:16] not in heard, "the namespace root went to the listener"
                 assert not any(k in heard for k in keys), "a block key went to the listener"
-                assert heard[:4] == b"KVP3" and len(heard) == 4 + 2 + 16 + len(b"b")  # B's opening only
+                assert heard[:4] == b"KVP3" and len(heard) == 4 + 2 + 1 + 16 + len(b"b")  # B's opening only
                 assert (await cb.stats())["cluster"]["fetch_failures"] >= 1
             finally:
                 await listener.close()
@@ -282,18 +284,20 @@ async def test_a_record_or_member_entry_moved_to_another_key_or_node_is_rejected
 async def test_an_observer_on_the_path_sees_blocks_but_not_the_token_and_cannot_replay_the_hello(
     tmp_path: Path, directory: DirectoryServer, ns: Namespace
 ) -> None:
-    """Without TLS (none on the peer path yet), whoever sees the traffic between two nodes sees the
-    blocks' bytes, the namespace root and the block keys of each request: said in docs/security.md,
-    shown here. It does not see the token, and what it recorded of a fetcher's side, played back
-    to the holder on a new connection, gets the holder's greeting and nothing more (the holder's
-    fresh nonce makes the recorded proof wrong)."""
+    """With ``cluster.peer_encryption`` off on both nodes, whoever sees the traffic between them
+    sees the blocks' bytes, the namespace root and the block keys of each request: said in
+    docs/security.md, shown here (encrypted, it sees none: tests/cluster/test_cluster_encryption.py).
+    It does not see the token, and what it recorded of a fetcher's side, played back to the holder
+    on a new connection, gets the holder's greeting and nothing more (the holder's fresh nonce makes
+    the recorded proof wrong)."""
     keys, data = keys_for(ns, 2, seed=43), blocks(2, seed=43)
     relay = Relay()
     await relay.start()
     try:
         via = {"cluster.advertise_address": f"127.0.0.1:{relay.port}"}  # B reaches A through the relay
-        async with Sidecar(directory.config(tmp_path, "a", **via)) as a, \
-                Sidecar(directory.config(tmp_path, "b")) as b, client_of(a) as ca, client_of(b) as cb:
+        clear = {"cluster.peer_encryption": False}
+        async with Sidecar(directory.config(tmp_path, "a", **via, **clear)) as a, \
+                Sidecar(directory.config(tmp_path, "b", **clear)) as b, client_of(a) as ca, client_of(b) as cb:
             assert a.cluster is not None
             relay.target = a.cluster.server.port
             await ca.put_blocks(ns, keys, data, wait_published=True)
@@ -314,33 +318,38 @@ async def test_an_observer_on_the_path_sees_blocks_but_not_the_token_and_cannot_
             finally:
                 writer.close()
             assert not any(bytes(d) in answer for d in data), "a replayed hello got blocks"
-            assert answer[:4] == b"KVP3" and len(answer) == 4 + 2 + 16 + len(b"a") + 8 + 32  # its greeting only
+            assert answer[:4] == b"KVP3" and len(answer) == 4 + 2 + 1 + 16 + len(b"a") + 8 + 32  # its greeting only
             assert a.cluster.server.refused == refused + 1
     finally:
         await relay.close()
 
 
+@pytest.mark.parametrize("encrypt", [False, True], ids=["clear", "encrypted"])
 async def test_a_party_on_the_path_cannot_send_a_request_of_its_own_on_a_relayed_connection(
-    tmp_path: Path, directory: DirectoryServer, ns: Namespace
+    tmp_path: Path, directory: DirectoryServer, ns: Namespace, encrypt: bool
 ) -> None:
     """A relay between B and A, after B's hello and fetch went through it, writes B's request
     again on the connection to A (as it could any request naming a root it saw): A refuses it,
     since it does not carry the MAC of this exchange under the connection's key, and closes the
-    connection; nothing more comes back (8dc5782: A answered it with the blocks again)."""
+    connection; nothing more comes back (8dc5782: A answered it with the blocks again). Encrypted,
+    the same: the replayed request's frame no longer opens under the connection's key (its nonce,
+    a count of frames, has moved on)."""
     keys, data = keys_for(ns, 2, seed=44), blocks(2, seed=44)
     relay = Relay()
     await relay.start()
     try:
         via = {"cluster.advertise_address": f"127.0.0.1:{relay.port}"}
-        async with Sidecar(directory.config(tmp_path, "a", **via)) as a, \
-                Sidecar(directory.config(tmp_path, "b")) as b, client_of(a) as ca, client_of(b) as cb:
+        mode = {"cluster.peer_encryption": encrypt}
+        async with Sidecar(directory.config(tmp_path, "a", **via, **mode)) as a, \
+                Sidecar(directory.config(tmp_path, "b", **mode)) as b, client_of(a) as ca, client_of(b) as cb:
             assert a.cluster is not None
             relay.target = a.cluster.server.port
             await ca.put_blocks(ns, keys, data, wait_published=True)
             got = await cb.get_blocks(ns, keys, verify=True)
             assert [bytes(g) for g in got] == [bytes(d) for d in data]
             assert len(relay.upstreams) == 1
-            request = bytes(relay.sent[relay.sent.index(ns.root) - 4 :])  # (u32 n, then the root)
+            hello = peer_hello.GREETING.size + NONCE_BYTES + len(b"b") + PROOF_BYTES  # B's side of it
+            request = bytes(relay.sent[hello:])
             answered, refused = len(relay.back), a.cluster.server.refused
             relay.upstreams[0].write(request)
 

@@ -133,7 +133,7 @@ class FakeHolder:
         greeting with its own (a nonce, the name the fetcher asked for, a proof it cannot make:
         random bytes) and, should the fetcher go on, answers every request with EVIL_BYTES."""
         try:
-            magic, n = peer_hello.GREETING.unpack(self._keep(sock, peer_hello.GREETING.size))
+            magic, n, _ = peer_hello.GREETING.unpack(self._keep(sock, peer_hello.GREETING.size))
             if magic != peer_hello.MAGIC:
                 return
             self._keep(sock, peer_hello.NONCE_BYTES + n)
