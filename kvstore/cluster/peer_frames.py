@@ -23,7 +23,9 @@ is on the path).
 The payload is sealed from the holder's slots into a buffer of the sending thread's, and opened
 from a buffer of the receiving thread's straight into the fetcher's slot (``encrypt_into``,
 ``decrypt_into``): one buffer of ``FRAME_BYTES`` + 16 per I/O thread, reused, and no multi-MiB
-bytes made per frame.
+bytes made per frame (10.5 GB/s a core here against 9.5 for ``encrypt``/``decrypt``, which return
+fresh bytes, and the copy into the slot those would need besides). ``cryptography`` lets go of the
+GIL while it works: the I/O threads seal and open beside the event loop.
 """
 
 from __future__ import annotations
