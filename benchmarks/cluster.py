@@ -1,12 +1,13 @@
-"""The cluster between two hosts: peer fetch, directory writes and remote lookups, each against a
-raw baseline measured in the same run between the same hosts.
+"""The cluster between hosts: peer fetch, directory writes and remote lookups, each against a raw
+baseline measured in the same run between the same hosts.
 
-Two hosts (network namespaces with a private /dev/shm each, :class:`kvstore.harness.hosts.Hosts`),
-one redis-server on their bridge as the directory. Sidecar A (``kvstore serve``, cluster on) runs in
-host 0 and holds the blocks; sidecar B runs in host 1. Every client is an agent process on its
-sidecar's host (``nsenter`` into that sidecar's network and mount namespaces, so it reaches the
-sidecar's local socket and maps its shared memory like an engine there); host 0's agent also
-serves the baselines' bytes, host 1's receives them. Needs root (namespaces).
+Three hosts (network namespaces with a
+private /dev/shm each, :class:`kvstore.harness.hosts.Hosts`), one redis-server on their bridge as
+the directory. Sidecar A (``kvstore serve``, cluster on) runs in host 0 and holds the blocks;
+sidecar B runs in host 1, sidecar C (the encrypted fetcher) in host 2. Every client is an agent
+process on its sidecar's host (``nsenter`` into that sidecar's network and mount namespaces, so it
+reaches the sidecar's local socket and maps its shared memory like an engine there); host 0's agent
+also serves the baselines' bytes, host 1's receives them. Needs root (namespaces).
 
 * ``peer_fetch_vs_raw_tcp``: one Prefetch on B of ``--blocks`` blocks only A holds (a directory
   lookup, a fetch over the peer data path straight into B's slots, a checksum check of every
@@ -18,6 +19,11 @@ serves the baselines' bytes, host 1's receives them. Needs root (namespaces).
   so the ratio prices kvstore's own work (the Prefetch call, the directory lookup, slots, the
   checksum of every block), not a different way of using the socket. GB/s of the median round
   each, and of the best.
+* ``peer_fetch_encrypted_vs_clear``: the same Prefetch of the same blocks from A by sidecar C on a
+  third host, with ``cluster.peer_encryption`` on (A and B have it off: a connection is encrypted
+  when either end asks, so C's are and B's are not), against B's clear fetch in the same round:
+  what AES-256-GCM over every frame costs (``peer_fetch_encrypted_vs_raw_tcp`` beside it). C picks
+  A among the holders (B holds a set too once it fetched it: the node ids break the tie, "a" first).
 * ``grpc_stream_vs_raw_tcp``: the same blocks as a bare gRPC server-streaming call (one ``bytes``
   message per block, messages prebuilt on the server, message limits raised, each message copied
   into the same buffers) against the same raw TCP: why the peer path is raw TCP.
@@ -83,7 +89,7 @@ GRPC_METHOD = "/kvstore.bench.Blocks/Fetch"
 REPO = Path(__file__).resolve().parents[1]
 AGENT = "from benchmarks.cluster import agent_main; agent_main()"
 START_TIMEOUT_S = 60.0
-FETCH_SIDES = ("peer", "raw", "grpc", "mooncake")
+FETCH_SIDES = ("peer", "peer_encrypted", "raw", "grpc", "mooncake")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -145,7 +151,9 @@ def _tail(path: Path, n: int = 3000) -> str:
 class HostSidecar:
     """``kvstore serve`` with the cluster on, on one host, the way users run it."""
 
-    def __init__(self, host: Any, name: str, workdir: Path, directory_url: str, dram: int, page: int) -> None:
+    def __init__(
+        self, host: Any, name: str, workdir: Path, directory_url: str, dram: int, page: int, encrypt: bool = False
+    ) -> None:
         from kvstore.util.tuning import ENV as MALLOC_ENV
 
         self.name = name
@@ -160,6 +168,7 @@ class HostSidecar:
             "KVSTORE_CLUSTER__PEER_ADDRESS": f"{host.ip}:0",
             "KVSTORE_CLUSTER__TOKEN": TOKEN,
             "KVSTORE_CLUSTER__FETCH_TIMEOUT_S": "60",  # a slow machine must not turn the figure into misses
+            "KVSTORE_CLUSTER__PEER_ENCRYPTION": "true" if encrypt else "false",
         }
         argv = [sys.executable, "-m", "kvstore", "serve", "--grpc-address", f"{host.ip}:0",
                 "--http-address", f"{host.ip}:0", "--data-dir", str(workdir / name), "--dram-bytes", str(dram)]
@@ -277,16 +286,20 @@ class Bench:
                 f"{SHM_BYTES >> 20} MiB: use fewer --blocks, --rounds, --block-bytes or --lookups"
             )
         workdir = Path(self.stack.enter_context(tempfile.TemporaryDirectory(prefix="kvstore-bench-cluster-")))
-        self.hosts = self.stack.enter_context(Hosts(2))
+        self.hosts = self.stack.enter_context(Hosts(3))
         self.redis = self.stack.enter_context(redis_server(host=self.hosts.bridge_ip))
         self.a = HostSidecar(self.hosts[0], "a", workdir, self.redis.url, dram_a, page)
         self.stack.callback(self.a.stop)
         self.b = HostSidecar(self.hosts[1], "b", workdir, self.redis.url, dram_b, page)
         self.stack.callback(self.b.stop)
+        self.c = HostSidecar(self.hosts[2], "c", workdir, self.redis.url, dram_b, page, encrypt=True)
+        self.stack.callback(self.c.stop)
         self.holder = Agent(self.a.proc.pid, "holder", workdir)
         self.stack.callback(self.holder.stop)
         self.fetcher = Agent(self.b.proc.pid, "fetcher", workdir)
         self.stack.callback(self.fetcher.stop)
+        self.encrypted = Agent(self.c.proc.pid, "fetcher-encrypted", workdir)  # C's: Prefetch only
+        self.stack.callback(self.encrypted.stop)
 
     # --- 1, 2, 5: fetches ------------------------------------------------------------------------
 
@@ -297,7 +310,8 @@ class Bench:
         self.holder.call("fill", timeout=600, url=self.a.grpc, sets=sets, n=self.n, size=self.size, source=True)
         served = self.holder.call("serve", ip=self.hosts[0].ip)
         self.fetcher.call("setup", sets=sets, n=self.n, size=self.size, ip=self.hosts[0].ip, **served)
-        sides = ["peer", "raw", "grpc"]
+        self.encrypted.call("expect", n=self.n)
+        sides = ["peer", "peer_encrypted", "raw", "grpc"]
         mooncake = _mooncake_missing()
         if mooncake is None:
             try:
@@ -311,10 +325,12 @@ class Bench:
         for r, set_id in enumerate(sets):
             order = sides[r % len(sides) :] + sides[: r % len(sides)]
             for side in order:
-                if side == "peer":
-                    got = self.fetcher.call("peer", url=self.b.grpc, set_id=set_id)
+                if side in ("peer", "peer_encrypted"):
+                    agent, sidecar = (self.fetcher, self.b) if side == "peer" else (self.encrypted, self.c)
+                    got = agent.call("peer", url=sidecar.grpc, set_id=set_id)
                     if got["ready"] != self.n:
-                        raise RuntimeError(f"Prefetch on B of key set {set_id}: {got['ready']} of {self.n} ready")
+                        raise RuntimeError(f"Prefetch on {sidecar.name} of key set {set_id}: {got['ready']} of "
+                                           f"{self.n} ready")
                 else:
                     got = self.fetcher.call(side, set_id=set_id)
                 if r:  # round 0 warms up every path (connections, first faults)
@@ -327,6 +343,10 @@ class Bench:
             raise RuntimeError(f"B's cluster counters after the fetches: {cluster}")
         notes["b_cluster_counters"] = {k: cluster[k] for k in ("directory_lookups", "blocks_fetched", "bytes_fetched",
                                                               "fetch_failures", "checksum_failures") if k in cluster}
+        check = self.encrypted.call("peer_check", url=self.c.grpc, set_id=sets[-1])
+        if check["verified"] != self.n or check["cluster"].get("blocks_fetched") != self.sets * self.n:
+            raise RuntimeError(f"C's copies of key set {sets[-1]}: {check['verified']} of {self.n} blocks intact; "
+                               f"its cluster counters: {check['cluster']}")
         return seconds, notes
 
     # --- 4: lookups ------------------------------------------------------------------------------
@@ -403,7 +423,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if main:
             signal.signal(signal.SIGTERM, previous)
     nbytes = args.blocks * args.block_bytes
-    names = {"peer": "peer_fetch", "raw": "raw_tcp", "grpc": "grpc_stream", "mooncake": "mooncake"}
+    names = {"peer": "peer_fetch", "peer_encrypted": "peer_fetch_encrypted", "raw": "raw_tcp", "grpc": "grpc_stream",
+             "mooncake": "mooncake"}
     rate: dict[str, tuple[float, float]] = {}  # side -> GB/s of the median round, of the best
     for side, secs in fetch.items():
         name = names[side]
@@ -431,6 +452,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     res.ratio("peer_fetch_vs_raw_tcp", rate["peer"][0] / rate["raw"][0])
     res.ratio("peer_fetch_vs_raw_tcp_best", rate["peer"][1] / rate["raw"][1])
+    res.ratio("peer_fetch_encrypted_vs_clear", rate["peer_encrypted"][0] / rate["peer"][0])
+    res.ratio("peer_fetch_encrypted_vs_clear_best", rate["peer_encrypted"][1] / rate["peer"][1])
+    res.ratio("peer_fetch_encrypted_vs_raw_tcp", rate["peer_encrypted"][0] / rate["raw"][0])
     res.ratio("grpc_stream_vs_raw_tcp", rate["grpc"][0] / rate["raw"][0])
     res.ratio("grpc_stream_vs_raw_tcp_best", rate["grpc"][1] / rate["raw"][1])
     res.ratio("publish_vs_raw_redis", records["directory"][0] / records["raw"][0])
@@ -447,7 +471,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res.notes["load_avg_1m"] = {"start": round(load, 2), "end": round(os.getloadavg()[0], 2), "cores": os.cpu_count()}
     res.notes["ratios"] = ("X_vs_Y = X / Y of the median round (_best: of the best round), GB/s or records/s, "
                            "higher is better; remote_lookup_p50_vs_local = remote p50 / local p50, lower is better")
-    res.notes["setup"] = (f"two network namespaces on one bridge (veth), redis-server on the bridge; {args.blocks} x "
+    res.notes["setup"] = (f"three network namespaces on one bridge (veth), redis-server on the bridge; {args.blocks} x "
                           f"{args.block_bytes} B blocks per fetch; peer path: one connection per holder per request, "
                           "blocking recv_into (MSG_WAITALL) into B's slots on an I/O thread + xxh3 check; raw TCP: one "
                           "blocking connection, the same answer head and system calls, no check; "
@@ -652,6 +676,12 @@ def _op_peer(st: AgentState, url: str, set_id: int) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - t, "ready": ready}
 
 
+def _op_expect(st: AgentState, n: int) -> dict[str, Any]:
+    """An agent that only prefetches (C's): the blocks each key set has."""
+    st.n = n
+    return {}
+
+
 def _op_peer_check(st: AgentState, url: str, set_id: int) -> dict[str, Any]:
     """Read B's copies of one key set through a lease (this host's shared memory), checksums checked."""
 
@@ -778,7 +808,7 @@ def _op_publish(st: AgentState, url: str, records: int, rounds: int, size: int) 
 
 OPS: dict[str, Callable[..., Any]] = {
     "fill": _op_fill, "serve": _op_serve, "setup": _op_setup, "raw": _op_raw, "grpc": _op_grpc,
-    "peer": _op_peer, "peer_check": _op_peer_check, "mooncake_serve": _op_mooncake_serve,
+    "peer": _op_peer, "peer_check": _op_peer_check, "expect": _op_expect, "mooncake_serve": _op_mooncake_serve,
     "mooncake_setup": _op_mooncake_setup, "mooncake": _op_mooncake, "lookup": _op_lookup, "publish": _op_publish,
 }
 

@@ -283,6 +283,12 @@ class ClusterConfig(_Section):
     advertise_address: str = Field(
         "", description="HOST:PORT other nodes reach the peer data path at; empty: peer_address's host and bound port"
     )
+    peer_encryption: bool = Field(
+        True,
+        description="encrypt the peer data path (AES-256-GCM over every request, answer head and block frame, keyed "
+        "per connection by the hello); a connection is encrypted when either of its two nodes has this on "
+        "(docs/security.md)",
+    )
     token: str = Field(
         "",
         description="shared secret of the cluster (required; 16 or more random characters): the keys that seal the "

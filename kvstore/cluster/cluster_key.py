@@ -8,15 +8,20 @@ so a MAC of one kind can never pass for another:
   record's fields, the directory key it lies under (prefix, namespace root, block key) and the node
   it names (the hash field). A record moved to another key or another node's field, or with any
   field changed, fails it; a record of an older version (no MAC) is not one this version reads.
-- **Member entries** (the ``members`` hash): the same MAC over the prefix, the node's name and its
-  address; it is written into the entry's address part (``<mac hex>@<host:port>``), the only part
-  the node itself writes (the directory's script writes the incarnation and the expiry, in its own
-  clock; what a forged incarnation or expiry can do is in docs/security.md).
+- **Member entries** (the ``members`` hash): the same MAC over the prefix, the node's name, its
+  address, its incarnation and its lease's expiry, the whole entry
+  (``2.<mac hex>@<host:port>|<incarnation>|<expiry ms>``; :data:`MEMBER_VERSION` first, under a key
+  of its own, so an entry of an older version, whose MAC covered the address only, is not read).
+  The node writes the whole entry; the directory's script writes it only when the incarnation is
+  the one it decides and the expiry one it allows (:data:`kvstore.cluster.directory.HEARTBEAT`). A
+  directory writer can put back an entry a node wrote, never another address, incarnation or expiry
+  beside it.
 - **The peer hello's proofs** (:mod:`kvstore.cluster.peer_hello`): HMAC-SHA256 over both sides'
-  nonces and names, one role label for the holder's proof and another for the fetcher's; and, from
-  the same inputs, the connection's own key (:class:`Session`), which seals each request and each
-  answer's head on it, so a party that relayed the hello can neither send a request of its own on
-  the connection nor change the sizes and checksums an answer announces.
+  nonces and names and the holder's incarnation, one role label for the holder's proof and another
+  for the fetcher's; and, from the same inputs, the connection's own key (:class:`Session`), which
+  seals each request and each answer's head on it, so a party that relayed the hello can neither
+  send a request of its own on the connection nor change the sizes and checksums an answer
+  announces.
 
 Keyed BLAKE2b rather than HMAC-SHA256 for the records: a lookup checks one MAC per holder of every
 key, and BLAKE2b's keyed mode (a MAC by design) costs about a third of HMAC's call here.
@@ -32,6 +37,7 @@ LABEL = b"kvstore cluster key v1"  # HKDF's salt: the version of this derivation
 MAC_BYTES = 16
 NONCE_BYTES = 16
 PROOF_BYTES = 32
+MEMBER_VERSION = "2."  # the first characters of a member entry sealed whole (an older one has a bare MAC)
 RECORD_VERSION = b"\x02"  # the first byte of an authenticated record (an older one has no version byte)
 _LEN = struct.Struct("<H")
 
@@ -58,7 +64,7 @@ class ClusterKey:
     def __init__(self, token: str) -> None:
         secret = token.encode("utf-8", "surrogateescape")
         self._record = hkdf(secret, b"directory record")
-        self._member = hkdf(secret, b"member entry")
+        self._member = hkdf(secret, b"member entry v2")  # (v1's key sealed the address only)
         self._hello = hkdf(secret, b"peer hello")
 
     # --- directory records ----------------------------------------------------------------------
@@ -84,32 +90,57 @@ class ClusterKey:
 
     # --- member entries -------------------------------------------------------------------------
 
-    def _member_mac(self, prefix: bytes, node: bytes, address: bytes) -> str:
-        msg = framed(prefix, node, address)
+    def _member_mac(self, prefix: str, node: str, address: str, incarnation: int, expiry_ms: int) -> str:
+        msg = framed(prefix.encode(), node.encode(), address.encode(), b"%d" % incarnation, b"%d" % expiry_ms)
         return hashlib.blake2b(msg, key=self._member, digest_size=MAC_BYTES).hexdigest()
 
-    def seal_address(self, prefix: str, node: str, address: str) -> str:
-        """The address part of ``node``'s member entry: ``<mac hex>@<address>``."""
-        return f"{self._member_mac(prefix.encode(), node.encode(), address.encode())}@{address}"
+    def seal_member(self, prefix: str, node: str, address: str, incarnation: int, expiry_ms: int) -> str:
+        """``node``'s whole member entry: ``2.<mac hex>@<address>|<incarnation>|<expiry_ms>``."""
+        mac = self._member_mac(prefix, node, address, incarnation, expiry_ms)
+        return f"{MEMBER_VERSION}{mac}@{address}|{incarnation}|{expiry_ms}"
 
-    def open_address(self, prefix: str, node: str, sealed: str) -> str | None:
-        """The address of a member entry's address part sealed for this prefix and node; None when
-        it was not (forged, moved to another node's name, or of an older version)."""
-        mac, at, address = sealed.partition("@")
-        if not at or len(mac) != 2 * MAC_BYTES:
+    def open_member(self, prefix: str, node: str, sealed: str, incarnation: int, expiry_ms: int) -> str | None:
+        """The address of a member entry whose address part is ``sealed`` (``2.<mac hex>@<address>``)
+        and whose incarnation and expiry are these; None when :meth:`seal_member` did not seal these
+        together for this prefix and node (forged, moved to another node's name, one part changed or
+        taken from another entry, or of an older version)."""
+        version, mac, address = sealed[:2], sealed[2 : 2 + 2 * MAC_BYTES], sealed[3 + 2 * MAC_BYTES :]
+        if version != MEMBER_VERSION or sealed[2 + 2 * MAC_BYTES : 3 + 2 * MAC_BYTES] != "@":
             return None
-        want = self._member_mac(prefix.encode(), node.encode(), address.encode())
+        want = self._member_mac(prefix, node, address, incarnation, expiry_ms)
         return address if hmac.compare_digest(mac.encode(), want.encode()) else None
 
     # --- the peer hello -------------------------------------------------------------------------
 
-    def proof(self, role: bytes, fetcher_nonce: bytes, holder_nonce: bytes, fetcher: bytes, holder: bytes) -> bytes:
-        """A side's proof that it holds the token, for one hello (``role``: whose proof it is)."""
-        return hmac.digest(self._hello, framed(role, fetcher_nonce, holder_nonce, fetcher, holder), "sha256")
+    def proof(
+        self,
+        role: bytes,
+        fetcher_nonce: bytes,
+        holder_nonce: bytes,
+        fetcher: bytes,
+        holder: bytes,
+        incarnation: int,
+        flags: bytes,
+    ) -> bytes:
+        """A side's proof that it holds the token, for one hello (``role``: whose proof it is) with
+        the holder of this ``incarnation``, both sides having said these ``flags`` (the fetcher's,
+        the holder's: one byte each)."""
+        msg = framed(role, fetcher_nonce, holder_nonce, fetcher, holder, incarnation.to_bytes(8, "little"), flags)
+        return hmac.digest(self._hello, msg, "sha256")
 
-    def session(self, fetcher_nonce: bytes, holder_nonce: bytes, fetcher: bytes, holder: bytes) -> Session:
-        """The key of the connection whose hello had these nonces and names."""
-        return Session(self.proof(SESSION, fetcher_nonce, holder_nonce, fetcher, holder))
+    def session(
+        self,
+        fetcher_nonce: bytes,
+        holder_nonce: bytes,
+        fetcher: bytes,
+        holder: bytes,
+        incarnation: int,
+        flags: bytes,
+        encrypted: bool,
+    ) -> Session:
+        """The key of the connection whose hello had these nonces, names, holder's incarnation and
+        flags; ``encrypted``: whether its exchanges are sealed (:mod:`kvstore.cluster.peer_frames`)."""
+        return Session(self.proof(SESSION, fetcher_nonce, holder_nonce, fetcher, holder, incarnation, flags), encrypted)
 
 
 SESSION = b"session"  # (a role of its own: the session key is never a proof either side sent)
@@ -121,9 +152,15 @@ class Session:
     at a time), so one can neither be forged, nor replayed on the connection, nor stand for
     another. Both ends call :meth:`next` once an exchange is over."""
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, encrypted: bool = False) -> None:
         self._key = key
         self._seq = 0
+        self.encrypted = encrypted  # the exchanges are sealed whole instead (kvstore.cluster.peer_frames)
+
+    def keys(self) -> tuple[bytes, bytes]:
+        """The keys of an encrypted connection's two directions (fetcher to holder, holder to fetcher),
+        each its own (HKDF of this connection's key), so no nonce is used under one key by both ends."""
+        return hkdf(self._key, b"peer frames to the holder"), hkdf(self._key, b"peer frames to the fetcher")
 
     def seal(self, what: bytes, data: bytes) -> bytes:
         """The MAC of ``data`` as this exchange's ``what``."""

@@ -27,13 +27,15 @@ Layout (every key starts with ``{key_prefix}:``):
   Both ride in the pipeline of the records (:meth:`Directory.publish`: a command per key on a
   Redis Cluster, one script call each on one Redis); a re-publish of a block the node held
   already (a move between its tiers, everything after an outage) reads none.
-- ``members``: a hash, node id -> ``mac@address|incarnation|expiry_ms``, the MAC (32 hex digits)
-  over the prefix, the node id and the address with the token's key: an entry without a good one
-  is left out of the members (counted in :attr:`Directory.rejected_members`), so a node never
-  connects to an address nobody holding the token wrote. The expiry in the directory
-  server's own clock (``TIME``), written by each node's heartbeat (:data:`HEARTBEAT`, a script:
-  one round trip writes this node's lease and reads everyone's, with the server's time, so no
-  two hosts' clocks are compared).
+- ``members``: a hash, node id -> ``2.mac@address|incarnation|expiry_ms``, the MAC (32 hex digits)
+  over the prefix, the node id, the address, the incarnation and the expiry with the token's key:
+  an entry without a good one (forged, or put together from parts of others) is left out of the
+  members (counted in :attr:`Directory.rejected_members`), so a node never connects to an address,
+  nor expects there an incarnation, that nobody holding the token wrote together. The expiry in the
+  directory server's own clock (``TIME``), as the node estimates it, checked by each node's
+  heartbeat (:data:`HEARTBEAT`, a script: one round trip writes this node's lease and reads
+  everyone's, with the server's time, so no two hosts' clocks are compared; two when the node's
+  estimate or its incarnation was off).
 
 A record is offered only while its node's lease runs and its incarnation is the node's current one:
 a node that restarts is a new incarnation, and every record of its past life is void at once.
@@ -65,7 +67,7 @@ from typing import Any, NamedTuple
 from redis.asyncio import Redis, RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
-from kvstore.cluster.cluster_key import ClusterKey, frame
+from kvstore.cluster.cluster_key import MEMBER_VERSION, ClusterKey, frame
 from kvstore.config import ClusterConfig
 from kvstore.errors import Unavailable
 from kvstore.policy.ghost import GHOST_MIN_USES
@@ -77,16 +79,23 @@ _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum 
 # the epoch (the holder's wall clock) and its priority (kvstore/store/retention.py).
 _RETAIN = struct.Struct("<QB")
 ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
+MEMBER_MARK = MEMBER_VERSION.encode()  # how a member entry of this version begins
 
-# KEYS[1] the members hash; ARGV: node id, address, incarnation, lease ms, forget-after ms.
-# Returns the server's time (ms), every member's entry, 1 when this node's entry was not there (a
-# new member, or a directory that lost its data), and the incarnation written. That is the one
-# given, or the next one when this node's entry is of this life and its lease had run out (in the
-# server's clock: anyone who read the members since may have deleted that life's records as void).
+# KEYS[1] the members hash; ARGV: node id, its sealed entry, the incarnation and expiry (ms) it
+# seals, lease ms, forget-after ms. Returns the server's time (ms), every member's entry, 1 when
+# this node's entry was not there (a new member, or a directory that lost its data), the
+# incarnation decided, and whether the entry was written. The incarnation decided is the one given,
+# or the next one when this node's entry is of this life and its lease had run out (in the server's
+# clock: anyone who read the members since may have deleted that life's records as void).
 # "This life": the entry's incarnation is the one given, or one up to 1000 above it, which this
 # script gave the node in a reply the node never read (a heartbeat that timed out at the node
 # after it ran here): the node takes that one up at its next heartbeat. (A later start of a node
-# with this id is at least seconds, thousands of ms, later.) Drops entries long expired.
+# with this id is at least seconds, thousands of ms, later.) The node seals its whole entry
+# (kvstore/cluster/cluster_key.py), so the script cannot write another incarnation or expiry into
+# it: it writes the entry only when its incarnation is the one decided and its expiry (the node's
+# estimate of the server's clock, plus a lease) is set and no more than two leases ahead; otherwise
+# it writes nothing and the node seals the entry again from this reply (:meth:`Directory.heartbeat`).
+# Drops entries long expired.
 # A members key of another type (a directory writer's) is deleted first, so the hash is written
 # anew and every node joins it again; its type is returned last ('' when it was a hash or none).
 HEARTBEAT = """
@@ -95,7 +104,9 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local kind = redis.call('TYPE', KEYS[1]).ok
 if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', KEYS[1]) else kind = '' end
 local created = 0
+local written = 0
 local incarnation = tonumber(ARGV[3])
+local lease = tonumber(ARGV[5])
 if ARGV[1] ~= '' then
   local entry = redis.call('HGET', KEYS[1], ARGV[1])
   if entry then
@@ -106,21 +117,24 @@ if ARGV[1] ~= '' then
       if expiry < now then incarnation = inc + 1 end
     end
   end
-  created = redis.call('HSET', KEYS[1], ARGV[1],
-    ARGV[2] .. '|' .. string.format('%.0f', incarnation) .. '|' .. string.format('%.0f', now + tonumber(ARGV[4])))
+  local expiry = tonumber(ARGV[4])
+  if incarnation == tonumber(ARGV[3]) and expiry > 0 and expiry <= now + 2 * lease then
+    created = redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+    written = 1
+  end
 end
 local all = redis.call('HGETALL', KEYS[1])
 local out = {}
 for i = 1, #all, 2 do
   local expiry = tonumber(string.match(all[i + 1], '|(%d+)$'))
-  if expiry ~= nil and expiry + tonumber(ARGV[5]) < now then
+  if expiry ~= nil and expiry + tonumber(ARGV[6]) < now then
     redis.call('HDEL', KEYS[1], all[i])
   else
     out[#out + 1] = all[i]
     out[#out + 1] = all[i + 1]
   end
 end
-return {now, out, created, string.format('%.0f', incarnation), kind}
+return {now, out, created, string.format('%.0f', incarnation), kind, written}
 """
 # KEYS[1] a block's directory key; ARGV: node id, the record read. Deletes that node's field only
 # while it still holds that record: a record written since (a new incarnation's) stays.
@@ -265,6 +279,8 @@ class Beat(NamedTuple):
     created: bool  # this node's entry was not there (a new member, or a directory that lost its data)
     incarnation: int  # this node's incarnation now: a later one when its lease had run out
     wrong_type: str = ""  # the type the members key was of, not a hash (deleted, written anew); "" when it was
+    written: bool = True  # this node's entry was written (not: sealed with another incarnation or expiry)
+    older: int = 0  # entries of an older version (``address|incarnation|expiry_ms`` without the version mark)
 
 
 class Members(NamedTuple):
@@ -391,7 +407,7 @@ class Directory:
 
     def _member_opened(self, m: Member) -> Member | None:
         """``m`` with its address opened, or None (counted) where its seal does not check out."""
-        address = self.sealer.open_address(self.prefix.decode(), m.node, m.address)
+        address = self.sealer.open_member(self.prefix.decode(), m.node, m.address, m.incarnation, m.expiry_ms)
         if address is None:
             self.rejected_members += 1
             return None
@@ -411,17 +427,26 @@ class Directory:
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
 
-    async def heartbeat(self, address: str, incarnation: int, lease_ms: int) -> Beat:
-        """Renew this node's lease (see :data:`HEARTBEAT`)."""
-        sealed = self.sealer.seal_address(self.prefix.decode(), self.node, address)
+    async def heartbeat(self, address: str, incarnation: int, lease_ms: int, expiry_ms: int = 0) -> Beat:
+        """Renew this node's lease (see :data:`HEARTBEAT`) until ``expiry_ms``, the node's estimate
+        of the server's clock plus ``lease_ms`` (0: none yet). The entry is sealed whole, so where
+        the script decides another incarnation, or the estimate is off, it writes nothing and a
+        second call writes the entry sealed from its reply."""
+        reply = await self._beat(address, incarnation, lease_ms, expiry_ms)
+        if not reply[5]:  # (not written: sealed again with the incarnation decided and the server's time)
+            reply = await self._beat(address, int(reply[3]), lease_ms, int(reply[0]) + lease_ms)
+        now, entries, created, decided, kind, written = reply
+        members, unreadable = parse_members(entries, self._member_opened)
+        older = sum(1 for f, v in unreadable.items() if not v.startswith(MEMBER_MARK) and parse_member(f, v))
+        return Beat(int(now), members, unreadable, bool(created), int(decided), _text(kind), bool(written), older)
+
+    async def _beat(self, address: str, incarnation: int, lease_ms: int, expiry_ms: int) -> list[Any]:
+        sealed = self.sealer.seal_member(self.prefix.decode(), self.node, address, incarnation, expiry_ms)
+        args: list[str | int] = [self.node, sealed, incarnation, expiry_ms, lease_ms, FORGET_AFTER_MS]
         try:
-            now, entries, created, written, kind = await self._heartbeat(
-                keys=[self.members_key], args=[self.node, sealed, incarnation, lease_ms, FORGET_AFTER_MS]
-            )
+            return list(await self._heartbeat(keys=[self.members_key], args=args))
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
-        members, unreadable = parse_members(entries, self._member_opened)
-        return Beat(int(now), members, unreadable, bool(created), int(written), _text(kind))
 
     async def leave(self) -> None:
         """Take this node out of the members now (a clean stop); its records die with it."""

@@ -266,19 +266,26 @@ class Fetcher:
         return placed
 
     def _client(self, node: str) -> PeerClient | None:
-        """The client of ``node``'s peer data path; None when it is not a member, or its member
-        entry's address is not one to dial (counted: a miss for whatever it holds)."""
+        """The client of ``node``'s peer data path, for the address and incarnation its member entry
+        names (a later one, or another address: a new client); None when it is not a member, or its
+        member entry's address is not one to dial (counted: a miss for whatever it holds)."""
         m = self.members.member(node)
         if m is None:
             return None
         client = self._peers.get(node)
-        if client is None or client.address != m.address:
+        if client is None or client.address != m.address or client.incarnation != m.incarnation:
             if client is not None:
                 client.close()
                 del self._peers[node]
             try:
                 client = PeerClient(
-                    m.address, self.members.directory.sealer, self.members.node, node, self.members.cfg.fetch_timeout_s
+                    m.address,
+                    self.members.directory.sealer,
+                    self.members.node,
+                    node,
+                    m.incarnation,
+                    self.members.cfg.fetch_timeout_s,
+                    self.members.cfg.peer_encryption,
                 )
             except ValueError as exc:
                 self.stats["bad_addresses"] += 1

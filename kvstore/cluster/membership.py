@@ -53,6 +53,7 @@ class Membership:
         self._members: dict[str, Member] = {}
         self._clock: tuple[int, float] = (0, 0.0)  # (directory ms, local monotonic) at the last heartbeat
         self._absent: dict[str, int] = {}  # nodes of records met that the members lack -> since (directory ms)
+        self._older = 0  # member entries of an older version at the last heartbeat (a rolling update)
         self._unreadable = UnreadableMembers()
         per_pass = round(cfg.sweep_keys_per_s * cfg.heartbeat_ms / 1000)
         self._sweeper = Sweeper(directory, self.sweepable, self.stats, max(1, per_pass))
@@ -136,7 +137,9 @@ class Membership:
         try:
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 sent = time.monotonic()
-                beat = await self.directory.heartbeat(self.address, self.incarnation, self.cfg.lease_ms)
+                # (the entry is sealed whole, its expiry too: estimated here in the directory's clock)
+                expiry = round(self.now_ms()) + self.cfg.lease_ms if self._clock[0] else 0
+                beat = await self.directory.heartbeat(self.address, self.incarnation, self.cfg.lease_ms, expiry)
             self.round_trip("heartbeat", start, "ok")
             self._clock = (beat.now_ms, (sent + time.monotonic()) / 2)
             self._members = beat.members
@@ -154,6 +157,7 @@ class Membership:
                 del self._absent[node]
             self.up = True
             self.stats["heartbeats"] += 1
+            older, self._older = self._older, beat.older
             if beat.incarnation != self.incarnation:
                 # the lease had run out (a pause, a cut, a late heartbeat, with or without a call
                 # failing): a new life, whose records nobody has deleted as void
@@ -165,6 +169,12 @@ class Membership:
                     self.incarnation,
                 )
                 self.incarnation = beat.incarnation
+                self._republish()
+            elif older and not beat.older:
+                # the last node of an older version is gone (a rolling update is over): while it
+                # ran it read this node's entry as one that does not check out and deleted its
+                # records as void; this node publishes them again (docs/cluster.md, "Rolling updates")
+                log.info("cluster: no member of an older version is left; re-publishing what this node holds")
                 self._republish()
             elif self.stats["heartbeats"] > 1 and (not was_up or beat.created):
                 # back after calls failed, or back without a word (restarted, failed over: our own
@@ -202,8 +212,9 @@ class Membership:
         if new:
             self.stats["members_unreadable"] += new
             self.warn.warning(
-                "cluster directory: %d members entries this node cannot read (not UTF-8 or not "
-                "address|incarnation|expiry_ms; skipped, deleted after %d ms), e.g. %r",
+                "cluster directory: %d members entries this node cannot read (not UTF-8, not "
+                "address|incarnation|expiry_ms, or not sealed whole with this cluster's token; skipped, deleted after "
+                "%d ms), e.g. %r",
                 new,
                 self.cfg.lease_ms,
                 next(iter(entries))[:64],

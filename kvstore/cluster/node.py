@@ -92,10 +92,12 @@ class ClusterNode:
             self,
             directory.sealer,
             node,
+            lambda: self.membership.incarnation,
             send_timeout_s=2 * self.cfg.fetch_timeout_s,
             send_stall_s=self.cfg.send_stall_s,
             request_timeout_s=self.cfg.fetch_timeout_s,
             latency=store.stats.latency,
+            encrypt=self.cfg.peer_encryption,
         )
         self.max_blocks = config.server.max_batch_blocks
         self._tasks: list[asyncio.Task[None]] = []

@@ -1,8 +1,8 @@
 """The fetcher's end of the peer data path: read another node's blocks straight into local slots.
 
 One :class:`PeerClient` per holder address keeps a few idle connections (hello done once per
-connection: the holder proves it holds the cluster token, and is the node meant, before anything
-else is sent, :mod:`kvstore.cluster.peer_hello`). :meth:`PeerClient.fetch` sends one request for
+connection: the holder proves it holds the cluster token, and is the node and the incarnation
+meant, before anything else is sent, :mod:`kvstore.cluster.peer_hello`). :meth:`PeerClient.fetch` sends one request for
 a run of blocks and, on an I/O thread (:func:`~kvstore.wire.peer.blocking`), reads each
 block with one blocking ``recv_into`` straight into the slot view it was given and hashes it there
 (xxh3 at ~28 GB/s a core: 1 MiB in under 40 us, while the kernel goes on filling the socket buffer
@@ -24,8 +24,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvstore.cluster import peer_hello
-from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey, Session
+from kvstore.cluster import peer_frames, peer_hello
+from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey
+from kvstore.cluster.peer_frames import Frames
 from kvstore.store.checksum import checksum
 from kvstore.util.address import split_host_port
 from kvstore.wire import peer as w
@@ -46,11 +47,22 @@ class FetchResult:
 
 
 class PeerClient:
-    def __init__(self, address: str, key: ClusterKey, node: str, holder: str, io_timeout_s: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        key: ClusterKey,
+        node: str,
+        holder: str,
+        incarnation: int,
+        io_timeout_s: float,
+        encrypt: bool = False,
+    ) -> None:
         self.address = address
         self._host, self._port = split_host_port(address)  # (ValueError: not an address to dial)
         self.holder = holder  # the node meant: the one at ``address`` must prove it is that node, with the token
+        self.incarnation = incarnation  # ... and this life of it (the one its member entry names)
         self.io_timeout_s = io_timeout_s  # the kernel's bound on one blocking call (the deadline is the loop's)
+        self.encrypt = encrypt  # ask for encrypted connections (cluster.peer_encryption)
         self._key = key
         self._node = node
         self._idle: list[Conn] = []
@@ -67,12 +79,12 @@ class PeerClient:
         try:
             await loop.sock_connect(sock, (self._host, self._port))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = await peer_hello.greet(sock, self._key, self._node, self.holder)  # (nothing else sent before)
+            session = await peer_hello.greet(sock, self._key, self._node, self.holder, self.incarnation, self.encrypt)
             w.set_blocking(sock, self.io_timeout_s)  # from here on only I/O threads use it
         except BaseException:
             sock.close()
             raise
-        return Conn(sock, session)
+        return Conn(sock, peer_frames.frames(session, fetcher=True))
 
     async def fetch(
         self, root: bytes, keys: Sequence[bytes], into: Sequence[np.ndarray], timeout_s: float
@@ -105,8 +117,8 @@ class PeerClient:
         after a whole answer, else it is closed."""
         sock = conn.sock
         try:
-            request = w.request(root, list(keys), conn.session)
-            await w.blocking(sock, w.FETCHING, _exchange, sock, conn.session, request, into, out)
+            request = conn.frames.request(root, list(keys))
+            await w.blocking(sock, w.FETCHING, _exchange, sock, conn.frames, request, into, out)
         except BaseException:
             sock.close()
             raise
@@ -126,33 +138,33 @@ class PeerClient:
 
 
 class Conn(NamedTuple):
-    """A connection that said hello, and its key (the MACs of its requests and answers)."""
+    """A connection that said hello, and how its exchanges go on the wire (its key's MACs, or sealed whole)."""
 
     sock: socket.socket
-    session: Session
+    frames: Frames
 
 
 def _exchange(
-    sock: socket.socket, session: Session, request: bytes, into: Sequence[np.ndarray], out: FetchResult
+    sock: socket.socket, frames: Frames, request: bytes, into: Sequence[np.ndarray], out: FetchResult
 ) -> None:
     """Send ``request`` and read its answer into ``into`` (blocking; on an I/O thread). The
-    answer's head must carry the connection's MAC. Each block is hashed as soon as it is in;
-    ``out`` holds every block received in full when this raises."""
+    answer's head must carry the connection's MAC (or open under its key, and each block frame
+    too). Each block is hashed as soon as it is in; ``out`` holds every block received in full
+    when this raises."""
     sock.sendall(request)
     count = w.recv_all(sock, w.COUNT.size)
     (m,) = w.COUNT.unpack(count)
     if m > len(into):
         raise w.PeerProtocolError(f"an answer of {m} blocks to a request for {len(into)}")
-    entries = w.recv_all(sock, m * w.ENTRY.size + MAC_BYTES)
-    entries, mac = entries[:-MAC_BYTES], entries[-MAC_BYTES:]
-    if not session.check(w.ANSWERED, count + entries, mac):
+    entries = frames.opened_answer(count, w.recv_all(sock, m * w.ENTRY.size + MAC_BYTES))
+    if entries is None:
         raise w.PeerProtocolError("an answer not sealed with this connection's key (sent by another party)")
     heads = [w.ENTRY.unpack_from(entries, i * w.ENTRY.size) for i in range(m)]
     for (size, _), view in zip(heads, into):
         if size != view.nbytes:
             raise w.PeerProtocolError(f"block of {size} bytes where {view.nbytes} were expected")
     for (_, sent), view in zip(heads, into):
-        w.recv_into_all(sock, memoryview(view).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
+        frames.recv_block(sock, memoryview(view).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
         out.checksums.append(sent)
         out.hashes.append(checksum(view))
-    session.next()
+    frames.next()

@@ -1,11 +1,15 @@
-"""The peer data path's hello: each side proves it holds the cluster token without sending it.
+"""The peer data path's hello: each side proves it holds the cluster token without sending it, and
+the holder proves which incarnation of its node answers.
 
-    fetcher -> holder   "KVP2" u16 name length, nonce (16 random bytes), the fetcher's node id
-    holder -> fetcher   "KVP2" u16 name length, nonce (16 random bytes), the holder's node id,
-                        proof (32) = HMAC(hello key, "holder", both nonces, both names)
-    fetcher -> holder   proof (32) = HMAC(hello key, "fetcher", both nonces, both names)
-                        (only once the holder's proof checked out, and the holder is the node the
-                        fetcher meant: otherwise the fetcher closes and sends nothing more)
+    fetcher -> holder   "KVP3" u16 name length, u8 flags, nonce (16 random bytes), the fetcher's node id
+    holder -> fetcher   "KVP3" u16 name length, u8 flags, nonce (16 random bytes), the holder's node id,
+                        u64 its incarnation,
+                        proof (32) = HMAC(hello key, "holder", both nonces, both names, incarnation,
+                        both flags)
+    fetcher -> holder   proof (32) = HMAC(hello key, "fetcher", the same)
+                        (only once the holder's proof checked out, and the holder is the node and
+                        the incarnation the fetcher meant: otherwise the fetcher closes and sends
+                        nothing more)
     holder -> fetcher   "OK\\0\\0" (or the connection closes: a wrong proof)
 
 The hello key is derived from the token (:class:`~kvstore.cluster.cluster_key.ClusterKey`); the
@@ -13,14 +17,27 @@ proofs are compared in constant time (:func:`~kvstore.util.tokens.token_matches`
 on both sides make every proof good for one connection only: a recorded hello replays nowhere.
 Nothing the fetcher sends before the holder proved itself says more than the fetcher's name (a
 listener that is not a node learns no token and no namespace root: requests come after the hello).
-A version 1 peer ("KVP1", the token in clear) is told nothing and closed.
+
+The incarnation: a fetcher dials the address of a member entry (sealed whole with the entry's
+incarnation and expiry, :class:`~kvstore.cluster.cluster_key.ClusterKey`) to read records of that
+incarnation, and talks only to that incarnation. A directory writer who puts back a node's entry
+of a past life (its old address) and relays that address to where the node lives now gets the
+node's current incarnation in the hello: the fetcher closes before it sends a request.
+
+Flags: bit 0, :data:`ENCRYPT`, the side's ``cluster.peer_encryption``. The connection is
+encrypted when either side set it (:mod:`kvstore.cluster.peer_frames`); both flags are under both
+proofs, so a party on the path cannot clear one. Other bits: not a hello of this version (closed).
+
+A peer of another version ("KVP1", the token in clear; "KVP2", no incarnation) is told nothing and
+closed: old and new versions miss each other (docs/cluster.md, "Rolling updates").
 
 Both sides then hold the connection's own key (:class:`~kvstore.cluster.cluster_key.Session`,
-from the same nonces and names): every request and every answer's head after the hello carries
-its MAC (:mod:`kvstore.wire.peer`). A party on the path (or at an address a member entry
-names) that relays one node's hello to another can then read what passes, and cut or delay it,
-but not send a request of its own nor change what an answer announces. What it reads is in the
-clear (no TLS on this path): see docs/security.md.
+from the same nonces, names and incarnation): every request and every answer's head after the
+hello carries its MAC (:mod:`kvstore.wire.peer`), or, encrypted, is sealed whole
+(:mod:`kvstore.cluster.peer_frames`). A party on the path that relays one node's hello to another
+can then cut or delay what passes, but not send a request of its own nor change what an answer
+announces; it reads what passes only where neither side has ``cluster.peer_encryption`` on: see
+docs/security.md.
 """
 
 from __future__ import annotations
@@ -34,8 +51,10 @@ from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey, Se
 from kvstore.util.tokens import token_matches
 from kvstore.wire import peer as w
 
-MAGIC = b"KVP2"
-GREETING = struct.Struct("<4sH")  # magic, name length (then the nonce and the name)
+MAGIC = b"KVP3"
+GREETING = struct.Struct("<4sHB")  # magic, name length, flags (then the nonce and the name)
+ENCRYPT = 1  # a flag: this side wants the connection encrypted
+INCARNATION = struct.Struct("<Q")  # the holder's, after its name
 MAX_NODE = 1024
 HOLDER, FETCHER = b"holder", b"fetcher"  # whose proof
 
@@ -44,51 +63,71 @@ class HelloRefused(w.PeerProtocolError):
     """The other end did not prove it holds the cluster token (or is not the node meant)."""
 
 
-def opening(name: str, nonce: bytes) -> bytes:
-    """The first bytes a side sends: the magic, its nonce and its name."""
+def opening(name: str, nonce: bytes, flags: int = 0) -> bytes:
+    """The first bytes a side sends: the magic, its flags, its nonce and its name."""
     n = name.encode()
-    return GREETING.pack(MAGIC, len(n)) + nonce + n
+    return GREETING.pack(MAGIC, len(n), flags) + nonce + n
 
 
-async def _their_opening(sock: socket.socket) -> tuple[bytes, bytes]:
-    """The other side's nonce and name."""
-    magic, n = GREETING.unpack(await w.recv_bytes(sock, GREETING.size))
-    if magic != MAGIC or n > MAX_NODE:
-        raise w.PeerProtocolError(f"not a kvstore peer hello ({magic!r}, a name of {n} bytes)")
+async def _their_opening(sock: socket.socket) -> tuple[bytes, bytes, int]:
+    """The other side's nonce, name and flags."""
+    magic, n, flags = GREETING.unpack(await w.recv_bytes(sock, GREETING.size))
+    if magic != MAGIC or n > MAX_NODE or flags & ~ENCRYPT:
+        raise w.PeerProtocolError(f"not a kvstore peer hello ({magic!r}, a name of {n} bytes, flags {flags:#x})")
     rest = await w.recv_bytes(sock, NONCE_BYTES + n)
-    return rest[:NONCE_BYTES], rest[NONCE_BYTES:]
+    return rest[:NONCE_BYTES], rest[NONCE_BYTES:], flags
 
 
-async def greet(sock: socket.socket, key: ClusterKey, me: str, holder: str) -> Session:
-    """The fetcher's side, on a connected non-blocking ``sock``: the connection's key, once both
-    sides proved themselves; raises :class:`HelloRefused` when ``holder`` did not (or is another
-    node)."""
+def _flags(encrypt: bool) -> int:
+    return ENCRYPT if encrypt else 0
+
+
+async def greet(
+    sock: socket.socket, key: ClusterKey, me: str, holder: str, incarnation: int, encrypt: bool = False
+) -> Session:
+    """The fetcher's side, on a connected non-blocking ``sock``: the connection's key (encrypted
+    when this side asks, ``encrypt``, or the holder does), once both sides proved themselves;
+    raises :class:`HelloRefused` when ``holder`` did not (or is another node, or another
+    ``incarnation`` of it)."""
     loop = asyncio.get_running_loop()
-    mine, name = os.urandom(NONCE_BYTES), me.encode()
-    await loop.sock_sendall(sock, opening(me, mine))
-    theirs, their_name = await _their_opening(sock)
-    proof = await w.recv_bytes(sock, PROOF_BYTES)
+    mine, name, my_flags = os.urandom(NONCE_BYTES), me.encode(), _flags(encrypt)
+    await loop.sock_sendall(sock, opening(me, mine, my_flags))
+    theirs, their_name, their_flags = await _their_opening(sock)
+    flags = bytes([my_flags, their_flags])
+    rest = await w.recv_bytes(sock, INCARNATION.size + PROOF_BYTES)
+    (theirs_is,), proof = INCARNATION.unpack_from(rest), rest[INCARNATION.size :]
     if their_name != holder.encode():
         raise HelloRefused(f"the node at this address says it is {their_name[:64]!r}, not {holder[:64]!r}")
-    if not token_matches(proof, key.proof(HOLDER, mine, theirs, name, their_name)):
+    if not token_matches(proof, key.proof(HOLDER, mine, theirs, name, their_name, theirs_is, flags)):
         raise HelloRefused(f"{holder[:64]!r} did not prove it holds the cluster token")
-    await loop.sock_sendall(sock, key.proof(FETCHER, mine, theirs, name, their_name))
+    if theirs_is != incarnation:
+        raise HelloRefused(
+            f"{holder[:64]!r} at this address is incarnation {theirs_is}, not {incarnation}, which its member "
+            "entry names (another life of the node: a member entry put back, or the node restarted since)"
+        )
+    await loop.sock_sendall(sock, key.proof(FETCHER, mine, theirs, name, their_name, incarnation, flags))
     if await w.recv_bytes(sock, len(w.WELCOME)) != w.WELCOME:
         raise w.PeerProtocolError("the holder did not welcome us")
-    return key.session(mine, theirs, name, their_name)
+    return key.session(mine, theirs, name, their_name, incarnation, flags, bool((my_flags | their_flags) & ENCRYPT))
 
 
-async def welcome(sock: socket.socket, key: ClusterKey, me: str) -> tuple[str, Session]:
-    """The holder's side, on a connected non-blocking ``sock``: the fetcher's name and the
-    connection's key once it proved itself (and was welcomed); raises :class:`HelloRefused` when
-    its proof was wrong (nothing more is sent)."""
+async def welcome(
+    sock: socket.socket, key: ClusterKey, me: str, incarnation: int, encrypt: bool = False
+) -> tuple[str, Session]:
+    """The holder's side, on a connected non-blocking ``sock``, as this node's ``incarnation``: the
+    fetcher's name and the connection's key (encrypted when either side asks) once it proved
+    itself (and was welcomed); raises :class:`HelloRefused` when its proof was wrong (nothing more
+    is sent)."""
     loop = asyncio.get_running_loop()
-    theirs, their_name = await _their_opening(sock)
-    mine, name = os.urandom(NONCE_BYTES), me.encode()
-    await loop.sock_sendall(sock, opening(me, mine) + key.proof(HOLDER, theirs, mine, their_name, name))
+    theirs, their_name, their_flags = await _their_opening(sock)
+    mine, name, my_flags = os.urandom(NONCE_BYTES), me.encode(), _flags(encrypt)
+    flags = bytes([their_flags, my_flags])
+    proof = key.proof(HOLDER, theirs, mine, their_name, name, incarnation, flags)
+    await loop.sock_sendall(sock, opening(me, mine, my_flags) + INCARNATION.pack(incarnation) + proof)
     proof = await w.recv_bytes(sock, PROOF_BYTES)
     shown = their_name.decode(errors="replace")
-    if not token_matches(proof, key.proof(FETCHER, theirs, mine, their_name, name)):
+    if not token_matches(proof, key.proof(FETCHER, theirs, mine, their_name, name, incarnation, flags)):
         raise HelloRefused(f"a peer calling itself {shown[:64]!r} did not prove it holds the cluster token")
     await loop.sock_sendall(sock, w.WELCOME)
-    return shown, key.session(theirs, mine, their_name, name)
+    encrypted = bool((my_flags | their_flags) & ENCRYPT)
+    return shown, key.session(theirs, mine, their_name, name, incarnation, flags, encrypted)

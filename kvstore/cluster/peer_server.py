@@ -40,8 +40,9 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from kvstore.cluster import peer_hello
-from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey, Session
+from kvstore.cluster import peer_frames, peer_hello
+from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey
+from kvstore.cluster.peer_frames import Frames
 from kvstore.store.latency import Latencies
 from kvstore.util.address import split_host_port
 from kvstore.util.backoff import accept_backoff
@@ -84,13 +85,17 @@ class PeerServer:
         lender: Lender,
         key: ClusterKey,
         name: str,
+        incarnation: Callable[[], int],
         send_timeout_s: float,
         send_stall_s: float,
         request_timeout_s: float,
         latency: Latencies | None = None,
+        encrypt: bool = False,
     ) -> None:
         self.lender = lender
         self.name = name  # this node's id: the holder's name in the hello
+        self.incarnation = incarnation  # this node's incarnation now: the hello proves it too
+        self.encrypt = encrypt  # ask for encrypted connections (cluster.peer_encryption; a fetcher may ask too)
         self.latency = latency if latency is not None else Latencies()  # answers' (kvstore/store/latency.py)
         self.send_timeout_s = send_timeout_s
         self.send_stall_s = send_stall_s
@@ -167,12 +172,14 @@ class PeerServer:
     async def _serve(self, conn: socket.socket) -> None:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
-                _, session = await peer_hello.welcome(conn, self._key, self.name)  # (HelloRefused: a PeerProtocolError)
+                # (HelloRefused: a PeerProtocolError)
+                _, session = await peer_hello.welcome(conn, self._key, self.name, self.incarnation(), self.encrypt)
+            frames = peer_frames.frames(session, fetcher=False)
             current = asyncio.current_task()
             if current is not None:
                 self._pending.pop(current, None)  # it said hello: a connection like any other now
             while not self._closing:
-                if not await self._answer(conn, session):
+                if not await self._answer(conn, frames):
                     return
         except w.PeerProtocolError as exc:
             self.refused += 1
@@ -185,7 +192,7 @@ class PeerServer:
         finally:
             conn.close()
 
-    async def _answer(self, conn: socket.socket, session: Session) -> bool:
+    async def _answer(self, conn: socket.socket, frames: Frames) -> bool:
         loop = asyncio.get_running_loop()
         head = bytearray(w.REQUEST.size)
         async with asyncio.timeout(IDLE_TIMEOUT_S):  # an idle connection goes (its fetcher reconnects)
@@ -202,9 +209,10 @@ class PeerServer:
                 body = await w.recv_bytes(conn, w.ROOT_BYTES + n * w.KEY_BYTES + MAC_BYTES)
         except TimeoutError:
             raise w.PeerProtocolError(f"a request begun was not in whole within {self.request_timeout_s} s") from None
-        body, mac = body[:-MAC_BYTES], body[-MAC_BYTES:]
-        if not session.check(w.ASKED, bytes(head) + body, mac):
+        opened = frames.opened_request(bytes(head), body)
+        if opened is None:
             raise w.PeerProtocolError("a request not sealed with this connection's key (sent by another party)")
+        body = opened
         root = body[: w.ROOT_BYTES]
         keys = [body[i : i + w.KEY_BYTES] for i in range(w.ROOT_BYTES, len(body), w.KEY_BYTES)]
         try:
@@ -215,11 +223,11 @@ class PeerServer:
             self._warn.warning("peer data path: no send slot free for %s s; dropped a request", self.request_timeout_s)
             return False
         try:
-            return await self._lend_and_send(conn, root, keys, session)
+            return await self._lend_and_send(conn, root, keys, frames)
         finally:
             self._sending.release()
 
-    async def _lend_and_send(self, conn: socket.socket, root: bytes, keys: list[bytes], session: Session) -> bool:
+    async def _lend_and_send(self, conn: socket.socket, root: bytes, keys: list[bytes], frames: Frames) -> bool:
         """Lend the run asked for and send it (holding a send slot). The send ends, and with it
         the lease and the connection, at the lease's end or after a window of ``send_stall_s`` in
         which the fetcher took too little for the rest to go out by then (no byte, or a trickle),
@@ -229,7 +237,7 @@ class PeerServer:
         lent = await self.lender.lend(root, keys)
         try:
             blocks = lent.blocks
-            answer = w.answer_head([(data.nbytes, checksum) for checksum, data in blocks], session)
+            answer = frames.answer_head([(data.nbytes, checksum) for checksum, data in blocks])
             # (a 1-D uint8 array is a buffer; numpy's stubs do not say so before Python 3.12)
             payload = [memoryview(data) for _, data in blocks]  # type: ignore[arg-type]
             budget = min(self.send_timeout_s, lent.left_s())  # the slots are ours until the lease ends
@@ -239,7 +247,7 @@ class PeerServer:
             stall = min(self.send_stall_s, budget)  # each blocking call's bound, and the pace's window
             deadline = time.monotonic() + budget  # when asyncio.timeout below cuts the send
             async with asyncio.timeout(budget):
-                await w.blocking(conn, w.SENDING, _send, conn, [memoryview(answer), *payload], stall, deadline)
+                await w.blocking(conn, w.SENDING, _send, conn, frames, answer, payload, stall, deadline)
             outcome = "ok"
         except w.PeerStalled as e:
             self.refused += 1
@@ -249,7 +257,7 @@ class PeerServer:
         finally:
             lent.release()
             self.latency.histogram("peer_answer", (outcome,)).since(start)
-        session.next()
+        frames.next()
         self.served_blocks += len(blocks)
         return True
 
@@ -265,12 +273,14 @@ class PeerServer:
             self._sock = None
 
 
-def _send(conn: socket.socket, buffers: list[memoryview], stall_s: float, deadline: float) -> None:
+def _send(
+    conn: socket.socket, frames: Frames, head: bytes, blocks: list[memoryview], stall_s: float, deadline: float
+) -> None:
     """Send an answer on an I/O thread: ``conn`` blocking while it does (each call bounded by
     ``stall_s``; no progress for that long, or a window of it too slow to finish by ``deadline``,
     raises :class:`~kvstore.wire.peer.PeerStalled`), back to the loop's after."""
     w.set_blocking(conn, stall_s)
     try:
-        w.send_buffers(conn, buffers, stall_s, deadline)
+        frames.send(conn, head, blocks, w.pacer(stall_s, deadline))
     finally:
         conn.setblocking(False)

@@ -146,7 +146,18 @@ def send_buffers(
     cannot finish anyway, so giving up once it is out of reach costs nothing that could arrive.
     A window rather than the whole send's average: a fetcher that read fast, then slows to a
     trickle, is caught one window later, not after its early bytes are averaged away."""
-    pace = _Pace(window_s, deadline) if window_s is not None and deadline is not None else None
+    send_paced(sock, buffers, pacer(window_s, deadline))
+
+
+def pacer(window_s: float | None, deadline: float | None) -> stream.Pace | None:
+    """The pace a send of ``window_s`` windows must keep to finish by ``deadline`` (see
+    :func:`send_buffers`); None without both."""
+    return _Pace(window_s, deadline) if window_s is not None and deadline is not None else None
+
+
+def send_paced(sock: socket.socket, buffers: Sequence[memoryview], pace: stream.Pace | None) -> None:
+    """:func:`send_buffers` with a pace of the caller's (one over several sends: the frames of an
+    encrypted answer, :mod:`kvstore.cluster.peer_frames`)."""
     try:
         stream.send_buffers(sock, buffers, pace)
     except stream.SendStalled as exc:

@@ -1,6 +1,7 @@
-"""Smoke test: ``benchmarks.cluster`` runs end to end with tiny sizes (two test hosts, the directory
-on their bridge, two sidecars, every baseline) and returns its JSON shape; whatever it started is
-gone afterwards, on error too. No timed assertions. Needs root, as CI has (test hosts)."""
+"""Smoke test: ``benchmarks.cluster`` runs end to end with tiny sizes (three test hosts, the
+directory on their bridge, three sidecars, one fetching encrypted, every baseline) and returns its
+JSON shape; whatever it started is gone afterwards, on error too. No timed assertions. Needs
+root, as CI has (test hosts)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from benchmarks import cluster
 
 TINY = ["--blocks", "4", "--block-bytes", "65536", "--rounds", "1", "--records", "64", "--lookups", "4",
         "--lookup-keys", "4"]
-FETCHES = ("peer_fetch", "raw_tcp", "grpc_stream")
+FETCHES = ("peer_fetch", "peer_fetch_encrypted", "raw_tcp", "grpc_stream")
 FIGURES = (
     *(f"{side}_{tag}" for side in FETCHES for tag in ("GBps", "GBps_best", "round_ms_p50", "round_ms_best")),
     "publish_records_per_s", "publish_records_per_s_best", "raw_redis_records_per_s", "raw_redis_records_per_s_best",
@@ -25,6 +26,7 @@ FIGURES = (
 RATIOS = (
     "peer_fetch_vs_raw_tcp", "peer_fetch_vs_raw_tcp_best", "grpc_stream_vs_raw_tcp", "grpc_stream_vs_raw_tcp_best",
     "publish_vs_raw_redis", "publish_vs_raw_redis_best", "remote_lookup_p50_vs_local",
+    "peer_fetch_encrypted_vs_clear", "peer_fetch_encrypted_vs_clear_best", "peer_fetch_encrypted_vs_raw_tcp",
 )
 
 

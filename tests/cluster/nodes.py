@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from kvstore.client import KVStoreClient
-from kvstore.cluster import peer_hello
-from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey, Session
+from kvstore.cluster import peer_frames, peer_hello
+from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey
+from kvstore.cluster.peer_frames import Frames
 from kvstore.config import Config
 from kvstore.harness.servers import RedisServer
 from kvstore.keys import Namespace, prefix_keys
@@ -56,27 +57,33 @@ def client_of(sc: Sidecar) -> KVStoreClient:
 
 
 async def hello_stream(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: str, holder: str = "a"
-) -> Session:
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: str, holder: str = "a", encrypt: bool = False
+) -> Frames:
     """The fetcher's side of the peer hello (kvstore.cluster.peer_hello) on a stream, with the
-    cluster token: the holder proves itself, then this side, then the holder's welcome. The
-    connection's key (requests on it are sealed with it: ``peer_wire.request``)."""
-    key, mine = ClusterKey(TOKEN), os.urandom(NONCE_BYTES)
-    writer.write(peer_hello.opening(me, mine))
-    magic, n = peer_hello.GREETING.unpack(await reader.readexactly(peer_hello.GREETING.size))
-    rest = await reader.readexactly(NONCE_BYTES + n + PROOF_BYTES)
-    theirs, name, proof = rest[:NONCE_BYTES], rest[NONCE_BYTES:-PROOF_BYTES], rest[-PROOF_BYTES:]
+    cluster token: the holder proves itself, then this side, then the holder's welcome. How the
+    connection's exchanges go on the wire (encrypted when either side asked): requests on it are
+    made with ``frames.request``."""
+    key, mine, flags = ClusterKey(TOKEN), os.urandom(NONCE_BYTES), peer_hello.ENCRYPT if encrypt else 0
+    writer.write(peer_hello.opening(me, mine, flags))
+    magic, n, theirs_flags = peer_hello.GREETING.unpack(await reader.readexactly(peer_hello.GREETING.size))
+    rest = await reader.readexactly(NONCE_BYTES + n + peer_hello.INCARNATION.size + PROOF_BYTES)
+    theirs, name = rest[:NONCE_BYTES], rest[NONCE_BYTES : NONCE_BYTES + n]
+    (incarnation,), proof = peer_hello.INCARNATION.unpack_from(rest, NONCE_BYTES + n), rest[-PROOF_BYTES:]
+    both = bytes([flags, theirs_flags])
     assert (magic, name) == (peer_hello.MAGIC, holder.encode())
-    assert proof == key.proof(peer_hello.HOLDER, mine, theirs, me.encode(), name)
-    writer.write(key.proof(peer_hello.FETCHER, mine, theirs, me.encode(), name))
+    assert proof == key.proof(peer_hello.HOLDER, mine, theirs, me.encode(), name, incarnation, both)
+    writer.write(key.proof(peer_hello.FETCHER, mine, theirs, me.encode(), name, incarnation, both))
     assert await reader.readexactly(len(w.WELCOME)) == w.WELCOME
-    return key.session(mine, theirs, me.encode(), name)
+    encrypted = bool((flags | theirs_flags) & peer_hello.ENCRYPT)
+    return peer_frames.frames(key.session(mine, theirs, me.encode(), name, incarnation, both, encrypted), fetcher=True)
 
 
-async def hello_socket(sock: socket.socket, me: str, holder: str = "a") -> Session:
+async def hello_socket(sock: socket.socket, me: str, holder: Sidecar) -> Frames:
     """The fetcher's side of the peer hello on a connected non-blocking socket, as PeerClient says
-    it; the connection's key."""
-    return await asyncio.wait_for(peer_hello.greet(sock, ClusterKey(TOKEN), me, holder), 10)
+    it to ``holder`` (node "a", of its incarnation now); how the connection's exchanges go."""
+    assert holder.cluster is not None
+    greeted = peer_hello.greet(sock, ClusterKey(TOKEN), me, "a", holder.cluster.incarnation)
+    return peer_frames.frames(await asyncio.wait_for(greeted, 10), fetcher=True)
 
 
 def serve_env(directory: RedisServer, name: str, prefix: str, **extra: str) -> dict[str, str]:

@@ -258,7 +258,8 @@ async def test_requests_for_unheld_blocks_are_remembered_up_to_a_bound_while_the
             root = a.store.namespace(ns).root
             unheld = keys_for(ns, asks, seed=46)
             view = np.empty(BLOCK, dtype=np.uint8)
-            clients = [PeerClient(a.cluster.address, ClusterKey(TOKEN), f"asker{i}", "a", 5.0) for i in range(4)]
+            life = a.cluster.incarnation
+            clients = [PeerClient(a.cluster.address, ClusterKey(TOKEN), f"asker{i}", "a", life, 5.0) for i in range(4)]
 
             async def ask(c: PeerClient, part: list[bytes]) -> None:
                 for k in part:

@@ -24,12 +24,15 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis, RedisCluster
 
+from kvstore.cluster import peer_hello
+from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES
 from kvstore.cluster.directory import Directory, Record
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.checksum import checksum
 from tests.cluster.directories import KINDS, DirectoryServer, directory_server
 from tests.cluster.nodes import BLOCK, TOKEN, blocks, client_of, keys_for
+from tests.cluster.relay import Relay
 
 DRAM = 1
 FAR_MS = 10**13  # an expiry past any test's end (ms since the epoch, in the directory's clock)
@@ -45,9 +48,9 @@ def directory(request: pytest.FixtureRequest) -> Iterator[DirectoryServer]:
 class Listener:
     """An attacker's TCP listener posing as a node. It records every byte it receives. To a version
     1 hello ("KVP1", the token in clear) it says welcome and answers every request with its own
-    bytes for the keys it has (``serve``, under its own checksums); to a version 2 opening it
+    bytes for the keys it has (``serve``, under its own checksums); to a version 3 opening it
     answers with the fetcher's own nonce reflected back under the name the fetcher expects
-    (``holder``) and a made-up proof, then records whatever comes."""
+    (``holder``), a made-up incarnation and proof, then records whatever comes."""
 
     serve: dict[bytes, np.ndarray]
     holder: str = "a"
@@ -83,12 +86,12 @@ class Listener:
                     (n,) = struct.unpack("<I", await self._read(reader, 4))
                     body = await self._read(reader, 32 + 32 * n)
                     writer.write(self._answer([body[i : i + 32] for i in range(32, len(body), 32)]))
-            elif magic == b"KVP2":
-                (n,) = struct.unpack("<H", await self._read(reader, 2))
+            elif magic == b"KVP3":
+                (n, _) = struct.unpack("<HB", await self._read(reader, 3))
                 nonce = await self._read(reader, 16)
                 await self._read(reader, n)
                 name = self.holder.encode()
-                writer.write(b"KVP2" + struct.pack("<H", len(name)) + nonce + name + os.urandom(32))
+                writer.write(b"KVP3" + struct.pack("<HB", len(name), 0) + nonce + name + os.urandom(8 + 32))
                 self.received += await reader.read()  # whatever the fetcher says next, until it closes
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if isinstance(exc, asyncio.IncompleteReadError):
@@ -205,12 +208,13 @@ async def test_a_listener_at_a_replayed_member_address_learns_no_token_and_no_ro
     tmp_path: Path, directory: DirectoryServer, redis: Redis | RedisCluster, ns: Namespace
 ) -> None:
     """A directory writer cannot forge an entry, but it can replay one: A's own member entry and
-    records, put back after A left (with a later expiry: the directory's script writes that part,
-    it is not sealed), while the attacker listens on A's old port. B connects: the listener gets
+    records, put back whole after A left (within A's lease: its expiry is sealed with the rest),
+    while the attacker listens on A's old port. B connects: the listener gets
     B's opening (a nonce and B's name) and nothing else, answers with a reflected one, and B, the
     proof wrong, closes. No token, no namespace root, no key; B's fetch is a miss."""
     keys, data = keys_for(ns, 3, seed=42), blocks(3, seed=42)
-    async with Sidecar(directory.config(tmp_path, "a")) as a, \
+    long_lease = {"cluster.lease_ms": 60_000}  # A's entry, put back, still runs when B reads it
+    async with Sidecar(directory.config(tmp_path, "a", **long_lease)) as a, \
             Sidecar(directory.config(tmp_path, "b", **{"cluster.fetch_timeout_s": 2.0})) as b:
         assert a.cluster is not None and b.cluster is not None
         port = a.cluster.server.port
@@ -223,8 +227,7 @@ async def test_a_listener_at_a_replayed_member_address_learns_no_token_and_no_ro
             listener = Listener({k: d for k, d in zip(keys, blocks(3, seed=667), strict=True)})
             await listener.start(port)
             try:
-                address_part, incarnation, _ = entry.rsplit(b"|", 2)
-                await redis.hset(members_key(a), "a", address_part + b"|" + incarnation + f"|{FAR_MS}".encode())
+                await redis.hset(members_key(a), "a", entry)  # type: ignore[misc]
                 for k, raw in zip(keys, records, strict=True):
                     await redis.hset(dir_key(a, ns, k), "a", raw)  # type: ignore[misc]
 
@@ -240,7 +243,7 @@ async def test_a_listener_at_a_replayed_member_address_learns_no_token_and_no_ro
                 root = ns.root
                 assert root not in heard and root[:16] not in heard, "the namespace root went to the listener"
                 assert not any(k in heard for k in keys), "a block key went to the listener"
-                assert heard[:4] == b"KVP2" and len(heard) == 4 + 2 + 16 + len(b"b")  # B's opening only
+                assert heard[:4] == b"KVP3" and len(heard) == 4 + 2 + 1 + 16 + len(b"b")  # B's opening only
                 assert (await cb.stats())["cluster"]["fetch_failures"] >= 1
             finally:
                 await listener.close()
@@ -278,58 +281,23 @@ async def test_a_record_or_member_entry_moved_to_another_key_or_node_is_rejected
         await other.close()
 
 
-@dataclass
-class Relay:
-    """A party on the path between nodes: forwards every byte both ways to ``target`` (a port on
-    127.0.0.1, set once known) and records what the fetcher sent and what came back."""
-
-    target: int = 0
-    sent: bytearray = field(default_factory=bytearray)  # fetcher -> holder
-    back: bytearray = field(default_factory=bytearray)  # holder -> fetcher
-    upstreams: list[asyncio.StreamWriter] = field(default_factory=list)  # to the holder: to inject bytes on
-    port: int = 0
-    _server: asyncio.Server | None = None
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5)
-
-    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
-        self.upstreams.append(up_w)
-
-        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, log: bytearray) -> None:
-            with contextlib.suppress(ConnectionError):
-                while chunk := await r.read(65536):
-                    log += chunk
-                    w.write(chunk)
-                    await w.drain()
-            w.close()
-
-        await asyncio.gather(pipe(reader, up_w, self.sent), pipe(up_r, writer, self.back))
-
-
 async def test_an_observer_on_the_path_sees_blocks_but_not_the_token_and_cannot_replay_the_hello(
     tmp_path: Path, directory: DirectoryServer, ns: Namespace
 ) -> None:
-    """Without TLS (none on the peer path yet), whoever sees the traffic between two nodes sees the
-    blocks' bytes, the namespace root and the block keys of each request: said in docs/security.md,
-    shown here. It does not see the token, and what it recorded of a fetcher's side, played back
-    to the holder on a new connection, gets the holder's greeting and nothing more (the holder's
-    fresh nonce makes the recorded proof wrong)."""
+    """With ``cluster.peer_encryption`` off on both nodes, whoever sees the traffic between them
+    sees the blocks' bytes, the namespace root and the block keys of each request: said in
+    docs/security.md, shown here (encrypted, it sees none: tests/cluster/test_cluster_encryption.py).
+    It does not see the token, and what it recorded of a fetcher's side, played back to the holder
+    on a new connection, gets the holder's greeting and nothing more (the holder's fresh nonce makes
+    the recorded proof wrong)."""
     keys, data = keys_for(ns, 2, seed=43), blocks(2, seed=43)
     relay = Relay()
     await relay.start()
     try:
         via = {"cluster.advertise_address": f"127.0.0.1:{relay.port}"}  # B reaches A through the relay
-        async with Sidecar(directory.config(tmp_path, "a", **via)) as a, \
-                Sidecar(directory.config(tmp_path, "b")) as b, client_of(a) as ca, client_of(b) as cb:
+        clear = {"cluster.peer_encryption": False}
+        async with Sidecar(directory.config(tmp_path, "a", **via, **clear)) as a, \
+                Sidecar(directory.config(tmp_path, "b", **clear)) as b, client_of(a) as ca, client_of(b) as cb:
             assert a.cluster is not None
             relay.target = a.cluster.server.port
             await ca.put_blocks(ns, keys, data, wait_published=True)
@@ -350,33 +318,38 @@ async def test_an_observer_on_the_path_sees_blocks_but_not_the_token_and_cannot_
             finally:
                 writer.close()
             assert not any(bytes(d) in answer for d in data), "a replayed hello got blocks"
-            assert answer[:4] == b"KVP2" and len(answer) == 4 + 2 + 16 + len(b"a") + 32  # its greeting only
+            assert answer[:4] == b"KVP3" and len(answer) == 4 + 2 + 1 + 16 + len(b"a") + 8 + 32  # its greeting only
             assert a.cluster.server.refused == refused + 1
     finally:
         await relay.close()
 
 
+@pytest.mark.parametrize("encrypt", [False, True], ids=["clear", "encrypted"])
 async def test_a_party_on_the_path_cannot_send_a_request_of_its_own_on_a_relayed_connection(
-    tmp_path: Path, directory: DirectoryServer, ns: Namespace
+    tmp_path: Path, directory: DirectoryServer, ns: Namespace, encrypt: bool
 ) -> None:
     """A relay between B and A, after B's hello and fetch went through it, writes B's request
     again on the connection to A (as it could any request naming a root it saw): A refuses it,
     since it does not carry the MAC of this exchange under the connection's key, and closes the
-    connection; nothing more comes back (8dc5782: A answered it with the blocks again)."""
+    connection; nothing more comes back (8dc5782: A answered it with the blocks again). Encrypted,
+    the same: the replayed request's frame no longer opens under the connection's key (its nonce,
+    a count of frames, has moved on)."""
     keys, data = keys_for(ns, 2, seed=44), blocks(2, seed=44)
     relay = Relay()
     await relay.start()
     try:
         via = {"cluster.advertise_address": f"127.0.0.1:{relay.port}"}
-        async with Sidecar(directory.config(tmp_path, "a", **via)) as a, \
-                Sidecar(directory.config(tmp_path, "b")) as b, client_of(a) as ca, client_of(b) as cb:
+        mode = {"cluster.peer_encryption": encrypt}
+        async with Sidecar(directory.config(tmp_path, "a", **via, **mode)) as a, \
+                Sidecar(directory.config(tmp_path, "b", **mode)) as b, client_of(a) as ca, client_of(b) as cb:
             assert a.cluster is not None
             relay.target = a.cluster.server.port
             await ca.put_blocks(ns, keys, data, wait_published=True)
             got = await cb.get_blocks(ns, keys, verify=True)
             assert [bytes(g) for g in got] == [bytes(d) for d in data]
             assert len(relay.upstreams) == 1
-            request = bytes(relay.sent[relay.sent.index(ns.root) - 4 :])  # (u32 n, then the root)
+            hello = peer_hello.GREETING.size + NONCE_BYTES + len(b"b") + PROOF_BYTES  # B's side of it
+            request = bytes(relay.sent[hello:])
             answered, refused = len(relay.back), a.cluster.server.refused
             relay.upstreams[0].write(request)
 

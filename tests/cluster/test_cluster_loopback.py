@@ -154,17 +154,20 @@ async def test_a_wrong_token_gets_nothing(
         try:
             mine, wrong = os.urandom(NONCE_BYTES), ClusterKey("not-the-token")
             writer.write(peer_hello.opening("b", mine))
-            _, n = peer_hello.GREETING.unpack(await reader.readexactly(peer_hello.GREETING.size))
-            rest = await reader.readexactly(NONCE_BYTES + n + PROOF_BYTES)
-            theirs, name = rest[:NONCE_BYTES], rest[NONCE_BYTES:-PROOF_BYTES]
-            proof = wrong.proof(peer_hello.FETCHER, mine, theirs, b"b", name)
+            _, n, flags = peer_hello.GREETING.unpack(await reader.readexactly(peer_hello.GREETING.size))
+            rest = await reader.readexactly(NONCE_BYTES + n + peer_hello.INCARNATION.size + PROOF_BYTES)
+            theirs, name = rest[:NONCE_BYTES], rest[NONCE_BYTES : NONCE_BYTES + n]
+            (incarnation,) = peer_hello.INCARNATION.unpack_from(rest, NONCE_BYTES + n)
+            both = bytes([0, flags])
+            proof = wrong.proof(peer_hello.FETCHER, mine, theirs, b"b", name, incarnation, both)
             writer.write(proof)
             with contextlib.suppress(ConnectionResetError):
                 assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, no welcome
         finally:
             writer.close()
         assert a.cluster.server.refused == 1
-        assert (proof, ClusterKey(TOKEN).proof(peer_hello.FETCHER, mine, theirs, b"b", name)) in compared
+        right = ClusterKey(TOKEN).proof(peer_hello.FETCHER, mine, theirs, b"b", name, incarnation, both)
+        assert (proof, right) in compared
         assert not any(TOKEN.encode() in pair for pair in compared)
         assert w.WELCOME not in rest
 
@@ -175,7 +178,8 @@ async def test_garbage_on_the_peer_port_drops_that_connection_only(
     import struct
     from collections.abc import Callable
 
-    from kvstore.cluster.cluster_key import MAC_BYTES, Session
+    from kvstore.cluster.cluster_key import MAC_BYTES
+    from kvstore.cluster.peer_frames import Frames
     from kvstore.wire import peer as w
 
     a, b = pair
@@ -184,11 +188,11 @@ async def test_garbage_on_the_peer_port_drops_that_connection_only(
     old_hello = b"KVP1" + struct.pack("<HH", len(TOKEN), 1) + TOKEN.encode() + b"x"  # version 1: the token in clear
     one = (b"\0" * 32, [b"\1" * 32])
     unsealed = w.REQUEST.pack(1) + one[0] + one[1][0] + b"\0" * MAC_BYTES
-    cases: list[tuple[bool, Callable[[Session | None], bytes], bool]] = [
+    cases: list[tuple[bool, Callable[[Frames | None], bytes], bool]] = [
         # whether a hello is said first, what is sent (given its connection's key), whether it counts as refused
         (False, lambda _: b"GET / HTTP/1.1\r\n\r\n", True),
         (True, lambda _: b"\xff\xff\xff\xff", True),  # a request for 4 billion blocks
-        (True, lambda s: w.request(*one, s)[:-5], False),  # cut short: the fetcher went away
+        (True, lambda s: s.request(*one)[:-5] if s else b"", False),  # cut short: the fetcher went away
         (False, lambda _: b"\0" * 3, False),
         (False, lambda _: old_hello, True),
         (True, lambda _: unsealed, True),  # not sealed with the connection's key: injected by another party

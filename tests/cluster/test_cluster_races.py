@@ -683,7 +683,7 @@ async def test_a_peer_that_stalls_mid_request_holds_its_connection_for_ever(
             idle_r, idle_w = await asyncio.open_connection("127.0.0.1", port)
             opened.append(idle_w)
             idle = await asyncio.wait_for(hello_stream(idle_r, idle_w, "idle"), 10)
-            request = w.request(root, [key], idle)
+            request = idle.request(root, [key])
             for partial in (request[:1], request[:-5]):  # one byte of the head; the head and part of the body
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 opened.append(writer)
@@ -695,7 +695,7 @@ async def test_a_peer_that_stalls_mid_request_holds_its_connection_for_ever(
             assert a.cluster.server.refused == 2  # counted (and logged) like any bad peer
             idle_w.write(request)  # the idle connection, older than both, still serves
             answer = await asyncio.wait_for(idle_r.readexactly(w.COUNT.size + MAC_BYTES), 10)
-            assert answer == w.answer_head([], idle)  # nothing held, sealed with the connection's key
+            assert idle.opened_answer(answer[: w.COUNT.size], answer[w.COUNT.size :]) == b""  # nothing held, sealed
         finally:
             for writer in opened:
                 writer.close()
@@ -732,8 +732,8 @@ async def test_a_holder_sends_a_run_only_while_its_lease_holds(
         a.cluster.lend = slow_lend  # type: ignore[method-assign,assignment]
         reader, writer = await asyncio.open_connection("127.0.0.1", a.cluster.server.port)
         try:
-            session = await asyncio.wait_for(hello_stream(reader, writer, "fetcher"), 10)
-            writer.write(w.request(a.store.namespace(ns).root, keys, session))
+            frames = await asyncio.wait_for(hello_stream(reader, writer, "fetcher"), 10)
+            writer.write(frames.request(a.store.namespace(ns).root, keys))
             await asyncio.wait_for(lent.wait(), 10)
             with contextlib.suppress(ConnectionResetError):
                 head = await asyncio.wait_for(reader.read(w.COUNT.size), 30)
@@ -791,8 +791,8 @@ async def test_peers_that_ask_and_never_read_hold_every_send_thread_and_their_le
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: a small window)
                 s.setblocking(False)
                 await loop.sock_connect(s, ("127.0.0.1", a.cluster.server.port))
-                session = await hello_socket(s, f"staller-{i}")
-                await loop.sock_sendall(s, w.request(a.store.namespace(ns).root, keys, session))  # ... and never reads
+                frames = await hello_socket(s, f"staller-{i}", a)
+                await loop.sock_sendall(s, frames.request(a.store.namespace(ns).root, keys))  # ... and never reads
             await eventually(lambda: len(index.leases) >= w.IO_THREADS, "every send thread holds a stalled answer")
             async with client_of(b) as cb:  # a well-behaved node fetches while the stallers still sit there
                 got = await cb.get_blocks(ns, keys[:2], verify=True)
@@ -816,7 +816,6 @@ async def test_peers_that_ask_and_never_read_hold_every_send_thread_and_their_le
 async def test_a_peer_that_reads_a_trickle_holds_its_send_thread_and_lease_until_the_deadline(
     tmp_path: Path, directory: RedisServer, ns: Namespace
 ) -> None:
-    from kvstore.wire import peer as w
 
     mib = 1 << 20
     fetch_timeout_s = 10.0  # the lease, and the send's deadline: 2 x this, longer than the test on the fixed code
@@ -850,8 +849,8 @@ async def test_a_peer_that_reads_a_trickle_holds_its_send_thread_and_lease_until
         reading: asyncio.Task[None] | None = None
         try:
             await loop.sock_connect(s, ("127.0.0.1", server.port))
-            session = await hello_socket(s, "trickler")
-            await loop.sock_sendall(s, w.request(a.store.namespace(ns).root, keys, session))
+            frames = await hello_socket(s, "trickler", a)
+            await loop.sock_sendall(s, frames.request(a.store.namespace(ns).root, keys))
             reading = asyncio.create_task(trickle())
             await eventually(lambda: len(index.leases) == 1, "the answer leased")
             # the bound: half the deadline (the old code held the lease to its end, 2 x fetch_timeout_s)

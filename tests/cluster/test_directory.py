@@ -79,3 +79,33 @@ async def test_a_new_incarnation_whose_reply_was_lost_is_taken_up_at_the_next_he
     assert lost.incarnation == 1001
     nxt = await directory.heartbeat("10.0.0.1:1", 1000, 60_000)  # ... which asks with the old one again
     assert nxt.incarnation == lost.incarnation and nxt.members["x"].incarnation == lost.incarnation
+
+
+async def test_a_member_entry_is_sealed_whole(directory: Directory) -> None:
+    """Another node reads x's entry only as x wrote it: with its incarnation, its expiry or its
+    address changed (each within the format), it does not check out, and is counted (66d9839
+    sealed the address only: the first two were read as x's)."""
+    other = Directory(directory.client, directory.prefix.decode(), "z")
+    await directory.heartbeat("10.0.0.1:1", 1000, 60_000)
+    entry = await directory.client.hget(directory.members_key, "x")  # type: ignore[misc]
+    sealed, incarnation, expiry = entry.rsplit(b"|", 2)
+    changed = [
+        b"|".join([sealed, b"%d" % (int(incarnation) + 1), expiry]),
+        b"|".join([sealed, incarnation, b"%d" % (int(expiry) + 60_000)]),
+        b"|".join([sealed.replace(b"10.0.0.1:1", b"10.0.0.2:1"), incarnation, expiry]),
+    ]
+    for i, value in enumerate(changed, 1):
+        await directory.client.hset(directory.members_key, "x", value)  # type: ignore[misc]
+        beat = await other.heartbeat("10.0.0.9:1", 1000, 60_000)
+        assert "x" not in beat.members and other.rejected_members == i, value
+    await directory.client.hset(directory.members_key, "x", entry)  # type: ignore[misc]
+    assert (await other.heartbeat("10.0.0.9:1", 1000, 60_000)).members["x"].address == "10.0.0.1:1"
+
+
+async def test_the_heartbeat_writes_no_entry_whose_expiry_runs_past_two_leases(directory: Directory) -> None:
+    """The script writes the entry the node sealed only when its expiry lies at most two leases
+    ahead of the server's clock; one further ahead (a node's estimate gone wrong) is sealed again
+    from the script's reply, within a lease of it."""
+    beat = await directory.heartbeat("10.0.0.1:1", 1000, 60_000, expiry_ms=10**13)
+    expiry = beat.members["x"].expiry_ms
+    assert beat.written and beat.now_ms < expiry <= beat.now_ms + 60_000

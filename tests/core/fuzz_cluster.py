@@ -133,12 +133,12 @@ class FakeHolder:
         greeting with its own (a nonce, the name the fetcher asked for, a proof it cannot make:
         random bytes) and, should the fetcher go on, answers every request with EVIL_BYTES."""
         try:
-            magic, n = peer_hello.GREETING.unpack(self._keep(sock, peer_hello.GREETING.size))
+            magic, n, _ = peer_hello.GREETING.unpack(self._keep(sock, peer_hello.GREETING.size))
             if magic != peer_hello.MAGIC:
                 return
             self._keep(sock, peer_hello.NONCE_BYTES + n)
             sock.sendall(peer_hello.opening(self.name, os.urandom(peer_hello.NONCE_BYTES))
-                         + os.urandom(peer_hello.PROOF_BYTES))
+                         + os.urandom(peer_hello.INCARNATION.size + peer_hello.PROOF_BYTES))
             entry = peer_wire.ENTRY.pack(BLOCK, checksum(EVIL_BYTES))
             while True:
                 self._keep(sock, 4096)
