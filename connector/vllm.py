@@ -72,6 +72,7 @@ from connector.core.hints import retain_ms_of_params
 from connector.core.pipeline import PipelineSlot
 from connector.layout import KVSpec
 from connector.transfer import make_transfer
+from connector.vllm_dtype import cache_dtype_and_scales
 from kvstore.client import SyncClient
 from kvstore.keys import Namespace
 
@@ -89,9 +90,6 @@ log = logging.getLogger(__name__)
 SUPPORTED_VLLM = ("0.32.0",)  # the KV-connector API is experimental and changes between releases
 HANDOFF_KEY = "kvstore"  # this connector's entry in kv_transfer_params
 HANDOFF_POLL_S = 0.005  # a decode request waiting for its prefill's blocks asks the sidecar this often
-
-_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
-           "float8_e4m3fn": "float8_e4m3", "float8_e5m2": "float8_e5m2", "int8": "int8", "uint8": "uint8"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,13 +127,6 @@ class Settings:
         return cls(**extra)
 
 
-def _dtype_name(dtype: Any) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"kvstore connector: KV dtype {dtype} is not supported")
-    return _DTYPES[name]
-
-
 def kv_spec_and_namespace(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: Settings
 ) -> tuple[KVSpec, Namespace, list[str]]:
@@ -153,8 +144,10 @@ def kv_spec_and_namespace(
     if not isinstance(attn, AttentionSpec):
         raise NotImplementedError(f"kvstore connector: attention KV caches only, got {type(attn).__name__}")
     layers = list(groups[0].layer_names)
-    dtype = _dtype_name(attn.dtype)
+    dtype, scales = cache_dtype_and_scales(vllm_config, attn.dtype)  # fp8: as configured, not uint8
     revision = settings.revision or (vllm_config.model_config.revision or "")
+    if scales:
+        revision = f"{revision}+kv_scales={scales}"  # an fp8 block's bytes mean something only with its scales
     if current_platform.is_cpu():
         layout = "vllm_cpu"
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
