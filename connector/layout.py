@@ -53,6 +53,7 @@ ITEMSIZE: dict[str, int] = {
     "float16": 2,
     "bfloat16": 2,
     "float8_e4m3": 1,
+    "float8_e4m3fnuz": 1,  # ROCm MI300's e4m3: other bytes than e4m3fn
     "float8_e5m2": 1,
     "int8": 1,
     "uint8": 1,

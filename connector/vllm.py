@@ -47,12 +47,20 @@ What this module adds is only vLLM's call protocol:
   ends the retention of the blocks it covers (the tool call returned). A hint that is not a number
   of seconds in 0..86400 is logged, naming the field, and the request is served without it.
 
-Requests with LoRA adapters, multimodal inputs, prompt embeddings or a ``cache_salt`` bypass the
-connector (their KV depends on more than the token ids). Tensor/pipeline parallel size must be 1.
+* **Salts**: a request's ``cache_salt`` (vLLM's tenant isolation) is its namespace's salt: its keys,
+  lookups, loads and saves are that tenant's, so it only ever finds blocks stored under the same
+  salt (and counts against that tenant's quotas in the sidecar).
+
+Requests with LoRA adapters, multimodal inputs or prompt embeddings bypass the connector (their KV
+depends on more than the token ids), as does a salt longer than a namespace field holds; each
+bypass is counted by reason (the worker's ``bypassed_<reason>``, the sidecar's ``/stats``
+``decisions.bypasses`` and ``/metrics`` ``kvstore_bypasses_total``). Tensor/pipeline parallel size
+must be 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -72,7 +80,9 @@ from connector.core.hints import retain_ms_of_params
 from connector.core.pipeline import PipelineSlot
 from connector.layout import KVSpec
 from connector.transfer import make_transfer
+from connector.vllm_dtype import cache_dtype_and_scales
 from kvstore.client import SyncClient
+from kvstore.errors import InvalidArgument
 from kvstore.keys import Namespace
 
 if TYPE_CHECKING:
@@ -89,9 +99,6 @@ log = logging.getLogger(__name__)
 SUPPORTED_VLLM = ("0.32.0",)  # the KV-connector API is experimental and changes between releases
 HANDOFF_KEY = "kvstore"  # this connector's entry in kv_transfer_params
 HANDOFF_POLL_S = 0.005  # a decode request waiting for its prefill's blocks asks the sidecar this often
-
-_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
-           "float8_e4m3fn": "float8_e4m3", "float8_e5m2": "float8_e5m2", "int8": "int8", "uint8": "uint8"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -129,13 +136,6 @@ class Settings:
         return cls(**extra)
 
 
-def _dtype_name(dtype: Any) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ValueError(f"kvstore connector: KV dtype {dtype} is not supported")
-    return _DTYPES[name]
-
-
 def kv_spec_and_namespace(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: Settings
 ) -> tuple[KVSpec, Namespace, list[str]]:
@@ -153,8 +153,10 @@ def kv_spec_and_namespace(
     if not isinstance(attn, AttentionSpec):
         raise NotImplementedError(f"kvstore connector: attention KV caches only, got {type(attn).__name__}")
     layers = list(groups[0].layer_names)
-    dtype = _dtype_name(attn.dtype)
+    dtype, scales = cache_dtype_and_scales(vllm_config, attn.dtype)  # fp8: as configured, not uint8
     revision = settings.revision or (vllm_config.model_config.revision or "")
+    if scales:
+        revision = f"{revision}+kv_scales={scales}"  # an fp8 block's bytes mean something only with its scales
     if current_platform.is_cpu():
         layout = "vllm_cpu"
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -174,6 +176,7 @@ def kv_spec_and_namespace(
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     core: ConnectorMetadata = field(default_factory=ConnectorMetadata)
     preempted: frozenset[str] = frozenset()
+    bypassed: tuple[tuple[str, int], ...] = ()  # requests new this step served without the cache: (reason, blocks)
 
 
 @dataclass(slots=True)
@@ -188,6 +191,8 @@ class _Wait:
 @dataclass(slots=True)
 class _Req:
     request: Any  # vllm.v1.request.Request (live object in the scheduler's process)
+    ns: Namespace  # the connector's, with the request's cache_salt
+    bypass: str | None  # why the connector leaves it alone (a BYPASS_REASONS entry), or None
     block_ids: list[int] = field(default_factory=list)
     offered: int = 0  # leading full blocks already handed over for saving
     retain_ms: int | None = None  # its retention hint (kv_transfer_params' kvstore_retain_s; None: none)
@@ -203,10 +208,16 @@ def request_retain_ms(request: Request) -> int | None:
         return None
 
 
-def _bypass(request: Request) -> bool:
-    """KV that depends on more than the token ids: never share it by token keys."""
-    return bool(getattr(request, "lora_request", None) or getattr(request, "mm_features", None)
-                or getattr(request, "cache_salt", None) or getattr(request, "prompt_embeds", None) is not None)
+def bypass_reason(request: Request) -> str | None:
+    """Why a request's KV cannot be keyed by its token ids and namespace (one of
+    :data:`kvstore.store.counters.BYPASS_REASONS`), or None."""
+    if getattr(request, "lora_request", None):
+        return "lora"
+    if getattr(request, "mm_features", None):
+        return "multimodal"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "prompt_embeds"
+    return None
 
 
 class KVStoreConnector(KVConnectorBase_V1):
@@ -240,7 +251,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._lookups: dict[str, tuple[int, int, int, float]] = {}  # req -> (computed, tokens, n, until)
             self._waits: dict[str, _Wait] = {}  # requests waiting for announced blocks
             self._handed: set[str] = set()  # requests whose announced blocks were waited for (once each)
-            self._root = self.ns.root.hex()
+            self._bypassed: list[tuple[str, int]] = []  # (reason, prompt blocks) until the next step's metadata
         else:
             from vllm.platforms import current_platform
 
@@ -273,13 +284,33 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     # --- scheduler side ---------------------------------------------------------------------
 
+    def _req(self, request: Request) -> _Req:
+        """The request's entry: its namespace (with its ``cache_salt``), retention hint and bypass
+        reason, made when the scheduler first shows it (a bypass is counted then, once)."""
+        req = self._reqs.get(request.request_id)
+        if req is not None:
+            return req
+        ns, bypass = self.ns, bypass_reason(request)
+        salt = getattr(request, "cache_salt", None)
+        if salt and bypass is None:
+            try:
+                ns = dataclasses.replace(self.ns, cache_salt=salt)
+            except InvalidArgument as exc:  # a salt longer than a namespace field holds
+                log.warning("request %s: %s; served without the cache", request.request_id, exc)
+                bypass = "cache_salt"
+        if bypass is not None:
+            self._bypassed.append((bypass, request.num_prompt_tokens // self.spec.block_size))
+        req = self._reqs[request.request_id] = _Req(request, ns, bypass, retain_ms=request_retain_ms(request))
+        return req
+
     def on_new_request(self, request: Request) -> None:
         """Send the request's lookup now, unless vLLM holds its first block (then it has a local
         hit, and the lookup waits until the scheduler knows its length)."""
         assert self._sched is not None
-        if not self._load or _bypass(request) or self._cached_locally(request):
+        req = self._req(request)
+        if not self._load or req.bypass or self._cached_locally(request):
             return
-        self._sched.on_new_request(request.request_id, request.all_token_ids)
+        self._sched.on_new_request(request.request_id, request.all_token_ids, req.ns)
 
     def _cached_locally(self, request: Request) -> bool:
         manager = getattr(self, "_kv_cache_manager", None)  # bound by vLLM after the scheduler is built
@@ -290,9 +321,8 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
-        if request.request_id not in self._reqs:
-            self._reqs[request.request_id] = _Req(request, retain_ms=request_retain_ms(request))
-        if not self._load or _bypass(request):
+        req = self._req(request)
+        if not self._load or req.bypass:
             return 0, False
         # vLLM asks again every step while a request waits for free blocks: reuse the answer for a
         # while (a block evicted meanwhile fails its load and is recomputed).
@@ -305,8 +335,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         wait = self._waits.get(req_id)
         if wait is not None and now < wait.next_poll:
             return None, False  # waiting for a prefill's blocks: asked again shortly
-        n = self._sched.get_num_new_matched_tokens(req_id, request.all_token_ids, num_computed_tokens)
-        announced = self._announced(request) if req_id not in self._handed else 0
+        n = self._sched.get_num_new_matched_tokens(req_id, request.all_token_ids, num_computed_tokens, req.ns)
+        announced = self._announced(req) if req_id not in self._handed else 0
         if announced and (num_computed_tokens + n) // self.spec.block_size < announced:
             if wait is None:
                 wait = self._waits[req_id] = _Wait(now, now + self.settings.handoff_wait_ms / 1000)
@@ -328,9 +358,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._lookups[req_id] = (num_computed_tokens, request.num_tokens, n, until)
         return n, False
 
-    def _announced(self, request: Request) -> int:
+    def _announced(self, req: _Req) -> int:
         """Loadable blocks the request's kv_transfer_params say a prefill stored for it (0: none,
         or another namespace's): what its lookup waits for."""
+        request: Request = req.request
         params = getattr(request, "kv_transfer_params", None)
         ours = params.get(HANDOFF_KEY) if isinstance(params, dict) else None
         if not isinstance(ours, dict) or self.settings.handoff_wait_ms <= 0:
@@ -338,7 +369,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         blocks = ours.get("blocks")
         if not isinstance(blocks, int) or blocks <= 0:
             return 0
-        if ours.get("root") != self._root:
+        if ours.get("root") != req.ns.root.hex():
             assert self._sched is not None
             self._sched.stats.add(handoff_other_namespace=1)  # another model or layout: nothing to wait for
             return 0
@@ -369,13 +400,14 @@ class KVStoreConnector(KVConnectorBase_V1):
             elif new_ids is not None:
                 req.block_ids.extend(new_ids[0])
             self._offer_save(req_id, req, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        bypassed, self._bypassed = tuple(self._bypassed), []
         return KVStoreConnectorMetadata(self._sched.build_connector_meta(),
-                                        frozenset(scheduler_output.preempted_req_ids or ()))
+                                        frozenset(scheduler_output.preempted_req_ids or ()), bypassed)
 
     def _offer_save(self, req_id: str, req: _Req, computed: int) -> None:
         """Hand the blocks that this step fills to the worker. All full blocks from the first are
         offered (so the sidecar records the prefix chain); it copies only those it lacks."""
-        if not self._save or _bypass(req.request):
+        if not self._save or req.bypass:
             return
         bs = self.spec.block_size
         limit = len(req.request.all_token_ids) if self.settings.save_decode else req.request.num_prompt_tokens
@@ -384,7 +416,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if full > req.offered:
             assert self._sched is not None
             self._sched.schedule_save(req_id, req.request.all_token_ids[: full * bs], req.block_ids[:full],
-                                      req.retain_ms)
+                                      req.retain_ms, req.ns)
             req.offered = full
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -407,10 +439,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._waits.pop(request.request_id, None)
         self._handed.discard(request.request_id)
         params = None
-        if req is not None and self._save and not _bypass(request):
+        if req is not None and self._save and not req.bypass:
             blocks = min(req.offered, request.num_prompt_tokens // self.spec.block_size)
             if blocks > 0:
-                params = {HANDOFF_KEY: {"blocks": blocks, "root": self._root}}
+                params = {HANDOFF_KEY: {"blocks": blocks, "root": req.ns.root.hex()}}
         return self._sched.request_finished(request.request_id), params
 
     # --- worker side ------------------------------------------------------------------------
@@ -432,7 +464,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
-        loads = self._meta().core.loads
+        meta = self._meta()
+        self._worker.bypassed(meta.bypassed)
+        loads = meta.core.loads
         if loads:  # synchronous: the forward pass that follows reads these blocks
             self._failed_reqs = {r.req_id for r in self._worker.load_now(loads) if not r.ok}
 

@@ -18,7 +18,8 @@ sidecar's HTTP address. For every ``POST /v1/completions`` and ``POST /v1/chat/c
    first (kvstore.routing.rank: the tier-weighted longest cached prefix under a 1.25x load cap);
 3. the request goes to the engine of the first answered node that is a backend here. When no
    node holds any of the prefix, the sidecars are unreachable, the prompt is shorter than one
-   block or cannot be tokenized, or its KV is not shared by token ids (``cache_salt``, prompt
+   block or cannot be tokenized, or its KV is not keyed by its token ids alone (``cache_salt``:
+   the connector keys it under the salt's namespace, which the router does not compute; prompt
    embeddings, multimodal parts: the connector bypasses those), it goes to the least-loaded
    engine (fewest in flight, then fewest sent so far). An engine that refuses the connection
    is skipped for the next one.
@@ -34,8 +35,10 @@ writes, or no prefix is ever found: ``--model-id`` = the connector's ``model_id`
 vLLM's ``--model`` path or name, not ``--served-model-name``), ``--kv-layout`` ``vllm_gpu`` or
 ``vllm_cpu``, ``--dtype`` the KV cache dtype (``float16``, ``bfloat16``, ``float32``, ...),
 ``--block-size`` vLLM's block size, ``--revision`` the connector's revision: the model revision
-(usually empty), on CPU followed by ``+cpu_attn=ISA`` (``vec`` on x86 unless bf16 on AMX, ``neon``
-on ARM; vLLM's ``cpu_attn._get_attn_isa``).
+(usually empty), for an fp8 cache (``--dtype float8_e4m3`` or ``float8_e5m2``) followed by
+``+kv_scales=unit`` (or ``+kv_scales=checkpoint:<quantization method>``), on CPU then by
+``+cpu_attn=ISA`` (``vec`` on x86 unless bf16 on AMX, ``neon`` on ARM; vLLM's
+``cpu_attn._get_attn_isa``).
 
 The sidecars' bearer token: ``--sidecar-token`` or ``KVSTORE_TOKEN``. The engines' own
 ``Authorization`` header passes through. Only aiohttp and the standard library are needed.

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass
 
 from connector.core.finders import HeldLease
-from kvstore.keys import BlockKey
+from kvstore.keys import BlockKey, Namespace
 
 
 class Role(enum.Enum):
@@ -32,6 +32,7 @@ class LoadSpec:
     tiers: tuple[str, ...] = ()  # where the sidecar said each block was, for the cost model
     decision_id: int | None = None
     lease: HeldLease | None = None  # where the blocks lie, leased: read them there, then release it
+    ns: Namespace | None = None  # the request's namespace (its cache_salt's); None: the connector's
 
     @property
     def first_token(self) -> int:
@@ -46,6 +47,7 @@ class SaveSpec:
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
     retain_ms: int | None = None  # the request's retention hint (connector/core/hints.py): None, none; 0, end it
+    ns: Namespace | None = None  # the request's namespace (its cache_salt's); None: the connector's
 
 
 @dataclass(slots=True, frozen=True)

@@ -55,6 +55,14 @@ def decision_record(
     }
 
 
+def bypass_record(namespace: str, reason: str, prompt_blocks: int) -> dict[str, Any]:
+    """One ``kvstore.v1.Decision`` for a request served without the cache: outcome
+    ``bypass:<reason>`` (``reason``: one of :data:`kvstore.store.counters.BYPASS_REASONS`)."""
+    return {"namespace": namespace, "prompt_blocks": prompt_blocks, "cached_blocks": 0, "loaded_blocks": 0,
+            "tier": "", "predicted_load_s": 0.0, "predicted_recompute_s": 0.0, "actual_s": 0.0,
+            "outcome": f"bypass:{reason}"}
+
+
 class DecisionReporter:
     def __init__(self, client: Any) -> None:
         self._client = client

@@ -15,6 +15,10 @@ it is released as soon as it is not needed: at once when nothing is loaded, when
 reports the load (``update_connector_output``), and at the latest on ``request_finished``. A lease
 that says where the blocks lie (:class:`~connector.core.finders.LeaseFinder`) moves into the
 load's :class:`LoadSpec` instead: the worker reads the blocks under it and releases it.
+
+Each request has a namespace: the connector's, or one the engine passes for it (``ns``: the
+connector's with the request's ``cache_salt``, its tenant). Its keys, lookup, loads and saves all
+use that one, so a request only ever finds blocks stored under its own namespace.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class _Request:
     decision: Decision | None
     computed_blocks: int
     load_blocks: int
+    ns: Namespace
     lease: HeldLease | None = None
 
 
@@ -86,30 +91,34 @@ class SchedulerConnector:
     def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[BlockKey]:
         return prefix_keys(self.ns, token_ids)
 
-    def _request_keys(self, req_id: str, token_ids: Sequence[int] | np.ndarray) -> list[BlockKey]:
-        """``keys(token_ids)``, each block hashed once per request (its token ids only grow)."""
+    def _request_keys(self, req_id: str, token_ids: Sequence[int] | np.ndarray, ns: Namespace) -> list[BlockKey]:
+        """``prefix_keys(ns, token_ids)``, each block hashed once per request (its token ids only grow)."""
         keys = self._keys.get(req_id)
-        if keys is None:
-            keys = self._keys[req_id] = PrefixKeys(self.ns)
+        if keys is None or keys.root != ns.root:
+            keys = self._keys[req_id] = PrefixKeys(ns)
         return keys.of(token_ids)
 
-    def on_new_request(self, req_id: str, token_ids: Sequence[int] | np.ndarray) -> None:
+    def on_new_request(
+        self, req_id: str, token_ids: Sequence[int] | np.ndarray, ns: Namespace | None = None
+    ) -> None:
         """The engine has a new request and holds none of its blocks: its lookup is sent now (when
         the finder can send it ahead, :meth:`~connector.core.finders.LeaseFinder.begin`), answered
         while the engine works on, and read by :meth:`get_num_new_matched_tokens`. Never raises:
-        a lookup that cannot be sent is made then, as without this call."""
-        keys = self._request_keys(req_id, token_ids)
+        a lookup that cannot be sent is made then, as without this call. ``ns``: the request's
+        namespace (None: the connector's)."""
+        ns = ns or self.ns
+        keys = self._request_keys(req_id, token_ids, ns)
         if not keys or req_id in self._early:
             return
         try:
-            pending = self.finder.begin(self.ns, keys, 0, self.lease_ttl_ms)
+            pending = self.finder.begin(ns, keys, 0, self.lease_ttl_ms)
         except Exception as exc:  # noqa: BLE001 - looked up again when the engine asks
             log.debug("early lookup %s: %s", req_id, exc)
             return
         if pending is not None:
             self._early[req_id] = pending
 
-    def _found(self, req_id: str, keys: list[BlockKey], have: int) -> Found:
+    def _found(self, req_id: str, keys: list[BlockKey], have: int, ns: Namespace) -> Found:
         """The request's blocks: from its early lookup (sent for all of them) when the engine
         holds none or the answer reaches past the engine's own ``have`` blocks, else looked up now
         from ``have`` on."""
@@ -124,7 +133,7 @@ class SchedulerConnector:
                     self.stats.add(early_lookups=1)
                     return found
                 self._release(req_id, found.lease)
-        return self.finder.find(self.ns, keys, have, self.lease_ttl_ms)
+        return self.finder.find(ns, keys, have, self.lease_ttl_ms)
 
     def _drop_early(self, req_id: str) -> None:
         early = self._early.pop(req_id, None)
@@ -132,11 +141,14 @@ class SchedulerConnector:
             early.cancel()
 
     def get_num_new_matched_tokens(
-        self, req_id: str, token_ids: Sequence[int] | np.ndarray, num_computed_tokens: int
+        self, req_id: str, token_ids: Sequence[int] | np.ndarray, num_computed_tokens: int,
+        ns: Namespace | None = None,
     ) -> int:
-        """Tokens beyond ``num_computed_tokens`` (the engine's own hits) to load from the sidecar."""
+        """Tokens beyond ``num_computed_tokens`` (the engine's own hits) to load from the sidecar,
+        found in ``ns`` (the request's namespace; None: the connector's)."""
         bs = self.spec.block_size
-        keys = self._request_keys(req_id, token_ids)
+        ns = ns or self.ns
+        keys = self._request_keys(req_id, token_ids, ns)
         computed_blocks = num_computed_tokens // bs
         n_tokens = len(token_ids)
         self.stats.add(lookups=1, lookup_blocks=len(keys))
@@ -147,7 +159,7 @@ class SchedulerConnector:
             self._drop_early(req_id)
         else:
             try:
-                found = self._found(req_id, keys, computed_blocks)
+                found = self._found(req_id, keys, computed_blocks, ns)
                 tiers, sizes, lease = list(found.tiers), list(found.sizes), found.lease
             except Exception as exc:  # noqa: BLE001 - unreachable sidecar: recompute
                 reason = classify(exc)
@@ -171,7 +183,7 @@ class SchedulerConnector:
             lease = None
         with self._lock:
             old = self._requests.get(req_id)
-            self._requests[req_id] = _Request(keys, tiers, decision, computed_blocks, load_blocks, lease)
+            self._requests[req_id] = _Request(keys, tiers, decision, computed_blocks, load_blocks, ns, lease)
         if old is not None:  # asked again (vLLM may re-ask a request that waited): the old lease goes
             self._release(req_id, old.lease)
         return load_blocks * bs
@@ -218,22 +230,26 @@ class SchedulerConnector:
                     tiers=tuple(req.tiers[first : first + n]),
                     decision_id=req.decision.id if req.decision else None,
                     lease=lease,
+                    ns=req.ns,
                 )
             )
 
     def schedule_save(
-        self, req_id: str, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int], retain_ms: int | None = None
+        self, req_id: str, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int],
+        retain_ms: int | None = None, ns: Namespace | None = None,
     ) -> int:
         """Store the full blocks of ``token_ids`` (computed KV in ``block_ids``); returns their count.
 
         All full blocks are offered: the sidecar skips those it already has without a copy.
         ``retain_ms``: the request's retention hint, for all of them (connector/core/hints.py).
+        ``ns``: the request's namespace (None: the connector's).
         """
-        keys = self._request_keys(req_id, token_ids)[: len(block_ids)]
+        ns = ns or self.ns
+        keys = self._request_keys(req_id, token_ids, ns)[: len(block_ids)]
         if not keys:
             return 0
         with self._lock:
-            self._saves.append(SaveSpec(req_id, tuple(keys), tuple(block_ids[: len(keys)]), retain_ms))
+            self._saves.append(SaveSpec(req_id, tuple(keys), tuple(block_ids[: len(keys)]), retain_ms, ns))
         return len(keys)
 
     def build_connector_meta(self) -> ConnectorMetadata:

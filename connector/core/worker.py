@@ -39,7 +39,7 @@ from connector.core.metadata import (
 )
 from connector.core.ops import classify, load_blocks, save_blocks
 from connector.core.pipeline import PipelineSlot
-from connector.core.report import DecisionReporter, decision_record
+from connector.core.report import DecisionReporter, bypass_record, decision_record
 from connector.cost import CostModel
 from connector.layout import KVSpec
 from connector.transfer import NumpyTransfer, PagedKV, Transfer, bind_caches, register_slab
@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 REPORT_INTERVAL_S = 1.0  # decision records go to the sidecar's /stats at most this often
 
 
-_Tell = tuple[str, str, Any]  # (request, "release" or "touch", lease id or keys) for the sidecar after a load
+# (request, "release" or "touch", lease id or (namespace, keys)): for the sidecar after a load
+_Tell = tuple[str, str, Any]
 
 
 class WorkerConnector:
@@ -120,17 +121,35 @@ class WorkerConnector:
                 self._loads[load.req_id] = self._load_pool.submit(self._load, kv, load)
             for save in meta.saves:
                 self._saves.setdefault(save.req_id, []).append(self._pool.submit(self._save, kv, save))
-            if meta.loads and time.monotonic() - self._last_flush > REPORT_INTERVAL_S:
-                self._last_flush = time.monotonic()
-                self._pool.submit(self.reporter.flush)  # after the step's transfers, off their path
+            if meta.loads:
+                self._flush_due()
+
+    def _flush_due(self) -> None:
+        """Send the buffered decision records on the transfer thread (after the transfers submitted
+        so far, off their path), at most every :data:`REPORT_INTERVAL_S`. Called under the lock."""
+        if time.monotonic() - self._last_flush > REPORT_INTERVAL_S:
+            self._last_flush = time.monotonic()
+            self._pool.submit(self.reporter.flush)
+
+    def bypassed(self, reasons: Sequence[tuple[str, int]]) -> None:
+        """Requests the engine served without the cache: ``(reason, prompt blocks)`` each (a reason
+        of :data:`kvstore.store.counters.BYPASS_REASONS`), counted here (``bypassed_<reason>``) and
+        reported to the sidecar, whose ``/stats`` and ``/metrics`` count them by reason."""
+        for reason, blocks in reasons:
+            self.stats.add(**{f"bypassed_{reason}": 1})
+            self.reporter.add(bypass_record(self.ns.label, reason, blocks))
+        if reasons:
+            with self._lock:
+                self._flush_due()
 
     def _load(self, kv: PagedKV, spec: LoadSpec) -> LoadResult:
         try:
-            r = load_blocks(self.client, self.ns, kv, self.transfer, spec, verify=self.verify)
+            r = load_blocks(self.client, spec.ns or self.ns, kv, self.transfer, spec, verify=self.verify)
         finally:
             if spec.lease is not None:
                 lease = spec.lease
-                tell = (spec.req_id, "release", lease.id) if lease.id else (spec.req_id, "touch", list(spec.keys))
+                tell = ((spec.req_id, "release", lease.id) if lease.id
+                        else (spec.req_id, "touch", (spec.ns or self.ns, list(spec.keys))))
                 with self._lock:  # the scheduler's lease is ended, an unleased read reported, a step later
                     self._tell.append(tell)
         self.stats.record_load(r)
@@ -142,7 +161,7 @@ class WorkerConnector:
         decision = self.cost.decision(spec.decision_id) if self.cost and spec.decision_id is not None else None
         self.reporter.add(
             decision_record(
-                self.ns.label, decision,
+                (spec.ns or self.ns).label, decision,
                 prompt_blocks=(decision.prompt_tokens // spec.block_size if decision
                                else spec.first_block + len(spec.keys)),
                 cached_blocks=decision.available if decision else spec.first_block + len(spec.keys),
@@ -167,11 +186,11 @@ class WorkerConnector:
             self.stats.failure("release", classify(answer).value)
             log.info("release lease %s: %s", lease_id, answer)
 
-    def _touch(self, keys: list[bytes]) -> None:
+    def _touch(self, ns: Namespace, keys: list[bytes]) -> None:
         """A Lookup of blocks read without a lease: the sidecar's policy counts the use; blocks
         it no longer has leave the directory."""
         try:
-            answer: Any = self.client.lookup(self.ns, keys)
+            answer: Any = self.client.lookup(ns, keys)
         except Exception as exc:  # noqa: BLE001 - recency only
             answer = exc
         self._touched(keys, answer)
@@ -185,7 +204,7 @@ class WorkerConnector:
             self.directory.forget(keys[answer.matched :])
 
     def _save(self, kv: PagedKV, spec: SaveSpec) -> SaveResult:
-        r = save_blocks(self.client, self.ns, kv, self.transfer, spec, self.directory,
+        r = save_blocks(self.client, spec.ns or self.ns, kv, self.transfer, spec, self.directory,
                         wait_published=self.wait_published, wait_write_through=self.wait_write_through)
         self.stats.record_save(r)
         return r
@@ -234,12 +253,16 @@ class WorkerConnector:
         answers (one round trip, one wake-up of the sidecar); without one, a blocking call each."""
         pipe = self.pipeline.get() if self.pipeline is not None else None
         for _, kind, arg in tell:
-            if pipe is None:
-                (self._release if kind == "release" else self._touch)(arg)
-            elif kind == "release":
-                pipe.release(arg, functools.partial(self._released, arg))
+            if kind == "release":
+                if pipe is None:
+                    self._release(arg)
+                else:
+                    pipe.release(arg, functools.partial(self._released, arg))
+            elif pipe is None:
+                self._touch(*arg)
             else:
-                pipe.lookup(self.ns, arg, functools.partial(self._touched, arg))
+                ns, keys = arg
+                pipe.lookup(ns, keys, functools.partial(self._touched, keys))
         if pipe is not None:
             pipe.drain()
 

@@ -2,7 +2,8 @@
 ``python -m kvstore.harness.phases SPEC``): build ``vllm.LLM`` from a JSON spec, run its phases,
 write the results JSON.
 
-Spec: ``model``, ``block_size``, ``num_blocks``, ``max_model_len``, ``dtype``, ``kv_transfer_config``
+Spec: ``model``, ``block_size``, ``num_blocks``, ``max_model_len``, ``dtype``, ``kv_cache_dtype`` (vLLM's
+``--kv-cache-dtype``, default ``auto``), ``enable_prompt_embeds``, ``kv_transfer_config``
 (dict or null), ``phases``: list of ``{name, prompts: [[token ids]], max_tokens, batch: bool, evict:
 [[token ids]] (run before each prompt, or before the batch), stats: bool (per-request
 prompt_tokens_by_source deltas), paced: bool (each request or batch round waits for its turn),
@@ -10,7 +11,9 @@ handoff_out: DIR (after request i, its output's ``kv_transfer_params`` go to DIR
 handoff_in: DIR (request i is sent with the ``kv_transfer_params`` in DIR/i.json, as a P/D proxy
 passes a prefill's on to the decode request), params: [dict or null] (request i's own
 ``kv_transfer_params``, a retention hint), skip_cache: bool (``skip_reading_prefix_cache``:
-nothing is loaded, neither from vLLM's own cache nor from the connector -- a recompute)}``, ``out``,
+nothing is loaded, neither from vLLM's own cache nor from the connector -- a recompute), salts: [str or
+null] (request i's ``cache_salt``), embeds: bool (each request is sent as random prompt embeddings, one
+per token of its prompt)}``, ``out``,
 ``pace`` (set by :class:`~kvstore.harness.instance.Instance`).
 """
 
@@ -140,6 +143,8 @@ class _Engine:
             max_model_len=spec.get("max_model_len", 1024), max_num_batched_tokens=spec.get("max_model_len", 1024),
             max_num_seqs=spec.get("max_num_seqs", 4), block_size=spec.get("block_size", 32),
             num_gpu_blocks_override=spec.get("num_blocks", 64), enable_prefix_caching=True,
+            kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
+            enable_prompt_embeds=bool(spec.get("enable_prompt_embeds", False)),
             disable_log_stats=False, seed=0, kv_transfer_config=KVTransferConfig(**kv) if kv else None,
         )
         self.startup_s = time.perf_counter() - t1
@@ -147,13 +152,29 @@ class _Engine:
 
     def gen(
         self, prompts: list[list[int]], max_tokens: int, params: dict[str, Any] | None = None, skip: bool = False,
+        salt: str | None = None, embeds: bool = False,
     ) -> tuple[list[Any], float]:
         sp = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                           extra_args={"kv_transfer_params": params} if params else None,
                           skip_reading_prefix_cache=True if skip else None)
+        inputs: list[Any] = [self._embeds(i, len(p)) if embeds else self._prompt(prompt_token_ids=p)
+                             for i, p in enumerate(prompts)]
+        if salt:
+            for prompt in inputs:
+                prompt["cache_salt"] = salt
         t = time.perf_counter()
-        outs = self.llm.generate([self._prompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        outs = self.llm.generate(inputs, sp, use_tqdm=False)
         return outs, time.perf_counter() - t
+
+
+    def _embeds(self, seed: int, n: int) -> Any:
+        """A prompt of ``n`` random token embeddings (seeded by ``seed``)."""
+        import torch
+        from vllm.inputs import EmbedsPrompt
+
+        hidden = self.llm.llm_engine.model_config.get_hidden_size()
+        gen = torch.Generator().manual_seed(seed)
+        return EmbedsPrompt(prompt_embeds=torch.randn(n, hidden, generator=gen))
 
 
 def _record(o: Any) -> dict[str, Any]:
@@ -189,7 +210,8 @@ def _requests(eng: _Engine, ph: dict[str, Any], pace: dict[str, int] | None) -> 
             params = {**(params or {}), **(read_handoff(ph["handoff_in"], i) or {})} or None
         before = _by_source(eng.llm) if ph.get("stats", True) else {}
         eng.hooks.take()
-        [o], dt = eng.gen([p], ph["max_tokens"], params, bool(ph.get("skip_cache")))
+        salt = ph["salts"][i] if ph.get("salts") else None
+        [o], dt = eng.gen([p], ph["max_tokens"], params, bool(ph.get("skip_cache")), salt, bool(ph.get("embeds")))
         wall += dt
         if ph.get("handoff_out"):
             write_handoff(ph["handoff_out"], i, o.kv_transfer_params)

@@ -204,6 +204,11 @@ class SnapshotCollector(Collector):
             if outcome != "total":
                 decisions.add_metric([outcome], _num(n))
         yield decisions
+        bypasses = _counter("bypasses", "requests connectors served without the cache (no lookup, no save), by reason",
+                            ["reason"])
+        for reason, n in sorted(self.doc.get("decisions", {}).get("bypasses", {}).items()):
+            bypasses.add_metric([reason], _num(n))
+        yield bypasses
 
 
 def render(snapshot: Mapping[str, Any]) -> tuple[bytes, str]:

@@ -22,7 +22,10 @@ from kvstore.store.latency import Latencies
 
 TIER_LABELS = ("dram", "ssd", "redis", "s3")
 OTHER = "other"  # the /stats namespace (or tenant) entry that sums every one not shown on its own
-OUTCOMES = ("loaded", "recomputed", "fallback")  # a decision's outcome: one of these, or "fallback:<reason>"
+OUTCOMES = ("loaded", "recomputed", "fallback", "bypass")  # or "fallback:<reason>", "bypass:<BYPASS_REASONS>"
+# Why a connector served a request without the cache at all (no lookup, no save): its KV depends on
+# more than what its keys hold. A closed set: /stats and /metrics count bypasses by reason.
+BYPASS_REASONS = ("lora", "multimodal", "prompt_embeds", "cache_salt")  # cache_salt: longer than a namespace holds
 DECISION_STRINGS = {"namespace": 1024, "tier": 16, "outcome": 64}  # longest allowed, in characters
 DECISION_TIERS = ("", *TIER_LABELS, "peer")  # a decision's slowest tier ("peer": another node's copy)
 DECISION_SECONDS = ("predicted_load_s", "predicted_recompute_s", "actual_s")
@@ -98,9 +101,10 @@ def check_decision(record: dict[str, Any], where: str) -> None:
             raise InvalidArgument(f"{where}.{name}: must be a finite number of seconds >= 0, got {value!r}")
     if record["tier"] not in DECISION_TIERS:
         raise InvalidArgument(f"{where}.tier: {record['tier']!r} is not one of {list(DECISION_TIERS)}")
-    kind, colon, _ = record["outcome"].partition(":")
-    if record["outcome"] and (kind not in OUTCOMES or (colon and kind != "fallback")):
-        allowed = f"{list(OUTCOMES)} or 'fallback:<reason>'"
+    kind, colon, reason = record["outcome"].partition(":")
+    if record["outcome"] and (kind not in OUTCOMES or (colon and kind not in ("fallback", "bypass"))
+                              or (kind == "bypass" and reason not in BYPASS_REASONS)):
+        allowed = f"{list(OUTCOMES[:3])}, 'fallback:<reason>' or 'bypass:<one of {list(BYPASS_REASONS)}>'"
         raise InvalidArgument(f"{where}.outcome: {record['outcome']!r} is not one of {allowed}")
 
 
@@ -118,6 +122,7 @@ class Stats:
     cluster: Counter[str] = field(default_factory=Counter)  # kvstore/cluster/: directory, peers, fetches
     errors: Counter[str] = field(default_factory=Counter)
     decisions: Counter[str] = field(default_factory=Counter)
+    bypasses: Counter[str] = field(default_factory=Counter)  # requests served without the cache, by reason
     recent_decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=50))
     history: deque[dict[str, float]] = field(default_factory=lambda: deque(maxlen=360))
     latency: Latencies = field(default_factory=Latencies)  # histograms (kvstore/store/latency.py)
@@ -154,8 +159,11 @@ class Stats:
         self.tiers[tier][counter] += n
 
     def decision(self, record: dict[str, Any]) -> None:
-        self.decisions[record.get("outcome", "unknown").split(":")[0]] += 1
+        kind, _, reason = record.get("outcome", "unknown").partition(":")
+        self.decisions[kind] += 1
         self.decisions["total"] += 1
+        if kind == "bypass":
+            self.bypasses[reason] += 1
         self.recent_decisions.append(record)
 
     def sample(self) -> None:
@@ -189,7 +197,8 @@ class Stats:
             "index": index_counts,
             "errors": dict(self.errors),
             "bad_requests": self.bad_requests,
-            "decisions": {"counts": dict(self.decisions), "recent": list(self.recent_decisions)},
+            "decisions": {"counts": dict(self.decisions), "bypasses": dict(self.bypasses),
+                          "recent": list(self.recent_decisions)},
             "history": list(self.history),
             "latency": self.latency.snapshot(),
         }

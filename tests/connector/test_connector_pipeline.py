@@ -326,7 +326,7 @@ def test_an_answer_that_cannot_be_decoded_is_an_internal_error_and_the_connector
         assert sched.get_num_new_matched_tokens("r", PROMPT, 0) == 0  # recompute
         assert sched.stats["lookup.error"] == 1
         worker = WorkerConnector(None, NS, SPEC, pipeline=slot)  # type: ignore[arg-type]
-        worker._tell_sidecar([("r", "release", "lease-1"), ("r", "touch", [b"k" * 32])])
+        worker._tell_sidecar([("r", "release", "lease-1"), ("r", "touch", (NS, [b"k" * 32]))])
         assert worker.stats["release.error"] == 1 and worker.stats["touch.error"] == 1
         worker.close()
         assert len(accepted) == 1

@@ -211,6 +211,8 @@ def rejected_calls(env: Env, pending: pb.AllocateResponse, aborted: pb.AllocateR
         ("Report", report(decision(outcome="won")), bad, "decisions[0].outcome"),
         ("Report", report(decision(outcome="loaded:" + "x" * 8)), bad, "decisions[0].outcome"),
         ("Report", report(decision(outcome="fallback:" + "x" * 100)), bad, "decisions[0].outcome"),
+        ("Report", report(decision(outcome="bypass:teleport")), bad, "decisions[0].outcome"),  # a closed set
+        ("Report", report(decision(outcome="bypass:")), bad, "decisions[0].outcome"),
         ("Echo", pb.EchoRequest(payload=b"x" * (2 << 20)), Code.RESOURCE_EXHAUSTED, ""),  # over the message limit
     ] + [(m, b"\xff" * 16, bad, f"request: not a {m}Request") for m in METHODS]  # bodies that do not decode
 
@@ -259,11 +261,15 @@ async def test_undecodable_bodies_answer_invalid_argument_counted_and_logged_onc
 
 async def test_reported_decisions_are_kept_and_stats_stay_strict_json(env):
     await env.stub.Report(pb.ReportRequest(decisions=[
-        decision(), decision(tier="ssd", outcome="fallback:checksum"), decision(tier="", outcome="")]))
+        decision(), decision(tier="ssd", outcome="fallback:checksum"), decision(tier="", outcome=""),
+        decision(tier="", outcome="bypass:lora"), decision(tier="", outcome="bypass:lora"),
+        decision(tier="", outcome="bypass:prompt_embeds")]))
     for bad in (math.nan, math.inf, -math.inf):
         with pytest.raises(grpc.aio.AioRpcError):
             await env.stub.Report(pb.ReportRequest(decisions=[decision(predicted_load_s=bad, actual_s=bad)]))
     doc = await stats(env)  # strict: a NaN would not parse
-    assert doc["decisions"]["counts"] == {"loaded": 1, "fallback": 1, "unknown": 1, "total": 3}
-    assert [d["outcome"] for d in doc["decisions"]["recent"]] == ["loaded", "fallback:checksum", "unknown"]
+    assert doc["decisions"]["counts"] == {"loaded": 1, "fallback": 1, "unknown": 1, "bypass": 3, "total": 6}
+    assert doc["decisions"]["bypasses"] == {"lora": 2, "prompt_embeds": 1}
+    assert [d["outcome"] for d in doc["decisions"]["recent"]] == [
+        "loaded", "fallback:checksum", "unknown", "bypass:lora", "bypass:lora", "bypass:prompt_embeds"]
     strict_json((await env.stub.Stats(pb.StatsRequest())).json)

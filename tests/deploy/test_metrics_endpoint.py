@@ -73,7 +73,8 @@ def test_render_covers_every_section_of_a_snapshot():
         "tiers": {"dram": {"hits": 2, "enabled": True, "used_bytes": 10, "capacity_bytes": 100, "blocks": 1},
                   "ssd": {"hits": 2, "demotions": 3, "enabled": True, "down": True, "used_bytes": 5}},
         "writes": {"commits": 1}, "reads": {"bytes": 9}, "errors": {"NOT_FOUND": 2},
-        "decisions": {"counts": {"loaded": 1, "fallback": 1, "total": 2}, "recent": []},
+        "decisions": {"counts": {"loaded": 1, "fallback": 1, "bypass": 1, "total": 3}, "bypasses": {"lora": 1},
+                      "recent": []},
     }
     body, _ = render(doc)
     fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
@@ -84,5 +85,6 @@ def test_render_covers_every_section_of_a_snapshot():
     assert fams["kvstore_tier_demotions"].type == "counter"
     assert fams["kvstore_namespace_blocks_hit"].samples[0].labels == {"namespace": 'm "quoted"\\ns'}
     assert fams["kvstore_errors"].samples[0].labels == {"code": "NOT_FOUND"}
-    assert {s.labels["outcome"] for s in fams["kvstore_decisions"].samples} == {"loaded", "fallback"}
+    assert {s.labels["outcome"] for s in fams["kvstore_decisions"].samples} == {"loaded", "fallback", "bypass"}
+    assert [(s.labels, s.value) for s in fams["kvstore_bypasses"].samples] == [({"reason": "lora"}, 1)]
     assert fams["kvstore_uptime_seconds"].samples[0].value == 3.5

@@ -34,12 +34,15 @@ def fill(seed: int) -> list[list[int]]:
 
 
 def instance(
-    model: Path, kv: dict[str, Any] | None, phases: list[dict[str, Any]], env: dict[str, str] | None = None
+    model: Path, kv: dict[str, Any] | None, phases: list[dict[str, Any]], env: dict[str, str] | None = None,
+    **spec_extra: Any,
 ) -> dict[str, Any]:
+    """One vLLM instance's results; ``spec_extra``: more of its spec (kvstore/harness/phases.py),
+    e.g. ``kv_cache_dtype``."""
     from kvstore.harness.instance import run_instance
 
     spec = {"model": str(model), "block_size": BS, "num_blocks": POOL, "max_model_len": 1024, "dtype": "float32",
-            "kv_transfer_config": kv, "phases": phases}
+            "kv_transfer_config": kv, "phases": phases, **spec_extra}
     return run_instance(spec, env=env, timeout=600)
 
 
