@@ -21,9 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import product
 
+import numpy as np
+
 from kvstore.errors import InvalidArgument
 
 NO_LIMIT = 1 << 64  # no registered pieces given: runs are not cut
+PART_BYTES = 64 << 10  # a thread block of the fused kernel copies at most about this much of a piece
 MAX_PITCH = (1 << 31) - 1  # cudaMemcpy2D refuses a pitch over the device's memPitch (2 GiB - 1 on current GPUs)
 
 
@@ -77,6 +80,23 @@ def pieces(planes: Sequence[PlaneGeometry], what: str = "cache") -> list[Piece]:
                 out.append(Piece(g.address + rel, g.block_stride, n, off))
             off += n
     return out
+
+
+def plan_tables(plan: Sequence[Piece]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The plan as the fused kernel's four tables: piece addresses (uint64), block strides,
+    lengths and slot offsets (int64), one entry per piece."""
+    return (np.array([p.src for p in plan], np.uint64), np.array([p.stride for p in plan], np.int64),
+            np.array([p.nbytes for p in plan], np.int64), np.array([p.slot_off for p in plan], np.int64))
+
+
+def launch_shape(plan: Sequence[Piece], part_bytes: int = PART_BYTES) -> tuple[int, int]:
+    """(threads per thread block, thread blocks per piece) of the fused kernel for ``plan``: enough
+    threads for the largest piece's 16-byte words (32 to 256), and that piece cut into parts of at
+    most ``part_bytes`` so a launch of few large pieces still fills the device."""
+    biggest = max(p.nbytes for p in plan)
+    words = biggest // 16
+    threads = int(min(256, max(32, 1 << max(0, (words - 1).bit_length()))))
+    return threads, max(1, -(-biggest // part_bytes))
 
 
 def block_bytes(plan: Sequence[Piece]) -> int:

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from connector.copy_plan import Chunk, Piece, registration_pieces, schedule
+from connector.copy_plan import Chunk, Piece, launch_shape, plan_tables, registration_pieces, schedule
 from connector.layout import Array, KVSpec
 from connector.transfer import Completion, PagedKV, slot_addresses
 from kvstore.errors import InvalidArgument
@@ -51,7 +51,6 @@ REGISTER_PIECE = 64 << 30
 CHUNK_BLOCKS = 32
 STAGE_BYTES = 64 << 20  # per stream
 TABLES_KEPT = 8
-PART_BYTES = 64 << 10  # a thread block copies at most about this much of a piece
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
 _D2H, _H2D = 2, 1  # cudaMemcpyKind
 
@@ -67,6 +66,8 @@ class _Tables:
     pieces: int
     threads: int
     parts: int  # thread blocks per piece (a large piece is cut so the launch fills the device)
+    stream: Any  # the stream the upload was queued on, and an event after it: a batch on another
+    ready: Any  # stream waits on it before its first kernel
 
 
 class _Direction:
@@ -101,6 +102,7 @@ class _Device:
         self.kernels = {True: module.get_function("kv_gather"), False: module.get_function("kv_scatter")}
         self.dirs = {True: _Direction(cp, streams), False: _Direction(cp, streams)}
         self.tables: OrderedDict[tuple[Piece, ...], _Tables] = OrderedDict()
+        self.tables_lock = threading.Lock()  # both directions' batches look tables up
 
 
 class PinnedHost:
@@ -214,17 +216,23 @@ class CupyTransfer:
                 self._pin_missing(slots, addresses, bb)
                 plan = schedule(addresses, bb, per_chunk, self._pinned.limits)
                 state = self._devices.get(dev) or self._devices.setdefault(dev, _Device(cp, self._streams))
-                tables = self._device_tables(state, kv.plan)
             d = state.dirs[to_slots]
             with d.lock:
-                return self._enqueue(state, d, tables, block_ids, plan, bb, per_chunk, to_slots)
+                return self._enqueue(state, d, kv.plan, block_ids, plan, bb, per_chunk, to_slots)
 
-    def _enqueue(self, state: _Device, d: _Direction, tables: _Tables, block_ids: Sequence[int], plan: list[Chunk],
-                 bb: int, per_chunk: int, to_slots: bool) -> Completion:
+    def _enqueue(self, state: _Device, d: _Direction, pieces: tuple[Piece, ...], block_ids: Sequence[int],
+                 plan: list[Chunk], bb: int, per_chunk: int, to_slots: bool) -> Completion:
+        """Queue one batch. On the first stream, in this order: a wait for the engine's stream, the
+        plan's tables (uploaded there when new, else a wait for their upload when it was queued on
+        another stream), the block ids, then the event every other stream of the batch waits on:
+        whatever stream the engine computes on, nothing a kernel reads can land after it runs."""
         cp = self._cp
         first = d.streams[0]
         first.wait_event(_event(cp, _engine_stream(cp, cp.cuda.Device().id)))
         with first:
+            tables = self._device_tables(state, pieces, first)
+            if tables.stream is not first:
+                first.wait_event(tables.ready)
             ids = cp.asarray(np.asarray(block_ids, dtype=np.int64))  # the batch's one upload
         uploaded = _event(cp, first)
         for s in d.streams[1:]:
@@ -263,24 +271,24 @@ class CupyTransfer:
                 start, size = _span(s)
                 self._pinned.register(start, size, 0)
 
-    def _device_tables(self, state: _Device, plan: tuple[Piece, ...]) -> _Tables:
-        t = state.tables.get(plan)
-        if t is not None:
-            state.tables.move_to_end(plan)
+    def _device_tables(self, state: _Device, plan: tuple[Piece, ...], stream: Any) -> _Tables:
+        """The plan's tables on the device: cached per bound cache, else uploaded on ``stream``
+        (the batch's first stream, current) with an event after the upload."""
+        with state.tables_lock:
+            t = state.tables.get(plan)
+            if t is not None:
+                state.tables.move_to_end(plan)
+                return t
+            cp = self._cp
+            threads, parts = launch_shape(plan)
+            src, stride, nbytes, off = plan_tables(plan)
+            t = _Tables(cp.asarray(src), cp.asarray(stride), cp.asarray(nbytes), cp.asarray(off), len(plan), threads,
+                        parts, stream, None)
+            t.ready = _event(cp, stream)
+            state.tables[plan] = t
+            while len(state.tables) > TABLES_KEPT:
+                state.tables.popitem(last=False)
             return t
-        cp = self._cp
-        biggest = max(p.nbytes for p in plan)
-        words = biggest // 16
-        threads = int(min(256, max(32, 1 << max(0, (words - 1).bit_length()))))
-        parts = max(1, -(-biggest // PART_BYTES))
-        t = _Tables(cp.asarray(np.array([p.src for p in plan], np.uint64)),
-                    cp.asarray(np.array([p.stride for p in plan], np.int64)),
-                    cp.asarray(np.array([p.nbytes for p in plan], np.int64)),
-                    cp.asarray(np.array([p.slot_off for p in plan], np.int64)), len(plan), threads, parts)
-        state.tables[plan] = t
-        while len(state.tables) > TABLES_KEPT:
-            state.tables.popitem(last=False)
-        return t
 
 
 class _Events:
