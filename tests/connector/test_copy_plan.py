@@ -31,7 +31,8 @@ def _spec(layout: str, d: int, dtype: str = "float16") -> KVSpec:
     return KVSpec(layout=layout, num_layers=L, kv_heads=H, head_size=d, block_size=BS, dtype=dtype)
 
 
-def _caches(kind: str, d: int, dtype: torch.dtype, seed: int = 0) -> list:
+def _caches(kind: str, d: int, dtype: torch.dtype, seed: int = 0, *, layers: int = L, heads: int = H, bs: int = BS,
+            nb: int = NB) -> list:
     """Every cache shape the connector binds, as torch CPU tensors (any dtype, zero-copy)."""
     g = torch.Generator().manual_seed(seed)
 
@@ -39,17 +40,17 @@ def _caches(kind: str, d: int, dtype: torch.dtype, seed: int = 0) -> list:
         return torch.randn(shape, generator=g).to(dtype)
 
     if kind == "flash_attn":  # [2, blocks, bs, heads, d]
-        return [rand(2, NB, BS, H, d) for _ in range(L)]
+        return [rand(2, nb, bs, heads, d) for _ in range(layers)]
     if kind == "flashinfer_nhd":  # [blocks, 2, bs, heads, d]
-        return [rand(NB, 2, BS, H, d) for _ in range(L)]
+        return [rand(nb, 2, bs, heads, d) for _ in range(layers)]
     if kind == "flashinfer_hnd":  # the same shape, HND in memory: [blocks, 2, heads, bs, d] permuted
-        return [rand(NB, 2, H, BS, d).permute(0, 1, 3, 2, 4) for _ in range(L)]
+        return [rand(nb, 2, heads, bs, d).permute(0, 1, 3, 2, 4) for _ in range(layers)]
     if kind == "cross_layer":  # every layer of a block side by side: one buffer, layer views
-        whole = rand(NB, L, 2, BS, H, d)
-        return [whole[:, i] for i in range(L)]
+        whole = rand(nb, layers, 2, bs, heads, d)
+        return [whole[:, i] for i in range(layers)]
     if kind == "vllm_cpu":
-        return [rand(NB, H, BS, 2 * d) for _ in range(L)]
-    return [(rand(1, H, NB * BS + 3, d), rand(1, H, NB * BS + 3, d)) for _ in range(L)]  # hf
+        return [rand(nb, heads, bs, 2 * d) for _ in range(layers)]
+    return [(rand(1, heads, nb * bs + 3, d), rand(1, heads, nb * bs + 3, d)) for _ in range(layers)]  # hf
 
 
 LAYOUT = {"flash_attn": "vllm_gpu", "flashinfer_nhd": "vllm_gpu", "flashinfer_hnd": "vllm_gpu",
