@@ -10,11 +10,15 @@ is the mirror image (DMA in, then ``kv_scatter``). Saves and loads have their ow
 staging, so a save's gather and a load's scatter run at once, one per copy direction.
 
 What is uploaded when: the plan's device tables (piece addresses, strides, lengths, offsets) once
-per bound cache (kept for the last few caches), the block ids once per batch. The slab is
-registered with ``cudaHostRegister`` (portable: pinned for every device) once, by
-:meth:`CupyTransfer.register` at the connector's start, in pieces of at most ``REGISTER_PIECE``
-bytes (one registration fails at >= 512 GiB); a slot outside every registration is pinned when
-first seen, with a warning (that costs ~0.1 s a GB on the request's path).
+per bound cache (kept for the last few caches), the block ids once per batch, both on the batch's
+first stream before the event its other streams wait on (a batch of the other direction that
+reuses the tables waits on their upload's event). The slab is registered with
+``cudaHostRegister`` (portable: pinned for every device) once, by :meth:`CupyTransfer.register`
+at the connector's start, under the engine's device (named, else torch's current one), in pieces
+of at most ``REGISTER_PIECE`` bytes cut at the slab's pages (one registration fails at >= 512
+GiB); a slot outside every registration is pinned when first seen, with a warning (that costs
+~0.1 s a GB on the request's path). :meth:`CupyTransfer.close` refuses new batches, waits for
+those being queued and in flight, then unregisters.
 
 Every batch runs on the cache's own device (streams, staging, kernels and tables per device), so
 a tensor-parallel rank on ``cuda:3`` or a pool thread whose current device is 0 are the same. It
@@ -40,9 +44,9 @@ from typing import Any
 import numpy as np
 
 from connector.copy_plan import Chunk, Piece, launch_shape, plan_tables, registration_pieces, schedule
-from connector.layout import Array, KVSpec
+from connector.layout import Array
 from connector.transfer import Completion, PagedKV, slot_addresses
-from kvstore.errors import InvalidArgument
+from kvstore.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -168,18 +172,25 @@ class CupyTransfer:
     name = "cupy"
     pins_host = True
 
-    def __init__(self, spec: KVSpec | None = None, streams: int = 2, chunk_blocks: int = CHUNK_BLOCKS,
-                 stage_bytes: int = STAGE_BYTES) -> None:
+    def __init__(self, streams: int = 2, chunk_blocks: int = CHUNK_BLOCKS, stage_bytes: int = STAGE_BYTES,
+                 device: int | None = None) -> None:
+        """``device``: the GPU whose context pins the host mappings (:meth:`register`); by default
+        torch's current device when torch drives CUDA here (a vLLM rank's own), else cupy's."""
         self._cp = importlib.import_module("cupy")
         self._streams = streams
         self._chunk_blocks, self._stage_bytes = max(1, chunk_blocks), stage_bytes
+        self._device = device
         self._devices: dict[int, _Device] = {}
         self._pinned = PinnedHost(self._cp)
-        self._lock = threading.Lock()  # the pinned mappings, the per-device state
+        self._lock = threading.Lock()  # the pinned mappings, the per-device state, closing
+        self._closed = False
 
     def register(self, host: Array, page_bytes: int = 0) -> None:
+        """Pin the mapping behind ``host`` under this engine's device (no stray context on GPU 0
+        for a rank on another), in registrations cut at multiples of ``page_bytes``."""
         start, size = _span(host)
-        with self._lock:
+        with self._cp.cuda.Device(self._pin_device()), self._lock:
+            self._refuse_closed()
             seconds = self._pinned.register(start, size, page_bytes)
         log.info("pinned a host mapping of %.1f GiB for DMA in %.3f s", size / (1 << 30), seconds)
 
@@ -190,16 +201,30 @@ class CupyTransfer:
         return self._move(kv, block_ids, slots, to_slots=False)
 
     def close(self) -> None:
-        """Wait for every transfer in flight, then unregister the mappings this engine pinned."""
-        with self._lock:
+        """Refuse new batches, wait for every batch being queued and every transfer in flight,
+        then unregister the mappings this engine pinned."""
+        with self._lock:  # a batch takes its direction's lock under this one: none starts from here on
+            self._closed = True
             for dev, state in self._devices.items():
                 with self._cp.cuda.Device(dev):
                     for d in state.dirs.values():
-                        with d.lock:
+                        with d.lock:  # a batch still queueing holds it
                             d.finish()
                     state.tables.clear()
             self._devices.clear()
             self._pinned.close()
+
+    def _pin_device(self) -> int:
+        if self._device is not None:
+            return self._device
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return int(torch.cuda.current_device())
+        return int(self._cp.cuda.Device().id)
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("cupy transfer: closed")
 
     # --- one batch --------------------------------------------------------------------------
 
@@ -213,12 +238,16 @@ class CupyTransfer:
         per_chunk = max(1, min(self._chunk_blocks, self._stage_bytes // bb))
         with cp.cuda.Device(dev):
             with self._lock:
+                self._refuse_closed()
                 self._pin_missing(slots, addresses, bb)
                 plan = schedule(addresses, bb, per_chunk, self._pinned.limits)
                 state = self._devices.get(dev) or self._devices.setdefault(dev, _Device(cp, self._streams))
-            d = state.dirs[to_slots]
-            with d.lock:
+                d = state.dirs[to_slots]
+                d.lock.acquire()  # before close() can look: it waits for this batch to be queued
+            try:
                 return self._enqueue(state, d, kv.plan, block_ids, plan, bb, per_chunk, to_slots)
+            finally:
+                d.lock.release()
 
     def _enqueue(self, state: _Device, d: _Direction, pieces: tuple[Piece, ...], block_ids: Sequence[int],
                  plan: list[Chunk], bb: int, per_chunk: int, to_slots: bool) -> Completion:

@@ -30,7 +30,7 @@ import numpy as np
 
 from connector.copy_plan import Piece, PlaneGeometry, block_bytes, check_disjoint, pieces
 from connector.layout import Array, KVSpec
-from kvstore.dram.slab import attach
+from kvstore.dram.slab import attach, page_bytes_of
 from kvstore.errors import InvalidArgument, KVStoreError
 
 log = logging.getLogger(__name__)
@@ -257,8 +257,8 @@ def register_slab(transfer: Transfer, client: object) -> None:
         return
     try:
         segment = hello().segment
-        if segment:
-            transfer.register(attach(segment))
+        if segment:  # registrations cut at the slab's pages: no slot straddles two
+            transfer.register(attach(segment), page_bytes=page_bytes_of(segment))
     except (OSError, KVStoreError) as exc:  # no slab on this host: each mapping is pinned when first seen
         log.warning("transfer: the sidecar's slab could not be registered at start (%s)", exc)
 

@@ -37,6 +37,7 @@ def _kv(kind: str = "flash_attn") -> PagedKV:
 def _engine_on(monkeypatch: pytest.MonkeyPatch, stream: object) -> None:
     """torch drives the GPU and its current stream (the engine's) is ``stream``."""
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
         cuda_stream=stream.ptr))  # type: ignore[attr-defined]
 

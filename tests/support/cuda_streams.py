@@ -55,6 +55,14 @@ class Gpu:
         self._next_stream = itertools.count(1)
         self.local = threading.local()
         self.null = Stream(self, ptr=0)
+        self.events: list[Event] = []  # every event made, in order
+        self.registered_on: list[tuple[int, int]] = []  # (address, current device) of each hostRegister
+        self.devices = 1
+
+    def device(self) -> int:
+        """cupy's current device of this thread."""
+        stack = getattr(self.local, "devices", None)
+        return stack[-1] if stack else 0
 
     # --- clocks -----------------------------------------------------------------------------
 
@@ -161,11 +169,14 @@ class Stream:
 
 class Event:
     def __init__(self, gpu: Gpu, block: bool = False, disable_timing: bool = False) -> None:
-        self.gpu = gpu
+        self.gpu, self.block = gpu, block
         self.clock: dict[int, int] = {}
+        self.recorded = self.waited = False
+        gpu.events.append(self)
 
     def record(self, stream: Stream | None = None) -> None:
         s = stream or self.gpu.current()
+        self.recorded = True
         with self.gpu.lock:
             self.clock = dict(self.gpu.clocks[s.sid])
 
@@ -174,6 +185,7 @@ class Event:
         return True
 
     def synchronize(self) -> None:
+        self.waited = True
         with self.gpu.lock:
             _merge(self.gpu.host, self.clock)
 
@@ -223,6 +235,7 @@ def install(gpu: Gpu) -> types.ModuleType:
 
     def hostRegister(ptr: int, size: int, flags: int) -> None:
         registered[ptr] = size
+        gpu.registered_on.append((ptr, gpu.device()))
 
     def hostUnregister(ptr: int) -> None:
         registered.pop(ptr)
@@ -241,17 +254,20 @@ def install(gpu: Gpu) -> types.ModuleType:
 
     class Device:
         def __init__(self, dev: int | None = None) -> None:
-            self.id = 0 if dev is None else dev
+            self.id = gpu.device() if dev is None else dev
 
         def __enter__(self) -> Device:
+            if not hasattr(gpu.local, "devices"):
+                gpu.local.devices = []
+            gpu.local.devices.append(self.id)
             return self
 
         def __exit__(self, *exc: object) -> None:
-            return None
+            gpu.local.devices.pop()
 
     runtime = types.SimpleNamespace(hostRegister=hostRegister, hostUnregister=hostUnregister,
                                     memcpy2DAsync=memcpy2DAsync, CUDARuntimeError=CudaRuntimeError,
-                                    registered=registered)
+                                    registered=registered, getDeviceCount=lambda: gpu.devices, free=lambda ptr: None)
     cp.asarray = asarray  # type: ignore[attr-defined]
     cp.empty = empty  # type: ignore[attr-defined]
     cp.RawModule = RawModule  # type: ignore[attr-defined]
