@@ -123,8 +123,10 @@ def test_kernels_match_the_numpy_path(cp: ModuleType, two_slabs: list[Slab], kin
 def test_an_engine_on_a_side_stream_while_the_default_stream_is_busy(cp: ModuleType, two_slabs: list[Slab]) -> None:
     """The engine writes its cache on a side stream while the legacy default stream (cupy's current
     one) is kept busy: the first gather of a bound cache (its plan tables uploaded then) and a
-    scatter issued from the side stream move the right bytes -- nothing a kernel reads is queued
-    behind the busy stream (CPU twin: test_cuda_ordering.py)."""
+    scatter whose tables a gather uploaded on the other direction's stream, both issued from the
+    side stream, move the right bytes -- nothing a kernel reads is queued behind the busy stream
+    (CPU twin: test_cuda_ordering.py). A warm-up batch first, so nothing the first batch of an
+    engine does (compiling, loading the module) waits for the busy stream and hides the race."""
     spec = _spec("flashinfer_hnd", 8, "bfloat16")
     host_src = _caches("flashinfer_hnd", 8, torch.bfloat16, 7)
     host_dst = _caches("flashinfer_hnd", 8, torch.bfloat16, 8)
@@ -140,6 +142,7 @@ def test_an_engine_on_a_side_stream_while_the_default_stream_is_busy(cp: ModuleT
     try:
         for slab in two_slabs:
             t.register(slab.buf, page_bytes=1 << 20)
+        t.gather(bind_caches(spec, dev_dst), ids_dst, slots).wait()  # compiled, streams made, dev_dst's tables up
         torch.cuda.synchronize()
         busy = torch.cuda.default_stream()  # the legacy default stream: cupy's current stream here
         with torch.cuda.stream(busy):
