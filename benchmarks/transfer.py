@@ -12,7 +12,13 @@ model built on the device with random weights ÷ the time to bring the prefix's 
 
 Without a GPU: ``NumpyTransfer`` for the ``vllm_cpu`` layout (Llama-3-8B shape, blocks out of
 order, slots of a real ``Slab``) against one plain memcpy of the same bytes into / out of the
-same mapping, on one thread each: ``gather_vs_memcpy``, ``scatter_vs_memcpy``.
+same mapping, on one thread each: ``gather_vs_memcpy``, ``scatter_vs_memcpy``. And the GPU path's
+host work per batch, which runs on the CPU before its first CUDA call (the slots' checks and
+addresses, the pinning check, the chunks and their DMA runs, the plan tables' lookup), for a
+GPU-sized batch (the FlashAttention layout) of a lease's slots (``SlotViews``):
+``host_plan_us_per_batch``, ``host_plan_us_per_block``, ``host_plan_vs_memcpy_per_block`` (÷ the
+memcpy of a block's bytes above), and per block with plain views (``host_plan_views_us_per_block``:
+every view asked its address).
 
 Every round times ours and the baseline back to back; each figure is the best round.
 """
@@ -93,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     if cp is None:
         res.notes["device"] = "cpu"
         for s in shapes:
-            _cpu_shape(res, s, args.blocks or 128, args.rounds)
+            _cpu_shape(res, s, args.blocks or 128, args.rounds, args.blocks)
         return res.as_dict()
     res.notes["device"] = cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
     from benchmarks.transfer_gpu import gpu_shape, reload_vs_recompute
@@ -132,7 +138,7 @@ def _cpu_rounds(slab: Slab, kv: PagedKV, n: int, rounds: int) -> list[float]:
                  _timed(lambda: np.copyto(src, region)), _timed(lambda: t.scatter(kv, ids_s, slots)))
 
 
-def _cpu_shape(res: Result, shape: str, n: int, rounds: int) -> None:
+def _cpu_shape(res: Result, shape: str, n: int, rounds: int, n_plan: int = 0) -> None:
     import torch
 
     spec = spec_of(shape, "vllm_cpu")
@@ -154,3 +160,51 @@ def _cpu_shape(res: Result, shape: str, n: int, rounds: int) -> None:
     res.figure(f"{shape}_blocks", n, "blocks")
     res.ratio(f"{shape}_gather_vs_memcpy", raw_in / gather)
     res.ratio(f"{shape}_scatter_vs_memcpy", raw_out / scatter)
+    _host_plan(res, shape, n_plan or GPU_BLOCKS[shape], rounds, raw_in / n)
+
+
+def _host_plan(res: Result, shape: str, n: int, rounds: int, memcpy_per_block: float) -> None:
+    """The GPU path's host work for one batch of ``n`` blocks (see the module docstring); nothing
+    is copied and no cache byte is touched."""
+    import torch
+
+    from connector.copy_plan import schedule, uncovered
+    from connector.cuda_transfer import CHUNK_BLOCKS
+    from connector.transfer import slot_addresses
+    from kvstore.client.wire import mapped_views
+
+    spec = spec_of(shape, "vllm_gpu")
+    bb = spec.block_bytes
+    shape_of = (2, 2 * n, spec.block_size, spec.kv_heads, spec.head_size)
+    kv = bind_caches(spec, [torch.empty(shape_of, dtype=torch.bfloat16) for _ in range(spec.num_layers)])
+    page = max(32 * MiB, bb)
+    slot_bytes = 1 << (bb - 1).bit_length()  # the size class a block's slot comes from
+    slab = Slab(n * slot_bytes + page, page_bytes=page, prefault=False, name_prefix="kvstore-bench-plan")
+    try:
+        slots = slab.take(slab.class_of(bb), n)
+        views = mapped_views([(slab.name, s.offset, bb) for s in slots], writable=True)
+        plain = list(views)
+        base = int(slab.buf.__array_interface__["data"][0])
+        limits = [(base, base + slab.capacity_bytes)]  # as registered at start
+        ids = _ids(n, kv.num_blocks, 3)  # a list, as the connector hands them over
+        tables = {kv.plan_key: object()}
+
+        def plan(slots_: object) -> Callable[[], float]:
+            def go() -> float:
+                t0 = time.perf_counter()
+                addresses = slot_addresses(kv, ids, slots_, writing=True)  # type: ignore[arg-type]
+                assert not uncovered(addresses, bb, limits)
+                schedule(addresses, bb, CHUNK_BLOCKS, limits)
+                tables.get(kv.plan_key)
+                return time.perf_counter() - t0
+            return go
+
+        known, asked = _best(max(rounds, 20), plan(views), plan(plain))
+        del views, plain
+    finally:
+        slab.close()
+    res.figure(f"{shape}_host_plan_blocks", n, "blocks")
+    res.figure(f"{shape}_host_plan_us_per_batch", known * 1e6, "us")
+    res.figure(f"{shape}_host_plan_us_per_block", known * 1e6 / n, "us")
+    res.figure(f"{shape}_host_plan_views_us_per_block", asked * 1e6 / n, "us")
+    res.ratio(f"{shape}_host_plan_vs_memcpy_per_block", (known / n) / memcpy_per_block)

@@ -10,11 +10,15 @@ is the mirror image (DMA in, then ``kv_scatter``). Saves and loads have their ow
 staging, so a save's gather and a load's scatter run at once, one per copy direction.
 
 What is uploaded when: the plan's device tables (piece addresses, strides, lengths, offsets) once
-per bound cache (kept for the last few caches), the block ids once per batch. The slab is
-registered with ``cudaHostRegister`` (portable: pinned for every device) once, by
-:meth:`CupyTransfer.register` at the connector's start, in pieces of at most ``REGISTER_PIECE``
-bytes (one registration fails at >= 512 GiB); a slot outside every registration is pinned when
-first seen, with a warning (that costs ~0.1 s a GB on the request's path).
+per bound cache (kept for the last few caches), the block ids once per batch, both on the batch's
+first stream before the event its other streams wait on (a batch of the other direction that
+reuses the tables waits on their upload's event). The slab is registered with
+``cudaHostRegister`` (portable: pinned for every device) once, by :meth:`CupyTransfer.register`
+at the connector's start, under the engine's device (named, else torch's current one), in pieces
+of at most ``REGISTER_PIECE`` bytes cut at the slab's pages (one registration fails at >= 512
+GiB); a slot outside every registration is pinned when first seen, with a warning (that costs
+~0.1 s a GB on the request's path). :meth:`CupyTransfer.close` refuses new batches, waits for
+those being queued and in flight, then unregisters.
 
 Every batch runs on the cache's own device (streams, staging, kernels and tables per device), so
 a tensor-parallel rank on ``cuda:3`` or a pool thread whose current device is 0 are the same. It
@@ -39,10 +43,18 @@ from typing import Any
 
 import numpy as np
 
-from connector.copy_plan import Chunk, Piece, registration_pieces, schedule
-from connector.layout import Array, KVSpec
+from connector.copy_plan import (
+    Chunk,
+    Piece,
+    launch_shape,
+    plan_tables,
+    registration_pieces,
+    schedule,
+    uncovered,
+)
+from connector.layout import Array
 from connector.transfer import Completion, PagedKV, slot_addresses
-from kvstore.errors import InvalidArgument
+from kvstore.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +63,6 @@ REGISTER_PIECE = 64 << 30
 CHUNK_BLOCKS = 32
 STAGE_BYTES = 64 << 20  # per stream
 TABLES_KEPT = 8
-PART_BYTES = 64 << 10  # a thread block copies at most about this much of a piece
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
 _D2H, _H2D = 2, 1  # cudaMemcpyKind
 
@@ -67,6 +78,9 @@ class _Tables:
     pieces: int
     threads: int
     parts: int  # thread blocks per piece (a large piece is cut so the launch fills the device)
+    plan: tuple[Piece, ...]  # what they were built from: a hit on the key is checked against it
+    stream: Any  # the stream the upload was queued on, and an event after it: a batch on another
+    ready: Any  # stream waits on it before its first kernel
 
 
 class _Direction:
@@ -76,6 +90,9 @@ class _Direction:
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(max(1, streams))]
         self.stage: list[Any] = [None] * len(self.streams)
         self.lock = threading.Lock()  # one batch enqueued at a time: chunks of two would share staging
+        # re-recorded every batch (under the lock): a wait already queued keeps the record it saw
+        self.engine_done = cp.cuda.Event(block=True, disable_timing=True)
+        self.uploaded = cp.cuda.Event(block=True, disable_timing=True)
         self._cp = cp
 
     def buffer(self, j: int, nbytes: int) -> Any:
@@ -100,7 +117,9 @@ class _Device:
         module = cp.RawModule(code=KERNEL_SOURCE.read_text(), options=("--std=c++14",))
         self.kernels = {True: module.get_function("kv_gather"), False: module.get_function("kv_scatter")}
         self.dirs = {True: _Direction(cp, streams), False: _Direction(cp, streams)}
-        self.tables: OrderedDict[tuple[Piece, ...], _Tables] = OrderedDict()
+        self.tables: OrderedDict[int, _Tables] = OrderedDict()  # by PagedKV.plan_key
+        self.tables_lock = threading.Lock()  # both directions' batches look tables up
+        self.external: dict[int, Any] = {}  # the engine's streams, as cupy streams
 
 
 class PinnedHost:
@@ -145,12 +164,17 @@ def _span(a: np.ndarray) -> tuple[int, int]:
     return start, int(a.nbytes)
 
 
-def _engine_stream(cp: Any, device: int) -> Any:
+def _engine_stream(cp: Any, device: int, external: dict[int, Any]) -> Any:
     """The stream the engine's last writes of the cache were queued on: torch's current stream
-    of this thread for ``device`` when torch drives the GPU here, else cupy's current stream."""
+    of this thread for ``device`` when torch drives the GPU here (wrapped once per stream in
+    ``external``), else cupy's current stream."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        return cp.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device)
+        ptr = torch.cuda.current_stream(device).cuda_stream
+        s = external.get(ptr)
+        if s is None:
+            s = external[ptr] = cp.cuda.ExternalStream(ptr, device)
+        return s
     return cp.cuda.get_current_stream()
 
 
@@ -166,18 +190,25 @@ class CupyTransfer:
     name = "cupy"
     pins_host = True
 
-    def __init__(self, spec: KVSpec | None = None, streams: int = 2, chunk_blocks: int = CHUNK_BLOCKS,
-                 stage_bytes: int = STAGE_BYTES) -> None:
+    def __init__(self, streams: int = 2, chunk_blocks: int = CHUNK_BLOCKS, stage_bytes: int = STAGE_BYTES,
+                 device: int | None = None) -> None:
+        """``device``: the GPU whose context pins the host mappings (:meth:`register`); by default
+        torch's current device when torch drives CUDA here (a vLLM rank's own), else cupy's."""
         self._cp = importlib.import_module("cupy")
         self._streams = streams
         self._chunk_blocks, self._stage_bytes = max(1, chunk_blocks), stage_bytes
+        self._device = device
         self._devices: dict[int, _Device] = {}
         self._pinned = PinnedHost(self._cp)
-        self._lock = threading.Lock()  # the pinned mappings, the per-device state
+        self._lock = threading.Lock()  # the pinned mappings, the per-device state, closing
+        self._closed = False
 
     def register(self, host: Array, page_bytes: int = 0) -> None:
+        """Pin the mapping behind ``host`` under this engine's device (no stray context on GPU 0
+        for a rank on another), in registrations cut at multiples of ``page_bytes``."""
         start, size = _span(host)
-        with self._lock:
+        with self._cp.cuda.Device(self._pin_device()), self._lock:
+            self._refuse_closed()
             seconds = self._pinned.register(start, size, page_bytes)
         log.info("pinned a host mapping of %.1f GiB for DMA in %.3f s", size / (1 << 30), seconds)
 
@@ -188,47 +219,74 @@ class CupyTransfer:
         return self._move(kv, block_ids, slots, to_slots=False)
 
     def close(self) -> None:
-        """Wait for every transfer in flight, then unregister the mappings this engine pinned."""
-        with self._lock:
+        """Refuse new batches, wait for every batch being queued and every transfer in flight,
+        then unregister the mappings this engine pinned."""
+        with self._lock:  # a batch takes its direction's lock under this one: none starts from here on
+            self._closed = True
             for dev, state in self._devices.items():
                 with self._cp.cuda.Device(dev):
                     for d in state.dirs.values():
-                        with d.lock:
+                        with d.lock:  # a batch still queueing holds it
                             d.finish()
                     state.tables.clear()
             self._devices.clear()
             self._pinned.close()
+
+    def _pin_device(self) -> int:
+        if self._device is not None:
+            return self._device
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            return int(torch.cuda.current_device())
+        return int(self._cp.cuda.Device().id)
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise FailedPrecondition("cupy transfer: closed")
 
     # --- one batch --------------------------------------------------------------------------
 
     def _move(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array], *, to_slots: bool) -> Completion:
         if not kv.on_device:
             raise InvalidArgument("cupy transfer: the cache is in host memory (use the 'numpy' transfer)")
-        addresses = slot_addresses(kv, block_ids, slots, writing=to_slots)
-        if not block_ids:
+        ids = np.asarray(block_ids, dtype=np.int64)  # once: checked, planned and uploaded from it
+        addresses = slot_addresses(kv, ids, slots, writing=to_slots)
+        if not len(ids):
             return _Events([], ())
         cp, bb, dev = self._cp, kv.spec.block_bytes, int(kv.planes[0][0].device.id)
         per_chunk = max(1, min(self._chunk_blocks, self._stage_bytes // bb))
         with cp.cuda.Device(dev):
             with self._lock:
+                self._refuse_closed()
                 self._pin_missing(slots, addresses, bb)
                 plan = schedule(addresses, bb, per_chunk, self._pinned.limits)
                 state = self._devices.get(dev) or self._devices.setdefault(dev, _Device(cp, self._streams))
-                tables = self._device_tables(state, kv.plan)
-            d = state.dirs[to_slots]
-            with d.lock:
-                return self._enqueue(state, d, tables, block_ids, plan, bb, per_chunk, to_slots)
+                d = state.dirs[to_slots]
+                d.lock.acquire()  # before close() can look: it waits for this batch to be queued
+            try:
+                return self._enqueue(state, d, kv, ids, plan, bb, per_chunk, to_slots)
+            finally:
+                d.lock.release()
 
-    def _enqueue(self, state: _Device, d: _Direction, tables: _Tables, block_ids: Sequence[int], plan: list[Chunk],
+    def _enqueue(self, state: _Device, d: _Direction, kv: PagedKV, block_ids: np.ndarray, plan: list[Chunk],
                  bb: int, per_chunk: int, to_slots: bool) -> Completion:
+        """Queue one batch. On the first stream, in this order: a wait for the engine's stream, the
+        plan's tables (uploaded there when new, else a wait for their upload when it was queued on
+        another stream), the block ids, then the event every other stream of the batch waits on:
+        whatever stream the engine computes on, nothing a kernel reads can land after it runs."""
         cp = self._cp
         first = d.streams[0]
-        first.wait_event(_event(cp, _engine_stream(cp, cp.cuda.Device().id)))
+        d.engine_done.record(_engine_stream(cp, cp.cuda.Device().id, state.external))
+        first.wait_event(d.engine_done)
         with first:
-            ids = cp.asarray(np.asarray(block_ids, dtype=np.int64))  # the batch's one upload
-        uploaded = _event(cp, first)
-        for s in d.streams[1:]:
-            s.wait_event(uploaded)
+            tables = self._device_tables(state, kv, first)
+            if tables.stream is not first:
+                first.wait_event(tables.ready)
+            ids = cp.asarray(block_ids)  # the batch's one upload
+        if len(d.streams) > 1:
+            d.uploaded.record(first)
+            for s in d.streams[1:]:
+                s.wait_event(d.uploaded)
         try:
             for c, chunk in enumerate(plan):
                 j = c % len(d.streams)
@@ -237,7 +295,8 @@ class CupyTransfer:
             for s in d.streams:  # nothing queued may outlive the buffers it uses
                 s.synchronize()
             raise
-        return _Events([_event(cp, s) for s in d.streams], (ids, tables))
+        used = d.streams[: min(len(d.streams), len(plan))]  # a stream without a chunk has nothing to wait for
+        return _Events([_event(cp, s) for s in used], (ids, tables))
 
     def _chunk(self, state: _Device, t: _Tables, ids: Any, chunk: Chunk, bb: int, stage: Any, stream: Any,
                to_slots: bool) -> None:
@@ -255,32 +314,34 @@ class CupyTransfer:
             for r in runs:
                 rt.memcpy2DAsync(r.host, r.pitch, base + (r.first - a) * bb, bb, bb, r.count, _D2H, stream.ptr)
 
-    def _pin_missing(self, slots: Sequence[Array], addresses: Sequence[int], bb: int) -> None:
-        for s, addr in zip(slots, addresses):
-            if not self._pinned.covers(addr, bb):
+    def _pin_missing(self, slots: Sequence[Array], addresses: np.ndarray, bb: int) -> None:
+        for i in uncovered(addresses, bb, self._pinned.limits):
+            if not self._pinned.covers(int(addresses[i]), bb):  # pinned by an earlier slot of this batch, else:
                 log.warning("a slot outside every pinned mapping: pinning its whole mapping on the request's path"
                             " (call register() with the slab at start)")
-                start, size = _span(s)
+                start, size = _span(slots[i])
                 self._pinned.register(start, size, 0)
 
-    def _device_tables(self, state: _Device, plan: tuple[Piece, ...]) -> _Tables:
-        t = state.tables.get(plan)
-        if t is not None:
-            state.tables.move_to_end(plan)
+    def _device_tables(self, state: _Device, kv: PagedKV, stream: Any) -> _Tables:
+        """The plan's tables on the device: cached per bound cache (by its plan's hash, computed
+        once at binding), else uploaded on ``stream`` (the batch's first stream, current) with an
+        event after the upload."""
+        plan = kv.plan
+        with state.tables_lock:
+            t = state.tables.get(kv.plan_key)
+            if t is not None and (t.plan is plan or t.plan == plan):
+                state.tables.move_to_end(kv.plan_key)
+                return t
+            cp = self._cp
+            threads, parts = launch_shape(plan)
+            src, stride, nbytes, off = plan_tables(plan)
+            t = _Tables(cp.asarray(src), cp.asarray(stride), cp.asarray(nbytes), cp.asarray(off), len(plan), threads,
+                        parts, plan, stream, None)
+            t.ready = _event(cp, stream)
+            state.tables[kv.plan_key] = t
+            while len(state.tables) > TABLES_KEPT:
+                state.tables.popitem(last=False)
             return t
-        cp = self._cp
-        biggest = max(p.nbytes for p in plan)
-        words = biggest // 16
-        threads = int(min(256, max(32, 1 << max(0, (words - 1).bit_length()))))
-        parts = max(1, -(-biggest // PART_BYTES))
-        t = _Tables(cp.asarray(np.array([p.src for p in plan], np.uint64)),
-                    cp.asarray(np.array([p.stride for p in plan], np.int64)),
-                    cp.asarray(np.array([p.nbytes for p in plan], np.int64)),
-                    cp.asarray(np.array([p.slot_off for p in plan], np.int64)), len(plan), threads, parts)
-        state.tables[plan] = t
-        while len(state.tables) > TABLES_KEPT:
-            state.tables.popitem(last=False)
-        return t
 
 
 class _Events:

@@ -311,7 +311,7 @@ def default_transfer(device: torch.device, client: ConnectorClient) -> Transfer:
     sidecar's slab pinned now, at start (``hello`` names it), not on a request's path."""
     if device.type != "cuda":
         return NumpyTransfer()
-    transfer = make_transfer("cupy")
+    transfer = make_transfer("cupy", device=device.index)  # pins under the model's GPU
     register_slab(transfer, client)
     return transfer
 

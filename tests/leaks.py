@@ -448,13 +448,23 @@ def _process_wide() -> Owned:
 def _init_cuda() -> None:
     """Create the process's CUDA context before a GPU test's window opens: the driver's own
     descriptors (``/dev/nvidia*``, ``nvidia-uvm``, its eventfds and pipes), opened by the first CUDA
-    call and kept for the process's life, are then part of the "before". Nothing without CUDA."""
+    call and kept for the process's life, are then part of the "before". cupy's context, a
+    blocking event waited on (the transfer's completions: the driver opens what it sleeps on at the
+    first), and torch's own CUDA state when torch is loaded. Nothing without CUDA."""
     with contextlib.suppress(Exception):
         import cupy
 
         if cupy.cuda.runtime.getDeviceCount() > 0:
             cupy.cuda.runtime.free(0)  # forces the context (a no-op free)
-            cupy.cuda.Stream(non_blocking=True).synchronize()
+            stream = cupy.cuda.Stream(non_blocking=True)
+            event = cupy.cuda.Event(block=True, disable_timing=True)
+            event.record(stream)
+            event.synchronize()
+    torch = sys.modules.get("torch")
+    with contextlib.suppress(Exception):
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.init()
+            torch.cuda.current_stream().synchronize()
 
 
 # --- ownership by reachability -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,23 @@ def test_each_kind_of_leak_fails_its_test_and_names_it(inner: pytest.Pytester) -
     assert _named(out, "FAILED") == {"test_leaky.py::test_already_failing"}, out
     # 20 tests: one fails, one errors at setup (no reason), 12 error at teardown after passing
     result.assert_outcomes(passed=18, failed=1, errors=13)
+
+
+def test_a_gpu_tests_before_holds_torch_cuda_and_a_blocking_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before a GPU test's window the leak check opens what the driver keeps for the process:
+    cupy's context, a blocking event recorded and waited on, and torch's CUDA state (checked
+    through the recording model of cupy, tests/support/cuda_streams.py)."""
+    import torch
+
+    from tests.leaks import _init_cuda
+    from tests.support.cuda_streams import installed
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(
+        synchronize=lambda: calls.append("synchronize")))
+    with installed(monkeypatch) as (gpu, _):
+        _init_cuda()
+    assert [(e.block, e.recorded, e.waited) for e in gpu.events] == [(True, True, True)]
+    assert calls == ["init", "synchronize"]

@@ -109,7 +109,7 @@ def load_blocks(
     try:
         source, epoch = _blocks(client, ns, spec)
         with source as lease:
-            views = list(lease.views)[: len(spec.keys)]
+            views = lease.views[: len(spec.keys)]  # a slice: SlotViews stay SlotViews (addresses known)
             n = len(views)
             bad = _first_bad_checksum(views, getattr(lease, "checksums", None)) if verify else None
             if bad is not None:

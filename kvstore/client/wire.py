@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, SupportsIndex, TypeVar, overload
 
 import numpy as np
 from google.protobuf.message import Message
@@ -106,10 +106,40 @@ ACQUIRE_FIELDS = SlotFields("Acquire answer", "offsets[{}]", "lengths[{}]")
 ALLOCATE_FIELDS = SlotFields("Allocate answer", "blocks[{}].slot.offset", "blocks[{}].slot.length")
 
 
+class SlotViews(list[np.ndarray]):
+    """Views of slots (a plain list of them), with what a transfer needs of each known without
+    touching it: its start address and length (``addresses``, ``lengths``: int64 arrays) and
+    whether the views are writable. A slice is a :class:`SlotViews` too."""
+
+    def __init__(self, views: list[np.ndarray], addresses: np.ndarray, lengths: np.ndarray, writable: bool) -> None:
+        super().__init__(views)
+        self.addresses, self.lengths, self.writable = addresses, lengths, writable
+
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> np.ndarray: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> SlotViews: ...
+
+    def __getitem__(self, i: SupportsIndex | slice) -> np.ndarray | SlotViews:
+        if isinstance(i, slice):
+            return SlotViews(list.__getitem__(self, i), self.addresses[i], self.lengths[i], self.writable)
+        return list.__getitem__(self, i)
+
+    def __delitem__(self, i: SupportsIndex | slice) -> None:
+        list.__delitem__(self, i)
+        at = i if isinstance(i, slice) else i.__index__()
+        self.addresses, self.lengths = np.delete(self.addresses, at), np.delete(self.lengths, at)
+
+    def clear(self) -> None:
+        list.clear(self)
+        self.addresses, self.lengths = self.addresses[:0], self.lengths[:0]
+
+
 def mapped_views(
     slots: Sequence[SlotRef], fields: SlotFields = ACQUIRE_FIELDS, *, writable: bool = False,
     at: Sequence[int] | None = None,
-) -> list[np.ndarray]:
+) -> SlotViews:
     """A view of each slot's bytes, each segment mapped once; read-only unless ``writable`` (slices
     of a read-only view stay read-only). A slot that does not lie whole within its segment (a
     malformed answer from the sidecar) raises INTERNAL naming the fields, where a slice would
@@ -118,12 +148,17 @@ def mapped_views(
     (default: its position)."""
     where = list(range(len(slots))) if at is None else list(at)
     mapped: dict[str, np.ndarray] = {}
+    bases: dict[str, int] = {}
     views = []
-    for i, (seg, off, n) in zip(where, slots):
+    addresses = np.empty(len(slots), np.int64)
+    lengths = np.empty(len(slots), np.int64)
+    for k, (i, (seg, off, n)) in enumerate(zip(where, slots)):
         mem = mapped.get(seg)
         if mem is None:
             mem = mapped[seg] = attach(seg).view()
             mem.flags.writeable = writable
+            bases[seg] = int(mem.__array_interface__["data"][0])
+        addresses[k], lengths[k] = bases[seg] + off, n
         if off < 0 or n < 0 or off + n > len(mem):
             raise KVStoreError(
                 f"{fields.answer}: {fields.offset.format(i)} {off} + {fields.length.format(i)} {n} is not within"
@@ -141,7 +176,7 @@ def mapped_views(
                 )
             if n and off + n > end:
                 ends[seg] = (off + n, i)
-    return views
+    return SlotViews(views, addresses, lengths, writable)
 
 
 @dataclass(slots=True, frozen=True)

@@ -13,11 +13,12 @@ the class it last served gets back the same slot objects, ids included; cut for 
 gets new ones. A slot id therefore names one offset and capacity for the slab's life, and a slot
 is only ever handed out when no slot of another cut of its page is taken.
 
-A header page after the last slab page (the segment's last 4 KiB) holds the **free epoch** (a
-u64 at its start, :func:`free_epoch`): the sidecar adds one every time it frees a slot
-(eviction, delete, abort, shutdown). A client that read the epoch before learning where committed
-blocks lie may read them there without a lease as long as the epoch has not moved: a committed
-block's bytes only change after its slot was freed (:mod:`connector.core.directory`).
+A header page after the last slab page (the segment's last 4 KiB) holds the slab's page size (a
+u64 at byte 8, :func:`page_bytes_of`: a worker pins the slab in registrations cut at page
+boundaries) and the **free epoch** (a u64 at its start, :func:`free_epoch`): the sidecar adds
+one every time it frees a slot (eviction, delete, abort, shutdown). A client that read the epoch
+before learning where committed blocks lie may read them there without a lease as long as the
+epoch has not moved: a committed block's bytes only change after its slot was freed (:mod:`connector.core.directory`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class Slab:
         mapped = _mapping(self._shm)
         self.buf = np.frombuffer(mapped, dtype=np.uint8, count=self.capacity_bytes)
         self._epoch = epoch_view(mapped, self.capacity_bytes)
+        epoch_view(mapped, self.capacity_bytes + PAGE_BYTES_AT)[0] = page_bytes  # for clients: page_bytes_of()
         if prefault:
             self.buf[:: 4096] = 0
         self.classes: list[_SizeClass] = []
@@ -270,7 +272,8 @@ class Slab:
 
 # --- worker side ----------------------------------------------------------------------------
 
-HEADER_BYTES = 4096  # after the slab pages: the free epoch
+HEADER_BYTES = 4096  # after the slab pages: the free epoch, then the page size
+PAGE_BYTES_AT = 8  # the slab's page_bytes (u64) in the header page
 
 
 def epoch_view(buf: memoryview | np.ndarray, offset: int) -> np.ndarray:
@@ -282,6 +285,13 @@ def free_epoch(segment: str) -> np.ndarray:
     """The free epoch of the sidecar slab ``segment`` as this process maps it (read ``[0]``)."""
     mem = attach(segment)
     return epoch_view(mem, len(mem) - HEADER_BYTES)
+
+
+def page_bytes_of(segment: str) -> int:
+    """The page size of the sidecar slab ``segment`` (a slot never straddles a page); 0 from a
+    sidecar that did not record it."""
+    mem = attach(segment)
+    return int(epoch_view(mem, len(mem) - HEADER_BYTES + PAGE_BYTES_AT)[0])
 
 
 _attached: dict[str, shared_memory.SharedMemory] = {}

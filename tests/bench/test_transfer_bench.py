@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from benchmarks import transfer
 
 
@@ -22,6 +24,13 @@ def test_transfer_bench_shape_on_cpu() -> None:
             figure = result["figures"][f"{shape}_{name}_GBps"]
             assert figure["unit"] == "GB/s" and figure["value"] > 0
         assert result["figures"][f"{shape}_blocks"]["value"] == 4
-    assert set(result["ratios"]) == {f"{s}_{op}_vs_memcpy" for s in ("qwen25_05b", "llama3_70b_tp8")
-                                     for op in ("gather", "scatter")}
+        # the GPU path's host work per batch, measured on the CPU (a batch of --blocks)
+        assert result["figures"][f"{shape}_host_plan_blocks"]["value"] == 4
+        per_batch = result["figures"][f"{shape}_host_plan_us_per_batch"]
+        per_block = result["figures"][f"{shape}_host_plan_us_per_block"]
+        assert per_batch["unit"] == per_block["unit"] == "us" and per_batch["value"] > 0
+        assert per_block["value"] == pytest.approx(per_batch["value"] / 4, rel=1e-3, abs=1e-5)
+        assert result["figures"][f"{shape}_host_plan_views_us_per_block"]["value"] > 0
+    ops = ("gather_vs_memcpy", "scatter_vs_memcpy", "host_plan_vs_memcpy_per_block")
+    assert set(result["ratios"]) == {f"{s}_{op}" for s in ("qwen25_05b", "llama3_70b_tp8") for op in ops}
     assert all(r > 0 for r in result["ratios"].values())

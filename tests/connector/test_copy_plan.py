@@ -7,6 +7,7 @@ reference, plain array assignment in slot order (:func:`connector.transfer.gathe
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import numpy as np
 import pytest
@@ -31,7 +32,8 @@ def _spec(layout: str, d: int, dtype: str = "float16") -> KVSpec:
     return KVSpec(layout=layout, num_layers=L, kv_heads=H, head_size=d, block_size=BS, dtype=dtype)
 
 
-def _caches(kind: str, d: int, dtype: torch.dtype, seed: int = 0) -> list:
+def _caches(kind: str, d: int, dtype: torch.dtype, seed: int = 0, *, layers: int = L, heads: int = H, bs: int = BS,
+            nb: int = NB) -> list:
     """Every cache shape the connector binds, as torch CPU tensors (any dtype, zero-copy)."""
     g = torch.Generator().manual_seed(seed)
 
@@ -39,17 +41,17 @@ def _caches(kind: str, d: int, dtype: torch.dtype, seed: int = 0) -> list:
         return torch.randn(shape, generator=g).to(dtype)
 
     if kind == "flash_attn":  # [2, blocks, bs, heads, d]
-        return [rand(2, NB, BS, H, d) for _ in range(L)]
+        return [rand(2, nb, bs, heads, d) for _ in range(layers)]
     if kind == "flashinfer_nhd":  # [blocks, 2, bs, heads, d]
-        return [rand(NB, 2, BS, H, d) for _ in range(L)]
+        return [rand(nb, 2, bs, heads, d) for _ in range(layers)]
     if kind == "flashinfer_hnd":  # the same shape, HND in memory: [blocks, 2, heads, bs, d] permuted
-        return [rand(NB, 2, H, BS, d).permute(0, 1, 3, 2, 4) for _ in range(L)]
+        return [rand(nb, 2, heads, bs, d).permute(0, 1, 3, 2, 4) for _ in range(layers)]
     if kind == "cross_layer":  # every layer of a block side by side: one buffer, layer views
-        whole = rand(NB, L, 2, BS, H, d)
-        return [whole[:, i] for i in range(L)]
+        whole = rand(nb, layers, 2, bs, heads, d)
+        return [whole[:, i] for i in range(layers)]
     if kind == "vllm_cpu":
-        return [rand(NB, H, BS, 2 * d) for _ in range(L)]
-    return [(rand(1, H, NB * BS + 3, d), rand(1, H, NB * BS + 3, d)) for _ in range(L)]  # hf
+        return [rand(nb, heads, bs, 2 * d) for _ in range(layers)]
+    return [(rand(1, heads, nb * bs + 3, d), rand(1, heads, nb * bs + 3, d)) for _ in range(layers)]  # hf
 
 
 LAYOUT = {"flash_attn": "vllm_gpu", "flashinfer_nhd": "vllm_gpu", "flashinfer_hnd": "vllm_gpu",
@@ -196,3 +198,78 @@ def test_schedule_stages_and_moves_every_block_once(kind: str, per_chunk: int) -
             for k in range(r.count):
                 ctypes.memmove(r.host + k * r.pitch, base + (r.first - chunk.start + k) * bb, r.width)
     assert [s.tobytes() for s in slots] == _reference(spec, _caches(kind, 8, torch.float16, 3), ids)
+
+
+def _greedy_runs(addresses: list[int], width: int, limits: list[tuple[int, int]], max_pitch: int) -> list[DmaRun]:
+    """The definition of dma_runs, slot by slot (as written before it was vectorised)."""
+    def end_of(x: int) -> int:
+        for a, b in limits:
+            if a <= x < b:
+                return b
+        return 1 << 64
+
+    runs, i, n = [], 0, len(addresses)
+    while i < n:
+        end = end_of(addresses[i])
+        j, pitch = i + 1, width
+        if j < n and width <= addresses[j] - addresses[i] <= max_pitch and addresses[j] + width <= end:
+            pitch = addresses[j] - addresses[i]
+            while j < n and addresses[j] == addresses[i] + (j - i) * pitch and addresses[j] + width <= end:
+                j += 1
+        runs.append(DmaRun(i, j - i, addresses[i], pitch, width))
+        i = j
+    return runs
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_dma_runs_match_the_slot_by_slot_definition(seed: int) -> None:
+    """The vectorised grouping gives the greedy slot-by-slot runs: runs side by side, gaps, pitches
+    that change, slots going back, repeats, pitches over the limit, registrations that cut runs."""
+    rng = np.random.default_rng(seed)
+    width = int(rng.choice([64, 100, 4096]))
+    addresses: list[int] = []
+    at = 1 << 30
+    while len(addresses) < int(rng.integers(1, 200)):
+        pitch = int(rng.choice([width, width + 36, 2 * width, 3 * width, width - 1, 0, -width, 1 << 20]))
+        for _ in range(int(rng.integers(1, 12))):
+            addresses.append(at)
+            at += pitch
+        at += int(rng.choice([0, width, 5 * width]))
+    lo, hi = min(addresses), max(addresses) + width
+    cuts = sorted({lo, *(int(c) for c in rng.integers(lo, hi, int(rng.integers(0, 4)))), hi})
+    limits = list(itertools.pairwise(cuts)) if seed % 2 else []
+    max_pitch = int(rng.choice([1 << 31, 3 * width]))
+    try:
+        want = _greedy_runs(addresses, width, limits, max_pitch)
+    except InvalidArgument:
+        want = None
+    if want is None or any(not any(a <= x and x + width <= b for a, b in limits) for x in addresses if limits):
+        with pytest.raises(InvalidArgument):
+            dma_runs(addresses, width, limits, max_pitch)
+    else:
+        assert dma_runs(addresses, width, limits, max_pitch) == want
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_schedule_cuts_the_runs_at_every_chunk(seed: int) -> None:
+    """Each chunk holds exactly the parts of the batch's runs that fall in it, in order; together
+    they move every slot once."""
+    rng = np.random.default_rng(100 + seed)
+    width = 4096
+    addresses = [int(x) for x in np.cumsum(rng.choice([width, 2 * width, 3 * width], int(rng.integers(1, 150))))]
+    if seed % 3 == 0:  # a scattered batch: a run per slot
+        addresses = [int(x) for x in rng.permutation(addresses)]
+    per_chunk = int(rng.choice([1, 3, 32, 1000]))
+    runs = dma_runs(addresses, width)
+    got = schedule(addresses, width, per_chunk)
+    assert [(c.start, c.end) for c in got] == [(a, min(a + per_chunk, len(addresses)))
+                                               for a in range(0, len(addresses), per_chunk)]
+    for c in got:
+        want = []
+        for r in runs:
+            lo, hi = max(c.start, r.first), min(c.end, r.first + r.count)
+            if lo < hi:
+                want.append(DmaRun(lo, hi - lo, r.host + (lo - r.first) * r.pitch, r.pitch, width))
+        assert c.runs == want
+    moved = sorted(r.host + k * r.pitch for c in got for r in c.runs for k in range(r.count))
+    assert moved == sorted(addresses)

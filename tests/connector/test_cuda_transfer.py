@@ -120,6 +120,48 @@ def test_kernels_match_the_numpy_path(cp: ModuleType, two_slabs: list[Slab], kin
         t.close()
 
 
+def test_an_engine_on_a_side_stream_while_the_default_stream_is_busy(cp: ModuleType, two_slabs: list[Slab]) -> None:
+    """The engine writes its cache on a side stream while the legacy default stream (cupy's current
+    one) is kept busy: the first gather of a bound cache (its plan tables uploaded then) and a
+    scatter whose tables a gather uploaded on the other direction's stream, both issued from the
+    side stream, move the right bytes -- nothing a kernel reads is queued behind the busy stream
+    (CPU twin: test_cuda_ordering.py). A warm-up batch first, so nothing the first batch of an
+    engine does (compiling, loading the module) waits for the busy stream and hides the race."""
+    spec = _spec("flashinfer_hnd", 8, "bfloat16")
+    host_src = _caches("flashinfer_hnd", 8, torch.bfloat16, 7)
+    host_dst = _caches("flashinfer_hnd", 8, torch.bfloat16, 8)
+    ids_src, ids_dst = [4, 1, 6], [0, 5, 2]
+    ref = [np.zeros(spec.block_bytes, np.uint8) for _ in ids_src]
+    NumpyTransfer().gather(bind_caches(spec, host_src), ids_src, ref)
+    NumpyTransfer().scatter(bind_caches(spec, host_dst), ids_dst, ref)
+    empty_src = [torch.zeros_like(t) for t in _to(host_src, "cuda")]
+    dev_dst = _to(host_dst, "cuda")
+    slots = _slots(two_slabs, spec, len(ids_src))
+    t = make_transfer("cupy", chunk_blocks=1)
+    side = torch.cuda.Stream()
+    try:
+        for slab in two_slabs:
+            t.register(slab.buf, page_bytes=1 << 20)
+        t.gather(bind_caches(spec, dev_dst), ids_dst, slots).wait()  # compiled, streams made, dev_dst's tables up
+        torch.cuda.synchronize()
+        busy = torch.cuda.default_stream()  # the legacy default stream: cupy's current stream here
+        with torch.cuda.stream(busy):
+            torch.cuda._sleep(1 << 31)  # ~1 s
+        with torch.cuda.stream(side):
+            for dst, src in zip(empty_src, _to(host_src, "cuda")):  # the "forward pass" writes the cache here
+                dst.copy_(src)
+            t.gather(bind_caches(spec, empty_src), ids_src, slots).wait()
+            assert [s.tobytes() for s in slots] == [r.tobytes() for r in ref]
+            with torch.cuda.stream(busy):
+                torch.cuda._sleep(1 << 31)
+            t.scatter(bind_caches(spec, dev_dst), ids_dst, slots).wait()
+            side.synchronize()
+        assert _cache_bytes(dev_dst) == _cache_bytes(host_dst)
+    finally:
+        torch.cuda.synchronize()
+        t.close()
+
+
 def test_gathers_and_scatters_from_threads_at_once(cp: ModuleType, two_slabs: list[Slab]) -> None:
     """Saves and loads issued from pool threads (whose current device and stream are their own),
     several at once on one engine: every slot and every block gets its own bytes."""
