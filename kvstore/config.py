@@ -202,6 +202,9 @@ class S3Config(_Section):
 
 
 QUOTA_TIERS = ("dram", "ssd", "redis", "s3")  # the tiers a tenant quota may be set for
+# All tenants' retained bytes in a tier, at most this share of its capacity by default (the one
+# place of the value: tenants.retained_fraction, and what kvstore replay's hints may hold).
+RETAINED_FRACTION = 0.5
 
 
 class TenantsConfig(_Section):
@@ -244,9 +247,10 @@ class TenantsConfig(_Section):
     redis_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in Redis")
     s3_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in S3")
     retained_fraction: float = Field(
-        0.5, ge=0, le=1, description="all tenants' retained bytes in a tier of a known capacity (DRAM, SSD) "
-        "together: at most this share of it (a salt is free, so per-tenant bounds alone let many salts "
-        "retain the whole cache; kvstore/store/retention.py); 0: no bound"
+        RETAINED_FRACTION, ge=0, le=1,
+        description="all tenants' retained bytes in a tier of a known capacity (DRAM, SSD) together: at most "
+        "this share of it (a salt is free, so per-tenant bounds alone let many salts retain the whole cache; "
+        "kvstore/store/retention.py); 0: no bound",
     )
 
     @field_validator("dram_quotas", "ssd_quotas", "redis_quotas", "s3_quotas")

@@ -278,6 +278,8 @@ class BlockStore:
                 space.free(b)
         nbytes = 0
         chosen.sort(key=lambda bc: bc[0].depth)  # root first, so each parent is there to link to
+        if retain_ms:  # retained before they are placed: each enters the policy in its band at once
+            self.retention.retain([b for b, _ in chosen], retain_ms, retain_priority)
         for b, c in chosen:
             space.place(b)  # into the slot it was allocated
             self.index.publish(b)
@@ -285,8 +287,6 @@ class BlockStore:
             nbytes += b.size
         # Recency deepest first, so that ancestors are at least as recent as their descendants.
         space.policy.access_many([b for b, _ in reversed(chosen)])
-        if retain_ms:
-            self.retention.retain([b for b, _ in chosen], retain_ms, retain_priority)
         self._remember(alloc, "committed")
         self.stats.writes["commits"] += 1
         self.stats.writes["blocks_committed"] += len(chosen)

@@ -51,6 +51,7 @@ PRIORITIES = 4  # retain_priority is 0..3; the lowest goes first once only retai
 MAX_RETAIN_MS = 86_400_000  # a day: longer is a pin, not a hint
 REPUBLISH_S = 1.0  # a retention's end moved later by less than this is not news for the directory
 OTHER = "other"  # the refused count of every tenant past the ``shown`` first
+_TIERS = tuple((int(t), t.label) for t in TIER_ORDER)  # (bit, label): plain ints (enum arithmetic runs in Python)
 
 
 def check_hint(retain_ms: int, priority: int) -> None:
@@ -107,9 +108,10 @@ class Retention:
         for b in unique:
             if b.retain_until > now:
                 continue  # counted already
-            for t in TIER_ORDER:
-                if (b.tiers | into) & t:
-                    adding[t.label, tenant(b)] += b.size
+            tiers, who = b.tiers | into, tenant(b)
+            for bit, label in _TIERS:
+                if tiers & bit:
+                    adding[label, who] += b.size
         refusal = self._past(adding)
         if refusal is not None:
             self._refuse(refusal[0])
@@ -155,14 +157,18 @@ class Retention:
             return
         until = now + retain_ms / 1000.0
         for b in dict.fromkeys(blocks):
-            if b.retain_until > now:
+            if b.retain_until > now:  # retained already: the later end (the heap learns it lazily)
                 news = until >= b.retain_until + REPUBLISH_S or priority > b.retain_priority
-                b.retain_until = max(b.retain_until, until)
-                b.retain_priority = max(b.retain_priority, priority)
+                if until > b.retain_until:
+                    b.retain_until = until
+                if priority > b.retain_priority:
+                    b.retain_priority = priority
+                    self._rekey(b)
             else:
                 news = True
                 b.retain_until, b.retain_priority = until, priority
-            self._update(b)
+                self.recount(b, checked=True)  # (the caller checked the hint: Retention.check)
+                self._rekey(b)
             if news:
                 changed(b)
 
@@ -177,12 +183,13 @@ class Retention:
         self._update(b)
         return b.retain_until > now
 
-    def recount(self, b: Block) -> None:
+    def recount(self, b: Block, checked: bool = False) -> None:
         """``b``'s tiers or retention changed: its bytes move between the per tier and tenant
         counts (the index calls this for every placement of a block that was ever retained). A
-        retained block that enters a tier (a promotion, a demotion, an adoption, a new hint) where
-        its bytes would pass a bound is retained no more (refused, counted): a retention taken
-        where no bound held is not carried into a tier where one does."""
+        retained block that enters a tier (a promotion, a demotion, an adoption) where its bytes
+        would pass a bound is retained no more (refused, counted): a retention taken where no
+        bound held is not carried into a tier where one does. ``checked``: a hint's block,
+        whose bytes :meth:`check` counted already."""
         old = self._counted.get(b, 0)
         new = b.tiers if b.retain_until > self.clock() else 0
         if old == new:
@@ -190,42 +197,45 @@ class Retention:
         size, who = b.size, tenant(b)
         gained = new & ~old
         ended = False
-        if gained and (self.bounds or self.totals):
-            refusal = self._past({(t.label, who): size for t in TIER_ORDER if gained & t})
+        if gained and not checked and (self.bounds or self.totals):
+            refusal = self._past({(label, who): size for bit, label in _TIERS if gained & bit})
             if refusal is not None:
                 self._refuse(who)
                 b.retain_until, b.retain_priority = 0.0, 0
                 new, ended = 0, True
-        for t in TIER_ORDER:
-            if (old ^ new) & t:
-                n = size if new & t else -size
-                held = self.held.setdefault(t.label, Counter())
+        moved = old ^ new
+        for bit, label in _TIERS:
+            if moved & bit:
+                n = size if new & bit else -size
+                held = self.held.get(label)
+                if held is None:
+                    held = self.held[label] = Counter()
                 held[who] += n
                 if not held[who]:
                     del held[who]
-                self._tier_held[t.label] += n
+                self._tier_held[label] += n
         if new:
             if not old:
                 heapq.heappush(self._ends, (b.retain_until, next(self._seq), b))
             self._counted[b] = new
         elif old:
             del self._counted[b]
-            for p in self._policies:  # (a retention that ran out, or was refused: back to band -1)
-                p.rekey(b)
+            self._rekey(b)  # (a retention that ran out, or was refused: back to band -1)
+            if len(self._ends) > 2 * len(self._counted) + 1024:  # (the ends of blocks let go)
+                self._ends = [(x.retain_until, next(self._seq), x) for x in self._counted]
+                heapq.heapify(self._ends)
         if ended:
             self.changed(b)
 
     def _update(self, b: Block) -> None:
-        """``b``'s retention was set: its end waits on the heap, its bytes are counted, and the
-        policies file it in its band."""
-        if b.retain_until:
-            heapq.heappush(self._ends, (b.retain_until, next(self._seq), b))
+        """``b``'s retention was set or ended: its bytes are counted (or not), and the policies
+        file it in its band."""
         self.recount(b)
+        self._rekey(b)
+
+    def _rekey(self, b: Block) -> None:
         for p in self._policies:
             p.rekey(b)
-        if len(self._ends) > 2 * len(self._counted) + 1024:
-            self._ends = [(x.retain_until, next(self._seq), x) for x in self._counted]
-            heapq.heapify(self._ends)
 
     def _expire(self) -> float:
         """Let go of the retentions that ran out (now, returned)."""
@@ -233,8 +243,12 @@ class Retention:
         ends = self._ends
         while ends and ends[0][0] <= now:
             b = heapq.heappop(ends)[2]
-            if b.retain_until <= now and b in self._counted:
+            if b not in self._counted:
+                continue  # (no tier holds it, or its retention ended early)
+            if b.retain_until <= now:
                 self.recount(b)  # (out of its band too)
+            else:  # extended since it was pushed: it waits for its new end
+                heapq.heappush(ends, (b.retain_until, next(self._seq), b))
         return now
 
     # --- the soft pin ---------------------------------------------------------------------------

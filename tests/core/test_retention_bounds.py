@@ -127,3 +127,10 @@ async def test_a_victim_among_many_retained_blocks_judges_a_handful(tmp_path: Pa
         assert 100 <= examined <= 4 * 100  # (a victim each write)
         assert after["summed"] - work["summed"] == 50  # the 50 hinted commits' own blocks
         assert (await c.stats())["retained"]["blocks"] == 1024  # 50 retained victims, 50 hinted writes
+
+
+def test_a_total_bound_out_of_range_is_refused_naming_the_field(tmp_path: Path) -> None:
+    from kvstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tenants\.retained_fraction: Input should be less than or equal to 1"):
+        cfg(tmp_path, **{"tenants.retained_fraction": 1.5})
