@@ -9,6 +9,7 @@ what is allowed.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -205,6 +206,9 @@ class S3Config(_Section):
 
 
 QUOTA_TIERS = ("dram", "ssd", "redis", "s3")  # the tiers a tenant quota may be set for
+# All tenants' retained bytes in a tier, at most this share of its capacity by default (the one
+# place of the value: tenants.retained_fraction, and what kvstore replay's hints may hold).
+RETAINED_FRACTION = 0.5
 
 
 class TenantsConfig(_Section):
@@ -246,6 +250,12 @@ class TenantsConfig(_Section):
     ssd_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in the SSD tier")
     redis_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in Redis")
     s3_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in S3")
+    retained_fraction: float = Field(
+        RETAINED_FRACTION, ge=0, le=1,
+        description="all tenants' retained bytes in a tier of a known capacity (DRAM, SSD) together: at most "
+        "this share of it (a salt is free, so per-tenant bounds alone let many salts retain the whole cache; "
+        "kvstore/store/retention.py); 0: no bound",
+    )
 
     @field_validator("dram_quotas", "ssd_quotas", "redis_quotas", "s3_quotas")
     @classmethod
@@ -266,6 +276,12 @@ class TenantsConfig(_Section):
     def retained_bounds(self) -> dict[str, int]:
         """Each tier's bound on a tenant's retained bytes (0: none)."""
         return {tier: int(getattr(self, f"{tier}_retained_bytes")) for tier in QUOTA_TIERS}
+
+    def retained_totals(self, capacities: Mapping[str, int]) -> dict[str, int]:
+        """Each tier's bound on all tenants' retained bytes, from its capacity (tier -> bytes):
+        ``retained_fraction`` of it, at least 1 byte (0: none)."""
+        f = self.retained_fraction
+        return {tier: max(1, int(f * n)) for tier, n in capacities.items() if f and n}
 
 
 class ClusterConfig(_Section):

@@ -25,6 +25,7 @@ SUITES = {
     "cluster": "benchmarks.cluster",
     "soak": "benchmarks.soak",
     "transfer": "benchmarks.transfer",
+    "retention": "benchmarks.retention",
 }
 
 

@@ -79,3 +79,24 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
     def __contains__(self, item: object) -> bool: ...
+
+
+@runtime_checkable
+class Banded(Protocol):
+    """A policy whose candidates its owner may sort into bands (the prefix-aware policies,
+    :mod:`kvstore.policy.leaves`): ``band`` gives an item's band (-1: the common one), read as the
+    item becomes a candidate; :meth:`rekey` says an item's band may have changed. A search within
+    one band never walks past the other bands' candidates: the retention hints keep retained blocks
+    in the bands of their priorities (kvstore/store/retention.py), so choosing a victim among
+    unretained or retained blocks costs O(log n) however many are retained."""
+
+    band: Callable[[Item], int] | None
+
+    def rekey(self, item: Item) -> None:
+        """``item``'s band may have changed: a candidate moves to its new band."""
+        ...
+
+    def pop_victim(self, eligible: Eligible | None = None, band: int | None = None) -> Item | None:
+        """:meth:`EvictionPolicy.pop_victim` among the candidates of ``band`` (None: of every
+        band, in the policy's one order)."""
+        ...

@@ -35,7 +35,7 @@ is not counted as a use (otherwise every new block would start with two uses).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import filterfalse
 from typing import ClassVar
 
@@ -73,6 +73,9 @@ class CreditLRUPolicy(Holding):
         self._full = 0  # the largest block size seen
         self._fresh: set[Item] = set()  # inserted, not yet ordered by the owner's commit access
         self._batch = False
+        self.band: Callable[[Item], int] | None = None  # the owner's bands (Banded); None: one
+        self._bands: dict[Item, int] = {}
+        self._banded: dict[int, list[Leaves]] = {}  # band >= 0 -> each queue's leaves in it
 
     def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
         if item in self._queue:
@@ -152,26 +155,46 @@ class CreditLRUPolicy(Holding):
         self._leaf(self._queue[item], self._last[item], item)
 
     def _leaf(self, q: int, tick: int, item: Item) -> None:
-        """``item`` is a candidate of queue ``q`` as of ``tick`` (its last use)."""
-        if not self._leaves[q].add(tick, item, len(self._queues[q])):
-            kids, held, last = self._links.kids, self._held, self._last
-            self._leaves[q].rebuild([(last[x], x) for x in self._queues[q] if x not in kids and x not in held])
+        """``item`` is a candidate of queue ``q`` as of ``tick`` (its last use), in its band's leaves."""
+        b = -1 if self.band is None else self._band(item)
+        if b < 0:
+            leaves = self._leaves[q]
+        else:
+            banded = self._banded.get(b)
+            if banded is None:
+                banded = self._banded[b] = [Leaves() for _ in self._leaves]
+            leaves = banded[q]
+        if not leaves.add(tick, item, len(self._queues[q])):
+            kids, held, last, get = self._links.kids, self._held, self._last, self._bands.get
+            leaves.rebuild(
+                [(last[x], x) for x in self._queues[q] if x not in kids and x not in held and get(x, -1) == b]
+            )
 
-    def pop_victim(self, eligible: Eligible | None = None) -> Item | None:
+    def pop_victim(self, eligible: Eligible | None = None, band: int | None = None) -> Item | None:
         self._batch = False
         n = len(self._queue)
         self._cap = max(self._cap, n)
         unit = self.boost * self._cap
-        last, kids, held = self._last, self._links.kids, self._held
+        last, kids, held, bands = self._last, self._links.kids, self._held, self._bands or None
+        # Each queue's leaves to search: one band's (``band``), or every band's.
+        searched: list[tuple[int, list[Leaves]]]
+        if bands is None:
+            searched = [(-1, self._leaves)] if band is None or band < 0 else []
+        elif band is None:
+            searched = [(-1, self._leaves), *self._banded.items()]
+        else:
+            banded = self._leaves if band < 0 else self._banded.get(band)
+            searched = [(band, banded)] if banded is not None else []
         victim, best = None, 0.0
-        for q, leaves in enumerate(self._leaves):
-            first = leaves.first(last, kids, held, eligible)  # the queue's lowest priority among its leaves
-            if first is None:
-                continue
-            tick, item = first
-            pri = tick + ((q - 1) * unit if q != TAILS else -self._cap)
-            if victim is None or pri < best:
-                victim, best = item, pri
+        for q in range(len(self._leaves)):  # queue by queue: a tie goes to the first queue, as ever
+            for b, per_queue in searched:
+                first = per_queue[q].first(last, kids, held, eligible, bands, b)  # its lowest priority
+                if first is None:
+                    continue
+                tick, item = first
+                pri = tick + ((q - 1) * unit if q != TAILS else -self._cap)
+                if victim is None or pri < best:
+                    victim, best = item, pri
         if victim is None:
             return None
         ghost = self._ghost

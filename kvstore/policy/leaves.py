@@ -13,15 +13,21 @@ from its front past such blocks made each pop O(n) and an eviction pass O(n²) (
   the heap, in order: a rejected block costs what it cost in the plain walk, not a heap pop and
   push per search.
 
-An entry whose item has moved on (a newer tick, a child, a hold, gone) is stale: it is dropped when
-a search reaches it, or by a rebuild once the entries outnumber twice the queue. A pop costs
-O(log n) amortized, plus the blocks ``eligible`` rejects.
+An entry whose item has moved on (a newer tick, a child, a hold, another band, gone) is stale: it is
+dropped when a search reaches it, or by a rebuild once the entries outnumber twice the queue. A pop
+costs O(log n) amortized, plus the blocks ``eligible`` rejects.
+
+**Bands.** The owner of a policy may sort its candidates into bands (``Banded``,
+:mod:`kvstore.policy.base`): the retention hints put a retained block's entries in the band of its
+priority (kvstore/store/retention.py), so that a search among the unretained blocks never walks
+past the retained ones, nor one among the retained past the rest. A queue keeps one ``Leaves`` per
+band; an entry is current in its band only while ``bands`` (item -> band, -1 when absent) says so.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from heapq import heappop, heappush
 
 from kvstore.policy.base import Eligible, Item
@@ -52,16 +58,16 @@ class Leaves:
         """Replace the entries with ``entries``: the current candidates, in tick order."""
         self.heap, self.parked = entries, []
 
-    def first(
-        self, ticks: Mapping[Item, int], kids: Container[Item], held: Container[Item], eligible: Eligible | None
-    ) -> Entry | None:
+    def first(self, ticks: Mapping[Item, int], kids: Container[Item], held: Container[Item], eligible: Eligible | None,
+              bands: Mapping[Item, int] | None = None, band: int = -1) -> Entry | None:
         """The oldest current candidate that ``eligible`` accepts (it stays a candidate), dropping
         stale entries on the way; None when there is none. An entry ``(tick, item)`` is current
-        while ``ticks`` (the policy's last uses) gives ``item`` that tick and it is in neither
-        ``kids`` (items with resident children) nor ``held``. (The walk is inlined: it is the
-        policies' hot loop.)"""
+        while ``ticks`` (the policy's last uses) gives ``item`` that tick, it is in neither
+        ``kids`` (items with resident children) nor ``held``, and (``bands`` given) ``bands``
+        puts it in ``band``. (The walk is inlined: it is the policies' hot loop.)"""
         heap, parked = self.heap, self.parked
         get = ticks.get
+        bget = bands.get if bands is not None else None
         if parked:  # the common case: the first parked entry is the answer
             tick, item = entry = parked[0]
             if (
@@ -69,6 +75,7 @@ class Leaves:
                 and get(item) == tick
                 and item not in kids
                 and item not in held
+                and (bget is None or bget(item, -1) == band)
                 and (eligible is None or eligible(item))
             ):
                 return entry
@@ -76,7 +83,9 @@ class Leaves:
         while True:
             while heap:  # stale entries at the heap's top go
                 tick, item = heap[0]
-                if get(item) == tick and item not in kids and item not in held:
+                if get(item) == tick and item not in kids and item not in held and (
+                    bget is None or bget(item, -1) == band
+                ):
                     break
                 heappop(heap)
             # The parked entries up to the heap's first, in order (stale ones dropped).
@@ -86,7 +95,7 @@ class Leaves:
             stale: list[int] = []
             found = None
             for k, (tick, item) in enumerate(parked[i:end], i):
-                if get(item) != tick or item in kids or item in held:
+                if get(item) != tick or item in kids or item in held or (bget is not None and bget(item, -1) != band):
                     stale.append(k)
                 elif eligible is None or eligible(item):
                     found = (tick, item)
@@ -111,12 +120,15 @@ class Leaves:
 
 class Holding:
     """What both prefix-aware policies do alike with their leaves: :meth:`hold` / :meth:`release`,
-    and a block that turns into a leaf (its last child left, its hold released) becoming a
-    candidate again. Each policy says how an item is made a candidate (:meth:`_candidate`: with
-    its queue and tick) and what it holds (``__contains__``)."""
+    a block that turns into a leaf (its last child left, its hold released) becoming a candidate
+    again, and the bands (:class:`~kvstore.policy.base.Banded`: ``band`` says an item's, and
+    :meth:`rekey` moves a candidate whose band changed). Each policy says how an item is made a
+    candidate (:meth:`_candidate`: with its queue and tick) and what it holds (``__contains__``)."""
 
     _links: PrefixLinks
     _held: set[Item]
+    _bands: dict[Item, int]  # the items whose candidates are in a band >= 0 (the rest: band -1)
+    band: Callable[[Item], int] | None  # the owner's rule for an item's band; None: one band
 
     def _candidate(self, item: Item) -> None:
         raise NotImplementedError
@@ -124,9 +136,34 @@ class Holding:
     def __contains__(self, item: object) -> bool:
         raise NotImplementedError
 
+    def _band(self, item: Item) -> int:
+        """``item``'s band now (recorded in ``_bands``), as a new candidate entry is filed."""
+        band = self.band
+        b = band(item) if band is not None else -1
+        if b >= 0:
+            self._bands[item] = b
+        elif self._bands:
+            self._bands.pop(item, None)
+        return b
+
+    def rekey(self, item: Item) -> None:
+        """``item``'s band may have changed (its retention began or ended): a candidate moves to
+        its new band, with its tick (the old band's entry goes stale)."""
+        band = self.band
+        if (
+            band is not None
+            and item in self
+            and item not in self._links.kids
+            and item not in self._held
+            and band(item) != self._bands.get(item, -1)
+        ):
+            self._candidate(item)
+
     def _unlink(self, item: Item) -> None:
         """Take ``item`` out of the prefix links; its parent, if that was its last child, is a
         candidate again (unless held)."""
+        if self._bands:
+            self._bands.pop(item, None)
         leaf = self._links.unlink(item)
         if leaf is not None and leaf not in self._held:
             self._candidate(leaf)

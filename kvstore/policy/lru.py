@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import filterfalse
 from typing import ClassVar
 
@@ -28,6 +28,9 @@ class LRUPolicy(Holding):
         self._leaves = Leaves()
         self._held: set[Item] = set()  # not victims until released (blocks being written)
         self._tick = 0
+        self.band: Callable[[Item], int] | None = None  # the owner's bands (Banded); None: one
+        self._bands: dict[Item, int] = {}
+        self._banded: dict[int, Leaves] = {}  # band >= 0 -> its leaves (band -1: ``_leaves``)
 
     def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
         if item in self._order:
@@ -74,13 +77,28 @@ class LRUPolicy(Holding):
         self._leaf(self._order[item], item)
 
     def _leaf(self, tick: int, item: Item) -> None:
-        """``item`` is a candidate as of ``tick`` (its last use)."""
-        if not self._leaves.add(tick, item, len(self._order)):
-            kids, held = self._links.kids, self._held
-            self._leaves.rebuild([(t, x) for x, t in self._order.items() if x not in kids and x not in held])
+        """``item`` is a candidate as of ``tick`` (its last use), in its band's leaves."""
+        b = -1 if self.band is None else self._band(item)
+        leaves = self._leaves if b < 0 else self._banded.setdefault(b, Leaves())
+        if not leaves.add(tick, item, len(self._order)):
+            kids, held, get = self._links.kids, self._held, self._bands.get
+            leaves.rebuild(
+                [(t, x) for x, t in self._order.items() if x not in kids and x not in held and get(x, -1) == b]
+            )
 
-    def pop_victim(self, eligible: Eligible | None = None) -> Item | None:
-        first = self._leaves.first(self._order, self._links.kids, self._held, eligible)
+    def pop_victim(self, eligible: Eligible | None = None, band: int | None = None) -> Item | None:
+        order, kids, held, bands = self._order, self._links.kids, self._held, self._bands or None
+        if bands is None:  # one band: every candidate is in ``_leaves``
+            first = self._leaves.first(order, kids, held, eligible) if band is None or band < 0 else None
+        elif band is not None:
+            leaves = self._leaves if band < 0 else self._banded.get(band)
+            first = leaves.first(order, kids, held, eligible, bands, band) if leaves is not None else None
+        else:  # every band: the oldest of their firsts
+            first = self._leaves.first(order, kids, held, eligible, bands, -1)
+            for b, leaves in self._banded.items():
+                f = leaves.first(order, kids, held, eligible, bands, b)
+                if f is not None and (first is None or f[0] < first[0]):
+                    first = f
         if first is None:
             return None
         self.remove(first[1])

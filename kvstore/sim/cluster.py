@@ -266,6 +266,8 @@ class Node:
         self.space = ReplaySpace(TierSpec(TierId.DRAM, capacity), policy, self.index)
         self.requests = 0
         self.retention = retention  # with hints: the store's soft pin picks the victims
+        if retention is not None:
+            self.index.retained = retention.recount  # (its counts follow the placements, as the store's)
         self.pop: Pop = retention.pop_victim if retention is not None else plain_pop
 
     def victims_by(self, policy: ClusterPolicy) -> None:

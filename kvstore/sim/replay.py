@@ -159,6 +159,8 @@ class _Replay:
         self.blocks = self.ns.blocks
         self.hinting = hinting
         self.retention = hinting.retention() if hinting is not None else None  # the store's soft pin
+        if self.retention is not None:
+            self.index.retained = self.retention.recount  # (its counts follow the placements, as the store's)
         self.retained = retained  # the tier bits whose blocks a request's hints retain
         self.prefix = self.hits = 0  # prefix hits, block hits
 

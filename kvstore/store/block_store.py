@@ -75,8 +75,14 @@ class BlockStore:
         self.space = DramSpace(slab, make_policy(config.index.policy), self.index, self.stats)
         self.tenants = Tenants.from_config(config.tenants)  # per tier; the sidecar hands the tiers theirs
         self.space.quotas = self.tenants.attach("dram")
-        self.space.retention = self.retention = Retention(clock, config.tenants.retained_bounds())
+        capacities = {"dram": slab.capacity_bytes, "ssd": config.ssd.capacity_bytes if config.ssd.enabled else 0}
+        self.space.retention = self.retention = Retention(
+            clock, config.tenants.retained_bounds(), config.tenants.retained_totals(capacities),
+            config.server.stats_namespaces,
+        )
         self.retention.changed = self.index.moved  # a retained block's record carries its retention
+        self.index.retained = self.retention.recount  # ... and its bytes move with its tiers
+        self.retention.watch(self.space.policy)  # the DRAM policy keeps retained blocks apart
         self._closed_allocations: OrderedDict[str, str] = OrderedDict()  # id -> "committed" | "aborted" | "reclaimed"
         self.checks = Checks(config, slab, clock)  # what every call validates first
         self.sealing = Sealing(self.index, self.space, self.stats)  # the DRAM copies' checksums
@@ -273,6 +279,8 @@ class BlockStore:
                 space.free(b)
         nbytes = 0
         chosen.sort(key=lambda bc: bc[0].depth)  # root first, so each parent is there to link to
+        if retain_ms:  # retained before they are placed: each enters the policy in its band at once
+            self.retention.retain([b for b, _ in chosen], retain_ms, retain_priority)
         for b, c in chosen:
             space.place(b)  # into the slot it was allocated
             self.index.publish(b)
@@ -280,8 +288,6 @@ class BlockStore:
             nbytes += b.size
         # Recency deepest first, so that ancestors are at least as recent as their descendants.
         space.policy.access_many([b for b, _ in reversed(chosen)])
-        if retain_ms:
-            self.retention.retain([b for b, _ in chosen], retain_ms, retain_priority)
         self._remember(alloc, "committed")
         self.stats.writes["commits"] += 1
         self.stats.writes["blocks_committed"] += len(chosen)
@@ -304,7 +310,8 @@ class BlockStore:
     ) -> tuple[Lease | None, list[Block]]:
         """Lease the leading run of ``keys`` that is readable from DRAM now (promoting from lower
         tiers first when there are any). With ``retain_ms``, the leased run is retained; the
-        hint is checked against the tenant's bound on the run held here before anything moves."""
+        hint is checked against the bounds on the run held here before anything moves, and again
+        on the whole run (fetched from peers, promoted) before it is leased."""
         self.checks.batch(len(keys), "keys")
         self.checks.keys(keys, "keys")
         deadline = self.checks.lease_deadline(ttl_ms)
@@ -316,6 +323,7 @@ class BlockStore:
             if not (b.tiers & DRAM) or b.state is not State.COMMITTED:
                 break
             readable.append(b)
+        self.retention.check(readable, retain_ms, retain_priority)  # the whole run now (nothing leased yet)
         # Leased before any await: while the run is hashed (dram.verify_local_reads) no Allocate
         # may evict it and no Delete take it (an Acquire leased blocks that had left DRAM).
         lease = self.index.take_lease(readable, deadline) if readable else None
@@ -333,10 +341,11 @@ class BlockStore:
 
     def retain(self, ns: NsEntry, keys: Sequence[bytes], retain_ms: int, retain_priority: int = 0) -> tuple[int, int]:
         """Retain the committed blocks of ``keys`` held here for ``retain_ms`` (0: end their
-        retention); refused whole past a tenant's bound. How many were found, and their bytes."""
+        retention); refused whole past a bound. How many were found (a key given twice counts
+        once), and their bytes."""
         self.checks.batch(len(keys), "keys")
         self.checks.keys(keys, "keys")
-        blocks = [b for k in keys if (b := ns.visible.get(k)) is not None and b.tiers]
+        blocks = list(dict.fromkeys(b for k in keys if (b := ns.visible.get(k)) is not None and b.tiers))
         self.retention.check(blocks, retain_ms, retain_priority)
         self.retention.retain(blocks, retain_ms, retain_priority)
         return len(blocks), sum(b.size for b in blocks)
@@ -386,6 +395,7 @@ class BlockStore:
         copies = self.space.movers.forget(gone)
         for b in gone:
             b.tiers = 0
+            self.retention.recount(b)
             self.index.drop(b)
         self.stats.writes["deleted"] += len(gone)
         await copies

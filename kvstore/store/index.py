@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -181,6 +181,9 @@ class Index:
         self.allocations: dict[str, Allocation] = {}
         self.leases: dict[str, Lease] = {}
         self._feed: ChangeFeed | None = None  # the one subscriber's (the cluster's publisher)
+        # Told of each move of a block that was ever retained (its retention's byte counts:
+        # Retention.recount, kvstore/store/retention.py); None: no retention watches.
+        self.retained: Callable[[Block], None] | None = None
 
     # --- the change feed ----------------------------------------------------------------
 
@@ -262,7 +265,10 @@ class Index:
         return block
 
     def moved(self, block: Block) -> None:
-        """``block``'s visibility or placement changed (for the cluster directory, when one watches)."""
+        """``block``'s visibility or placement changed (for the cluster directory, when one watches,
+        and the retention, when the block was ever retained)."""
+        if block.retain_until and self.retained is not None:
+            self.retained(block)
         if self._feed is not None:
             self._feed.changes.setdefault(block, False)
 

@@ -10,15 +10,32 @@ tier loses its retention with it. A retention ends on the sidecar's own clock (m
 the client's; a new hint on a retained block keeps the later end and the higher priority.
 
 The retention is the :class:`~kvstore.store.index.Block`'s (``retain_until``, ``retain_priority``);
-this module keeps the set of retained blocks, so that the rule costs nothing while none is, and
-their bytes per tier and tenant (/stats, /metrics, and each tenant's bound,
-``tenants.<tier>_retained_bytes``: a hint that would pass it is refused whole, RESOURCE_EXHAUSTED
-naming the bound, before anything changes).
+this module keeps the retained blocks and two bounds on them (a hint that would pass either is
+refused whole, RESOURCE_EXHAUSTED naming the bound, before anything changes):
+
+* each tenant's, per tier (``tenants.<tier>_retained_bytes``);
+* all tenants' together, per tier (``tenants.retained_fraction`` of the tier's capacity): a salt
+  is free, so per-tenant bounds alone let many salts retain the whole cache.
+
+Every way a block comes to be retained here is held to both: a hint (Commit, Acquire, Retain, a
+peer fetch's whole run), a retention adopted from a peer's directory record (:meth:`adopt`, whose
+end is capped at this clock + a hint's limit), and a retained block promoted into a tier (past its
+bounds there it is promoted unretained: :meth:`recount`). A refused hint or adoption is counted per
+tenant (``refused``: the busiest ``shown`` tenants, the rest under ``other``).
+
+What it costs is a heap's: the bytes retained per tier and tenant are kept as blocks gain or lose
+a retention or a tier (:meth:`recount`, from the index's placement news), the ends wait on a heap
+(a retention that runs out is let go when the clock passes it), and the eviction policies keep a
+retained block's candidates apart, in the band of its priority (``Banded``,
+:mod:`kvstore.policy.leaves`): choosing a victim is O(log n), checking a bound O(blocks of the
+hint), however many blocks are retained. ``work`` counts what the rule looked at (candidates a
+victim search judged, blocks a check or a report added up): the tests count it.
 """
 
 from __future__ import annotations
 
-import math
+import heapq
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,10 +45,13 @@ from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.store.index import TIER_ORDER, Block
 
 if TYPE_CHECKING:
-    from kvstore.policy.base import Eligible, EvictionPolicy
+    from kvstore.policy.base import Banded, Eligible, EvictionPolicy
 
 PRIORITIES = 4  # retain_priority is 0..3; the lowest goes first once only retained blocks are left
 MAX_RETAIN_MS = 86_400_000  # a day: longer is a pin, not a hint
+REPUBLISH_S = 1.0  # a retention's end moved later by less than this is not news for the directory
+OTHER = "other"  # the refused count of every tenant past the ``shown`` first
+_TIERS = tuple((int(t), t.label) for t in TIER_ORDER)  # (bit, label): plain ints (enum arithmetic runs in Python)
 
 
 def check_hint(retain_ms: int, priority: int) -> None:
@@ -48,99 +68,236 @@ def tenant(b: Block) -> str:
 
 
 class Retention:
-    """The retained blocks of one node (or one replayed cache) and the soft pin rule."""
+    """The retained blocks of one node (or one replayed cache) and the soft pin rule.
+
+    ``bounds``: tier label -> bytes each tenant may retain there; ``totals``: tier label -> bytes
+    all tenants together may retain there (0 or absent: no bound); ``shown``: how many tenants'
+    refused counts are kept apart."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 bounds: Mapping[str, int] | None = None) -> None:
+                 bounds: Mapping[str, int] | None = None, totals: Mapping[str, int] | None = None,
+                 shown: int = 32) -> None:
         self.clock = clock
         self.bounds = {t: n for t, n in (bounds or {}).items() if n}  # tier label -> bytes per tenant
-        self.blocks: dict[Block, None] = {}  # given a retention (some may have ended since)
-        self.refused: Counter[str] = Counter()  # tenant -> hints refused by its bound
+        self.totals = {t: n for t, n in (totals or {}).items() if n}  # tier label -> bytes in all
+        self.shown = shown
+        self.refused: Counter[str] = Counter()  # tenant (``OTHER`` past ``shown``) -> hints refused
+        self.work: Counter[str] = Counter()  # "examined": candidates judged; "summed": blocks added up
         self.changed: Callable[[Block], None] = lambda b: None  # told of each block whose retention changed
-        self._soonest = math.inf  # the earliest end among ``blocks``
-        self._prune_at = 1024  # past this many, the blocks no tier holds any more are let go too
+        self.held: dict[str, Counter[str]] = {}  # tier label -> tenant -> bytes retained now
+        self._tier_held: Counter[str] = Counter()  # tier label -> bytes retained now, all tenants
+        self._counted: dict[Block, int] = {}  # the retained blocks some tier holds -> tier bits counted
+        self._ends: list[tuple[float, int, Block]] = []  # a heap: (end, seq, block), stale ones too
+        self._seq = itertools.count()
+        self._policies: list[Banded] = []  # the policies that keep retained candidates apart
 
     # --- hints ----------------------------------------------------------------------------------
 
     def check(self, blocks: Sequence[Block], retain_ms: int, priority: int, into: int = 0) -> None:
         """Refuse (RESOURCE_EXHAUSTED naming the bound) a hint that would take a tenant past its
-        retained bytes in a tier; ``into``: tier bits the blocks are about to enter (a commit's,
-        an acquire's DRAM). Changes nothing."""
+        retained bytes in a tier, or all tenants past the tier's; ``into``: tier bits the blocks
+        are about to enter (a commit's, an acquire's DRAM, a fetch's). Changes nothing but the
+        refused count."""
         check_hint(retain_ms, priority)
-        if not self.bounds or not retain_ms:
+        if not retain_ms or not (self.bounds or self.totals):
             return
-        now = self.clock()
+        now = self._expire()
         adding: Counter[tuple[str, str]] = Counter()
-        for b in dict.fromkeys(blocks):
+        unique = dict.fromkeys(blocks)
+        self.work["summed"] += len(unique)
+        for b in unique:
             if b.retain_until > now:
                 continue  # counted already
-            for t in TIER_ORDER:
-                if (b.tiers | into) & t:
-                    adding[t.label, tenant(b)] += b.size
-        if not adding:
-            return
-        held = self.by_tier(now)
+            tiers, who = b.tiers | into, tenant(b)
+            for bit, label in _TIERS:
+                if tiers & bit:
+                    adding[label, who] += b.size
+        refusal = self._past(adding)
+        if refusal is not None:
+            self._refuse(refusal[0])
+            raise ResourceExhausted(f"retain_ms: {refusal[1]}")
+
+    def _past(self, adding: Mapping[tuple[str, str], int]) -> tuple[str, str] | None:
+        """(tenant, why) of the first bound that ``adding`` (tier, tenant -> bytes) would pass."""
+        per_tier: Counter[str] = Counter()
         for (tier, who), n in adding.items():
+            per_tier[tier] += n
             bound = self.bounds.get(tier)
-            if bound and held.get(tier, {}).get(who, 0) + n > bound:
-                self.refused[who] += 1
-                raise ResourceExhausted(
-                    f"retain_ms: tenant {who or '-'!r} would retain {held.get(tier, {}).get(who, 0) + n} bytes in "
-                    f"{tier}, past its bound of {bound} (tenants.{tier}_retained_bytes)"
-                )
+            held = self.held.get(tier)
+            has = held[who] if held is not None else 0
+            if bound and has + n > bound:
+                return who, (f"tenant {who or '-'!r} would retain {has + n} bytes in {tier}, past its bound "
+                             f"of {bound} (tenants.{tier}_retained_bytes)")
+        for tier, n in per_tier.items():
+            total = self.totals.get(tier)
+            if total and self._tier_held[tier] + n > total:
+                who = next(w for (t, w) in adding if t == tier)
+                return who, (f"tenants would retain {self._tier_held[tier] + n} bytes in {tier}, past the "
+                             f"tier's bound of {total} (tenants.retained_fraction of its capacity)")
+        return None
+
+    def _refuse(self, who: str) -> None:
+        """One more refused hint of ``who`` (under ``OTHER`` once ``shown`` tenants have a count)."""
+        refused = self.refused
+        refused[who if who in refused or len(refused) < self.shown else OTHER] += 1
 
     def retain(self, blocks: Iterable[Block], retain_ms: int, priority: int) -> None:
         """Retain ``blocks`` for ``retain_ms`` from now (0: end their retention now). A block
-        retained already keeps the later end and the higher priority."""
-        now = self.clock()
+        retained already keeps the later end and the higher priority. Only the blocks whose
+        retention changed are news (``changed``: a later end counts once it moves by
+        ``REPUBLISH_S``)."""
+        now = self._expire()
+        changed = self.changed
         if not retain_ms:
-            for b in blocks:
-                b.retain_until, b.retain_priority = 0.0, 0
-                self.blocks.pop(b, None)
-                self.changed(b)
+            for b in dict.fromkeys(blocks):
+                if b.retain_until > now:
+                    b.retain_until, b.retain_priority = 0.0, 0
+                    self._update(b)
+                    changed(b)
             return
         until = now + retain_ms / 1000.0
-        for b in blocks:
-            if b.retain_until > now:
-                b.retain_until = max(b.retain_until, until)
-                b.retain_priority = max(b.retain_priority, priority)
+        for b in dict.fromkeys(blocks):
+            if b.retain_until > now:  # retained already: the later end (the heap learns it lazily)
+                news = until >= b.retain_until + REPUBLISH_S or priority > b.retain_priority
+                if until > b.retain_until:
+                    b.retain_until = until
+                if priority > b.retain_priority:
+                    b.retain_priority = priority
+                    self._rekey(b)
             else:
+                news = True
                 b.retain_until, b.retain_priority = until, priority
-            self.blocks[b] = None
-            self.changed(b)
-        self._soonest = min(self._soonest, until)
-        self._live()  # (lets go of the blocks no tier holds any more once they are many)
+                self.recount(b, checked=True)  # (the caller checked the hint: Retention.check)
+                self._rekey(b)
+            if news:
+                changed(b)
 
-    def adopt(self, b: Block) -> None:
-        """``b`` came with a retention of its own (a peer's directory record)."""
-        if b.retain_until > self.clock():
-            self.blocks[b] = None
-            self._soonest = min(self._soonest, b.retain_until)
+    def adopt(self, b: Block) -> bool:
+        """``b`` came with a retention of its own (a peer's directory record, a copy's): its end
+        capped at this clock + a hint's limit; refused (ended, counted per tenant) where it would
+        pass a bound (:meth:`recount`). Whether ``b`` is retained now."""
+        now = self._expire()
+        if b.retain_until <= now:
+            return False
+        b.retain_until = min(b.retain_until, now + MAX_RETAIN_MS / 1000.0)
+        self._update(b)
+        return b.retain_until > now
+
+    def recount(self, b: Block, checked: bool = False) -> None:
+        """``b``'s tiers or retention changed: its bytes move between the per tier and tenant
+        counts (the index calls this for every placement of a block that was ever retained). A
+        retained block that enters a tier (a promotion, a demotion, an adoption) where its bytes
+        would pass a bound is retained no more (refused, counted): a retention taken where no
+        bound held is not carried into a tier where one does. ``checked``: a hint's block,
+        whose bytes :meth:`check` counted already."""
+        old = self._counted.get(b, 0)
+        new = b.tiers if b.retain_until > self.clock() else 0
+        if old == new:
+            return
+        size, who = b.size, tenant(b)
+        gained = new & ~old
+        ended = False
+        if gained and not checked and (self.bounds or self.totals):
+            refusal = self._past({(label, who): size for bit, label in _TIERS if gained & bit})
+            if refusal is not None:
+                self._refuse(who)
+                b.retain_until, b.retain_priority = 0.0, 0
+                new, ended = 0, True
+        moved = old ^ new
+        for bit, label in _TIERS:
+            if moved & bit:
+                n = size if new & bit else -size
+                held = self.held.get(label)
+                if held is None:
+                    held = self.held[label] = Counter()
+                held[who] += n
+                if not held[who]:
+                    del held[who]
+                self._tier_held[label] += n
+        if new:
+            if not old:
+                heapq.heappush(self._ends, (b.retain_until, next(self._seq), b))
+            self._counted[b] = new
+        elif old:
+            del self._counted[b]
+            self._rekey(b)  # (a retention that ran out, or was refused: back to band -1)
+            if len(self._ends) > 2 * len(self._counted) + 1024:  # (the ends of blocks let go)
+                self._ends = [(x.retain_until, next(self._seq), x) for x in self._counted]
+                heapq.heapify(self._ends)
+        if ended:
+            self.changed(b)
+
+    def _update(self, b: Block) -> None:
+        """``b``'s retention was set or ended: its bytes are counted (or not), and the policies
+        file it in its band."""
+        self.recount(b)
+        self._rekey(b)
+
+    def _rekey(self, b: Block) -> None:
+        for p in self._policies:
+            p.rekey(b)
+
+    def _expire(self) -> float:
+        """Let go of the retentions that ran out (now, returned)."""
+        now = self.clock()
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            b = heapq.heappop(ends)[2]
+            if b not in self._counted:
+                continue  # (no tier holds it, or its retention ended early)
+            if b.retain_until <= now:
+                self.recount(b)  # (out of its band too)
+            else:  # extended since it was pushed: it waits for its new end
+                heapq.heappush(ends, (b.retain_until, next(self._seq), b))
+        return now
 
     # --- the soft pin ---------------------------------------------------------------------------
+
+    def band(self, b: Block) -> int:
+        """``b``'s band in the policies: its priority while retained, else -1."""
+        return b.retain_priority if b.retain_until > self.clock() else -1
 
     def pop_victim(self, policy: EvictionPolicy, ok: Callable[[Block], bool] | None) -> Block | None:
         """The policy's next victim among the blocks ``ok`` accepts (removed from the policy): an
         unretained one while there is any, else a retained one of the lowest priority there is."""
-        pop = cast("Callable[[Eligible | None], Block | None]", policy.pop_victim)
-        if not self._live():
-            return pop(cast("Eligible | None", ok))
-        now = self.clock()
-        for p in range(-1, PRIORITIES):
-            def may(b: Block, p: int = p) -> bool:
-                return (b.retain_until <= now or b.retain_priority <= p) and (ok is None or ok(b))
+        banded = cast("Banded", policy)
+        if banded not in self._policies:  # (a replay's: the store's spaces are watched from the start)
+            self.watch(policy)
+        self._expire()
+        if ok is not None:
+            work, judge = self.work, ok
 
-            v = pop(cast("Eligible", may))
+            def counted(b: Block) -> bool:
+                work["examined"] += 1
+                return judge(b)
+
+            ok = counted
+        eligible = cast("Eligible | None", ok)
+        if not self._counted:
+            return cast("Block | None", banded.pop_victim(eligible))
+        for p in range(-1, PRIORITIES):
+            v = cast("Block | None", banded.pop_victim(eligible, p))
             if v is not None:
                 return v
         return None
 
+    def watch(self, policy: EvictionPolicy) -> None:
+        """``policy`` keeps retained candidates apart from now on (its blocks retained already
+        move to their bands: a walk over them, none when it is watched from its space's start)."""
+        banded = cast("Banded", policy)
+        if banded in self._policies:
+            return
+        banded.band = cast("Callable[[object], int]", self.band)
+        self._policies.append(banded)
+        for b in self._counted:
+            banded.rekey(b)
+
     def least(self, blocks: Iterable[Block]) -> Block | None:
         """The block of ``blocks`` to evict first by retention alone (an unretained one, else the
         lowest priority): for the spaces' fallbacks when the policy offers no victim."""
-        if not self._live():
+        now = self._expire()
+        if not self._counted:
             return next(iter(blocks), None)
-        now = self.clock()
         best, rank = None, PRIORITIES
         for b in blocks:
             r = b.retain_priority if b.retain_until > now else -1
@@ -150,42 +307,34 @@ class Retention:
                     break
         return best
 
-    def _live(self) -> bool:
-        """Whether any block is retained now (the retentions ended since are let go)."""
-        if not self.blocks:
-            return False
-        now = self.clock()
-        if now >= self._soonest or len(self.blocks) > self._prune_at:
-            self.blocks = {b: None for b in self.blocks if b.retain_until > now and b.tiers}
-            self._soonest = min((b.retain_until for b in self.blocks), default=math.inf)
-            self._prune_at = 2 * len(self.blocks) + 1024
-        return bool(self.blocks)
-
     # --- reporting ------------------------------------------------------------------------------
 
-    def by_tier(self, now: float | None = None) -> dict[str, dict[str, int]]:
+    def by_tier(self) -> dict[str, dict[str, int]]:
         """Retained bytes now, per tier label and tenant tag, of blocks some tier holds."""
-        now = self.clock() if now is None else now
-        out: dict[str, Counter[str]] = {}
-        for b in self.blocks:
-            if b.retain_until > now and b.tiers:
-                for t in TIER_ORDER:
-                    if b.tiers & t:
-                        out.setdefault(t.label, Counter())[tenant(b)] += b.size
-        return {t: dict(c) for t, c in out.items()}
+        self._expire()
+        return {t: dict(c) for t, c in self.held.items() if c}
 
     def count(self) -> int:
         """Blocks retained now that some tier holds."""
-        now = self.clock()
-        return sum(1 for b in self.blocks if b.retain_until > now and b.tiers)
+        self._expire()
+        return len(self._counted)
 
     def snapshot(self) -> dict[str, object]:
-        """The ``retained`` entry of /stats: blocks, and bytes per tier and tenant ("-": no salt)."""
+        """The ``retained`` entry of /stats: blocks, and bytes per tier and tenant ("-": no salt;
+        the ``shown`` busiest in each tier, the rest summed under ``other``), the bounds, refused
+        hints per tenant, and the work counts."""
         tiers = self.by_tier()
+        shown: dict[str, dict[str, int]] = {}
+        for t, c in tiers.items():
+            top = dict(Counter(c).most_common(self.shown))
+            rest = sum(c.values()) - sum(top.values())
+            shown[t] = {(k or "-"): n for k, n in top.items()} | ({OTHER: rest} if rest else {})
         return {
-            "blocks": self.count(),
+            "blocks": len(self._counted),
             "bytes": {t: sum(c.values()) for t, c in tiers.items()},
-            "tenants": {t: {(k or "-"): n for k, n in c.items()} for t, c in tiers.items()},
+            "tenants": shown,
             "bounds": dict(self.bounds),
+            "totals": dict(self.totals),
             "refused": {(k or "-"): n for k, n in self.refused.items()},
+            "work": dict(self.work),
         }

@@ -76,6 +76,8 @@ def build_levels(space: DramSpace, config: Config, tenants: Tenants | None = Non
             level = Level(
                 name, BITS[name], tier, space.index, space.stats, policy=policy, quotas=quotas, write_through=through
             )
+        if level.placement.policy is not None:
+            space.retention.watch(level.placement.policy)  # (its retained blocks apart, as DRAM's)
         levels.append(level)
     return levels
 

@@ -1,0 +1,137 @@
+"""One retention bound, held on the cluster's paths too (kvstore/store/retention.py): a hinted
+Acquire whose run is fetched from a peer is checked on the whole run, a retention adopted from a
+peer's directory record is checked against this node's bounds (N holders do not make N times the
+bound) and its end capped at this clock + a hint's limit (a day), and a Retain that changes no
+retention re-publishes nothing (Redis commands counted with INFO commandstats). Two sidecars and
+a real redis-server as the directory; each node's tenant bound is 8 blocks (64 KiB), the runs 16."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+
+from kvstore.errors import ResourceExhausted
+from kvstore.harness.servers import RedisServer
+from kvstore.keys import Namespace, salt_tag
+from kvstore.server.sidecar import Sidecar
+from tests.cluster.nodes import BLOCK, blocks, client_of, keys_for, node_config
+
+MINUTE = 60_000
+BOUND = 8 * BLOCK
+
+
+@pytest.fixture
+def agent() -> Namespace:
+    return Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16, cache_salt="agent")
+
+
+@pytest.fixture
+async def bounded(tmp_path: Path, directory: RedisServer) -> AsyncIterator[tuple[Sidecar, Sidecar]]:
+    """A (no tenant bound) and B (a tenant may retain 8 blocks in its DRAM)."""
+    async with Sidecar(node_config(tmp_path, "a", directory)) as a, \
+            Sidecar(node_config(tmp_path, "b", directory, **{"tenants.dram_retained_bytes": BOUND})) as b:
+        await asyncio.sleep(0.25)  # a heartbeat each: both see the other
+        yield a, b
+
+
+def retained_on(sc: Sidecar, ns: Namespace, ks: list[bytes]) -> int:
+    entry = sc.store.index.namespaces[ns.root]
+    now = sc.store.clock()
+    return sum(entry.blocks[k].retain_until > now for k in ks if k in entry.blocks)
+
+
+async def test_a_hinted_acquire_of_a_run_fetched_from_a_peer_is_checked_whole(
+    bounded: tuple[Sidecar, Sidecar], agent: Namespace
+) -> None:
+    """B holds none of the 16 blocks: its bound was checked on nothing before the fetch, then the
+    whole fetched run retained (66d9839: 16 blocks, twice the bound). Now refused whole."""
+    a, b = bounded
+    ks = keys_for(agent, 16, seed=1)
+    async with client_of(a) as ca, client_of(b) as cb:
+        await ca.put_blocks(agent, ks, blocks(16, seed=1), wait_published=True)
+        with pytest.raises(ResourceExhausted, match=r"tenants\.dram_retained_bytes"):
+            async with cb.acquire(agent, ks, retain=(MINUTE, 0)):
+                pass
+        assert retained_on(b, agent, ks) == 0
+        assert not b.store.index.leases  # nothing leased
+        assert (await cb.stats())["retained"]["refused"] == {salt_tag("agent"): 1}
+
+
+async def test_a_retention_adopted_from_a_peers_record_is_held_to_this_nodes_bound(
+    bounded: tuple[Sidecar, Sidecar], agent: Namespace
+) -> None:
+    """A retains 16 blocks; B's plain Acquire fetches them and adopts their records' retention:
+    8 of them, its bound, the rest refused (66d9839: all 16 adopted unchecked)."""
+    a, b = bounded
+    ks = keys_for(agent, 16, seed=2)
+    async with client_of(a) as ca, client_of(b) as cb:
+        await ca.put_blocks(agent, ks, blocks(16, seed=2), wait_published=True, retain=(MINUTE, 1))
+        assert len(await cb.get_blocks(agent, ks, verify=True)) == 16
+        retained = (await cb.stats())["retained"]
+        assert retained["tenants"] == {"dram": {salt_tag("agent"): BOUND}}
+        assert retained_on(b, agent, ks) == 8
+        assert retained["refused"] == {salt_tag("agent"): 8}
+
+
+async def test_an_adopted_end_a_year_ahead_is_capped_at_a_day(pair: tuple[Sidecar, Sidecar], ns: Namespace) -> None:
+    """A record whose retention ends a year ahead (a holder's clock, a careless operator: written
+    with the cluster's key): the fetching node retains it for at most a day, the hint's limit
+    (66d9839: 365 days, and re-published to every node that fetched from it)."""
+    a, b = pair
+    ks = keys_for(ns, 2, seed=3)
+    async with client_of(a) as ca, client_of(b) as cb:
+        await ca.put_blocks(ns, ks, blocks(2, seed=3), wait_published=True, retain=(MINUTE, 2))
+        node = a.cluster
+        assert node is not None
+        year = round((time.time() + 365 * 86_400) * 1000)
+        found = await node.directory.find(ns.root, ks)
+        puts = [(ns.root, k, f[node.node]._replace(retain_until_ms=year)) for k, f in zip(ks, found, strict=True)]
+        await node.directory.publish(puts, [])
+        assert len(await cb.get_blocks(ns, ks, verify=True)) == 2
+        entry = b.store.index.namespaces[ns.root]
+        left = [entry.visible[k].retain_until - b.store.clock() for k in ks]
+        assert all(MINUTE / 1000 < s <= 86_400 for s in left), left
+
+
+async def commandstats(r: Any) -> dict[str, int]:
+    info = await r.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in info.items()}
+
+
+async def test_a_retain_that_changes_no_retention_publishes_nothing(
+    pair: tuple[Sidecar, Sidecar], ns: Namespace, directory: RedisServer
+) -> None:
+    """16 retained blocks, the same Retain again at once (each retention's end moves by
+    milliseconds): no record is re-written (66d9839: all 16 again, a Redis HSET each; a Retain of
+    16 k keys made ~8,600 Redis commands). A commit published after it bounds the wait: it is
+    the only record written."""
+    a, _ = pair
+    ks, probe = keys_for(ns, 16, seed=4), keys_for(ns, 1, seed=5)
+    r = Redis.from_url(directory.url)
+    try:
+        async with client_of(a) as ca:
+            await ca.put_blocks(ns, ks, blocks(16, seed=4), wait_published=True)
+            assert await ca.retain(ns, ks, MINUTE, 1) == 16
+            node = a.cluster
+            assert node is not None
+            for _ in range(200):  # bounded: the next publish pass writes the retentions
+                found = await node.directory.find(ns.root, ks)
+                if all(f[node.node].retain_until_ms for f in found):
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the retentions never reached the directory")
+            await asyncio.sleep(0.05)  # (that pass's pipeline done)
+            before = await commandstats(r)
+            assert await ca.retain(ns, ks, MINUTE, 1) == 16
+            await ca.put_blocks(ns, probe, blocks(1, seed=5), wait_published=True)
+            after = await commandstats(r)
+        assert after.get("hset", 0) - before.get("hset", 0) == 1  # the probe's record only
+    finally:
+        await r.aclose()
