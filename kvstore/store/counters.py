@@ -71,15 +71,16 @@ def _traffic(counters: LookupCounters) -> tuple[int, int]:
 
 def busiest(counts: Mapping[str, float], shown: int) -> set[str]:
     """The ``shown`` labels with the largest counts (``shown``: ``server.stats_namespaces``, the cap
-    on the per-tenant series of /stats and /metrics, as on the per-namespace ones)."""
-    return {label for label, _ in Counter(counts).most_common(shown)}
+    on the per-tenant series of /stats and /metrics, as on the per-namespace ones). ``"other"``, a
+    sum folded already (a tenant tag is never that), is never one of them."""
+    return {label for label, _ in Counter({k: n for k, n in counts.items() if k != OTHER}).most_common(shown)}
 
 
 def folded(counts: Mapping[str, int], keep: Collection[str]) -> dict[str, int]:
     """``counts`` of the labels in ``keep``, every other label's summed under ``"other"`` (absent
     when none is left out): a series per client-chosen label (a cache salt) stays bounded."""
-    out = {label: n for label, n in sorted(counts.items()) if label in keep}
-    rest = sum(n for label, n in counts.items() if label not in keep)
+    out = {label: n for label, n in sorted(counts.items()) if label in keep and label != OTHER}
+    rest = sum(n for label, n in counts.items() if label not in out)
     if rest:
         out[OTHER] = rest
     return out
