@@ -5,24 +5,26 @@ the KV cache dtype as vLLM configured it, and the request's ``cache_salt``.
    instance never loads an e4m3 instance's blocks (nor the other way round); another e4m3
    instance (configured as ``fp8``, vLLM's alias of ``fp8_e4m3``) loads them, with the first
    instance's outputs.
-2. Salts: a request's ``cache_salt`` is its namespace's salt (its tenant). Salt A's blocks are never
-   loaded by salt B or by an unsalted request; salt A loads them again, with the right output.
+2. Salts: a request's ``cache_salt`` is its namespace's salt (its tenant). Salt A's blocks, stored by
+   a prefill instance, are never loaded by a decode instance's salt-B or unsalted request; its
+   salt-A request loads them, with the right output.
 3. What still bypasses the connector (here: prompt embeddings) is counted by reason on the
    sidecar's ``/stats`` and ``/metrics``, never silent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_cases import BS, DOC_1, DOC_2, NEW, fill, instance, outputs
+from vllm_cases import BS, DOC_1, DOC_2, NEW, instance, outputs
 
 from kvstore.client import SyncClient
 from kvstore.harness.instance import kvstore_config
-from kvstore.keys import salt_tag
+from kvstore.keys import Namespace, prefix_keys
 
 pytestmark = pytest.mark.vllm
 
@@ -54,24 +56,36 @@ def test_fp8_e4m3_and_e5m2_instances_never_load_each_others_blocks(tiny_model: P
     assert "+kv_scales=unit" in e4m3["connector"]["namespace"]["revision"]  # no quantization config: 1.0
 
 
-def test_a_salted_request_only_hits_its_own_salts_blocks(tiny_model: Path, reference, sidecar) -> None:
-    """One instance, vLLM's own cache evicted before each later request (local hits 0): what comes
-    back comes from kvstore, and only under the salt that stored it."""
-    phases = [{"name": "store", "prompts": [DOC_1], "max_tokens": NEW, "salts": ["tenant-a"]}]
-    for i, (name, salt) in enumerate([("other", "tenant-b"), ("plain", None), ("same", "tenant-a")]):
-        phases.append({"name": name, "prompts": [DOC_1], "max_tokens": NEW, "salts": [salt], "evict": [fill(i)]})
-    r = instance(tiny_model, kvstore_config(sidecar.grpc), phases)
-    for name in ("store", "other", "plain", "same"):
-        assert outputs(r, name) == [reference[tuple(DOC_1)]], name
-        assert r["phases"][name]["requests"][0]["by_source"].get("local_cache_hit", 0) == 0, name
-    assert external(r, "other") == [0]  # salt B: not salt A's blocks
-    assert external(r, "plain") == [0]  # no salt: not salt A's blocks either
-    assert external(r, "same") == [loadable(DOC_1)]
+def test_a_salted_request_only_hits_its_own_salts_blocks(
+    tiny_model: Path, reference, sidecar, tmp_path: Path
+) -> None:
+    """A prefill instance stores a prompt under salt A and hands its ``kv_transfer_params`` on; a
+    decode instance (another process) sends the same prompt under salt B, without a salt, then
+    under salt A, each with those params: only salt A loads, and only salt A waits for them."""
+    handoff = tmp_path / "handoff"
+    handoff.mkdir()
+    prefill = instance(tiny_model, kvstore_config(sidecar.grpc, "kv_producer"), [
+        {"name": "prefill", "prompts": [DOC_1], "max_tokens": 1, "salts": ["tenant-a"], "handoff_out": str(handoff)}])
+    assert prefill["connector"]["worker"]["saved_blocks"] == len(DOC_1) // BS
+    decode = instance(tiny_model, kvstore_config(sidecar.grpc, "kv_consumer"), [
+        {"name": name, "prompts": [DOC_1], "max_tokens": NEW, "salts": [salt], "handoff_in": str(handoff)}
+        for name, salt in (("other", "tenant-b"), ("plain", None), ("same", "tenant-a"))])
+    for name in ("other", "plain", "same"):
+        assert outputs(decode, name) == [reference[tuple(DOC_1)]], name
+        assert decode["phases"][name]["requests"][0]["by_source"].get("local_cache_hit", 0) == 0, name
+    assert external(decode, "other") == [0]  # salt B: not salt A's blocks
+    assert external(decode, "plain") == [0]  # no salt: not salt A's blocks either
+    assert external(decode, "same") == [loadable(DOC_1)]
+    sched = decode["connector"]["scheduler"]
+    assert sched["handoff_other_namespace"] == 2  # B and no salt: A's announcement is not theirs to wait for
+    assert decode["connector"]["worker"]["loaded_blocks"] == loadable(DOC_1) // BS
+    plain = Namespace(**decode["connector"]["namespace"])  # the connector's; each salt's is it with the salt
+    held = {}
     with SyncClient(sidecar.grpc) as c:
-        namespaces = c.stats()["namespaces"]
-    a = f"{r['connector']['namespace']['model']}#{salt_tag('tenant-a')}"
-    assert namespaces[a]["blocks_hit"] == loadable(DOC_1) // BS  # tenant A's namespace in the sidecar
-    assert r["connector"]["worker"]["loaded_blocks"] == loadable(DOC_1) // BS
+        for salt in ("tenant-a", "tenant-b", ""):
+            ns = dataclasses.replace(plain, cache_salt=salt)
+            held[salt] = c.lookup(ns, prefix_keys(ns, DOC_1)).matched
+    assert held == {"tenant-a": len(DOC_1) // BS, "tenant-b": 0, "": 0}  # stored under tenant A's namespace only
 
 
 def test_a_request_that_still_bypasses_is_counted_by_reason(tiny_model: Path, sidecar) -> None:
