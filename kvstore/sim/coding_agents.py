@@ -21,21 +21,23 @@ The parameters (:class:`Params`) and where their values come from:
   Claude Code and Codex sessions, tracelab.cs.washington.edu) counts 73.6 tool-triggered steps
   per session on average;
 * **a human turn** every ~9 steps (``human_every``): TraceLab's 7.8 tool-triggered steps per
-  user request; the human gap (median 60 s, heavy tail to tens of minutes) is TraceLab's
-  "human thinking" between requests;
+  user request; the human gap stands for TraceLab's "human thinking" between requests (its
+  shape is this module's choice: log-normal, median 60 s, a tail to tens of minutes);
 * **tool-call gaps of seconds to minutes**: the gap between two steps is the model's generation
   (``output_length`` at ``decode_tok_s``) plus the tool's latency, log-normal with median 3 s and
-  a tail past a minute (TraceLab's per-call tool latency: most calls under a few seconds, shell
-  commands and test runs orders of magnitude longer);
+  a tail past a minute (this module's choice, after TraceLab's per-call tool latency: most calls
+  take a few seconds, shell commands and test runs orders of magnitude longer);
 * **prompts of ~120 k tokens on average, ~236 blocks a request**: a shared system prompt with the
-  tool schemas (one of ``system_prompts`` variants, ~12 k tokens), the task and the first files
-  read (~16 k), then each step appends its output and the tool's observation (~4.5 k tokens on
-  average, log-normal: a grep is short, a file read long); at ``compact_tokens`` (the agent's
-  auto-compaction near a 200 k window) the context restarts from the system prompt and a summary.
-  Measured on the generated trace: 123 k tokens and 241 blocks a request on average;
+  tool schemas (one of ``system_prompts`` variants, 12 k tokens), the task and the files read
+  first (50 k on average), then each step appends its output and the tool's observation (5 k
+  tokens on average, log-normal: a grep is short, a file read long); past ``compact_tokens`` (the
+  agent's auto-compaction near its window) the context restarts from the system prompt and a
+  summary with the files re-read (40 k). Measured on the generated trace: 124,719 tokens and 244
+  blocks a request on average;
 * **~160 conversations overlapping**: conversations start as a Poisson process at the rate that
-  keeps ``overlapping`` of them running (Little's law over their mean length), from well before
-  the trace's start so that it opens in a steady state (the steps before 0 are not written).
+  keeps ``overlapping`` of them running by Little's law over their mean length (an estimate: at
+  the trace's middle ~140 are waiting on a tool call, each next step not yet sent), from well
+  before the trace's start so that it opens in a steady state (the steps before 0 are not written).
 
 The trace's figures (requests, unique blocks, prompt length) are in data/traces/README.md.
 """
