@@ -234,6 +234,7 @@ class ClusterPolicy:
         self.spare.discard(item)
         retention = self.retention
         if retention is not None and item.retain_until > retention.clock():  # type: ignore[attr-defined]  # a Block
+            retention.evicted(cast(Block, item))
             self.directory.hand_on(cast(Block, item), self.node)
         self.directory.remove(item.key, self.node)  # type: ignore[attr-defined]  # policy items are Blocks
         self.directory.let_go(item.key, self.node, uses, self.inner.ghost_size())  # type: ignore[attr-defined]
@@ -426,7 +427,8 @@ def replay_cluster(
     hinting = Hinting(trace, hints) if hints is not None else None
     members = []
     for i in range(nodes):
-        node = Node(i, capacity, make_policy(policy), trace.name, hinting.retention() if hinting else None)
+        retention = hinting.retention({DRAM: capacity}) if hinting else None
+        node = Node(i, capacity, make_policy(policy), trace.name, retention)
         if directory is not None:
             directory.join(node, prefer_replicas)
         members.append(node)

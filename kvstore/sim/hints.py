@@ -42,14 +42,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvstore.config import TenantsConfig
 from kvstore.errors import InvalidArgument
 from kvstore.sim.traces import Request, Trace
+from kvstore.store.hint_budget import HintBudget
 from kvstore.store.index import Block
 from kvstore.store.retention import Retention
 
 KINDS = ("continuation", "until-continued", "until-returned")
 ENDS = {"until-continued": "next-turn", "until-returned": "origin"}  # where the retention is ended
 DEFAULT_SECONDS = 60.0
+RETAINED_FRACTION: float = TenantsConfig.model_fields["retained_fraction"].default  # the sidecar's default
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,6 +60,7 @@ class Hints:
     kind: str
     seconds: float
     end: str = ""  # the variants: "next-turn" or "origin" (:data:`ENDS`); "": the retention runs out
+    retained_fraction: float = RETAINED_FRACTION  # the replayed sidecar's budget for hints (1: none)
 
     @property
     def retain_ms(self) -> int:
@@ -139,6 +143,8 @@ class Hinting:
 
     def __init__(self, trace: Trace, hints: Hints) -> None:
         self.hints = hints
+        self.fraction = hints.retained_fraction  # the sidecar's (kvstore/store/hint_budget.py)
+        self.bt = trace.block_tokens
         links = continued_by(trace)
         self.keep = [n for n, _ in links]
         self.ends: dict[int, list[int]] = {}  # request -> the earlier ones it continues
@@ -152,9 +158,11 @@ class Hinting:
         self.peak = 0  # blocks retained at once, at most (summed over the nodes)
         self.retentions: list[Retention] = []
 
-    def retention(self) -> Retention:
-        """A cache's retention on the trace's clock (one per node)."""
-        r = Retention(self.clock)
+    def retention(self, capacity: Mapping[int, int]) -> Retention:
+        """A cache's retention on the trace's clock (one per node), with the sidecar's budget for
+        hints over its spaces' ``capacity`` (tier bit -> blocks; a block's size is its tokens)."""
+        budget = HintBudget({t: n * self.bt for t, n in capacity.items()}, self.fraction) if self.fraction < 1 else None
+        r = Retention(self.clock, budget=budget)
         self.retentions.append(r)
         return r
 

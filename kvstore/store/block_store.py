@@ -39,8 +39,10 @@ from kvstore.store.checks import BlockSpec, Checks, CommitSpec
 from kvstore.store.cluster_reads import ClusterReads
 from kvstore.store.counters import Stats
 from kvstore.store.exchange import Exchange
+from kvstore.store.hint_budget import HintBudget
 from kvstore.store.index import (
     DRAM,
+    SSD,
     Allocation,
     Block,
     Index,
@@ -74,7 +76,10 @@ class BlockStore:
         self.space = DramSpace(slab, make_policy(config.index.policy), self.index, self.stats)
         self.tenants = Tenants.from_config(config.tenants)  # per tier; the sidecar hands the tiers theirs
         self.space.quotas = self.tenants.attach("dram")
-        self.space.retention = self.retention = Retention(clock, config.tenants.retained_bounds())
+        fraction = config.tenants.retained_fraction  # 1: hints may hold a whole tier (no budget)
+        budget = HintBudget({DRAM: config.dram.capacity_bytes, SSD: config.ssd.capacity_bytes}, fraction) \
+            if fraction < 1 else None
+        self.space.retention = self.retention = Retention(clock, config.tenants.retained_bounds(), budget)
         self.retention.changed = self.index.moved  # a retained block's record carries its retention
         self._closed_allocations: OrderedDict[str, str] = OrderedDict()  # id -> "committed" | "aborted" | "reclaimed"
         self.checks = Checks(config, slab, clock)  # what every call validates first
@@ -332,13 +337,14 @@ class BlockStore:
 
     def retain(self, ns: NsEntry, keys: Sequence[bytes], retain_ms: int, retain_priority: int = 0) -> tuple[int, int]:
         """Retain the committed blocks of ``keys`` held here for ``retain_ms`` (0: end their
-        retention); refused whole past a tenant's bound. How many were found, and their bytes."""
+        retention); refused whole past a tenant's bound. How many it retains (the leading ones the
+        budget for hints affords) or ended, and their bytes."""
         self.checks.batch(len(keys), "keys")
         self.checks.keys(keys, "keys")
         blocks = [b for k in keys if (b := ns.visible.get(k)) is not None and b.tiers]
         self.retention.check(blocks, retain_ms, retain_priority)
-        self.retention.retain(blocks, retain_ms, retain_priority)
-        return len(blocks), sum(b.size for b in blocks)
+        held = self.retention.retain(blocks, retain_ms, retain_priority)
+        return len(held), sum(b.size for b in held)
 
     async def prefetch(self, ns: NsEntry, keys: Sequence[bytes]) -> int:
         """Promote the leading run of ``keys`` into DRAM; how many leading blocks are there now."""

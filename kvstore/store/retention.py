@@ -29,6 +29,7 @@ from kvstore.store.index import TIER_ORDER, Block
 
 if TYPE_CHECKING:
     from kvstore.policy.base import Eligible, EvictionPolicy
+    from kvstore.store.hint_budget import HintBudget
 
 PRIORITIES = 4  # retain_priority is 0..3; the lowest goes first once only retained blocks are left
 MAX_RETAIN_MS = 86_400_000  # a day: longer is a pin, not a hint
@@ -51,8 +52,9 @@ class Retention:
     """The retained blocks of one node (or one replayed cache) and the soft pin rule."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 bounds: Mapping[str, int] | None = None) -> None:
+                 bounds: Mapping[str, int] | None = None, budget: HintBudget | None = None) -> None:
         self.clock = clock
+        self.budget = budget  # what a hint may hold (kvstore/store/hint_budget.py); None: all it asks
         self.bounds = {t: n for t, n in (bounds or {}).items() if n}  # tier label -> bytes per tenant
         self.blocks: dict[Block, None] = {}  # given a retention (some may have ended since)
         self.refused: Counter[str] = Counter()  # tenant -> hints refused by its bound
@@ -89,16 +91,17 @@ class Retention:
                     f"{tier}, past its bound of {bound} (tenants.{tier}_retained_bytes)"
                 )
 
-    def retain(self, blocks: Iterable[Block], retain_ms: int, priority: int) -> None:
+    def retain(self, blocks: Iterable[Block], retain_ms: int, priority: int) -> list[Block]:
         """Retain ``blocks`` for ``retain_ms`` from now (0: end their retention now). A block
-        retained already keeps the later end and the higher priority."""
+        retained already keeps the later end and the higher priority. The blocks retained (the
+        leading ones the budget affords) or ended."""
         now = self.clock()
+        blocks = list(blocks) if self.budget is None or not retain_ms else \
+            self.budget.admit(blocks, now + retain_ms / 1000.0, priority, now, self._let_go)
         if not retain_ms:
             for b in blocks:
-                b.retain_until, b.retain_priority = 0.0, 0
-                self.blocks.pop(b, None)
-                self.changed(b)
-            return
+                self._let_go(b)
+            return blocks
         until = now + retain_ms / 1000.0
         for b in blocks:
             if b.retain_until > now:
@@ -110,10 +113,24 @@ class Retention:
             self.changed(b)
         self._soonest = min(self._soonest, until)
         self._live()  # (lets go of the blocks no tier holds any more once they are many)
+        return blocks
+
+    def _let_go(self, b: Block) -> None:
+        """``b``'s retention ends now."""
+        b.retain_until, b.retain_priority = 0.0, 0
+        self.blocks.pop(b, None)
+        if self.budget is not None:
+            self.budget.release(b)
+        self.changed(b)
 
     def adopt(self, b: Block) -> None:
-        """``b`` came with a retention of its own (a peer's directory record)."""
-        if b.retain_until > self.clock():
+        """``b`` came with a retention of its own (a peer's directory record), kept as far as
+        the budget affords it."""
+        now = self.clock()
+        if self.budget is not None and b.retain_until > now and not self.budget.admit(
+                [b], b.retain_until, b.retain_priority, now, self._let_go):
+            b.retain_until, b.retain_priority = 0.0, 0
+        if b.retain_until > now:
             self.blocks[b] = None
             self._soonest = min(self._soonest, b.retain_until)
 
@@ -132,8 +149,15 @@ class Retention:
 
             v = pop(cast("Eligible", may))
             if v is not None:
+                self.evicted(v)
                 return v
         return None
+
+    def evicted(self, b: Block) -> None:
+        """``b`` was picked as a victim (by :meth:`pop_victim` or another path): the budget
+        counts it again."""
+        if self.budget is not None:
+            self.budget.left(b)
 
     def least(self, blocks: Iterable[Block]) -> Block | None:
         """The block of ``blocks`` to evict first by retention alone (an unretained one, else the
@@ -188,4 +212,5 @@ class Retention:
             "tenants": {t: {(k or "-"): n for k, n in c.items()} for t, c in tiers.items()},
             "bounds": dict(self.bounds),
             "refused": {(k or "-"): n for k, n in self.refused.items()},
+            **({"budget": self.budget.snapshot()} if self.budget is not None else {}),
         }
