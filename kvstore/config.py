@@ -243,7 +243,7 @@ class TenantsConfig(_Section):
     redis_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in Redis")
     s3_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in S3")
     retained_fraction: float = Field(
-        0.5, ge=0.0, le=1.0,
+        0.6, ge=0.0, le=1.0,
         description="all tenants' retained bytes together in DRAM and in the SSD tier, at most this share of "
         "the tier's capacity_bytes: a hint past it is shortened to its leading blocks that fit, or refused "
         "(kvstore/store/hint_budget.py, docs/eviction.md); 1: hints may hold a whole tier"

@@ -32,11 +32,11 @@ The parameters (:class:`Params`) and where their values come from:
   first (50 k on average), then each step appends its output and the tool's observation (5 k
   tokens on average, log-normal: a grep is short, a file read long); past ``compact_tokens`` (the
   agent's auto-compaction near its window) the context restarts from the system prompt and a
-  summary with the files re-read (40 k). Measured on the generated trace: 124,719 tokens and 244
+  summary with the files re-read (40 k). Measured on the generated trace: 125,943 tokens and 246
   blocks a request on average;
 * **~160 conversations overlapping**: conversations start as a Poisson process at the rate that
   keeps ``overlapping`` of them running by Little's law over their mean length (an estimate: at
-  the trace's middle ~140 are waiting on a tool call, each next step not yet sent), from well
+  the trace's middle ~150 are waiting on a tool call, each next step not yet sent), from well
   before the trace's start so that it opens in a steady state (the steps before 0 are not written).
 
 The trace's figures (requests, unique blocks, prompt length) are in data/traces/README.md.
@@ -61,8 +61,8 @@ SEED = 37
 @dataclass(frozen=True, slots=True)
 class Params:
     seed: int = SEED
-    duration_s: float = 600.0  # the trace's length (the steps written: 0 <= t < duration)
-    overlapping: int = 190  # conversations running at once, on average
+    duration_s: float = 300.0  # the trace's length (the steps written: 0 <= t < duration)
+    overlapping: int = 230  # conversations running at once by Little's law (~150 waiting on a tool call)
     mean_steps: float = 40.0  # model calls per conversation
     human_every: float = 9.0  # steps per user request (a human gap before each new one)
     system_prompts: int = 4  # agent / model variants, each its own shared prefix

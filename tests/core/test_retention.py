@@ -160,24 +160,24 @@ async def test_a_hint_past_the_tenants_bound_is_refused_and_changes_nothing(tmp_
 
 
 async def test_hints_together_hold_at_most_the_retained_fraction_of_dram(env: tuple[Sidecar, KVStoreClient]) -> None:
-    sc, c = env  # DRAM: 16 blocks; tenants.retained_fraction 0.5 (the default): 8 blocks
+    sc, c = env  # DRAM: 16 blocks; tenants.retained_fraction 0.6 (the default): 9 blocks
     first = chain(1, 6)
     await c.put_blocks(NS, first, data(6, 1), retain=(MINUTE, 0))
     second = chain(2, 4)
-    await c.put_blocks(NS, second, data(4, 2), retain=(MINUTE, 0))  # 2 fit: shortened to its leading 2
+    await c.put_blocks(NS, second, data(4, 2), retain=(MINUTE, 0))  # 3 fit: shortened to its leading 3
     third = chain(3, 2)
     await c.put_blocks(NS, third, data(2, 3), retain=(MINUTE, 0))  # none fits: refused (the blocks are stored)
     retained = (await c.stats())["retained"]
-    assert retained["bytes"] == {"dram": 8 * BLOCK}
-    assert retained["budget"] == {"fraction": 0.5, "shortened": 1, "refused": 1}
+    assert retained["bytes"] == {"dram": 9 * BLOCK}
+    assert retained["budget"] == {"fraction": 0.6, "shortened": 1, "refused": 1}
     assert await c.retain(NS, third, MINUTE) == 0  # what Retain holds: none of them
     blocks = sc.store.index.namespaces[NS.root].blocks
-    assert [blocks[k].retain_until > 0 for k in second] == [True, True, False, False]
+    assert [blocks[k].retain_until > 0 for k in second] == [True, True, True, False]
     assert placement(sc, third) == ["dram", "dram"]
     assert await c.retain(NS, third, MINUTE, 3) == 2  # a higher priority makes room
     assert [blocks[k].retain_until > 0 for k in third] == [True, True]
     assert [blocks[k].retain_until > 0 for k in first] == [False, False, True, True, True, True]  # the earliest end
-    assert (await c.stats())["retained"]["bytes"] == {"dram": 8 * BLOCK}
+    assert (await c.stats())["retained"]["bytes"] == {"dram": 9 * BLOCK}
 
 
 async def test_retained_bytes_are_on_stats_and_metrics(env: tuple[Sidecar, KVStoreClient]) -> None:
