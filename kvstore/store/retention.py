@@ -13,7 +13,9 @@ The retention is the :class:`~kvstore.store.index.Block`'s (``retain_until``, ``
 this module keeps the set of retained blocks, so that the rule costs nothing while none is, and
 their bytes per tier and tenant (/stats, /metrics, and each tenant's bound,
 ``tenants.<tier>_retained_bytes``: a hint that would pass it is refused whole, RESOURCE_EXHAUSTED
-naming the bound, before anything changes).
+naming the bound, before anything changes). What all hints together may hold is the cache's own
+judgement, :class:`~kvstore.store.hint_budget.HintBudget` (``tenants.retained_fraction``), which
+:meth:`Retention.retain` and :meth:`Retention.adopt` ask first.
 """
 
 from __future__ import annotations
