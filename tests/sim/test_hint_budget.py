@@ -5,10 +5,13 @@ trace of agentic coding conversations, hints that no longer lower the hit rate."
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from kvstore.cli import main
 from kvstore.keys import NamespaceRoot
 from kvstore.sim.coding_agents import Params, generate
 from kvstore.sim.hints import RETAINED_FRACTION, TraceClock, parse_hints
@@ -117,3 +120,19 @@ def test_hints_do_not_lower_the_hit_rate_on_agentic_conversations_where_they_did
             hinted = replay(t, capacity, policy, hints=hints)
             assert hinted.prefix_hits >= plain, (policy, capacity)
             assert hinted.retained_peak <= capacity * RETAINED_FRACTION
+
+
+def test_the_replay_takes_the_fraction_and_rejects_a_bad_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "agents.jsonl"
+    t = generate(Params(duration_s=20.0, overlapping=10, system_tokens=1024, task_tokens=2000.0, step_tokens=500.0))
+    t.to_jsonl(path)
+    for flags in (["--hints", "until-returned:600", "--retained-fraction", "1.5"], ["--retained-fraction", "0.5"]):
+        assert main(["replay", str(path), "--capacity", "5%", *flags]) == 2
+        assert "--retained-fraction" in capsys.readouterr().err
+    assert main(["replay", str(path), "--capacity", "5%", "--hints", "until-returned:600", "--retained-fraction",
+                 "0.25", "--policy", "lru", "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["retained_fraction"] == 0.25
+    assert out["policies"]["lru"]["hints"]["retained_peak_blocks"] <= out["capacity_blocks"] * 0.25
