@@ -12,7 +12,7 @@ retained; 0.5: twice as slow). 66d9839 walked every retained block on each evict
 retained block on each hinted call: seconds a write at 100 k.
 
 The tenants' bounds are set to the slab (``tenants.dram_retained_bytes``) and the total bound is
-off (``tenants.retained_fraction`` 0): the bench measures what retention costs, not what it refuses.
+off (``tenants.retained_fraction`` 1): the bench measures what retention costs, not what it refuses.
 
     kvstore bench retention --json
 """
@@ -50,7 +50,7 @@ def level(args: argparse.Namespace, retained: int) -> tuple[list[float], list[fl
     size, page = args.block_bytes, 1 << 20
     slab = -(-args.blocks * size // page) * page  # whole pages: every slot of them filled
     n = slab // size
-    env = {"KVSTORE_TENANTS__DRAM_RETAINED_BYTES": str(slab), "KVSTORE_TENANTS__RETAINED_FRACTION": "0",
+    env = {"KVSTORE_TENANTS__DRAM_RETAINED_BYTES": str(slab), "KVSTORE_TENANTS__RETAINED_FRACTION": "1",
            "KVSTORE_DRAM__PAGE_BYTES": str(page), "KVSTORE_DRAM__MIN_SLOT_BYTES": str(size)}
     filler, writer = ns("filler"), ns("writer")
     data = np.zeros((args.batch, size), np.uint8)

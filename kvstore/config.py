@@ -207,8 +207,9 @@ class S3Config(_Section):
 
 QUOTA_TIERS = ("dram", "ssd", "redis", "s3")  # the tiers a tenant quota may be set for
 # All tenants' retained bytes in a tier, at most this share of its capacity by default (the one
-# place of the value: tenants.retained_fraction, and what kvstore replay's hints may hold).
-RETAINED_FRACTION = 0.5
+# place of the value: tenants.retained_fraction, and what kvstore replay's hints may hold), tuned
+# by replay on the agentic and the shared traces (docs/eviction.md, "Hints the cache can afford").
+RETAINED_FRACTION = 0.6
 
 
 class TenantsConfig(_Section):
@@ -252,9 +253,10 @@ class TenantsConfig(_Section):
     s3_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in S3")
     retained_fraction: float = Field(
         RETAINED_FRACTION, ge=0, le=1,
-        description="all tenants' retained bytes in a tier of a known capacity (DRAM, SSD) together: at most "
-        "this share of it (a salt is free, so per-tenant bounds alone let many salts retain the whole cache; "
-        "kvstore/store/retention.py); 0: no bound",
+        description="all tenants' retained bytes together in a tier of a known capacity (DRAM, SSD): at most this "
+        "share of it (a salt is free, so per-tenant bounds alone let many salts retain the whole cache); a hint "
+        "past it is shortened to its leading blocks that fit, or refused (kvstore/store/hint_budget.py, "
+        "docs/eviction.md); 1: no total bound (hints may hold a whole tier)",
     )
 
     @field_validator("dram_quotas", "ssd_quotas", "redis_quotas", "s3_quotas")
@@ -278,10 +280,10 @@ class TenantsConfig(_Section):
         return {tier: int(getattr(self, f"{tier}_retained_bytes")) for tier in QUOTA_TIERS}
 
     def retained_totals(self, capacities: Mapping[str, int]) -> dict[str, int]:
-        """Each tier's bound on all tenants' retained bytes, from its capacity (tier -> bytes):
-        ``retained_fraction`` of it, at least 1 byte (0: none)."""
+        """Each tier's bound on all tenants' retained bytes, from its capacity (tier -> bytes; 0:
+        not known): ``retained_fraction`` of it; none at a fraction of 1 (the whole tier)."""
         f = self.retained_fraction
-        return {tier: max(1, int(f * n)) for tier, n in capacities.items() if f and n}
+        return {tier: int(f * n) for tier, n in capacities.items() if f < 1 and n}
 
 
 class ClusterConfig(_Section):

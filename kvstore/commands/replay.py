@@ -98,6 +98,9 @@ def register(subparsers: Subparsers) -> None:
                         "(default 60) when a later request continues it; 'until-continued' also ends the retention "
                         "once that request is served, where it is served (the connectors' hint of 0), "
                         "'until-returned' when it arrives, where the earlier one was served (docs/eviction.md)")
+    p.add_argument("--retained-fraction", type=float, metavar="F",
+                   help="with --hints: the replayed sidecar's tenants.retained_fraction, the share of each cache that "
+                        "hints may hold together (default: the sidecar's default; 1: hints may hold it all)")
     p.set_defaults(func=run)
 
 
@@ -111,6 +114,14 @@ def run(args: argparse.Namespace) -> int:
     from kvstore.sim.traces import load_trace
 
     hints = parse_hints(args.hints) if args.hints else None
+    if args.retained_fraction is not None:
+        from dataclasses import replace
+
+        from kvstore.errors import InvalidArgument
+
+        if hints is None or not 0.0 <= args.retained_fraction <= 1.0:
+            raise InvalidArgument(f"--retained-fraction: a share in 0..1 with --hints, got {args.retained_fraction}")
+        hints = replace(hints, retained_fraction=args.retained_fraction)
     trace = load_trace(args.trace, args.block_tokens)
     unique = trace.unique_blocks()
     names = _policy_names(args.policy)
@@ -197,6 +208,7 @@ def _replay_size(trace: Trace, unique: int, key_lists: list[tuple[int, ...]], sp
         res = replay(trace, specs, n, progress=progress)
         out["policies"][n] = res.to_json()
         if hints is not None:
+            out["retained_fraction"] = hints.retained_fraction
             hinted = replay(trace, specs, n, progress=progress, hints=hints)
             out["policies"][n]["hints"] = hinted.to_json()
             out["policies"][n]["hints_vs_none"] = _ratio(hinted.prefix_hit_rate, res.prefix_hit_rate)
@@ -240,6 +252,7 @@ def _run_cluster(args: argparse.Namespace, trace: Trace, unique: int, names: lis
             policies[n] = compare(trace, args.nodes, per_node, routings, n, args.seed, progress=progress,
                                   tie_seed=args.tie_seed, ghost_ttl_s=ghost)
             if hints is not None:
+                out["retained_fraction"] = hints.retained_fraction
                 hinted = compare(trace, args.nodes, per_node, routings, n, args.seed, progress=progress,
                                  tie_seed=args.tie_seed, ghost_ttl_s=ghost, hints=hints)
                 policies[n]["hints"] = hinted

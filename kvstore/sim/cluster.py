@@ -428,7 +428,8 @@ def replay_cluster(
     hinting = Hinting(trace, hints) if hints is not None else None
     members = []
     for i in range(nodes):
-        node = Node(i, capacity, make_policy(policy), trace.name, hinting.retention() if hinting else None)
+        retention = hinting.retention({DRAM: capacity}) if hinting else None
+        node = Node(i, capacity, make_policy(policy), trace.name, retention)
         if directory is not None:
             directory.join(node, prefer_replicas)
         members.append(node)

@@ -42,9 +42,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvstore.config import RETAINED_FRACTION, TenantsConfig
 from kvstore.errors import InvalidArgument
 from kvstore.sim.traces import Request, Trace
-from kvstore.store.index import Block
+from kvstore.store.hint_budget import HintBudget
+from kvstore.store.index import Block, TierId
 from kvstore.store.retention import Retention
 
 KINDS = ("continuation", "until-continued", "until-returned")
@@ -57,6 +59,7 @@ class Hints:
     kind: str
     seconds: float
     end: str = ""  # the variants: "next-turn" or "origin" (:data:`ENDS`); "": the retention runs out
+    retained_fraction: float = RETAINED_FRACTION  # the replayed sidecar's budget for hints (1: none)
 
     @property
     def retain_ms(self) -> int:
@@ -139,6 +142,8 @@ class Hinting:
 
     def __init__(self, trace: Trace, hints: Hints) -> None:
         self.hints = hints
+        self.fraction = hints.retained_fraction  # tenants.retained_fraction (kvstore/store/hint_budget.py)
+        self.bt = trace.block_tokens
         links = continued_by(trace)
         self.keep = [n for n, _ in links]
         self.ends: dict[int, list[int]] = {}  # request -> the earlier ones it continues
@@ -152,9 +157,12 @@ class Hinting:
         self.peak = 0  # blocks retained at once, at most (summed over the nodes)
         self.retentions: list[Retention] = []
 
-    def retention(self) -> Retention:
-        """A cache's retention on the trace's clock (one per node)."""
-        r = Retention(self.clock)
+    def retention(self, capacity: Mapping[int, int]) -> Retention:
+        """A cache's retention on the trace's clock (one per node), with the sidecar's budget for
+        hints over its spaces' ``capacity`` (tier bit -> blocks; a block's size is its tokens)."""
+        totals = TenantsConfig(retained_fraction=self.fraction).retained_totals(
+            {TierId(t).label: n * self.bt for t, n in capacity.items()})
+        r = Retention(self.clock, budget=HintBudget(totals, self.fraction) if totals else None)
         self.retentions.append(r)
         return r
 

@@ -153,12 +153,12 @@ class _Replay:
 
     __slots__ = ("blocks", "hinting", "hits", "index", "ns", "prefix", "retained", "retention")
 
-    def __init__(self, trace: Trace, hinting: Hinting | None, retained: int) -> None:
+    def __init__(self, trace: Trace, hinting: Hinting | None, retained: int, capacity: dict[int, int]) -> None:
         self.index = Index()
         self.ns = self.index.namespace(NamespaceRoot(b"replay"), trace.name)
         self.blocks = self.ns.blocks
         self.hinting = hinting
-        self.retention = hinting.retention() if hinting is not None else None  # the store's soft pin
+        self.retention = hinting.retention(capacity) if hinting is not None else None  # the store's soft pin
         if self.retention is not None:
             self.index.retained = self.retention.recount  # (its counts follow the placements, as the store's)
         self.retained = retained  # the tier bits whose blocks a request's hints retain
@@ -211,7 +211,7 @@ class _OneSpace(_Replay):
     )
 
     def __init__(self, trace: Trace, spec: TierSpec, policy: EvictionPolicy, hinting: Hinting | None) -> None:
-        super().__init__(trace, hinting, int(spec.tier))
+        super().__init__(trace, hinting, int(spec.tier), {int(spec.tier): spec.capacity})
         index = self.index
         space = ReplaySpace(spec, policy, index)
         self.visible = self.ns.visible
@@ -398,7 +398,7 @@ class _Tiered(_Replay):
         hinting: Hinting | None,
         tier_hits: dict[str, int],
     ) -> None:
-        super().__init__(trace, hinting, ~0)
+        super().__init__(trace, hinting, ~0, {int(s.tier): s.capacity for s in specs})
         spaces = [ReplaySpace(s, p, self.index) for s, p in zip(specs, policies)]
         for upper, lower in itertools.pairwise(spaces):
             upper.below = lower

@@ -40,6 +40,7 @@ from kvstore.store.checks import BlockSpec, Checks, CommitSpec
 from kvstore.store.cluster_reads import ClusterReads
 from kvstore.store.counters import Stats, busiest, folded
 from kvstore.store.exchange import Exchange
+from kvstore.store.hint_budget import HintBudget
 from kvstore.store.index import (
     DRAM,
     Allocation,
@@ -76,9 +77,10 @@ class BlockStore:
         self.tenants = Tenants.from_config(config.tenants)  # per tier; the sidecar hands the tiers theirs
         self.space.quotas = self.tenants.attach("dram")
         capacities = {"dram": slab.capacity_bytes, "ssd": config.ssd.capacity_bytes if config.ssd.enabled else 0}
+        totals = config.tenants.retained_totals(capacities)  # (none at a fraction of 1)
+        budget = HintBudget(totals, config.tenants.retained_fraction) if totals else None
         self.space.retention = self.retention = Retention(
-            clock, config.tenants.retained_bounds(), config.tenants.retained_totals(capacities),
-            config.server.stats_namespaces,
+            clock, config.tenants.retained_bounds(), budget, config.server.stats_namespaces,
         )
         self.retention.changed = self.index.moved  # a retained block's record carries its retention
         self.index.retained = self.retention.recount  # ... and its bytes move with its tiers
@@ -280,7 +282,7 @@ class BlockStore:
         nbytes = 0
         chosen.sort(key=lambda bc: bc[0].depth)  # root first, so each parent is there to link to
         if retain_ms:  # retained before they are placed: each enters the policy in its band at once
-            self.retention.retain([b for b, _ in chosen], retain_ms, retain_priority)
+            self.retention.retain([b for b, _ in chosen], retain_ms, retain_priority, into=DRAM)
         for b, c in chosen:
             space.place(b)  # into the slot it was allocated
             self.index.publish(b)
@@ -341,14 +343,14 @@ class BlockStore:
 
     def retain(self, ns: NsEntry, keys: Sequence[bytes], retain_ms: int, retain_priority: int = 0) -> tuple[int, int]:
         """Retain the committed blocks of ``keys`` held here for ``retain_ms`` (0: end their
-        retention); refused whole past a bound. How many were found (a key given twice counts
-        once), and their bytes."""
+        retention); refused whole past a tenant's bound. How many it retains (the leading ones the
+        budget for hints affords; a key given twice counts once) or ended, and their bytes."""
         self.checks.batch(len(keys), "keys")
         self.checks.keys(keys, "keys")
         blocks = list(dict.fromkeys(b for k in keys if (b := ns.visible.get(k)) is not None and b.tiers))
         self.retention.check(blocks, retain_ms, retain_priority)
-        self.retention.retain(blocks, retain_ms, retain_priority)
-        return len(blocks), sum(b.size for b in blocks)
+        held = self.retention.retain(blocks, retain_ms, retain_priority)
+        return len(held), sum(b.size for b in held)
 
     async def prefetch(self, ns: NsEntry, keys: Sequence[bytes]) -> int:
         """Promote the leading run of ``keys`` into DRAM; how many leading blocks are there now."""

@@ -10,22 +10,27 @@ tier loses its retention with it. A retention ends on the sidecar's own clock (m
 the client's; a new hint on a retained block keeps the later end and the higher priority.
 
 The retention is the :class:`~kvstore.store.index.Block`'s (``retain_until``, ``retain_priority``);
-this module keeps the retained blocks and two bounds on them (a hint that would pass either is
-refused whole, RESOURCE_EXHAUSTED naming the bound, before anything changes):
+this module keeps the retained blocks and two bounds on them:
 
-* each tenant's, per tier (``tenants.<tier>_retained_bytes``);
+* each tenant's, per tier (``tenants.<tier>_retained_bytes``): a hint that would pass it is
+  refused whole, RESOURCE_EXHAUSTED naming the bound, before anything changes (:meth:`check`);
 * all tenants' together, per tier (``tenants.retained_fraction`` of the tier's capacity): a salt
-  is free, so per-tenant bounds alone let many salts retain the whole cache.
+  is free, so per-tenant bounds alone let many salts retain the whole cache. This one is the
+  cache's own judgement of what a hint may hold, not an error:
+  :class:`~kvstore.store.hint_budget.HintBudget` shortens a hint past it to its leading blocks
+  that fit, or refuses it, making room from lower priorities only.
 
 Every way a block comes to be retained here is held to both: a hint (Commit, Acquire, Retain, a
 peer fetch's whole run), a retention adopted from a peer's directory record (:meth:`adopt`, whose
 end is capped at this clock + a hint's limit), and a retained block promoted into a tier (past its
-bounds there it is promoted unretained: :meth:`recount`). A refused hint or adoption is counted per
-tenant (``refused``: the busiest ``shown`` tenants, the rest under ``other``).
+bounds there it is promoted unretained: :meth:`recount`). A hint or adoption refused by a tenant's
+bound is counted per tenant (``refused``: the busiest ``shown`` tenants, the rest under ``other``),
+one the total bound cut or refused in the budget's counts.
 
 What it costs is a heap's: the bytes retained per tier and tenant are kept as blocks gain or lose
 a retention or a tier (:meth:`recount`, from the index's placement news), the ends wait on a heap
-(a retention that runs out is let go when the clock passes it), and the eviction policies keep a
+per priority (a retention that runs out is let go when the clock passes it; the budget makes room
+from the lowest priority's earliest end), and the eviction policies keep a
 retained block's candidates apart, in the band of its priority (``Banded``,
 :mod:`kvstore.policy.leaves`): choosing a victim is O(log n), checking a bound O(blocks of the
 hint), however many blocks are retained. ``work`` counts what the rule looked at (candidates a
@@ -46,6 +51,7 @@ from kvstore.store.index import TIER_ORDER, Block
 
 if TYPE_CHECKING:
     from kvstore.policy.base import Banded, Eligible, EvictionPolicy
+    from kvstore.store.hint_budget import HintBudget
 
 PRIORITIES = 4  # retain_priority is 0..3; the lowest goes first once only retained blocks are left
 MAX_RETAIN_MS = 86_400_000  # a day: longer is a pin, not a hint
@@ -70,24 +76,26 @@ def tenant(b: Block) -> str:
 class Retention:
     """The retained blocks of one node (or one replayed cache) and the soft pin rule.
 
-    ``bounds``: tier label -> bytes each tenant may retain there; ``totals``: tier label -> bytes
-    all tenants together may retain there (0 or absent: no bound); ``shown``: how many tenants'
-    refused counts are kept apart."""
+    ``bounds``: tier label -> bytes each tenant may retain there (0: no bound); ``budget``: what
+    all hints together may hold (None: no total bound); ``shown``: how many tenants' refused
+    counts are kept apart."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 bounds: Mapping[str, int] | None = None, totals: Mapping[str, int] | None = None,
+                 bounds: Mapping[str, int] | None = None, budget: HintBudget | None = None,
                  shown: int = 32) -> None:
         self.clock = clock
         self.bounds = {t: n for t, n in (bounds or {}).items() if n}  # tier label -> bytes per tenant
-        self.totals = {t: n for t, n in (totals or {}).items() if n}  # tier label -> bytes in all
+        self.budget = budget
         self.shown = shown
         self.refused: Counter[str] = Counter()  # tenant (``OTHER`` past ``shown``) -> hints refused
         self.work: Counter[str] = Counter()  # "examined": candidates judged; "summed": blocks added up
         self.changed: Callable[[Block], None] = lambda b: None  # told of each block whose retention changed
         self.held: dict[str, Counter[str]] = {}  # tier label -> tenant -> bytes retained now
-        self._tier_held: Counter[str] = Counter()  # tier label -> bytes retained now, all tenants
-        self._counted: dict[Block, int] = {}  # the retained blocks some tier holds -> tier bits counted
-        self._ends: list[tuple[float, int, Block]] = []  # a heap: (end, seq, block), stale ones too
+        self.tier_held: Counter[str] = Counter()  # tier label -> bytes retained now, all tenants
+        self.counted: dict[Block, int] = {}  # the retained blocks some tier holds -> tier bits counted
+        # Per priority a heap of (end, seq, block), stale ones too: a block's entry is in the heap
+        # of its priority (pushed again when it rises), its end maybe earlier than the block's now.
+        self.ends: list[list[tuple[float, int, Block]]] = [[] for _ in range(PRIORITIES)]
         self._seq = itertools.count()
         self._policies: list[Banded] = []  # the policies that keep retained candidates apart
 
@@ -95,11 +103,11 @@ class Retention:
 
     def check(self, blocks: Sequence[Block], retain_ms: int, priority: int, into: int = 0) -> None:
         """Refuse (RESOURCE_EXHAUSTED naming the bound) a hint that would take a tenant past its
-        retained bytes in a tier, or all tenants past the tier's; ``into``: tier bits the blocks
-        are about to enter (a commit's, an acquire's DRAM, a fetch's). Changes nothing but the
-        refused count."""
+        retained bytes in a tier; ``into``: tier bits the blocks are about to enter (a commit's,
+        an acquire's DRAM, a fetch's). Changes nothing but the refused count. (What all hints
+        together may hold shortens the hint in :meth:`retain`; it never fails the call.)"""
         check_hint(retain_ms, priority)
-        if not retain_ms or not (self.bounds or self.totals):
+        if not retain_ms or not self.bounds:
             return
         now = self._expire()
         adding: Counter[tuple[str, str]] = Counter()
@@ -118,22 +126,14 @@ class Retention:
             raise ResourceExhausted(f"retain_ms: {refusal[1]}")
 
     def _past(self, adding: Mapping[tuple[str, str], int]) -> tuple[str, str] | None:
-        """(tenant, why) of the first bound that ``adding`` (tier, tenant -> bytes) would pass."""
-        per_tier: Counter[str] = Counter()
+        """(tenant, why) of the first tenant's bound that ``adding`` (tier, tenant -> bytes) would pass."""
         for (tier, who), n in adding.items():
-            per_tier[tier] += n
             bound = self.bounds.get(tier)
             held = self.held.get(tier)
             has = held[who] if held is not None else 0
             if bound and has + n > bound:
                 return who, (f"tenant {who or '-'!r} would retain {has + n} bytes in {tier}, past its bound "
                              f"of {bound} (tenants.{tier}_retained_bytes)")
-        for tier, n in per_tier.items():
-            total = self.totals.get(tier)
-            if total and self._tier_held[tier] + n > total:
-                who = next(w for (t, w) in adding if t == tier)
-                return who, (f"tenants would retain {self._tier_held[tier] + n} bytes in {tier}, past the "
-                             f"tier's bound of {total} (tenants.retained_fraction of its capacity)")
         return None
 
     def _refuse(self, who: str) -> None:
@@ -141,22 +141,23 @@ class Retention:
         refused = self.refused
         refused[who if who in refused or len(refused) < self.shown else OTHER] += 1
 
-    def retain(self, blocks: Iterable[Block], retain_ms: int, priority: int) -> None:
-        """Retain ``blocks`` for ``retain_ms`` from now (0: end their retention now). A block
-        retained already keeps the later end and the higher priority. Only the blocks whose
-        retention changed are news (``changed``: a later end counts once it moves by
-        ``REPUBLISH_S``)."""
+    def retain(self, blocks: Iterable[Block], retain_ms: int, priority: int, into: int = 0) -> list[Block]:
+        """Retain ``blocks`` for ``retain_ms`` from now (0: end their retention now): the leading
+        ones the budget affords (:meth:`HintBudget.admit`; ``into``: tier bits they are about to
+        enter). A block retained already keeps the later end and the higher priority. Only the
+        blocks whose retention changed are news (``changed``: a later end counts once it moves by
+        ``REPUBLISH_S``). The blocks retained or ended (each once)."""
         now = self._expire()
-        changed = self.changed
+        unique = list(dict.fromkeys(blocks))
         if not retain_ms:
-            for b in dict.fromkeys(blocks):
-                if b.retain_until > now:
-                    b.retain_until, b.retain_priority = 0.0, 0
-                    self._update(b)
-                    changed(b)
-            return
+            for b in unique:
+                self.end(b)
+            return unique
+        if self.budget is not None:
+            unique = self.budget.admit(self, unique, priority, into, now)
+        changed = self.changed
         until = now + retain_ms / 1000.0
-        for b in dict.fromkeys(blocks):
+        for b in unique:
             if b.retain_until > now:  # retained already: the later end (the heap learns it lazily)
                 news = until >= b.retain_until + REPUBLISH_S or priority > b.retain_priority
                 if until > b.retain_until:
@@ -164,18 +165,28 @@ class Retention:
                 if priority > b.retain_priority:
                     b.retain_priority = priority
                     self._rekey(b)
+                    if b in self.counted:  # (its end waits in the heap of its new priority)
+                        heapq.heappush(self.ends[priority], (b.retain_until, next(self._seq), b))
             else:
                 news = True
                 b.retain_until, b.retain_priority = until, priority
-                self.recount(b, checked=True)  # (the caller checked the hint: Retention.check)
+                self.recount(b, checked=True)  # (the caller checked the hint: check, and the budget's admit)
                 self._rekey(b)
             if news:
                 changed(b)
+        return unique
+
+    def end(self, b: Block) -> None:
+        """``b``'s retention ends now (a hint of 0, or to make room for a higher priority)."""
+        if b.retain_until > self.clock():
+            b.retain_until, b.retain_priority = 0.0, 0
+            self._update(b)
+            self.changed(b)
 
     def adopt(self, b: Block) -> bool:
         """``b`` came with a retention of its own (a peer's directory record, a copy's): its end
-        capped at this clock + a hint's limit; refused (ended, counted per tenant) where it would
-        pass a bound (:meth:`recount`). Whether ``b`` is retained now."""
+        capped at this clock + a hint's limit; refused (ended, counted) where it would pass a
+        tenant's bound or the budget cannot afford it (:meth:`recount`). Whether ``b`` is retained now."""
         now = self._expire()
         if b.retain_until <= now:
             return False
@@ -188,19 +199,22 @@ class Retention:
         counts (the index calls this for every placement of a block that was ever retained). A
         retained block that enters a tier (a promotion, a demotion, an adoption) where its bytes
         would pass a bound is retained no more (refused, counted): a retention taken where no
-        bound held is not carried into a tier where one does. ``checked``: a hint's block,
-        whose bytes :meth:`check` counted already."""
-        old = self._counted.get(b, 0)
+        bound held is not carried into a tier where one does (the total bound may first make
+        room from lower priorities: :meth:`HintBudget.fits`). ``checked``: a hint's block, whose
+        bytes :meth:`check` and the budget counted already."""
+        old = self.counted.get(b, 0)
         new = b.tiers if b.retain_until > self.clock() else 0
         if old == new:
             return
         size, who = b.size, tenant(b)
         gained = new & ~old
         ended = False
-        if gained and not checked and (self.bounds or self.totals):
-            refusal = self._past({(label, who): size for bit, label in _TIERS if gained & bit})
+        if gained and not checked:
+            refusal = self._past({(label, who): size for bit, label in _TIERS if gained & bit}) \
+                if self.bounds else None
             if refusal is not None:
                 self._refuse(who)
+            if refusal is not None or (self.budget is not None and not self.budget.fits(self, b, gained)):
                 b.retain_until, b.retain_priority = 0.0, 0
                 new, ended = 0, True
         moved = old ^ new
@@ -213,17 +227,20 @@ class Retention:
                 held[who] += n
                 if not held[who]:
                     del held[who]
-                self._tier_held[label] += n
+                self.tier_held[label] += n
         if new:
             if not old:
-                heapq.heappush(self._ends, (b.retain_until, next(self._seq), b))
-            self._counted[b] = new
+                heapq.heappush(self.ends[b.retain_priority], (b.retain_until, next(self._seq), b))
+            self.counted[b] = new
         elif old:
-            del self._counted[b]
+            del self.counted[b]
             self._rekey(b)  # (a retention that ran out, or was refused: back to band -1)
-            if len(self._ends) > 2 * len(self._counted) + 1024:  # (the ends of blocks let go)
-                self._ends = [(x.retain_until, next(self._seq), x) for x in self._counted]
-                heapq.heapify(self._ends)
+            if sum(map(len, self.ends)) > 2 * len(self.counted) + 1024:  # (the ends of blocks let go)
+                self.ends = [[] for _ in range(PRIORITIES)]
+                for x in self.counted:
+                    self.ends[x.retain_priority].append((x.retain_until, next(self._seq), x))
+                for heap in self.ends:
+                    heapq.heapify(heap)
         if ended:
             self.changed(b)
 
@@ -240,15 +257,16 @@ class Retention:
     def _expire(self) -> float:
         """Let go of the retentions that ran out (now, returned)."""
         now = self.clock()
-        ends = self._ends
-        while ends and ends[0][0] <= now:
-            b = heapq.heappop(ends)[2]
-            if b not in self._counted:
-                continue  # (no tier holds it, or its retention ended early)
-            if b.retain_until <= now:
-                self.recount(b)  # (out of its band too)
-            else:  # extended since it was pushed: it waits for its new end
-                heapq.heappush(ends, (b.retain_until, next(self._seq), b))
+        for p in range(PRIORITIES):
+            ends = self.ends[p]
+            while ends and ends[0][0] <= now:
+                b = heapq.heappop(ends)[2]
+                if b not in self.counted or b.retain_priority != p:
+                    continue  # (no tier holds it, its retention ended early, or it rose to another heap)
+                if b.retain_until <= now:
+                    self.recount(b)  # (out of its band too)
+                else:  # extended since it was pushed: it waits for its new end
+                    heapq.heappush(ends, (b.retain_until, next(self._seq), b))
         return now
 
     # --- the soft pin ---------------------------------------------------------------------------
@@ -273,7 +291,7 @@ class Retention:
 
             ok = counted
         eligible = cast("Eligible | None", ok)
-        if not self._counted:
+        if not self.counted:
             return cast("Block | None", banded.pop_victim(eligible))
         for p in range(-1, PRIORITIES):
             v = cast("Block | None", banded.pop_victim(eligible, p))
@@ -289,14 +307,14 @@ class Retention:
             return
         banded.band = cast("Callable[[object], int]", self.band)
         self._policies.append(banded)
-        for b in self._counted:
+        for b in self.counted:
             banded.rekey(b)
 
     def least(self, blocks: Iterable[Block]) -> Block | None:
         """The block of ``blocks`` to evict first by retention alone (an unretained one, else the
         lowest priority): for the spaces' fallbacks when the policy offers no victim."""
         now = self._expire()
-        if not self._counted:
+        if not self.counted:
             return next(iter(blocks), None)
         best, rank = None, PRIORITIES
         for b in blocks:
@@ -317,7 +335,7 @@ class Retention:
     def count(self) -> int:
         """Blocks retained now that some tier holds."""
         self._expire()
-        return len(self._counted)
+        return len(self.counted)
 
     def snapshot(self) -> dict[str, object]:
         """The ``retained`` entry of /stats: blocks, and bytes per tier and tenant ("-": no salt;
@@ -330,11 +348,12 @@ class Retention:
             rest = sum(c.values()) - sum(top.values())
             shown[t] = {(k or "-"): n for k, n in top.items()} | ({OTHER: rest} if rest else {})
         return {
-            "blocks": len(self._counted),
+            "blocks": len(self.counted),
             "bytes": {t: sum(c.values()) for t, c in tiers.items()},
             "tenants": shown,
             "bounds": dict(self.bounds),
-            "totals": dict(self.totals),
+            "totals": dict(self.budget.totals) if self.budget is not None else {},
+            **({"budget": self.budget.snapshot()} if self.budget is not None else {}),
             "refused": {(k or "-"): n for k, n in self.refused.items()},
             "work": dict(self.work),
         }

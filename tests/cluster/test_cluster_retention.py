@@ -67,8 +67,9 @@ async def test_a_later_retain_is_published_to_the_directory(pair: tuple[Sidecar,
 async def test_a_retained_replica_is_demoted_where_an_unretained_one_is_dropped(
     tmp_path: Path, directory: RedisServer, ns: Namespace
 ) -> None:
+    # the soft pin with DRAM full of retained blocks: no budget for hints (tenants.retained_fraction 1)
     ssd = {"ssd.enabled": True, "ssd.path": str(tmp_path / "ssd-b"), "ssd.capacity_bytes": 1 << 20,
-           "tenants.retained_fraction": 0}  # (no total bound: B's DRAM fills with retained blocks)
+           "tenants.retained_fraction": 1.0}
     async with Sidecar(node_config(tmp_path, "a", directory)) as a, \
             Sidecar(node_config(tmp_path, "b", directory, **ssd)) as b:
         await asyncio.sleep(0.25)  # a heartbeat each: both see the other

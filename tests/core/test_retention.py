@@ -61,15 +61,29 @@ async def until(cond: Any, what: str) -> None:
     raise AssertionError(f"never: {what}")
 
 
-@pytest.fixture(params=["grpc", "local"])
-async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[Sidecar, KVStoreClient]]:
-    # (No total bound: these tests fill the slab with retained blocks; it has its own tests.)
-    async with Sidecar(small_config(tmp_path, **{"tenants.retained_fraction": 0})) as sc, KVStoreClient.from_url(
+async def serve(
+    request: pytest.FixtureRequest, tmp_path: Path, **more: Any
+) -> AsyncIterator[tuple[Sidecar, KVStoreClient]]:
+    async with Sidecar(small_config(tmp_path, **more)) as sc, KVStoreClient.from_url(
         f"127.0.0.1:{sc.grpc_port}", local=request.param == "local"
     ) as c:
         await c.stats()
         assert c.transport == request.param  # (chosen on the first call)
         yield sc, c
+
+
+@pytest.fixture(params=["grpc", "local"])
+async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[Sidecar, KVStoreClient]]:
+    # (No total bound: these tests fill the slab with retained blocks; it has its own tests.)
+    async for pair in serve(request, tmp_path, **{"tenants.retained_fraction": 1.0}):
+        yield pair
+
+
+@pytest.fixture(params=["grpc", "local"])
+async def budgeted(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[Sidecar, KVStoreClient]]:
+    """The sidecar's default total bound (tenants.retained_fraction)."""
+    async for pair in serve(request, tmp_path):
+        yield pair
 
 
 async def test_a_retained_block_outlives_unretained_ones_under_pressure(env: tuple[Sidecar, KVStoreClient]) -> None:
@@ -160,6 +174,29 @@ async def test_a_hint_past_the_tenants_bound_is_refused_and_changes_nothing(tmp_
         assert await c.retain(NS, first, MINUTE) == 2  # retained already: counted once
 
 
+async def test_hints_together_hold_at_most_the_retained_fraction_of_dram(
+    budgeted: tuple[Sidecar, KVStoreClient]
+) -> None:
+    sc, c = budgeted  # DRAM: 16 blocks; tenants.retained_fraction 0.6 (the default): 9 blocks
+    first = chain(1, 6)
+    await c.put_blocks(NS, first, data(6, 1), retain=(MINUTE, 0))
+    second = chain(2, 4)
+    await c.put_blocks(NS, second, data(4, 2), retain=(MINUTE, 0))  # 3 fit: shortened to its leading 3
+    third = chain(3, 2)
+    await c.put_blocks(NS, third, data(2, 3), retain=(MINUTE, 0))  # none fits: refused (the blocks are stored)
+    retained = (await c.stats())["retained"]
+    assert retained["bytes"] == {"dram": 9 * BLOCK}
+    assert retained["budget"] == {"fraction": 0.6, "shortened": 1, "refused": 1}
+    assert await c.retain(NS, third, MINUTE) == 0  # what Retain holds: none of them
+    blocks = sc.store.index.namespaces[NS.root].blocks
+    assert [blocks[k].retain_until > 0 for k in second] == [True, True, True, False]
+    assert placement(sc, third) == ["dram", "dram"]
+    assert await c.retain(NS, third, MINUTE, 3) == 2  # a higher priority makes room
+    assert [blocks[k].retain_until > 0 for k in third] == [True, True]
+    assert [blocks[k].retain_until > 0 for k in first] == [False, False, True, True, True, True]  # the earliest end
+    assert (await c.stats())["retained"]["bytes"] == {"dram": 9 * BLOCK}
+
+
 async def test_retained_bytes_are_on_stats_and_metrics(env: tuple[Sidecar, KVStoreClient]) -> None:
     sc, c = env
     await c.put_blocks(NS, chain(1, 3), data(3, 1), retain=(MINUTE, 2))
@@ -173,11 +210,12 @@ async def test_retained_bytes_are_on_stats_and_metrics(env: tuple[Sidecar, KVSto
 
 def ssd_config(tmp_path: Path, capacity: int, **more: Any) -> Any:
     return small_config(tmp_path, **{"ssd.enabled": True, "ssd.path": str(tmp_path / "ssd"),
-                                     "ssd.capacity_bytes": capacity, "tenants.retained_fraction": 0, **more})
+                                     "ssd.capacity_bytes": capacity, "tenants.retained_fraction": 1.0, **more})
 
 
 async def test_a_retained_block_is_demoted_and_outlives_unretained_ones_on_ssd(tmp_path: Path) -> None:
-    async with Sidecar(ssd_config(tmp_path, 12 * (BLOCK + 4096))) as sc, \
+    # the soft pin with DRAM full of retained blocks: no budget for hints (tenants.retained_fraction 1)
+    async with Sidecar(ssd_config(tmp_path, 12 * (BLOCK + 4096), **{"tenants.retained_fraction": 1.0})) as sc, \
             KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         kept = chain(1, 4)
         await c.put_blocks(NS, kept, data(4, 1), retain=(MINUTE, 0))
@@ -222,4 +260,4 @@ def test_the_retained_set_lets_go_of_blocks_no_tier_holds() -> None:
         r.retain([b], 3_600_000, 0)
         b.tiers = 0
         index.moved(b)  # (Space.unplace's news)
-    assert len(r._ends) <= 2048 and r.count() == 0 and r.by_tier() == {}
+    assert sum(map(len, r.ends)) <= 2048 and r.count() == 0 and r.by_tier() == {}

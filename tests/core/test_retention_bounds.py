@@ -1,9 +1,10 @@
 """Retention bounds and costs on one real sidecar (kvstore/store/retention.py): the total bound per
-tier (``tenants.retained_fraction``) that free salts cannot pass, a block retained on the SSD and
-promoted past its tenant's DRAM bound (promoted unretained, counted as refused), a key given twice
-in one Retain counted once, the refused counts bounded to ``server.stats_namespaces`` tenants, and
-what the soft pin costs counted as work (candidates judged per victim, blocks summed per hinted
-call), however many blocks are retained. Real gRPC, a real SSD directory."""
+tier (``tenants.retained_fraction``, kvstore/store/hint_budget.py) that free salts cannot pass, a
+block retained on the SSD and promoted past its tenant's DRAM bound (promoted unretained, counted
+as refused), a key given twice in one Retain counted once, the refused counts bounded to
+``server.stats_namespaces`` tenants, and what the soft pin costs counted as work (candidates judged
+per victim, blocks summed per hinted call), however many blocks are retained. Real gRPC, a real SSD
+directory."""
 
 from __future__ import annotations
 
@@ -46,18 +47,26 @@ def cfg(tmp_path: Path, **more: Any) -> Any:
 
 
 async def test_free_salts_cannot_retain_more_than_the_tiers_share(tmp_path: Path) -> None:
-    """Each salt within its own bound (8 blocks), 6 salts: the DRAM's total bound (half of 64
-    blocks) refuses the fifth salt's hint whole (66d9839 had no total: 48 blocks retained)."""
+    """Each salt within its own bound (8 blocks), 6 salts: all together may retain 0.6 of the 64
+    blocks (tenants.retained_fraction's default: 38), so the fifth salt's hint is shortened to its
+    leading 6 blocks and the sixth's refused; both commits are served, their blocks stored
+    unretained (66d9839 had no total: 48 blocks retained)."""
     async with Sidecar(cfg(tmp_path, **{"tenants.dram_retained_bytes": 8 * BLOCK})) as sc, \
             KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
-        for s in range(4):
+        for s in range(6):
             await put(c, ns(f"s{s}"), keys(ns(f"s{s}"), s, 8), retain=(MINUTE, 0))
-        with pytest.raises(ResourceExhausted, match=r"past the tier's bound of 131072 .*retained_fraction"):
-            await put(c, ns("s4"), keys(ns("s4"), 4, 8), retain=(MINUTE, 0))
         retained = (await c.stats())["retained"]
-        assert retained["bytes"] == {"dram": 32 * BLOCK} and retained["totals"] == {"dram": 32 * BLOCK}
-        assert retained["refused"] == {salt_tag("s4"): 1}
-        assert (await c.lookup(ns("s4"), keys(ns("s4"), 4, 8))).matched == 0  # the refused Commit published nothing
+        assert retained["totals"] == {"dram": int(0.6 * 64 * BLOCK)}
+        assert retained["bytes"] == {"dram": 38 * BLOCK}
+        assert retained["tenants"]["dram"][salt_tag("s4")] == 6 * BLOCK
+        assert salt_tag("s5") not in retained["tenants"]["dram"]
+        assert retained["budget"] == {"fraction": 0.6, "shortened": 1, "refused": 1}
+        assert retained["refused"] == {}  # no tenant passed its own bound
+        entry = sc.store.index.namespaces[ns("s4").root]
+        now = sc.store.clock()
+        assert [entry.blocks[k].retain_until > now for k in keys(ns("s4"), 4, 8)] == [True] * 6 + [False] * 2
+        assert (await c.lookup(ns("s5"), keys(ns("s5"), 5, 8))).matched == 8  # the refused hint's Commit is served
+        assert await c.retain(ns("s5"), keys(ns("s5"), 5, 8), MINUTE) == 0  # and a Retain holds none of them
 
 
 async def test_a_block_retained_on_ssd_is_promoted_unretained_past_the_dram_bound(tmp_path: Path) -> None:
@@ -113,7 +122,7 @@ async def test_a_victim_among_many_retained_blocks_judges_a_handful(tmp_path: Pa
     victim stay a handful (66d9839 walked every retained block on every eviction), and a hinted
     one-block commit sums one block, not the 1,024 retained."""
     config = cfg(tmp_path, **{"dram.capacity_bytes": 1 << 22, "dram.page_bytes": 1 << 20,
-                              "tenants.retained_fraction": 0, "tenants.dram_retained_bytes": 1 << 22})
+                              "tenants.retained_fraction": 1, "tenants.dram_retained_bytes": 1 << 22})
     filler, writer = ns("filler"), ns("writer")
     async with Sidecar(config) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         for part in range(4):

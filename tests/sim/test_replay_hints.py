@@ -5,18 +5,25 @@ one continues, and the replay keeping their blocks by the store's own soft pin
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from kvstore.cli import main
 from kvstore.errors import InvalidArgument
 from kvstore.sim.cluster import replay_cluster
-from kvstore.sim.hints import Hinting, continuations, parse_hints
+from kvstore.sim.hints import Hinting, Hints, continuations, parse_hints
 from kvstore.sim.replay import TierSpec, index_keys, replay
 from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import DRAM, TierId
 
 BT = 4  # tokens per block in these traces
+
+
+def whole(text: str) -> Hints:
+    """The hints of ``text`` on a sidecar whose hints may hold a whole tier (retained_fraction 1):
+    these tests take the hints' ends and the soft pin apart from the budget (tests/sim/test_hint_budget.py)."""
+    return replace(parse_hints(text), retained_fraction=1.0)
 
 
 def req(ts_s: float, keys: list[int], input_length: int, output_length: int) -> Request:
@@ -58,13 +65,13 @@ def agent_trace(gap_s: float) -> Trace:
 def test_the_continued_turn_is_kept_until_its_retention_ends(policy: str) -> None:
     t = agent_trace(5.0)
     plain = replay(t, 6, policy)
-    kept = replay(t, 6, policy, hints=parse_hints("continuation:10"))
-    lapsed = replay(t, 6, policy, hints=parse_hints("continuation:1"))  # ended before the others came
+    kept = replay(t, 6, policy, hints=whole("continuation:10"))
+    lapsed = replay(t, 6, policy, hints=whole("continuation:1"))  # ended before the others came
     assert plain.prefix_hits == 0
     assert kept.prefix_hits == 4 and kept.retained_peak == 4
     assert lapsed.prefix_hits == 0
     tiered = replay(t, [TierSpec(TierId.DRAM, 4), TierSpec(TierId.SSD, 6)], policy,
-                    hints=parse_hints("continuation:10"))
+                    hints=whole("continuation:10"))
     assert tiered.prefix_hits == 4 and tiered.tier_prefix_hits["ssd"] > 0  # demoted, and kept below
 
 
@@ -73,8 +80,8 @@ def test_until_continued_ends_the_retention_when_the_next_turn_arrives() -> None
     t.requests[-1] = req(5.0, [1, 2, 3, 4, 5], 20, 8)  # the continuation; nothing continues it
     t.requests += [req(6 + 0.1 * i, [300 + 2 * i, 301 + 2 * i], 8, 0) for i in range(4)]  # 8 more blocks
     t.requests.append(req(9, [1, 2, 3, 4], 16, 0))  # the first turn's prompt again
-    kept = replay(t, 6, "lru", hints=parse_hints("continuation:30"))
-    ended = replay(t, 6, "lru", hints=parse_hints("until-continued:30"))
+    kept = replay(t, 6, "lru", hints=whole("continuation:30"))
+    ended = replay(t, 6, "lru", hints=whole("until-continued:30"))
     assert kept.prefix_hits == 8  # the 4 blocks, twice: still retained at 9 s
     assert ended.prefix_hits == 4  # retained up to the continuation at 5 s only
 
@@ -91,10 +98,10 @@ def test_until_continued_ends_the_retention_as_the_sidecar_does_shared_blocks_to
         req(20, [1, 2, 9, 10, 11, 12], 24, 0),  # C comes back
     ], BT)
     assert continuations(t)[:3] == [4, 2, 0]
-    kept = replay(t, 6, "lru", hints=parse_hints("continuation:30"))
+    kept = replay(t, 6, "lru", hints=whole("continuation:30"))
     assert kept.prefix_hits == 2 + 4 + 2  # C finds [1, 2]; A its turn; C its turn, [1, 2]
     for kind in ("until-continued", "until-returned"):  # (one cache: the next turn's, the earlier one's)
-        ended = replay(t, 6, "lru", hints=parse_hints(f"{kind}:30"))
+        ended = replay(t, 6, "lru", hints=whole(f"{kind}:30"))
         assert ended.prefix_hits == 2 + 4, kind  # [1, 2] went with A's retention, unretained, before C came
 
 
@@ -103,8 +110,8 @@ def test_a_turn_whose_next_turn_came_leaves_nothing_behind(kind: str) -> None:
     """What a hint that ends keeps per turn (its keys, the cache that served it) goes when the
     next turn ends the retention: a long trace's replay holds only the turns still awaited."""
     t = agent_trace(5.0)  # the first request is continued by the last; none other is continued
-    hinting = Hinting(t, parse_hints(f"{kind}:30"))
-    retention = hinting.retention()
+    hinting = Hinting(t, whole(f"{kind}:30"))
+    retention = hinting.retention({DRAM: 6})
     for i, r in enumerate(t.requests):
         hinting.at(r, i)
         hinting.retain(retention, i, {}, index_keys(r), DRAM)
@@ -115,7 +122,7 @@ def test_a_turn_whose_next_turn_came_leaves_nothing_behind(kind: str) -> None:
 
 def test_the_cluster_replay_keeps_a_retained_turn_on_its_node() -> None:
     t = agent_trace(5.0)
-    hints = parse_hints("continuation:10")
+    hints = whole("continuation:10")
     for mode in ("isolated", "cluster", "global"):
         plain = replay_cluster(t, 1, 6, mode, "round-robin", "lru")
         kept = replay_cluster(t, 1, 6, mode, "round-robin", "lru", hints=hints)
@@ -134,11 +141,11 @@ def test_until_continued_ends_the_retention_only_on_the_node_the_next_turn_reach
         req(10, [1, 2, 3, 4, 9], 20, 0),  # D, on node 0: A's prompt, another question
     ], BT)
     assert continuations(t)[:2] == [4, 0]
-    kept = replay_cluster(t, 2, 6, "isolated", "round-robin", "lru", hints=parse_hints("continuation:30"))
-    ended = replay_cluster(t, 2, 6, "isolated", "round-robin", "lru", hints=parse_hints("until-continued:30"))
+    kept = replay_cluster(t, 2, 6, "isolated", "round-robin", "lru", hints=whole("continuation:30"))
+    ended = replay_cluster(t, 2, 6, "isolated", "round-robin", "lru", hints=whole("until-continued:30"))
     assert kept.prefix_hits == 4  # D finds A's blocks, kept on node 0 by A's retention
     assert ended.prefix_hits == 4  # B's Retain(keys, 0) went to node 1: node 0 kept them too
-    returned = replay_cluster(t, 2, 6, "isolated", "round-robin", "lru", hints=parse_hints("until-returned:30"))
+    returned = replay_cluster(t, 2, 6, "isolated", "round-robin", "lru", hints=whole("until-returned:30"))
     assert returned.prefix_hits == 0  # the framework's Retain(keys, 0) went to node 0, which served A
 
 
@@ -146,7 +153,7 @@ def test_the_json_has_hints_vs_none_per_policy(tmp_path, capsys) -> None:
     path = tmp_path / "agent.jsonl"
     agent_trace(5.0).to_jsonl(path)
     assert main(["replay", str(path), "--block-tokens", str(BT), "--capacity", "6", "--hints", "continuation:10",
-                 "--json"]) == 0
+                 "--retained-fraction", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for policy in ("lru", "credit"):
         r = out["policies"][policy]
@@ -173,7 +180,7 @@ def test_a_retained_spare_copy_hands_its_retention_to_the_copy_left_in_the_clust
         req(0.4, [30], 4, 100),
         req(0.5, [1, 2, 40], 12, 0),
     ], BT)
-    hints = parse_hints("continuation:10")
+    hints = whole("continuation:10")
     plain = replay_cluster(t, 2, 3, "cluster", "round-robin", policy)
     kept = replay_cluster(t, 2, 3, "cluster", "round-robin", policy, hints=hints)
     assert (plain.prefix_hits, kept.prefix_hits) == (3, 4)
@@ -199,6 +206,6 @@ def test_spare_copies_go_in_the_policys_order_retained_or_not(policy: str) -> No
         req(0.7, [1, 90], 8, 0),
     ], BT)
     plain = replay_cluster(t, 2, 3, "cluster", "round-robin", policy)
-    kept = replay_cluster(t, 2, 3, "cluster", "round-robin", policy, hints=parse_hints("continuation:10"))
+    kept = replay_cluster(t, 2, 3, "cluster", "round-robin", policy, hints=whole("continuation:10"))
     assert (plain.prefix_hits, plain.peer_hits) == (3, 3)
     assert (kept.prefix_hits, kept.peer_hits) == (3, 3)

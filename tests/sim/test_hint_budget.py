@@ -1,0 +1,145 @@
+"""What a retention hint may hold (kvstore/store/hint_budget.py): the retained blocks of a cache
+within ``retained_fraction`` of it, a hint that does not fit shortened to its leading blocks or
+refused, room made only from lower priorities (lowest first, earliest end first), and on a small
+trace of agentic coding conversations, hints that no longer lower the hit rate."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvstore.cli import main
+from kvstore.config import TenantsConfig
+from kvstore.keys import NamespaceRoot
+from kvstore.sim.coding_agents import Params, generate
+from kvstore.sim.hints import RETAINED_FRACTION, TraceClock, parse_hints
+from kvstore.sim.replay import replay
+from kvstore.sim.traces import Trace
+from kvstore.store.hint_budget import HintBudget
+from kvstore.store.index import DRAM, SSD, Block, Index, State
+from kvstore.store.retention import Retention
+
+SIZE = 100
+
+
+def budget(capacity: dict[str, int], fraction: float) -> HintBudget:
+    """The sidecar's budget over tiers of ``capacity`` (label -> bytes) at ``fraction``."""
+    return HintBudget(TenantsConfig(retained_fraction=fraction).retained_totals(capacity), fraction)
+
+
+def cache(capacity_blocks: int, fraction: float = 0.5) -> tuple[Retention, TraceClock, list[Block]]:
+    """A retention with a budget over a DRAM of ``capacity_blocks`` blocks, and 12 DRAM blocks."""
+    clock = TraceClock()
+    retention = Retention(clock, budget=budget({"dram": capacity_blocks * SIZE}, fraction))
+    index = Index()
+    index.retained = retention.recount  # (as the store wires it: placement tells the retention)
+    ns = index.namespace(NamespaceRoot(b"t"), "t")
+    blocks = [index.add(ns, bytes([i]), bytes([i - 1]) if i else b"", SIZE, State.COMMITTED) for i in range(12)]
+    for b in blocks:
+        b.tiers = DRAM
+    return retention, clock, blocks
+
+
+def retained(blocks: list[Block], now: float) -> list[int]:
+    return [i for i, b in enumerate(blocks) if b.retain_until > now]
+
+
+def test_a_hint_past_the_budget_is_shortened_to_its_leading_blocks_then_refused() -> None:
+    r, _, b = cache(10)  # 5 blocks may be retained
+    r.retain(b[0:3], 60_000, 0)
+    r.retain(b[3:7], 60_000, 0)  # 2 of its 4 fit: its leading 2
+    assert retained(b, 0) == [0, 1, 2, 3, 4]
+    r.retain(b[7:9], 60_000, 0)  # none fits
+    assert retained(b, 0) == [0, 1, 2, 3, 4]
+    r.retain(b[0:5], 120_000, 0)  # what it holds already costs nothing: extended
+    assert all(x.retain_until == 120 for x in b[0:5])
+    assert r.budget is not None and (r.budget.shortened, r.budget.refused) == (1, 1)
+    assert r.snapshot()["budget"] == {"fraction": 0.5, "shortened": 1, "refused": 1}
+
+
+def test_room_comes_back_when_a_retention_ends_runs_out_or_its_block_is_evicted() -> None:
+    r, clock, b = cache(10)
+    r.retain(b[0:5], 10_000, 0)
+    r.retain(b[0:2], 0, 0)  # ended (the framework's Retain(keys, 0))
+    r.retain(b[5:8], 60_000, 0)
+    assert retained(b, 0) == [2, 3, 4, 5, 6]
+    clock.now = 10.0  # 2..4 run out
+    r.retain(b[7:10], 60_000, 0)
+    assert retained(b, 10) == [5, 6, 7, 8, 9]
+    b[9].tiers = 0  # evicted from the cache
+    r.recount(b[9])  # (the index's placement news)
+    r.retain(b[10:12], 60_000, 0)
+    assert retained(b, 10) == [5, 6, 7, 8, 9, 10]  # (9's retention stays on the block, its bytes left DRAM)
+
+
+def test_a_higher_priority_makes_room_from_the_lowest_priority_earliest_end_first() -> None:
+    r, _, b = cache(10)
+    r.retain(b[0:2], 30_000, 1)
+    r.retain(b[2:4], 20_000, 0)
+    r.retain(b[4:5], 10_000, 0)
+    r.retain(b[5:7], 60_000, 0)  # equal priority: what is held stays, nothing fits
+    assert retained(b, 0) == [0, 1, 2, 3, 4]
+    r.retain(b[5:7], 60_000, 2)  # priority 2: ends 4 (priority 0, earliest end), then 2
+    assert retained(b, 0) == [0, 1, 3, 5, 6]
+    r.retain(b[7:10], 60_000, 1)  # priority 1: ends 3 (the last of priority 0), not 0 or 1
+    assert retained(b, 0) == [0, 1, 5, 6, 7]
+
+
+def test_every_bounded_tier_must_afford_the_hint_and_one_without_a_capacity_is_free() -> None:
+    clock = TraceClock()
+    r = Retention(clock, budget=budget({"dram": 10 * SIZE, "ssd": 4 * SIZE}, 0.5))
+    index = Index()
+    ns = index.namespace(NamespaceRoot(b"t"), "t")
+    b = [index.add(ns, bytes([i]), b"", SIZE, State.COMMITTED) for i in range(6)]
+    for x in b:
+        x.tiers = DRAM | SSD
+    r.retain(b[0:4], 60_000, 0)  # 2 blocks of SSD room
+    assert retained(b, 0) == [0, 1]
+    for x in b[2:]:
+        x.tiers = DRAM | 4  # Redis: no capacity given, not bounded
+    r.retain(b[2:5], 60_000, 0)
+    assert retained(b, 0) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="retained_fraction"):
+        HintBudget({"dram": 10}, 1.5)
+
+
+def small_agents() -> Trace:
+    """A small trace of agentic coding conversations (60 at once, prompts a quarter of the
+    committed trace's), where retaining every hinted turn lowers the hit rate."""
+    return generate(Params(seed=5, duration_s=120.0, overlapping=60, system_tokens=3072, task_tokens=12_500.0,
+                           step_tokens=1250.0, compact_tokens=57_500, summary_tokens=10_000))
+
+
+def test_hints_do_not_lower_the_hit_rate_on_agentic_conversations_where_they_did() -> None:
+    t = small_agents()
+    hints = parse_hints("until-returned:600")
+    assert hints.retained_fraction == RETAINED_FRACTION < 1
+    unique = t.unique_blocks()
+    plain = replay(t, unique // 20, "credit").prefix_hits
+    whole = replay(t, unique // 20, "credit", hints=replace(hints, retained_fraction=1.0)).prefix_hits
+    assert whole < plain  # every hint kept (66d9839): hints hurt here
+    for policy in ("credit", "lru"):
+        for capacity in (unique // 100, unique // 20):
+            plain = replay(t, capacity, policy).prefix_hits
+            hinted = replay(t, capacity, policy, hints=hints)
+            assert hinted.prefix_hits >= plain, (policy, capacity)
+            assert hinted.retained_peak <= capacity * RETAINED_FRACTION
+
+
+def test_the_replay_takes_the_fraction_and_rejects_a_bad_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "agents.jsonl"
+    t = generate(Params(duration_s=20.0, overlapping=10, system_tokens=1024, task_tokens=2000.0, step_tokens=500.0))
+    t.to_jsonl(path)
+    for flags in (["--hints", "until-returned:600", "--retained-fraction", "1.5"], ["--retained-fraction", "0.5"]):
+        assert main(["replay", str(path), "--capacity", "5%", *flags]) == 2
+        assert "--retained-fraction" in capsys.readouterr().err
+    assert main(["replay", str(path), "--capacity", "5%", "--hints", "until-returned:600", "--retained-fraction",
+                 "0.25", "--policy", "lru", "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["retained_fraction"] == 0.25
+    assert out["policies"]["lru"]["hints"]["retained_peak_blocks"] <= out["capacity_blocks"] * 0.25
