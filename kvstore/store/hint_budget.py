@@ -67,6 +67,7 @@ class HintBudget:
         made now (their retentions ended); the blocks' own bytes are counted as they are retained."""
         if not self.totals:
             return blocks
+        r.work["summed"] += len(blocks)  # (the hint's own blocks: what it costs, however many are retained)
         adding: dict[str, int] = {}
         hint: set[Block] | None = None
         for i, b in enumerate(blocks):
@@ -119,6 +120,7 @@ class HintBudget:
             skipped: list[tuple[float, int, Block]] = []
             while short and r.ends[p]:
                 entry = heapq.heappop(r.ends[p])
+                r.work["examined"] += 1
                 until, _, b = entry
                 if b not in r.counted or b.retain_priority != p or b.retain_until <= now:
                     continue  # a stale entry: ended, run out, or risen to another heap

@@ -143,3 +143,28 @@ def test_the_replay_takes_the_fraction_and_rejects_a_bad_one(
     out = json.loads(capsys.readouterr().out)
     assert out["retained_fraction"] == 0.25
     assert out["policies"]["lru"]["hints"]["retained_peak_blocks"] <= out["capacity_blocks"] * 0.25
+
+
+def test_a_hint_judged_beside_many_retained_blocks_costs_its_own_blocks() -> None:
+    """20,000 blocks retained fill the budget: a one-block hint of equal priority is refused and a
+    higher one ends one retention (the earliest end) for its block, each judging its own block and
+    a heap entry or two, not the 20,000 (the budget's counts are the retention's, kept as blocks
+    are retained: no sum per hint)."""
+    clock = TraceClock()
+    r = Retention(clock, budget=budget({"dram": 40_002 * SIZE}, 0.5))
+    index = Index()
+    index.retained = r.recount
+    ns = index.namespace(NamespaceRoot(b"t"), "t")
+    blocks = [index.add(ns, i.to_bytes(4, "big"), b"", SIZE, State.COMMITTED) for i in range(20_003)]
+    for x in blocks:
+        x.tiers = DRAM
+    for i, x in enumerate(blocks[:20_001]):
+        r.retain([x], 60_000 + i, 0)
+    assert r.count() == 20_001 and r.budget is not None
+    before = dict(r.work)
+    assert r.retain(blocks[20_001:20_002], 60_000, 0) == []  # equal priority: refused
+    assert r.retain(blocks[20_002:], 60_000, 1) == blocks[20_002:]  # higher: room made
+    assert blocks[0].retain_until == 0 and blocks[1].retain_until > 0  # the earliest end went
+    assert r.work["summed"] - before["summed"] == 2
+    assert r.work["examined"] - before.get("examined", 0) <= 2
+    assert (r.budget.shortened, r.budget.refused) == (0, 1)
