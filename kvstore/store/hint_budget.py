@@ -125,7 +125,7 @@ class HintBudget:
                 if b not in r.counted or b.retain_priority != p or b.retain_until <= now:
                     continue  # a stale entry: ended, run out, or risen to another heap
                 if until != b.retain_until:  # extended since: it waits for its new end
-                    heapq.heappush(r.ends[p], (b.retain_until, next(r._seq), b))
+                    r.wait(b)
                     continue
                 if b in keep or not r.counted[b] & bits:
                     skipped.append(entry)

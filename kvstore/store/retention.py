@@ -166,7 +166,7 @@ class Retention:
                     b.retain_priority = priority
                     self._rekey(b)
                     if b in self.counted:  # (its end waits in the heap of its new priority)
-                        heapq.heappush(self.ends[priority], (b.retain_until, next(self._seq), b))
+                        self.wait(b)
             else:
                 news = True
                 b.retain_until, b.retain_priority = until, priority
@@ -230,7 +230,7 @@ class Retention:
                 self.tier_held[label] += n
         if new:
             if not old:
-                heapq.heappush(self.ends[b.retain_priority], (b.retain_until, next(self._seq), b))
+                self.wait(b)
             self.counted[b] = new
         elif old:
             del self.counted[b]
@@ -266,8 +266,12 @@ class Retention:
                 if b.retain_until <= now:
                     self.recount(b)  # (out of its band too)
                 else:  # extended since it was pushed: it waits for its new end
-                    heapq.heappush(ends, (b.retain_until, next(self._seq), b))
+                    self.wait(b)
         return now
+
+    def wait(self, b: Block) -> None:
+        """``b``'s end waits in the heap of its priority (for it to run out, or to make room)."""
+        heapq.heappush(self.ends[b.retain_priority], (b.retain_until, next(self._seq), b))
 
     # --- the soft pin ---------------------------------------------------------------------------
 
