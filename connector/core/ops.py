@@ -92,8 +92,8 @@ def load_blocks(
     With ``verify``, blocks are checked against the checksums the lease carries (when it carries
     them; 0 means not sealed yet and passes), each before it is copied, the hashing overlapped
     with the copy (:mod:`connector.core.verified`): the first mismatch and everything after it is
-    never copied and is reported for recompute. A lease handed over in ``spec.lease`` is read under, not ended: the
-    caller releases it.
+    never copied and is reported for recompute. A lease handed over in ``spec.lease`` is read
+    under, not ended: the caller releases it.
     """
     t0 = time.perf_counter()
     loaded, failure = 0, None
