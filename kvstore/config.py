@@ -376,6 +376,11 @@ class TieringConfig(_Section):
     write_through: list[Literal["redis", "s3"]] = Field(
         default_factory=list, description="remote tiers written at commit so other hosts can read at once"
     )
+    staging_bytes: int = Field(
+        512 * MiB, ge=4096,
+        description="most bytes of DRAM evictions staged for demotion at once; an eviction past it is dropped "
+                    "(counted in /stats tiers.dram.drops.backlog)",
+    )
 
 
 class Config(BaseSettings):

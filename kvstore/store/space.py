@@ -227,7 +227,8 @@ class DramSpace:
     # --- reporting ---------------------------------------------------------------------------
 
     def occupancy(self) -> dict[str, object]:
-        return {**self.slab.occupancy(), "blocks": len(self.policy)}
+        # demotions_in_flight: evicted blocks staged for a tier below, not written there yet
+        return {**self.slab.occupancy(), "blocks": len(self.policy), "demotions_in_flight": len(self.movers.staged)}
 
 
 Tenure = tuple[Slot, int]  # a block's slot, and how many times that slot had been freed (:func:`tenure`)

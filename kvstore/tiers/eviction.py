@@ -173,31 +173,39 @@ class Eviction:
         if lv.quotas is not None:
             lv.quotas.evicted(b)
         target = self.down_from(lv, b)
+        reason = "no_tier"  # why it is dropped if no tier holds it after this
         if target is not None and not b.tiers & ~(DRAM | lv.bit):
             try:
-                await self._pass_down(lv, target, b)
+                reason = await self._pass_down(lv, target, b)
             except Unavailable as exc:
                 target.mark_down(exc)
+                reason = "failed"
         # Unplaced (and dropped if no tier holds it) before the await: a lookup meanwhile
         # found a visible block in no tier ("internal error: KeyError: 'none'").
+        live = b.ns.blocks.get(b.key) is b and b.tiers & lv.bit
         lv.unplace(b)
+        if live and not b.tiers:
+            self.stats.drop(lv.name, reason)
         try:
             await lv.tier.delete(lv.ref(b))
         except Unavailable as exc:
             lv.mark_down(exc)
 
-    async def _pass_down(self, lv: Level, target: Level, b: Block) -> None:
-        """``b``'s bytes read back from ``lv`` (checked) and written to ``target``, when it takes them."""
+    async def _pass_down(self, lv: Level, target: Level, b: Block) -> str:
+        """``b``'s bytes read back from ``lv`` (checked) and written to ``target``, when it takes them;
+        the drop reason that applies when it did not ("failed": unreadable, "refused")."""
         buf = np.empty(b.size, dtype=np.uint8)
         async with lv.slots:
             got = await verified_get(lv.tier, lv.ref(b), buf.data, b.checksum or 0)
         if got is None:
-            return
+            return "failed"
         async with self.room(target, [b]) as taken:
-            if taken:
-                meta = target.meta(b)
-                with self.stats.latency.timed("demotion", (target.name,)):  # (a failure is _evict's to handle)
-                    async with target.slots:
-                        await target.tier.put(meta, buf.data)
-                target.place(b)
-                self.stats.tier(lv.name, "demotions")
+            if not taken:
+                return "refused"
+            meta = target.meta(b)
+            with self.stats.latency.timed("demotion", (target.name,)):  # (a failure is _evict's to handle)
+                async with target.slots:
+                    await target.tier.put(meta, buf.data)
+            target.place(b)
+            self.stats.tier(lv.name, "demotions")
+        return "failed"  # (placed: not dropped, the reason goes unused)
