@@ -36,6 +36,7 @@ class Eviction:
         self.stats: Stats = space.stats
         self.levels = levels
         self.staged = staged  # demotions in flight: never a victim (their bytes are not written yet)
+        self.kept: set[Block] = set()  # never a victim either: blocks a stop's drain wrote (kvstore.tiers.drain)
 
     def down_from(self, lv: Level, b: Block) -> Level | None:
         """Where ``b`` goes when it leaves ``lv``: the next level below ``lv`` that is up and does not
@@ -86,10 +87,10 @@ class Eviction:
         prefix-aware one keeps parents for their children)."""
         policy = lv.policy
         assert policy is not None
-        staged = self.staged
+        staged, kept = self.staged, self.kept
 
         def may(x: Block) -> bool:
-            return not x.pinned and x not in staged and ok(x)
+            return not x.pinned and x not in staged and x not in kept and ok(x)
 
         retention = self.space.retention  # the soft pin: a retained block goes last here too
         b = retention.pop_victim(policy, may)

@@ -37,6 +37,7 @@ from kvstore.tiers import build_tier
 from kvstore.tiers.base import Bounded
 from kvstore.tiers.crew import Crew
 from kvstore.tiers.demotion import STAGING_LIMIT, Demotion
+from kvstore.tiers.drain import Drained, drain
 from kvstore.tiers.eviction import Eviction
 from kvstore.tiers.health import Probe
 from kvstore.tiers.level import Level
@@ -168,6 +169,14 @@ class Tiering:
     async def flush(self) -> bool:
         """Wait for demotions, promotions and write-throughs in flight; whether there were any."""
         return await self.crew.flush()
+
+    async def drain(self, seconds: float) -> Drained | None:
+        """At a stop: the blocks only DRAM holds written to the SSD level, hottest first, for at
+        most ``seconds`` (:mod:`kvstore.tiers.drain`); None when there is no SSD level up."""
+        lv = next((lv for lv in self._levels if lv.bit == SSD and not lv.down), None)
+        if lv is None:
+            return None
+        return await drain(self.space, lv, self.eviction, seconds)
 
     async def close(self) -> None:
         self.write_through.close()  # the deletes waiting for write-throughs: Unavailable now
