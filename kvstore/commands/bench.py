@@ -26,6 +26,7 @@ SUITES = {
     "soak": "benchmarks.soak",
     "transfer": "benchmarks.transfer",
     "retention": "benchmarks.retention",
+    "ssd_layout": "benchmarks.ssd_layout",
 }
 
 
