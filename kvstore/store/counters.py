@@ -39,7 +39,8 @@ DROP_REASONS = (
     "backlog",  # demotions were behind: the staging buffers (tiering.staging_bytes) were all in flight
     "refused",  # the tiers below would not take it (full of blocks that may not go, a tenant's quota)
     "failed",  # its write below failed (an error, an unreadable copy, a stop before it was written)
-    "no_tier",  # no tier below this one is up (or none is configured)
+    "no_tier",  # no tier below this one is up, or it is the last (a DRAM-only sidecar counts none: all its
+    # evictions are drops)
 )
 
 
