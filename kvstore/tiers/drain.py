@@ -5,8 +5,8 @@ checksum); DRAM's slab dies with the process. So at a stop (SIGTERM), once no re
 any more, the blocks no lower tier holds are written to the SSD level in batches, in the reverse of
 DRAM's eviction order (the policy's last victims first: the hottest, and a prefix's parents before
 its children), for at most ``server.drain_s``: a batch starts only before that deadline. Room is
-made as for any write (the SSD's coldest blocks give way); a block drained already is never a victim
-of a later batch, so when the SSD cannot hold them all, the coldest are the ones left. What is left
+made as for any write (the SSD's coldest blocks give way); a block drained already, or a copy of a
+block DRAM holds, is never a victim, so when the SSD cannot hold them all, the coldest are left. What is left
 (out of time, refused, a failed write) is counted in the :class:`Drained` the stop logs.
 """
 
@@ -45,11 +45,16 @@ async def drain(space: DramSpace, lv: Level, eviction: Eviction, seconds: float,
     (consumes DRAM's policy: for a stop only, once nothing else uses the space)."""
     start = clock()
     deadline = start + seconds
-    order = [b for b in space.hottest_first() if _dram_only(b)]
+    held = space.hottest_first()
+    order = [b for b in held if _dram_only(b)]
     # a batch at most a quarter of a bounded level, as a demotion's: room is made among the rest
     most = DEMOTE_BATCH if lv.capacity is None else max(1, lv.capacity // (2 * DEMOTE_DEPTH))
     written, i = 0, 0
-    done = eviction.kept  # drained: none is a victim of a later batch (held out of the policy too)
+    # No victim of the drain's room: a block it wrote (held out of lv's policy too), nor the copy of
+    # a block DRAM holds (lost at the stop otherwise: only SSD-only blocks, the coldest, give way).
+    kept = eviction.kept
+    kept.update(b for b in held if lv.holds(b))
+    done: list[Block] = []
     try:
         while i < len(order) and clock() < deadline and not lv.down:
             batch: list[Block] = []
@@ -62,15 +67,16 @@ async def drain(space: DramSpace, lv: Level, eviction: Eviction, seconds: float,
                 if _dram_only(b):
                     batch.append(b)
                     size += lv.footprint(b.size, b.ns.label)
-            kept = await _write(space, lv, eviction, batch)
-            done.update(kept)
-            written += len(kept)
-            if len(kept) < len(batch):
-                break  # the SSD holds only drained blocks, hotter than these: the rest are left
+            wrote = await _write(space, lv, eviction, batch)
+            kept.update(wrote)
+            done += wrote
+            written += len(wrote)
+            if len(wrote) < len(batch):
+                break  # the SSD holds only what must stay (hotter than these): the rest are left
     finally:
         for b in done:
             lv.unhold(b)
-        done.clear()
+        kept.clear()
     return Drained(len(order), written, len(order) - written, clock() - start)
 
 

@@ -176,6 +176,7 @@ class Tiering:
         lv = next((lv for lv in self._levels if lv.bit == SSD and not lv.down), None)
         if lv is None:
             return None
+        await self.crew.flush()  # the moves in flight first: their deletes free the room they hold on disk
         return await drain(self.space, lv, self.eviction, seconds)
 
     async def close(self) -> None:
