@@ -27,6 +27,7 @@ SUITES = {
     "transfer": "benchmarks.transfer",
     "retention": "benchmarks.retention",
     "reload": "benchmarks.reload",
+    "ssd_layout": "benchmarks.ssd_layout",
 }
 
 
