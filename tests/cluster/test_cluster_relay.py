@@ -45,8 +45,8 @@ async def test_a_directory_writer_cannot_point_a_fetcher_at_a_relay_to_a_restart
     its members, counted); the whole old entry does, with its past life's records, but A, reached
     through the relay, proves its current incarnation in the hello, and B closes before it asks."""
     keys, data = keys_for(ns, 32, seed=50), blocks(32, seed=50)
-    async with Sidecar(directory.config(tmp_path, "b")) as b, client_of(b) as cb:
-        assert b.cluster is not None
+    async with Sidecar(directory.config(tmp_path, "b", **QUIET)) as b, client_of(b) as cb:
+        assert b.cluster is not None  # (B's heartbeat runs when the test calls it: no sweep in between)
         prefix = {"cluster.key_prefix": b.config.cluster.key_prefix}
         async with Sidecar(directory.config(tmp_path / "first", "a", **QUIET, **prefix)) as a, client_of(a) as ca:
             assert a.cluster is not None
@@ -72,10 +72,13 @@ async def test_a_directory_writer_cannot_point_a_fetcher_at_a_relay_to_a_restart
                         await redis.hset(dir_key(b, ns, k), "a", raw)  # type: ignore[misc]
                 rejected = (await cb.stats())["cluster"]["members_rejected"]
                 await redis.hset(members_key(b), "a", forged)  # type: ignore[misc]
+                await b.cluster.membership.heartbeat()
+
+                put = int(forged.rsplit(b"|", 2)[1])  # (B's view of A's first life, before a heartbeat, is not it)
 
                 async def read() -> bool:  # B's heartbeat read the entry put back (taken, or refused)
                     m = b.cluster.membership.member("a")  # type: ignore[union-attr]
-                    taken = m is not None and m.address == f"127.0.0.1:{old_port}"
+                    taken = m is not None and m.address == f"127.0.0.1:{old_port}" and m.incarnation == put
                     return taken or (await cb.stats())["cluster"]["members_rejected"] > rejected
 
                 await eventually_true(read, "B reads the entry put back")
