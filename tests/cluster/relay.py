@@ -13,7 +13,8 @@ class Relay:
     what the fetcher sent and what came back. ``flip_back``: the offset (in all the bytes that came
     back) of one byte it flips on the way, as a party that changes what it relays would (None: none).
     ``drop_back``: the offsets (in all the bytes that came back) it does not pass on, as a party
-    that drops a frame would (recorded all the same)."""
+    that drops a frame would (recorded all the same). ``flip_sent``: as ``flip_back``, in what the
+    fetcher sends."""
 
     target: int = 0
     sent: bytearray = field(default_factory=bytearray)  # fetcher -> holder
@@ -22,6 +23,7 @@ class Relay:
     connections: int = 0
     flip_back: int | None = None
     drop_back: range = range(0)
+    flip_sent: int | None = None
     port: int = 0
     _server: asyncio.Server | None = None
 
@@ -46,9 +48,10 @@ class Relay:
                 while chunk := await r.read(65536):
                     at = len(log)
                     log += chunk
-                    if flip and self.flip_back is not None and at <= self.flip_back < at + len(chunk):
+                    where = self.flip_back if flip else self.flip_sent
+                    if where is not None and at <= where < at + len(chunk):
                         changed = bytearray(chunk)
-                        changed[self.flip_back - at] ^= 0x01
+                        changed[where - at] ^= 0x01
                         chunk = bytes(changed)
                     if flip and self.drop_back:
                         lo, hi = self.drop_back.start - at, self.drop_back.stop - at
