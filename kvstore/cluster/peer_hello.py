@@ -24,10 +24,9 @@ records of that incarnation, and talks only to that incarnation at that address.
 not sent: the holder's proof covers the one its own member entry names (``cluster.advertise_address``
 or its listener's), the fetcher's check the one it dialled. A directory writer who puts back a
 node's entry of a past life (its old address) and relays that address to where the node lives now
-gets the node's current incarnation in the hello, and, were that the same (a writer can move a
-node's incarnation: the heartbeat takes up one up to 999 above it from the entry under its name,
-:data:`kvstore.cluster.directory.HEARTBEAT`), a proof for the node's new address: either way the
-fetcher closes before it sends a request.
+gets the node's current incarnation in the hello, and, were that the same (a clock stepped back
+at a restart; a directory writer cannot move an incarnation, :meth:`kvstore.cluster.directory.Directory.heartbeat`),
+a proof for the node's new address: either way the fetcher closes before it sends a request.
 
 Flags: bit 0, :data:`ENCRYPT`, the side's ``cluster.peer_encryption``. The connection is
 encrypted when either side set it (:mod:`kvstore.cluster.peer_frames`); both flags are under both
