@@ -117,10 +117,14 @@ async def test_a_directory_writer_cannot_walk_a_nodes_incarnation(
         m, life = a.cluster.membership, a.cluster.incarnation
         forged = b"x|%d|%d" % ((life + 999, FAR_MS) if written == "999 above" else (life, 1))
         members = members_key(a)
-        for _ in range(3):
+        republished: list[int] = []
+        republish = m._republish
+        m._republish = lambda: (republished.append(1), republish())[1]  # (counted, then done)
+        for i in range(1, 4):
             await redis.hset(members, "a", forged)  # type: ignore[misc]
             await m.heartbeat()
             assert m.incarnation == life == a.cluster.incarnation, "the writer moved the node's incarnation"
+            assert len(republished) == i, "the node did not publish again what it holds"
         entry = await redis.hget(members, "a")  # type: ignore[misc]
         assert entry != forged and entry.rsplit(b"|", 2)[1] == b"%d" % life, "the node's own entry not written again"
 
