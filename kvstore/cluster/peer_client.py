@@ -1,16 +1,16 @@
 """The fetcher's end of the peer data path: read another node's blocks straight into local slots.
 
 One :class:`PeerClient` per holder address keeps a few idle connections (hello done once per
-connection: the holder proves it holds the cluster token, and is the node and the incarnation
-meant, before anything else is sent, :mod:`kvstore.cluster.peer_hello`). :meth:`PeerClient.fetch` sends one request for
-a run of blocks and, on an I/O thread (:func:`~kvstore.wire.peer.blocking`), reads each
-block with one blocking ``recv_into`` straight into the slot view it was given and hashes it there
-(xxh3 at ~28 GB/s a core: 1 MiB in under 40 us, while the kernel goes on filling the socket buffer
-with the next), all under one deadline. One holder's fetches take at most :data:`HOLDER_THREADS`
-of those threads at once. It never raises for what the peer does: a refused or broken connection,
-a deadline passed or a malformed answer end the run there, and the connection is dropped (a
-half-read answer cannot be resumed). The caller compares the hashes with the holder's and the
-directory's checksums (:class:`FetchResult`).
+connection: the holder proves it holds the cluster token, and is the node, the incarnation and the
+address meant, before anything else is sent, :mod:`kvstore.cluster.peer_hello`).
+:meth:`PeerClient.fetch` sends one request for a run of blocks and, on an I/O thread
+(:func:`~kvstore.wire.peer.blocking`), reads each block with one blocking ``recv_into`` straight
+into the slot view it was given and hashes it there (xxh3 at ~28 GB/s a core: 1 MiB in under 40 us,
+while the kernel goes on filling the socket buffer with the next), all under one deadline. One
+holder's fetches take at most :data:`HOLDER_THREADS` of those threads at once. It never raises for
+what the peer does: a refused or broken connection, a deadline passed or a malformed answer end the
+run there, and the connection is dropped (a half-read answer cannot be resumed). The caller compares
+the hashes with the holder's and the directory's checksums (:class:`FetchResult`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ class PeerClient:
         try:
             await loop.sock_connect(sock, (self._host, self._port))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = await peer_hello.greet(sock, self._key, self._node, self.holder, self.incarnation, self.encrypt)
+            session = await peer_hello.greet(
+                sock, self._key, self._node, self.holder, self.incarnation, self.address, self.encrypt
+            )
             w.set_blocking(sock, self.io_timeout_s)  # from here on only I/O threads use it
         except BaseException:
             sock.close()

@@ -86,6 +86,7 @@ class PeerServer:
         key: ClusterKey,
         name: str,
         incarnation: Callable[[], int],
+        address: Callable[[], str],
         send_timeout_s: float,
         send_stall_s: float,
         request_timeout_s: float,
@@ -95,6 +96,7 @@ class PeerServer:
         self.lender = lender
         self.name = name  # this node's id: the holder's name in the hello
         self.incarnation = incarnation  # this node's incarnation now: the hello proves it too
+        self.address = address  # where its member entry says it lives: the hello proves that as well
         self.encrypt = encrypt  # ask for encrypted connections (cluster.peer_encryption; a fetcher may ask too)
         self.latency = latency if latency is not None else Latencies()  # answers' (kvstore/store/latency.py)
         self.send_timeout_s = send_timeout_s
@@ -173,7 +175,9 @@ class PeerServer:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 # (HelloRefused: a PeerProtocolError)
-                _, session = await peer_hello.welcome(conn, self._key, self.name, self.incarnation(), self.encrypt)
+                _, session = await peer_hello.welcome(
+                    conn, self._key, self.name, self.incarnation(), self.address(), self.encrypt
+                )
             frames = peer_frames.frames(session, fetcher=False)
             current = asyncio.current_task()
             if current is not None:
