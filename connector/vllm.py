@@ -55,8 +55,11 @@ What this module adds is only vLLM's call protocol:
   files (:mod:`connector.vllm_request`: vLLM's ``lora_int_id``, name and path do not hold across
   hosts), so it only finds blocks computed with the same adapter weights, on any host.
 
-Requests with multimodal inputs or prompt embeddings bypass the connector (their KV depends on
-more than the token ids), as do a LoRA adapter whose files are not a local directory and a salt
+* **Multimodal items**: each goes into the keys of the blocks it overlaps, with its position
+  (:func:`connector.vllm_request.media_extras`, as vLLM's ``extra_keys``).
+
+Requests with prompt embeddings bypass the connector (their KV depends on more than the token
+ids), as do a LoRA adapter whose files are not a local directory and a salt
 longer than a namespace field holds; each
 bypass is counted by reason (the worker's ``bypassed_<reason>``, the sidecar's ``/stats``
 ``decisions.bypasses`` and ``/metrics`` ``kvstore_bypasses_total``). Tensor/pipeline parallel size
@@ -86,7 +89,7 @@ from connector.core.pipeline import PipelineSlot
 from connector.layout import KVSpec
 from connector.transfer import make_transfer
 from connector.vllm_dtype import cache_dtype_and_scales
-from connector.vllm_request import AdapterHashes
+from connector.vllm_request import AdapterHashes, media_extras
 from kvstore.client import SyncClient
 from kvstore.errors import InvalidArgument
 from kvstore.keys import Namespace
@@ -217,8 +220,6 @@ def request_retain_ms(request: Request) -> int | None:
 def bypass_reason(request: Request) -> str | None:
     """Why a request's KV cannot be keyed by its token ids and namespace (one of
     :data:`kvstore.store.counters.BYPASS_REASONS`), or None."""
-    if getattr(request, "mm_features", None):
-        return "multimodal"
     if getattr(request, "prompt_embeds", None) is not None:
         return "prompt_embeds"
     return None
@@ -308,6 +309,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                 bypass = "cache_salt"
         if bypass is not None:
             self._bypassed.append((bypass, request.num_prompt_tokens // self.spec.block_size))
+        elif getattr(request, "mm_features", None):  # its media go into the keys of the blocks they overlap
+            assert self._sched is not None
+            self._sched.set_extras(request.request_id, media_extras(request.mm_features, self.spec.block_size))
         req = self._reqs[request.request_id] = _Req(request, ns, bypass, retain_ms=request_retain_ms(request))
         return req
 

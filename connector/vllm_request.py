@@ -1,4 +1,6 @@
-"""What a vLLM request adds to its namespace beyond the engine's: its LoRA adapter's identity.
+"""What a vLLM request adds to its keys beyond the engine's namespace and its token ids: its LoRA
+adapter's identity (the namespace's ``adapter``) and its multimodal items (the extra bytes of the
+keys of the blocks they overlap).
 
 vLLM names an adapter three ways, none of which holds across hosts: ``lora_int_id`` is assigned
 per server and reused for another adapter once one is unloaded, and ``lora_name`` and
@@ -14,6 +16,18 @@ visible), when its first request arrives, and cached by path and each file's mti
 (``AdapterHashes``): a later request costs one ``stat`` per file. A ``lora_path`` that is not a
 local directory holding ``adapter_config.json`` and weight files (an adapter loaded another way)
 has no identity here and its request bypasses the connector (counted as ``lora``).
+
+A multimodal item (vLLM's ``MultiModalFeatureSpec``: image, audio, video) is the placeholder
+tokens at ``mm_position`` (offset, length) in the prompt, whose KV depends on the item, not on the
+placeholder token ids. As vLLM's own block hashes do (``extra_keys``), every block the item
+overlaps carries, in its key, the item's modality, its full ``identifier`` (never truncated) and its
+offset and length in the prompt (:func:`media_extras`): another item, or the same item at
+another position, gives other keys from the first block it touches on (keys are chained), and
+the blocks before it are shared. vLLM's identifier is the content hash of the item's processed
+data, or the UUID the client supplied (``multi_modal_uuids``); a UUID is only as good as the
+client's, so it is scoped by the namespace, which holds the request's ``cache_salt``: a salted
+request never meets another salt's UUIDs (unsalted traffic trusts its clients' UUIDs, as vLLM's
+own prefix cache does).
 """
 
 from __future__ import annotations
@@ -93,3 +107,23 @@ class AdapterHashes:
             return ""
         path = getattr(lora, "lora_path", "") or ""
         return self.identity(path) if path else None
+
+
+def _field(value: str | int) -> bytes:
+    raw = str(value).encode()
+    return len(raw).to_bytes(4, "little") + raw
+
+
+def media_extras(features: Any, block_size: int) -> dict[int, bytes]:
+    """Block index -> the extra key bytes of the multimodal items it overlaps (vLLM's
+    ``request.mm_features``: ``modality``, ``identifier``, ``mm_position.offset/length``), each item
+    as its modality, identifier, offset and length, length-prefixed, in the request's order."""
+    extras: dict[int, bytes] = {}
+    for f in features or ():
+        pos = f.mm_position
+        if pos.length <= 0:
+            continue
+        item = b"".join(_field(v) for v in (f.modality, f.identifier, pos.offset, pos.length))
+        for block in range(pos.offset // block_size, (pos.offset + pos.length - 1) // block_size + 1):
+            extras[block] = extras.get(block, b"") + item
+    return extras
