@@ -161,17 +161,17 @@ def _exchange(
     entries = frames.opened_answer(count, w.recv_all(sock, m * w.ENTRY.size + MAC_BYTES))
     if entries is None:
         raise w.PeerProtocolError("an answer not sealed with this connection's key (sent by another party)")
-    heads = [w.Entry(*w.ENTRY.unpack_from(entries, i * w.ENTRY.size)) for i in range(m)]
-    for e, view in zip(heads, into):
-        if e.size != view.nbytes:
-            raise w.PeerProtocolError(f"block of {e.size} bytes where {view.nbytes} were expected")
-        if e.retain_ms > MAX_RETAIN_MS or e.retain_priority >= PRIORITIES:
+    heads: list[w.Fields] = list(w.ENTRY.iter_unpack(entries))
+    for (size, _, ms, priority), view in zip(heads, into):
+        if size != view.nbytes:
+            raise w.PeerProtocolError(f"block of {size} bytes where {view.nbytes} were expected")
+        if ms > MAX_RETAIN_MS or priority >= PRIORITIES:
             raise w.PeerProtocolError(
-                f"retention of {e.retain_ms} ms, priority {e.retain_priority} (0..{MAX_RETAIN_MS}, 0..{PRIORITIES - 1})"
+                f"retention of {ms} ms, priority {priority} (0..{MAX_RETAIN_MS}, 0..{PRIORITIES - 1})"
             )
-    for e, view in zip(heads, into):
+    for (_, sent, ms, priority), view in zip(heads, into):
         frames.recv_block(sock, memoryview(view).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
-        out.checksums.append(e.checksum)
+        out.checksums.append(sent)
         out.hashes.append(checksum(view))
-        out.retained.append((e.retain_ms, e.retain_priority))
+        out.retained.append((ms, priority))
     frames.next()

@@ -107,7 +107,7 @@ class Clear:
         body, mac = body[:-MAC_BYTES], body[-MAC_BYTES:]
         return body if self.session.check(w.ASKED, head + body, mac) else None
 
-    def answer_head(self, blocks: Sequence[w.Entry]) -> bytes:
+    def answer_head(self, blocks: Sequence[w.Fields]) -> bytes:
         return w.answer_head(blocks, self.session)
 
     def opened_answer(self, count: bytes, rest: bytes) -> bytes | None:
@@ -142,7 +142,7 @@ class Sealed:
     def opened_request(self, head: bytes, body: bytes) -> bytes | None:
         return self._recv.open(body, head)
 
-    def answer_head(self, blocks: Sequence[w.Entry]) -> bytes:
+    def answer_head(self, blocks: Sequence[w.Fields]) -> bytes:
         count = w.COUNT.pack(len(blocks))
         return count + self._send.seal(w.entries(blocks), count)
 

@@ -240,7 +240,7 @@ class PeerServer:
         try:
             blocks = lent.blocks
             answer = frames.answer_head(
-                [w.Entry(data.nbytes, checksum, *held) for (checksum, data), held in zip(blocks, lent.retained)]
+                [(data.nbytes, checksum, *held) for (checksum, data), held in zip(blocks, lent.retained)]
             )
             # (a 1-D uint8 array is a buffer; numpy's stubs do not say so before Python 3.12)
             payload = [memoryview(data) for _, data in blocks]  # type: ignore[arg-type]

@@ -90,8 +90,11 @@ class Entry(NamedTuple):
     retain_priority: int = 0
 
 
-def entries(blocks: Sequence[Entry]) -> bytes:
-    """The entries of an answer's head, packed."""
+Fields = tuple[int, int, int, int]  # an Entry's, as a plain tuple (what a head packs, and unpacks to)
+
+
+def entries(blocks: Sequence[Fields]) -> bytes:
+    """The entries of an answer's head (:class:`Entry` or its fields), packed."""
     return b"".join(ENTRY.pack(*e) for e in blocks)
 
 
@@ -102,7 +105,7 @@ def request(root: bytes, keys: list[bytes], session: Sealer) -> bytes:
     return body + session.seal(ASKED, body)
 
 
-def answer_head(blocks: Sequence[Entry], session: Sealer) -> bytes:
+def answer_head(blocks: Sequence[Fields], session: Sealer) -> bytes:
     """The answer's head for blocks of these entries, sealed with the connection's key."""
     head = COUNT.pack(len(blocks)) + entries(blocks)
     return head + session.seal(ANSWERED, head)
