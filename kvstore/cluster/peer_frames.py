@@ -8,10 +8,10 @@ wire (:mod:`kvstore.wire.peer`) are the same lengths either way, except the payl
 
     request  u32 n (clear, authenticated), then the namespace root and the n keys encrypted, and
              their tag (16 bytes, where the clear request has its MAC)
-    answer   u32 m (clear, authenticated), then the m entries (size, checksum, retention) encrypted
-             and their
-             tag (where the clear head has its MAC), then each block in frames of at most
-             :data:`FRAME_BYTES` of it, each frame encrypted and followed by its tag
+    answer   u32 m (clear, authenticated), then the m entries (size, checksum, retention)
+             encrypted and their tag (where the clear head has its MAC), then each block in
+             frames of at most :data:`FRAME_BYTES` of it, each frame encrypted and followed by
+             its tag
 
 AES-256-GCM (``cryptography``: about 10 GB/s a core with AES-NI here, ChaCha20-Poly1305 about 3),
 one key per direction (HKDF of the connection's key: :meth:`~kvstore.cluster.cluster_key.Session.keys`),

@@ -58,7 +58,8 @@ class Reservation:
     def settle(self, sums: Sequence[int], retained: Sequence[tuple[int, int]] = ()) -> int:
         """The leading ``len(sums)`` blocks arrived intact with these checksums: placed in DRAM
         as replicas, visible, each with what is left of its holder's retention (``retained``:
-        (ms left, priority) of each, as the holder's answer gave them; none past its end);
+        (ms left, priority) of each, as the holder's answer gave them; a block past its end is
+        placed unretained);
         every other block's slot goes back (it was never visible). How many were placed. The
         reservation is closed."""
         self.exchange.closed(self)
