@@ -82,9 +82,21 @@ class ServerConfig(_Section):
     tls_cert: str = Field("", description="PEM certificate for gRPC TLS")
     tls_key: str = Field("", description="PEM private key for gRPC TLS")
     shutdown_grace_s: float = Field(5.0, ge=0, description="how long in-flight gRPC calls may finish after SIGTERM")
-    shutdown_watchdog_s: float = Field(
-        15.0, gt=0, description="beyond shutdown_grace_s: a shutdown still under way is ended, stacks logged (exit 70)",
+    drain_s: float = Field(
+        20.0, ge=0,
+        description="at SIGTERM, after the gRPC grace: how long blocks only DRAM holds are written to the SSD, "
+                    "hottest first, so a restart finds them (0: none)",
     )
+    shutdown_watchdog_s: float = Field(
+        15.0, gt=0,
+        description="beyond shutdown_grace_s + drain_s: a shutdown still under way is ended, stacks logged (exit 70)",
+    )
+
+    def stop_bound_s(self) -> float:
+        """The longest a SIGTERM's stop may take before the watchdog ends it: an orchestrator's
+        grace period (Kubernetes' terminationGracePeriodSeconds, compose's stop_grace_period) must
+        be longer."""
+        return self.shutdown_grace_s + self.drain_s + self.shutdown_watchdog_s
 
 
 class DramConfig(_Section):
@@ -377,6 +389,11 @@ class TieringConfig(_Section):
     )
     write_through: list[Literal["redis", "s3"]] = Field(
         default_factory=list, description="remote tiers written at commit so other hosts can read at once"
+    )
+    staging_bytes: int = Field(
+        512 * MiB, ge=4096,
+        description="most bytes of DRAM evictions staged for demotion at once; an eviction past it is dropped "
+                    "(counted in /stats tiers.dram.drops.backlog)",
     )
 
 

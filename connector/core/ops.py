@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
 import grpc
-import numpy as np
 
 from connector.core.client import AllocationLike, ConnectorClient, PlacedAllocationLike
 from connector.core.directory import BlockDirectory, epoch_of
 from connector.core.finders import HeldLease
 from connector.core.metadata import Failure, LoadResult, LoadSpec, SaveResult, SaveSpec
+from connector.core.verified import scatter_verified
 from connector.transfer import PagedKV, Transfer
 from kvstore.client.wire import mapped_views
 from kvstore.errors import (
@@ -31,7 +31,6 @@ from kvstore.errors import (
     Unavailable,
 )
 from kvstore.keys import Namespace
-from kvstore.store.checksum import checksum
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +49,6 @@ def classify(exc: BaseException) -> Failure:
     if isinstance(exc, KVStoreError) and exc.retryable:
         return Failure.UNAVAILABLE
     return Failure.ERROR
-
-
-def _first_bad_checksum(views: Sequence[np.ndarray], sums: Sequence[int] | None) -> int | None:
-    if sums is None:
-        return None
-    for i, (view, want) in enumerate(zip(views, sums)):
-        if want and checksum(view.data) != want:
-            return i
-    return None
 
 
 @dataclass(slots=True)
@@ -100,9 +90,10 @@ def load_blocks(
     """Fill ``spec.block_ids`` from the sidecar; the leading run that arrives intact is kept.
 
     With ``verify``, blocks are checked against the checksums the lease carries (when it carries
-    them; 0 means not sealed yet and passes): the first mismatch and everything after it is
-    reported for recompute. A lease handed over in ``spec.lease`` is read under, not ended: the
-    caller releases it.
+    them; 0 means not sealed yet and passes), each before it is copied, the hashing overlapped
+    with the copy (:mod:`connector.core.verified`): the first mismatch and everything after it is
+    never copied and is reported for recompute. A lease handed over in ``spec.lease`` is read
+    under, not ended: the caller releases it.
     """
     t0 = time.perf_counter()
     loaded, failure = 0, None
@@ -111,13 +102,7 @@ def load_blocks(
         with source as lease:
             views = lease.views[: len(spec.keys)]  # a slice: SlotViews stay SlotViews (addresses known)
             n = len(views)
-            bad = _first_bad_checksum(views, getattr(lease, "checksums", None)) if verify else None
-            if bad is not None:
-                n, failure = bad, Failure.CHECKSUM
-                log.warning(
-                    "load %s: block %d failed its checksum; recomputing from it", spec.req_id, spec.first_block + bad
-                )
-            elif n < len(spec.keys):
+            if n < len(spec.keys):
                 failure = Failure.MISSING
                 log.info(
                     "load %s: %d of %d blocks gone since lookup; recomputing them",
@@ -125,7 +110,17 @@ def load_blocks(
                     len(spec.keys) - n,
                     len(spec.keys),
                 )
-            transfer.scatter(kv, spec.block_ids[:n], views[:n]).wait()  # before the lease ends
+            sums = getattr(lease, "checksums", None)
+            if verify and sums is not None:  # each chunk checked before its copy, hashed during the last one's
+                bad = scatter_verified(transfer, kv, spec.block_ids[:n], views, sums[:n])
+            else:
+                bad = None
+                transfer.scatter(kv, spec.block_ids[:n], views).wait()  # before the lease ends
+            if bad is not None:
+                n, failure = bad, Failure.CHECKSUM
+                log.warning(
+                    "load %s: block %d failed its checksum; recomputing from it", spec.req_id, spec.first_block + bad
+                )
             loaded = n
             # (an epoch comes only with a read at the places of spec.lease)
             if epoch is not None and spec.lease is not None and epoch_of(spec.lease.slots[0].segment) != epoch:

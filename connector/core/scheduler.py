@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,6 +86,7 @@ class SchedulerConnector:
         self._saves: list[SaveSpec] = []
         self._saving: dict[str, int] = {}  # req -> saves handed to the worker, not yet finished
         self._keys: dict[str, PrefixKeys] = {}  # req -> its keys so far (lookup, then each save)
+        self._extras: dict[str, Mapping[int, bytes]] = {}  # req -> block index -> extra key bytes (media)
         self._early: dict[str, Pending] = {}  # req -> its lookup, sent when the engine added it
 
     def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[BlockKey]:
@@ -95,8 +96,14 @@ class SchedulerConnector:
         """``prefix_keys(ns, token_ids)``, each block hashed once per request (its token ids only grow)."""
         keys = self._keys.get(req_id)
         if keys is None or keys.root != ns.root:
-            keys = self._keys[req_id] = PrefixKeys(ns)
+            keys = self._keys[req_id] = PrefixKeys(ns, self._extras.get(req_id))
         return keys.of(token_ids)
+
+    def set_extras(self, req_id: str, extras: Mapping[int, bytes]) -> None:
+        """The extra bytes that go into the keys of the request's blocks (block index -> bytes:
+        the multimodal items each overlaps), before its first lookup; kept until it finishes."""
+        self._extras[req_id] = extras
+        self._keys.pop(req_id, None)
 
     def on_new_request(
         self, req_id: str, token_ids: Sequence[int] | np.ndarray, ns: Namespace | None = None
@@ -280,6 +287,7 @@ class SchedulerConnector:
             self._requests.pop(req_id, None)
             saving = req_id in self._saving
         self._keys.pop(req_id, None)
+        self._extras.pop(req_id, None)
         self._drop_early(req_id)
         self._release(req_id, lease_id)
         return saving

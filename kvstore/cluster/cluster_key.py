@@ -17,11 +17,11 @@ so a MAC of one kind can never pass for another:
   directory writer can put back an entry a node wrote, never another address, incarnation or expiry
   beside it.
 - **The peer hello's proofs** (:mod:`kvstore.cluster.peer_hello`): HMAC-SHA256 over both sides'
-  nonces and names and the holder's incarnation, one role label for the holder's proof and another
-  for the fetcher's; and, from the same inputs, the connection's own key (:class:`Session`), which
-  seals each request and each answer's head on it, so a party that relayed the hello can neither
-  send a request of its own on the connection nor change the sizes and checksums an answer
-  announces.
+  nonces and names, the holder's incarnation and its address (as its member entry names it), one
+  role label for the holder's proof and another for the fetcher's; and, from the same inputs, the
+  connection's own key (:class:`Session`), which seals each request and each answer's head on it,
+  so a party that relayed the hello can neither send a request of its own on the connection nor
+  change the sizes and checksums an answer announces.
 
 Keyed BLAKE2b rather than HMAC-SHA256 for the records: a lookup checks one MAC per holder of every
 key, and BLAKE2b's keyed mode (a MAC by design) costs about a third of HMAC's call here.
@@ -120,12 +120,14 @@ class ClusterKey:
         fetcher: bytes,
         holder: bytes,
         incarnation: int,
+        address: bytes,
         flags: bytes,
     ) -> bytes:
         """A side's proof that it holds the token, for one hello (``role``: whose proof it is) with
-        the holder of this ``incarnation``, both sides having said these ``flags`` (the fetcher's,
-        the holder's: one byte each)."""
-        msg = framed(role, fetcher_nonce, holder_nonce, fetcher, holder, incarnation.to_bytes(8, "little"), flags)
+        the holder of this ``incarnation`` at this ``address`` (its member entry's), both sides
+        having said these ``flags`` (the fetcher's, the holder's: one byte each)."""
+        life = incarnation.to_bytes(8, "little")
+        msg = framed(role, fetcher_nonce, holder_nonce, fetcher, holder, life, address, flags)
         return hmac.digest(self._hello, msg, "sha256")
 
     def session(
@@ -135,12 +137,14 @@ class ClusterKey:
         fetcher: bytes,
         holder: bytes,
         incarnation: int,
+        address: bytes,
         flags: bytes,
         encrypted: bool,
     ) -> Session:
         """The key of the connection whose hello had these nonces, names, holder's incarnation and
-        flags; ``encrypted``: whether its exchanges are sealed (:mod:`kvstore.cluster.peer_frames`)."""
-        return Session(self.proof(SESSION, fetcher_nonce, holder_nonce, fetcher, holder, incarnation, flags), encrypted)
+        address, and flags; ``encrypted``: whether its exchanges are sealed (:mod:`kvstore.cluster.peer_frames`)."""
+        key = self.proof(SESSION, fetcher_nonce, holder_nonce, fetcher, holder, incarnation, address, flags)
+        return Session(key, encrypted)
 
 
 SESSION = b"session"  # (a role of its own: the session key is never a proof either side sent)

@@ -76,21 +76,29 @@ from kvstore.wire.resp_pipe import PipelinedLink, ReplyError, tcp_settings
 
 _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum (0: not sealed)
 # An optional trailing field, only on a retained block's record: its retention's end in ms since
-# the epoch (the holder's wall clock) and its priority (kvstore/store/retention.py).
+# the epoch (the holder's wall clock) and its priority (kvstore/store/retention.py). For whoever
+# reads the directory: no node adopts it (a directory writer can put back one its holder has ended
+# since); a fetcher takes the retention from the holder's answer (kvstore/wire/peer.py).
 _RETAIN = struct.Struct("<QB")
 ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
 MEMBER_MARK = MEMBER_VERSION.encode()  # how a member entry of this version begins
 
 # KEYS[1] the members hash; ARGV: node id, its sealed entry, the incarnation and expiry (ms) it
-# seals, lease ms, forget-after ms. Returns the server's time (ms), every member's entry, 1 when
-# this node's entry was not there (a new member, or a directory that lost its data), the
-# incarnation decided, and whether the entry was written. The incarnation decided is the one given,
-# or the next one when this node's entry is of this life and its lease had run out (in the server's
-# clock: anyone who read the members since may have deleted that life's records as void).
+# seals, lease ms, forget-after ms, '1' to read the entry there ('0': the node found it is not one
+# it sealed, a directory writer's, and it is passed over as if absent). Returns the server's time
+# (ms), every member's entry, 1 when this node's entry was not there (a new member, or a directory
+# that lost its data), the incarnation decided, and whether the entry was written. The incarnation
+# decided is the one given, or the next one when this node's entry is of this life and its lease
+# had run out (in the server's clock: anyone who read the members since may have deleted that
+# life's records as void).
 # "This life": the entry's incarnation is the one given, or one up to 1000 above it, which this
 # script gave the node in a reply the node never read (a heartbeat that timed out at the node
 # after it ran here): the node takes that one up at its next heartbeat. (A later start of a node
-# with this id is at least seconds, thousands of ms, later.) The node seals its whole entry
+# with this id is at least seconds, thousands of ms, later.) The script cannot check a seal, so a
+# directory writer could put an entry there that moves the node's incarnation (up to 999 a beat:
+# a walk to any value, e.g. to a past life's); the node checks the entry behind an incarnation it
+# did not ask for and, where it did not seal it, asks again passing it over
+# (:meth:`Directory.heartbeat`). The node seals its whole entry
 # (kvstore/cluster/cluster_key.py), so the script cannot write another incarnation or expiry into
 # it: it writes the entry only when its incarnation is the one decided and its expiry (the node's
 # estimate of the server's clock, plus a lease) is set and no more than two leases ahead; otherwise
@@ -109,7 +117,7 @@ local incarnation = tonumber(ARGV[3])
 local lease = tonumber(ARGV[5])
 if ARGV[1] ~= '' then
   local entry = redis.call('HGET', KEYS[1], ARGV[1])
-  if entry then
+  if entry and ARGV[7] == '1' then
     local inc, expiry = string.match(entry, '|(%d+)|(%d+)$')
     inc, expiry = tonumber(inc), tonumber(expiry)
     if inc ~= nil and inc >= incarnation and inc < incarnation + 1000 then
@@ -433,20 +441,42 @@ class Directory:
         the script decides another incarnation, or the estimate is off, it writes nothing and a
         second call writes the entry sealed from its reply."""
         reply = await self._beat(address, incarnation, lease_ms, expiry_ms)
+        forged = False
         if not reply[5]:  # (not written: sealed again with the incarnation decided and the server's time)
-            reply = await self._beat(address, int(reply[3]), lease_ms, int(reply[0]) + lease_ms)
+            decided, expiry_ms = int(reply[3]), int(reply[0]) + lease_ms
+            # Another incarnation comes from the entry under this node's name: one this node sealed
+            # (a reply it never read, or its own lease run out), or a directory writer's, passed over.
+            forged = decided != incarnation and not self._sealed_here(reply[1])
+            reply = await self._beat(address, incarnation if forged else decided, lease_ms, expiry_ms, not forged)
         now, entries, created, decided, kind, written = reply
+        # (an entry of this node's not its own is as good as gone: whoever read it may have taken
+        # this node's records for void, so the node publishes them again, as after a lost entry)
+        created = created or forged
         members, unreadable = parse_members(entries, self._member_opened)
         older = sum(1 for f, v in unreadable.items() if not v.startswith(MEMBER_MARK) and parse_member(f, v))
         return Beat(int(now), members, unreadable, bool(created), int(decided), _text(kind), bool(written), older)
 
-    async def _beat(self, address: str, incarnation: int, lease_ms: int, expiry_ms: int) -> list[Any]:
+    async def _beat(
+        self, address: str, incarnation: int, lease_ms: int, expiry_ms: int, read_entry: bool = True
+    ) -> list[Any]:
         sealed = self.sealer.seal_member(self.prefix.decode(), self.node, address, incarnation, expiry_ms)
-        args: list[str | int] = [self.node, sealed, incarnation, expiry_ms, lease_ms, FORGET_AFTER_MS]
+        args: list[str | int] = [self.node, sealed, incarnation, expiry_ms, lease_ms, FORGET_AFTER_MS, int(read_entry)]
         try:
             return list(await self._heartbeat(keys=[self.members_key], args=args))
         except (RedisError, OSError) as exc:
             raise Unavailable(f"cluster directory: {type(exc).__name__}: {exc}") from exc
+
+    def _sealed_here(self, entries: Sequence[Any]) -> bool:
+        """Whether this node's entry among ``entries`` (a flat field, value list) is one it sealed."""
+        me = self.node.encode()
+        for i in range(0, len(entries) - 1, 2):
+            if _raw(entries[i]) == me:
+                m = parse_member(me, _raw(entries[i + 1]))
+                prefix = self.prefix.decode()
+                return m is not None and (
+                    self.sealer.open_member(prefix, m.node, m.address, m.incarnation, m.expiry_ms) is not None
+                )
+        return False
 
     async def leave(self) -> None:
         """Take this node out of the members now (a clean stop); its records die with it."""

@@ -93,6 +93,7 @@ class ClusterNode:
             directory.sealer,
             node,
             lambda: self.membership.incarnation,
+            lambda: self.membership.address,
             send_timeout_s=2 * self.cfg.fetch_timeout_s,
             send_stall_s=self.cfg.send_stall_s,
             request_timeout_s=self.cfg.fetch_timeout_s,
@@ -226,7 +227,7 @@ class ClusterNode:
         if loan is None:
             return NOTHING_LENT
         self.stats["blocks_lent"] += len(loan.blocks)
-        return Lent(loan.blocks, loan.release, loan.left_s)
+        return Lent(loan.blocks, loan.release, loan.left_s, loan.retained)
 
 
 def _advertised(peer_address: str, port: int) -> str:

@@ -1,16 +1,16 @@
 """The fetcher's end of the peer data path: read another node's blocks straight into local slots.
 
 One :class:`PeerClient` per holder address keeps a few idle connections (hello done once per
-connection: the holder proves it holds the cluster token, and is the node and the incarnation
-meant, before anything else is sent, :mod:`kvstore.cluster.peer_hello`). :meth:`PeerClient.fetch` sends one request for
-a run of blocks and, on an I/O thread (:func:`~kvstore.wire.peer.blocking`), reads each
-block with one blocking ``recv_into`` straight into the slot view it was given and hashes it there
-(xxh3 at ~28 GB/s a core: 1 MiB in under 40 us, while the kernel goes on filling the socket buffer
-with the next), all under one deadline. One holder's fetches take at most :data:`HOLDER_THREADS`
-of those threads at once. It never raises for what the peer does: a refused or broken connection,
-a deadline passed or a malformed answer end the run there, and the connection is dropped (a
-half-read answer cannot be resumed). The caller compares the hashes with the holder's and the
-directory's checksums (:class:`FetchResult`).
+connection: the holder proves it holds the cluster token, and is the node, the incarnation and the
+address meant, before anything else is sent, :mod:`kvstore.cluster.peer_hello`).
+:meth:`PeerClient.fetch` sends one request for a run of blocks and, on an I/O thread
+(:func:`~kvstore.wire.peer.blocking`), reads each block with one blocking ``recv_into`` straight
+into the slot view it was given and hashes it there (xxh3 at ~28 GB/s a core: 1 MiB in under 40 us,
+while the kernel goes on filling the socket buffer with the next), all under one deadline. One
+holder's fetches take at most :data:`HOLDER_THREADS` of those threads at once. It never raises for
+what the peer does: a refused or broken connection, a deadline passed or a malformed answer end the
+run there, and the connection is dropped (a half-read answer cannot be resumed). The caller compares
+the hashes with the holder's and the directory's checksums (:class:`FetchResult`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -28,6 +28,7 @@ from kvstore.cluster import peer_frames, peer_hello
 from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey
 from kvstore.cluster.peer_frames import Frames
 from kvstore.store.checksum import checksum
+from kvstore.store.retention import MAX_RETAIN_MS, PRIORITIES
 from kvstore.util.address import split_host_port
 from kvstore.wire import peer as w
 
@@ -43,6 +44,7 @@ HOLDER_THREADS = w.IO_THREADS // 4
 class FetchResult:
     checksums: list[int]  # the holder's checksum of each block received in full, in order
     hashes: list[int]  # the checksum of the bytes that arrived, block by block
+    retained: list[tuple[int, int]] = field(default_factory=list)  # the holder's retention of each (ms left, priority)
     error: str = ""  # why the run ended early ("" when every block came, or the holder had no more)
 
 
@@ -79,7 +81,9 @@ class PeerClient:
         try:
             await loop.sock_connect(sock, (self._host, self._port))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            session = await peer_hello.greet(sock, self._key, self._node, self.holder, self.incarnation, self.encrypt)
+            session = await peer_hello.greet(
+                sock, self._key, self._node, self.holder, self.incarnation, self.address, self.encrypt
+            )
             w.set_blocking(sock, self.io_timeout_s)  # from here on only I/O threads use it
         except BaseException:
             sock.close()
@@ -149,8 +153,8 @@ def _exchange(
 ) -> None:
     """Send ``request`` and read its answer into ``into`` (blocking; on an I/O thread). The
     answer's head must carry the connection's MAC (or open under its key, and each block frame
-    too). Each block is hashed as soon as it is in; ``out`` holds every block received in full
-    when this raises."""
+    too), and each entry a retention a hint could have given. Each block is hashed as soon as
+    it is in; ``out`` holds every block received in full when this raises."""
     sock.sendall(request)
     count = w.recv_all(sock, w.COUNT.size)
     (m,) = w.COUNT.unpack(count)
@@ -159,12 +163,17 @@ def _exchange(
     entries = frames.opened_answer(count, w.recv_all(sock, m * w.ENTRY.size + MAC_BYTES))
     if entries is None:
         raise w.PeerProtocolError("an answer not sealed with this connection's key (sent by another party)")
-    heads = [w.ENTRY.unpack_from(entries, i * w.ENTRY.size) for i in range(m)]
-    for (size, _), view in zip(heads, into):
+    heads: list[w.Fields] = list(w.ENTRY.iter_unpack(entries))
+    for (size, _, ms, priority), view in zip(heads, into):
         if size != view.nbytes:
             raise w.PeerProtocolError(f"block of {size} bytes where {view.nbytes} were expected")
-    for (_, sent), view in zip(heads, into):
+        if ms > MAX_RETAIN_MS or priority >= PRIORITIES:
+            raise w.PeerProtocolError(
+                f"retention of {ms} ms, priority {priority} (0..{MAX_RETAIN_MS}, 0..{PRIORITIES - 1})"
+            )
+    for (_, sent, ms, priority), view in zip(heads, into):
         frames.recv_block(sock, memoryview(view).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
         out.checksums.append(sent)
         out.hashes.append(checksum(view))
+        out.retained.append((ms, priority))
     frames.next()

@@ -59,14 +59,16 @@ MAX_CONNECTIONS = 256
 
 class Lent(NamedTuple):
     """A run lent to be sent: its blocks as (checksum, bytes), what to call once they are sent (the
-    lease's release), and the seconds left of the lease, now (the send is over by then)."""
+    lease's release), the seconds left of the lease, now (the send is over by then), and each
+    block's retention here now (ms left, priority: the answer tells the fetcher, which adopts it)."""
 
     blocks: list[tuple[int, np.ndarray]]
     release: Callable[[], None]
     left_s: Callable[[], float]
+    retained: list[tuple[int, int]]
 
 
-NOTHING_LENT = Lent([], lambda: None, lambda: math.inf)  # (no lease: the send has send_timeout_s)
+NOTHING_LENT = Lent([], lambda: None, lambda: math.inf, [])  # (no lease: the send has send_timeout_s)
 
 
 class Lender(Protocol):
@@ -86,6 +88,7 @@ class PeerServer:
         key: ClusterKey,
         name: str,
         incarnation: Callable[[], int],
+        address: Callable[[], str],
         send_timeout_s: float,
         send_stall_s: float,
         request_timeout_s: float,
@@ -95,6 +98,7 @@ class PeerServer:
         self.lender = lender
         self.name = name  # this node's id: the holder's name in the hello
         self.incarnation = incarnation  # this node's incarnation now: the hello proves it too
+        self.address = address  # where its member entry says it lives: the hello proves that as well
         self.encrypt = encrypt  # ask for encrypted connections (cluster.peer_encryption; a fetcher may ask too)
         self.latency = latency if latency is not None else Latencies()  # answers' (kvstore/store/latency.py)
         self.send_timeout_s = send_timeout_s
@@ -173,7 +177,9 @@ class PeerServer:
         try:
             async with asyncio.timeout(HELLO_TIMEOUT_S):
                 # (HelloRefused: a PeerProtocolError)
-                _, session = await peer_hello.welcome(conn, self._key, self.name, self.incarnation(), self.encrypt)
+                _, session = await peer_hello.welcome(
+                    conn, self._key, self.name, self.incarnation(), self.address(), self.encrypt
+                )
             frames = peer_frames.frames(session, fetcher=False)
             current = asyncio.current_task()
             if current is not None:
@@ -237,7 +243,9 @@ class PeerServer:
         lent = await self.lender.lend(root, keys)
         try:
             blocks = lent.blocks
-            answer = frames.answer_head([(data.nbytes, checksum) for checksum, data in blocks])
+            answer = frames.answer_head(
+                [(data.nbytes, checksum, *held) for (checksum, data), held in zip(blocks, lent.retained)]
+            )
             # (a 1-D uint8 array is a buffer; numpy's stubs do not say so before Python 3.12)
             payload = [memoryview(data) for _, data in blocks]  # type: ignore[arg-type]
             budget = min(self.send_timeout_s, lent.left_s())  # the slots are ours until the lease ends

@@ -26,6 +26,8 @@ SUITES = {
     "soak": "benchmarks.soak",
     "transfer": "benchmarks.transfer",
     "retention": "benchmarks.retention",
+    "reload": "benchmarks.reload",
+    "ssd_layout": "benchmarks.ssd_layout",
 }
 
 

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     tune_malloc()
     sidecar = Sidecar(config)
     try:
-        # past server.shutdown_grace_s + server.shutdown_watchdog_s after the signal, a shutdown
+        # past server.shutdown_grace_s + drain_s + shutdown_watchdog_s after the signal, a shutdown
         # still under way is ended with its stacks logged (kvstore/server/watchdog.py)
         asyncio.run(sidecar.serve_forever())
     finally:

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvstore.store.counters import DROP_REASONS
 from kvstore.store.latency import BOUNDS_S, FAMILIES
 
 PREFIX = "kvstore_"
@@ -173,6 +174,12 @@ class SnapshotCollector(Collector):
                 if t.get("enabled"):
                     g.add_metric([tier], _num(t.get(key)))
             yield g
+        drops = _counter("tier_drops", "blocks an eviction from this tier dropped (no tier holds them now), by reason",
+                         ["tier", "reason"])
+        for tier, t in tiers.items():
+            for reason in DROP_REASONS:
+                drops.add_metric([tier, reason], _num(t.get("drops", {}).get(reason)))
+        yield drops
         enabled = _gauge("tier_enabled", "1 when the tier is configured", ["tier"])
         down = _gauge("tier_down", "1 while the tier is unreachable", ["tier"])
         ratio = _gauge("tier_hit_ratio", "blocks hit in this tier / blocks requested", ["tier"])

@@ -181,6 +181,7 @@ class Sidecar:
             ("stopping the HTTP server", self._close_http),
             ("leaving the cluster", self._close_cluster),
             ("releasing leases and allocations", self._release),
+            (f"writing blocks only DRAM holds to the SSD (drain_s {self.config.server.drain_s} s)", self._drain),
             ("finishing tier moves and closing the tiers", self._close_tiers),
             ("unlinking the slab", self._unlink_slab),
         ]
@@ -245,6 +246,22 @@ class Sidecar:
             for alloc_id in list(self.store.index.allocations):
                 self.store.abort(alloc_id)
 
+    async def _drain(self) -> None:
+        """A planned stop keeps the hot set: what only DRAM holds, written to the SSD (a restart
+        finds it there), for at most ``server.drain_s``; the counts logged."""
+        tiering = self.store.tiering if self.store is not None else None
+        seconds = self.config.server.drain_s
+        if not isinstance(tiering, Tiering) or seconds <= 0:
+            return
+        done = await tiering.drain(seconds)
+        if done is None:
+            log.warning("drain: no SSD tier up; the blocks only DRAM holds are not kept")
+            return
+        log.info("drain: %d of %d blocks only DRAM held written to the SSD in %.1f s, %d left",
+                 done.written, done.blocks, done.seconds, done.left,
+                 extra={"drain_blocks": done.blocks, "drain_written": done.written, "drain_left": done.left,
+                        "drain_s": round(done.seconds, 3)})
+
     async def _close_tiers(self) -> None:
         if self.store is not None:
             try:
@@ -307,7 +324,7 @@ class Sidecar:
             log.info("signal received; draining")
             self._step("signalled")
             slab = self.slab
-            limit = self.config.server.shutdown_grace_s + self.config.server.shutdown_watchdog_s
+            limit = self.config.server.stop_bound_s()
             self._watchdog = ShutdownWatchdog(loop, limit, lambda: self.phase, lambda: slab.name if slab else "")
             self._watchdog.start()
         self._step("ending the event loop (asyncio.run cancels leftover tasks, joins the default executor)")

@@ -3,7 +3,7 @@
 A drain that never finishes (a task that does not end when cancelled, a tier that does not answer
 its close) would otherwise keep a signalled sidecar alive until an orchestrator kills it with
 SIGKILL -- without a word about where it stuck. Past the deadline (``server.shutdown_grace_s +
-server.shutdown_watchdog_s``) the watchdog thread writes, to the log stream (stderr), the step the
+server.drain_s + server.shutdown_watchdog_s``) the watchdog thread writes, to the log stream (stderr), the step the
 shutdown is in, every thread's stack and every asyncio task's awaits, removes the shared-memory
 segment, and ends the process with ``EXIT_STUCK``.
 """

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, TypeAlias
 
 import xxhash
 
-from kvstore.util.threads import in_threads, split
+from kvstore.util.threads import _Once, in_threads, split
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,3 +36,30 @@ async def checksums(views: Sequence[Bytes]) -> list[int]:
     calls = [functools.partial(_checksums, views, a, b) for a, b in split(len(views), HASH_THREADS)]
     parts = await in_threads(_pool, calls)
     return [c for part in parts for c in part]
+
+
+def start_checksums(views: Sequence[Bytes]) -> Callable[[], list[int]]:
+    """Start hashing every buffer on the pool's threads (split as :func:`checksums` does) and
+    return the call that waits for them: it returns the checksums in order, and returns (or
+    raises) only once no thread touches the buffers any more. A part no thread has started by
+    then is hashed by the caller (a busy host: no slower than hashing it there at once). For
+    synchronous callers that overlap the hashing with other work (a load's copy,
+    :mod:`connector.core.verified`)."""
+    calls = [functools.partial(_checksums, views, a, b) for a, b in split(len(views), HASH_THREADS)]
+    futs = [_pool.submit(_Once(c)) for c in calls]
+
+    def join() -> list[int]:
+        parts: list[list[int] | None] = [None] * len(futs)
+        started: list[Future[list[int]]] = []  # the parts a pool thread took
+        try:
+            for i, (f, call) in enumerate(zip(futs, calls)):
+                if f.cancel():  # no thread took it yet: hashed here
+                    parts[i] = call()
+                else:
+                    started.append(f)
+        finally:  # after a failure, the parts not reached yet are withdrawn or waited for too
+            started += [f for f, p in zip(futs, parts) if p is None and f not in started and not f.cancel()]
+            wait(started)  # (a cancelled part counts as done only once a thread dequeues it: not waited for)
+        return [c for f, part in zip(futs, parts) for c in (f.result() if part is None else part)]
+
+    return join

@@ -33,6 +33,15 @@ TIER_COUNTERS = (
     "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "demotions_skipped", "promotions", "errors",
     "checksum_failures",
 )
+# Why an eviction dropped a block (no tier holds it afterwards), counted per evicting tier: /stats'
+# ``tiers.<tier>.drops`` and /metrics' ``kvstore_tier_drops_total{tier,reason}``. A closed set.
+DROP_REASONS = (
+    "backlog",  # demotions were behind: the staging buffers (tiering.staging_bytes) were all in flight
+    "refused",  # the tiers below would not take it (full of blocks that may not go, a tenant's quota)
+    "failed",  # its write below failed (an error, an unreadable copy, a stop before it was written)
+    "no_tier",  # no tier below this one is up, or it is the last (a DRAM-only sidecar counts none: all its
+    # evictions are drops)
+)
 
 
 @dataclass(slots=True)
@@ -118,6 +127,7 @@ class Stats:
     namespaces_shown: int = 32  # server.stats_namespaces
     bad_requests: int = 0  # request bodies that did not decode
     tiers: dict[str, Counter[str]] = field(default_factory=lambda: {t: Counter() for t in TIER_LABELS})
+    drops: dict[str, Counter[str]] = field(default_factory=lambda: {t: Counter() for t in TIER_LABELS})
     writes: Counter[str] = field(default_factory=Counter)
     reads: Counter[str] = field(default_factory=Counter)
     cluster: Counter[str] = field(default_factory=Counter)  # kvstore/cluster/: directory, peers, fetches
@@ -159,6 +169,11 @@ class Stats:
     def tier(self, tier: str, counter: str, n: int = 1) -> None:
         self.tiers[tier][counter] += n
 
+    def drop(self, tier: str, reason: str) -> None:
+        """An eviction from ``tier`` dropped a block: no tier holds it now (``reason``: DROP_REASONS)."""
+        assert reason in DROP_REASONS, reason
+        self.drops[tier][reason] += 1
+
     def decision(self, record: dict[str, Any]) -> None:
         kind, _, reason = record.get("outcome", "unknown").partition(":")
         self.decisions[kind] += 1
@@ -178,6 +193,7 @@ class Stats:
         for name in TIER_LABELS:
             c = self.tiers[name]
             entry: dict[str, Any] = {k: c.get(k, 0) for k in TIER_COUNTERS}
+            entry["drops"] = {r: self.drops[name].get(r, 0) for r in DROP_REASONS}
             occ = occupancy.get(name)
             entry["enabled"] = occ is not None
             if occ:

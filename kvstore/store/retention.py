@@ -21,11 +21,13 @@ this module keeps the retained blocks and two bounds on them:
   that fit, or refuses it, making room from lower priorities only.
 
 Every way a block comes to be retained here is held to both: a hint (Commit, Acquire, Retain, a
-peer fetch's whole run), a retention adopted from a peer's directory record (:meth:`adopt`, whose
-end is capped at this clock + a hint's limit), and a retained block promoted into a tier (past its
-bounds there it is promoted unretained: :meth:`recount`). A hint or adoption refused by a tenant's
-bound is counted per tenant (``refused``: the busiest ``shown`` tenants, the rest under ``other``),
-one the total bound cut or refused in the budget's counts.
+peer fetch's whole run), a retention adopted from the peer a block was fetched from (:meth:`adopt`:
+the retention the holder's answer says it holds now, never a directory record's, which a directory
+writer could replay after the holder ended it; its end capped at this clock + a hint's limit),
+and a retained block promoted into a tier (past its bounds there it is promoted unretained:
+:meth:`recount`). A hint or adoption refused by a tenant's bound is counted per tenant
+(``refused``: the busiest ``shown`` tenants, the rest under ``other``), one the total bound cut or
+refused in the budget's counts.
 
 What it costs is a heap's: the bytes retained per tier and tenant are kept as blocks gain or lose
 a retention or a tier (:meth:`recount`, from the index's placement news), the ends wait on a heap
@@ -184,15 +186,24 @@ class Retention:
             self.changed(b)
 
     def adopt(self, b: Block) -> bool:
-        """``b`` came with a retention of its own (a peer's directory record, a copy's): its end
-        capped at this clock + a hint's limit; refused (ended, counted) where it would pass a
-        tenant's bound or the budget cannot afford it (:meth:`recount`). Whether ``b`` is retained now."""
+        """``b`` came with a retention of its own (its holder's, as the holder's fetch answer gave
+        it, or a copy's): its end capped at this clock + a hint's limit; refused (ended, counted)
+        where it would pass a tenant's bound or the budget cannot afford it (:meth:`recount`).
+        Whether ``b`` is retained now."""
         now = self._expire()
         if b.retain_until <= now:
             return False
         b.retain_until = min(b.retain_until, now + MAX_RETAIN_MS / 1000.0)
         self._update(b)
         return b.retain_until > now
+
+    def left(self, b: Block) -> tuple[int, int]:
+        """``b``'s retention now as a peer's fetch answer carries it (:class:`kvstore.wire.peer.Entry`):
+        ms left of it on this clock (0: none) and its priority."""
+        left = b.retain_until - self.clock()
+        if left <= 0:
+            return 0, 0
+        return min(MAX_RETAIN_MS, max(1, int(left * 1000))), b.retain_priority
 
     def recount(self, b: Block, checked: bool = False) -> None:
         """``b``'s tiers or retention changed: its bytes move between the per tier and tenant

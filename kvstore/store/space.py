@@ -161,6 +161,18 @@ class DramSpace:
             if _placed(s)
         ]
 
+    def hottest_first(self) -> list[Block]:
+        """The blocks in DRAM, hottest first: the policy's victims in the order an eviction takes
+        them (the retention's soft pin too), reversed, then any it held out (being written). It
+        empties the policy: for a stop's drain only (:mod:`kvstore.tiers.drain`)."""
+        self.drain_touches()
+        order: list[Block] = []
+        while (b := self.retention.pop_victim(self.policy, None)) is not None:
+            order.append(b)
+        order.reverse()
+        popped = set(order)
+        return order + [b for b in self.policy_blocks() if b not in popped]
+
     def take_slot(self, holder: Block) -> Slot:
         """One slot for ``holder``'s bytes (see :meth:`take`); it holds the slot from now on. With
         tenant quotas its size counts against its tenant's from now on (``Quotas.reserve``), until
@@ -227,7 +239,8 @@ class DramSpace:
     # --- reporting ---------------------------------------------------------------------------
 
     def occupancy(self) -> dict[str, object]:
-        return {**self.slab.occupancy(), "blocks": len(self.policy)}
+        # demotions_in_flight: evicted blocks staged for a tier below, not written there yet
+        return {**self.slab.occupancy(), "blocks": len(self.policy), "demotions_in_flight": len(self.movers.staged)}
 
 
 Tenure = tuple[Slot, int]  # a block's slot, and how many times that slot had been freed (:func:`tenure`)

@@ -73,13 +73,16 @@ class Lane:
 class Demotion:
     """Demotions from DRAM into the levels of one chain, and on down it."""
 
-    def __init__(self, space: DramSpace, levels: Sequence[Level], crew: Crew, removal: Removal) -> None:
+    def __init__(self, space: DramSpace, levels: Sequence[Level], crew: Crew, removal: Removal,
+                 staging_bytes: int = STAGING_LIMIT) -> None:
+        """``staging_bytes``: the most bytes of demotions in flight (``tiering.staging_bytes``); an
+        eviction past it is dropped (counted: ``drops.backlog``)."""
         self.space = space
         self.stats = space.stats
         self.levels = levels
         self.crew = crew
         self.removal = removal
-        self.pool = StagingPool(STAGING_LIMIT)
+        self.pool = StagingPool(staging_bytes)
         self._lanes = {lv: Lane() for lv in levels}
         self._staged: dict[Block, np.ndarray] = {}  # demotions in flight, readable meanwhile
         # Room in the levels (a batch's, a write-through's): never by evicting a block staged here.
@@ -106,6 +109,8 @@ class Demotion:
         # (a retained replica is demoted as any block: the retention is a promise to keep it near)
         target = next((lv for lv in self.levels if not lv.down), None)
         if target is None or target.holds(b):
+            if not b.tiers & ~DRAM:
+                self.stats.drop("dram", "no_tier")
             return  # nowhere to go, or the next tier down has it already
         if self.pool.taken >= SPARE_STAGED and any(lv.holds(b) and not lv.down for lv in self.levels):
             self.stats.tier("dram", "demotions_skipped")
@@ -113,6 +118,8 @@ class Demotion:
         got = self.pool.take(b.size)
         if got is None:
             self.stats.tier(target.name, "errors")
+            if not b.tiers & ~DRAM:
+                self.stats.drop("dram", "backlog")
             return  # demotions are backed up: drop rather than hold unbounded memory
         data, buf = got
         src = self.space.view(b)
@@ -265,8 +272,16 @@ class Demotion:
         """``batch``'s demotions to ``lv`` are over unwritten: out of ``lv``, buffers back (and
         ``batch`` emptied, :meth:`_release_staged`)."""
         for b, _, _ in batch:
-            lv.unplace(b)
+            self._leave(lv, b, "failed")
         self._release_staged(batch)
+
+    def _leave(self, lv: Level, b: Block, reason: str) -> None:
+        """``b``'s demotion to ``lv`` is over unwritten: out of ``lv``; a live block no tier holds
+        now was dropped by DRAM's eviction, for ``reason`` (counted)."""
+        live = b.ns.blocks.get(b.key) is b and b.tiers & lv.bit
+        lv.unplace(b)
+        if live and not b.tiers:
+            self.stats.drop("dram", reason)
 
     def _release_staged(self, batch: list[Staged]) -> None:
         """The one place a demotion's buffer goes back to the pool. ``batch`` is emptied: a list a
@@ -287,5 +302,5 @@ class Demotion:
                 self._queue(target, staged)  # placed there before it leaves lv: never in no tier
                 lv.unplace(b)
             else:
-                lv.unplace(b)
+                self._leave(lv, b, "refused")
                 self._release_staged([staged])

@@ -36,6 +36,7 @@ class Eviction:
         self.stats: Stats = space.stats
         self.levels = levels
         self.staged = staged  # demotions in flight: never a victim (their bytes are not written yet)
+        self.kept: set[Block] = set()  # never a victim either: blocks a stop's drain wrote (kvstore.tiers.drain)
 
     def down_from(self, lv: Level, b: Block) -> Level | None:
         """Where ``b`` goes when it leaves ``lv``: the next level below ``lv`` that is up and does not
@@ -86,10 +87,10 @@ class Eviction:
         prefix-aware one keeps parents for their children)."""
         policy = lv.policy
         assert policy is not None
-        staged = self.staged
+        staged, kept = self.staged, self.kept
 
         def may(x: Block) -> bool:
-            return not x.pinned and x not in staged and ok(x)
+            return not x.pinned and x not in staged and x not in kept and ok(x)
 
         retention = self.space.retention  # the soft pin: a retained block goes last here too
         b = retention.pop_victim(policy, may)
@@ -173,31 +174,39 @@ class Eviction:
         if lv.quotas is not None:
             lv.quotas.evicted(b)
         target = self.down_from(lv, b)
+        reason = "no_tier"  # why it is dropped if no tier holds it after this
         if target is not None and not b.tiers & ~(DRAM | lv.bit):
             try:
-                await self._pass_down(lv, target, b)
+                reason = await self._pass_down(lv, target, b)
             except Unavailable as exc:
                 target.mark_down(exc)
+                reason = "failed"
         # Unplaced (and dropped if no tier holds it) before the await: a lookup meanwhile
         # found a visible block in no tier ("internal error: KeyError: 'none'").
+        live = b.ns.blocks.get(b.key) is b and b.tiers & lv.bit
         lv.unplace(b)
+        if live and not b.tiers:
+            self.stats.drop(lv.name, reason)
         try:
             await lv.tier.delete(lv.ref(b))
         except Unavailable as exc:
             lv.mark_down(exc)
 
-    async def _pass_down(self, lv: Level, target: Level, b: Block) -> None:
-        """``b``'s bytes read back from ``lv`` (checked) and written to ``target``, when it takes them."""
+    async def _pass_down(self, lv: Level, target: Level, b: Block) -> str:
+        """``b``'s bytes read back from ``lv`` (checked) and written to ``target``, when it takes them;
+        the drop reason that applies when it did not ("failed": unreadable, "refused")."""
         buf = np.empty(b.size, dtype=np.uint8)
         async with lv.slots:
             got = await verified_get(lv.tier, lv.ref(b), buf.data, b.checksum or 0)
         if got is None:
-            return
+            return "failed"
         async with self.room(target, [b]) as taken:
-            if taken:
-                meta = target.meta(b)
-                with self.stats.latency.timed("demotion", (target.name,)):  # (a failure is _evict's to handle)
-                    async with target.slots:
-                        await target.tier.put(meta, buf.data)
-                target.place(b)
-                self.stats.tier(lv.name, "demotions")
+            if not taken:
+                return "refused"
+            meta = target.meta(b)
+            with self.stats.latency.timed("demotion", (target.name,)):  # (a failure is _evict's to handle)
+                async with target.slots:
+                    await target.tier.put(meta, buf.data)
+            target.place(b)
+            self.stats.tier(lv.name, "demotions")
+        return "failed"  # (placed: not dropped, the reason goes unused)

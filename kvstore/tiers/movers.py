@@ -36,7 +36,8 @@ from kvstore.store.tenants import Tenants
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import Bounded
 from kvstore.tiers.crew import Crew
-from kvstore.tiers.demotion import Demotion
+from kvstore.tiers.demotion import STAGING_LIMIT, Demotion
+from kvstore.tiers.drain import Drained, drain
 from kvstore.tiers.eviction import Eviction
 from kvstore.tiers.health import Probe
 from kvstore.tiers.level import Level
@@ -85,12 +86,12 @@ def build_levels(space: DramSpace, config: Config, tenants: Tenants | None = Non
 class Tiering:
     """The movers between the DRAM space and the levels below it (a :class:`~kvstore.store.below.Movers`)."""
 
-    def __init__(self, space: DramSpace, levels: list[Level]) -> None:
+    def __init__(self, space: DramSpace, levels: list[Level], staging_bytes: int = STAGING_LIMIT) -> None:
         self.space = space
         self._levels = levels
         self.crew = Crew()
         self.removal = Removal(levels, self.crew)
-        self.demotion = Demotion(space, levels, self.crew, self.removal)
+        self.demotion = Demotion(space, levels, self.crew, self.removal, staging_bytes)
         self.eviction: Eviction = self.demotion.eviction
         self.promotion = Promotion(space, levels, self.crew, self.demotion)
         self.write_through = WriteThrough(space, levels, self.crew, self.eviction)
@@ -106,7 +107,7 @@ class Tiering:
         levels = build_levels(space, config, tenants)
         if not levels:
             return NoMovers()
-        self = cls(space, levels)
+        self = cls(space, levels, config.tiering.staging_bytes)
         await self.recover()
         for lv in levels:
             if lv.quotas is not None and lv.quotas.over():  # quotas lowered since these blocks were written
@@ -168,6 +169,15 @@ class Tiering:
     async def flush(self) -> bool:
         """Wait for demotions, promotions and write-throughs in flight; whether there were any."""
         return await self.crew.flush()
+
+    async def drain(self, seconds: float) -> Drained | None:
+        """At a stop: the blocks only DRAM holds written to the SSD level, hottest first, for at
+        most ``seconds`` (:mod:`kvstore.tiers.drain`); None when there is no SSD level up."""
+        lv = next((lv for lv in self._levels if lv.bit == SSD and not lv.down), None)
+        if lv is None:
+            return None
+        await self.crew.flush()  # the moves in flight first: their deletes free the room they hold on disk
+        return await drain(self.space, lv, self.eviction, seconds)
 
     async def close(self) -> None:
         self.write_through.close()  # the deletes waiting for write-throughs: Unavailable now

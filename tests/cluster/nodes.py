@@ -57,12 +57,14 @@ def client_of(sc: Sidecar) -> KVStoreClient:
 
 
 async def hello_stream(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: str, holder: str = "a", encrypt: bool = False
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, me: str, holder: Sidecar, encrypt: bool = False
 ) -> Frames:
     """The fetcher's side of the peer hello (kvstore.cluster.peer_hello) on a stream, with the
-    cluster token: the holder proves itself, then this side, then the holder's welcome. How the
-    connection's exchanges go on the wire (encrypted when either side asked): requests on it are
-    made with ``frames.request``."""
+    cluster token, to ``holder`` (node "a", at the address its member entry names): the holder
+    proves itself, then this side, then the holder's welcome. How the connection's exchanges go on
+    the wire (encrypted when either side asked): requests on it are made with ``frames.request``."""
+    assert holder.cluster is not None
+    at = holder.cluster.address.encode()
     key, mine, flags = ClusterKey(TOKEN), os.urandom(NONCE_BYTES), peer_hello.ENCRYPT if encrypt else 0
     writer.write(peer_hello.opening(me, mine, flags))
     magic, n, theirs_flags = peer_hello.GREETING.unpack(await reader.readexactly(peer_hello.GREETING.size))
@@ -70,19 +72,20 @@ async def hello_stream(
     theirs, name = rest[:NONCE_BYTES], rest[NONCE_BYTES : NONCE_BYTES + n]
     (incarnation,), proof = peer_hello.INCARNATION.unpack_from(rest, NONCE_BYTES + n), rest[-PROOF_BYTES:]
     both = bytes([flags, theirs_flags])
-    assert (magic, name) == (peer_hello.MAGIC, holder.encode())
-    assert proof == key.proof(peer_hello.HOLDER, mine, theirs, me.encode(), name, incarnation, both)
-    writer.write(key.proof(peer_hello.FETCHER, mine, theirs, me.encode(), name, incarnation, both))
+    assert (magic, name) == (peer_hello.MAGIC, b"a")
+    assert proof == key.proof(peer_hello.HOLDER, mine, theirs, me.encode(), name, incarnation, at, both)
+    writer.write(key.proof(peer_hello.FETCHER, mine, theirs, me.encode(), name, incarnation, at, both))
     assert await reader.readexactly(len(w.WELCOME)) == w.WELCOME
     encrypted = bool((flags | theirs_flags) & peer_hello.ENCRYPT)
-    return peer_frames.frames(key.session(mine, theirs, me.encode(), name, incarnation, both, encrypted), fetcher=True)
+    session = key.session(mine, theirs, me.encode(), name, incarnation, at, both, encrypted)
+    return peer_frames.frames(session, fetcher=True)
 
 
 async def hello_socket(sock: socket.socket, me: str, holder: Sidecar) -> Frames:
     """The fetcher's side of the peer hello on a connected non-blocking socket, as PeerClient says
     it to ``holder`` (node "a", of its incarnation now); how the connection's exchanges go."""
     assert holder.cluster is not None
-    greeted = peer_hello.greet(sock, ClusterKey(TOKEN), me, "a", holder.cluster.incarnation)
+    greeted = peer_hello.greet(sock, ClusterKey(TOKEN), me, "a", holder.cluster.incarnation, holder.cluster.address)
     return peer_frames.frames(await asyncio.wait_for(greeted, 10), fetcher=True)
 
 

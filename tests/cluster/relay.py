@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 class Relay:
     """Forwards every byte both ways to ``target`` (a port on 127.0.0.1, set once known) and records
     what the fetcher sent and what came back. ``flip_back``: the offset (in all the bytes that came
-    back) of one byte it flips on the way, as a party that changes what it relays would (None: none)."""
+    back) of one byte it flips on the way, as a party that changes what it relays would (None: none).
+    ``drop_back``: the offsets (in all the bytes that came back) it does not pass on, as a party
+    that drops a frame would (recorded all the same). ``flip_sent``: as ``flip_back``, in what the
+    fetcher sends."""
 
     target: int = 0
     sent: bytearray = field(default_factory=bytearray)  # fetcher -> holder
@@ -19,6 +22,8 @@ class Relay:
     upstreams: list[asyncio.StreamWriter] = field(default_factory=list)  # to the holder: to inject bytes on
     connections: int = 0
     flip_back: int | None = None
+    drop_back: range = range(0)
+    flip_sent: int | None = None
     port: int = 0
     _server: asyncio.Server | None = None
 
@@ -43,10 +48,14 @@ class Relay:
                 while chunk := await r.read(65536):
                     at = len(log)
                     log += chunk
-                    if flip and self.flip_back is not None and at <= self.flip_back < at + len(chunk):
+                    where = self.flip_back if flip else self.flip_sent
+                    if where is not None and at <= where < at + len(chunk):
                         changed = bytearray(chunk)
-                        changed[self.flip_back - at] ^= 0x01
+                        changed[where - at] ^= 0x01
                         chunk = bytes(changed)
+                    if flip and self.drop_back:
+                        lo, hi = self.drop_back.start - at, self.drop_back.stop - at
+                        chunk = chunk[: max(0, lo)] + chunk[max(0, hi) :] if lo < len(chunk) and hi > 0 else chunk
                     w.write(chunk)
                     await w.drain()
             w.close()

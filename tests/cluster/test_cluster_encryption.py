@@ -96,3 +96,75 @@ async def test_a_byte_flipped_on_the_wire_is_a_miss_caught_by_the_frame_not_the_
             assert relay.connections == 2
     finally:
         await relay.close()
+
+
+async def test_a_block_frame_dropped_on_the_way_is_a_miss_caught_by_the_next_frame_not_the_checksum(
+    tmp_path: Path, directory: DirectoryServer, ns: Namespace
+) -> None:
+    """A relay drops the second block's frame of A's answer whole (tag and all) and passes the rest:
+    B reads the third block's frame where the second's should be, and it does not open (its nonce
+    is the count of frames: a frame out of its place fails as a changed one does). B serves the
+    first block, received whole, and nothing of the second or third; the checksum never had a say.
+    (On 66d9839, in the clear, the third block's bytes were read as the second's and caught by the
+    xxh3 checksum only.)"""
+    keys, data = keys_for(ns, 3, seed=72), blocks(3, seed=72)
+    relay = Relay()
+    await relay.start()
+    try:
+        via = {"cluster.advertise_address": f"127.0.0.1:{relay.port}"}
+        async with Sidecar(directory.config(tmp_path, "a", **via)) as a, \
+                Sidecar(directory.config(tmp_path, "b")) as b, client_of(a) as ca, client_of(b) as cb:
+            assert a.cluster is not None
+            relay.target = a.cluster.server.port
+            hello = peer_hello.GREETING.size + NONCE_BYTES + len(b"a") + peer_hello.INCARNATION.size + PROOF_BYTES
+            head = w.COUNT.size + len(keys) * w.ENTRY.size + MAC_BYTES  # the answer's head
+            frame = BLOCK + MAC_BYTES  # a block of 8 KiB: one frame and its tag
+            second = hello + len(w.WELCOME) + head + frame
+            relay.drop_back = range(second, second + frame)
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            got = await cb.get_blocks(ns, keys, verify=True)
+            stats = (await cb.stats())["cluster"]
+            assert len(relay.back) >= second + 2 * frame, "the relay dropped nothing: the test shows nothing"
+            assert [bytes(g) for g in got] == [bytes(data[0])], "B served a block after the frame dropped"
+            assert stats["fetch_failures"] >= 1 and stats["checksum_failures"] == 0
+            assert stats["blocks_fetched"] == 1
+    finally:
+        await relay.close()
+
+
+async def test_a_relay_that_strips_the_fetchers_wish_for_encryption_gets_no_clear_connection(
+    tmp_path: Path, directory: DirectoryServer, ns: Namespace
+) -> None:
+    """A (the holder) has encryption off, B (the fetcher) on: a relay clears B's flag in B's opening
+    on its way to A, so that A would take the connection for a clear one. A's proof covers the
+    flags as A read them, B checks it against the flags B sent: it fails, and B closes before it
+    sends its proof or a request (were the flags not under the proofs, B would go on and send A an
+    encrypted request A reads as a clear one). No connection in the clear, no root or block through
+    the relay: a miss (and B's next fetch, the relay left alone, is encrypted and gets every block)."""
+    keys, data = keys_for(ns, 3, seed=73), blocks(3, seed=73)
+    relay = Relay()
+    await relay.start()
+    try:
+        via = {"cluster.advertise_address": f"127.0.0.1:{relay.port}"}
+        async with Sidecar(directory.config(tmp_path, "a", **via, **{"cluster.peer_encryption": False})) as a, \
+                Sidecar(directory.config(tmp_path, "b")) as b, client_of(a) as ca, client_of(b) as cb:
+            assert a.cluster is not None and b.config.cluster.peer_encryption
+            relay.target = a.cluster.server.port
+            relay.flip_sent = peer_hello.GREETING.size - 1  # the flags byte of B's opening: ENCRYPT cleared
+            await ca.put_blocks(ns, keys, data, wait_published=True)
+            got = await cb.get_blocks(ns, keys, verify=True)
+            assert got == [], "B fetched over a connection stripped of encryption"
+            stats = (await cb.stats())["cluster"]
+            assert relay.sent[peer_hello.GREETING.size - 1] == peer_hello.ENCRYPT, "B did not ask for encryption"
+            assert stats["fetch_failures"] >= 1 and stats["blocks_fetched"] == 0
+            assert a.cluster.server.served_blocks == 0
+            root = a.store.namespace(ns).root
+            opening = peer_hello.GREETING.size + NONCE_BYTES + len(b"b")
+            assert len(relay.sent) == opening, "B sent more than its opening (its proof, a request)"
+            assert root[:16] not in relay.sent and a.cluster.server.refused == 0
+            relay.flip_sent = None
+            got = await cb.get_blocks(ns, keys, verify=True)
+            assert [bytes(g) for g in got] == [bytes(d) for d in data]
+            assert not any(p in bytes(relay.back) for p in pieces(data)), "the next connection went in the clear"
+    finally:
+        await relay.close()

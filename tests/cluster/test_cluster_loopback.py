@@ -159,14 +159,15 @@ async def test_a_wrong_token_gets_nothing(
             theirs, name = rest[:NONCE_BYTES], rest[NONCE_BYTES : NONCE_BYTES + n]
             (incarnation,) = peer_hello.INCARNATION.unpack_from(rest, NONCE_BYTES + n)
             both = bytes([0, flags])
-            proof = wrong.proof(peer_hello.FETCHER, mine, theirs, b"b", name, incarnation, both)
+            at = a.cluster.address.encode()
+            proof = wrong.proof(peer_hello.FETCHER, mine, theirs, b"b", name, incarnation, at, both)
             writer.write(proof)
             with contextlib.suppress(ConnectionResetError):
                 assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, no welcome
         finally:
             writer.close()
         assert a.cluster.server.refused == 1
-        right = ClusterKey(TOKEN).proof(peer_hello.FETCHER, mine, theirs, b"b", name, incarnation, both)
+        right = ClusterKey(TOKEN).proof(peer_hello.FETCHER, mine, theirs, b"b", name, incarnation, at, both)
         assert (proof, right) in compared
         assert not any(TOKEN.encode() in pair for pair in compared)
         assert w.WELCOME not in rest
@@ -199,7 +200,7 @@ async def test_garbage_on_the_peer_port_drops_that_connection_only(
     ]
     for hello, payload, _ in cases:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        session = await asyncio.wait_for(hello_stream(reader, writer, "x"), 10) if hello else None
+        session = await asyncio.wait_for(hello_stream(reader, writer, "x", a), 10) if hello else None
         writer.write(payload(session))
         writer.write_eof()
         with contextlib.suppress(ConnectionResetError):  # (a reset when it closes with our bytes unread)

@@ -682,12 +682,12 @@ async def test_a_peer_that_stalls_mid_request_holds_its_connection_for_ever(
         try:
             idle_r, idle_w = await asyncio.open_connection("127.0.0.1", port)
             opened.append(idle_w)
-            idle = await asyncio.wait_for(hello_stream(idle_r, idle_w, "idle"), 10)
+            idle = await asyncio.wait_for(hello_stream(idle_r, idle_w, "idle", a), 10)
             request = idle.request(root, [key])
             for partial in (request[:1], request[:-5]):  # one byte of the head; the head and part of the body
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
                 opened.append(writer)
-                await asyncio.wait_for(hello_stream(reader, writer, "staller"), 10)
+                await asyncio.wait_for(hello_stream(reader, writer, "staller", a), 10)
                 writer.write(partial)  # ... and then nothing, the socket left open
                 with contextlib.suppress(ConnectionResetError):
                     # (the bound is for a loaded machine; on the old code the read never ends)
@@ -732,7 +732,7 @@ async def test_a_holder_sends_a_run_only_while_its_lease_holds(
         a.cluster.lend = slow_lend  # type: ignore[method-assign,assignment]
         reader, writer = await asyncio.open_connection("127.0.0.1", a.cluster.server.port)
         try:
-            frames = await asyncio.wait_for(hello_stream(reader, writer, "fetcher"), 10)
+            frames = await asyncio.wait_for(hello_stream(reader, writer, "fetcher", a), 10)
             writer.write(frames.request(a.store.namespace(ns).root, keys))
             await asyncio.wait_for(lent.wait(), 10)
             with contextlib.suppress(ConnectionResetError):

@@ -156,11 +156,11 @@ sys.exit(main(["serve", *sys.argv[1:]]))
 
 
 def test_a_stuck_shutdown_is_ended_by_the_watchdog_with_its_stacks(serve_process, tmp_path):
-    """SIGTERM, then a drain that never ends: past shutdown_grace_s + shutdown_watchdog_s the
+    """SIGTERM, then a close that never ends: past shutdown_grace_s + drain_s + shutdown_watchdog_s the
     sidecar logs the step it stuck in and every task's stack, unlinks its slab and exits 70."""
     cfg = tmp_path / "kvstore.toml"
     cfg.write_text(f'data_dir = "{tmp_path / "d"}"\n[server]\ngrpc_address = "127.0.0.1:0"\n'
-                   'http_address = "127.0.0.1:0"\nshutdown_grace_s = 0.1\nshutdown_watchdog_s = 1.0\n'
+                   'http_address = "127.0.0.1:0"\nshutdown_grace_s = 0.1\ndrain_s = 0\nshutdown_watchdog_s = 1.0\n'
                    f"[dram]\ncapacity_bytes = {16 << 20}\n[ssd]\nenabled = true\n")
     sc = serve_process(["--config", str(cfg)], entry=("-c", STUCK_SERVE))
     ready = sc.ready

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import sys
 import tomllib
 import urllib.parse
@@ -380,3 +381,20 @@ def test_the_router_fronts_each_nodes_engine_with_that_nodes_sidecar():
     assert f"127.0.0.1:{listen}/healthz" in " ".join(svc["healthcheck"]["test"])
     assert svc["healthcheck"]["test"][1:] == DOCKERFILE.stages["router"].healthcheck
     assert "KVSTORE_ROUTER_REVISION" in topo.raw_compose()["services"]["router"]["command"][-1]
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration ("60s", "1m30s", "1h") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001, "us": 1e-6}
+    parts = re.fullmatch(r"(?:\d+(?:\.\d+)?(?:h|ms|us|m|s))+", duration)
+    assert parts, duration
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(h|ms|us|m|s)", duration))
+
+
+def test_every_sidecar_is_given_the_time_its_stop_and_drain_may_take():
+    """docker's SIGKILL comes after the sidecar's stop may have ended (grace, drain_s, watchdog)."""
+    sidecars = {name: cluster_config(name) for name, svc in SERVICES.items() if topo.command(svc)[:1] == ["serve"]}
+    assert set(sidecars) == {"kvstore", "kvstore-a", "kvstore-b"}
+    for name, cfg in sidecars.items():
+        assert cfg.server.drain_s > 0, name
+        assert _seconds(SERVICES[name]["stop_grace_period"]) > cfg.server.stop_bound_s(), name

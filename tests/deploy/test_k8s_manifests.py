@@ -138,3 +138,14 @@ def test_sidecars_form_one_cluster_named_after_their_nodes(tmp_path: Path):
     limit = redis["resources"]["limits"]["memory"]
     assert maxmemory.endswith("gb") and limit.endswith("Mi")
     assert int(maxmemory[:-2]) << 30 < int(limit[:-2]) << 20, "Redis' own overhead fits under the memory limit"
+
+
+def test_the_grace_period_outlasts_the_sidecars_stop_with_its_drain(tmp_path: Path, monkeypatch):
+    """The kubelet's SIGKILL comes after the sidecar's stop may have ended: the gRPC grace, the
+    drain of DRAM's blocks to the SSD (server.drain_s) and the watchdog's bound."""
+    toml = tmp_path / "kvstore.toml"
+    toml.write_text(OBJ[("ConfigMap", "kvstore-config")]["data"]["kvstore.toml"])
+    monkeypatch.setenv("KVSTORE_CLUSTER__TOKEN", "t" * 16)  # (the DaemonSet's, from a Secret)
+    cfg = load_config(toml)
+    assert cfg.server.drain_s > 0
+    assert POD["terminationGracePeriodSeconds"] > cfg.server.stop_bound_s()
