@@ -203,7 +203,8 @@ async def test_an_answer_with_a_retention_no_hint_could_give_is_refused(retain_m
         conn, _ = await loop.sock_accept(listener)
         conn.setblocking(False)
         with conn:
-            _, session = await peer_hello.welcome(conn, key, "a", incarnation)
+            at = f"127.0.0.1:{listener.getsockname()[1]}"  # (the address the fetcher dialled)
+            _, session = await peer_hello.welcome(conn, key, "a", incarnation, at)
             frames = peer_frames.frames(session, fetcher=False)
             head = await peer_wire.recv_bytes(conn, peer_wire.REQUEST.size)
             (n,) = peer_wire.REQUEST.unpack(head)
