@@ -168,3 +168,28 @@ def test_a_hint_judged_beside_many_retained_blocks_costs_its_own_blocks() -> Non
     assert r.work["summed"] - before["summed"] == 2
     assert r.work["examined"] - before.get("examined", 0) <= 2
     assert (r.budget.shortened, r.budget.refused) == (0, 1)
+
+
+def test_a_retained_block_entering_a_full_tier_makes_room_from_lower_priorities_or_goes_unretained() -> None:
+    """Not only hints: a retained block that enters a bounded tier (a demotion, a promotion, an
+    adoption) is held to the same budget there, one block at a time: past it, it makes room from
+    lower priorities (the earliest end first) or stays in the tier unretained."""
+    clock = TraceClock()
+    r = Retention(clock, budget=budget({"dram": 100 * SIZE, "ssd": 4 * SIZE}, 0.5))  # the SSD: 2 blocks
+    index = Index()
+    index.retained = r.recount
+    ns = index.namespace(NamespaceRoot(b"t"), "t")
+    b = [index.add(ns, bytes([i]), b"", SIZE, State.COMMITTED) for i in range(4)]
+    for x in b:
+        x.tiers = DRAM
+    r.retain(b[0:2], 60_000, 0)
+    r.retain(b[2:3], 60_000, 1)
+    r.retain(b[3:4], 60_000, 0)
+    for x in (b[0], b[1], b[3]):  # copied down to the SSD in turn: the third does not fit
+        x.tiers |= SSD
+        index.moved(x)
+    assert retained(b, 0) == [0, 1, 2] and r.budget is not None and r.budget.refused == 1
+    b[2].tiers |= SSD  # priority 1: the earliest end of priority 0 makes room
+    index.moved(b[2])
+    assert retained(b, 0) == [1, 2]
+    assert r.by_tier() == {"dram": {"": 2 * SIZE}, "ssd": {"": 2 * SIZE}}
