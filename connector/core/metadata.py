@@ -8,6 +8,7 @@ request to load or save, into which engine blocks) and packs that into one
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -18,6 +19,15 @@ from kvstore.keys import BlockKey
 class Role(enum.Enum):
     SCHEDULER = "scheduler"
     WORKER = "worker"
+
+
+@dataclass(slots=True, frozen=True)
+class ShardPart:
+    """A further shard's part of a load or save (another tensor-parallel rank or pipeline stage of
+    the engine, each with its own keys): its keys, and for a load the lease on them."""
+
+    keys: tuple[BlockKey, ...]
+    lease: HeldLease | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,10 +42,18 @@ class LoadSpec:
     tiers: tuple[str, ...] = ()  # where the sidecar said each block was, for the cost model
     decision_id: int | None = None
     lease: HeldLease | None = None  # where the blocks lie, leased: read them there, then release it
+    others: tuple[ShardPart, ...] = ()  # shards 1.. of a sharded engine (keys and lease above: shard 0's)
 
     @property
     def first_token(self) -> int:
         return self.first_block * self.block_size
+
+    def shard(self, i: int) -> LoadSpec:
+        """What shard ``i`` loads: its keys and lease in ``keys`` and ``lease``."""
+        if i == 0 or not self.others:
+            return dataclasses.replace(self, others=()) if self.others else self
+        part = self.others[i - 1]
+        return dataclasses.replace(self, keys=part.keys, lease=part.lease, others=())
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,6 +64,13 @@ class SaveSpec:
     keys: tuple[BlockKey, ...]
     block_ids: tuple[int, ...]
     retain_ms: int | None = None  # the request's retention hint (connector/core/hints.py): None, none; 0, end it
+    others: tuple[ShardPart, ...] = ()  # shards 1.. of a sharded engine (keys above: shard 0's)
+
+    def shard(self, i: int) -> SaveSpec:
+        """What shard ``i`` saves: its keys in ``keys``."""
+        if i == 0 or not self.others:
+            return dataclasses.replace(self, others=()) if self.others else self
+        return dataclasses.replace(self, keys=self.others[i - 1].keys, others=())
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,6 +80,10 @@ class ConnectorMetadata:
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves)
+
+    def shard(self, i: int) -> ConnectorMetadata:
+        """The step as shard ``i`` of a sharded engine executes it (its own keys and leases)."""
+        return ConnectorMetadata(tuple(x.shard(i) for x in self.loads), tuple(x.shard(i) for x in self.saves))
 
 
 class Failure(enum.Enum):

@@ -10,8 +10,8 @@ handoff_out: DIR (after request i, its output's ``kv_transfer_params`` go to DIR
 handoff_in: DIR (request i is sent with the ``kv_transfer_params`` in DIR/i.json, as a P/D proxy
 passes a prefill's on to the decode request), params: [dict or null] (request i's own
 ``kv_transfer_params``, a retention hint), skip_cache: bool (``skip_reading_prefix_cache``:
-nothing is loaded, neither from vLLM's own cache nor from the connector -- a recompute)}``, ``out``,
-``pace`` (set by :class:`~kvstore.harness.instance.Instance`).
+nothing is loaded, neither from vLLM's own cache nor from the connector -- a recompute)}``, ``tensor_parallel_size``
+(optional), ``out``, ``pace`` (set by :class:`~kvstore.harness.instance.Instance`).
 """
 
 from __future__ import annotations
@@ -121,6 +121,13 @@ def _shutdown(llm: Any) -> dict[str, Any]:
     return stats
 
 
+def _parallel(spec: dict[str, Any]) -> dict[str, Any]:
+    """``tensor_parallel_size`` (ranks in worker processes of their own, vLLM's ``mp`` executor:
+    the connector's counters then stay in those processes, and ``connector`` reports none)."""
+    tp = int(spec.get("tensor_parallel_size", 1))
+    return {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
+
+
 class _Engine:
     """This process's ``vllm.LLM`` (how long importing vLLM and starting it took), the timers on
     its connector's hooks, and greedy generation of token-id prompts, timed."""
@@ -141,6 +148,7 @@ class _Engine:
             max_num_seqs=spec.get("max_num_seqs", 4), block_size=spec.get("block_size", 32),
             num_gpu_blocks_override=spec.get("num_blocks", 64), enable_prefix_caching=True,
             disable_log_stats=False, seed=0, kv_transfer_config=KVTransferConfig(**kv) if kv else None,
+            **_parallel(spec),
         )
         self.startup_s = time.perf_counter() - t1
         self.hooks = HookTimes(_connectors(self.llm))  # per measured request or batch round: "connector_ms"
