@@ -11,7 +11,8 @@ handoff_in: DIR (request i is sent with the ``kv_transfer_params`` in DIR/i.json
 passes a prefill's on to the decode request), params: [dict or null] (request i's own
 ``kv_transfer_params``, a retention hint), skip_cache: bool (``skip_reading_prefix_cache``:
 nothing is loaded, neither from vLLM's own cache nor from the connector -- a recompute)}``, ``tensor_parallel_size``
-(optional), ``out``, ``pace`` (set by :class:`~kvstore.harness.instance.Instance`).
+(optional), ``max_num_batched_tokens`` (optional: prompts are computed in chunks of it), ``out``,
+``pace`` (set by :class:`~kvstore.harness.instance.Instance`).
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ class _Engine:
         t1 = time.perf_counter()
         self.llm = LLM(
             model=spec["model"], tokenizer=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
-            max_model_len=spec.get("max_model_len", 1024), max_num_batched_tokens=spec.get("max_model_len", 1024),
+            max_model_len=spec.get("max_model_len", 1024),
+            max_num_batched_tokens=spec.get("max_num_batched_tokens", spec.get("max_model_len", 1024)),
             max_num_seqs=spec.get("max_num_seqs", 4), block_size=spec.get("block_size", 32),
             num_gpu_blocks_override=spec.get("num_blocks", 64), enable_prefix_caching=True,
             disable_log_stats=False, seed=0, kv_transfer_config=KVTransferConfig(**kv) if kv else None,

@@ -10,6 +10,10 @@ The three instances run one after the other, with a small KV pool.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,3 +79,45 @@ def test_tp2_prefill_hands_off_to_tp2_decode_and_a_tp1_decode_refuses_it(
     assert c["connector"]["scheduler"].get("handoff_waits", 0) == 0  # refused at once, nothing waited for
     assert ("kv_transfer_params.kvstore.tensor_parallel_size: the prefill instance ran with 2, this instance "
             "with 1") in c["log"]
+
+
+
+SHARDS_OF = """
+import json, sys
+from vllm.config import ModelConfig, ParallelConfig, VllmConfig
+from connector.vllm import parallel_shards
+from kvstore.keys import Namespace
+model = ModelConfig(model=sys.argv[1], tokenizer=sys.argv[1], dtype="float32")
+out = {}
+for tp, pp in ((2, 1), (1, 2), (2, 2)):
+    config = VllmConfig(model_config=model, parallel_config=ParallelConfig(tensor_parallel_size=tp,
+                                                                           pipeline_parallel_size=pp))
+    for layout, dtype in (("vllm_cpu", "float32"), ("vllm_mla", "bfloat16")):
+        ns = Namespace(model="m", kv_layout=layout, dtype=dtype, block_size=64, revision="r")
+        out[f"{tp}/{pp}/{layout}"] = [(s.rank, s.world_size, s.revision, s.root.hex())
+                                        for s in parallel_shards(config, ns)]
+print("SHARDS " + json.dumps(out))
+"""
+
+
+def test_each_rank_and_pipeline_stage_has_a_namespace_naming_it(tiny_model: Path) -> None:
+    """Shard order: pipeline stage, then tensor-parallel rank; a stage names its layers by vLLM's
+    own split of the model's 2 layers; MLA's latent cache has one rank-free shard per stage. (Real
+    ``VllmConfig`` objects, built in a process of its own as every vLLM instance here.)"""
+    from kvstore.harness.instance import VLLM_ENV, repo_pythonpath
+
+    run = subprocess.run([sys.executable, "-c", SHARDS_OF, str(tiny_model)], capture_output=True, text=True,
+                         env={**os.environ, **VLLM_ENV, "PYTHONPATH": repo_pythonpath()}, timeout=600, check=True)
+    [line] = [ln for ln in run.stdout.splitlines() if ln.startswith("SHARDS ")]
+    got = {k: [tuple(s[:3]) for s in v] for k, v in json.loads(line.removeprefix("SHARDS ")).items()}
+    assert got == {
+        "2/1/vllm_cpu": [(0, 2, "r"), (1, 2, "r")],
+        "1/2/vllm_cpu": [(0, 1, "r+layers=0-1"), (0, 1, "r+layers=1-2")],
+        "2/2/vllm_cpu": [(0, 2, "r+layers=0-1"), (1, 2, "r+layers=0-1"), (0, 2, "r+layers=1-2"),
+                         (1, 2, "r+layers=1-2")],
+        "2/1/vllm_mla": [(0, 1, "r")],
+        "1/2/vllm_mla": [(0, 1, "r+layers=0-1"), (0, 1, "r+layers=1-2")],
+        "2/2/vllm_mla": [(0, 1, "r+layers=0-1"), (0, 1, "r+layers=1-2")],
+    }
+    roots = json.loads(line.removeprefix("SHARDS "))["2/2/vllm_cpu"]
+    assert len({s[3] for s in roots}) == 4  # four shards, four key spaces
