@@ -56,6 +56,10 @@ What this module adds is only vLLM's call protocol:
   <connector.core.metadata.ConnectorMetadata.shard>`). A handoff names the prefill's block size
   and parallel sizes; a decode instance that differs in one refuses it with an error naming the
   field (``handoff_refused``) and computes the prompt itself.
+* **MLA** (``MLAAttentionSpec``: DeepSeek's latent cache, layout ``vllm_mla``) is the same on every
+  tensor-parallel rank: one rank-free shard per pipeline stage, written by TP rank 0 and read by
+  every rank. An MLA engine without prefix caching (vLLM's reference CPU MLA backend, which cannot
+  attend to a cached prefix) may only store: a loading role is refused at start, naming ``kv_role``.
 
 Requests with LoRA adapters, multimodal inputs, prompt embeddings or a ``cache_salt`` bypass the
 connector (their KV depends on more than the token ids).
@@ -180,6 +184,17 @@ def kv_spec_and_namespace(
     return spec, ns, layers
 
 
+def cannot_load_mla(role: str) -> str:
+    """Why an MLA engine without prefix caching cannot load. vLLM turns prefix caching (and chunked
+    prefill) off for MLA where its CPU backend cannot attend to a cached prefix (the reference CPU
+    MLA backend, chosen without AMX: its prefill is plain SDPA over the new tokens): loaded blocks
+    would give wrong output, so such an engine only saves."""
+    return (f"kvstore connector: kv_role {role!r}: this MLA engine cannot compute behind a cached prefix (vLLM "
+            "turned prefix caching off for its MLA backend, the reference CPU one without AMX), so loading "
+            "blocks would give wrong output; run it as kv_producer (it stores blocks that engines with prefix "
+            "caching load)")
+
+
 RANK_FREE_LAYOUTS = frozenset({"vllm_mla"})  # the same bytes on every tensor-parallel rank: stored once
 
 
@@ -279,6 +294,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._shape = {"block_size": self.spec.block_size, "tensor_parallel_size": _tp(vllm_config, ns),
                        "pipeline_parallel_size": vllm_config.parallel_config.pipeline_parallel_size}
         self._load = tc.is_kv_consumer  # kv_consumer or kv_both
+        if self._load and ns.kv_layout in RANK_FREE_LAYOUTS and not vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError(cannot_load_mla(str(tc.kv_role)))
         self._save = tc.is_kv_producer  # kv_producer or kv_both
         self.client = SyncClient(self.settings.url, token=self.settings.token or os.environ.get("KVSTORE_TOKEN", ""))
         self._sched: SchedulerConnector | None = None
