@@ -113,13 +113,15 @@ class SchedulerConnector:
         return keys.of(token_ids)
 
     def _shards(self, ns: Namespace) -> tuple[Namespace, ...]:
-        """The further shards' namespaces of a request in ``ns``: the engine's (:attr:`shards`),
-        with the request's ``cache_salt``, so a salted request's every shard is its tenant's."""
+        """The further shards' namespaces of a request in ``ns`` (shard 0's): ``ns`` naming each of
+        the engine's shards (:attr:`shards`: their ``rank``, ``world_size`` and ``revision``, a
+        pipeline stage's layer range), so the request's own fields (its ``cache_salt``: its tenant)
+        hold on every shard."""
         if not self.shards or ns == self.ns:
             return self.shards
-        if replace(ns, cache_salt=self.ns.cache_salt) != self.ns:
-            raise ValueError("a request's namespace may differ from the connector's in cache_salt only")
-        return tuple(replace(shard, cache_salt=ns.cache_salt) for shard in self.shards)
+        if (ns.rank, ns.world_size, ns.revision) != (self.ns.rank, self.ns.world_size, self.ns.revision):
+            raise ValueError("a request's namespace names shard 0: rank, world_size and revision as the connector's")
+        return tuple(replace(ns, rank=s.rank, world_size=s.world_size, revision=s.revision) for s in self.shards)
 
     def _others(self, req_id: str, token_ids: Sequence[int] | np.ndarray, ns: Namespace) -> list[ShardKeys]:
         """The further shards' keys of the request's full blocks (in ``ns``'s shards), as

@@ -59,7 +59,7 @@ def index(url: str) -> dict[str, int]:
 
 def mla_instance(model: Path, kv: dict, phases: list[dict], tp: int, seed: str) -> dict:
     env = {**(TP_ENV if tp > 1 else {}), "PYTHONHASHSEED": seed}
-    return instance(model, kv, phases, env=env, tensor_parallel_size=tp, spec=MLA)
+    return instance(model, kv, phases, env=env, tensor_parallel_size=tp, **MLA)
 
 
 def prefill(model: Path, url: str, handoff: Path, tp: int) -> dict:

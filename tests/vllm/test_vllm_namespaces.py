@@ -41,14 +41,14 @@ def external(result: dict, phase: str) -> list[int]:
 def test_fp8_e4m3_and_e5m2_instances_never_load_each_others_blocks(tiny_model: Path, sidecar) -> None:
     kv = kvstore_config(sidecar.grpc)
     run = [{"name": "run", "prompts": [DOC_1], "max_tokens": NEW}]
-    e4m3 = instance(tiny_model, kv, run, spec={"kv_cache_dtype": "fp8_e4m3"})
+    e4m3 = instance(tiny_model, kv, run, kv_cache_dtype="fp8_e4m3")
     assert external(e4m3, "run") == [0]  # a fresh sidecar
     assert e4m3["connector"]["worker"]["saved_blocks"] == len(DOC_1) // BS
-    e5m2 = instance(tiny_model, kv, run, spec={"kv_cache_dtype": "fp8_e5m2"})
+    e5m2 = instance(tiny_model, kv, run, kv_cache_dtype="fp8_e5m2")
     assert external(e5m2, "run") == [0]  # the e4m3 blocks are another namespace's
     assert e5m2["connector"]["worker"].get("loaded_blocks", 0) == 0
     assert e5m2["connector"]["worker"]["saved_blocks"] == len(DOC_1) // BS  # its own, beside them
-    again = instance(tiny_model, kv, run, spec={"kv_cache_dtype": "fp8"})  # vLLM's alias of fp8_e4m3
+    again = instance(tiny_model, kv, run, kv_cache_dtype="fp8")  # vLLM's alias of fp8_e4m3
     assert external(again, "run") == [loadable(DOC_1)]
     assert outputs(again, "run") == outputs(e4m3, "run")
     dtypes = [r["connector"]["namespace"]["dtype"] for r in (e4m3, e5m2, again)]

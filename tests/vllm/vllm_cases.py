@@ -35,14 +35,15 @@ def fill(seed: int) -> list[list[int]]:
 
 def instance(
     model: Path, kv: dict[str, Any] | None, phases: list[dict[str, Any]], env: dict[str, str] | None = None,
-    tensor_parallel_size: int = 1, spec: dict[str, Any] | None = None,
+    **spec_extra: Any,
 ) -> dict[str, Any]:
-    """Run one instance (``spec``: settings over the defaults here, e.g. ``dtype``, ``block_size``)."""
+    """One vLLM instance's results; ``spec_extra``: more of its spec over the defaults here
+    (kvstore/harness/phases.py), e.g. ``kv_cache_dtype``, ``dtype``, ``tensor_parallel_size``."""
     from kvstore.harness.instance import run_instance
 
-    full = {"model": str(model), "block_size": BS, "num_blocks": POOL, "max_model_len": 1024, "dtype": "float32",
-            "kv_transfer_config": kv, "phases": phases, "tensor_parallel_size": tensor_parallel_size, **(spec or {})}
-    return run_instance(full, env=env, timeout=600)
+    spec = {"model": str(model), "block_size": BS, "num_blocks": POOL, "max_model_len": 1024, "dtype": "float32",
+            "kv_transfer_config": kv, "phases": phases, **spec_extra}
+    return run_instance(spec, env=env, timeout=600)
 
 
 def outputs(result: dict[str, Any], phase: str) -> list[list[int]]:
