@@ -588,7 +588,7 @@ def _op_serve(st: AgentState, ip: str) -> dict[str, Any]:
                     w.recv_into_all(conn, memoryview(head))
                     set_id, n = REQ.unpack(head)
                     views = st.round(set_id)[:n]
-                    answer = w.answer_head([(len(v), 0) for v in views], session)  # the peer path's answer format
+                    answer = w.answer_head([w.Entry(len(v), 0) for v in views], session)  # the peer path's answer
                     session.next()
                     w.send_buffers(conn, [memoryview(answer), *views])  # and its sends: sendmsg of all
 
@@ -644,7 +644,7 @@ def _op_raw(st: AgentState, set_id: int) -> dict[str, Any]:
     sock.sendall(REQ.pack(set_id, len(views)))
     w.recv_into_all(sock, memoryview(head))
     for i, v in enumerate(views):
-        size, _ = w.ENTRY.unpack_from(head, w.COUNT.size + i * w.ENTRY.size)
+        size = w.Entry(*w.ENTRY.unpack_from(head, w.COUNT.size + i * w.ENTRY.size)).size
         if size != len(v):
             raise RuntimeError(f"raw TCP: block {i} of {size} bytes")
         w.recv_into_all(sock, v)  # the peer path's receive: recv_into with MSG_WAITALL

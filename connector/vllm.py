@@ -50,7 +50,7 @@ What this module adds is only vLLM's call protocol:
 * **Salts**: a request's ``cache_salt`` (vLLM's tenant isolation) is its namespace's salt: its keys,
   lookups, loads and saves are that tenant's, so it only ever finds blocks stored under the same
   salt (and counts against that tenant's quotas in the sidecar). Under tensor or pipeline parallel
-  every shard of a salted request is its tenant's (each rank's namespace with the request's salt).
+  every shard of a request is its own (each rank's namespace with the request's salt and adapter).
 * **Tensor and pipeline parallel**: each rank saves and loads its own shard of every block under
   a namespace that names it (:func:`parallel_shards`: ``rank``/``world_size`` = its tensor-parallel
   rank and size, and a pipeline stage's layer range in the revision). The scheduler finds a block
@@ -65,8 +65,16 @@ What this module adds is only vLLM's call protocol:
   every rank. An MLA engine without prefix caching (vLLM's reference CPU MLA backend, which cannot
   attend to a cached prefix) may only store: a loading role is refused at start, naming ``kv_role``.
 
-Requests with LoRA adapters, multimodal inputs or prompt embeddings bypass the connector (their KV
-depends on more than the token ids), as does a salt longer than a namespace field holds; each
+* **LoRA adapters**: a request's adapter is its namespace's ``adapter``, a hash of the adapter's
+  files (:mod:`connector.vllm_request`: vLLM's ``lora_int_id``, name and path do not hold across
+  hosts), so it only finds blocks computed with the same adapter weights, on any host.
+
+* **Multimodal items**: each goes into the keys of the blocks it overlaps, with its position
+  (:func:`connector.vllm_request.media_extras`, as vLLM's ``extra_keys``).
+
+Requests with prompt embeddings bypass the connector (their KV depends on more than the token
+ids), as do a LoRA adapter whose files are not a local directory and a salt
+longer than a namespace field holds; each
 bypass is counted by reason (the worker's ``bypassed_<reason>``, the sidecar's ``/stats``
 ``decisions.bypasses`` and ``/metrics`` ``kvstore_bypasses_total``).
 """
@@ -94,6 +102,7 @@ from connector.core.pipeline import PipelineSlot
 from connector.layout import KVSpec
 from connector.transfer import make_transfer
 from connector.vllm_dtype import cache_dtype_and_scales
+from connector.vllm_request import AdapterHashes, media_extras
 from kvstore.client import SyncClient
 from kvstore.errors import InvalidArgument
 from kvstore.keys import Namespace
@@ -277,10 +286,6 @@ def request_retain_ms(request: Request) -> int | None:
 def bypass_reason(request: Request) -> str | None:
     """Why a request's KV cannot be keyed by its token ids and namespace (one of
     :data:`kvstore.store.counters.BYPASS_REASONS`), or None."""
-    if getattr(request, "lora_request", None):
-        return "lora"
-    if getattr(request, "mm_features", None):
-        return "multimodal"
     if getattr(request, "prompt_embeds", None) is not None:
         return "prompt_embeds"
     return None
@@ -326,6 +331,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             self._waits: dict[str, _Wait] = {}  # requests waiting for announced blocks
             self._handed: set[str] = set()  # requests whose announced blocks were waited for (once each)
             self._bypassed: list[tuple[str, int]] = []  # (reason, prompt blocks) until the next step's metadata
+            self._adapters = AdapterHashes()  # LoRA adapter identities by path
         else:
             from vllm.platforms import current_platform
 
@@ -365,15 +371,21 @@ class KVStoreConnector(KVConnectorBase_V1):
         if req is not None:
             return req
         ns, bypass = self.ns, bypass_reason(request)
+        adapter = self._adapters.of_request(request)  # its LoRA adapter's weights hash ("": none)
+        if adapter is None and bypass is None:
+            bypass = "lora"  # an adapter whose files are not local: no identity that holds across hosts
         salt = getattr(request, "cache_salt", None)
-        if salt and bypass is None:
+        if (salt or adapter) and bypass is None:
             try:
-                ns = replace(self.ns, cache_salt=salt)
+                ns = replace(self.ns, cache_salt=salt or "", adapter=adapter or "")
             except InvalidArgument as exc:  # a salt longer than a namespace field holds
                 log.warning("request %s: %s; served without the cache", request.request_id, exc)
                 bypass = "cache_salt"
         if bypass is not None:
             self._bypassed.append((bypass, request.num_prompt_tokens // self.spec.block_size))
+        elif getattr(request, "mm_features", None):  # its media go into the keys of the blocks they overlap
+            assert self._sched is not None
+            self._sched.set_extras(request.request_id, media_extras(request.mm_features, self.spec.block_size))
         req = self._reqs[request.request_id] = _Req(request, ns, bypass, retain_ms=request_retain_ms(request))
         return req
 

@@ -30,7 +30,7 @@ import functools
 import hashlib
 import struct
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -175,15 +175,15 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
 
 
 def _chain_full_blocks(
-    parent: bytes, data: bytes, block_size: int, first: int, end: int, extras: Sequence[bytes] | None = None
+    parent: bytes, data: bytes, block_size: int, first: int, end: int, extras: Mapping[int, bytes] | None = None
 ) -> list[BlockKey]:
     """Keys of full blocks ``first..end-1`` of the token bytes ``data``, chained from ``parent``
-    (the key of block ``first - 1``, or the root); ``extras[i]`` goes into block ``i``'s key."""
+    (the key of block ``first - 1``, or the root); ``extras[i]`` (if any) goes into block ``i``'s key."""
     step = 4 * block_size
     mv = memoryview(data)
     keys: list[BlockKey] = []
     for i in range(first, end):
-        parent = _chain(parent, mv[i * step : (i + 1) * step], extras[i] if extras is not None else b"")
+        parent = _chain(parent, mv[i * step : (i + 1) * step], extras.get(i, b"") if extras else b"")
         keys.append(parent)
     return keys
 
@@ -203,7 +203,7 @@ def prefix_keys(
             raise ValueError("block_size is required with a bare namespace root")
     data = token_bytes(tokens)
     return _chain_full_blocks(
-        root, data, block_size, 0, len(data) // (4 * block_size), None if extras is None else list(extras)
+        root, data, block_size, 0, len(data) // (4 * block_size), None if extras is None else dict(enumerate(extras))
     )
 
 
@@ -212,10 +212,11 @@ class PrefixKeys:
     :meth:`of` hashes only the full blocks it has not keyed before. Tokens that differ from the
     ones keyed before (compared byte for byte) are keyed from scratch."""
 
-    __slots__ = ("_data", "_keys", "block_size", "root")
+    __slots__ = ("_data", "_extras", "_keys", "block_size", "root")
 
-    def __init__(self, ns: Namespace) -> None:
-        self.root, self.block_size = ns.root, ns.block_size
+    def __init__(self, ns: Namespace, extras: Mapping[int, bytes] | None = None) -> None:
+        """``extras``: block index -> the extra bytes in its key (multimodal items it overlaps)."""
+        self.root, self.block_size, self._extras = ns.root, ns.block_size, extras
         self._data = b""  # the token bytes of the full blocks in _keys
         self._keys: list[BlockKey] = []
 
@@ -229,7 +230,7 @@ class PrefixKeys:
             self._data, self._keys, known = b"", [], 0
         if n > known:
             parent = self._keys[known - 1] if known else self.root
-            self._keys.extend(_chain_full_blocks(parent, data, self.block_size, known, n))
+            self._keys.extend(_chain_full_blocks(parent, data, self.block_size, known, n, self._extras))
             self._data = data[: n * step]
         return self._keys[:n]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -110,12 +110,8 @@ def load_blocks(
                     len(spec.keys) - n,
                     len(spec.keys),
                 )
-            sums = getattr(lease, "checksums", None)
-            if verify and sums is not None:  # each chunk checked before its copy, hashed during the last one's
-                bad = scatter_verified(transfer, kv, spec.block_ids[:n], views, sums[:n])
-            else:
-                bad = None
-                transfer.scatter(kv, spec.block_ids[:n], views).wait()  # before the lease ends
+            sums = getattr(lease, "checksums", None) if verify else None
+            bad = _copy_in(transfer, kv, spec.block_ids[:n], views, sums)
             if bad is not None:
                 n, failure = bad, Failure.CHECKSUM
                 log.warning(
@@ -141,6 +137,18 @@ def load_blocks(
         seconds=time.perf_counter() - t0,
         nbytes=loaded * kv.spec.block_bytes,
     )
+
+
+def _copy_in(
+    transfer: Transfer, kv: PagedKV, block_ids: Sequence[int], views: Sequence[Any], sums: Sequence[int] | None
+) -> int | None:
+    """Copy ``views`` into ``block_ids`` before the lease ends. With ``sums`` (verifying), each chunk
+    is checked before its copy, hashed during the last one's: the index of the first block that
+    failed (nothing from it on copied), else None."""
+    if sums is not None:
+        return scatter_verified(transfer, kv, block_ids, views, sums[: len(views)])
+    transfer.scatter(kv, block_ids, views).wait()
+    return None
 
 
 def _placed(alloc: AllocationLike) -> PlacedAllocationLike | None:

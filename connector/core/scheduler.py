@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -100,6 +100,7 @@ class SchedulerConnector:
         self._keys: dict[str, PrefixKeys] = {}  # req -> its keys so far (lookup, then each save)
         # req -> the further shards' keys, as _keys (under the root of the request's namespace)
         self._shard_keys: dict[str, tuple[NamespaceRoot, list[tuple[Namespace, PrefixKeys]]]] = {}
+        self._extras: dict[str, Mapping[int, bytes]] = {}  # req -> block index -> extra key bytes (media)
         self._early: dict[str, Pending] = {}  # req -> its lookup, sent when the engine added it
 
     def keys(self, token_ids: Sequence[int] | np.ndarray) -> list[BlockKey]:
@@ -109,7 +110,7 @@ class SchedulerConnector:
         """``prefix_keys(ns, token_ids)``, each block hashed once per request (its token ids only grow)."""
         keys = self._keys.get(req_id)
         if keys is None or keys.root != ns.root:
-            keys = self._keys[req_id] = PrefixKeys(ns)
+            keys = self._keys[req_id] = PrefixKeys(ns, self._extras.get(req_id))
         return keys.of(token_ids)
 
     def _shards(self, ns: Namespace) -> tuple[Namespace, ...]:
@@ -130,8 +131,16 @@ class SchedulerConnector:
             return []
         entry = self._shard_keys.get(req_id)
         if entry is None or entry[0] != ns.root:  # (keyed by the request's own namespace, shard 0's)
-            entry = self._shard_keys[req_id] = (ns.root, [(shard, PrefixKeys(shard)) for shard in self._shards(ns)])
+            extras = self._extras.get(req_id)  # a block's media are in every shard's key of it
+            entry = self._shard_keys[req_id] = (ns.root, [(s, PrefixKeys(s, extras)) for s in self._shards(ns)])
         return [ShardKeys(shard, keys.of(token_ids)) for shard, keys in entry[1]]
+
+    def set_extras(self, req_id: str, extras: Mapping[int, bytes]) -> None:
+        """The extra bytes that go into the keys of the request's blocks (block index -> bytes:
+        the multimodal items each overlaps), before its first lookup; kept until it finishes."""
+        self._extras[req_id] = extras
+        self._keys.pop(req_id, None)
+        self._shard_keys.pop(req_id, None)
 
     def on_new_request(
         self, req_id: str, token_ids: Sequence[int] | np.ndarray, ns: Namespace | None = None
@@ -325,6 +334,7 @@ class SchedulerConnector:
             saving = req_id in self._saving
         self._keys.pop(req_id, None)
         self._shard_keys.pop(req_id, None)
+        self._extras.pop(req_id, None)
         self._drop_early(req_id)
         self._release(req_id, *leases)
         return saving

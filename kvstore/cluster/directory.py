@@ -76,7 +76,9 @@ from kvstore.wire.resp_pipe import PipelinedLink, ReplyError, tcp_settings
 
 _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum (0: not sealed)
 # An optional trailing field, only on a retained block's record: its retention's end in ms since
-# the epoch (the holder's wall clock) and its priority (kvstore/store/retention.py).
+# the epoch (the holder's wall clock) and its priority (kvstore/store/retention.py). For whoever
+# reads the directory: no node adopts it (a directory writer can put back one its holder has ended
+# since); a fetcher takes the retention from the holder's answer (kvstore/wire/peer.py).
 _RETAIN = struct.Struct("<QB")
 ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
 MEMBER_MARK = MEMBER_VERSION.encode()  # how a member entry of this version begins

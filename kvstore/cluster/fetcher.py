@@ -6,7 +6,8 @@ joins the local index as placed there (``BlockStore.exchange.adopt``; the movers
 it as any promotion). A block only another node holds is fetched from it over the peer data path
 straight into a local slot reserved for it (``BlockStore.exchange.reserve``), checked against the
 holder's checksum and the directory's, and settled: the leading run that arrived intact is kept as
-replicas (``Block.replica``: dropped, not demoted, when DRAM evicts it), every other slot freed.
+replicas (``Block.replica``: dropped, not demoted, when DRAM evicts it) with the retention the
+holder's answer says it holds now (not the directory record's), every other slot freed.
 
 Why the fetch runs in a task of its own: a cancelled Acquire must not leave its reservation open;
 only :meth:`Fetcher.close` (before the store goes away) ends a fetch in flight, and no slot is
@@ -20,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvstore.cluster.directory import Member, Oversized, Record
 from kvstore.cluster.membership import Membership
@@ -34,6 +36,16 @@ from kvstore.util.tasks import cancel_and_wait
 
 log = logging.getLogger("kvstore.cluster.node")  # (the node's logger: its parts log as the node did)
 SHARED = REDIS | S3
+
+
+class Arrived(NamedTuple):
+    """A block that arrived intact: its checksum, and its holder's retention of it as the holder's
+    answer gave it (ms left, priority; 0 ms: none), which this node adopts (never a directory
+    record's: a directory writer can put back one its holder has ended since)."""
+
+    checksum: int
+    retain_ms: int
+    priority: int
 
 
 def _rank(tiers: int) -> int:
@@ -138,7 +150,7 @@ class Fetcher:
                 break  # (the run goes through at most that many nodes: a miss from here)
             through.add(m.node)
             previous = m.node
-            peers.append(PeerBlock(m.node, rec.tiers, rec.size, rec.checksum, rec.retain_until_ms, rec.retain_priority))
+            peers.append(PeerBlock(m.node, rec.tiers, rec.size, rec.checksum))  # (not its retention: the answer's)
         self.stats["blocks_adopted"] += adopted
         return adopted, peers
 
@@ -250,17 +262,17 @@ class Fetcher:
         return placed
 
     def _settle(
-        self, reservation: Reservation, groups: list[tuple[int, int]], tasks: list[asyncio.Task[list[int]]]
+        self, reservation: Reservation, groups: list[tuple[int, int]], tasks: list[asyncio.Task[list[Arrived]]]
     ) -> int:
         """Settle ``reservation`` with the checksums of its leading run that arrived intact (each
         holder's leading blocks in intact, up to the first holder's run that came short)."""
-        sums: list[int] = []
+        arrived: list[Arrived] = []
         for (start, stop), t in zip(groups, tasks):
             got = _got(t)
-            sums += got
+            arrived += got
             if len(got) < stop - start:
                 break
-        placed = reservation.settle(sums)
+        placed = reservation.settle([a.checksum for a in arrived], [(a.retain_ms, a.priority) for a in arrived])
         self.stats["blocks_fetched"] += placed
         self.stats["bytes_fetched"] += sum(pb.size for pb in reservation.holders[:placed])
         return placed
@@ -294,9 +306,9 @@ class Fetcher:
             self._peers[node] = client
         return client
 
-    async def _fetch_group(self, reservation: Reservation, start: int, stop: int) -> list[int]:
-        """Fetch one holder's consecutive blocks; the checksums of the leading ones that arrived
-        intact. A failure of any kind is a miss for this holder's run, never the request's error."""
+    async def _fetch_group(self, reservation: Reservation, start: int, stop: int) -> list[Arrived]:
+        """Fetch one holder's consecutive blocks; the leading ones that arrived intact. A failure
+        of any kind is a miss for this holder's run, never the request's error."""
         node = reservation.holders[start].node
         try:
             return await self._fetch_run(reservation, start, stop)
@@ -307,7 +319,7 @@ class Fetcher:
             )
             return []
 
-    async def _fetch_run(self, reservation: Reservation, start: int, stop: int) -> list[int]:
+    async def _fetch_run(self, reservation: Reservation, start: int, stop: int) -> list[Arrived]:
         holders = reservation.holders[start:stop]
         node = holders[0].node
         client = self._client(node)
@@ -328,7 +340,7 @@ class Fetcher:
         elif len(got) < len(holders):  # the holder could not lend the rest now (or no longer holds it:
             self.stats["fetch_misses"] += len(holders) - len(got)  # then it unlists it itself, see lend)
         sums = result.hashes
-        intact: list[int] = []
+        intact: list[Arrived] = []
         for j, (sent, actual) in enumerate(zip(got, sums)):
             expected = holders[j].checksum
             if actual != sent or (expected and actual != expected):
@@ -342,15 +354,15 @@ class Fetcher:
                     expected,
                 )
                 return intact
-            intact.append(actual)
+            intact.append(Arrived(actual, *result.retained[j]))
         return intact
 
 
-async def _until_cut(tasks: list[asyncio.Task[list[int]]], sizes: list[int]) -> None:
+async def _until_cut(tasks: list[asyncio.Task[list[Arrived]]], sizes: list[int]) -> None:
     """Wait until every one of ``tasks`` (one holder's run each, of ``sizes`` blocks) has ended;
     when one ends short, cancel those after it (their blocks could not join the leading run)."""
     at = {t: i for i, t in enumerate(tasks)}
-    left: set[asyncio.Task[list[int]]] = set(tasks)
+    left: set[asyncio.Task[list[Arrived]]] = set(tasks)
     while left:
         done, left = await asyncio.wait(left, return_when=asyncio.FIRST_COMPLETED)
         for t in done:
@@ -360,7 +372,7 @@ async def _until_cut(tasks: list[asyncio.Task[list[int]]], sizes: list[int]) -> 
                     later.cancel()
 
 
-async def _ended(tasks: list[asyncio.Task[list[int]]]) -> None:
+async def _ended(tasks: list[asyncio.Task[list[Arrived]]]) -> None:
     """Cancel ``tasks`` and wait until every one has ended, through any further cancellation of
     the caller (which the caller re-raises): a fetch's I/O thread writes into slots until then."""
     for t in tasks:
@@ -370,9 +382,8 @@ async def _ended(tasks: list[asyncio.Task[list[int]]]) -> None:
             await asyncio.wait(tasks)
 
 
-def _got(t: asyncio.Task[list[int]]) -> list[int]:
-    """The checksums of the leading blocks a holder's fetch got in intact: none for one cancelled
-    (or that failed)."""
+def _got(t: asyncio.Task[list[Arrived]]) -> list[Arrived]:
+    """The leading blocks a holder's fetch got in intact: none for one cancelled (or that failed)."""
     if not t.done() or t.cancelled() or t.exception() is not None:
         return []
     return t.result()

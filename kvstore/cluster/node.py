@@ -227,7 +227,7 @@ class ClusterNode:
         if loan is None:
             return NOTHING_LENT
         self.stats["blocks_lent"] += len(loan.blocks)
-        return Lent(loan.blocks, loan.release, loan.left_s)
+        return Lent(loan.blocks, loan.release, loan.left_s, loan.retained)
 
 
 def _advertised(peer_address: str, port: int) -> str:

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -28,6 +28,7 @@ from kvstore.cluster import peer_frames, peer_hello
 from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey
 from kvstore.cluster.peer_frames import Frames
 from kvstore.store.checksum import checksum
+from kvstore.store.retention import MAX_RETAIN_MS, PRIORITIES
 from kvstore.util.address import split_host_port
 from kvstore.wire import peer as w
 
@@ -43,6 +44,7 @@ HOLDER_THREADS = w.IO_THREADS // 4
 class FetchResult:
     checksums: list[int]  # the holder's checksum of each block received in full, in order
     hashes: list[int]  # the checksum of the bytes that arrived, block by block
+    retained: list[tuple[int, int]] = field(default_factory=list)  # the holder's retention of each (ms left, priority)
     error: str = ""  # why the run ended early ("" when every block came, or the holder had no more)
 
 
@@ -151,8 +153,8 @@ def _exchange(
 ) -> None:
     """Send ``request`` and read its answer into ``into`` (blocking; on an I/O thread). The
     answer's head must carry the connection's MAC (or open under its key, and each block frame
-    too). Each block is hashed as soon as it is in; ``out`` holds every block received in full
-    when this raises."""
+    too), and each entry a retention a hint could have given. Each block is hashed as soon as
+    it is in; ``out`` holds every block received in full when this raises."""
     sock.sendall(request)
     count = w.recv_all(sock, w.COUNT.size)
     (m,) = w.COUNT.unpack(count)
@@ -161,12 +163,17 @@ def _exchange(
     entries = frames.opened_answer(count, w.recv_all(sock, m * w.ENTRY.size + MAC_BYTES))
     if entries is None:
         raise w.PeerProtocolError("an answer not sealed with this connection's key (sent by another party)")
-    heads = [w.ENTRY.unpack_from(entries, i * w.ENTRY.size) for i in range(m)]
-    for (size, _), view in zip(heads, into):
+    heads: list[w.Fields] = list(w.ENTRY.iter_unpack(entries))
+    for (size, _, ms, priority), view in zip(heads, into):
         if size != view.nbytes:
             raise w.PeerProtocolError(f"block of {size} bytes where {view.nbytes} were expected")
-    for (_, sent), view in zip(heads, into):
+        if ms > MAX_RETAIN_MS or priority >= PRIORITIES:
+            raise w.PeerProtocolError(
+                f"retention of {ms} ms, priority {priority} (0..{MAX_RETAIN_MS}, 0..{PRIORITIES - 1})"
+            )
+    for (_, sent, ms, priority), view in zip(heads, into):
         frames.recv_block(sock, memoryview(view).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
         out.checksums.append(sent)
         out.hashes.append(checksum(view))
+        out.retained.append((ms, priority))
     frames.next()

@@ -8,9 +8,10 @@ wire (:mod:`kvstore.wire.peer`) are the same lengths either way, except the payl
 
     request  u32 n (clear, authenticated), then the namespace root and the n keys encrypted, and
              their tag (16 bytes, where the clear request has its MAC)
-    answer   u32 m (clear, authenticated), then the m (size, checksum) entries encrypted and their
-             tag (where the clear head has its MAC), then each block in frames of at most
-             :data:`FRAME_BYTES` of it, each frame encrypted and followed by its tag
+    answer   u32 m (clear, authenticated), then the m entries (size, checksum, retention)
+             encrypted and their tag (where the clear head has its MAC), then each block in
+             frames of at most :data:`FRAME_BYTES` of it, each frame encrypted and followed by
+             its tag
 
 AES-256-GCM (``cryptography``: about 10 GB/s a core with AES-NI here, ChaCha20-Poly1305 about 3),
 one key per direction (HKDF of the connection's key: :meth:`~kvstore.cluster.cluster_key.Session.keys`),
@@ -106,11 +107,11 @@ class Clear:
         body, mac = body[:-MAC_BYTES], body[-MAC_BYTES:]
         return body if self.session.check(w.ASKED, head + body, mac) else None
 
-    def answer_head(self, blocks: list[tuple[int, int]]) -> bytes:
+    def answer_head(self, blocks: Sequence[w.Fields]) -> bytes:
         return w.answer_head(blocks, self.session)
 
     def opened_answer(self, count: bytes, rest: bytes) -> bytes | None:
-        """An answer's (size, checksum) entries (``rest`` after ``count``), or None where they do not check out."""
+        """An answer's entries (``rest`` after ``count``), or None where they do not check out."""
         entries, mac = rest[:-MAC_BYTES], rest[-MAC_BYTES:]
         return entries if self.session.check(w.ANSWERED, count + entries, mac) else None
 
@@ -141,9 +142,9 @@ class Sealed:
     def opened_request(self, head: bytes, body: bytes) -> bytes | None:
         return self._recv.open(body, head)
 
-    def answer_head(self, blocks: list[tuple[int, int]]) -> bytes:
+    def answer_head(self, blocks: Sequence[w.Fields]) -> bytes:
         count = w.COUNT.pack(len(blocks))
-        return count + self._send.seal(b"".join(w.ENTRY.pack(size, c) for size, c in blocks), count)
+        return count + self._send.seal(w.entries(blocks), count)
 
     def opened_answer(self, count: bytes, rest: bytes) -> bytes | None:
         return self._recv.open(rest, count)

@@ -59,14 +59,16 @@ MAX_CONNECTIONS = 256
 
 class Lent(NamedTuple):
     """A run lent to be sent: its blocks as (checksum, bytes), what to call once they are sent (the
-    lease's release), and the seconds left of the lease, now (the send is over by then)."""
+    lease's release), the seconds left of the lease, now (the send is over by then), and each
+    block's retention here now (ms left, priority: the answer tells the fetcher, which adopts it)."""
 
     blocks: list[tuple[int, np.ndarray]]
     release: Callable[[], None]
     left_s: Callable[[], float]
+    retained: list[tuple[int, int]]
 
 
-NOTHING_LENT = Lent([], lambda: None, lambda: math.inf)  # (no lease: the send has send_timeout_s)
+NOTHING_LENT = Lent([], lambda: None, lambda: math.inf, [])  # (no lease: the send has send_timeout_s)
 
 
 class Lender(Protocol):
@@ -241,7 +243,9 @@ class PeerServer:
         lent = await self.lender.lend(root, keys)
         try:
             blocks = lent.blocks
-            answer = frames.answer_head([(data.nbytes, checksum) for checksum, data in blocks])
+            answer = frames.answer_head(
+                [(data.nbytes, checksum, *held) for (checksum, data), held in zip(blocks, lent.retained)]
+            )
             # (a 1-D uint8 array is a buffer; numpy's stubs do not say so before Python 3.12)
             payload = [memoryview(data) for _, data in blocks]  # type: ignore[arg-type]
             budget = min(self.send_timeout_s, lent.left_s())  # the slots are ours until the lease ends

@@ -3,7 +3,8 @@
 write the results JSON.
 
 Spec: ``model``, ``block_size``, ``num_blocks``, ``max_model_len``, ``dtype``, ``kv_cache_dtype`` (vLLM's
-``--kv-cache-dtype``, default ``auto``), ``enable_prompt_embeds``, ``kv_transfer_config``
+``--kv-cache-dtype``, default ``auto``), ``enable_prompt_embeds``, ``enable_lora`` (with ``max_lora_rank``,
+default 8), ``kv_transfer_config``
 (dict or null), ``phases``: list of ``{name, prompts: [[token ids]], max_tokens, batch: bool, evict:
 [[token ids]] (run before each prompt, or before the batch), stats: bool (per-request
 prompt_tokens_by_source deltas), paced: bool (each request or batch round waits for its turn),
@@ -12,9 +13,10 @@ handoff_in: DIR (request i is sent with the ``kv_transfer_params`` in DIR/i.json
 passes a prefill's on to the decode request), params: [dict or null] (request i's own
 ``kv_transfer_params``, a retention hint), skip_cache: bool (``skip_reading_prefix_cache``:
 nothing is loaded, neither from vLLM's own cache nor from the connector -- a recompute), salts: [str or
-null] (request i's ``cache_salt``), embeds: bool (each request is sent as random prompt embeddings, one
-per token of its prompt)}``, ``tensor_parallel_size`` (optional), ``max_num_batched_tokens`` (optional:
-prompts are computed in chunks of it), ``out``,
+null] (request i's ``cache_salt``), adapters: [[name, id, path] or null] (request i's LoRA adapter, as
+vLLM's ``LoRARequest(name, id, path)``; needs ``enable_lora``), embeds: bool (each request is sent as
+random prompt embeddings, one per token of its prompt)}``, ``tensor_parallel_size`` (optional),
+``max_num_batched_tokens`` (optional: prompts are computed in chunks of it), ``out``,
 ``pace`` (set by :class:`~kvstore.harness.instance.Instance`).
 """
 
@@ -154,6 +156,8 @@ class _Engine:
             num_gpu_blocks_override=spec.get("num_blocks", 64), enable_prefix_caching=True,
             kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
             enable_prompt_embeds=bool(spec.get("enable_prompt_embeds", False)),
+            **({"enable_lora": True, "max_lora_rank": spec.get("max_lora_rank", 8), "max_loras": 2}
+               if spec.get("enable_lora") else {}),
             disable_log_stats=False, seed=0, kv_transfer_config=KVTransferConfig(**kv) if kv else None,
             **_parallel(spec),
         )
@@ -162,7 +166,7 @@ class _Engine:
 
     def gen(
         self, prompts: list[list[int]], max_tokens: int, params: dict[str, Any] | None = None, skip: bool = False,
-        salt: str | None = None, embeds: bool = False,
+        salt: str | None = None, embeds: bool = False, adapter: list[Any] | None = None,
     ) -> tuple[list[Any], float]:
         sp = self._params(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                           extra_args={"kv_transfer_params": params} if params else None,
@@ -173,7 +177,12 @@ class _Engine:
             for prompt in inputs:
                 prompt["cache_salt"] = salt
         t = time.perf_counter()
-        outs = self.llm.generate(inputs, sp, use_tqdm=False)
+        lora = None
+        if adapter:
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(str(adapter[0]), int(adapter[1]), str(adapter[2]))
+        outs = self.llm.generate(inputs, sp, use_tqdm=False, lora_request=lora)
         return outs, time.perf_counter() - t
 
 
@@ -221,7 +230,9 @@ def _requests(eng: _Engine, ph: dict[str, Any], pace: dict[str, int] | None) -> 
         before = _by_source(eng.llm) if ph.get("stats", True) else {}
         eng.hooks.take()
         salt = ph["salts"][i] if ph.get("salts") else None
-        [o], dt = eng.gen([p], ph["max_tokens"], params, bool(ph.get("skip_cache")), salt, bool(ph.get("embeds")))
+        adapter = ph["adapters"][i] if ph.get("adapters") else None
+        [o], dt = eng.gen([p], ph["max_tokens"], params, bool(ph.get("skip_cache")), salt, bool(ph.get("embeds")),
+                          adapter)
         wall += dt
         if ph.get("handoff_out"):
             write_handoff(ph["handoff_out"], i, o.kv_transfer_params)

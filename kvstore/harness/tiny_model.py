@@ -234,3 +234,32 @@ def _random_model(config: Any, tokenizer: PreTrainedTokenizerFast, seed: int, dt
         do_sample=False,
     )
     return model
+
+
+def build_tiny_lora(out_dir: str | Path, base: str | Path, *, seed: int, rank: int = 8, scale: float = 0.5) -> Path:
+    """Write a PEFT LoRA adapter for the tiny Llama at ``base`` to ``out_dir``: ``adapter_config.json``
+    and ``adapter_model.safetensors`` with random A and B matrices (seeded by ``seed``, entries of
+    std ``scale``) on every layer's ``q_proj`` and ``v_proj``. Returns ``out_dir`` as a ``Path``."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(base) / "config.json").read_text())
+    hidden, heads, kv_heads = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    shapes = {"q_proj": (hidden, heads * head_dim), "v_proj": (hidden, kv_heads * head_dim)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, (d_in, d_out) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * scale
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(shapes),
+        "bias": "none", "base_model_name_or_path": str(base)}))
+    return out

@@ -6,11 +6,12 @@ blocks lent out to a peer, and the use counts the cluster's ghosts carry.
   the cluster's, which :func:`kvstore.store.audit.audit` knows); the peer data path writes their
   bytes into :meth:`Reservation.views`; :meth:`Reservation.settle` places the leading run that
   arrived intact as replicas (with the checksum they arrived with and what is left of the
-  holder's retention) and frees every other slot.
+  holder's retention, as its answer said) and frees every other slot.
 - **Adopt** (a shared tier's block): a block another node wrote to a Redis or S3 tier this node
   has joins the index as placed there (the movers read and verify it as any promotion).
 - **Lend** (the holder's side of a fetch): the run is promoted into DRAM, leased, sealed where it
-  was not, and handed out as views with the call that releases the lease.
+  was not, and handed out as views with the call that releases the lease and each block's
+  retention now (the fetcher adopts that, not the directory's record of it).
 
 Why a door of its own: the cluster (``kvstore/cluster/``) works on the store only through these
 calls and read-only lookups, so placing, pinning and sealing stay where the state layer does them
@@ -20,7 +21,6 @@ or the movers.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -55,10 +55,13 @@ class Reservation:
         """The slots of blocks ``start`` to ``stop``, to be written into."""
         return [self.exchange.space.view(b) for b in self.blocks[start:stop]]
 
-    def settle(self, sums: Sequence[int]) -> int:
+    def settle(self, sums: Sequence[int], retained: Sequence[tuple[int, int]] = ()) -> int:
         """The leading ``len(sums)`` blocks arrived intact with these checksums: placed in DRAM
-        as replicas, visible; every other block's slot goes back (it was never visible). How many
-        were placed. The reservation is closed."""
+        as replicas, visible, each with what is left of its holder's retention (``retained``:
+        (ms left, priority) of each, as the holder's answer gave them; a block past its end is
+        placed unretained);
+        every other block's slot goes back (it was never visible). How many were placed. The
+        reservation is closed."""
         self.exchange.closed(self)
         index, space = self.exchange.index, self.exchange.space
         for j, b in enumerate(self.blocks):
@@ -69,18 +72,20 @@ class Reservation:
             b.replica = True
             index.publish(b)
             space.place(b)
-            self.exchange.retained_as(b, self.holders[j])
+            if j < len(retained):
+                self.exchange.retained_as(b, *retained[j])
         return min(len(sums), len(self.blocks))
 
 
 @dataclass(slots=True, frozen=True)
 class Loan:
-    """A run lent to a peer: its blocks as (checksum, bytes), the call that ends the lease, and
-    the seconds left of it."""
+    """A run lent to a peer: its blocks as (checksum, bytes), the call that ends the lease, the
+    seconds left of it, and each block's retention here now (ms left, priority; 0 ms: none)."""
 
     blocks: list[tuple[int, np.ndarray]]
     release: Callable[[], None]
     left_s: Callable[[], float]
+    retained: list[tuple[int, int]]
 
 
 class Exchange:
@@ -124,12 +129,13 @@ class Exchange:
     def closed(self, reservation: Reservation) -> None:
         self.reservations.discard(reservation)
 
-    def retained_as(self, b: Block, holder: PeerBlock) -> None:
-        """A fetched block keeps what is left of its holder's retention (the record's), on this
-        node's clock (the two hosts' wall clocks are taken to agree)."""
-        left = holder.retain_until_ms / 1000 - time.time()
-        if holder.retain_until_ms and left > 0:
-            b.retain_until, b.retain_priority = self.clock() + left, holder.retain_priority
+    def retained_as(self, b: Block, left_ms: int, priority: int) -> None:
+        """A fetched block keeps what is left of its holder's retention: ``left_ms`` from now on
+        this node's clock, as the holder's answer to the fetch said (no wall clocks compared). Not
+        the directory record's: a directory writer can put back a record of a retention its
+        holder has ended since, and it would be taken up again (docs/security.md)."""
+        if left_ms > 0:
+            b.retain_until, b.retain_priority = self.clock() + left_ms / 1000, priority
             self.retention.adopt(b)
 
     # --- a shared tier's block --------------------------------------------------------------
@@ -191,7 +197,8 @@ class Exchange:
                         release()
                         return None
             space.touch(readable)
-            return Loan([(b.checksum or 0, space.view(b)) for b in readable], release, left_s)
+            retained = [self.retention.left(b) for b in readable]
+            return Loan([(b.checksum or 0, space.view(b)) for b in readable], release, left_s, retained)
         except BaseException:
             release()
             raise

@@ -31,8 +31,6 @@ class PeerBlock:
     tiers: int
     size: int
     checksum: int = 0
-    retain_until_ms: int = 0  # the holder's retention of it, ms since the epoch (0: none)
-    retain_priority: int = 0
 
 
 class Remote(Protocol):

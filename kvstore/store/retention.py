@@ -18,10 +18,12 @@ refused whole, RESOURCE_EXHAUSTED naming the bound, before anything changes):
   is free, so per-tenant bounds alone let many salts retain the whole cache.
 
 Every way a block comes to be retained here is held to both: a hint (Commit, Acquire, Retain, a
-peer fetch's whole run), a retention adopted from a peer's directory record (:meth:`adopt`, whose
-end is capped at this clock + a hint's limit), and a retained block promoted into a tier (past its
-bounds there it is promoted unretained: :meth:`recount`). A refused hint or adoption is counted per
-tenant (``refused``: the busiest ``shown`` tenants, the rest under ``other``).
+peer fetch's whole run), a retention adopted from the peer a block was fetched from (:meth:`adopt`:
+the retention the holder's answer says it holds now, never a directory record's, which a directory
+writer could replay after the holder ended it; its end capped at this clock + a hint's limit),
+and a retained block promoted into a tier (past its bounds there it is promoted unretained:
+:meth:`recount`). A refused hint or adoption is counted per tenant (``refused``: the busiest
+``shown`` tenants, the rest under ``other``).
 
 What it costs is a heap's: the bytes retained per tier and tenant are kept as blocks gain or lose
 a retention or a tier (:meth:`recount`, from the index's placement news), the ends wait on a heap
@@ -173,7 +175,7 @@ class Retention:
                 changed(b)
 
     def adopt(self, b: Block) -> bool:
-        """``b`` came with a retention of its own (a peer's directory record, a copy's): its end
+        """``b`` came with a retention of its own (its holder's, as the holder's fetch answer gave it): its end
         capped at this clock + a hint's limit; refused (ended, counted per tenant) where it would
         pass a bound (:meth:`recount`). Whether ``b`` is retained now."""
         now = self._expire()
@@ -182,6 +184,14 @@ class Retention:
         b.retain_until = min(b.retain_until, now + MAX_RETAIN_MS / 1000.0)
         self._update(b)
         return b.retain_until > now
+
+    def left(self, b: Block) -> tuple[int, int]:
+        """``b``'s retention now as a peer's fetch answer carries it (:class:`kvstore.wire.peer.Entry`):
+        ms left of it on this clock (0: none) and its priority."""
+        left = b.retain_until - self.clock()
+        if left <= 0:
+            return 0, 0
+        return min(MAX_RETAIN_MS, max(1, int(left * 1000))), b.retain_priority
 
     def recount(self, b: Block, checked: bool = False) -> None:
         """``b``'s tiers or retention changed: its bytes move between the per tier and tenant

@@ -16,8 +16,14 @@ the thread's call at once.
     request  fetcher -> holder   u32 n, namespace root (32 bytes), n block keys (32 bytes each),
                                  MAC (16 bytes, the connection's key: its hello's Session)
     answer   holder -> fetcher   u32 m (the leading m <= n blocks the holder has), then m times
-                                 (u64 size, u64 checksum), MAC of those (16 bytes), then the m
-                                 blocks' bytes back to back
+                                 (u64 size, u64 checksum, u32 retention left in ms, u8 its
+                                 priority), MAC of those (16 bytes), then the m blocks' bytes
+                                 back to back
+
+The retention is the holder's now, on its own clock (0 ms: not retained): the one a fetcher that
+keeps the block adopts (kvstore/store/exchange.py). It comes from the holder it names, under the
+connection's MAC (or sealed), in answer to this request: a record of it that a directory writer
+kept and wrote back after the holder ended it has nothing to say here (docs/security.md).
 
 All integers little-endian. A connection carries one request at a time, any number in turn. The
 fetcher knows every size before the first payload byte, so it checks them all up front and reads
@@ -34,7 +40,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 from kvstore.util.threads import _Once
 from kvstore.wire import stream
@@ -44,7 +50,7 @@ T = TypeVar("T")
 WELCOME = b"OK\0\0"  # the hello's last word (kvstore.cluster.peer_hello)
 REQUEST = struct.Struct("<I")
 COUNT = struct.Struct("<I")  # blocks in the answer
-ENTRY = struct.Struct("<QQ")  # size, checksum
+ENTRY = struct.Struct("<QQIB")  # size, checksum, the holder's retention of the block: ms left (0: none), priority
 ROOT_BYTES = KEY_BYTES = 32
 ASKED, ANSWERED = b"request", b"answer"  # what a Session MAC seals
 IO_THREADS = 16  # fetches moving at once, per process, and as many answers (each holds a thread while it moves)
@@ -74,6 +80,24 @@ class PeerStalled(ConnectionError):
     socket's send timeout, or too few over a window of it, :func:`send_buffers`): drop the connection."""
 
 
+class Entry(NamedTuple):
+    """One block of an answer: its size and checksum, and the holder's retention of it now (ms
+    left on the holder's clock, 0: none; its priority)."""
+
+    size: int
+    checksum: int
+    retain_ms: int = 0
+    retain_priority: int = 0
+
+
+Fields = tuple[int, int, int, int]  # an Entry's, as a plain tuple (what a head packs, and unpacks to)
+
+
+def entries(blocks: Sequence[Fields]) -> bytes:
+    """The entries of an answer's head (:class:`Entry` or its fields), packed."""
+    return b"".join(ENTRY.pack(*e) for e in blocks)
+
+
 def request(root: bytes, keys: list[bytes], session: Sealer) -> bytes:
     """A request, sealed with the connection's key (the exchange's MAC: the session moves on to
     the next once the answer is in)."""
@@ -81,9 +105,9 @@ def request(root: bytes, keys: list[bytes], session: Sealer) -> bytes:
     return body + session.seal(ASKED, body)
 
 
-def answer_head(blocks: list[tuple[int, int]], session: Sealer) -> bytes:
-    """The answer's head for blocks of these (size, checksum), sealed with the connection's key."""
-    head = COUNT.pack(len(blocks)) + b"".join(ENTRY.pack(size, c) for size, c in blocks)
+def answer_head(blocks: Sequence[Fields], session: Sealer) -> bytes:
+    """The answer's head for blocks of these entries, sealed with the connection's key."""
+    head = COUNT.pack(len(blocks)) + entries(blocks)
     return head + session.seal(ANSWERED, head)
 
 

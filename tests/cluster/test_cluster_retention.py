@@ -1,6 +1,7 @@
 """Retention in a cluster (kvstore/store/retention.py, kvstore/cluster/directory.py): a retained
-block's directory record carries its retention (an optional trailing field), so a peer that
-fetched the block retains it too. Two sidecars and a real redis-server as the directory."""
+block's directory record carries its retention (an optional trailing field), and a peer that
+fetched the block retains it too (as the holder's answer to the fetch says, kvstore/wire/peer.py).
+Two sidecars and a real redis-server as the directory."""
 
 from __future__ import annotations
 

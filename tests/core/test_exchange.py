@@ -107,6 +107,38 @@ async def test_a_lent_run_is_leased_sealed_and_released(store: BlockStore) -> No
     assert audit(store, quiescent=True) == []
 
 
+async def test_a_loan_carries_each_blocks_retention_now_and_a_settle_adopts_what_the_answer_gave(
+    store: BlockStore,
+) -> None:
+    """The holder's side tells each block's retention now (ms left, priority); the fetcher's side
+    retains a settled block for what its holder's answer gave, on its own clock (the PeerBlock, a
+    directory record's, has no retention to give)."""
+    keys = prefix_keys(NS, list(range(2 * NS.block_size)))
+    await put(store, keys, 3)
+    entry = store.namespace(NS)
+    run = store.index.leading_run(entry, keys)
+    store.retention.retain(run[:1], 60_000, 2)
+    loan = await store.exchange.lend(run, 60.0)
+    assert loan is not None
+    (left, priority), unretained = loan.retained
+    assert 59_000 < left <= 60_000 and priority == 2 and unretained == (0, 0)
+    loan.release()
+
+    fetched = prefix_keys(NS, list(range(100 * NS.block_size, 103 * NS.block_size)))
+    r = store.exchange.reserve(store.namespace(NS), fetched, b"", 1, [PeerBlock("other", DRAM, SIZE) for _ in fetched])
+    views = r.views(0, 3)
+    for v in views:
+        v[:] = 4
+    assert r.settle([checksum(v) for v in views], [(30_000, 1), (0, 0), (86_400_000, 3)]) == 3
+    placed = [store.namespace(NS).blocks[k] for k in fetched]
+    now = store.clock()
+    assert 29 < placed[0].retain_until - now <= 30 and placed[0].retain_priority == 1
+    assert placed[1].retain_until == 0.0
+    assert 86_399 < placed[2].retain_until - now <= 86_400 and placed[2].retain_priority == 3
+    assert store.retention.count() == 3  # the lent one and two adopted
+    assert audit(store, quiescent=True) == []
+
+
 async def test_the_change_feed_holds_what_changed_since_its_last_drain(store: BlockStore) -> None:
     keys = prefix_keys(NS, list(range(2 * NS.block_size)))
     await put(store, keys[:1], 1)  # before any subscription: nothing kept
