@@ -14,7 +14,7 @@ from connector.core import SchedulerConnector, WorkerConnector
 from connector.core.finders import LeaseFinder
 from connector.core.pipeline import PipelineSlot
 from kvstore.client import SyncClient
-from kvstore.keys import prefix_keys
+from kvstore.keys import PrefixKeys, prefix_keys
 
 RANKS = [dataclasses.replace(NS, rank=r, world_size=2) for r in range(2)]
 
@@ -148,3 +148,18 @@ def test_a_salted_request_saves_and_finds_every_shard_under_its_salt(client) -> 
     for req in ("b", "plain", "a"):
         sched.request_finished(req)
     assert leases(client) == 0
+
+
+def test_a_request_s_media_are_in_every_shard_s_keys(client) -> None:
+    """A multimodal request's extra key bytes (connector/vllm_request.py's media_extras) go into
+    the keys of every shard, not only shard 0's: rank 1 never saves it as the text-only prompt."""
+    extras = {2: b"image:0123"}  # block 2 overlaps an image
+    sched = SchedulerConnector(client, RANKS[0], SPEC, shards=RANKS[1:])
+    sched.set_extras("m", extras)
+    assert sched.schedule_save("m", PROMPT[:24], [7, 6, 5, 4, 3, 2]) == 6
+    meta = sched.build_connector_meta()
+    for rank in range(2):
+        [save] = meta.shard(rank).saves
+        assert save.keys == tuple(PrefixKeys(RANKS[rank], extras).of(PROMPT[:24]))
+        plain = prefix_keys(RANKS[rank], PROMPT)[:6]
+        assert save.keys[:2] == tuple(plain[:2]) and not set(save.keys[2:]) & set(plain)
