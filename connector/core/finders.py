@@ -34,7 +34,7 @@ from connector.core.pipeline import PipelineSlot
 from connector.cost import tier_name
 from kvstore.client import Pipeline, SlotRef
 from kvstore.client.pipeline import Call
-from kvstore.client.wire import acquired
+from kvstore.client.wire import ShardRun, acquired, acquired_shards
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey, Namespace
 
@@ -65,20 +65,37 @@ class HeldLease:
 
 
 @dataclass(slots=True, frozen=True)
+class ShardKeys:
+    """Another shard of a request's blocks (a tensor-parallel rank, a pipeline stage): its
+    namespace and its keys, one per block as the request's own."""
+
+    ns: Namespace
+    keys: Sequence[BlockKey]
+
+
+@dataclass(slots=True, frozen=True)
 class Found:
-    """The leading run of a request's keys the sidecar has (from key 0)."""
+    """The leading run of a request's keys the sidecar has (from key 0); with further shards,
+    the run every shard has, and ``others``: each further shard's lease on it."""
 
     tiers: tuple[str, ...]
     sizes: tuple[int, ...]
     lease: HeldLease | None = None
+    others: tuple[HeldLease, ...] = ()
 
 
 class Finder(Protocol):
-    def find(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Found:
-        """Look ``keys`` up; the engine already holds the first ``have`` of them."""
+    def find(
+        self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int, others: Sequence[ShardKeys] = ()
+    ) -> Found:
+        """Look ``keys`` up; the engine already holds the first ``have`` of them. ``others``:
+        further shards of the same blocks, each block counted only where every shard has it
+        (a finder that cannot ask for them all at once raises ValueError)."""
         ...
 
-    def begin(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Pending | None:
+    def begin(
+        self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int, others: Sequence[ShardKeys] = ()
+    ) -> Pending | None:
         """Send that lookup now, its answer read later; None: nothing to gain, use :meth:`find`."""
         ...
 
@@ -99,14 +116,20 @@ class LookupFinder:
     def __init__(self, client: ConnectorClient) -> None:
         self.client = client
 
-    def find(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Found:
+    def find(
+        self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int, others: Sequence[ShardKeys] = ()
+    ) -> Found:
+        if others:
+            raise ValueError("LookupFinder: one shard only; a sharded engine finds its blocks with a LeaseFinder")
         res = self.client.lookup(ns, keys, lease_ttl_ms=lease_ttl_ms)
         matched = list(res.blocks)[: res.matched]
         lease_id = getattr(res, "lease_id", None) or None
         return Found(tuple(tier_name(t) for t, _ in matched), tuple(int(s) for _, s in matched),
                      HeldLease(lease_id) if lease_id else None)
 
-    def begin(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Pending | None:
+    def begin(
+        self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int, others: Sequence[ShardKeys] = ()
+    ) -> Pending | None:
         return None
 
 
@@ -118,14 +141,22 @@ class DirectoryFinder:
     def __init__(self, inner: LeaseFinder, directory: BlockDirectory) -> None:
         self.inner, self.directory = inner, directory
 
-    def find(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Found:
+    def find(
+        self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int, others: Sequence[ShardKeys] = ()
+    ) -> Found:
+        if others:  # the directory knows this process's shard only
+            return self.inner.find(ns, keys, have, lease_ttl_ms, others)
         found = self._known(keys, have)
         if found is None:
             found = self.learn(keys, have, self.inner.find(ns, keys, have, lease_ttl_ms))
         return found
 
-    def begin(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Pending | None:
+    def begin(
+        self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int, others: Sequence[ShardKeys] = ()
+    ) -> Pending | None:
         """None when the directory knows the blocks (:meth:`find` answers without a round trip)."""
+        if others:
+            return self.inner.begin(ns, keys, have, lease_ttl_ms, others)
         if self._known(keys, have) is not None:
             return None
         pending = self.inner.begin(ns, keys, have, lease_ttl_ms)
@@ -173,25 +204,48 @@ class LeaseFinder:
         self.client = client  # kvstore.client.SyncClient (acquire with a TTL, release)
         self.pipeline = pipeline
 
-    def find(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Found:
-        pending = self.begin(ns, keys, have, lease_ttl_ms)
+    def find(
+        self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int, others: Sequence[ShardKeys] = ()
+    ) -> Found:
+        pending = self.begin(ns, keys, have, lease_ttl_ms, others)
         if pending is not None:
             return pending.result()
         ttl = lease_ttl_ms or DEFAULT_LEASE_TTL_MS
         deadline = time.monotonic() + ttl / 1000
+        if others:
+            runs = self.client.acquire_shards(ns, list(keys[have:]), _asked(others, have), lease_ttl_ms=ttl)
+            return _found_shards(have, runs, deadline)
         # held past this call: ended by id (release), never by leaving a with-block
         lease = self.client.acquire(ns, list(keys[have:]), lease_ttl_ms=ttl).__enter__()
         return _found(have, lease.id, list(lease.slots), list(lease.checksums), deadline)
 
-    def begin(self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int) -> Pending | None:
-        """Send the ``Acquire`` of ``keys[have:]`` now; None without a pipeline."""
+    def begin(
+        self, ns: Namespace, keys: Sequence[BlockKey], have: int, lease_ttl_ms: int, others: Sequence[ShardKeys] = ()
+    ) -> Pending | None:
+        """Send the ``Acquire`` of ``keys[have:]`` (and of every further shard's) now; None
+        without a pipeline."""
         pipe = self.pipeline.get() if self.pipeline is not None else None
         if pipe is None:
             return None
         ttl = lease_ttl_ms or DEFAULT_LEASE_TTL_MS
         deadline = time.monotonic() + ttl / 1000  # before the sidecar starts the lease: on the safe side
-        call = pipe.acquire(ns, list(keys[have:]), ttl)
-        return _Acquiring(pipe, call, have, len(keys) - have, deadline)
+        call = pipe.acquire(ns, list(keys[have:]), ttl, shards=_asked(others, have))
+        return _Acquiring(pipe, call, have, len(keys) - have, deadline, len(others))
+
+
+def _asked(others: Sequence[ShardKeys], have: int) -> list[tuple[Namespace, Sequence[bytes]]]:
+    return [(o.ns, list(o.keys[have:])) for o in others]
+
+
+def _found_shards(have: int, runs: list[ShardRun], deadline: float) -> Found:
+    """A sharded ``Acquire``'s answer (:func:`~kvstore.client.wire.acquired_shards`): the request's
+    own shard as :func:`_found`, each further shard's lease in ``others``."""
+    own = runs[0]
+    found = _found(have, own.lease_id, own.slots, own.checksums, deadline)
+    if not own.slots:
+        return found
+    others = tuple(HeldLease(r.lease_id, have, tuple(r.slots), tuple(r.checksums), deadline) for r in runs[1:])
+    return Found(found.tiers, found.sizes, found.lease, others)
 
 
 def _found(have: int, lease_id: str, slots: list[SlotRef], checksums: list[int], deadline: float) -> Found:
@@ -211,9 +265,12 @@ class _Acquiring:
     have: int
     asked: int
     deadline: float
+    others: int = 0  # further shards asked for
 
     def result(self) -> Found:
         r = self.pipe.result(self.call)
+        if self.others:
+            return _found_shards(self.have, acquired_shards(r, self.asked, self.others), self.deadline)
         slots, checksums = acquired(r, self.asked)
         return _found(self.have, r.lease_id, slots, checksums, self.deadline)
 
@@ -221,7 +278,10 @@ class _Acquiring:
         pipe = self.pipe
 
         def release(answer: Any) -> None:
-            if not isinstance(answer, KVStoreError) and answer.lease_id:
-                pipe.release(answer.lease_id)  # answer read later, dropped
+            if isinstance(answer, KVStoreError):
+                return
+            for a in (answer, *answer.shards):  # answer read later, dropped: every shard's lease
+                if a.lease_id:
+                    pipe.release(a.lease_id)
 
         pipe.forget(self.call, release)

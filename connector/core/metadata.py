@@ -8,6 +8,7 @@ request to load or save, into which engine blocks) and packs that into one
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -18,6 +19,17 @@ from kvstore.keys import BlockKey, Namespace
 class Role(enum.Enum):
     SCHEDULER = "scheduler"
     WORKER = "worker"
+
+
+@dataclass(slots=True, frozen=True)
+class ShardPart:
+    """A further shard's part of a load or save (another tensor-parallel rank or pipeline stage of
+    the engine, each with its own keys): its keys, for a load the lease on them, and the request's
+    namespace for that shard (the shard's, with the request's ``cache_salt``; None: the worker's)."""
+
+    keys: tuple[BlockKey, ...]
+    lease: HeldLease | None = None
+    ns: Namespace | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,10 +45,18 @@ class LoadSpec:
     decision_id: int | None = None
     lease: HeldLease | None = None  # where the blocks lie, leased: read them there, then release it
     ns: Namespace | None = None  # the request's namespace (its cache_salt's); None: the connector's
+    others: tuple[ShardPart, ...] = ()  # shards 1.. of a sharded engine (keys and lease above: shard 0's)
 
     @property
     def first_token(self) -> int:
         return self.first_block * self.block_size
+
+    def shard(self, i: int) -> LoadSpec:
+        """What shard ``i`` loads: its keys, lease and namespace in ``keys``, ``lease`` and ``ns``."""
+        if i == 0 or not self.others:
+            return dataclasses.replace(self, others=()) if self.others else self
+        part = self.others[i - 1]
+        return dataclasses.replace(self, keys=part.keys, lease=part.lease, ns=part.ns, others=())
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,6 +68,14 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     retain_ms: int | None = None  # the request's retention hint (connector/core/hints.py): None, none; 0, end it
     ns: Namespace | None = None  # the request's namespace (its cache_salt's); None: the connector's
+    others: tuple[ShardPart, ...] = ()  # shards 1.. of a sharded engine (keys above: shard 0's)
+
+    def shard(self, i: int) -> SaveSpec:
+        """What shard ``i`` saves: its keys and namespace in ``keys`` and ``ns``."""
+        if i == 0 or not self.others:
+            return dataclasses.replace(self, others=()) if self.others else self
+        part = self.others[i - 1]
+        return dataclasses.replace(self, keys=part.keys, ns=part.ns, others=())
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,6 +85,10 @@ class ConnectorMetadata:
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves)
+
+    def shard(self, i: int) -> ConnectorMetadata:
+        """The step as shard ``i`` of a sharded engine executes it (its own keys and leases)."""
+        return ConnectorMetadata(tuple(x.shard(i) for x in self.loads), tuple(x.shard(i) for x in self.saves))
 
 
 class Failure(enum.Enum):

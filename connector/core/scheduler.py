@@ -18,7 +18,9 @@ load's :class:`LoadSpec` instead: the worker reads the blocks under it and relea
 
 Each request has a namespace: the connector's, or one the engine passes for it (``ns``: the
 connector's with the request's ``cache_salt``, its tenant). Its keys, lookup, loads and saves all
-use that one, so a request only ever finds blocks stored under its own namespace.
+use that one, so a request only ever finds blocks stored under its own namespace. A sharded
+engine's further shards (``shards``) are the request's too: the engine's shard namespaces with the
+request's salt, so a salted request finds, loads and saves every shard under its own tenant.
 """
 
 from __future__ import annotations
@@ -26,24 +28,25 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from connector.core.client import ConnectorClient
 from connector.core.counters import ConnectorStats
-from connector.core.finders import Finder, Found, HeldLease, LookupFinder, Pending
+from connector.core.finders import Finder, Found, HeldLease, LookupFinder, Pending, ShardKeys
 from connector.core.metadata import (
     ConnectorMetadata,
     LoadResult,
     LoadSpec,
     Role,
     SaveSpec,
+    ShardPart,
 )
 from connector.core.ops import classify
 from connector.cost import CostModel, Decision
 from connector.layout import KVSpec
-from kvstore.keys import BlockKey, Namespace, PrefixKeys, prefix_keys
+from kvstore.keys import BlockKey, Namespace, NamespaceRoot, PrefixKeys, prefix_keys
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,8 @@ class _Request:
     load_blocks: int
     ns: Namespace
     lease: HeldLease | None = None
+    others: tuple[HeldLease, ...] = ()  # the further shards' leases on the same blocks
+    asked: tuple[ShardKeys, ...] = ()  # the further shards' keys
 
 
 class SchedulerConnector:
@@ -71,12 +76,19 @@ class SchedulerConnector:
         *,
         lease_ttl_ms: int = 30_000,
         finder: Finder | None = None,
+        shards: Sequence[Namespace] = (),
     ) -> None:
         """Without a cost model every available block (bar the last token's) is loaded. The
-        finder defaults to one Lookup per request (:class:`~connector.core.finders.LookupFinder`)."""
-        if ns.block_size != spec.block_size or ns.kv_layout != spec.layout:
-            raise ValueError("namespace and KV spec disagree on block_size or kv_layout")
+        finder defaults to one Lookup per request (:class:`~connector.core.finders.LookupFinder`).
+        ``shards``: the namespaces of the engine's further shards (its other tensor-parallel ranks
+        and pipeline stages; ``ns`` is shard 0's): a block is found only where every shard has it,
+        in one round trip, and each load and save carries every shard's keys
+        (:meth:`ConnectorMetadata.shard <connector.core.metadata.ConnectorMetadata.shard>`)."""
+        for other in (ns, *shards):
+            if other.block_size != spec.block_size or other.kv_layout != spec.layout:
+                raise ValueError("namespace and KV spec disagree on block_size or kv_layout")
         self.client, self.ns, self.spec, self.cost = client, ns, spec, cost
+        self.shards = tuple(shards)
         self.lease_ttl_ms = lease_ttl_ms
         self.finder: Finder = finder or LookupFinder(client)
         self.stats = ConnectorStats()
@@ -86,6 +98,8 @@ class SchedulerConnector:
         self._saves: list[SaveSpec] = []
         self._saving: dict[str, int] = {}  # req -> saves handed to the worker, not yet finished
         self._keys: dict[str, PrefixKeys] = {}  # req -> its keys so far (lookup, then each save)
+        # req -> the further shards' keys, as _keys (under the root of the request's namespace)
+        self._shard_keys: dict[str, tuple[NamespaceRoot, list[tuple[Namespace, PrefixKeys]]]] = {}
         self._extras: dict[str, Mapping[int, bytes]] = {}  # req -> block index -> extra key bytes (media)
         self._early: dict[str, Pending] = {}  # req -> its lookup, sent when the engine added it
 
@@ -99,11 +113,34 @@ class SchedulerConnector:
             keys = self._keys[req_id] = PrefixKeys(ns, self._extras.get(req_id))
         return keys.of(token_ids)
 
+    def _shards(self, ns: Namespace) -> tuple[Namespace, ...]:
+        """The further shards' namespaces of a request in ``ns`` (shard 0's): ``ns`` naming each of
+        the engine's shards (:attr:`shards`: their ``rank``, ``world_size`` and ``revision``, a
+        pipeline stage's layer range), so the request's own fields (its ``cache_salt``: its tenant)
+        hold on every shard."""
+        if not self.shards or ns == self.ns:
+            return self.shards
+        if (ns.rank, ns.world_size, ns.revision) != (self.ns.rank, self.ns.world_size, self.ns.revision):
+            raise ValueError("a request's namespace names shard 0: rank, world_size and revision as the connector's")
+        return tuple(replace(ns, rank=s.rank, world_size=s.world_size, revision=s.revision) for s in self.shards)
+
+    def _others(self, req_id: str, token_ids: Sequence[int] | np.ndarray, ns: Namespace) -> list[ShardKeys]:
+        """The further shards' keys of the request's full blocks (in ``ns``'s shards), as
+        :meth:`_request_keys`."""
+        if not self.shards:
+            return []
+        entry = self._shard_keys.get(req_id)
+        if entry is None or entry[0] != ns.root:  # (keyed by the request's own namespace, shard 0's)
+            extras = self._extras.get(req_id)  # a block's media are in every shard's key of it
+            entry = self._shard_keys[req_id] = (ns.root, [(s, PrefixKeys(s, extras)) for s in self._shards(ns)])
+        return [ShardKeys(shard, keys.of(token_ids)) for shard, keys in entry[1]]
+
     def set_extras(self, req_id: str, extras: Mapping[int, bytes]) -> None:
         """The extra bytes that go into the keys of the request's blocks (block index -> bytes:
         the multimodal items each overlaps), before its first lookup; kept until it finishes."""
         self._extras[req_id] = extras
         self._keys.pop(req_id, None)
+        self._shard_keys.pop(req_id, None)
 
     def on_new_request(
         self, req_id: str, token_ids: Sequence[int] | np.ndarray, ns: Namespace | None = None
@@ -118,14 +155,14 @@ class SchedulerConnector:
         if not keys or req_id in self._early:
             return
         try:
-            pending = self.finder.begin(ns, keys, 0, self.lease_ttl_ms)
+            pending = self.finder.begin(ns, keys, 0, self.lease_ttl_ms, self._others(req_id, token_ids, ns))
         except Exception as exc:  # noqa: BLE001 - looked up again when the engine asks
             log.debug("early lookup %s: %s", req_id, exc)
             return
         if pending is not None:
             self._early[req_id] = pending
 
-    def _found(self, req_id: str, keys: list[BlockKey], have: int, ns: Namespace) -> Found:
+    def _found(self, req_id: str, keys: list[BlockKey], have: int, ns: Namespace, others: list[ShardKeys]) -> Found:
         """The request's blocks: from its early lookup (sent for all of them) when the engine
         holds none or the answer reaches past the engine's own ``have`` blocks, else looked up now
         from ``have`` on."""
@@ -139,8 +176,8 @@ class SchedulerConnector:
                 if have == 0 or len(found.tiers) > have:
                     self.stats.add(early_lookups=1)
                     return found
-                self._release(req_id, found.lease)
-        return self.finder.find(ns, keys, have, self.lease_ttl_ms)
+                self._release(req_id, found.lease, *found.others)
+        return self.finder.find(ns, keys, have, self.lease_ttl_ms, others)
 
     def _drop_early(self, req_id: str) -> None:
         early = self._early.pop(req_id, None)
@@ -162,12 +199,14 @@ class SchedulerConnector:
         tiers: list[str] = []
         sizes: list[int] = []
         lease: HeldLease | None = None
+        others: tuple[HeldLease, ...] = ()
+        asked = self._others(req_id, token_ids, ns)
         if len(keys) <= computed_blocks:
             self._drop_early(req_id)
         else:
             try:
-                found = self._found(req_id, keys, computed_blocks, ns)
-                tiers, sizes, lease = list(found.tiers), list(found.sizes), found.lease
+                found = self._found(req_id, keys, computed_blocks, ns, asked)
+                tiers, sizes, lease, others = list(found.tiers), list(found.sizes), found.lease, found.others
             except Exception as exc:  # noqa: BLE001 - unreachable sidecar: recompute
                 reason = classify(exc)
                 self.stats.failure("lookup", reason.value)
@@ -186,33 +225,35 @@ class SchedulerConnector:
         self.stats.add(decided_load_blocks=load_blocks,
                        decided_recompute_blocks=max(0, len(tiers) - computed_blocks - load_blocks))
         if load_blocks == 0:  # declined: nothing to keep
-            self._release(req_id, lease)
-            lease = None
+            self._release(req_id, lease, *others)
+            lease, others = None, ()
         with self._lock:
             old = self._requests.get(req_id)
-            self._requests[req_id] = _Request(keys, tiers, decision, computed_blocks, load_blocks, ns, lease)
+            self._requests[req_id] = _Request(keys, tiers, decision, computed_blocks, load_blocks, ns, lease, others,
+                                              tuple(asked))
         if old is not None:  # asked again (vLLM may re-ask a request that waited): the old lease goes
-            self._release(req_id, old.lease)
+            self._release(req_id, old.lease, *old.others)
         return load_blocks * bs
 
-    def _release(self, req_id: str, lease: HeldLease | None) -> None:
-        """End a lookup lease (expiry is the fallback: a failure here is logged, never raised)."""
+    def _release(self, req_id: str, *leases: HeldLease | None) -> None:
+        """End lookup leases (expiry is the fallback: a failure here is logged, never raised)."""
         release = getattr(self.client, "release", None)
-        if lease is None or not lease.id or release is None:  # (no id: places, not a lease)
-            return
-        try:
-            release(lease.id)
-        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
-            self.stats.failure("release", classify(exc).value)
-            log.info("release lease of %s: %s", req_id, exc)
+        for lease in leases:
+            if lease is None or not lease.id or release is None:  # (no id: places, not a lease)
+                continue
+            try:
+                release(lease.id)
+            except Exception as exc:  # noqa: BLE001 - the lease expires on its own
+                self.stats.failure("release", classify(exc).value)
+                log.info("release lease of %s: %s", req_id, exc)
 
-    def _take_lease(self, req_id: str) -> HeldLease | None:
+    def _take_leases(self, req_id: str) -> tuple[HeldLease | None, ...]:
         with self._lock:
             req = self._requests.get(req_id)
             if req is None:
-                return None
-            lease, req.lease = req.lease, None
-        return lease
+                return ()
+            leases, req.lease, req.others = (req.lease, *req.others), None, ()
+        return leases
 
     def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """The engine allocated ``block_ids`` (the request's whole block table) for the request."""
@@ -225,8 +266,11 @@ class SchedulerConnector:
             if n > req.load_blocks or len(block_ids) < first + n:
                 raise ValueError(f"{req_id}: {n} blocks to load, {req.load_blocks} were offered")
             lease = None
-            if req.lease is not None and req.lease.slots:  # the worker reads under it, then ends it
+            parts = tuple(ShardPart(tuple(o.keys[first : first + n]), ns=o.ns) for o in req.asked)
+            if req.lease is not None and req.lease.slots:  # the workers read under them, then end them
                 lease, req.lease = req.lease.part(first, n), None
+                parts = tuple(ShardPart(p.keys, o.part(first, n), p.ns) for p, o in zip(parts, req.others))
+                req.others = ()
             self._loads.append(
                 LoadSpec(
                     req_id=req_id,
@@ -238,6 +282,7 @@ class SchedulerConnector:
                     decision_id=req.decision.id if req.decision else None,
                     lease=lease,
                     ns=req.ns,
+                    others=parts,
                 )
             )
 
@@ -255,8 +300,9 @@ class SchedulerConnector:
         keys = self._request_keys(req_id, token_ids, ns)[: len(block_ids)]
         if not keys:
             return 0
+        others = tuple(ShardPart(tuple(o.keys[: len(keys)]), ns=o.ns) for o in self._others(req_id, token_ids, ns))
         with self._lock:
-            self._saves.append(SaveSpec(req_id, tuple(keys), tuple(block_ids[: len(keys)]), retain_ms, ns))
+            self._saves.append(SaveSpec(req_id, tuple(keys), tuple(block_ids[: len(keys)]), retain_ms, ns, others))
         return len(keys)
 
     def build_connector_meta(self) -> ConnectorMetadata:
@@ -278,18 +324,19 @@ class SchedulerConnector:
         for res in load_results:
             if res.failed_block_ids:
                 self.stats.add(recomputed_after_failed_load_blocks=len(res.failed_block_ids))
-            self._release(res.req_id, self._take_lease(res.req_id))  # the load holds its own lease
+            self._release(res.req_id, *self._take_leases(res.req_id))  # the load holds its own leases
 
     def request_finished(self, req_id: str) -> bool:
         """Forget the request. True: saves of its blocks are in flight, keep them until finished."""
-        lease_id = self._take_lease(req_id)
+        leases = self._take_leases(req_id)
         with self._lock:
             self._requests.pop(req_id, None)
             saving = req_id in self._saving
         self._keys.pop(req_id, None)
+        self._shard_keys.pop(req_id, None)
         self._extras.pop(req_id, None)
         self._drop_early(req_id)
-        self._release(req_id, lease_id)
+        self._release(req_id, *leases)
         return saving
 
     def matched_blocks(self, req_id: str) -> int:

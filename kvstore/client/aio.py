@@ -38,7 +38,9 @@ from kvstore.client.wire import (
     LookupResult,
     PutResult,
     Retain,
+    ShardRun,
     Wire,
+    acquired_shards,
     as_uint8,
 )
 from kvstore.dram.copying import copy_blocks_async
@@ -136,6 +138,16 @@ class KVStoreClient:
         """Lease the leading run of ``keys`` readable now (``async with``), as zero-copy views.
         With ``retain`` (retain_ms, retain_priority) the leased run is retained (a soft pin)."""
         return Lease(self._call, self._wire.acquire(ns, keys, lease_ttl_ms, *retain))
+
+    async def acquire_shards(
+        self, ns: Namespace, keys: Sequence[bytes], shards: Sequence[tuple[Namespace, Sequence[bytes]]],
+        lease_ttl_ms: int = 0,
+    ) -> list[ShardRun]:
+        """Lease the leading run of blocks that every shard holds (``ns``'s ``keys`` and each of
+        ``shards``: the ranks of a tensor-parallel engine), in one round trip: per shard, its own
+        first, its lease and where its blocks lie. The caller releases each lease."""
+        r = await self._call("Acquire", self._wire.acquire(ns, keys, lease_ttl_ms, shards=shards))
+        return acquired_shards(r, len(keys), len(shards))
 
     async def release(self, lease_id: str) -> int:
         r: pb.ReleaseResponse = await self._call("Release", pb.ReleaseRequest(lease_id=lease_id))

@@ -123,10 +123,14 @@ class Pipeline:
         """Send a ``Lookup`` (no lease): its answer (a ``LookupResponse``: ``matched``, ...) as :meth:`send`'s."""
         return self.send("Lookup", self._wire.lookup(ns, keys, 0), then)
 
-    def acquire(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int, then: Then | None = None) -> Call:
-        """Send an ``Acquire`` (packed): its answer (an ``AcquireResponse``, read with
-        :func:`~kvstore.client.wire.acquired`) as :meth:`send`'s."""
-        return self.send("Acquire", self._wire.acquire(ns, keys, lease_ttl_ms), then)
+    def acquire(
+        self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int, then: Then | None = None,
+        shards: Sequence[tuple[Namespace, Sequence[bytes]]] = (),
+    ) -> Call:
+        """Send an ``Acquire`` (packed; over ``shards`` too, when given): its answer (an
+        ``AcquireResponse``, read with :func:`~kvstore.client.wire.acquired` or
+        :func:`~kvstore.client.wire.acquired_shards`) as :meth:`send`'s."""
+        return self.send("Acquire", self._wire.acquire(ns, keys, lease_ttl_ms, shards=shards), then)
 
     def release(self, lease_id: str, then: Then | None = None) -> Call:
         """Send a ``Release`` of ``lease_id``: its answer (a ``ReleaseResponse``) as :meth:`send`'s."""
@@ -280,10 +284,11 @@ class AsyncPipeline:
         return self.send("Lookup", self._wire.lookup(ns, keys, 0), then)
 
     def acquire(
-        self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int, then: Then | None = None
+        self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int, then: Then | None = None,
+        shards: Sequence[tuple[Namespace, Sequence[bytes]]] = (),
     ) -> asyncio.Future[Any]:
         """:meth:`Pipeline.acquire`."""
-        return self.send("Acquire", self._wire.acquire(ns, keys, lease_ttl_ms), then)
+        return self.send("Acquire", self._wire.acquire(ns, keys, lease_ttl_ms, shards=shards), then)
 
     def release(self, lease_id: str, then: Then | None = None) -> asyncio.Future[Any]:
         """:meth:`Pipeline.release`."""

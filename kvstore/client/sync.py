@@ -34,8 +34,10 @@ from kvstore.client.wire import (
     LookupResult,
     PutResult,
     Retain,
+    ShardRun,
     Transport,
     Wire,
+    acquired_shards,
     as_uint8,
 )
 from kvstore.dram.copying import copy_blocks
@@ -130,6 +132,16 @@ class SyncClient:
         """Lease the leading run of ``keys`` readable now (``with``), as zero-copy views.
         With ``retain`` (retain_ms, retain_priority) the leased run is retained (a soft pin)."""
         return SyncLease(self._call, self._wire.acquire(ns, keys, lease_ttl_ms, *retain))
+
+    def acquire_shards(
+        self, ns: Namespace, keys: Sequence[bytes], shards: Sequence[tuple[Namespace, Sequence[bytes]]],
+        lease_ttl_ms: int = 0,
+    ) -> list[ShardRun]:
+        """Lease the leading run of blocks that every shard holds (``ns``'s ``keys`` and each of
+        ``shards``: the ranks of a tensor-parallel engine), in one round trip: per shard, its own
+        first, its lease and where its blocks lie. The caller releases each lease."""
+        r = self._call("Acquire", self._wire.acquire(ns, keys, lease_ttl_ms, shards=shards))
+        return acquired_shards(r, len(keys), len(shards))
 
     def release(self, lease_id: str) -> int:
         r: pb.ReleaseResponse = self._call("Release", pb.ReleaseRequest(lease_id=lease_id))

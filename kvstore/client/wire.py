@@ -94,6 +94,28 @@ def acquired(r: pb.AcquireResponse, asked: int) -> tuple[list[SlotRef], list[int
     return [SlotRef(seg, o, length) for o, length in zip(r.offsets, r.lengths)], list(r.checksums)
 
 
+class ShardRun(NamedTuple):
+    """One shard's part of a sharded Acquire's answer: its lease, where its run lies, checksums."""
+
+    lease_id: str
+    slots: list[SlotRef]
+    checksums: list[int]
+
+
+def acquired_shards(r: pb.AcquireResponse, asked: int, shards: int) -> list[ShardRun]:
+    """A sharded Acquire's answer (``AcquireRequest.shards``), the request's own shard first, then
+    one per further shard, every run as long (checked: an answer that disagrees raises, naming the
+    field). ``shards``: further shards asked for."""
+    if len(r.shards) != shards:
+        raise KVStoreError(f"Acquire answer: shards has {len(r.shards)} entries for {shards} shards asked")
+    runs = [ShardRun(a.lease_id, *acquired(a, asked)) for a in (r, *r.shards)]
+    n = len(runs[0].slots)
+    for i, run in enumerate(runs[1:]):
+        if len(run.slots) != n:
+            raise KVStoreError(f"Acquire answer: shards[{i}] has a run of {len(run.slots)} blocks, the request's {n}")
+    return runs
+
+
 class SlotFields(NamedTuple):
     """How an answer names a slot's fields in an error: ``offset.format(i)``, ``length.format(i)``."""
 
@@ -219,10 +241,13 @@ class Wire:
         return pb.AllocateRequest(namespace=self.ns(ns), blocks=specs, ttl_ms=ttl_ms)
 
     def acquire(
-        self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int, retain_ms: int = 0, retain_priority: int = 0
+        self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int, retain_ms: int = 0, retain_priority: int = 0,
+        shards: Sequence[tuple[Namespace, Sequence[bytes]]] = (),
     ) -> pb.AcquireRequest:
+        """``shards``: further shards of the same blocks, (namespace, keys) each (AcquireRequest.shards)."""
         return pb.AcquireRequest(namespace=self.ns(ns), keys=keys, lease_ttl_ms=lease_ttl_ms, packed=True,
-                                 retain_ms=retain_ms, retain_priority=retain_priority)
+                                 retain_ms=retain_ms, retain_priority=retain_priority,
+                                 shards=[pb.Shard(namespace=self.ns(n), keys=k) for n, k in shards])
 
     def retain(self, ns: Namespace, keys: Sequence[bytes], retain_ms: int, retain_priority: int) -> pb.RetainRequest:
         return pb.RetainRequest(namespace=self.ns(ns), keys=keys, retain_ms=retain_ms, retain_priority=retain_priority)

@@ -15,7 +15,8 @@ passes a prefill's on to the decode request), params: [dict or null] (request i'
 nothing is loaded, neither from vLLM's own cache nor from the connector -- a recompute), salts: [str or
 null] (request i's ``cache_salt``), adapters: [[name, id, path] or null] (request i's LoRA adapter, as
 vLLM's ``LoRARequest(name, id, path)``; needs ``enable_lora``), embeds: bool (each request is sent as
-random prompt embeddings, one per token of its prompt)}``, ``out``,
+random prompt embeddings, one per token of its prompt)}``, ``tensor_parallel_size`` (optional),
+``max_num_batched_tokens`` (optional: prompts are computed in chunks of it), ``out``,
 ``pace`` (set by :class:`~kvstore.harness.instance.Instance`).
 """
 
@@ -126,6 +127,13 @@ def _shutdown(llm: Any) -> dict[str, Any]:
     return stats
 
 
+def _parallel(spec: dict[str, Any]) -> dict[str, Any]:
+    """``tensor_parallel_size`` (ranks in worker processes of their own, vLLM's ``mp`` executor:
+    the connector's counters then stay in those processes, and ``connector`` reports none)."""
+    tp = int(spec.get("tensor_parallel_size", 1))
+    return {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
+
+
 class _Engine:
     """This process's ``vllm.LLM`` (how long importing vLLM and starting it took), the timers on
     its connector's hooks, and greedy generation of token-id prompts, timed."""
@@ -142,7 +150,8 @@ class _Engine:
         t1 = time.perf_counter()
         self.llm = LLM(
             model=spec["model"], tokenizer=spec["model"], dtype=spec.get("dtype", "float32"), enforce_eager=True,
-            max_model_len=spec.get("max_model_len", 1024), max_num_batched_tokens=spec.get("max_model_len", 1024),
+            max_model_len=spec.get("max_model_len", 1024),
+            max_num_batched_tokens=spec.get("max_num_batched_tokens", spec.get("max_model_len", 1024)),
             max_num_seqs=spec.get("max_num_seqs", 4), block_size=spec.get("block_size", 32),
             num_gpu_blocks_override=spec.get("num_blocks", 64), enable_prefix_caching=True,
             kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
@@ -150,6 +159,7 @@ class _Engine:
             **({"enable_lora": True, "max_lora_rank": spec.get("max_lora_rank", 8), "max_loras": 2}
                if spec.get("enable_lora") else {}),
             disable_log_stats=False, seed=0, kv_transfer_config=KVTransferConfig(**kv) if kv else None,
+            **_parallel(spec),
         )
         self.startup_s = time.perf_counter() - t1
         self.hooks = HookTimes(_connectors(self.llm))  # per measured request or batch round: "connector_ms"

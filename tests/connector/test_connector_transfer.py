@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _spec(layout: str, dtype: str = "float32") -> KVSpec:
-    return KVSpec(layout=layout, num_layers=L, kv_heads=H, head_size=D, block_size=BS, dtype=dtype)
+    heads = 1 if layout == "vllm_mla" else H  # one latent per token
+    return KVSpec(layout=layout, num_layers=L, kv_heads=heads, head_size=D, block_size=BS, dtype=dtype)
 
 
 def _random_caches(layout: str, rng: np.random.Generator, dtype=np.float32, num_blocks: int = NB) -> list:
@@ -36,6 +37,8 @@ def _random_caches(layout: str, rng: np.random.Generator, dtype=np.float32, num_
         return [rand(num_blocks, H, BS, 2 * D) for _ in range(L)]
     if layout == "vllm_gpu":
         return [rand(2, num_blocks, BS, H, D) for _ in range(L)]
+    if layout == "vllm_mla":  # vLLM's CPU MLA cache: [blocks, 1, block_size, latent]
+        return [rand(num_blocks, 1, BS, D) for _ in range(L)]
     # hf: one sequence of num_blocks full blocks plus a partial trailing block
     return [(rand(1, H, num_blocks * BS + 1, D), rand(1, H, num_blocks * BS + 1, D)) for _ in range(L)]
 
@@ -208,6 +211,25 @@ def test_errors_name_the_problem() -> None:
         KVSpec("paged", 1, 1, 1, 1, "float32")
     with pytest.raises(InvalidArgument, match="not one of"):
         make_transfer("opencl")
+
+
+def test_the_mla_layout_takes_one_latent_per_token_and_says_what_it_expected() -> None:
+    """vLLM's MLA caches (CPU ``[blocks, 1, bs, latent]``, GPU ``[blocks, bs, latent]``) hold the
+    same slot bytes; a cache of K/V heads, or a spec with more than one head, is refused."""
+    spec = _spec("vllm_mla")
+    cpu = _random_caches("vllm_mla", np.random.default_rng(11))
+    gpu = [np.ascontiguousarray(c[:, 0]) for c in cpu]
+    slots = [_slots(spec, 2), _slots(spec, 2)]
+    for caches, out in zip((cpu, gpu), slots):
+        NumpyTransfer().gather(bind_caches(spec, caches), [4, 1], out)
+    assert [s.tobytes() for s in slots[0]] == [s.tobytes() for s in slots[1]]
+    assert slots[0][0].view(np.float32).tolist() == cpu[0][4, 0].ravel().tolist() + cpu[1][4, 0].ravel().tolist() \
+        + cpu[2][4, 0].ravel().tolist()
+    with pytest.raises(InvalidArgument, match=r"vllm_mla layout: a layer's cache has shape \(6, 2, 4, 16\), "
+                                              r"expected \('\*', 1, 4, 8\)"):
+        bind_caches(spec, _random_caches("vllm_cpu", np.random.default_rng(0)))
+    with pytest.raises(InvalidArgument, match="vllm_mla layout: kv_heads must be 1"):
+        bind_caches(KVSpec("vllm_mla", L, 2, D, BS, "float32"), cpu)
 
 
 def test_slot_array_shape() -> None:

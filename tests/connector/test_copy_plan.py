@@ -29,7 +29,8 @@ L, H, BS, NB = 3, 2, 4, 7
 
 
 def _spec(layout: str, d: int, dtype: str = "float16") -> KVSpec:
-    return KVSpec(layout=layout, num_layers=L, kv_heads=H, head_size=d, block_size=BS, dtype=dtype)
+    heads = 1 if layout == "vllm_mla" else H  # MLA: one latent per token
+    return KVSpec(layout=layout, num_layers=L, kv_heads=heads, head_size=d, block_size=BS, dtype=dtype)
 
 
 def _caches(kind: str, d: int, dtype: torch.dtype, seed: int = 0, *, layers: int = L, heads: int = H, bs: int = BS,
@@ -51,11 +52,18 @@ def _caches(kind: str, d: int, dtype: torch.dtype, seed: int = 0, *, layers: int
         return [whole[:, i] for i in range(layers)]
     if kind == "vllm_cpu":
         return [rand(nb, heads, bs, 2 * d) for _ in range(layers)]
+    if kind == "mla_cpu":  # vLLM's CPU MLA backends: [blocks, 1, bs, latent]
+        return [rand(nb, 1, bs, d) for _ in range(layers)]
+    if kind == "mla_gpu":  # the GPU MLA backends: [blocks, bs, latent]
+        return [rand(nb, bs, d) for _ in range(layers)]
+    if kind == "mla_padded":  # a latent row padded in memory (strided rows): the plan cuts per row
+        return [rand(nb, bs, d + 2)[:, :, :d] for _ in range(layers)]
     return [(rand(1, heads, nb * bs + 3, d), rand(1, heads, nb * bs + 3, d)) for _ in range(layers)]  # hf
 
 
 LAYOUT = {"flash_attn": "vllm_gpu", "flashinfer_nhd": "vllm_gpu", "flashinfer_hnd": "vllm_gpu",
-          "cross_layer": "vllm_gpu", "vllm_cpu": "vllm_cpu", "hf": "hf"}
+          "cross_layer": "vllm_gpu", "vllm_cpu": "vllm_cpu", "hf": "hf", "mla_cpu": "vllm_mla",
+          "mla_gpu": "vllm_mla", "mla_padded": "vllm_mla"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float8_e4m3": torch.float8_e4m3fn}
 
@@ -100,6 +108,9 @@ def test_plan_moves_the_reference_bytes(kind: str, dtype: str, d: int) -> None:
     ("flashinfer_hnd", 2 * L * BS * H - L),
     ("cross_layer", 1),  # the whole block is one range
     ("vllm_cpu", L),
+    ("mla_cpu", L),  # a block's latent rows are one range a layer
+    ("mla_gpu", L),
+    ("mla_padded", L * BS),  # one row at a time
     ("hf", 2 * L * H),  # a head's block_size tokens are contiguous, heads are a sequence apart
 ])
 def test_plan_has_the_fewest_pieces(kind: str, per_block: int) -> None:
@@ -176,7 +187,7 @@ def test_registration_pieces_end_on_page_boundaries() -> None:
 
 
 @pytest.mark.parametrize("per_chunk", [1, 2, 3, 32])
-@pytest.mark.parametrize("kind", ["flash_attn", "hf"])
+@pytest.mark.parametrize("kind", ["flash_attn", "hf", "mla_cpu"])
 def test_schedule_stages_and_moves_every_block_once(kind: str, per_chunk: int) -> None:
     """The GPU engine's batch, executed on the host: per chunk the plan into a staging buffer of
     blocks side by side (the kernel), then each run of the chunk from staging to its slots (the

@@ -17,7 +17,7 @@ import torch
 from connector.copy_plan import Piece, chunks, launch_shape
 from connector.layout import KVSpec
 from connector.transfer import NumpyTransfer, PagedKV, bind_caches
-from tests.connector.test_copy_plan import DTYPES, LAYOUT, _caches
+from tests.connector.test_copy_plan import DTYPES, LAYOUT, _caches, _spec
 from tests.support.kernel_host import HostKernel
 
 
@@ -85,7 +85,7 @@ def test_kernel_moves_the_plans_bytes(kernel: HostKernel, kind: str, d: int, dty
                                       shape: tuple[int, int] | None) -> None:
     """Gather of 5 blocks out of order, in chunks of 1, 2 and 32, into staging 64-byte aligned and
     5 bytes off, gives the plan's slot bytes; scatter of them writes the plan's blocks and nothing else."""
-    spec = KVSpec(layout=LAYOUT[kind], num_layers=3, kv_heads=2, head_size=d, block_size=4, dtype=dtype)
+    spec = _spec(LAYOUT[kind], d, dtype)  # 3 layers, 2 heads (MLA: 1 latent), blocks of 4, as _caches
     _check(kernel, kind, spec, lambda seed: _caches(kind, d, DTYPES[dtype], seed), shape)
 
 

@@ -39,8 +39,8 @@ def parameters(member: Any) -> list[tuple[str, Any, Any, Any]]:
 def test_the_surface_is_what_we_think() -> None:
     calls = {n for n in surface(SyncClient) if not n.startswith("_")}
     assert calls == {
-        "acquire", "allocate", "close", "delete", "get_blocks", "hello", "lookup", "pipeline", "prefetch",
-        "put_blocks", "release", "report", "retain", "stats", "transport", "wait_ready",
+        "acquire", "acquire_shards", "allocate", "close", "delete", "get_blocks", "hello", "lookup", "pipeline",
+        "prefetch", "put_blocks", "release", "report", "retain", "stats", "transport", "wait_ready",
     }
     assert set(surface(SyncAllocation)) == {"__enter__", "__exit__", "abort", "commit", "slot_refs", "writable"}
     assert set(surface(SyncLease)) == {"__enter__", "__exit__", "verify"}

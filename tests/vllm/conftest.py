@@ -30,6 +30,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random DeepSeek-V2 (multi-head latent attention), bfloat16, built once."""
+    from kvstore.harness.tiny_model import build_tiny_deepseek_v2
+
+    path = build_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2-vllm"), seed=0)
+    stop_tqdm_monitors()
+    return path
+
+
+@pytest.fixture(scope="session")
 def reference(tiny_model: Path) -> dict[tuple[int, ...], list[int]]:
     """Greedy outputs of vLLM without a connector, per prompt."""
     r = instance(tiny_model, None, [{"name": "ref", "prompts": PROMPTS, "max_tokens": NEW}])

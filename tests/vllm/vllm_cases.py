@@ -37,8 +37,8 @@ def instance(
     model: Path, kv: dict[str, Any] | None, phases: list[dict[str, Any]], env: dict[str, str] | None = None,
     **spec_extra: Any,
 ) -> dict[str, Any]:
-    """One vLLM instance's results; ``spec_extra``: more of its spec (kvstore/harness/phases.py),
-    e.g. ``kv_cache_dtype``."""
+    """One vLLM instance's results; ``spec_extra``: more of its spec over the defaults here
+    (kvstore/harness/phases.py), e.g. ``kv_cache_dtype``, ``dtype``, ``tensor_parallel_size``."""
     from kvstore.harness.instance import run_instance
 
     spec = {"model": str(model), "block_size": BS, "num_blocks": POOL, "max_model_len": 1024, "dtype": "float32",
