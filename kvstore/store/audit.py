@@ -52,13 +52,13 @@ from kvstore.keys import KEY_BYTES, NamespaceRoot
 from kvstore.store.below import NoMovers
 from kvstore.store.index import DRAM, Block, NsEntry, State
 from kvstore.store.remote import NoRemote
+from kvstore.tier_table import all_bits
 
 if TYPE_CHECKING:
     from kvstore.dram.slab import Page, Slot
     from kvstore.store.block_store import BlockStore
     from kvstore.store.tenants import Quotas
 
-ALL_TIERS = 15  # DRAM | SSD | REDIS | S3
 MAX_FINDINGS = 200  # past this, one sentence says how many more
 
 
@@ -164,7 +164,7 @@ def _blocks(store: BlockStore, blocks: list[Block], bad: _Findings) -> None:
             bad(f"{_name(b)} has a parent key of {len(b.parent)} bytes")
         if b.size <= 0 or b.depth < 1 or b.leases < 0 or b.moving < 0:
             bad(f"{_name(b)} has size {b.size}, depth {b.depth}, leases {b.leases}, moving {b.moving}")
-        if b.tiers & ~ALL_TIERS:
+        if b.tiers & ~all_bits():
             bad(f"{_name(b)} has placement bits {b.tiers:#x} outside the four tiers")
         if b.state is State.COMMITTED and not b.tiers:
             bad(f"{_name(b)} is COMMITTED but lies in no tier (a lookup would serve a block nobody holds)")
