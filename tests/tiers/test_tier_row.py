@@ -21,7 +21,7 @@ from kvstore.config import Config
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.index import TOP_LABEL
+from kvstore.store.index import TOP_LABEL, TierId
 from kvstore.tier_table import TierRow
 from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header, header_size
 from kvstore.v1 import kvstore_pb2 as pb
@@ -128,11 +128,13 @@ async def test_a_tier_registered_from_a_test_module_demotes_and_promotes_through
         assert attic_stats["promotions"] == 8 and stats["tiers"]["dram"]["demotions"] >= 32
 
 
-def test_the_proto_enum_is_the_table_s_proto_column() -> None:
-    """The wire's Tier enum stays (compatibility); the table says each built-in tier's value."""
+def test_the_proto_enum_and_the_replay_s_tier_ids_are_the_table_s_columns() -> None:
+    """The wire's Tier enum stays (compatibility), and the replay names the built-in tiers by
+    TierId: the table says each one's value and bit."""
     for row in tier_table.ROWS:
         assert pb.Tier.Value(f"TIER_{row.name.upper()}") == row.proto
     assert pb.TIER_PEER == tier_table.PEER_PROTO
+    assert [(t.label, int(t)) for t in TierId] == [(r.name, r.bit) for r in tier_table.ROWS]
 
 
 def test_a_row_that_clashes_is_refused_naming_what_clashes(attic: TierRow) -> None:
