@@ -63,6 +63,7 @@ BUILT_IN = len(ROWS)  # the rows above; register() adds after them
 # Derived from ROWS, rebuilt in place by register() (the same objects stay imported everywhere).
 BY_NAME: dict[str, TierRow] = {}
 NAMES: list[str] = []  # every tier, fastest first
+BIT_NAMES: list[tuple[int, str]] = []  # (bit, name) of every tier, fastest first (plain ints for hot loops)
 LOWER: list[str] = []  # the tiers below DRAM (a backend each): the default chain
 TOP_TIER: list[int] = []  # placement mask -> the bit of its fastest tier (0: none)
 TOP_LABEL: list[str] = []  # placement mask -> the name of its fastest tier ("none")
@@ -76,6 +77,7 @@ def _rebuild() -> None:
     BY_NAME.clear()
     BY_NAME.update((r.name, r) for r in ROWS)
     NAMES[:] = [r.name for r in ROWS]
+    BIT_NAMES[:] = [(r.bit, r.name) for r in ROWS]
     LOWER[:] = [r.name for r in ROWS if r.backend is not None]
     masks = range(1 << max(r.bit for r in ROWS).bit_length())
     top = [next((r for r in ROWS if m & r.bit), None) for m in masks]

@@ -49,7 +49,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, cast
 
 from kvstore.errors import InvalidArgument, ResourceExhausted
-from kvstore.store.index import TIER_ORDER, Block
+from kvstore.store.index import Block
+from kvstore.tier_table import BIT_NAMES
 
 if TYPE_CHECKING:
     from kvstore.policy.base import Banded, Eligible, EvictionPolicy
@@ -58,7 +59,7 @@ PRIORITIES = 4  # retain_priority is 0..3; the lowest goes first once only retai
 MAX_RETAIN_MS = 86_400_000  # a day: longer is a pin, not a hint
 REPUBLISH_S = 1.0  # a retention's end moved later by less than this is not news for the directory
 OTHER = "other"  # the refused count of every tenant past the ``shown`` first
-_TIERS = tuple((int(t), t.label) for t in TIER_ORDER)  # (bit, label): plain ints (enum arithmetic runs in Python)
+_TIERS = BIT_NAMES  # (bit, label) of every tier (kvstore/tier_table.py, a registered one's too)
 
 
 def check_hint(retain_ms: int, priority: int) -> None:
