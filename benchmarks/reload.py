@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from benchmarks.common import Result, sidecar_process
-from benchmarks.transfer import SHAPES, spec_of
+from benchmarks.transfer_shapes import SHAPES, spec_of
 from connector.core.metadata import LoadSpec, SaveSpec
 from connector.core.ops import load_blocks, save_blocks
 from connector.transfer import NumpyTransfer, bind_caches

@@ -34,18 +34,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import Result
-from connector.layout import KVSpec
+from benchmarks.transfer_shapes import GPU_BLOCKS, SHAPES, MiB, best_of, random_ids, slab_slots, spec_of
 from connector.transfer import PagedKV, bind_caches, make_transfer
 from kvstore.dram.slab import Slab
-
-SHAPES = {  # name -> (layers, kv heads, head size)
-    "llama3_8b": (32, 8, 128),
-    "qwen25_05b": (24, 2, 64),
-    "llama3_70b_tp8": (80, 1, 128),
-}
-GPU_BLOCKS = {"llama3_8b": 256, "qwen25_05b": 1024, "llama3_70b_tp8": 256}
-BLOCK_TOKENS = 16
-MiB = 1 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,28 +54,6 @@ def _cupy() -> Any | None:
         return cp if cp.cuda.runtime.getDeviceCount() > 0 else None
     except (ImportError, RuntimeError, OSError):  # no cupy, no driver, no device
         return None
-
-
-def _best(rounds: int, *timed: Callable[[], float]) -> list[float]:
-    """Each callable's best time over ``rounds`` rounds (one warm-up first), run back to back."""
-    best = [float("inf")] * len(timed)
-    for r in range(rounds + 1):
-        for i, f in enumerate(timed):
-            t = f()
-            if r:
-                best[i] = min(best[i], t)
-    return best
-
-
-def _slab_slots(slab: Slab, block_bytes: int, n: int) -> list[np.ndarray]:
-    slots = slab.take(slab.class_of(block_bytes), n)
-    if len(slots) < n:
-        raise RuntimeError(f"the slab holds {len(slots)} of {n} slots")
-    return [slab.view(s, block_bytes) for s in slots]
-
-
-def _ids(n: int, num_blocks: int, seed: int) -> list[int]:
-    return [int(b) for b in np.random.default_rng(seed).permutation(num_blocks)[:n]]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -111,12 +80,6 @@ def run(args: argparse.Namespace) -> dict:
     return res.as_dict()
 
 
-def spec_of(shape: str, layout: str) -> KVSpec:
-    layers, heads, d = SHAPES[shape]
-    return KVSpec(layout=layout, num_layers=layers, kv_heads=heads, head_size=d, block_size=BLOCK_TOKENS,
-                  dtype="bfloat16")
-
-
 def _timed(f: Callable[[], object]) -> Callable[[], float]:
     def go() -> float:
         t0 = time.perf_counter()
@@ -129,12 +92,12 @@ def _cpu_rounds(slab: Slab, kv: PagedKV, n: int, rounds: int) -> list[float]:
     """Best times of: memcpy into the mapping, gather, memcpy out of it, scatter (the views of the
     mapping end with this call, before the slab closes)."""
     bb = kv.spec.block_bytes
-    slots = _slab_slots(slab, bb, n)
+    slots = slab_slots(slab, bb, n)
     region = slab.buf[: n * bb]  # the baseline's side: the same mapping, the same bytes
     src = np.random.default_rng(0).integers(0, 255, n * bb, dtype=np.uint8)
     t = make_transfer("numpy")
-    ids_g, ids_s = _ids(n, kv.num_blocks, 1), _ids(n, kv.num_blocks, 2)
-    return _best(rounds, _timed(lambda: np.copyto(region, src)), _timed(lambda: t.gather(kv, ids_g, slots)),
+    ids_g, ids_s = random_ids(n, kv.num_blocks, 1), random_ids(n, kv.num_blocks, 2)
+    return best_of(rounds, _timed(lambda: np.copyto(region, src)), _timed(lambda: t.gather(kv, ids_g, slots)),
                  _timed(lambda: np.copyto(src, region)), _timed(lambda: t.scatter(kv, ids_s, slots)))
 
 
@@ -186,7 +149,7 @@ def _host_plan(res: Result, shape: str, n: int, rounds: int, memcpy_per_block: f
         plain = list(views)
         base = int(slab.buf.__array_interface__["data"][0])
         limits = [(base, base + slab.capacity_bytes)]  # as registered at start
-        ids = _ids(n, kv.num_blocks, 3)  # a list, as the connector hands them over
+        ids = random_ids(n, kv.num_blocks, 3)  # a list, as the connector hands them over
         tables = {kv.plan_key: object()}
 
         def plan(slots_: object) -> Callable[[], float]:
@@ -199,7 +162,7 @@ def _host_plan(res: Result, shape: str, n: int, rounds: int, memcpy_per_block: f
                 return time.perf_counter() - t0
             return go
 
-        known, asked = _best(max(rounds, 20), plan(views), plan(plain))
+        known, asked = best_of(max(rounds, 20), plan(views), plan(plain))
         del views, plain
     finally:
         slab.close()

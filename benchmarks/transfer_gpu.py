@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import Result
-from benchmarks.transfer import BLOCK_TOKENS, MiB, _best, _ids, _slab_slots, spec_of
+from benchmarks.transfer_shapes import BLOCK_TOKENS, MiB, best_of, random_ids, slab_slots, spec_of
 from connector.transfer import bind_caches, make_transfer
 from kvstore.dram.slab import Slab
 
@@ -82,12 +82,12 @@ def _gpu_rounds(cp: Any, t: Any, kv: Any, slab: Slab, n: int, rounds: int) -> li
     """Best times of: raw D2H, gather, raw H2D, scatter, both raw at once, gather and scatter at
     once, one block raw, one block gathered (the views of the slab end with this call)."""
     bb = kv.spec.block_bytes
-    save, load = _slab_slots(slab, bb, n), _slab_slots(slab, bb, n)
+    save, load = slab_slots(slab, bb, n), slab_slots(slab, bb, n)
     dev = cp.empty(2 * n * bb, dtype=cp.uint8)
     h0 = int(slab.buf.ctypes.data) + slab.capacity_bytes - 2 * n * bb  # the same pinned mapping, clear of the slots
     d0 = int(dev.data.ptr)
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
-    ids_a, ids_b = _ids(n, kv.num_blocks, 1), _ids(n, kv.num_blocks, 2)
+    ids_a, ids_b = random_ids(n, kv.num_blocks, 1), random_ids(n, kv.num_blocks, 2)
 
     def both() -> Any:
         g = t.gather(kv, ids_a, save)
@@ -95,13 +95,13 @@ def _gpu_rounds(cp: Any, t: Any, kv: Any, slab: Slab, n: int, rounds: int) -> li
         g.wait()
         return s
 
-    one_way = _best(rounds, _timer(cp, _raw(cp, [(h0, d0, n * bb, _D2H)], streams)),
+    one_way = best_of(rounds, _timer(cp, _raw(cp, [(h0, d0, n * bb, _D2H)], streams)),
                     _timer(cp, lambda: t.gather(kv, ids_a, save)),
                     _timer(cp, _raw(cp, [(d0, h0, n * bb, _H2D)], streams)),
                     _timer(cp, lambda: t.scatter(kv, ids_b, load)))
-    two_ways = _best(rounds, _timer(cp, _raw(cp, [(h0, d0, n * bb, _D2H), (d0 + n * bb, h0 + n * bb, n * bb, _H2D)],
+    two_ways = best_of(rounds, _timer(cp, _raw(cp, [(h0, d0, n * bb, _D2H), (d0 + n * bb, h0 + n * bb, n * bb, _H2D)],
                                              streams)), _timer(cp, both))
-    single = _best(rounds * 5, _timer(cp, _raw(cp, [(h0, d0, bb, _D2H)], streams)),
+    single = best_of(rounds * 5, _timer(cp, _raw(cp, [(h0, d0, bb, _D2H)], streams)),
                    _timer(cp, lambda: t.gather(kv, ids_a[:1], save[:1])))
     return one_way + two_ways + single
 
@@ -156,7 +156,7 @@ def _reload_rounds(cp: Any, model: Any, t: Any, kv: Any, slab: Slab, prompts: li
     """(recompute, reload) best times per prompt length; the slot views end with this call."""
     import torch
 
-    slots = _slab_slots(slab, kv.spec.block_bytes, kv.num_blocks)
+    slots = slab_slots(slab, kv.spec.block_bytes, kv.num_blocks)
     out = []
     for n in prompts:
         ids = torch.randint(0, model.config.vocab_size, (1, n), device="cuda")
@@ -170,5 +170,5 @@ def _reload_rounds(cp: Any, model: Any, t: Any, kv: Any, slab: Slab, prompts: li
         def reload(order: list[int] = order, blocks: int = blocks) -> Any:
             return t.scatter(kv, order, slots[:blocks])
 
-        out.append(_best(max(2, rounds // 2), _timer(cp, prefill), _timer(cp, reload)))
+        out.append(best_of(max(2, rounds // 2), _timer(cp, prefill), _timer(cp, reload)))
     return out

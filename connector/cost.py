@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.tier_table import LOAD_COSTS
+
 MB = 1e6
 
 
@@ -279,13 +281,8 @@ class TierRate:
 
 
 # Priors, replaced by measurements as soon as transfers are observed.
-DEFAULT_TIERS: dict[str, tuple[float, float]] = {
-    "dram": (4000 * MB, 0.0005),
-    "ssd": (1000 * MB, 0.002),
-    "redis": (500 * MB, 0.002),
-    "s3": (100 * MB, 0.03),
-    "peer": (1000 * MB, 0.002),  # another node's DRAM or SSD over the peer data path (kvstore/cluster/)
-}
+# (Each tier's load_cost in kvstore/tier_table.py, and the peer data path's.)
+DEFAULT_TIERS = LOAD_COSTS
 
 
 def tier_name(tier: object) -> str:

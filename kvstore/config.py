@@ -8,15 +8,17 @@ what is allowed.
 
 from __future__ import annotations
 
+import json
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -30,6 +32,7 @@ from pydantic_settings import (
 
 from kvstore.errors import ConfigError
 from kvstore.policy import DEFAULT_POLICY, policy_names
+from kvstore.tier_table import LOWER, NAMES, ROWS
 from kvstore.util.address import split_host_port
 
 MiB = 1 << 20
@@ -217,52 +220,55 @@ class S3Config(_Section):
     )
 
 
-QUOTA_TIERS = ("dram", "ssd", "redis", "s3")  # the tiers a tenant quota may be set for
+QUOTA_TIERS = NAMES  # the tiers a tenant quota may be set for: every row of kvstore.tier_table
 # All tenants' retained bytes in a tier, at most this share of its capacity by default (the one
 # place of the value: tenants.retained_fraction, and what kvstore replay's hints may hold), tuned
 # by replay on the agentic and the shared traces (docs/eviction.md, "Hints the cache can afford").
 RETAINED_FRACTION = 0.6
 
+Bytes = Annotated[int, Field(ge=0)]
+# A tier's own key, ``<tier>_<suffix>`` (``ssd_quota_bytes``), sets that tier's entry of the mapping.
+_PER_TIER_KEYS = (("_quota_bytes", "quota_bytes", Bytes), ("_quotas", "quotas", dict[str, Bytes]),
+                  ("_retained_bytes", "retained_bytes", Bytes))
+
+
+def _per_tier_value(key: str, value: Any, kind: Any) -> Any:
+    """One ``<tier>_<suffix>`` key's value, checked, or an error naming the key."""
+    if isinstance(value, str) and kind is not Bytes:  # a table from the environment: JSON
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f'field "tenants": tenants.{key}: not a JSON table ({exc})') from None
+    try:
+        return TypeAdapter(kind).validate_python(value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = "".join(f".{p}" for p in err["loc"])
+        raise ValueError(f"tenants.{key}{where}: {err['msg']}") from None
+
 
 class TenantsConfig(_Section):
-    """Tenant quotas (kvstore/store/tenants.py): a tenant is a namespace's cache_salt. Each tier has
-    a quota for every tenant (``<tier>_quota_bytes``) and per-salt ones over it (``<tier>_quotas``;
-    a salt given 0 has none); 0: no quota. :meth:`quota` is the one place that reads them."""
+    """Tenant quotas (kvstore/store/tenants.py): a tenant is a namespace's cache_salt. Each tier
+    (a row of kvstore/tier_table.py) has a quota for every tenant (``quota_bytes``) and per-salt
+    ones over it (``quotas``; a salt given 0 has none); absent or 0: no quota. A tier's own keys
+    say the same: ``<tier>_quota_bytes``, ``<tier>_quotas``, ``<tier>_retained_bytes`` (e.g.
+    ``ssd_quota_bytes = 1073741824``) set that tier's entry. :meth:`quota` is the one place that
+    reads them."""
 
-    dram_quota_bytes: int = Field(
-        0, ge=0, description="every tenant's share of DRAM (committed block bytes); 0: no quota"
+    quota_bytes: dict[str, Bytes] = Field(
+        default_factory=dict, description="per tier: every tenant's share of it in bytes (DRAM: committed block "
+        "bytes; SSD: block files' bytes, as ssd.capacity_bytes counts them; Redis, S3: block bytes this sidecar "
+        "writes or knows of there); absent or 0: no quota; <tier>_quota_bytes = N sets one tier's"
     )
-    dram_quotas: dict[str, int] = Field(
-        default_factory=dict, description="per cache_salt ('' for none): its DRAM quota in bytes, over the default"
+    quotas: dict[str, dict[str, Bytes]] = Field(
+        default_factory=dict, description="per tier, per cache_salt ('' for none): its quota in bytes, over the "
+        "tier's quota_bytes (0: none); <tier>_quotas = {salt = N} sets one tier's"
     )
-    ssd_quota_bytes: int = Field(
-        0, ge=0, description="every tenant's share of the SSD tier (block files' bytes, as ssd.capacity_bytes "
-        "counts them); 0: no quota"
+    retained_bytes: dict[str, Bytes] = Field(
+        default_factory=dict, description="per tier: every tenant's bound on its retained bytes there (retention "
+        "hints, kvstore/store/retention.py): a hint past it is refused; absent or 0: no bound; "
+        "<tier>_retained_bytes = N sets one tier's"
     )
-    ssd_quotas: dict[str, int] = Field(
-        default_factory=dict, description="per cache_salt ('' for none): its SSD quota in bytes, over the default"
-    )
-    redis_quota_bytes: int = Field(
-        0, ge=0, description="every tenant's cap in Redis (block bytes this sidecar writes or knows of there); "
-        "0: no cap"
-    )
-    redis_quotas: dict[str, int] = Field(
-        default_factory=dict, description="per cache_salt ('' for none): its Redis cap in bytes, over the default"
-    )
-    s3_quota_bytes: int = Field(
-        0, ge=0, description="every tenant's cap in S3 (block bytes this sidecar writes or knows of there); 0: no cap"
-    )
-    s3_quotas: dict[str, int] = Field(
-        default_factory=dict, description="per cache_salt ('' for none): its S3 cap in bytes, over the default"
-    )
-
-    dram_retained_bytes: int = Field(
-        0, ge=0, description="every tenant's bound on its retained bytes in DRAM (retention hints, "
-        "kvstore/store/retention.py): a hint past it is refused; 0: no bound"
-    )
-    ssd_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in the SSD tier")
-    redis_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in Redis")
-    s3_retained_bytes: int = Field(0, ge=0, description="as dram_retained_bytes, in S3")
     retained_fraction: float = Field(
         RETAINED_FRACTION, ge=0, le=1,
         description="all tenants' retained bytes together in a tier of a known capacity (DRAM, SSD): at most this "
@@ -271,25 +277,40 @@ class TenantsConfig(_Section):
         "docs/eviction.md); 1: no total bound (hints may hold a whole tier)",
     )
 
-    @field_validator("dram_quotas", "ssd_quotas", "redis_quotas", "s3_quotas")
+    @model_validator(mode="before")
     @classmethod
-    def _non_negative(cls, v: dict[str, int]) -> dict[str, int]:
-        bad = {k: n for k, n in v.items() if n < 0}
-        if bad:
-            raise ValueError(f"quotas are bytes >= 0, got {bad}")
+    def _per_tier_keys(cls, data: Any) -> Any:
+        """``<tier>_quota_bytes`` and its siblings into their mappings (the key wins over the
+        mapping's entry: an override of it lands on a dumped configuration)."""
+        if not isinstance(data, dict):
+            return data
+        out = dict(data)
+        for key in list(out):
+            for suffix, field, kind in _PER_TIER_KEYS:
+                if key.endswith(suffix) and key.removesuffix(suffix) in NAMES:
+                    merged = dict(out.get(field) or {})
+                    merged[key.removesuffix(suffix)] = _per_tier_value(key, out.pop(key), kind)
+                    out[field] = merged
+                    break
+        return out
+
+    @field_validator("quota_bytes", "quotas", "retained_bytes")
+    @classmethod
+    def _known_tiers(cls, v: dict[str, Any]) -> dict[str, Any]:
+        unknown = [t for t in v if t not in NAMES]
+        if unknown:
+            raise ValueError(f"unknown tier {unknown[0]!r} (known: {', '.join(NAMES)})")
         return v
 
     def quota(self, tier: str) -> tuple[int, dict[str, int]]:
         """``tier``'s quota for every tenant and its per-salt quotas."""
-        if tier not in QUOTA_TIERS:
-            raise ConfigError(f"tenants: no quota for tier {tier!r} (known: {', '.join(QUOTA_TIERS)})")
-        default: int = getattr(self, f"{tier}_quota_bytes")
-        per_salt: dict[str, int] = getattr(self, f"{tier}_quotas")
-        return default, per_salt
+        if tier not in NAMES:
+            raise ConfigError(f"tenants: no quota for tier {tier!r} (known: {', '.join(NAMES)})")
+        return self.quota_bytes.get(tier, 0), self.quotas.get(tier, {})
 
     def retained_bounds(self) -> dict[str, int]:
         """Each tier's bound on a tenant's retained bytes (0: none)."""
-        return {tier: int(getattr(self, f"{tier}_retained_bytes")) for tier in QUOTA_TIERS}
+        return {tier: self.retained_bytes.get(tier, 0) for tier in NAMES}
 
     def retained_totals(self, capacities: Mapping[str, int]) -> dict[str, int]:
         """Each tier's bound on all tenants' retained bytes, from its capacity (tier -> bytes; 0:
@@ -378,23 +399,37 @@ class ClusterConfig(_Section):
         return self
 
 
-LowerTier = Literal["ssd", "redis", "s3"]
-DEFAULT_CHAIN: tuple[LowerTier, ...] = ("ssd", "redis", "s3")
-
-
 class TieringConfig(_Section):
-    chain: list[LowerTier] = Field(
-        default_factory=lambda: list(DEFAULT_CHAIN),
-        description="demotion order below DRAM; tiers that are not enabled are skipped",
+    chain: list[str] = Field(
+        default_factory=lambda: list(LOWER),
+        description="demotion order below DRAM (the tiers of kvstore/tier_table.py: ssd, redis, s3); tiers that "
+        "are not enabled are skipped",
     )
-    write_through: list[Literal["redis", "s3"]] = Field(
-        default_factory=list, description="remote tiers written at commit so other hosts can read at once"
+    write_through: list[str] = Field(
+        default_factory=list, description="remote tiers (redis, s3) written at commit so other hosts can read at once"
     )
     staging_bytes: int = Field(
         512 * MiB, ge=4096,
         description="most bytes of DRAM evictions staged for demotion at once; an eviction past it is dropped "
                     "(counted in /stats tiers.dram.drops.backlog)",
     )
+
+    @field_validator("chain")
+    @classmethod
+    def _lower_tiers(cls, v: list[str]) -> list[str]:
+        unknown = [t for t in v if t not in LOWER]
+        if unknown:
+            raise ValueError(f"unknown tier {unknown[0]!r} (allowed: {', '.join(LOWER)})")
+        return v
+
+    @field_validator("write_through")
+    @classmethod
+    def _remote_tiers(cls, v: list[str]) -> list[str]:
+        allowed = [r.name for r in ROWS if r.write_through]
+        wrong = [t for t in v if t not in allowed]
+        if wrong:
+            raise ValueError(f"{wrong[0]!r} may not be written through (allowed: {', '.join(allowed)})")
+        return v
 
 
 class Config(BaseSettings):
@@ -423,6 +458,12 @@ class Config(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # Environment overrides the file (passed as init kwargs); CLI flags are applied after.
         return env_settings, init_settings
+
+    def tier_enabled(self, name: str) -> bool:
+        """Whether the tier ``name`` is on: its section's ``enabled``; a tier with no section of its
+        own (a registered one, kvstore/tier_table.py) is on when the chain names it."""
+        section = getattr(self, name, None)
+        return bool(section.enabled) if section is not None else name in self.tiering.chain
 
     @property
     def ssd_path(self) -> Path:

@@ -35,13 +35,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 
-TIER_WEIGHTS: dict[str, float] = {
-    "dram": 1.0,  # kvstore's top tier (host memory), normalised to 1
-    "ssd": 0.25 / 0.75,  # Dynamo: disk 0.25 vs host memory 0.75
-    "peer": 0.5,  # another node's DRAM or SSD, over the network (assumption)
-    "redis": 0.5,  # shared tiers: equal for every node (assumption)
-    "s3": 0.25,
-}
+from kvstore.tier_table import ROUTE_WEIGHTS
+
+# Each tier's route_weight (kvstore/tier_table.py: DRAM 1, the unit; SSD 1/3, Dynamo's disk 0.25 vs
+# host memory 0.75; Redis 0.5 and S3 0.25, shared: equal for every node) and another node's copy
+# (0.5).
+TIER_WEIGHTS = ROUTE_WEIGHTS
 
 MAX_IMBALANCE = 1.25  # the busiest node serves at most this × the mean
 

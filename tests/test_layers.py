@@ -71,13 +71,14 @@ def _is_call_to(node: ast.AST, name: str) -> bool:
 class _Reader(ast.NodeVisitor):
     """Every import of one module: (name as written, names imported, line, module-level?, how)."""
 
-    def __init__(self) -> None:
+    def __init__(self, type_checking: bool = False) -> None:
         self.found: list[tuple[str, tuple[str, ...], int, bool, str]] = []
+        self._type_checking = type_checking  # read the ``if TYPE_CHECKING:`` branches too
         self._depth = 0  # functions we are inside
         self._skip: set[int] = set()  # ids of string constants that are docstrings or logger names
 
     def visit_If(self, node: ast.If) -> None:
-        if _is_type_checking(node.test):
+        if _is_type_checking(node.test) and not self._type_checking:
             for child in node.orelse:  # the else branch runs
                 self.visit(child)
             return
@@ -128,11 +129,12 @@ def _resolve(name: str, known: dict[str, Path]) -> str | None:
     return None
 
 
-def imports(root: Path, known: dict[str, Path]) -> list[Import]:
-    """Every import from one module of the tree to another (itself excluded)."""
+def imports(root: Path, known: dict[str, Path], type_checking: bool = False) -> list[Import]:
+    """Every import from one module of the tree to another (itself excluded); with
+    ``type_checking``, those under ``if TYPE_CHECKING:`` too."""
     out = []
     for module, path in known.items():
-        reader = _Reader()
+        reader = _Reader(type_checking)
         reader.read(ast.parse(path.read_text(), str(path)))
         is_package = path.name == "__init__.py"
         rel = str(path.relative_to(root))
@@ -300,6 +302,24 @@ def describe(cycle: list[Import]) -> str:
     return f"  {' -> '.join([cycle[0].importer, *(i.target for i in cycle)])}\n{steps}"
 
 
+def two_way(found: Iterable[Import]) -> list[str]:
+    """Every pair of modules that import each other, however: at module level, inside a function or
+    under ``if TYPE_CHECKING:`` (a type-only import is still a dependency a reader must follow both
+    ways). A module only named (a lazy registry's ``("connector.cuda_transfer", ...)``) is not
+    imported by the name."""
+    edges: dict[tuple[str, str], Import] = {}
+    for imp in found:
+        if imp.how == "import":
+            edges.setdefault((imp.importer, imp.target), imp)
+    out = []
+    for (a, b), imp in sorted(edges.items()):
+        back = edges.get((b, a))
+        if back is not None and a < b:
+            out.append(f"  {a} <-> {b}\n    {imp.path}:{imp.line}: {a} imports {b}\n"
+                       f"    {back.path}:{back.line}: {b} imports {a}")
+    return out
+
+
 # --- the product stands apart from its benchmarks and tests ----------------------------------------------
 
 OUTSIDE = ("benchmarks", "tests")  # not the product: the suites and the test suite
@@ -372,6 +392,16 @@ def test_no_import_cycle(tree: tuple[dict[str, Path], list[Import]]) -> None:
     loops = cycles(found)
     assert not loops, "module-level import cycles (TYPE_CHECKING-only imports aside):\n" + "\n".join(
         map(describe, loops))
+
+
+def test_no_two_modules_import_each_other() -> None:
+    """Item 9 of issue #40: no circle of two, type-only and function-local imports included, in the
+    product or its benchmarks."""
+    packages = (*PACKAGES, "benchmarks")
+    known = modules(ROOT, packages)
+    pairs = two_way(imports(ROOT, known, type_checking=True))
+    assert not pairs, "modules that import each other (TYPE_CHECKING and function-local imports included):\n" + (
+        "\n".join(pairs))
 
 
 def test_the_product_imports_nothing_from_benchmarks_or_tests(tree: tuple[dict[str, Path], list[Import]]) -> None:
@@ -457,6 +487,14 @@ def test_the_checks_report_what_breaks_and_where(tmp_path: Path) -> None:
         "  kvstore.store.block_store -> kvstore.store.index -> kvstore.store.block_store\n"
         "    kvstore/store/block_store.py:4: kvstore.store.block_store imports kvstore.store.index\n"
         "    kvstore/store/index.py:8: kvstore.store.index imports kvstore.store.block_store"
+    ]
+    assert two_way(imports(tmp_path, known, type_checking=True)) == [  # a function-local import counts here
+        "  kvstore.server.api <-> kvstore.store.block_store\n"
+        "    kvstore/server/api.py:1: kvstore.server.api imports kvstore.store.block_store\n"
+        "    kvstore/store/block_store.py:10: kvstore.store.block_store imports kvstore.server.api",
+        "  kvstore.store.block_store <-> kvstore.store.index\n"
+        "    kvstore/store/block_store.py:4: kvstore.store.block_store imports kvstore.store.index\n"
+        "    kvstore/store/index.py:8: kvstore.store.index imports kvstore.store.block_store",
     ]
 
 

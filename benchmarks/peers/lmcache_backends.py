@@ -49,8 +49,9 @@ get compared without the copy-out) and through the service (``service``; put wit
 with copy-out; LMCache's Redis backends join the service's rounds too; there is no SSD service
 comparison, as the service's SSD put is a demotion stream, not a put of N blocks).
 
-Run: ``python -m benchmarks.peers.lmcache_backends [--tiers ssd,redis,redis_cluster]`` (prints the
-``benchmarks.tiers`` JSON with the peer figures added), or ``kvstore bench tiers --peers --json``.
+Run: ``kvstore bench tiers --peers --json`` (or ``python -m benchmarks.tiers --peers``; the
+``benchmarks.tiers`` JSON with the peer figures added). This module imports nothing of
+``benchmarks.tiers``: that suite imports it (one way, no circle).
 Installing LMCache here: see :mod:`benchmarks.peers`. If it cannot be imported, the figures are
 absent and ``notes.lmcache`` says why (the exact error).
 """
@@ -428,21 +429,3 @@ class Peers:
             notes["lmcache_failures"] = failures
         return {"figures": self.peer.figures, "ratios": _compare({**ours, **self.peer.figures}), "notes": notes}
 
-
-def main(argv: list[str] | None = None) -> None:
-    import json
-
-    from benchmarks import tiers
-    from kvstore.util.tuning import tune_malloc
-
-    p = tiers.parser()
-    p.description = __doc__
-    p.set_defaults(tiers="ssd,redis,redis_cluster", peers=True)
-    args = p.parse_args(argv)
-    args.peers = True
-    tune_malloc()
-    print(json.dumps(tiers.run(args)))
-
-
-if __name__ == "__main__":
-    main()

@@ -13,10 +13,11 @@ from typing import Any
 
 from connector.core.metadata import LoadResult
 from connector.cost import Decision
+from kvstore.tier_table import NAMES
 
 log = logging.getLogger(__name__)
 
-TIER_ORDER = ("dram", "ssd", "redis", "s3")
+TIER_ORDER = NAMES  # fastest first (kvstore/tier_table.py)
 MAX_BATCH = 1024  # the sidecar's limit per Report call
 
 

@@ -19,11 +19,10 @@ from kvstore.dram.slab import attach
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.store.checksum import checksum
+from kvstore.tier_table import PROTO_NAMES
 from kvstore.v1 import kvstore_pb2 as pb
 
-_TIER_NAMES: dict[int, str] = {
-    pb.TIER_DRAM: "dram", pb.TIER_SSD: "ssd", pb.TIER_REDIS: "redis", pb.TIER_S3: "s3", pb.TIER_PEER: "peer",
-}
+_TIER_NAMES = PROTO_NAMES  # a Lookup's tier value -> its name (kvstore/tier_table.py; "peer" too)
 DEFAULT_TIMEOUT_S = 30.0
 # A retention hint (retain_ms, retain_priority 0..3): kvstore/store/retention.py; (0, 0): none.
 Retain = tuple[int, int]

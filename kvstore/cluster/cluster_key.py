@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from dataclasses import dataclass
 
 LABEL = b"kvstore cluster key v1"  # HKDF's salt: the version of this derivation
 MAC_BYTES = 16
@@ -56,6 +57,27 @@ def framed(*parts: bytes) -> bytes:
 def frame(part: bytes) -> bytes:
     """``framed(part)``, without the call's overhead (a lookup frames a key and a node per record)."""
     return _LEN.pack(len(part)) + part
+
+
+@dataclass(frozen=True, slots=True)
+class HelloTranscript:
+    """What one peer hello said, which both proofs and the connection's key are bound to: both
+    nonces, both names, the holder's incarnation and address (its member entry's), and the flags
+    both sides said (the fetcher's, the holder's: one byte each)."""
+
+    fetcher_nonce: bytes
+    holder_nonce: bytes
+    fetcher: bytes
+    holder: bytes
+    incarnation: int
+    address: bytes
+    flags: bytes
+
+    def framed(self, role: bytes) -> bytes:
+        """The bytes a side's proof (``role``: whose proof it is) is the MAC of."""
+        life = self.incarnation.to_bytes(8, "little")
+        return framed(role, self.fetcher_nonce, self.holder_nonce, self.fetcher, self.holder, life, self.address,
+                      self.flags)
 
 
 class ClusterKey:
@@ -112,39 +134,14 @@ class ClusterKey:
 
     # --- the peer hello -------------------------------------------------------------------------
 
-    def proof(
-        self,
-        role: bytes,
-        fetcher_nonce: bytes,
-        holder_nonce: bytes,
-        fetcher: bytes,
-        holder: bytes,
-        incarnation: int,
-        address: bytes,
-        flags: bytes,
-    ) -> bytes:
-        """A side's proof that it holds the token, for one hello (``role``: whose proof it is) with
-        the holder of this ``incarnation`` at this ``address`` (its member entry's), both sides
-        having said these ``flags`` (the fetcher's, the holder's: one byte each)."""
-        life = incarnation.to_bytes(8, "little")
-        msg = framed(role, fetcher_nonce, holder_nonce, fetcher, holder, life, address, flags)
-        return hmac.digest(self._hello, msg, "sha256")
+    def proof(self, role: bytes, hello: HelloTranscript) -> bytes:
+        """A side's proof that it holds the token, for one ``hello`` (``role``: whose proof it is)."""
+        return hmac.digest(self._hello, hello.framed(role), "sha256")
 
-    def session(
-        self,
-        fetcher_nonce: bytes,
-        holder_nonce: bytes,
-        fetcher: bytes,
-        holder: bytes,
-        incarnation: int,
-        address: bytes,
-        flags: bytes,
-        encrypted: bool,
-    ) -> Session:
-        """The key of the connection whose hello had these nonces, names, holder's incarnation and
-        address, and flags; ``encrypted``: whether its exchanges are sealed (:mod:`kvstore.cluster.peer_frames`)."""
-        key = self.proof(SESSION, fetcher_nonce, holder_nonce, fetcher, holder, incarnation, address, flags)
-        return Session(key, encrypted)
+    def session(self, hello: HelloTranscript, encrypted: bool) -> Session:
+        """The key of the connection that said ``hello``; ``encrypted``: whether its exchanges are
+        sealed (:mod:`kvstore.cluster.peer_frames`)."""
+        return Session(self.proof(SESSION, hello), encrypted)
 
 
 SESSION = b"session"  # (a role of its own: the session key is never a proof either side sent)

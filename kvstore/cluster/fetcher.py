@@ -30,12 +30,12 @@ from kvstore.cluster.publisher import Publisher
 from kvstore.errors import Unavailable, shown
 from kvstore.store.block_store import BlockStore
 from kvstore.store.exchange import Reservation
-from kvstore.store.index import DRAM, REDIS, S3, NsEntry, top_label
+from kvstore.store.index import DRAM, NsEntry, top_label
 from kvstore.store.remote import MAX_HOLDERS, PeerBlock
+from kvstore.tier_table import shared_bits
 from kvstore.util.tasks import cancel_and_wait
 
 log = logging.getLogger("kvstore.cluster.node")  # (the node's logger: its parts log as the node did)
-SHARED = REDIS | S3
 
 
 class Arrived(NamedTuple):
@@ -165,7 +165,7 @@ class Fetcher:
             m = self.members.live(node, rec, now)
             if m is not None:
                 live.append((m, rec))
-            if rec.tiers & SHARED and rec.checksum and shared is None:
+            if rec.tiers & shared_bits() and rec.checksum and shared is None:
                 shared = rec
         return live, shared
 

@@ -52,7 +52,7 @@ import os
 import socket
 import struct
 
-from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey, Session
+from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey, HelloTranscript, Session
 from kvstore.util.tokens import token_matches
 from kvstore.wire import peer as w
 
@@ -109,7 +109,8 @@ async def greet(
     (theirs_is,), proof = INCARNATION.unpack_from(rest), rest[INCARNATION.size :]
     if their_name != holder.encode():
         raise HelloRefused(f"the node at this address says it is {their_name[:64]!r}, not {holder[:64]!r}")
-    if not token_matches(proof, key.proof(HOLDER, mine, theirs, name, their_name, theirs_is, at, flags)):
+    hello = HelloTranscript(mine, theirs, name, their_name, theirs_is, at, flags)
+    if not token_matches(proof, key.proof(HOLDER, hello)):
         raise HelloRefused(
             f"{holder[:64]!r} did not prove it holds the cluster token and lives at {address[:64]!r} (another "
             "token, or a relay from an address the node left)"
@@ -119,11 +120,11 @@ async def greet(
             f"{holder[:64]!r} at this address is incarnation {theirs_is}, not {incarnation}, which its member "
             "entry names (another life of the node: a member entry put back, or the node restarted since)"
         )
-    await loop.sock_sendall(sock, key.proof(FETCHER, mine, theirs, name, their_name, incarnation, at, flags))
+    await loop.sock_sendall(sock, key.proof(FETCHER, hello))  # (theirs_is is incarnation now)
     if await w.recv_bytes(sock, len(w.WELCOME)) != w.WELCOME:
         raise w.PeerProtocolError("the holder did not welcome us")
     encrypted = bool((my_flags | their_flags) & ENCRYPT)
-    return key.session(mine, theirs, name, their_name, incarnation, at, flags, encrypted)
+    return key.session(hello, encrypted)
 
 
 async def welcome(
@@ -137,12 +138,13 @@ async def welcome(
     theirs, their_name, their_flags = await _their_opening(sock)
     mine, name, my_flags, at = os.urandom(NONCE_BYTES), me.encode(), _flags(encrypt), address.encode()
     flags = bytes([their_flags, my_flags])
-    proof = key.proof(HOLDER, theirs, mine, their_name, name, incarnation, at, flags)
+    hello = HelloTranscript(theirs, mine, their_name, name, incarnation, at, flags)
+    proof = key.proof(HOLDER, hello)
     await loop.sock_sendall(sock, opening(me, mine, my_flags) + INCARNATION.pack(incarnation) + proof)
     proof = await w.recv_bytes(sock, PROOF_BYTES)
     shown = their_name.decode(errors="replace")
-    if not token_matches(proof, key.proof(FETCHER, theirs, mine, their_name, name, incarnation, at, flags)):
+    if not token_matches(proof, key.proof(FETCHER, hello)):
         raise HelloRefused(f"a peer calling itself {shown[:64]!r} did not prove it holds the cluster token")
     await loop.sock_sendall(sock, w.WELCOME)
     encrypted = bool((my_flags | their_flags) & ENCRYPT)
-    return shown, key.session(theirs, mine, their_name, name, incarnation, at, flags, encrypted)
+    return shown, key.session(hello, encrypted)

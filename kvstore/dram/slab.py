@@ -33,14 +33,26 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from multiprocessing import resource_tracker, shared_memory
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from kvstore.errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from kvstore.store.index import Block
+
+class Holder(Protocol):
+    """What a slot's holder is to those who find it through the slot: a block of the index
+    (:class:`kvstore.store.index.Block`, which imports this module; this one imports nothing of the
+    store): the slot it is bound to, its placement bits, whether it may leave."""
+
+    @property
+    def slot(self) -> Slot | None: ...
+
+    @property
+    def tiers(self) -> int: ...
+
+    @property
+    def pinned(self) -> bool: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -50,7 +62,7 @@ class Slot:
     cls: int  # size-class index
     capacity: int
     page: int  # index of the page it is cut from
-    holder: Block | None = None  # the block written into it (set by its owner, kvstore.store.space); None once freed
+    holder: Holder | None = None  # the block written into it (set by its owner, kvstore.store.space); None once freed
     # Times it was freed (Slab.free): a block holding it now and as many frees as when it was read has
     # held it without a break since (slot objects are reused: ``holder is b`` alone does not say so).
     frees: int = 0

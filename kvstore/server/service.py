@@ -30,8 +30,9 @@ from kvstore.keys import Namespace, prefix_keys
 from kvstore.routing import prefix_score, rank
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
 from kvstore.store.counters import check_decision, document_json
-from kvstore.store.index import DRAM, REDIS, S3, SSD, TOP_TIER, Block, Lease, NsEntry
+from kvstore.store.index import Block, Lease, NsEntry
 from kvstore.store.remote import MAX_HOLDERS, PeerBlock
+from kvstore.tier_table import LOWER, TOP_PROTO, all_bits
 from kvstore.util.logs import Throttled
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
@@ -39,9 +40,8 @@ from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 log = logging.getLogger("kvstore.server.service")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-_PB_TIER = {0: pb.TIER_UNSPECIFIED, DRAM: pb.TIER_DRAM, SSD: pb.TIER_SSD, REDIS: pb.TIER_REDIS, S3: pb.TIER_S3}
-# placement mask -> proto enum of its fastest tier
-_MASK_TO_PB: tuple[int, ...] = tuple(_PB_TIER[TOP_TIER[m]] for m in range(16))
+# placement mask -> the proto value of its fastest tier (kvstore/tier_table.py's proto column)
+_MASK_TO_PB = TOP_PROTO
 
 _TIERS = operator.attrgetter("tiers")
 _SIZE = operator.attrgetter("size")
@@ -79,7 +79,7 @@ def _cluster_lookup(
         lease_id=lease.id if lease else "",
         nodes=list(nodes),
         holders=bytes(nodes[p.node] for p in peers),
-        peer_tiers=bytes(_MASK_TO_PB[p.tiers & 15] for p in peers),
+        peer_tiers=bytes(_MASK_TO_PB[p.tiers & all_bits()] for p in peers),
     )
 
 
@@ -378,7 +378,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 node=names[i],
                 prefix=sum(counts[i].values()),
                 dram=counts[i].get("dram", 0),
-                ssd=sum(counts[i].get(t, 0) for t in ("ssd", "redis", "s3")),
+                ssd=sum(counts[i].get(t, 0) for t in LOWER),
                 peer=counts[i].get("peer", 0),
                 score=prefix_score(counts[i]),
                 load=loads[i],

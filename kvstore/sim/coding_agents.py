@@ -45,13 +45,10 @@ The trace's figures (requests, unique blocks, prompt length) are in data/traces/
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import math
 import random
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvstore.sim.traces import BLOCK_TOKENS, Request, Trace
 
@@ -156,30 +153,13 @@ def _renumber(reqs: list[Request]) -> list[Request]:
                     r.output_length) for r in reqs]
 
 
-def write(trace: Trace, path: str | Path) -> None:
-    """``trace`` as Mooncake JSONL, gzip'd without a name or time when ``path`` ends in .gz (the
-    same bytes for the same trace)."""
-    bt = trace.block_tokens
-    lines = "".join(
-        json.dumps({"timestamp": r.timestamp, "input_length": (len(r.keys) - 1) * bt + r.last_size,
-                    "output_length": r.output_length, "hash_ids": list(r.keys)}) + "\n"
-        for r in trace.requests
-    ).encode()
-    with open(path, "wb") as f:
-        if str(path).endswith(".gz"):
-            with gzip.GzipFile(filename="", mode="wb", compresslevel=9, fileobj=f, mtime=0) as z:
-                z.write(lines)
-        else:
-            f.write(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvstore.sim.coding_agents", description=__doc__.split("\n")[0])
     ap.add_argument("out", help="the trace to write (.jsonl or .jsonl.gz)")
     ap.add_argument("--seed", type=int, default=SEED)
     args = ap.parse_args(argv)
     trace = generate(Params(seed=args.seed))
-    write(trace, args.out)
+    trace.to_jsonl(args.out)
     n = len(trace.requests)
     tokens = sum((len(r.keys) - 1) * trace.block_tokens + r.last_size for r in trace.requests)
     print(f"{args.out}: {n} requests, {trace.references} block references, {trace.unique_blocks()} unique "

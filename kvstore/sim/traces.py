@@ -52,14 +52,20 @@ class Trace:
         return len(seen)
 
     def to_jsonl(self, path: str | Path) -> None:
+        """The trace as Mooncake JSONL (what :func:`load_trace` reads), gzip'd without a name or
+        time when ``path`` ends in .gz: the same bytes for the same trace (the committed traces)."""
         bt = self.block_tokens
-        with open(path, "w") as f:
-            for r in self.requests:
-                n = len(r.keys)
-                rec = {"timestamp": r.timestamp, "input_length": (n - 1) * bt + r.last_size,
-                       "output_length": r.output_length,
-                       "hash_ids": list(r.keys)}
-                f.write(json.dumps(rec) + "\n")
+        lines = "".join(
+            json.dumps({"timestamp": r.timestamp, "input_length": (len(r.keys) - 1) * bt + r.last_size,
+                        "output_length": r.output_length, "hash_ids": list(r.keys)}) + "\n"
+            for r in self.requests
+        ).encode()
+        with open(path, "wb") as f:
+            if str(path).endswith(".gz"):
+                with gzip.GzipFile(filename="", mode="wb", compresslevel=9, fileobj=f, mtime=0) as z:
+                    z.write(lines)
+            else:
+                f.write(lines)
 
 
 def _request(ts: int, hash_ids: list[int], input_length: int, bt: int, output_length: int = 0) -> Request:

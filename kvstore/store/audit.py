@@ -46,19 +46,19 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvstore.keys import KEY_BYTES, NamespaceRoot
 from kvstore.store.below import NoMovers
 from kvstore.store.index import DRAM, Block, NsEntry, State
 from kvstore.store.remote import NoRemote
+from kvstore.tier_table import all_bits
 
 if TYPE_CHECKING:
     from kvstore.dram.slab import Page, Slot
     from kvstore.store.block_store import BlockStore
     from kvstore.store.tenants import Quotas
 
-ALL_TIERS = 15  # DRAM | SSD | REDIS | S3
 MAX_FINDINGS = 200  # past this, one sentence says how many more
 
 
@@ -69,6 +69,11 @@ def _name(b: Block) -> str:
 def _indexed(b: Block, namespaces: Mapping[NamespaceRoot, NsEntry]) -> bool:
     """Whether ``b`` is the index's record under its key (not dropped, not replaced)."""
     return namespaces.get(b.ns.root) is b.ns and b.ns.blocks.get(b.key) is b
+
+
+def _holder(slot: Slot) -> Block | None:
+    """The block a slot names (the slab knows it only as a :class:`~kvstore.dram.slab.Holder`)."""
+    return cast("Block | None", slot.holder)
 
 
 def _slot_name(slot: Slot) -> str:
@@ -159,7 +164,7 @@ def _blocks(store: BlockStore, blocks: list[Block], bad: _Findings) -> None:
             bad(f"{_name(b)} has a parent key of {len(b.parent)} bytes")
         if b.size <= 0 or b.depth < 1 or b.leases < 0 or b.moving < 0:
             bad(f"{_name(b)} has size {b.size}, depth {b.depth}, leases {b.leases}, moving {b.moving}")
-        if b.tiers & ~ALL_TIERS:
+        if b.tiers & ~all_bits():
             bad(f"{_name(b)} has placement bits {b.tiers:#x} outside the four tiers")
         if b.state is State.COMMITTED and not b.tiers:
             bad(f"{_name(b)} is COMMITTED but lies in no tier (a lookup would serve a block nobody holds)")
@@ -260,11 +265,11 @@ def _slots(
         if (s.page, s.cls, s.capacity, s.offset) != (page.index, cls, sc.size, base + i * sc.size):
             bad(f"{_slot_name(s)} does not lie where {where} cuts its slot {i}")
         if id(s) in free:
-            if s.holder is not None:
-                bad(f"free {_slot_name(s)} still names {_name(s.holder)} as its holder")
+            if (held := _holder(s)) is not None:
+                bad(f"free {_slot_name(s)} still names {_name(held)} as its holder")
             continue
         in_use += 1
-        h = s.holder
+        h = _holder(s)
         if h is None:
             bad(f"{_slot_name(s)} is in use but has no holder (leaked)")
         elif h.slot is s:
@@ -299,7 +304,7 @@ def _holders(
         if slot.holder is not b:
             bad(
                 f"{_name(b)} holds {_slot_name(slot)}, which names "
-                f"{'no holder (freed)' if slot.holder is None else _name(slot.holder)}"
+                f"{'no holder (freed)' if slot.holder is None else _name(cast(Block, slot.holder))}"
             )
         if id(slot) in free_ids:
             bad(f"{_name(b)} holds {_slot_name(slot)}, which is free")

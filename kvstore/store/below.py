@@ -20,15 +20,12 @@ from collections.abc import Awaitable, Collection, Mapping, Sequence, Set
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol
 
-from kvstore.store.index import REDIS, S3
+from kvstore.tier_table import shared_bits
 
 if TYPE_CHECKING:
     from kvstore.policy.base import EvictionPolicy
     from kvstore.store.index import Block
     from kvstore.store.tenants import Quotas
-
-SHARED = REDIS | S3  # tiers every node of a cluster reaches (a node's SSD is its own)
-
 
 class Lower(Protocol):
     """One tier below DRAM: its placement bit, its policy and its books."""
@@ -127,9 +124,9 @@ class Below:
         """Place ``b`` in the shared tiers of ``mask`` (written by another node of a cluster) that
         this node has and that are up; the placement bits it has there now."""
         for lv in self.levels:
-            if lv.bit & mask & SHARED and not lv.down:
+            if lv.bit & mask & shared_bits() and not lv.down:
                 lv.place(b)
-        return b.tiers & SHARED
+        return b.tiers & shared_bits()
 
     def written_through(self, blocks: Sequence[Block]) -> int:
         """How many of ``blocks`` every write-through level holds (0 when there is none)."""

@@ -19,8 +19,9 @@ from typing import Any
 
 from kvstore.errors import InvalidArgument
 from kvstore.store.latency import Latencies
+from kvstore.tier_table import NAMES
 
-TIER_LABELS = ("dram", "ssd", "redis", "s3")
+TIER_LABELS = NAMES  # every row of kvstore/tier_table.py
 OTHER = "other"  # the /stats namespace (or tenant) entry that sums every one not shown on its own
 OUTCOMES = ("loaded", "recomputed", "fallback", "bypass")  # or "fallback:<reason>", "bypass:<BYPASS_REASONS>"
 # Why a connector served a request without the cache at all (no lookup, no save): its KV depends on

@@ -37,12 +37,13 @@ import heapq
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from kvstore.store.index import TIER_ORDER, Block
+from kvstore.store.index import Block
+from kvstore.tier_table import BIT_NAMES
 
 if TYPE_CHECKING:
     from kvstore.store.retention import Retention
 
-_TIERS = tuple((int(t), t.label) for t in TIER_ORDER)  # (bit, label)
+_TIERS = BIT_NAMES  # (bit, label) of every tier (kvstore/tier_table.py, a registered one's too)
 
 
 class HintBudget:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import FailedPrecondition, NotFound, shown
 from kvstore.keys import BlockKey, Namespace, NamespaceRoot
+from kvstore.tier_table import BY_NAME, ROWS, TOP_LABEL, TOP_TIER, TierRow
 
 if TYPE_CHECKING:
     from kvstore.dram.slab import Slot
@@ -26,7 +27,8 @@ class State(enum.IntEnum):
 
 
 class TierId(enum.IntFlag):
-    """Placement bits; the numeric values match the proto's ``Tier`` enum positions."""
+    """The built-in tiers' placement bits (the replay names them); every tier, a registered one
+    included, is a row of :mod:`kvstore.tier_table`, whose bits these are."""
 
     DRAM = 1
     SSD = 2
@@ -38,12 +40,10 @@ class TierId(enum.IntFlag):
         return self.name.lower()  # type: ignore[union-attr]  # a combined flag has no name; single tiers all do
 
 
-TIER_ORDER: tuple[TierId, ...] = (TierId.DRAM, TierId.SSD, TierId.REDIS, TierId.S3)
+TIER_ORDER: list[TierRow] = ROWS  # every tier, fastest first (int(t): its bit, t.label: its name)
 
-# Plain-int twins of TierId for the hot paths (enum arithmetic runs in Python, ints in C).
-DRAM, SSD, REDIS, S3 = 1, 2, 4, 8
-TOP_TIER: tuple[int, ...] = tuple(next((int(t) for t in TIER_ORDER if m & t), 0) for m in range(16))
-TOP_LABEL: tuple[str, ...] = tuple(next((t.label for t in TIER_ORDER if m & t), "none") for m in range(16))
+# Plain-int bits for the hot paths (enum arithmetic runs in Python, ints in C).
+DRAM, SSD, REDIS, S3 = (BY_NAME[n].bit for n in ("dram", "ssd", "redis", "s3"))
 
 
 def top_label(mask: int) -> str:

@@ -46,20 +46,20 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from kvstore.errors import InvalidArgument, ResourceExhausted
-from kvstore.store.index import TIER_ORDER, Block
+from kvstore.store.index import Block
+from kvstore.tier_table import BIT_NAMES
 
 if TYPE_CHECKING:
     from kvstore.policy.base import Banded, Eligible, EvictionPolicy
-    from kvstore.store.hint_budget import HintBudget
 
 PRIORITIES = 4  # retain_priority is 0..3; the lowest goes first once only retained blocks are left
 MAX_RETAIN_MS = 86_400_000  # a day: longer is a pin, not a hint
 REPUBLISH_S = 1.0  # a retention's end moved later by less than this is not news for the directory
 OTHER = "other"  # the refused count of every tenant past the ``shown`` first
-_TIERS = tuple((int(t), t.label) for t in TIER_ORDER)  # (bit, label): plain ints (enum arithmetic runs in Python)
+_TIERS = BIT_NAMES  # (bit, label) of every tier (kvstore/tier_table.py, a registered one's too)
 
 
 def check_hint(retain_ms: int, priority: int) -> None:
@@ -75,6 +75,19 @@ def tenant(b: Block) -> str:
     return b.ns.tenant
 
 
+class Budget(Protocol):
+    """What a retention asks of its budget (:class:`kvstore.store.hint_budget.HintBudget`, which
+    reads the retention it is handed: this module does not import it back)."""
+
+    totals: dict[str, int]
+
+    def admit(self, r: Retention, blocks: list[Block], priority: int, into: int, now: float) -> list[Block]: ...
+
+    def fits(self, r: Retention, b: Block, gained: int) -> bool: ...
+
+    def snapshot(self) -> dict[str, object]: ...
+
+
 class Retention:
     """The retained blocks of one node (or one replayed cache) and the soft pin rule.
 
@@ -83,7 +96,7 @@ class Retention:
     counts are kept apart."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 bounds: Mapping[str, int] | None = None, budget: HintBudget | None = None,
+                 bounds: Mapping[str, int] | None = None, budget: Budget | None = None,
                  shown: int = 32) -> None:
         self.clock = clock
         self.bounds = {t: n for t, n in (bounds or {}).items() if n}  # tier label -> bytes per tenant

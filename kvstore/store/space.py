@@ -207,7 +207,7 @@ class DramSpace:
     def release(self, slot: Slot) -> None:
         """Give back a slot that never held a placed block (a promotion that found no good copy)."""
         if self.quotas is not None and slot.holder is not None:
-            self.quotas.settle(slot.holder)
+            self.quotas.settle(cast(Block, slot.holder))
         self.slab.free(slot)
 
     def free(self, b: Block) -> None:

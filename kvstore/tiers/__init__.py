@@ -1,4 +1,5 @@
-"""Storage tiers below DRAM, built by name through one lazy registry.
+"""Storage tiers below DRAM, built by name through one lazy registry: the backend column of
+:mod:`kvstore.tier_table`.
 
 ``build_tier("redis", config)`` imports ``kvstore.tiers.redis`` only then, so redis-py and
 aioboto3 load only when their tier is selected (as vLLM's kv_connector factory does).
@@ -13,14 +14,11 @@ import importlib
 from typing import Any, Protocol
 
 from kvstore.errors import ConfigError
+from kvstore.tier_table import BY_NAME, LOWER
 from kvstore.tiers.base import BlockMeta, BlockRef, Recoverable, Tier, TierBase
 
-# name -> (module, class). Add a tier here; nothing else branches on names.
-TIERS: dict[str, tuple[str, str]] = {
-    "ssd": ("kvstore.tiers.ssd", "SsdTier"),
-    "redis": ("kvstore.tiers.redis", "RedisTier"),
-    "s3": ("kvstore.tiers.s3", "S3Tier"),
-}
+# A tier is its backend module plus its row in kvstore/tier_table.py (its name, bit, proto value,
+# (module, class), shared or not): nothing else branches on names.
 
 
 class TierClass(Protocol):
@@ -34,10 +32,10 @@ class TierClass(Protocol):
 
 
 def tier_class(name: str) -> TierClass:
-    try:
-        module, cls_name = TIERS[name]
-    except KeyError:
-        raise ConfigError(f"unknown tier {name!r} (known: {', '.join(sorted(TIERS))})") from None
+    backend = BY_NAME[name].backend if name in BY_NAME else None
+    if backend is None:
+        raise ConfigError(f"unknown tier {name!r} (known: {', '.join(sorted(LOWER))})")
+    module, cls_name = backend
     cls: TierClass = getattr(importlib.import_module(module), cls_name)
     return cls
 
@@ -52,4 +50,4 @@ def build_tier(name: str, config: Any) -> Tier:
     return cls.from_config(config)
 
 
-__all__ = ["TIERS", "BlockMeta", "BlockRef", "Recoverable", "Tier", "TierBase", "TierClass", "build_tier", "tier_class"]
+__all__ = ["BlockMeta", "BlockRef", "Recoverable", "Tier", "TierBase", "TierClass", "build_tier", "tier_class"]

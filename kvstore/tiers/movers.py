@@ -30,9 +30,10 @@ from contextlib import AbstractContextManager
 from kvstore.config import Config
 from kvstore.policy import make_policy
 from kvstore.store.below import Movers, NoMovers
-from kvstore.store.index import REDIS, S3, SSD, Block
+from kvstore.store.index import SSD, Block
 from kvstore.store.space import DramSpace
 from kvstore.store.tenants import Tenants
+from kvstore.tier_table import BY_NAME
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import Bounded
 from kvstore.tiers.crew import Crew
@@ -48,21 +49,17 @@ from kvstore.util.tasks import TaskHealth
 
 log = logging.getLogger("kvstore.tiers.movers")
 
-BITS = {"ssd": SSD, "redis": REDIS, "s3": S3}
-
-
 def build_levels(space: DramSpace, config: Config, tenants: Tenants | None = None) -> list[Level]:
     """One level per enabled tier of the configured chain, fastest first."""
-    enabled = {"ssd": config.ssd.enabled, "redis": config.redis.enabled, "s3": config.s3.enabled}
     levels = []
-    for name in (n for n in config.tiering.chain if enabled[n]):
-        tier = build_tier(name, config)
+    for name in (n for n in config.tiering.chain if config.tier_enabled(n)):
+        tier, bit = build_tier(name, config), BY_NAME[name].bit
         quotas = tenants.attach(name) if tenants is not None else None
         through = name in config.tiering.write_through
         if isinstance(tier, Bounded):
             level = Level(
                 name,
-                BITS[name],
+                bit,
                 tier,
                 space.index,
                 space.stats,
@@ -75,7 +72,7 @@ def build_levels(space: DramSpace, config: Config, tenants: Tenants | None = Non
         else:  # ordered only to evict a tenant's own oldest blocks past its quota
             policy = make_policy(config.index.policy) if quotas is not None else None
             level = Level(
-                name, BITS[name], tier, space.index, space.stats, policy=policy, quotas=quotas, write_through=through
+                name, bit, tier, space.index, space.stats, policy=policy, quotas=quotas, write_through=through
             )
         if level.placement.policy is not None:
             space.retention.watch(level.placement.policy)  # (its retained blocks apart, as DRAM's)

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvstore.client import KVStoreClient
 from kvstore.cluster import peer_frames, peer_hello
-from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey
+from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey, HelloTranscript
 from kvstore.cluster.peer_frames import Frames
 from kvstore.config import Config
 from kvstore.harness.servers import RedisServer
@@ -73,11 +73,12 @@ async def hello_stream(
     (incarnation,), proof = peer_hello.INCARNATION.unpack_from(rest, NONCE_BYTES + n), rest[-PROOF_BYTES:]
     both = bytes([flags, theirs_flags])
     assert (magic, name) == (peer_hello.MAGIC, b"a")
-    assert proof == key.proof(peer_hello.HOLDER, mine, theirs, me.encode(), name, incarnation, at, both)
-    writer.write(key.proof(peer_hello.FETCHER, mine, theirs, me.encode(), name, incarnation, at, both))
+    hello = HelloTranscript(mine, theirs, me.encode(), name, incarnation, at, both)
+    assert proof == key.proof(peer_hello.HOLDER, hello)
+    writer.write(key.proof(peer_hello.FETCHER, hello))
     assert await reader.readexactly(len(w.WELCOME)) == w.WELCOME
     encrypted = bool((flags | theirs_flags) & peer_hello.ENCRYPT)
-    session = key.session(mine, theirs, me.encode(), name, incarnation, at, both, encrypted)
+    session = key.session(hello, encrypted)
     return peer_frames.frames(session, fetcher=True)
 
 

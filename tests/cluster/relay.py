@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
+from tests.cluster.listening import LoopbackServer
+
 
 @dataclass
-class Relay:
+class Relay(LoopbackServer):
     """Forwards every byte both ways to ``target`` (a port on 127.0.0.1, set once known) and records
     what the fetcher sent and what came back. ``flip_back``: the offset (in all the bytes that came
     back) of one byte it flips on the way, as a party that changes what it relays would (None: none).
@@ -20,26 +22,11 @@ class Relay:
     sent: bytearray = field(default_factory=bytearray)  # fetcher -> holder
     back: bytearray = field(default_factory=bytearray)  # holder -> fetcher
     upstreams: list[asyncio.StreamWriter] = field(default_factory=list)  # to the holder: to inject bytes on
-    connections: int = 0
     flip_back: int | None = None
     drop_back: range = range(0)
     flip_sent: int | None = None
-    port: int = 0
-    _server: asyncio.Server | None = None
 
-    async def start(self, port: int = 0) -> None:
-        """Listen on ``port`` (0: any free one)."""
-        self._server = await asyncio.start_server(self._conn, "127.0.0.1", port, reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5)
-
-    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
         self.upstreams.append(up_w)
 

@@ -31,6 +31,7 @@ from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.checksum import checksum
 from tests.cluster.directories import KINDS, DirectoryServer, directory_server
+from tests.cluster.listening import LoopbackServer
 from tests.cluster.nodes import BLOCK, TOKEN, blocks, client_of, keys_for
 from tests.cluster.relay import Relay
 
@@ -45,7 +46,7 @@ def directory(request: pytest.FixtureRequest) -> Iterator[DirectoryServer]:
 
 
 @dataclass
-class Listener:
+class Listener(LoopbackServer):
     """An attacker's TCP listener posing as a node. It records every byte it receives. To a version
     1 hello ("KVP1", the token in clear) it says welcome and answers every request with its own
     bytes for the keys it has (``serve``, under its own checksums); to a version 3 opening it
@@ -55,27 +56,13 @@ class Listener:
     serve: dict[bytes, np.ndarray]
     holder: str = "a"
     received: bytearray = field(default_factory=bytearray)
-    connections: int = 0
-    port: int = 0
-    _server: asyncio.Server | None = None
-
-    async def start(self, port: int = 0) -> None:
-        self._server = await asyncio.start_server(self._conn, "127.0.0.1", port, reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 5)
 
     async def _read(self, reader: asyncio.StreamReader, n: int) -> bytes:
         got = await reader.readexactly(n)
         self.received += got
         return got
 
-    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             magic = await self._read(reader, 4)
             if magic == b"KVP1":

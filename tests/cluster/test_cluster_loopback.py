@@ -126,7 +126,7 @@ async def test_a_wrong_token_gets_nothing(
     import os
 
     from kvstore.cluster import peer_hello
-    from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey
+    from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey, HelloTranscript
     from kvstore.wire import peer as w
 
     compared: list[tuple[bytes, bytes]] = []
@@ -160,14 +160,15 @@ async def test_a_wrong_token_gets_nothing(
             (incarnation,) = peer_hello.INCARNATION.unpack_from(rest, NONCE_BYTES + n)
             both = bytes([0, flags])
             at = a.cluster.address.encode()
-            proof = wrong.proof(peer_hello.FETCHER, mine, theirs, b"b", name, incarnation, at, both)
+            hello = HelloTranscript(mine, theirs, b"b", name, incarnation, at, both)
+            proof = wrong.proof(peer_hello.FETCHER, hello)
             writer.write(proof)
             with contextlib.suppress(ConnectionResetError):
                 assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, no welcome
         finally:
             writer.close()
         assert a.cluster.server.refused == 1
-        right = ClusterKey(TOKEN).proof(peer_hello.FETCHER, mine, theirs, b"b", name, incarnation, at, both)
+        right = ClusterKey(TOKEN).proof(peer_hello.FETCHER, hello)
         assert (proof, right) in compared
         assert not any(TOKEN.encode() in pair for pair in compared)
         assert w.WELCOME not in rest

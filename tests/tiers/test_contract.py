@@ -11,7 +11,8 @@ import pytest
 
 from kvstore.config import RedisConfig, S3Config, SsdConfig
 from kvstore.errors import ConfigError
-from kvstore.tiers import TIERS, build_tier, tier_class
+from kvstore.tier_table import LOWER
+from kvstore.tiers import build_tier, tier_class
 from kvstore.tiers.base import Recoverable, Tier
 
 PROTOCOL_METHODS = [
@@ -40,7 +41,7 @@ def test_protocol_surface_is_what_we_think():
     )
 
 
-@pytest.mark.parametrize("tier_name", sorted(TIERS))
+@pytest.mark.parametrize("tier_name", sorted(LOWER))
 @pytest.mark.parametrize(("proto", "method"), PROTOCOL_METHODS, ids=[n for _, n in PROTOCOL_METHODS])
 def test_tier_implements_method_with_same_signature(tier_name, proto, method):
     cls = tier_class(tier_name)
@@ -54,7 +55,7 @@ def test_tier_implements_method_with_same_signature(tier_name, proto, method):
         assert inspect.isasyncgenfunction(impl), f"{cls.__name__}.scan must be an async generator"
 
 
-@pytest.mark.parametrize("tier_name", sorted(TIERS))
+@pytest.mark.parametrize("tier_name", sorted(LOWER))
 def test_tier_has_name_and_constructors(tier_name):
     cls = tier_class(tier_name)
     assert cls.name == tier_name
