@@ -16,6 +16,9 @@ the copy, the hashing pool, gRPC; the sidecar is another process).
 - ``<shape>_verified_vs_unverified_cpu``: the same of the CPU times (medians): the work the check
   adds. Where no core is free for the hashing (a shared machine under load) the wall ratio tends
   to this; where one is, to ``unverified ÷ (unverified + first chunk's hash)``.
+- ``<shape>_verified_vs_unverified_caller_cpu``: the same of the calling thread's own CPU time
+  (the copy, and any part of a chunk it had to hash itself because no pool thread had started it):
+  1.0 when all the hashing ran on the pool's threads, off the copy's path.
 - ``<shape>_serial_hash_ms`` (one thread hashing the whole batch: the check until #39),
   ``<shape>_hash_GBps`` (its rate), ``<shape>_copy_GBps`` (the unverified reload's bytes ÷ its
   time), ``<shape>_first_chunk_hash_ms`` (the first chunk, hashed on the pool before any copy:
@@ -89,13 +92,13 @@ def _shape(res: Result, shape: str, n: int, rounds: int) -> None:
         res.figure(f"{shape}_block_bytes", bb, "B")
         load = LoadSpec("load", tuple(keys), tuple(range(n, 2 * n)), 0, spec.block_size)
 
-        def reload(verify: bool) -> tuple[float, float]:
-            c0 = time.process_time()
+        def reload(verify: bool) -> tuple[float, float, float]:
+            c0, t0 = time.process_time(), time.thread_time()
             r = load_blocks(client, ns, kv, t, load, verify=verify)
-            cpu = time.process_time() - c0
+            caller, cpu = time.thread_time() - t0, time.process_time() - c0
             if r.loaded != n:
                 raise SystemExit(f"kvstore bench reload: {r.loaded} of {n} blocks loaded ({r.failure})")
-            return r.seconds, cpu
+            return r.seconds, cpu, caller
 
         def hashes() -> tuple[float, float]:
             """(one thread hashing the batch, the pool hashing its first chunk), seconds."""
@@ -110,16 +113,22 @@ def _shape(res: Result, shape: str, n: int, rounds: int) -> None:
         reload(True), reload(False)  # warm-up
         wall: dict[bool, list[float]] = {True: [], False: []}
         cpu: dict[bool, list[float]] = {True: [], False: []}
+        caller: dict[bool, list[float]] = {True: [], False: []}
         serial, first = [], []
         for i in range(rounds):
             for verify in (True, False) if i % 2 == 0 else (False, True):
-                w, c = reload(verify)
+                w, c, own = reload(verify)
                 wall[verify].append(w)
                 cpu[verify].append(c)
+                caller[verify].append(own)
             h, f = hashes()
             serial.append(h)
             first.append(f)
     _report(res, shape, n * bb, wall, cpu, serial, first)
+    for verify, way in ((True, "verified"), (False, "unverified")):
+        res.figure(f"{shape}_reload_{way}_caller_cpu_ms", statistics.median(caller[verify]) * 1e3, "ms")
+    own = {v: statistics.median(caller[v]) for v in caller}
+    res.ratio(f"{shape}_verified_vs_unverified_caller_cpu", own[False] / own[True])
 
 
 def _report(res: Result, shape: str, nbytes: int, wall: dict[bool, list[float]], cpu: dict[bool, list[float]],

@@ -21,10 +21,10 @@ def test_reload_bench_shape_on_cpu() -> None:
     figures, s = result["figures"], "qwen25_05b"
     assert figures[f"{s}_blocks"]["value"] == 8
     for way in ("verified", "unverified"):
-        for what in ("", "_median", "_cpu"):
+        for what in ("", "_median", "_cpu", "_caller_cpu"):
             assert figures[f"{s}_reload_{way}{what}_ms"]["value"] > 0
     for name in ("serial_hash_ms", "first_chunk_hash_ms", "hash_GBps", "copy_GBps"):
         assert figures[f"{s}_{name}"]["value"] > 0
     assert 0 <= figures[f"{s}_hash_hidden"]["value"] <= 1
-    assert set(result["ratios"]) == {f"{s}_verified_vs_unverified{k}" for k in ("", "_median", "_cpu")}
+    assert set(result["ratios"]) == {f"{s}_verified_vs_unverified{k}" for k in ("", "_median", "_cpu", "_caller_cpu")}
     assert all(r > 0 for r in result["ratios"].values())
