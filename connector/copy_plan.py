@@ -127,9 +127,10 @@ class DmaRun:
 
 
 class Registrations:
-    """The registered pieces of the host mappings, ``(start, end)``, sorted, kept as Python lists
-    (one slot's lookup: :meth:`covers`) and numpy arrays (a batch's): built when a piece is added,
-    at the connector's start, never per batch."""
+    """The registered pieces of the host mappings, ``(start, end)``, sorted and not overlapping
+    (distinct mappings, or one cut at its pages), kept as Python lists (one slot's lookup:
+    :meth:`covers`) and numpy arrays (a batch's): built when a piece is added, at the connector's
+    start, never per batch."""
 
     __slots__ = ("ends", "first", "last", "pieces", "starts")
 
