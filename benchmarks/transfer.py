@@ -17,8 +17,9 @@ host work per batch, which runs on the CPU before its first CUDA call (the slots
 addresses, the pinning check, the chunks and their DMA runs, the plan tables' lookup), for a
 GPU-sized batch (the FlashAttention layout) of a lease's slots (``SlotViews``):
 ``host_plan_us_per_batch``, ``host_plan_us_per_block``, ``host_plan_vs_memcpy_per_block`` (÷ the
-memcpy of a block's bytes above), and per block with plain views (``host_plan_views_us_per_block``:
-every view asked its address).
+memcpy of a block's bytes above), a batch of one block (``host_plan_one_block_us``: the fixed part)
+and what each further slot adds (``host_plan_us_per_slot_above_one``), and per block with plain
+views (``host_plan_views_us_per_block``: every view asked its address).
 
 Every round times ours and the baseline back to back; each figure is the best round.
 """
@@ -127,11 +128,12 @@ def _cpu_shape(res: Result, shape: str, n: int, rounds: int, n_plan: int = 0) ->
 
 
 def _host_plan(res: Result, shape: str, n: int, rounds: int, memcpy_per_block: float) -> None:
-    """The GPU path's host work for one batch of ``n`` blocks (see the module docstring); nothing
-    is copied and no cache byte is touched."""
+    """The GPU path's host work for one batch of ``n`` blocks (see the module docstring), the steps
+    ``CupyTransfer`` takes before its first CUDA call; nothing is copied and no cache byte is
+    touched. Also a batch of one block (the fixed part) and the part per slot above it."""
     import torch
 
-    from connector.copy_plan import schedule, uncovered
+    from connector.copy_plan import Registrations, schedule, uncovered
     from connector.cuda_transfer import CHUNK_BLOCKS
     from connector.transfer import slot_addresses
     from kvstore.client.wire import mapped_views
@@ -148,26 +150,29 @@ def _host_plan(res: Result, shape: str, n: int, rounds: int, memcpy_per_block: f
         views = mapped_views([(slab.name, s.offset, bb) for s in slots], writable=True)
         plain = list(views)
         base = int(slab.buf.__array_interface__["data"][0])
-        limits = [(base, base + slab.capacity_bytes)]  # as registered at start
+        limits = Registrations([(base, base + slab.capacity_bytes)])  # as registered at start (PinnedHost)
         ids = random_ids(n, kv.num_blocks, 3)  # a list, as the connector hands them over
         tables = {kv.plan_key: object()}
 
-        def plan(slots_: object) -> Callable[[], float]:
+        def plan(slots_: object, ids_: list[int]) -> Callable[[], float]:
             def go() -> float:
                 t0 = time.perf_counter()
-                addresses = slot_addresses(kv, ids, slots_, writing=True)  # type: ignore[arg-type]
+                addresses = slot_addresses(kv, np.asarray(ids_, dtype=np.int64), slots_,  # type: ignore[arg-type]
+                                           writing=True)
                 assert not uncovered(addresses, bb, limits)
                 schedule(addresses, bb, CHUNK_BLOCKS, limits)
                 tables.get(kv.plan_key)
                 return time.perf_counter() - t0
             return go
 
-        known, asked = best_of(max(rounds, 20), plan(views), plan(plain))
+        known, one, asked = best_of(max(rounds, 20), plan(views, ids), plan(views[:1], ids[:1]), plan(plain, ids))
         del views, plain
     finally:
         slab.close()
     res.figure(f"{shape}_host_plan_blocks", n, "blocks")
     res.figure(f"{shape}_host_plan_us_per_batch", known * 1e6, "us")
     res.figure(f"{shape}_host_plan_us_per_block", known * 1e6 / n, "us")
+    res.figure(f"{shape}_host_plan_one_block_us", one * 1e6, "us")
+    res.figure(f"{shape}_host_plan_us_per_slot_above_one", max(0.0, known - one) * 1e6 / max(1, n - 1), "us")
     res.figure(f"{shape}_host_plan_views_us_per_block", asked * 1e6 / n, "us")
     res.ratio(f"{shape}_host_plan_vs_memcpy_per_block", (known / n) / memcpy_per_block)

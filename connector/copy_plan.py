@@ -17,7 +17,8 @@ end of a registered piece of the host mapping.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from bisect import bisect_right
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import product
 
@@ -125,16 +126,68 @@ class DmaRun:
     width: int
 
 
-def dma_runs(addresses: Sequence[int] | np.ndarray, width: int, limits: Sequence[tuple[int, int]] = (),
+class Registrations:
+    """The registered pieces of the host mappings, ``(start, end)``, sorted and not overlapping
+    (distinct mappings, or one cut at its pages), kept as Python lists (one slot's lookup:
+    :meth:`covers`) and numpy arrays (a batch's): built when a piece is added, at the connector's
+    start, never per batch."""
+
+    __slots__ = ("ends", "first", "last", "pieces", "starts")
+
+    def __init__(self, pieces: Iterable[tuple[int, int]] = ()) -> None:
+        self._set(list(pieces))
+
+    def _set(self, pieces: list[tuple[int, int]]) -> None:
+        self.pieces = sorted(pieces)
+        self.first = [a for a, _ in self.pieces]
+        self.last = [b for _, b in self.pieces]
+        self.starts = np.array(self.first, dtype=np.int64)
+        self.ends = np.array(self.last, dtype=np.int64)
+
+    def add(self, start: int, end: int) -> None:
+        self._set([*self.pieces, (start, end)])
+
+    def clear(self) -> None:
+        self._set([])
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self.pieces)
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def covers(self, address: int, nbytes: int) -> bool:
+        k = bisect_right(self.first, address) - 1
+        return k >= 0 and address + nbytes <= self.last[k]
+
+    def holding(self, a: np.ndarray, width: int) -> int | None:
+        """The end of the one piece that holds every slot at ``a`` (``width`` bytes each), when one
+        does (the common batch: slots of one slab page): two reductions, nothing per slot."""
+        if not len(a) or not self.pieces:
+            return None
+        lo, hi = int(a.min()), int(a.max())
+        k = bisect_right(self.first, lo) - 1
+        return self.last[k] if k >= 0 and hi + width <= self.last[k] else None
+
+
+Limits = Sequence[tuple[int, int]] | Registrations
+
+
+def _registrations(limits: Limits) -> Registrations:
+    return limits if isinstance(limits, Registrations) else Registrations(limits)
+
+
+def dma_runs(addresses: Sequence[int] | np.ndarray, width: int, limits: Limits = (),
              max_pitch: int = MAX_PITCH) -> list[DmaRun]:
     """Group slot ``addresses`` (in batch order) into evenly spaced runs, one DMA each, no two
     slots of a run more than ``max_pitch`` apart: greedily, a run starts at a slot, takes the
     next one's distance as its pitch when that lies in ``[width, max_pitch]``, and goes on while
     the slots keep that pitch.
 
-    ``limits``: the registered pieces of the host mappings as ``(start, end)``, sorted; a run never
-    crosses the end of one (a DMA must lie in one registration), and a slot that itself crosses one
-    is refused (the registration is cut at slab page boundaries, so a slot never does).
+    ``limits``: the registered pieces of the host mappings as ``(start, end)`` (or
+    :class:`Registrations`, their arrays built once); a run never crosses the end of one (a DMA
+    must lie in one registration), and a slot that itself crosses one is refused (the
+    registration is cut at slab page boundaries, so a slot never does).
 
     Numpy over the slots (the checks, the pitches, where they change), Python only per run: the
     sidecar hands a batch's slots out side by side, so a batch is a run or a few."""
@@ -142,65 +195,65 @@ def dma_runs(addresses: Sequence[int] | np.ndarray, width: int, limits: Sequence
     n = len(a)
     if n == 0:
         return []
-    ends = _limit_ends(a, width, limits)
-    d = np.diff(a)
+    ends = _limit_ends(a, width, _registrations(limits))
+    d = a[1:] - a[:-1]
     # where the distance to the next slot differs from the one before: a run with the pitch
     # d[i] goes on from slot i + 1 until the first such change at or after i + 1
-    change = np.flatnonzero(d[1:] != d[:-1]) + 1
+    change = (d[1:] != d[:-1]).nonzero()[0] + 1
     runs: list[DmaRun] = []
     i = 0
     while i < n:
         j = i + 1
+        start, end = int(a[i]), ends if isinstance(ends, int) else int(ends[i])
         if j < n:
             pitch = int(d[i])
-            if width <= pitch <= max_pitch and a[j] + width <= ends[i]:
-                k = int(np.searchsorted(change, j))
+            if width <= pitch <= max_pitch and start + pitch + width <= end:
+                k = int(np.searchsorted(change, j)) if len(change) else 0
                 stop = int(change[k]) + 1 if k < len(change) else n  # slots of the same pitch: up to stop
-                room = (int(ends[i]) - width - int(a[i])) // pitch + 1  # slots that end within the registration
+                room = (end - width - start) // pitch + 1  # slots that end within the registration
                 j = min(stop, i + room)
-                runs.append(DmaRun(i, j - i, int(a[i]), pitch, width))
+                runs.append(DmaRun(i, j - i, start, pitch, width))
                 i = j
                 continue
-        runs.append(DmaRun(i, 1, int(a[i]), width, width))
+        runs.append(DmaRun(i, 1, start, width, width))
         i = j
     return runs
 
 
-def _limit_ends(a: np.ndarray, width: int, limits: Sequence[tuple[int, int]]) -> np.ndarray:
-    """Per slot, the end of the registration it lies in (no limits: :data:`NO_LIMIT`); a slot in
-    none, or crossing the end of its own, is refused."""
+def _limit_ends(a: np.ndarray, width: int, limits: Registrations) -> int | np.ndarray:
+    """Per slot, the end of the registration it lies in (one int when one holds them all; no
+    limits: :data:`NO_LIMIT`); a slot in none, or crossing the end of its own, is refused."""
     if not limits:
-        return _no_limit(len(a))
-    starts = np.array([s for s, _ in limits], dtype=np.int64)
-    stops = np.array([e for _, e in limits], dtype=np.int64)
-    k = np.searchsorted(starts, a, side="right") - 1
-    inside = (k >= 0) & (a < stops[np.maximum(k, 0)])
+        return NO_LIMIT
+    end = limits.holding(a, width)
+    if end is not None:
+        return end
+    k = np.searchsorted(limits.starts, a, side="right") - 1
+    inside = (k >= 0) & (a < limits.ends[np.maximum(k, 0)])
     if not inside.all():
         bad = int(np.argmin(inside))
         raise InvalidArgument(f"slot at {int(a[bad]):#x} lies in no registered host mapping")
-    ends = stops[k]
+    ends = limits.ends[k]
     over = a + width > ends
     if over.any():
         bad = int(np.argmax(over))
         raise InvalidArgument(f"slot at {int(a[bad]):#x} ({width} bytes) crosses the end of a registered"
                               f" piece of the host mapping at {int(ends[bad]):#x}")
-    return ends
+    out: np.ndarray = ends
+    return out
 
 
-def _no_limit(n: int) -> np.ndarray:
-    return np.full(n, NO_LIMIT, dtype=np.int64)
-
-
-def uncovered(addresses: Sequence[int] | np.ndarray, width: int, limits: Sequence[tuple[int, int]]) -> list[int]:
+def uncovered(addresses: Sequence[int] | np.ndarray, width: int, limits: Limits) -> list[int]:
     """Indices of the slots at ``addresses`` (``width`` bytes each) that lie whole in none of the
-    sorted registrations ``limits`` (numpy over the slots)."""
+    registrations ``limits`` (numpy over the slots; two reductions when one piece holds them all)."""
     a = np.asarray(addresses, dtype=np.int64)
-    if not limits:
+    regs = _registrations(limits)
+    if not regs:
         return list(range(len(a)))
-    starts = np.array([x for x, _ in limits], dtype=np.int64)
-    ends = np.array([y for _, y in limits], dtype=np.int64)
-    k = np.maximum(np.searchsorted(starts, a, side="right") - 1, 0)
-    out: list[int] = np.flatnonzero(~((a >= starts[k]) & (a + width <= ends[k]))).tolist()
+    if not len(a) or regs.holding(a, width) is not None:
+        return []
+    k = np.maximum(np.searchsorted(regs.starts, a, side="right") - 1, 0)
+    out: list[int] = np.flatnonzero(~((a >= regs.starts[k]) & (a + width <= regs.ends[k]))).tolist()
     return out
 
 
@@ -218,24 +271,25 @@ class Chunk:
     runs: list[DmaRun]
 
 
-def schedule(
-    addresses: Sequence[int] | np.ndarray, width: int, per_chunk: int, limits: Sequence[tuple[int, int]] = ()
-) -> list[Chunk]:
+def schedule(addresses: Sequence[int] | np.ndarray, width: int, per_chunk: int, limits: Limits = ()) -> list[Chunk]:
     """A batch's chunks of at most ``per_chunk`` blocks, each with the parts of the batch's
     slot runs that fall in it (a run that spans two chunks is two DMAs): one pass over the runs
-    and the chunks together."""
+    and the chunks together, Python per chunk and per run only."""
     runs = dma_runs(addresses, width, limits)
+    n, step = len(addresses), max(1, per_chunk)
     out: list[Chunk] = []
-    r = 0
-    for a, b in chunks(len(addresses), per_chunk):
+    r, nr = 0, len(runs)
+    for a in range(0, n, step):
+        b = a + step if a + step < n else n
         parts = []
-        while r < len(runs):
+        while r < nr:
             run = runs[r]
-            lo, hi = max(a, run.first), min(b, run.first + run.count)
+            first, end = run.first, run.first + run.count
+            lo, hi = (a if a > first else first), (b if b < end else end)
             if lo < hi:
-                parts.append(run if (lo, hi - lo) == (run.first, run.count) else
-                             DmaRun(lo, hi - lo, run.host + (lo - run.first) * run.pitch, run.pitch, run.width))
-            if run.first + run.count > b:  # goes on in the next chunk
+                parts.append(run if lo == first and hi == end else
+                             DmaRun(lo, hi - lo, run.host + (lo - first) * run.pitch, run.pitch, run.width))
+            if end > b:  # goes on in the next chunk
                 break
             r += 1
         out.append(Chunk(a, b, parts))

@@ -46,6 +46,7 @@ import numpy as np
 from connector.copy_plan import (
     Chunk,
     Piece,
+    Registrations,
     launch_shape,
     plan_tables,
     registration_pieces,
@@ -123,21 +124,22 @@ class _Device:
 
 
 class PinnedHost:
-    """The host mappings registered with CUDA, as ``(start, end)`` pieces."""
+    """The host mappings registered with CUDA, as ``(start, end)`` pieces (their lookup arrays
+    built here, once per registration, not per batch)."""
 
     def __init__(self, cp: Any) -> None:
         self._rt = cp.cuda.runtime
-        self.limits: list[tuple[int, int]] = []
+        self.limits = Registrations()
         self._ours: list[int] = []  # starts of the pieces this process registered: unregistered at close
 
     def covers(self, address: int, nbytes: int) -> bool:
-        return any(a <= address and address + nbytes <= b for a, b in self.limits)
+        return self.limits.covers(address, nbytes)
 
     def register(self, start: int, size: int, page_bytes: int) -> float:
         """Register ``[start, start + size)`` piece by piece; the seconds it took."""
         t0 = time.perf_counter()
         for a, b in registration_pieces(start, size, REGISTER_PIECE, page_bytes):
-            if any(x <= a < y for x, y in self.limits):
+            if self.limits.covers(a, 1):
                 continue
             try:
                 self._rt.hostRegister(a, b - a, HOST_REGISTER_PORTABLE)
@@ -145,8 +147,7 @@ class PinnedHost:
             except self._rt.CUDARuntimeError as exc:  # registered by another engine of this process: used,
                 if "AlreadyRegistered" not in str(exc):  # never unregistered here
                     raise
-            self.limits.append((a, b))
-        self.limits.sort()
+            self.limits.add(a, b)
         return time.perf_counter() - t0
 
     def close(self) -> None:

@@ -148,8 +148,8 @@ def slot_addresses(kv: PagedKV, block_ids: Sequence[int] | np.ndarray, slots: Se
         raise InvalidArgument(f"transfer: {len(block_ids)} block ids for {len(slots)} slots")
     n = kv.num_blocks
     ids = np.asarray(block_ids, dtype=np.int64)
-    bad = (ids < 0) | (ids >= n)
-    if bad.any():
+    if len(ids) and int(ids.view(np.uint64).max()) >= n:  # one reduction: a negative id is >= 2**63 as uint64
+        bad = (ids < 0) | (ids >= n)
         raise InvalidArgument(f"transfer: block id {int(ids[int(np.argmax(bad))])} is outside the cache (0..{n - 1})")
     need = kv.spec.block_bytes
     known = getattr(slots, "addresses", None)
@@ -170,9 +170,8 @@ def slot_addresses(kv: PagedKV, block_ids: Sequence[int] | np.ndarray, slots: Se
 
 
 def _known_addresses(slots: Any, need: int, writing: bool) -> np.ndarray:
-    short = slots.lengths < need
-    if short.any():
-        i = int(np.argmax(short))
+    if len(slots) and int(slots.lengths.min()) < need:
+        i = int(np.argmax(slots.lengths < need))
         raise InvalidArgument(f"slot {i}: {int(slots.lengths[i])} bytes is smaller than a block ({need})")
     if writing and not slots.writable and len(slots):
         raise InvalidArgument("slot 0: read-only, a gather writes into it")

@@ -31,6 +31,9 @@ def test_transfer_bench_shape_on_cpu() -> None:
         assert per_batch["unit"] == per_block["unit"] == "us" and per_batch["value"] > 0
         assert per_block["value"] == pytest.approx(per_batch["value"] / 4, rel=1e-3, abs=1e-5)
         assert result["figures"][f"{shape}_host_plan_views_us_per_block"]["value"] > 0
+        # its fixed part (a batch of one block) and what a further slot adds
+        assert result["figures"][f"{shape}_host_plan_one_block_us"]["value"] > 0
+        assert result["figures"][f"{shape}_host_plan_us_per_slot_above_one"]["value"] >= 0
     ops = ("gather_vs_memcpy", "scatter_vs_memcpy", "host_plan_vs_memcpy_per_block")
     assert set(result["ratios"]) == {f"{s}_{op}" for s in ("qwen25_05b", "llama3_70b_tp8") for op in ops}
     assert all(r > 0 for r in result["ratios"].values())

@@ -16,10 +16,12 @@ import torch
 from connector.copy_plan import (
     DmaRun,
     PlaneGeometry,
+    Registrations,
     dma_runs,
     pieces,
     registration_pieces,
     schedule,
+    uncovered,
 )
 from connector.layout import KVSpec, slot_array
 from connector.transfer import NumpyTransfer, bind_caches, gather_block, run_plan, scatter_block
@@ -284,3 +286,25 @@ def test_schedule_cuts_the_runs_at_every_chunk(seed: int) -> None:
         assert c.runs == want
     moved = sorted(r.host + k * r.pitch for c in got for r in c.runs for k in range(r.count))
     assert moved == sorted(addresses)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_registrations_find_the_slots_outside_them_as_one_by_one(seed: int) -> None:
+    """``uncovered`` and ``Registrations.covers`` (the lookup arrays built once, the one-piece
+    shortcut of two reductions) against the definition, slot by slot: slots inside one piece,
+    across two, straddling an end, in a gap, before the first; a batch all in one piece."""
+    rng = np.random.default_rng(300 + seed)
+    width = int(rng.choice([64, 4096]))
+    cuts = sorted({int(c) for c in rng.integers(1 << 20, 1 << 24, 2 * int(rng.integers(1, 5)))})
+    pieces = [(a, b) for a, b in zip(cuts[::2], cuts[1::2], strict=False) if b > a]
+    regs = Registrations(pieces[::-1])  # given in any order
+    n = int(rng.integers(1, 60))
+    if seed % 3 == 0:  # all in the first piece: the shortcut
+        a, b = pieces[0]
+        addresses = [int(x) for x in rng.integers(a, max(a + 1, b - width + 1), n)]
+    else:
+        addresses = [int(x) for x in rng.integers(pieces[0][0] - 2 * width, pieces[-1][1] + width, n)]
+    want = [i for i, x in enumerate(addresses) if not any(a <= x and x + width <= b for a, b in pieces)]
+    assert uncovered(addresses, width, regs) == want == uncovered(addresses, width, pieces)
+    assert [regs.covers(x, width) for x in addresses] == [i not in want for i in range(len(addresses))]
+    assert list(regs) == sorted(pieces) and uncovered(addresses, width, Registrations()) == list(range(len(addresses)))
