@@ -86,7 +86,7 @@ class Demotion:
         self._lanes = {lv: Lane() for lv in levels}
         self._staged: dict[Block, np.ndarray] = {}  # demotions in flight, readable meanwhile
         # Room in the levels (a batch's, a write-through's): never by evicting a block staged here.
-        self.eviction = Eviction(space, levels, self._staged)
+        self.eviction = Eviction(space, levels, self._staged, removal)
         # (staging, slot) copies a staging_batch() defers
         self._unstaged: list[tuple[np.ndarray, np.ndarray]] | None = None
 
@@ -232,25 +232,19 @@ class Demotion:
         to settle: what it passes down leaves it, what is written is released here; whatever is
         left when the task ends (a failure, a cancellation, before its first step too) fails in
         :meth:`_batch_ended`, which also frees the task's place among the batches in flight."""
-        live: list[tuple[Block, np.ndarray]] = []
-        try:
-            with lv.failures(f"demotion of {len(batch)} blocks to"):
-                for b, _, _ in batch:
-                    lv.dequeue(b)
-                kept = set(await self.eviction.make_room(lv, [b for b, _, _ in batch]))  # counted already
-                refused = [s for s in batch if s[0] not in kept]
-                if refused:
-                    batch[:] = [s for s in batch if s[0] in kept]  # (in place: _batch_ended's list)
-                    self._pass_down(lv, refused)
-                # (what a delete took meanwhile is not written at all)
-                live = [(b, d) for b, d, _ in batch if lv.holds(b) and b.ns.blocks.get(b.key) is b]
-                lv.begin_put([b for b, _ in live])
+        with lv.failures(f"demotion of {len(batch)} blocks to"):
+            for b, _, _ in batch:
+                lv.dequeue(b)
+            kept = set(await self.eviction.make_room(lv, [b for b, _, _ in batch]))  # counted already
+            refused = [s for s in batch if s[0] not in kept]
+            if refused:
+                batch[:] = [s for s in batch if s[0] in kept]  # (in place: _batch_ended's list)
+                self._pass_down(lv, refused)
+            # (what a delete took meanwhile is not written at all)
+            live = [(b, d) for b, d, _ in batch if lv.holds(b) and b.ns.blocks.get(b.key) is b]
+            with self.removal.writing(lv, [b for b, _ in live]):  # (deleted meanwhile: removed after)
                 await self._put(lv, live)
                 self._release_staged(batch)  # written
-        finally:
-            doomed = lv.end_put([b for b, _ in live])
-            if doomed:  # deleted while their files were being written: the files go now
-                self.removal.remove({lv: ([lv.ref(b) for b in doomed], sum(doomed.values()))})
 
     async def _put(self, lv: Level, live: list[tuple[Block, np.ndarray]]) -> None:
         items = [(lv.meta(b), d.data) for b, d in live]

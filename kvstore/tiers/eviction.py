@@ -15,7 +15,8 @@ soft pin, DRAM's pending hits); the level only counts what it holds.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Container, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
 
 import numpy as np
 
@@ -25,18 +26,23 @@ from kvstore.store.index import DRAM, Block
 from kvstore.store.space import DramSpace
 from kvstore.store.tenants import Quotas
 from kvstore.tiers.level import Level
+from kvstore.tiers.removal import Removal
 from kvstore.tiers.verify import verified_get
 
 
 class Eviction:
     """Room in the levels of one chain (fastest first)."""
 
-    def __init__(self, space: DramSpace, levels: Sequence[Level], staged: Container[Block]) -> None:
+    def __init__(self, space: DramSpace, levels: Sequence[Level], staged: Container[Block], removal: Removal) -> None:
         self.space = space
         self.stats: Stats = space.stats
         self.levels = levels
         self.staged = staged  # demotions in flight: never a victim (their bytes are not written yet)
+        self.removal = removal  # the deletes whose room is still releasing
         self.kept: set[Block] = set()  # never a victim either: blocks a stop's drain wrote (kvstore.tiers.drain)
+        # Per level, bytes per tenant that passed the quota and are being written there, not placed
+        # yet (a write-through, a demotion from the level above): counted by the next quota pass.
+        self._reserved: dict[Level, Counter[str]] = {lv: Counter() for lv in levels}
 
     def down_from(self, lv: Level, b: Block) -> Level | None:
         """Where ``b`` goes when it leaves ``lv``: the next level below ``lv`` that is up and does not
@@ -54,8 +60,30 @@ class Eviction:
         that fit, their bytes reserved against their tenants' quotas until the body (which writes
         and places them) ends."""
         kept = await self.make_room(lv, blocks, fresh)
-        async with lv.reserved(kept):
+        with self._reserving(lv, kept):
             yield kept
+
+    @contextlib.contextmanager
+    def _reserving(self, lv: Level, blocks: Sequence[Block]) -> Iterator[None]:
+        """``blocks`` are being written to ``lv`` inside (not placed yet): their bytes count
+        against their tenants' quotas there until the body ends."""
+        quotas, reserved = lv.quotas, self._reserved[lv]
+        held = [(quotas.tenant(b), lv.footprint(b.size, b.ns.label)) for b in blocks] if quotas is not None else []
+        for t, n in held:
+            reserved[t] += n
+        try:
+            yield
+        finally:
+            for t, n in held:
+                reserved[t] -= n
+                if reserved[t] <= 0:
+                    del reserved[t]
+
+    def _pending(self, lv: Level, tenant: str) -> int:
+        """Bytes of ``tenant`` a quota pass in ``lv`` counts besides what is placed: those reserved
+        for writes in flight there, less those of its queued blocks (they count in their own
+        batch's pass)."""
+        return self._reserved[lv][tenant] - lv.queued_of(tenant)
 
     async def make_room(self, lv: Level, incoming: Sequence[Block] = (), fresh: bool = False) -> list[Block]:
         """Room in ``lv`` for ``incoming`` (a demotion batch, placed already; or blocks about to be
@@ -131,7 +159,7 @@ class Eviction:
             mine = [b for b in keep if tenant_of(b) == tenant]
             new = sum(lv.footprint(b.size, b.ns.label) for b in mine if not lv.holds(b))
             gone = sum(n for b, n in out.items() if lv.holds(b) and tenant_of(b) == tenant)
-            if not quotas.excess(tenant, new + lv.pending(tenant) - gone):
+            if not quotas.excess(tenant, new + self._pending(lv, tenant) - gone):
                 return
             victim = self._evictable(lv, cold)
             if victim is None and (fresh or not mine):
@@ -153,10 +181,10 @@ class Eviction:
             self.space.drain_touches()
         while True:
             held = lv.used - lv.queued_bytes - sum(n for b, n in out.items() if lv.holds(b))
-            if held + lv.releasing <= capacity:
+            if held + self.removal.releasing(lv) <= capacity:
                 return
             if held <= capacity:  # deletes in flight make the room
-                await lv.wait_released()
+                await self.removal.wait_released(lv)
                 continue
             victim = self._evictable(lv, may)
             if victim is not None:

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Iterator, Mapping, Set
 from types import MappingProxyType
 
 from kvstore.config import TIER_IN_FLIGHT
@@ -77,20 +77,6 @@ class Level:
         self._queued: set[Block] = set()
         self._queued_bytes = 0
         self._queued_by: Counter[str] = Counter()  # tenant -> its bytes of ``queued`` (with quotas)
-        # Bytes per tenant that passed the quota and are being written here, not placed yet (a
-        # write-through, a demotion from the level above): counted by the next quota pass.
-        self._reserved: Counter[str] = Counter()
-        # Room that deletes have taken out of ``used`` but whose files are not gone yet (the tier
-        # still counts them): an eviction pass waits for it rather than count it free. A demotion
-        # into that room failed "ssd tier full" and lost its batch (the soak: with the orphans below,
-        # 25,218 failed batches in 10 minutes).
-        self._releasing = 0
-        self._released = asyncio.Event()  # set as each such delete ends
-        # Blocks whose demotion put is being written now, and those of them deleted meanwhile (their
-        # footprint): the writer removes those files once its put lands, else they stay as orphans
-        # (room the tier counts and the movers do not; a restart recovered the deleted blocks).
-        self._putting: set[Block] = set()
-        self._doomed: dict[Block, int] = {}
 
     # --- what it holds (read-only) --------------------------------------------------------------
 
@@ -138,11 +124,6 @@ class Level:
     def queued(self) -> Set[Block]:
         """The placed blocks whose demotion batch has not started writing."""
         return self._queued
-
-    @property
-    def releasing(self) -> int:
-        """Bytes deleted from the books whose copies are not gone from the tier yet."""
-        return self._releasing
 
     def holds(self, b: Block) -> bool:
         return bool(b.tiers & self.bit)
@@ -216,63 +197,9 @@ class Level:
                 if self._queued_by[t] <= 0:
                     del self._queued_by[t]
 
-    def begin_put(self, blocks: Sequence[Block]) -> None:
-        """``blocks``' demotion put is being written now: a delete meanwhile leaves their files to
-        the writer (:meth:`forget`)."""
-        self._putting.update(blocks)
-
-    def end_put(self, blocks: Sequence[Block]) -> dict[Block, int]:
-        """``blocks``' put has ended, however it ended: those of them deleted meanwhile, and their
-        bytes (their files are the writer's to delete now)."""
-        self._putting.difference_update(blocks)
-        return {b: self._doomed.pop(b) for b in blocks if b in self._doomed}
-
-    # --- deletes ------------------------------------------------------------------------------------
-
-    def forget(self, b: Block) -> int | None:
-        """A delete takes ``b`` (placed here) out of the books now; its room counts as releasing
-        until :meth:`released`. Returns its bytes when its copy is the caller's to delete, None
-        when a demotion put is writing it (that writer deletes it once its put lands)."""
-        nbytes = self.placement.sizes.get(b, 0)
-        self._releasing += nbytes
-        self.unplace(b)
-        if b in self._putting:
-            self._doomed[b] = nbytes
-            return None
-        return nbytes
-
-    def released(self, nbytes: int) -> None:
-        """The delete of copies taking ``nbytes`` here has ended (or will never run)."""
-        self._releasing -= nbytes
-        self._released.set()
-
-    async def wait_released(self) -> None:
-        """Until the next delete of copies here ends."""
-        self._released.clear()
-        await self._released.wait()
-
-    # --- tenant quotas ------------------------------------------------------------------------------
-
-    def pending(self, tenant: str) -> int:
-        """Bytes of ``tenant`` a quota pass counts besides what is placed: those reserved for writes
-        in flight here, less those of its queued blocks (they count in their own batch's pass)."""
-        return self._reserved[tenant] - self._queued_by[tenant]
-
-    @contextlib.asynccontextmanager
-    async def reserved(self, blocks: Sequence[Block]) -> AsyncIterator[None]:
-        """``blocks`` are being written here inside (not placed yet): their bytes count against
-        their tenants' quotas until the body ends."""
-        quotas = self.quotas
-        held = [(quotas.tenant(b), self.footprint(b.size, b.ns.label)) for b in blocks] if quotas is not None else []
-        for t, n in held:
-            self._reserved[t] += n
-        try:
-            yield
-        finally:
-            for t, n in held:
-                self._reserved[t] -= n
-                if self._reserved[t] <= 0:
-                    del self._reserved[t]
+    def queued_of(self, tenant: str) -> int:
+        """Bytes of ``tenant``'s queued blocks here (with quotas; 0 without)."""
+        return self._queued_by[tenant]
 
     # --- health -------------------------------------------------------------------------------------
 

@@ -99,7 +99,7 @@ async def test_mover_tasks_cancelled_before_they_began_leave_no_waiter_waiting(t
         assert deleting.done() and not deleting.cancelled(), "the Delete ended as the removal's cancellation"
         assert deleting.result() == (2, 0)
         [ssd] = [lv for lv in tiering.levels if lv.name == "ssd"]
-        assert ssd.releasing == 0, "the copies' room is counted as being released for ever"
+        assert tiering.removal.releasing(ssd) == 0, "the copies' room is counted as being released for ever"
 
 
 @pytest.mark.parametrize("cancelled", ["sealer before its first step", "writer before its first step",
