@@ -149,13 +149,7 @@ class Directory:
             retention = self.policies[h].retention
             if h == node or retention is None:
                 continue
-            c = self.visible[h][b.key]
-            if c.retain_until > retention.clock():
-                c.retain_until = max(c.retain_until, b.retain_until)
-                c.retain_priority = max(c.retain_priority, b.retain_priority)
-            else:
-                c.retain_until, c.retain_priority = b.retain_until, b.retain_priority
-            retention.adopt(c)
+            retention.inherit(self.visible[h][b.key], b.retain_until, b.retain_priority)
 
 
 class ClusterPolicy:
@@ -546,8 +540,7 @@ def _fetch(node: Node, directory: Directory, specs: Sequence[CommitSpec], source
     replicas = node.commit(specs[:room])
     if node.retention is not None:
         for b, src in zip(replicas, sources):
-            b.retain_until, b.retain_priority = src.retain_until, src.retain_priority
-            node.retention.adopt(b)
+            node.retention.inherit(b, src.retain_until, src.retain_priority)
     own = node.space.policy
     for b in replicas:
         if uses := directory.add(b.key, node.id):

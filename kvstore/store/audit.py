@@ -424,11 +424,12 @@ def _tiers(store: BlockStore, blocks: list[Block], quiescent: bool, bad: _Findin
         total = sum(lv.held.values())
         if lv.used != total:
             bad(f"the {lv.name} level counts {lv.used} bytes used, its blocks take {total}")
-        if not lv.queued <= lv.held.keys():
+        queued_blocks, queued_bytes = store.space.movers.queued[lv]
+        if not queued_blocks <= lv.held.keys():
             bad(f"the {lv.name} level queues blocks it does not count")
-        queued = sum(lv.held.get(b, 0) for b in lv.queued)
-        if lv.queued_bytes != queued:
-            bad(f"the {lv.name} level counts {lv.queued_bytes} bytes queued, its queued blocks take {queued}")
+        queued = sum(lv.held.get(b, 0) for b in queued_blocks)
+        if queued_bytes != queued:
+            bad(f"the {lv.name} level counts {queued_bytes} bytes queued, its queued blocks take {queued}")
         if lv.policy is not None:
             if len(lv.policy) > len(lv.held):
                 bad(f"the {lv.name} policy orders {len(lv.policy)} blocks, the level holds {len(lv.held)}")

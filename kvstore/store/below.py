@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Collection, Mapping, Sequence, Set
 from contextlib import AbstractContextManager
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol
 
 from kvstore.tier_table import shared_bits
@@ -63,18 +64,8 @@ class Lower(Protocol):
         ...
 
     @property
-    def queued_bytes(self) -> int:
-        """Bytes of the placed blocks whose demotion batch has not started writing."""
-        ...
-
-    @property
     def held(self) -> Mapping[Block, int]:
         """Each block placed here and the bytes it takes."""
-        ...
-
-    @property
-    def queued(self) -> Set[Block]:
-        """The placed blocks whose demotion batch has not started writing."""
         ...
 
     def place(self, b: Block) -> None:
@@ -156,6 +147,12 @@ class Movers(Protocol):
         """The blocks whose promotion is in flight (each holds a slot its ``slot`` does not name yet)."""
         ...
 
+    @property
+    def queued(self) -> Mapping[Lower, tuple[Set[Block], int]]:
+        """Per level, the blocks placed there whose demotion batch has not started writing, and the
+        bytes they count there (the demotion's queue)."""
+        ...
+
     def on_dram_evict(self, b: Block) -> None:
         """``b`` is about to leave DRAM: keep its bytes below when nothing there does."""
         ...
@@ -195,6 +192,8 @@ class NoMovers:
     levels: tuple[Lower, ...] = ()
     staged: frozenset[Block] = frozenset()
     promoting: frozenset[Block] = frozenset()
+
+    queued: Mapping[Lower, tuple[Set[Block], int]] = MappingProxyType({})
 
     def on_dram_evict(self, b: Block) -> None:
         pass

@@ -51,6 +51,7 @@ from kvstore.store.index import (
     State,
     top_label,
 )
+from kvstore.store.placement import placed_nowhere
 from kvstore.store.remote import PeerBlock, Remote
 from kvstore.store.retention import Retention
 from kvstore.store.sealing import Sealing
@@ -211,8 +212,7 @@ class BlockStore:
         for i, s, cls in new:
             slot = slots[i] = next(taken[cls])
             b = self.index.add(ns, keys[i], s.parent, s.size, State.ALLOCATED)
-            b.slot = slot  # written into now, placed in DRAM at commit
-            slot.holder = b
+            self.space.bind(b, slot)  # written into now, placed in DRAM at commit
             blocks[slot.slot_id] = b
         alloc = self.index.open_allocation(ns, blocks, self.clock() + ttl / 1000.0)
         self.stats.writes["allocations"] += 1
@@ -396,7 +396,7 @@ class BlockStore:
             self.space.remove(b)
         copies = self.space.movers.forget(gone)
         for b in gone:
-            b.tiers = 0
+            placed_nowhere(b)
             self.retention.recount(b)
             self.index.drop(b)
         self.stats.writes["deleted"] += len(gone)

@@ -74,13 +74,9 @@ class ClusterReads:
         run = self.index.leading_run(ns, keys)
         if len(run) < len(keys) and self.remote.active:
             parent = keys[len(run) - 1] if run else b""
-            for b in run:  # pinned while the rest is fetched: room for it (the tenant's quota) is not made of them
-                b.leases += 1
-            try:
+            # pinned while the rest is fetched: room for it (the tenant's quota) is not made of them
+            with self.index.pinned(run):
                 fetched = await self.remote.fetch(ns, keys[len(run) :], parent, len(run) + 1)
-            finally:
-                for b in run:
-                    b.leases -= 1
             if fetched:
                 ns = self.index.live(ns)
                 run = self.index.leading_run(ns, keys)

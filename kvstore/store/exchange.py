@@ -69,8 +69,7 @@ class Reservation:
                 space.free(b)  # never visible: the slot goes back, the block leaves the index
                 continue
             b.seal(sums[j])
-            b.replica = True
-            index.publish(b)
+            index.publish(b, replica=True)
             space.place(b)
             if j < len(retained):
                 self.exchange.retained_as(b, *retained[j])
@@ -117,7 +116,7 @@ class Exchange:
             b = index.add(ns, BlockKey(key), keys[i - 1] if i else parent, pb.size, State.ALLOCATED, depth + i)
             ns = b.ns
             try:
-                b.slot = space.take_slot(b)
+                space.bind(b, space.take_slot(b))
             except KVStoreError:
                 index.drop(b)
                 break
@@ -135,8 +134,7 @@ class Exchange:
         the directory record's: a directory writer can put back a record of a retention its
         holder has ended since, and it would be taken up again (docs/security.md)."""
         if left_ms > 0:
-            b.retain_until, b.retain_priority = self.clock() + left_ms / 1000, priority
-            self.retention.adopt(b)
+            self.retention.inherit(b, self.clock() + left_ms / 1000, priority)
 
     # --- a shared tier's block --------------------------------------------------------------
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -272,10 +273,12 @@ class Index:
         if self._feed is not None:
             self._feed.changes.setdefault(block, False)
 
-    def publish(self, block: Block) -> None:
+    def publish(self, block: Block, replica: bool = False) -> None:
         """ALLOCATED -> COMMITTED: the block becomes visible to lookups (committed, or fetched
-        from a peer: new on this node)."""
+        from a peer: new on this node, a ``replica`` of the holder's)."""
         block.state = State.COMMITTED
+        if replica:
+            block.replica = True
         block.ns.show(block)
         if self._feed is not None:
             self._feed.changes[block] = True
@@ -339,6 +342,38 @@ class Index:
 
     def expired_leases(self, now: float) -> list[Lease]:
         return [le for le in self.leases.values() if le.deadline <= now]
+
+    # --- pins -----------------------------------------------------------------------------
+    # A block's pin counts (``leases``, ``moving``) are written here only (``Block.pinned``
+    # reads them; tests/test_block_owners.py holds the tree to it).
+
+    @staticmethod
+    @contextmanager
+    def pinned(blocks: Sequence[Block]) -> Iterator[None]:
+        """Pin ``blocks`` while the caller awaits (a promotion making room for parts of its run,
+        a peer fetch extending the local run): one more lease count each, with no :class:`Lease`
+        (the audit allows a count above the live leases only while such a pin can be held),
+        taken back however the block ends."""
+        for b in blocks:
+            b.leases += 1
+        try:
+            yield
+        finally:
+            for b in blocks:
+                b.leases -= 1
+
+    @staticmethod
+    def start_moving(blocks: Iterable[Block]) -> None:
+        """A mover reads the DRAM slots of ``blocks`` from now on (a write-through): pinned there
+        until :meth:`stop_moving`, which may be called from another task, so this is no ``with``."""
+        for b in blocks:
+            b.moving += 1
+
+    @staticmethod
+    def stop_moving(blocks: Iterable[Block]) -> None:
+        """The mover that :meth:`start_moving` ``blocks`` reads their slots no more."""
+        for b in blocks:
+            b.moving -= 1
 
     # --- counts -------------------------------------------------------------------------
 

@@ -26,6 +26,13 @@ from kvstore.store.tenants import Quotas
 Footprint = Callable[[int, str], int]  # (block size, namespace label) -> what the block takes in the tier
 
 
+def placed_nowhere(b: Block) -> None:
+    """``b`` is in no tier any more: a delete, once every space that held it has let it go
+    (:meth:`Space.unplace`), clears any bit left that no space of this store books. With
+    :meth:`Space.place` and :meth:`Space.unplace`, the one place ``Block.tiers`` is written."""
+    b.tiers = 0
+
+
 class Space:
     """The blocks placed in one tier: bit, policy, footprints, quotas (see the module)."""
 

@@ -210,6 +210,18 @@ class Retention:
         self._update(b)
         return b.retain_until > now
 
+    def inherit(self, b: Block, until: float, priority: int) -> bool:
+        """``b`` takes another copy's retention (ends at ``until`` on this clock, ``priority``):
+        a fetched block its holder's, a copy its leaving sibling's. Where ``b`` is retained
+        already it keeps the later end and the higher priority, as a second hint would give;
+        then :meth:`adopt`. Whether ``b`` is retained now."""
+        if b.retain_until > self.clock():
+            b.retain_until = max(b.retain_until, until)
+            b.retain_priority = max(b.retain_priority, priority)
+        else:
+            b.retain_until, b.retain_priority = until, priority
+        return self.adopt(b)
+
     def left(self, b: Block) -> tuple[int, int]:
         """``b``'s retention now as a peer's fetch answer carries it (:class:`kvstore.wire.peer.Entry`):
         ms left of it on this clock (0: none) and its priority."""

@@ -185,6 +185,13 @@ class DramSpace:
             self.quotas.reserve(holder)
         return slot
 
+    def bind(self, b: Block, slot: Slot) -> None:
+        """``slot`` is ``b``'s from now on: its bytes are written there (an allocation, a peer
+        fetch's reservation) or are there (:meth:`place`). The one place a block's ``slot`` is
+        set; :meth:`free` is the one place it is unset."""
+        b.slot = slot
+        slot.holder = b
+
     def view(self, b: Block) -> np.ndarray:
         """The bytes of ``b``'s slot (``b`` holds one)."""
         slot = b.slot
@@ -198,8 +205,7 @@ class DramSpace:
         and the policy orders it (:meth:`Space.place`); its slot's reservation against its
         tenant's quota ends."""
         if slot is not None:
-            b.slot = slot
-            slot.holder = b
+            self.bind(b, slot)
         if self.quotas is not None:
             self.quotas.settle(b)
         self.placement.place(b)

@@ -19,7 +19,8 @@ import asyncio
 import contextlib
 import functools
 import mmap
-from collections.abc import Iterator, Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence, Set
 from types import MappingProxyType
 
 import numpy as np
@@ -61,13 +62,21 @@ async def seal(blocks: Sequence[Block], views: Sequence[np.ndarray | memoryview]
 
 class Lane:
     """One level's demotions in flight: queued to be sealed, sealed and ready to be written, the
-    sealer, and how many batches are being written."""
+    sealer, how many batches are being written, and the blocks whose batch has not started
+    writing (with their bytes, per tenant too)."""
 
     def __init__(self) -> None:
         self.queue: list[Staged] = []  # demotions to checksum
         self.ready: list[Staged] = []  # demotions to write
         self.sealer: asyncio.Future[None] | None = None
         self.writing = 0  # demotion batches being written
+        # Blocks placed in the level whose demotion batch has not started writing: counted in its
+        # ``used`` (lookups find them) but taking no room in the tier yet, so eviction does not wait
+        # for them. A burst of evictions bigger than the tier left ``used`` over the capacity with
+        # nothing evictable, and batch after batch failed "ssd tier full" and lost its blocks.
+        self.queued: set[Block] = set()
+        self.queued_bytes = 0
+        self.queued_by: Counter[str] = Counter()  # tenant -> its bytes of ``queued`` (with quotas)
 
 
 class Demotion:
@@ -86,7 +95,7 @@ class Demotion:
         self._lanes = {lv: Lane() for lv in levels}
         self._staged: dict[Block, np.ndarray] = {}  # demotions in flight, readable meanwhile
         # Room in the levels (a batch's, a write-through's): never by evicting a block staged here.
-        self.eviction = Eviction(space, levels, self._staged)
+        self.eviction = Eviction(space, levels, self._staged, removal, self)
         # (staging, slot) copies a staging_batch() defers
         self._unstaged: list[tuple[np.ndarray, np.ndarray]] | None = None
 
@@ -97,6 +106,42 @@ class Demotion:
 
     def lane(self, lv: Level) -> Lane:
         return self._lanes[lv]
+
+    # --- the queue: placed in a level, the batch not writing yet -----------------------------------
+
+    def queued(self, lv: Level) -> tuple[Set[Block], int]:
+        """The blocks queued for ``lv`` and the bytes they count there."""
+        lane = self._lanes[lv]
+        return lane.queued, lane.queued_bytes
+
+    def queued_bytes(self, lv: Level) -> int:
+        return self._lanes[lv].queued_bytes
+
+    def queued_of(self, lv: Level, tenant: str) -> int:
+        return self._lanes[lv].queued_by[tenant]
+
+    def _enqueue(self, lv: Level, b: Block) -> None:
+        """``b`` (placed in ``lv``) waits for its demotion batch."""
+        lane = self._lanes[lv]
+        lane.queued.add(b)
+        nbytes = lv.size_of(b)
+        lane.queued_bytes += nbytes
+        if lv.quotas is not None:
+            lane.queued_by[lv.quotas.tenant(b)] += nbytes
+
+    def _dequeue(self, lv: Level, b: Block) -> None:
+        """``b``'s bytes are being written to ``lv`` now, or it is leaving ``lv``: no longer
+        waiting (called while it is still placed there: its footprint is what the queue counted)."""
+        lane = self._lanes[lv]
+        if b in lane.queued:
+            lane.queued.discard(b)
+            nbytes = lv.size_of(b)
+            lane.queued_bytes -= nbytes
+            if lv.quotas is not None:
+                t = lv.quotas.tenant(b)
+                lane.queued_by[t] -= nbytes
+                if lane.queued_by[t] <= 0:
+                    del lane.queued_by[t]
 
     def on_dram_evict(self, b: Block) -> None:
         """The store is about to free ``b``'s slot: keep the bytes below DRAM if nothing does.
@@ -148,10 +193,13 @@ class Demotion:
             copy_blocks(pairs)
 
     def drop(self, b: Block) -> None:
-        """``b`` is deleted: its demotion, if one is in flight, is no longer readable (its writer
-        skips it, its buffer goes back when the writer ends)."""
+        """``b`` is deleted (before the levels forget it): its demotion, if one is in flight, is no
+        longer readable (its writer skips it, its buffer goes back when the writer ends) nor
+        queued."""
         if b in self._staged:
             self._unstage(b)
+        for lv in self.levels:
+            self._dequeue(lv, b)
 
     def _stage(self, b: Block, data: np.ndarray) -> None:
         """``b``'s bytes are staged for a demotion: no level's policy offers it as a victim until
@@ -170,7 +218,7 @@ class Demotion:
         """Place a staged block in ``lv`` and queue it to be written there."""
         b = staged[0]
         lv.place(b)
-        lv.enqueue(b)
+        self._enqueue(lv, b)
         lane = self._lanes[lv]
         lane.queue.append(staged)
         if lane.sealer is None or lane.sealer.done():
@@ -232,25 +280,19 @@ class Demotion:
         to settle: what it passes down leaves it, what is written is released here; whatever is
         left when the task ends (a failure, a cancellation, before its first step too) fails in
         :meth:`_batch_ended`, which also frees the task's place among the batches in flight."""
-        live: list[tuple[Block, np.ndarray]] = []
-        try:
-            with lv.failures(f"demotion of {len(batch)} blocks to"):
-                for b, _, _ in batch:
-                    lv.dequeue(b)
-                kept = set(await self.eviction.make_room(lv, [b for b, _, _ in batch]))  # counted already
-                refused = [s for s in batch if s[0] not in kept]
-                if refused:
-                    batch[:] = [s for s in batch if s[0] in kept]  # (in place: _batch_ended's list)
-                    self._pass_down(lv, refused)
-                # (what a delete took meanwhile is not written at all)
-                live = [(b, d) for b, d, _ in batch if lv.holds(b) and b.ns.blocks.get(b.key) is b]
-                lv.begin_put([b for b, _ in live])
+        with lv.failures(f"demotion of {len(batch)} blocks to"):
+            for b, _, _ in batch:
+                self._dequeue(lv, b)
+            kept = set(await self.eviction.make_room(lv, [b for b, _, _ in batch]))  # counted already
+            refused = [s for s in batch if s[0] not in kept]
+            if refused:
+                batch[:] = [s for s in batch if s[0] in kept]  # (in place: _batch_ended's list)
+                self._pass_down(lv, refused)
+            # (what a delete took meanwhile is not written at all)
+            live = [(b, d) for b, d, _ in batch if lv.holds(b) and b.ns.blocks.get(b.key) is b]
+            with self.removal.writing(lv, [b for b, _ in live]):  # (deleted meanwhile: removed after)
                 await self._put(lv, live)
                 self._release_staged(batch)  # written
-        finally:
-            doomed = lv.end_put([b for b, _ in live])
-            if doomed:  # deleted while their files were being written: the files go now
-                self.removal.remove({lv: ([lv.ref(b) for b in doomed], sum(doomed.values()))})
 
     async def _put(self, lv: Level, live: list[tuple[Block, np.ndarray]]) -> None:
         items = [(lv.meta(b), d.data) for b, d in live]
@@ -279,6 +321,8 @@ class Demotion:
         """``b``'s demotion to ``lv`` is over unwritten: out of ``lv``; a live block no tier holds
         now was dropped by DRAM's eviction, for ``reason`` (counted)."""
         live = b.ns.blocks.get(b.key) is b and b.tiers & lv.bit
+        if b.tiers & lv.bit:  # (a block leaves the queue while its footprint still counts there)
+            self._dequeue(lv, b)
         lv.unplace(b)
         if live and not b.tiers:
             self.stats.drop("dram", reason)

@@ -14,8 +14,11 @@ soft pin, DRAM's pending hits); the level only counts what it holds.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Container, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -25,18 +28,43 @@ from kvstore.store.index import DRAM, Block
 from kvstore.store.space import DramSpace
 from kvstore.store.tenants import Quotas
 from kvstore.tiers.level import Level
+from kvstore.tiers.removal import Removal
 from kvstore.tiers.verify import verified_get
+
+
+class Backlog(Protocol):
+    """The demotions a level has queued (:class:`~kvstore.tiers.demotion.Demotion`): placed there,
+    their batch not writing yet, so they take no room in the tier yet."""
+
+    def queued_bytes(self, lv: Level) -> int:
+        """Bytes of the blocks queued for ``lv``."""
+        ...
+
+    def queued_of(self, lv: Level, tenant: str) -> int:
+        """Bytes of ``tenant``'s blocks queued for ``lv`` (with quotas; 0 without)."""
+        ...
 
 
 class Eviction:
     """Room in the levels of one chain (fastest first)."""
 
-    def __init__(self, space: DramSpace, levels: Sequence[Level], staged: Container[Block]) -> None:
+    def __init__(
+        self, space: DramSpace, levels: Sequence[Level], staged: Container[Block], removal: Removal, backlog: Backlog
+    ) -> None:
         self.space = space
         self.stats: Stats = space.stats
         self.levels = levels
         self.staged = staged  # demotions in flight: never a victim (their bytes are not written yet)
+        self.removal = removal  # the deletes whose room is still releasing
+        self.backlog = backlog  # the demotions queued: they count in their own batch's pass
         self.kept: set[Block] = set()  # never a victim either: blocks a stop's drain wrote (kvstore.tiers.drain)
+        # Per level, bytes per tenant that passed the quota and are being written there, not placed
+        # yet (a write-through, a demotion from the level above): counted by the next quota pass.
+        self._reserved: dict[Level, Counter[str]] = {lv: Counter() for lv in levels}
+        # One eviction pass at a time per level: a batch's put starts only once the deletes that
+        # made room for it are done (a second writer saw the room counted free while the file was
+        # still there, and its put failed "ssd tier full" at the capacity's edge).
+        self._passes = {lv: asyncio.Lock() for lv in levels}
 
     def down_from(self, lv: Level, b: Block) -> Level | None:
         """Where ``b`` goes when it leaves ``lv``: the next level below ``lv`` that is up and does not
@@ -54,8 +82,30 @@ class Eviction:
         that fit, their bytes reserved against their tenants' quotas until the body (which writes
         and places them) ends."""
         kept = await self.make_room(lv, blocks, fresh)
-        async with lv.reserved(kept):
+        with self._reserving(lv, kept):
             yield kept
+
+    @contextlib.contextmanager
+    def _reserving(self, lv: Level, blocks: Sequence[Block]) -> Iterator[None]:
+        """``blocks`` are being written to ``lv`` inside (not placed yet): their bytes count
+        against their tenants' quotas there until the body ends."""
+        quotas, reserved = lv.quotas, self._reserved[lv]
+        held = [(quotas.tenant(b), lv.footprint(b.size, b.ns.label)) for b in blocks] if quotas is not None else []
+        for t, n in held:
+            reserved[t] += n
+        try:
+            yield
+        finally:
+            for t, n in held:
+                reserved[t] -= n
+                if reserved[t] <= 0:
+                    del reserved[t]
+
+    def _pending(self, lv: Level, tenant: str) -> int:
+        """Bytes of ``tenant`` a quota pass in ``lv`` counts besides what is placed: those reserved
+        for writes in flight there, less those of its queued blocks (they count in their own
+        batch's pass)."""
+        return self._reserved[lv][tenant] - self.backlog.queued_of(lv, tenant)
 
     async def make_room(self, lv: Level, incoming: Sequence[Block] = (), fresh: bool = False) -> list[Block]:
         """Room in ``lv`` for ``incoming`` (a demotion batch, placed already; or blocks about to be
@@ -66,7 +116,7 @@ class Eviction:
         the caller leaves the others out of ``lv``."""
         if lv.policy is None:
             return list(incoming)
-        async with lv.evicting:
+        async with self._passes[lv]:
             keep = list(incoming)
             out: dict[Block, int] = {}  # refused blocks ``lv`` counts still (placed demotions)
             if lv.quotas is not None:
@@ -131,7 +181,7 @@ class Eviction:
             mine = [b for b in keep if tenant_of(b) == tenant]
             new = sum(lv.footprint(b.size, b.ns.label) for b in mine if not lv.holds(b))
             gone = sum(n for b, n in out.items() if lv.holds(b) and tenant_of(b) == tenant)
-            if not quotas.excess(tenant, new + lv.pending(tenant) - gone):
+            if not quotas.excess(tenant, new + self._pending(lv, tenant) - gone):
                 return
             victim = self._evictable(lv, cold)
             if victim is None and (fresh or not mine):
@@ -149,14 +199,15 @@ class Eviction:
         tenant within its quota; when nothing may go, the oldest placed blocks of ``keep`` are
         refused instead."""
         may = lv.quotas.evictable_for(None) if lv.quotas is not None else (lambda x: True)
-        if lv.used - lv.queued_bytes > capacity:
+        queued = self.backlog.queued_bytes
+        if lv.used - queued(lv) > capacity:
             self.space.drain_touches()
         while True:
-            held = lv.used - lv.queued_bytes - sum(n for b, n in out.items() if lv.holds(b))
-            if held + lv.releasing <= capacity:
+            held = lv.used - queued(lv) - sum(n for b, n in out.items() if lv.holds(b))
+            if held + self.removal.releasing(lv) <= capacity:
                 return
             if held <= capacity:  # deletes in flight make the room
-                await lv.wait_released()
+                await self.removal.wait_released(lv)
                 continue
             victim = self._evictable(lv, may)
             if victim is not None:

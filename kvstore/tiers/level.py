@@ -1,14 +1,17 @@
-"""Level: one tier below DRAM and its books.
+"""Level: one tier below DRAM, what is placed there, and whether it is up.
 
-A level is a tier (SSD, Redis, S3) with what the sidecar counts of it: the blocks placed there and
-their footprints, the bytes used, queued for a demotion batch, reserved for a write in flight or
-being released by a delete, each tenant's share of them (:class:`~kvstore.store.tenants.Quotas`),
-whether the tier is down, and the policy that orders its blocks when it is bounded or has quotas.
+A level is a tier (SSD, Redis, S3) with its placement space (:class:`~kvstore.store.placement.Space`:
+the blocks placed there and their footprints, the bytes used, each tenant's share of them, the
+policy that orders its blocks when it is bounded or has quotas), its capacity, whether the tier is
+down, and the tier's requests in flight.
 
-Why a class of its own: every mover (demotion, promotion, write-through, eviction, deletes) changes
-these books, and they must add up at every step (``kvstore.store.audit`` checks them). Each change
-is one method here, so the numbers have one owner and the movers say what happened, not how to
-count it.
+What the movers count on their way in and out is theirs, not the level's (issue #40): the
+demotion queue (blocks placed here whose batch has not started writing) is the demotion's
+(:class:`~kvstore.tiers.demotion.Lane`), the bytes a delete is still releasing and the copies it
+left to a put in flight are the removal's (:class:`~kvstore.tiers.removal.Removal`), the quota
+reservations of writes in flight and the one eviction pass at a time are the eviction's
+(:class:`~kvstore.tiers.eviction.Eviction`). The audit (``kvstore.store.audit``) checks that they
+add up with the level's books.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence, Set
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
 from kvstore.config import TIER_IN_FLIGHT
@@ -37,7 +39,7 @@ def _size(size: int, label: str) -> int:
 
 
 class Level:
-    """One tier below DRAM with its own accounting (a :class:`~kvstore.store.below.Lower`)."""
+    """One tier below DRAM and what is placed there (a :class:`~kvstore.store.below.Lower`)."""
 
     def __init__(
         self,
@@ -65,32 +67,7 @@ class Level:
         # Requests in flight to this tier at once: movers start one task per block, and a burst of
         # hundreds must not open hundreds of connections (redis.max_connections is sized for this).
         self.slots = asyncio.Semaphore(TIER_IN_FLIGHT)
-        # One eviction pass at a time: a batch's put starts only once the deletes that made room
-        # for it are done (a second writer saw the room counted free while the file was still there,
-        # and its put failed "ssd tier full" at the capacity's edge).
-        self.evicting = asyncio.Lock()
         self._down = False
-        # Placed blocks whose demotion batch has not started writing: counted in ``used`` (lookups
-        # find them) but taking no room in the tier yet, so eviction does not wait for them. A burst
-        # of evictions bigger than the tier left ``used`` over the capacity with nothing evictable,
-        # and batch after batch failed "ssd tier full" and lost its blocks.
-        self._queued: set[Block] = set()
-        self._queued_bytes = 0
-        self._queued_by: Counter[str] = Counter()  # tenant -> its bytes of ``queued`` (with quotas)
-        # Bytes per tenant that passed the quota and are being written here, not placed yet (a
-        # write-through, a demotion from the level above): counted by the next quota pass.
-        self._reserved: Counter[str] = Counter()
-        # Room that deletes have taken out of ``used`` but whose files are not gone yet (the tier
-        # still counts them): an eviction pass waits for it rather than count it free. A demotion
-        # into that room failed "ssd tier full" and lost its batch (the soak: with the orphans below,
-        # 25,218 failed batches in 10 minutes).
-        self._releasing = 0
-        self._released = asyncio.Event()  # set as each such delete ends
-        # Blocks whose demotion put is being written now, and those of them deleted meanwhile (their
-        # footprint): the writer removes those files once its put lands, else they stay as orphans
-        # (room the tier counts and the movers do not; a restart recovered the deleted blocks).
-        self._putting: set[Block] = set()
-        self._doomed: dict[Block, int] = {}
 
     # --- what it holds (read-only) --------------------------------------------------------------
 
@@ -125,24 +102,9 @@ class Level:
         return self.placement.used
 
     @property
-    def queued_bytes(self) -> int:
-        """Bytes of the placed blocks whose demotion batch has not started writing."""
-        return self._queued_bytes
-
-    @property
     def held(self) -> Mapping[Block, int]:
         """Each block placed here and the bytes it takes (its footprint)."""
         return MappingProxyType(self.placement.sizes)
-
-    @property
-    def queued(self) -> Set[Block]:
-        """The placed blocks whose demotion batch has not started writing."""
-        return self._queued
-
-    @property
-    def releasing(self) -> int:
-        """Bytes deleted from the books whose copies are not gone from the tier yet."""
-        return self._releasing
 
     def holds(self, b: Block) -> bool:
         return bool(b.tiers & self.bit)
@@ -168,8 +130,7 @@ class Level:
     def unplace(self, b: Block) -> None:
         """``b`` is no longer in this tier; a block no tier holds leaves the index
         (:meth:`Space.unplace`)."""
-        if b.tiers & self.bit:
-            self.dequeue(b)  # (while its footprint still counts here: the queue counted it)
+        if b.tiers & self.bit:  # (a block queued for a demotion here leaves that queue first)
             self.placement.unplace(b)  # (a block with no tier bit is committed: only those are placed)
 
     async def recover(self) -> int:
@@ -193,86 +154,6 @@ class Level:
         except Unavailable as exc:
             self.mark_down(exc)
         return found
-
-    # --- the demotion queue -------------------------------------------------------------------------
-
-    def enqueue(self, b: Block) -> None:
-        """``b`` (placed) waits for its demotion batch."""
-        self._queued.add(b)
-        nbytes = self.placement.sizes[b]
-        self._queued_bytes += nbytes
-        if self.quotas is not None:
-            self._queued_by[self.quotas.tenant(b)] += nbytes
-
-    def dequeue(self, b: Block) -> None:
-        """``b``'s bytes are being written now, or it left the tier: no longer waiting."""
-        if b in self._queued:
-            self._queued.discard(b)
-            nbytes = self.placement.sizes.get(b, 0)
-            self._queued_bytes -= nbytes
-            if self.quotas is not None:
-                t = self.quotas.tenant(b)
-                self._queued_by[t] -= nbytes
-                if self._queued_by[t] <= 0:
-                    del self._queued_by[t]
-
-    def begin_put(self, blocks: Sequence[Block]) -> None:
-        """``blocks``' demotion put is being written now: a delete meanwhile leaves their files to
-        the writer (:meth:`forget`)."""
-        self._putting.update(blocks)
-
-    def end_put(self, blocks: Sequence[Block]) -> dict[Block, int]:
-        """``blocks``' put has ended, however it ended: those of them deleted meanwhile, and their
-        bytes (their files are the writer's to delete now)."""
-        self._putting.difference_update(blocks)
-        return {b: self._doomed.pop(b) for b in blocks if b in self._doomed}
-
-    # --- deletes ------------------------------------------------------------------------------------
-
-    def forget(self, b: Block) -> int | None:
-        """A delete takes ``b`` (placed here) out of the books now; its room counts as releasing
-        until :meth:`released`. Returns its bytes when its copy is the caller's to delete, None
-        when a demotion put is writing it (that writer deletes it once its put lands)."""
-        nbytes = self.placement.sizes.get(b, 0)
-        self._releasing += nbytes
-        self.unplace(b)
-        if b in self._putting:
-            self._doomed[b] = nbytes
-            return None
-        return nbytes
-
-    def released(self, nbytes: int) -> None:
-        """The delete of copies taking ``nbytes`` here has ended (or will never run)."""
-        self._releasing -= nbytes
-        self._released.set()
-
-    async def wait_released(self) -> None:
-        """Until the next delete of copies here ends."""
-        self._released.clear()
-        await self._released.wait()
-
-    # --- tenant quotas ------------------------------------------------------------------------------
-
-    def pending(self, tenant: str) -> int:
-        """Bytes of ``tenant`` a quota pass counts besides what is placed: those reserved for writes
-        in flight here, less those of its queued blocks (they count in their own batch's pass)."""
-        return self._reserved[tenant] - self._queued_by[tenant]
-
-    @contextlib.asynccontextmanager
-    async def reserved(self, blocks: Sequence[Block]) -> AsyncIterator[None]:
-        """``blocks`` are being written here inside (not placed yet): their bytes count against
-        their tenants' quotas until the body ends."""
-        quotas = self.quotas
-        held = [(quotas.tenant(b), self.footprint(b.size, b.ns.label)) for b in blocks] if quotas is not None else []
-        for t, n in held:
-            self._reserved[t] += n
-        try:
-            yield
-        finally:
-            for t, n in held:
-                self._reserved[t] -= n
-                if self._reserved[t] <= 0:
-                    del self._reserved[t]
 
     # --- health -------------------------------------------------------------------------------------
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Collection, Sequence
+from collections.abc import Awaitable, Collection, Mapping, Sequence, Set
 from contextlib import AbstractContextManager
 
 from kvstore.config import Config
 from kvstore.policy import make_policy
-from kvstore.store.below import Movers, NoMovers
+from kvstore.store.below import Lower, Movers, NoMovers
 from kvstore.store.index import SSD, Block
 from kvstore.store.space import DramSpace
 from kvstore.store.tenants import Tenants
@@ -134,6 +134,11 @@ class Tiering:
     @property
     def promoting(self) -> Collection[Block]:
         return self.promotion.promoting
+
+    @property
+    def queued(self) -> Mapping[Lower, tuple[Set[Block], int]]:
+        out: dict[Lower, tuple[Set[Block], int]] = {lv: self.demotion.queued(lv) for lv in self._levels}
+        return out
 
     @property
     def outage_trims(self) -> int:

@@ -57,9 +57,7 @@ class Promotion:
         one batch per source tier (one pipeline / thread hop / set of concurrent GETs)."""
         if all(b.tiers & DRAM for b in run):
             return run
-        for b in run:
-            b.leases += 1  # pin the whole run while we make room for parts of it
-        try:
+        with self.space.index.pinned(run):  # the whole run, while room is made for parts of it
             pending = self._start(run)
             out: list[Block] = []
             for b, fut in zip(run, pending):
@@ -68,9 +66,6 @@ class Promotion:
                     break
                 out.append(b)
             return out
-        finally:
-            for b in run:
-                b.leases -= 1
 
     def _start(self, run: list[Block]) -> list[asyncio.Future[bool] | None]:
         """Each block's promotion: None for one in DRAM, the future of one in flight already, else

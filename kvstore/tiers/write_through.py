@@ -1,9 +1,10 @@
 """Write-through: every committed block copied at once to the write-through levels (Redis, S3).
 
-At commit the blocks are pinned in DRAM (``Block.moving``) while a mover task hashes the unsealed
-ones from their slots and writes them to each write-through level that is up, with the room made
-there first (tenant quotas: :mod:`kvstore.tiers.eviction`); what lands is placed in that level. A
-delete of a block being written through waits for the write to end (:meth:`WriteThrough.ended`).
+At commit the blocks are pinned in DRAM (``Block.moving``, through ``Index.start_moving``) while a
+mover task hashes the unsealed ones from their slots and writes them to each write-through level
+that is up, with the room made there first (tenant quotas: :mod:`kvstore.tiers.eviction`); what
+lands is placed in that level. A delete of a block being written through waits for the write to
+end (:meth:`WriteThrough.ended`).
 
 Why at once: other hosts of a cluster read a shared tier's copy as soon as the block is committed,
 and a Commit may wait for it (``wait_write_through``).
@@ -46,15 +47,13 @@ class WriteThrough:
                 continue
             todo = [b for b in blocks if not lv.holds(b)]
             if todo:
-                for b in todo:
-                    b.moving += 1  # pinned while the slot is read
+                self.space.index.start_moving(todo)  # pinned while the slot is read
                 started.append(self.crew.spawn(self._write(lv, todo), ended=functools.partial(self._unpin, todo)))
         return started
 
     def _unpin(self, pinned: list[Block]) -> None:
         """A write-through has ended: its blocks' slots are no longer read; the deletes waiting wake."""
-        for b in pinned:
-            b.moving -= 1
+        self.space.index.stop_moving(pinned)
         self._ended.set()
 
     async def _write(self, lv: Level, pinned: list[Block]) -> None:

@@ -2,8 +2,8 @@
 and a sidecar kill) and returns its JSON shape, with no corrupt read and no lost durable block.
 No timed assertions. Also: the pieces it relies on (block content, the verifier, the slow-Redis
 proxy), and regression tests of the product bugs the soak found (``in_threads`` leaving failures
-unretrieved; a Delete racing a demotion into the SSD: ``kvstore.tiers.movers.Level.releasing`` and
-``Level.doomed``)."""
+unretrieved; a Delete racing a demotion into the SSD: the room it releases and the copies
+it dooms, ``kvstore.tiers.removal.Removal``)."""
 
 from __future__ import annotations
 

@@ -209,7 +209,7 @@ def fingerprint(store: BlockStore) -> Fingerprint:
     slab = store.slab
     stats = store.stats
     levels = {
-        lv.name: (lv.used, lv.queued_bytes, lv.down, sorted((b.key, n) for b, n in lv.held.items()))
+        lv.name: (lv.used, store.tiering.queued[lv][1], lv.down, sorted((b.key, n) for b, n in lv.held.items()))
         for lv in getattr(store.tiering, "levels", [])
     }
     return {

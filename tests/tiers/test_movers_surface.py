@@ -1,10 +1,14 @@
 """The state layer's view of the tiers below stays small and in step (issue 31): the movers'
 Protocol has at most eight calls, ``NoMovers`` and ``Tiering`` each have every member of it, and a
-``Level`` every member of ``Lower`` (what the DRAM space, the block store and the audit read)."""
+``Level`` every member of ``Lower`` (what the DRAM space, the block store and the audit read). A
+``Level`` keeps its tier, its placement space, its capacity and its health, and no mover's state
+(issue 40: the demotion's queue, the removal's releasing bytes, the eviction's reservations)."""
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 
 from kvstore.store.below import Lower, Movers, NoMovers
 from kvstore.tiers.level import Level
@@ -33,3 +37,17 @@ def test_a_level_has_every_member_the_state_layer_reads() -> None:
     init = inspect.getsource(Level.__init__)
     missing = [n for n in members(Lower) if n not in properties and not hasattr(Level, n) and f"self.{n} =" not in init]
     assert not missing
+
+
+def test_a_level_keeps_its_tier_space_capacity_and_health_only() -> None:
+    init = ast.parse(textwrap.dedent(inspect.getsource(Level.__init__)))
+    fields = {
+        t.attr
+        for node in ast.walk(init)
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+    assert fields == {
+        "name", "tier", "capacity", "placement", "write_through", "slots", "_index", "_stats", "_down"
+    }, "a mover's state belongs to the mover (demotion.Lane, Removal, Eviction), not to the level"

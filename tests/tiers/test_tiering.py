@@ -99,7 +99,7 @@ async def test_mover_tasks_cancelled_before_they_began_leave_no_waiter_waiting(t
         assert deleting.done() and not deleting.cancelled(), "the Delete ended as the removal's cancellation"
         assert deleting.result() == (2, 0)
         [ssd] = [lv for lv in tiering.levels if lv.name == "ssd"]
-        assert ssd.releasing == 0, "the copies' room is counted as being released for ever"
+        assert tiering.removal.releasing(ssd) == 0, "the copies' room is counted as being released for ever"
 
 
 @pytest.mark.parametrize("cancelled", ["sealer before its first step", "writer before its first step",
@@ -147,7 +147,7 @@ async def test_demotions_whose_task_is_cancelled_give_their_buffers_back(tmp_pat
         assert (pool.taken, pool.used) == (0, 0), "staging buffers of demotions that ended unwritten are still taken"
         assert lane.writing == 0, "a write batch that never ran still counts as in flight"
         assert not tiering.staged and not lane.queue and not lane.ready
-        assert (ssd.used, ssd.queued_bytes) == (0, 0)  # nothing of a counted in the SSD
+        assert (ssd.used, tiering.queued[ssd][1]) == (0, 0)  # nothing of a counted in the SSD
         assert placement(sc, a) == ["gone"] * 4  # a demotion that failed: the block is lost, not found where it is not
 
         monkeypatch.undo()
