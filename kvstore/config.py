@@ -142,6 +142,11 @@ class IndexConfig(_Section):
 class SsdConfig(_Section):
     enabled: bool = True
     path: str = Field("", description="directory for blocks; default <data_dir>/ssd")
+    layout: Literal["files", "segments"] = Field(
+        "files",
+        description="files: one file per block; segments: segment files of many blocks and one index log "
+        "(a start imports a files directory)",
+    )
     capacity_bytes: int = Field(16 * GiB, ge=64 * 1024)
     direct_io: bool = Field(True, description="O_DIRECT where the filesystem allows it")
     io_threads: int = Field(
