@@ -21,9 +21,9 @@ synced; a killed sidecar loses nothing the kernel has, a power loss the last bat
 tombstone is durable (the next log sync), so a crash never revives a record naming a slot that
 holds other bytes. A put of a key the tier holds writes a new slot and frees the old one at commit.
 
-**Reads** check the record's checksum against the bytes read (xxh3-64): a torn or stale slot is
-never handed out (``get``: :class:`ChecksumMismatch`; ``get_many_hashed`` returns the hash for the
-caller to compare, as every tier does).
+**Reads** hash the bytes read (xxh3-64) in the reading thread: the tiering layer compares that with
+the checksum it recorded at commit (the same one the record holds), as for every tier, so a torn or
+stale slot is never handed out (:mod:`kvstore.tiers.verify`, :mod:`kvstore.tiers.promotion`).
 
 **Restart** (the constructor): ``namespaces.log`` and ``index.log`` read sequentially and decoded
 with numpy; the last record of each block decides; the free slots are the complement of the live
@@ -113,6 +113,7 @@ class SegmentTier(TierBase):
         self._rows = Rows()
         self._seq = itertools.count(self._load())
         self.checkpoints = 0
+        self.closed = False
 
     @classmethod
     def from_config(cls, cfg: SsdConfig, data_dir: str | Path = "./kvstore-data") -> SegmentTier:
@@ -122,6 +123,7 @@ class SegmentTier(TierBase):
             direct_io=cfg.direct_io,
             io_threads=cfg.io_threads,
             fsync=cfg.fsync,
+            checkpoint_min=cfg.checkpoint_records,
         )
 
     @classmethod
@@ -185,19 +187,16 @@ class SegmentTier(TierBase):
         return (await self.get_many([ref], [into]))[0]
 
     async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
-        out = []
-        for meta, got in await self._read_many(refs, into):
-            if meta is not None and got != meta.checksum:
-                raise ChecksumMismatch(f"ssd slot of {meta.ref.name} does not hold its bytes")
-            out.append(meta)
-        return out
+        return [meta for meta, _ in await self._read_many(refs, into, hashed=False)]
 
     async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[HashedRead]:
-        return await self._read_many(refs, into)
+        return await self._read_many(refs, into, hashed=True)
 
-    async def _read_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[HashedRead]:
+    async def _read_many(
+        self, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool
+    ) -> list[HashedRead]:
         def read(a: int, b: int) -> list[HashedRead]:
-            return [self._read(r, buf) for r, buf in zip(refs[a:b], into[a:b])]
+            return [self._read(r, buf, hashed) for r, buf in zip(refs[a:b], into[a:b])]
 
         calls = [functools.partial(read, a, b) for a, b in split(len(refs), self.io_threads)]
         parts = await in_threads(self._io, calls)
@@ -218,6 +217,7 @@ class SegmentTier(TierBase):
             await asyncio.to_thread(self.remove_batch, refs)
 
     async def close(self) -> None:
+        self.closed = True
         self._io.shutdown(wait=True)
         with self._commit:
             self._log.close()
@@ -251,10 +251,11 @@ class SegmentTier(TierBase):
         for i, (ns, flags, size, csum) in enumerate(zip(*columns)):
             root, label, tenant = entries[ns]
             parent = parents[i * 32 : i * 32 + 32] if flags & HAS_PARENT else b""
-            out.append(BlockMeta(BlockRef(root, BlockKey(keys[i * 32 : i * 32 + 32])), parent, size, csum, label, tenant))
+            ref = BlockRef(root, BlockKey(keys[i * 32 : i * 32 + 32]))
+            out.append(BlockMeta(ref, parent, size, csum, label, tenant))
         return out
 
-    def _read(self, ref: BlockRef, into: memoryview) -> HashedRead:
+    def _read(self, ref: BlockRef, into: memoryview, hashed: bool) -> HashedRead:
         key = ref.ns + ref.key
         with self._lock:
             rec = self._rows.get(key)
@@ -270,7 +271,7 @@ class SegmentTier(TierBase):
             now = self._rows.get(key)
         if now is None or int(now["seq"]) != int(rec["seq"]):
             return None, None  # deleted or overwritten while it was read: its slot may hold other bytes
-        return meta, checksum(view)
+        return meta, checksum(view) if hashed else None
 
     def _punch(self, cls: int, g: int) -> bool:
         return self._files.punch(cls, g)
