@@ -122,10 +122,16 @@ class IndexLog:
         return records
 
     def append(self, records: np.ndarray, sync: bool) -> None:
-        """One frame of ``records``; durable when ``sync`` (and the log syncs)."""
-        write_all(self._fd, frame(records))
-        if sync and self.fsync:
-            os.fdatasync(self._fd)
+        """One frame of ``records``; durable when ``sync`` (and the log syncs). A failed write
+        is cut off again, so that the frames after it are not lost behind a torn one."""
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            write_all(self._fd, frame(records))
+            if sync and self.fsync:
+                os.fdatasync(self._fd)
+        except BaseException:
+            os.ftruncate(self._fd, end)
+            raise
         self.records += len(records)
 
     def sync(self) -> None:

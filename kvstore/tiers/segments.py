@@ -281,57 +281,63 @@ class SegmentTier(TierBase):
 
     def write_batch(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
         """Write, make durable, log (the commit point), then answer for the blocks."""
-        records = np.zeros(len(items), RECORD)
+        for meta, data in items:  # the whole batch checked before anything changes
+            if len(data) != meta.size:
+                raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
         taken: list[tuple[int, int]] = []
         try:
-            for i, (meta, data) in enumerate(items):
-                if len(data) != meta.size:
-                    raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
+            for meta, _ in items:
                 cls = pages(meta.size)
                 taken.append((cls, self.slots.take(cls)))
-                self._fill(records[i], meta, *taken[-1])
+            records = self._records(items, taken)
             touched = self._write_slots(items, taken)
             if self.fsync:
                 self._files.sync(touched)
-        except BaseException:
+            with self._commit:
+                self._ns.sync()
+                records["seq"] = [next(self._seq) for _ in items]
+                self._log.append(records, sync=True)
+                taken = []  # committed: the slots are the blocks' now
+                with self._lock:
+                    old = self._rows.put(records, [m.ref.ns + m.ref.key for m, _ in items])
+                self.slots.free(old, durable=True)  # the new records are durable: the old slots are free
+                self.slots.settle()
+                self._checkpoint()
+        finally:
             for cls, g in taken:
                 self.slots.untake(cls, g)
-            raise
-        with self._commit:
-            self._ns.sync()
-            records["seq"] = [next(self._seq) for _ in items]
-            try:
-                self._log.append(records, sync=True)
-            except BaseException:
-                for cls, g in taken:
-                    self.slots.untake(cls, g)
-                raise
-            with self._lock:
-                old = self._rows.put(records, [m.ref.ns + m.ref.key for m, _ in items])
-            self.slots.free(old, durable=True)  # the new records are durable: the old slots are free
-            self.slots.settle()
-            self._checkpoint()
 
-    def _fill(self, rec: Any, meta: BlockMeta, cls: int, g: int) -> None:
+    def _records(self, items: Sequence[tuple[BlockMeta, memoryview]], taken: list[tuple[int, int]]) -> np.ndarray:
+        """The batch's put records (all but their sequence numbers), column by column."""
+        metas = [m for m, _ in items]
+        records = np.zeros(len(items), RECORD)
         with self._lock:
-            rec["ns"] = self._ns.id_of(meta.ref.ns, meta.label, meta.tenant)
-        rec["op"] = PUT
-        rec["flags"] = HAS_PARENT if meta.parent else 0
-        rec["cls"], rec["slot"], rec["seg"] = cls, g, self.slots.place(cls, g)[0]
-        rec["key"] = meta.ref.key
-        if meta.parent:
-            rec["parent"] = meta.parent
-        rec["size"], rec["checksum"] = meta.size, meta.checksum
+            records["ns"] = [self._ns.id_of(m.ref.ns, m.label, m.tenant) for m in metas]
+        records["op"] = PUT
+        records["flags"] = [HAS_PARENT if m.parent else 0 for m in metas]
+        records["cls"] = [cls for cls, _ in taken]
+        records["slot"] = [g for _, g in taken]
+        records["seg"] = [self.slots.place(cls, g)[0] for cls, g in taken]
+        records["key"] = np.frombuffer(b"".join(m.ref.key for m in metas), "V32")
+        records["parent"] = np.frombuffer(b"".join(m.parent.ljust(32, b"\0") for m in metas), "V32")
+        records["size"] = [m.size for m in metas]
+        records["checksum"] = [m.checksum for m in metas]
+        return records
 
     def _write_slots(
         self, items: Sequence[tuple[BlockMeta, memoryview]], taken: list[tuple[int, int]]
     ) -> set[tuple[int, int]]:
-        futures = [self._io.submit(self._files.write, cls, g, data) for (cls, g), (_, data) in zip(taken, items)]
+        """Every payload into its slot, the batch split over the ``io_threads``; the segments touched."""
+
+        def write(a: int, b: int) -> set[tuple[int, int]]:
+            return {self._files.write(cls, g, data) for (cls, g), (_, data) in zip(taken[a:b], items[a:b])}
+
+        futures = [self._io.submit(write, a, b) for a, b in split(len(items), self.io_threads)]
         errors = [f.exception() for f in futures]
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
-        return {f.result() for f in futures}
+        return set().union(*(f.result() for f in futures))
 
     def remove_batch(self, refs: Sequence[BlockRef]) -> None:
         """Tombstones for the blocks the tier holds; their slots free once those are durable."""
