@@ -161,6 +161,11 @@ class SegmentTier(TierBase):
     def __len__(self) -> int:
         return len(self._rows)
 
+    def index_bytes(self) -> int:
+        """Bytes of this tier's in-memory index (its record array and key dict)."""
+        with self._lock:
+            return self._rows.nbytes()
+
     @property
     def log_records(self) -> int:
         return self._log.records

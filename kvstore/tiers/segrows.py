@@ -7,6 +7,7 @@ checkpoint writes the live rows as they are. Not thread-safe: the tier holds its
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,12 @@ class Rows:
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._where
+
+    def nbytes(self) -> int:
+        """The record array, the dict and its keys (bytes objects), in bytes."""
+        keys = sum(sys.getsizeof(k) for k in self._where)
+        ints = sum(sys.getsizeof(i) for i in self._where.values())  # (small ints are shared; most are not)
+        return int(self._arr.nbytes) + sys.getsizeof(self._where) + keys + ints
 
     def get(self, key: bytes) -> Any:
         """A copy of ``key``'s record (a numpy structured scalar), or None."""
