@@ -12,8 +12,9 @@ the same process on the same bytes:
   against a dict lookup of the same keys (the raw baseline of an in-memory index);
 * ``restart_s``: the tier opened again on its directory (``restart_open_s``: from then on it
   answers reads) and scanned (``restart_scan_s``: every block listed as a ``BlockMeta``, as the
-  sidecar's recovery reads it), against reading the log's bytes sequentially (``segments``) or
-  the same number of bytes (``files``: its headers, one page a block) from one file;
+  sidecar's recovery reads it; ``*_cpu_s``: this process's CPU time of each), against reading
+  the log's bytes sequentially (``segments``) or the same number of bytes (``files``: its
+  headers, one page a block) from one file;
 * ``serve_restart_s``: ``kvstore serve`` started on that directory until its ready line, minus a
   start on an empty one (measured once per run), and the sidecar's ``RssAnon`` per block held
   then (``serve_rss_per_block_B``; the Python index's memory, issue 41 item 1, not this layout's);
@@ -109,19 +110,20 @@ async def lookups_us(tier: Any, blocks: list[BlockMeta]) -> tuple[list[float], l
     return ours, raw
 
 
-async def restart_s(layout: str, root: Path, n: int) -> tuple[float, float]:
-    """Seconds to open the tier on its directory (ready to answer reads), then to list its blocks."""
-    t = time.perf_counter()
+async def restart_s(layout: str, root: Path, n: int) -> tuple[float, float, float, float]:
+    """Seconds to open the tier on its directory (ready to answer reads), then to list its
+    blocks; wall clock, then this process's CPU time of each (steadier on a shared host)."""
+    t, c = time.perf_counter(), time.process_time()
     tier = make_tier(layout, root, fsync=False)
-    opened = time.perf_counter() - t
+    opened, opened_cpu = time.perf_counter() - t, time.process_time() - c
     found = 0
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     async for _ in tier.scan():
         found += 1
-    listed = time.perf_counter() - t
+    listed, listed_cpu = time.perf_counter() - t, time.process_time() - c
     await tier.close()
     assert found == n, (found, n)
-    return opened, listed
+    return opened, listed, opened_cpu, listed_cpu
 
 
 def raw_read_s(path: Path) -> float:
@@ -170,7 +172,7 @@ def measure(res: Result, layout: str, n: int, tmp: Path, args: argparse.Namespac
     res.figure(f"disk_bytes_per_block_{tag}", disk, "B")
     res.ratio(f"payload_vs_disk_{tag}", size / disk)
     (tmp / "raw.bin").unlink()
-    opened, listed = asyncio.run(restart_s(layout, root, n))
+    opened, listed, opened_cpu, listed_cpu = asyncio.run(restart_s(layout, root, n))
     restart = opened + listed
     if layout == "segments":
         raw_restart = raw_read_s(root / "index.log")
@@ -181,6 +183,8 @@ def measure(res: Result, layout: str, n: int, tmp: Path, args: argparse.Namespac
     res.figure(f"restart_s_{tag}", restart, "s")
     res.figure(f"restart_open_s_{tag}", opened, "s")
     res.figure(f"restart_scan_s_{tag}", listed, "s")
+    res.figure(f"restart_open_cpu_s_{tag}", opened_cpu, "s")
+    res.figure(f"restart_scan_cpu_s_{tag}", listed_cpu, "s")
     res.figure(f"raw_restart_s_{tag}", raw_restart, "s")
     res.ratio(f"restart_vs_raw_{tag}", raw_restart / restart)
     if not args.no_serve:

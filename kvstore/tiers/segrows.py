@@ -8,6 +8,7 @@ checkpoint writes the live rows as they are. Not thread-safe: the tier holds its
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import numpy as np
 from kvstore.tiers.seglog import PUT, RECORD
 
 
-def _keys(records: np.ndarray, roots: list[bytes]) -> list[bytes]:
+def _keys(records: np.ndarray, roots: Sequence[bytes]) -> list[bytes]:
     """Each record's (namespace root + key), 64 bytes."""
     n = len(records)
     table = np.frombuffer(b"".join(roots), np.uint8).reshape(-1, 32)
@@ -101,25 +102,29 @@ class Rows:
         live: np.ndarray = arr[arr["op"] == PUT].copy()
         return live
 
-    def restore(self, records: np.ndarray, roots: list[bytes]) -> dict[int, np.ndarray]:
+    def restore(self, records: np.ndarray, roots: Sequence[bytes]) -> dict[int, np.ndarray]:
         """Rebuilt from a log's records (in order); the live slots of each size class."""
         records = records[records["ns"] < len(roots)] if len(records) else records
         if not len(records):
             return {}
         keys = _keys(records, roots)
         where = _last_puts(keys, records["op"])
-        idx = np.fromiter(where.values(), np.int64, len(where))
-        live = records[idx]
-        keys = list(where)
+        if len(where) == len(records):  # each record a live put of its own key (a checkpointed log)
+            live = records
+        else:
+            live = records[np.fromiter(where.values(), np.int64, len(where))]
+            keys = list(where)
+            where = dict(zip(keys, range(len(live))))
         sid = (live["cls"].astype(np.uint64) << np.uint64(40)) | live["slot"].astype(np.uint64)
         if len(np.unique(sid)) != len(sid):  # two records name one slot: the later one holds it
             order = np.argsort(-live["seq"].astype(np.int64), kind="stable")
             _, first = np.unique(sid[order], return_index=True)
             keep = np.sort(order[first])
             live, keys = live[keep], [keys[i] for i in keep.tolist()]
+            where = dict(zip(keys, range(len(live))))
         self._arr = np.zeros(max(1024, len(live) + len(live) // 4), RECORD)
         self._arr[: len(live)] = live
         self._n = len(live)
         self._free = []
-        self._where = dict(zip(keys, range(len(live))))
+        self._where = where
         return {int(c): live["slot"][live["cls"] == c].astype(np.int64) for c in np.unique(live["cls"])}
