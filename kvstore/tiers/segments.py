@@ -282,7 +282,8 @@ class SegmentTier(TierBase):
         return self._files.punch(cls, g)
 
     def _log_sync(self) -> None:
-        self._log.sync()
+        with self._commit:  # (a checkpoint may be swapping the log's file)
+            self._log.sync()
 
     def write_batch(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
         """Write, make durable, log (the commit point), then answer for the blocks."""
