@@ -1,5 +1,5 @@
-"""A process writing a segment tier dies (``os._exit``, no cleanup) at each step of a put batch
-and of a checkpoint; the directory, opened again as a restart opens it, holds exactly the
+"""A process writing a segment tier dies (``os._exit``, no cleanup) at each step of a put batch,
+of a checkpoint and of an import; the directory, opened again as a restart opens it, holds exactly the
 committed blocks, each reading back byte-exact, and no deleted one."""
 
 from __future__ import annotations
@@ -87,5 +87,59 @@ async def test_a_crash_at_each_step_leaves_exactly_the_committed_blocks(tmp_path
         assert not (root / "index.log.new").exists()
         await tier.put_many([make_block(i, 5000 + i) for i in range(200, 240)])  # the books still add up
         assert tier.used_bytes == (len(found) + 40) * 8192
+    finally:
+        await tier.close()
+
+
+IMPORTER = """
+import asyncio, os, sys
+from pathlib import Path
+from kvstore.tiers import segmigrate
+from kvstore.tiers.segments import SegmentTier
+
+real_batch, batches = segmigrate.import_batch, []
+
+def batch_then_die(tier, paths, into):
+    if len(batches) == 1:  # the second batch: committed to segments, its files not yet unlinked
+        Path.unlink = lambda self, missing_ok=False: os._exit(9)
+    batches.append(paths)
+    real_batch(tier, paths, into)
+
+segmigrate.import_batch = batch_then_die
+
+async def main():
+    tier = SegmentTier(sys.argv[1], 1 << 24)
+    async for _ in tier.scan():
+        pass
+    os._exit(0)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_crash_mid_import_loses_no_block_and_the_next_start_finishes_it(tmp_path: Path):
+    """150 block files (three import batches); the importing process dies after the second batch
+    is committed to segments and before its files are unlinked: the next start imports what is
+    left, and every block is there once, byte-exact, with no block file left."""
+    from kvstore.tiers.ssd import SsdTier
+
+    root = tmp_path / "ssd"
+    old = SsdTier(root, 1 << 24)
+    items = [make_block(i, 3000 + i) for i in range(150)]
+    await old.put_many(items)
+    await old.close()
+    child = subprocess.run([sys.executable, "-c", IMPORTER, str(root)], cwd=REPO, capture_output=True, text=True)
+    assert child.returncode == 9, child.stderr
+    assert 0 < len(list(root.glob("*/*.blk"))) < 150  # the first batch's files are gone, the rest not
+    tier = SegmentTier(root, 1 << 24)
+    try:
+        held = {m.ref: m async for m in tier.scan()}
+        assert held == {m.ref: m for m, _ in items}
+        for meta, data in items:
+            into = memoryview(bytearray(meta.size))
+            assert await tier.get_many_hashed([meta.ref], [into]) == [(meta, meta.checksum)]
+            assert into == data
+        assert not list(root.glob("*/*.blk")) and len(tier) == 150
+        assert tier.used_bytes == 150 * 4096
     finally:
         await tier.close()
