@@ -145,6 +145,15 @@ class IndexConfig(_Section):
 class SsdConfig(_Section):
     enabled: bool = True
     path: str = Field("", description="directory for blocks; default <data_dir>/ssd")
+    layout: Literal["files", "segments"] = Field(
+        "files",
+        description="files: one file per block; segments: segment files of many blocks and one index log "
+        "(a start imports a files directory)",
+    )
+    checkpoint_records: int = Field(
+        1 << 20, ge=16, description="segments: the index log is rewritten from its live records once it holds "
+        "more than this many and twice the live ones",
+    )
     capacity_bytes: int = Field(16 * GiB, ge=64 * 1024)
     direct_io: bool = Field(True, description="O_DIRECT where the filesystem allows it")
     io_threads: int = Field(

@@ -28,6 +28,7 @@ SUITES = {
     "retention": "benchmarks.retention",
     "reload": "benchmarks.reload",
     "ssd_layout": "benchmarks.ssd_layout",
+    "index": "benchmarks.index",
 }
 
 

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.config import SSD_IO_THREADS, SsdConfig
-from kvstore.errors import ChecksumMismatch, InvalidArgument, ResourceExhausted
+from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument, ResourceExhausted
 from kvstore.store.checksum import checksum
 from kvstore.tiers.base import (
     HEADER_FIXED,
@@ -65,6 +65,7 @@ from kvstore.tiers.base import (
 )
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
+from kvstore.tiers.segments import LAYOUT_FILE, SegmentTier
 from kvstore.util.threads import in_threads, split
 
 log = logging.getLogger("kvstore.tiers.ssd")
@@ -122,6 +123,19 @@ def _renamed(src: Path, dest: Path) -> bool:
         return False
 
 
+def read_block_file(path: str | Path) -> tuple[BlockMeta, bytearray]:
+    """A block file's header and payload; :class:`ChecksumMismatch` when it is not whole."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        meta, offset = SsdTier.read_header(fd)
+        data = bytearray(meta.size)
+        if _read_full(fd, memoryview(data), offset) < meta.size:
+            raise ChecksumMismatch(f"ssd file {path} is truncated")
+        return meta, data
+    finally:
+        os.close(fd)
+
+
 def probe_direct_io(directory: Path) -> bool:
     """Whether files in ``directory`` can be opened and written with O_DIRECT."""
     if not _O_DIRECT:
@@ -163,6 +177,11 @@ class SsdTier(TierBase):
         preallocated cache file would hold it; 0: deleted files are unlinked)."""
         self.root = Path(path)
         private_dir(self.root, parents=True)
+        if (self.root / LAYOUT_FILE).exists():
+            raise ConfigError(
+                f"ssd.path: {self.root} holds the segment layout (its LAYOUT file); set ssd.layout = "
+                '"segments" to use it, or point ssd.path at another directory for the file layout'
+            )
         for sub in self.root.iterdir():  # namespace directories (and .free) an older version made 0755
             if sub.is_dir():
                 tighten(sub)
@@ -185,8 +204,11 @@ class SsdTier(TierBase):
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd")
 
     @classmethod
-    def from_config(cls, cfg: SsdConfig, data_dir: str | Path = "./kvstore-data") -> SsdTier:
-        """``cfg.path``, or ``<data_dir>/ssd`` when it is empty (as ``Config.ssd_path``)."""
+    def from_config(cls, cfg: SsdConfig, data_dir: str | Path = "./kvstore-data") -> SsdTier | SegmentTier:
+        """``cfg.path``, or ``<data_dir>/ssd`` when it is empty (as ``Config.ssd_path``); the
+        tier of ``cfg.layout`` (``segments``: :class:`~kvstore.tiers.segments.SegmentTier`)."""
+        if cfg.layout == "segments":
+            return SegmentTier.from_config(cfg, data_dir)
         return cls(
             cfg.path or Path(data_dir) / "ssd",
             cfg.capacity_bytes,
@@ -197,7 +219,7 @@ class SsdTier(TierBase):
         )
 
     @classmethod
-    def from_app_config(cls, config: Any) -> SsdTier:
+    def from_app_config(cls, config: Any) -> SsdTier | SegmentTier:
         return cls.from_config(config.ssd, data_dir=config.data_dir)
 
     @property
@@ -341,7 +363,7 @@ class SsdTier(TierBase):
                     raise ChecksumMismatch(f"ssd file for {ref.name} is truncated")
                 meta, offset, got = decode_header(head), ALIGN, max(0, n - ALIGN)
             else:  # a long label: the payload starts further on, and what landed in ``into`` is not it
-                (meta, offset), got = self._read_header(fd), 0
+                (meta, offset), got = self.read_header(fd), 0
             if meta.ref != ref:
                 raise ChecksumMismatch(f"ssd file for {ref.name} holds {meta.ref.name}")
             if meta.size > len(into):
@@ -361,7 +383,8 @@ class SsdTier(TierBase):
         return head
 
     @staticmethod
-    def _read_header(fd: int) -> tuple[BlockMeta, int]:
+    def read_header(fd: int) -> tuple[BlockMeta, int]:
+        """The header of the block file open at ``fd``, and where its payload starts."""
         head = bytearray(ALIGN)
         n = _read_full(fd, memoryview(head), 0)
         if n < HEADER_FIXED:
@@ -525,7 +548,7 @@ class SsdTier(TierBase):
             except FileNotFoundError:
                 continue
             try:
-                metas.append(self._read_header(fd)[0])
+                metas.append(self.read_header(fd)[0])
             except ChecksumMismatch as exc:  # a bad copy: never served, and its room given back
                 log.warning("ssd: dropping %s at start: %s", entry.path, exc)
                 unreadable.append(Path(entry.path))

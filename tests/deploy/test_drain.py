@@ -9,6 +9,7 @@ import json
 import signal
 
 import numpy as np
+import pytest
 
 from kvstore.client import SyncClient
 from kvstore.keys import Namespace, prefix_keys
@@ -54,14 +55,16 @@ def _drain_line(sc) -> dict:
     return line
 
 
-def test_a_planned_stop_keeps_every_block_dram_held(serve_process, tmp_path):
+@pytest.mark.parametrize("layout", ["files", "segments"])
+def test_a_planned_stop_keeps_every_block_dram_held(serve_process, tmp_path, layout):
     args = ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(tmp_path / "d")]
-    sc = serve_process(args, SMALL_DRAM)  # drain_s: its default
+    env = {**SMALL_DRAM, "KVSTORE_SSD__LAYOUT": layout}
+    sc = serve_process(args, env)  # drain_s: its default
     data, dram_only = _put(sc)
     assert len(dram_only) == 32  # DRAM full of blocks no other tier holds
     assert sc.stop(signal.SIGTERM) == 0
 
-    again = serve_process(args, SMALL_DRAM)
+    again = serve_process(args, env)
     assert _found(again, data) == set(data)  # the 32 DRAM held, and the 16 the SSD held already
     assert again.stop(signal.SIGTERM) == 0
     line = _drain_line(sc)

@@ -31,6 +31,7 @@ from kvstore.store.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef
 from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.s3 import S3Tier, client_config
+from kvstore.tiers.segments import SegmentTier
 from kvstore.tiers.ssd import SsdTier
 
 CHUNK = 64 * 1024  # small Redis chunks so modest blocks span several
@@ -114,6 +115,17 @@ async def _corrupt_ssd(tier: SsdTier, ref: BlockRef) -> None:
     path.write_bytes(raw)
 
 
+async def _corrupt_segments(tier: SegmentTier, ref: BlockRef) -> None:
+    where = tier.locate(ref)
+    assert where is not None
+    path, offset, size = where
+    with path.open("r+b") as f:  # the slot's last payload byte
+        f.seek(offset + size - 1)
+        last = f.read(1)[0]
+        f.seek(offset + size - 1)
+        f.write(bytes([last ^ 0xFF]))
+
+
 async def _corrupt_redis(tier: RedisTier, ref: BlockRef) -> None:
     key = tier.chunk_keys(ref, CHUNK)[0]
     old = await tier.client.getrange(key, 5, 5)
@@ -129,13 +141,15 @@ async def _corrupt_s3(tier: S3Tier, ref: BlockRef) -> None:
     await tier._client.put_object(Bucket=tier.bucket, Key=key, Body=bytes(body))  # overwritten in place
 
 
-@pytest.fixture(params=["ssd", "redis", "redis_py", "redis_cluster", "s3"])
+@pytest.fixture(params=["ssd", "ssd_segments", "redis", "redis_py", "redis_cluster", "s3"])
 async def tier_env(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
     """``redis`` moves block bytes on the direct path (kvstore.wire.resp), ``redis_py`` through
     redis-py (``direct_io=False``); the cluster uses the direct path."""
     kind = request.param
     if kind == "ssd":
         env = TierEnv(kind, lambda: SsdTier(tmp_path / "ssd", 1 << 30), _corrupt_ssd)
+    elif kind == "ssd_segments":
+        env = TierEnv(kind, lambda: SegmentTier(tmp_path / "ssd", 1 << 30), _corrupt_segments)
     elif kind in ("redis", "redis_py"):
         server = request.getfixturevalue("redis_clean")
         direct = kind == "redis"

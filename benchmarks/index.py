@@ -1,0 +1,213 @@
+"""The SSD tier's index at scale (issue 41): puts, lookups, restart and disk per block, by layout.
+
+For each count in ``--counts`` (blocks of ``--block-bytes``; small blocks are enough to scale the
+count) and each layout (``segments``; ``files``, the one-file-per-block layout, only at the counts
+in ``--files-counts``: a million files take minutes to create here), against raw baselines run in
+the same process on the same bytes:
+
+* ``puts_per_s``: blocks written through the tier in batches of 64 (as demotions write), against
+  the same bytes written sequentially to one file in the same batches (``raw_puts_per_s``);
+  ``--fsync``: both sync once a batch (default off: a killed process loses nothing either way);
+* ``lookup_p50_us`` / ``lookup_p99_us``: ``contains_many`` of 2,048 random keys the tier holds,
+  against a dict lookup of the same keys (the raw baseline of an in-memory index);
+* ``restart_s``: the tier opened again on its directory (``restart_open_s``: from then on it
+  answers reads) and scanned (``restart_scan_s``: every block listed as a ``BlockMeta``, as the
+  sidecar's recovery reads it; ``*_cpu_s``: this process's CPU time of each), against reading
+  the log's bytes sequentially (``segments``) or the same number of bytes (``files``: its
+  headers, one page a block) from one file;
+* ``serve_restart_s``: ``kvstore serve`` started on that directory until its ready line, minus a
+  start on an empty one (measured once per run), and the sidecar's ``RssAnon`` per block held
+  then (``serve_rss_per_block_B``; the Python index's memory, issue 41 item 1, not this layout's);
+* ``disk_bytes_per_block``: what the directory takes on the filesystem, against the payload;
+* ``tier_index_bytes_per_block``: the segment tier's own in-memory index (its record array and
+  its key dict).
+
+The page cache is warm (just written): a cold restart reads the log from the device (sequential).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import Result, percentile
+from benchmarks.ssd_layout import disk_bytes
+from kvstore.harness.sidecar import ServeProcess
+from kvstore.keys import BlockKey, Namespace, namespace_root
+from kvstore.tiers.base import BlockMeta, BlockRef
+from kvstore.tiers.segments import SegmentTier
+from kvstore.tiers.ssd import SsdTier
+
+NS = Namespace(model="bench-index", kv_layout="raw", dtype="float16", block_size=16)
+BATCH = 64
+LOOKUP_KEYS = 2048
+LOOKUP_ROUNDS = 200
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--counts", default="100000,1000000", help="blocks, comma-separated")
+    p.add_argument("--files-counts", default="100000", help="counts at which the file layout is measured too")
+    p.add_argument("--block-bytes", type=int, default=4096)
+    p.add_argument("--fsync", action="store_true", help="sync once a batch (tier and raw baseline)")
+    p.add_argument("--no-serve", action="store_true", help="skip the kvstore serve restarts")
+    p.add_argument("--dir", default="", help="where to write (default: a temp dir under /tmp)")
+
+
+def make_tier(layout: str, root: Path, fsync: bool) -> Any:
+    if layout == "segments":
+        return SegmentTier(root, 1 << 44, fsync=fsync)
+    return SsdTier(root, 1 << 44, fsync=fsync, recycle_bytes=0)
+
+
+def metas(n: int, size: int) -> list[BlockMeta]:
+    root = namespace_root(NS)
+    return [BlockMeta(BlockRef(root, BlockKey(i.to_bytes(32, "big"))), b"", size, i, NS.label) for i in range(n)]
+
+
+async def put_s(tier: Any, blocks: list[BlockMeta], payload: memoryview) -> float:
+    t = time.perf_counter()
+    for a in range(0, len(blocks), BATCH):
+        await tier.put_many([(m, payload) for m in blocks[a : a + BATCH]])
+    return time.perf_counter() - t
+
+
+def raw_put_s(path: Path, n: int, payload: memoryview, fsync: bool) -> float:
+    chunk = bytes(payload) * BATCH
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    t = time.perf_counter()
+    try:
+        for a in range(0, n, BATCH):
+            os.write(fd, chunk[: (min(n, a + BATCH) - a) * len(payload)])
+            if fsync:
+                os.fdatasync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - t
+
+
+async def lookups_us(tier: Any, blocks: list[BlockMeta]) -> tuple[list[float], list[float]]:
+    rng = random.Random(7)
+    ours, raw = [], []
+    index = {m.ref.ns + m.ref.key: i for i, m in enumerate(blocks)}
+    for _ in range(LOOKUP_ROUNDS):
+        refs = [m.ref for m in rng.sample(blocks, min(LOOKUP_KEYS, len(blocks)))]
+        t = time.perf_counter()
+        assert all(await tier.contains_many(refs))
+        ours.append((time.perf_counter() - t) * 1e6)
+        keys = [r.ns + r.key for r in refs]
+        t = time.perf_counter()
+        [k in index for k in keys]  # the raw baseline's work: one dict probe a key
+        raw.append((time.perf_counter() - t) * 1e6)
+    return ours, raw
+
+
+async def restart_s(layout: str, root: Path, n: int) -> tuple[float, float, float, float]:
+    """Seconds to open the tier on its directory (ready to answer reads), then to list its
+    blocks; wall clock, then this process's CPU time of each (steadier on a shared host)."""
+    t, c = time.perf_counter(), time.process_time()
+    tier = make_tier(layout, root, fsync=False)
+    opened, opened_cpu = time.perf_counter() - t, time.process_time() - c
+    found = 0
+    t, c = time.perf_counter(), time.process_time()
+    async for _ in tier.scan():
+        found += 1
+    listed, listed_cpu = time.perf_counter() - t, time.process_time() - c
+    await tier.close()
+    assert found == n, (found, n)
+    return opened, listed, opened_cpu, listed_cpu
+
+
+def raw_read_s(path: Path) -> float:
+    t = time.perf_counter()
+    np.fromfile(path, dtype=np.uint8)
+    return time.perf_counter() - t
+
+
+def serve_start(data_dir: Path, layout: str) -> tuple[float, int]:
+    """Seconds until ``kvstore serve`` is ready on ``data_dir``, and its RssAnon then (bytes)."""
+    args = ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(data_dir)]
+    env = {"KVSTORE_DRAM__CAPACITY_BYTES": str(64 << 20), "KVSTORE_SSD__CAPACITY_BYTES": str(1 << 44),
+           "KVSTORE_SSD__LAYOUT": layout, "KVSTORE_SERVER__LOCAL_SOCKET": "off"}
+    t = time.perf_counter()
+    sc = ServeProcess(args, env)
+    ready = time.perf_counter() - t
+    with open(f"/proc/{sc.proc.pid}/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    sc.stop()
+    Path(sc.log.name).unlink(missing_ok=True)
+    return ready, rss
+
+
+def measure(res: Result, layout: str, n: int, tmp: Path, args: argparse.Namespace, empty: tuple[float, int]) -> None:
+    tag = f"{layout}_{n}"
+    size = args.block_bytes
+    data = tmp / tag
+    root = data / "ssd"
+    blocks = metas(n, size)
+    payload = memoryview(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    tier = make_tier(layout, root, args.fsync)
+    took = asyncio.run(put_s(tier, blocks, payload))
+    raw = raw_put_s(tmp / "raw.bin", n, payload, args.fsync)
+    res.figure(f"puts_per_s_{tag}", n / took, "blocks/s")
+    res.figure(f"raw_puts_per_s_{tag}", n / raw, "blocks/s")
+    res.ratio(f"puts_vs_raw_{tag}", raw / took)
+    ours, base = asyncio.run(lookups_us(tier, blocks))
+    res.figure(f"lookup_p50_us_{tag}", percentile(ours, 50), "us")
+    res.figure(f"lookup_p99_us_{tag}", percentile(ours, 99), "us")
+    res.figure(f"raw_lookup_p50_us_{tag}", percentile(base, 50), "us")
+    res.ratio(f"lookup_p50_vs_raw_{tag}", percentile(base, 50) / percentile(ours, 50))
+    if layout == "segments":
+        res.figure(f"tier_index_bytes_per_block_{tag}", tier.index_bytes() / n, "B")
+    asyncio.run(tier.close())
+    disk = disk_bytes(root) / n
+    res.figure(f"disk_bytes_per_block_{tag}", disk, "B")
+    res.ratio(f"payload_vs_disk_{tag}", size / disk)
+    (tmp / "raw.bin").unlink()
+    opened, listed, opened_cpu, listed_cpu = asyncio.run(restart_s(layout, root, n))
+    restart = opened + listed
+    if layout == "segments":
+        raw_restart = raw_read_s(root / "index.log")
+    else:
+        raw_put_s(tmp / "raw.bin", n, memoryview(bytes(4096)), fsync=False)  # one header page a block
+        raw_restart = raw_read_s(tmp / "raw.bin")
+        (tmp / "raw.bin").unlink()
+    res.figure(f"restart_s_{tag}", restart, "s")
+    res.figure(f"restart_open_s_{tag}", opened, "s")
+    res.figure(f"restart_scan_s_{tag}", listed, "s")
+    res.figure(f"restart_open_cpu_s_{tag}", opened_cpu, "s")
+    res.figure(f"restart_scan_cpu_s_{tag}", listed_cpu, "s")
+    res.figure(f"raw_restart_s_{tag}", raw_restart, "s")
+    res.ratio(f"restart_vs_raw_{tag}", raw_restart / restart)
+    if not args.no_serve:
+        ready, rss = serve_start(data, layout)
+        res.figure(f"serve_restart_s_{tag}", ready - empty[0], "s")
+        res.figure(f"serve_rss_per_block_B_{tag}", (rss - empty[1]) / n, "B")
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    res = Result("index")
+    base = Path(args.dir) if args.dir else None
+    files_counts = {int(c) for c in args.files_counts.split(",") if c}
+    with tempfile.TemporaryDirectory(dir=base) as tmp_name:
+        tmp = Path(tmp_name)
+        empty = (0.0, 0)
+        if not args.no_serve:
+            serve_start(tmp / "empty", "segments")  # (imports warm)
+            empty = min(serve_start(tmp / "empty", "segments") for _ in range(2))
+            res.figure("serve_ready_empty_s", empty[0], "s")
+        for n in (int(c) for c in args.counts.split(",")):
+            for layout in ("segments", "files") if n in files_counts else ("segments",):
+                measure(res, layout, n, tmp, args, empty)
+                print(f"index: {layout} {n} done", file=sys.stderr, flush=True)
+    res.notes.update(block_bytes=args.block_bytes, fsync=args.fsync, page_cache="warm (just written)",
+                     lookup=f"{LOOKUP_KEYS} random held keys, {LOOKUP_ROUNDS} rounds")
+    return res.as_dict()
