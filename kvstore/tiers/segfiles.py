@@ -17,11 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
+from kvstore.tiers.direct_io import O_DIRECT
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir
 from kvstore.tiers.slots import PAGE, Slots
 
 SEG_DIR = "seg"
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
 _PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _fallocate = getattr(_libc, "fallocate", None)
@@ -61,7 +62,7 @@ class SegmentFiles:
                 path = self.path(cls, seg)
                 if not path.parent.is_dir():
                     path.parent.mkdir(mode=DIR_MODE, exist_ok=True)
-                w = os.open(path, os.O_RDWR | os.O_CREAT | (_O_DIRECT if self.direct_io else 0), FILE_MODE)
+                w = os.open(path, os.O_RDWR | os.O_CREAT | (O_DIRECT if self.direct_io else 0), FILE_MODE)
                 fds = self._fds[(cls, seg)] = (w, os.open(path, os.O_RDONLY))
             return fds
 

@@ -54,6 +54,7 @@ from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.store.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef, HashedRead, TierBase
+from kvstore.tiers.direct_io import probe_direct_io
 from kvstore.tiers.private import private_dir
 from kvstore.tiers.segfiles import SegmentFiles
 from kvstore.tiers.seglog import DEL, HAS_PARENT, PUT, RECORD, IndexLog, Namespaces, fsync_dir
@@ -87,8 +88,6 @@ class SegmentTier(TierBase):
         fsync: bool = True,
         checkpoint_min: int = CHECKPOINT_MIN,
     ) -> None:
-        from kvstore.tiers.ssd import probe_direct_io
-
         self.root = Path(path)
         private_dir(self.root, parents=True)
         marker = self.root / LAYOUT_FILE

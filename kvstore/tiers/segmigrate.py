@@ -16,21 +16,29 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvstore.errors import ChecksumMismatch, ResourceExhausted
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.recycle import FREE_DIR
 
-if TYPE_CHECKING:
-    from kvstore.tiers.segments import SegmentTier
-
 log = logging.getLogger("kvstore.tiers.segmigrate")
 
 BATCH = 64
 _NS_DIR = re.compile(r"[0-9a-f]{16}")
+
+
+class SegmentTier(Protocol):
+    """What the import needs of :class:`kvstore.tiers.segments.SegmentTier` (not imported: it
+    imports this module)."""
+
+    @property
+    def root(self) -> Path: ...
+
+    def write_batch(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None: ...
 
 
 @dataclass(slots=True)

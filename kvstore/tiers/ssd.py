@@ -35,7 +35,6 @@ older version left readable by others.
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import itertools
 import logging
@@ -63,6 +62,7 @@ from kvstore.tiers.base import (
     header_bytes,
     header_size,
 )
+from kvstore.tiers.direct_io import ALIGN, O_DIRECT, probe_direct_io
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
 from kvstore.tiers.segments import LAYOUT_FILE, SegmentTier
@@ -70,10 +70,8 @@ from kvstore.util.threads import in_threads, split
 
 log = logging.getLogger("kvstore.tiers.ssd")
 
-ALIGN = 4096
 SUFFIX = ".blk"
 TMP_SUFFIX = ".tmp"
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def _align(n: int) -> int:
@@ -134,28 +132,6 @@ def read_block_file(path: str | Path) -> tuple[BlockMeta, bytearray]:
         return meta, data
     finally:
         os.close(fd)
-
-
-def probe_direct_io(directory: Path) -> bool:
-    """Whether files in ``directory`` can be opened and written with O_DIRECT."""
-    if not _O_DIRECT:
-        return False
-    probe = directory / f".direct-probe.{os.getpid()}{TMP_SUFFIX}"
-    buf = mmap.mmap(-1, ALIGN)
-    try:
-        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | _O_DIRECT, FILE_MODE)
-        try:
-            os.write(fd, buf)
-        finally:
-            os.close(fd)
-        return True
-    except OSError as exc:
-        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-            return False
-        raise
-    finally:
-        buf.close()
-        probe.unlink(missing_ok=True)
 
 
 class SsdTier(TierBase):
@@ -420,7 +396,7 @@ class SsdTier(TierBase):
             head = self._header_page()
             head[: len(header)] = header
             head[len(header) :] = bytes(ALIGN - len(header))
-            fd = os.open(tmp, flags | _O_DIRECT, FILE_MODE)
+            fd = os.open(tmp, flags | O_DIRECT, FILE_MODE)
             try:
                 n = os.writev(fd, [head, data])
                 if n < ALIGN:  # short writes: finish piecewise
@@ -437,7 +413,7 @@ class SsdTier(TierBase):
             buf[len(header) : offset] = bytes(offset - len(header))
             buf[offset:total] = data
             buf[total : _align(total)] = bytes(_align(total) - total)
-            fd = os.open(tmp, flags | _O_DIRECT, FILE_MODE)
+            fd = os.open(tmp, flags | O_DIRECT, FILE_MODE)
             try:
                 _write_full(fd, memoryview(buf)[: _align(total)])
                 os.ftruncate(fd, total)

@@ -168,7 +168,7 @@ def test_direct_io_falls_back_where_the_filesystem_refuses_it(tmp_path: Path, mo
     real_open = os.open
 
     def no_direct(path, flags, *args):  # what tmpfs (before Linux 6.6) and some FUSE mounts answer
-        if flags & ssd_module._O_DIRECT:
+        if flags & ssd_module.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *args)
 
