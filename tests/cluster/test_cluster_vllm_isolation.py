@@ -94,3 +94,4 @@ def test_salt_adapter_and_image_a_are_never_found_as_b_on_another_sidecar(
     assert s1["index"]["blocks"] == len(stored) * (TOKENS // BS)  # sidecar 1: A's blocks, nothing else
     assert s2["index"]["blocks"] == len(again) * (LOADABLE // BS)  # sidecar 2: the replicas A fetched
     assert s2["cluster"]["blocks_fetched"] == len(again) * (LOADABLE // BS)
+    assert s1["cluster"]["blocks_lent"] == len(again) * (LOADABLE // BS)  # sidecar 1 lent A's blocks to A only

@@ -70,7 +70,8 @@ def test_salt_and_adapter_a_are_never_loaded_as_b_through_another_sidecar(
         assert by_source(decode, name)["external_kv_transfer"] == blocks * BS, name  # A's, from sidecar 1
         assert outputs(decode, name) == outputs(prefill, name), name
     assert decode["connector"]["worker"]["loaded_blocks"] == sum(loadable.values())
-    with SyncClient(two.grpc) as c:
-        stats = c.stats()
+    with SyncClient(one.grpc) as c1, SyncClient(two.grpc) as c2:
+        lender, stats = c1.stats(), c2.stats()
     assert stats["cluster"]["blocks_fetched"] == sum(loadable.values())  # the A requests' blocks, no others
+    assert lender["cluster"]["blocks_lent"] == sum(loadable.values())
     assert stats["index"]["blocks"] == sum(loadable.values())  # the decode instance stores nothing
