@@ -19,8 +19,9 @@ sidecar's HTTP address. For every ``POST /v1/completions`` and ``POST /v1/chat/c
 3. the request goes to the engine of the first answered node that is a backend here. When no
    node holds any of the prefix, the sidecars are unreachable, the prompt is shorter than one
    block or cannot be tokenized, or its KV is not keyed by its token ids alone (``cache_salt``:
-   the connector keys it under the salt's namespace, which the router does not compute; prompt
-   embeddings, multimodal parts: the connector bypasses those), it goes to the least-loaded
+   the connector keys it under the salt's namespace, which the router does not compute; multimodal
+   parts: their items go into the keys, which the router does not compute either; prompt
+   embeddings: the connector bypasses those), it goes to the least-loaded
    engine (fewest in flight, then fewest sent so far). An engine that refuses the connection
    is skipped for the next one.
 

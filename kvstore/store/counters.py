@@ -25,8 +25,10 @@ TIER_LABELS = NAMES  # every row of kvstore/tier_table.py
 OTHER = "other"  # the /stats namespace (or tenant) entry that sums every one not shown on its own
 OUTCOMES = ("loaded", "recomputed", "fallback", "bypass")  # or "fallback:<reason>", "bypass:<BYPASS_REASONS>"
 # Why a connector served a request without the cache at all (no lookup, no save): its KV depends on
-# more than what its keys hold. A closed set: /stats and /metrics count bypasses by reason.
-BYPASS_REASONS = ("lora", "multimodal", "prompt_embeds", "cache_salt")  # cache_salt: longer than a namespace holds
+# more than what its keys hold. A closed set of the reasons connector/vllm.py can give (multimodal
+# items are keyed, not bypassed): /stats and /metrics count bypasses by these reasons only.
+# lora: an adapter without local files; cache_salt: longer than a namespace field holds.
+BYPASS_REASONS = ("lora", "prompt_embeds", "cache_salt")
 DECISION_STRINGS = {"namespace": 1024, "tier": 16, "outcome": 64}  # longest allowed, in characters
 DECISION_TIERS = ("", *TIER_LABELS, "peer")  # a decision's slowest tier ("peer": another node's copy)
 DECISION_SECONDS = ("predicted_load_s", "predicted_recompute_s", "actual_s")

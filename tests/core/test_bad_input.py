@@ -213,6 +213,8 @@ def rejected_calls(env: Env, pending: pb.AllocateResponse, aborted: pb.AllocateR
         ("Report", report(decision(outcome="fallback:" + "x" * 100)), bad, "decisions[0].outcome"),
         ("Report", report(decision(outcome="bypass:teleport")), bad, "decisions[0].outcome"),  # a closed set
         ("Report", report(decision(outcome="bypass:")), bad, "decisions[0].outcome"),
+        # no connector bypasses a multimodal request (its items are keyed): not a reason /stats keeps
+        ("Report", report(decision(outcome="bypass:multimodal")), bad, "decisions[0].outcome"),
         ("Echo", pb.EchoRequest(payload=b"x" * (2 << 20)), Code.RESOURCE_EXHAUSTED, ""),  # over the message limit
     ] + [(m, b"\xff" * 16, bad, f"request: not a {m}Request") for m in METHODS]  # bodies that do not decode
 
