@@ -10,6 +10,7 @@ import numpy as np
 BS = 32  # vLLM block size (smallest the CPU attention kernel takes)
 POOL = 64  # vLLM's KV pool in blocks (num_gpu_blocks_override): 2048 tokens
 NEW = 8  # generated tokens per request
+WINDOW = 64  # the sliding window (tokens) of the tiny sliding-window model's windowed layer
 # A tensor-parallel instance's worker processes (the in-process engine runs TP 1 only), one core each.
 TP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
