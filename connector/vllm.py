@@ -65,6 +65,13 @@ What this module adds is only vLLM's call protocol:
   every rank. An MLA engine without prefix caching (vLLM's reference CPU MLA backend, which cannot
   attend to a cached prefix) may only store: a loading role is refused at start, naming ``kv_role``.
 
+* **Hybrid models** (``SupportsHMA``: vLLM keeps its hybrid allocator on): each KV-cache group
+  (full attention, sliding window) is stored under a namespace naming it and is a shard of the
+  request's blocks, found in the same one ``Acquire``, with its own block ids; a sliding-window
+  group loads and saves only the blocks vLLM still holds for it (those its window sees). Mamba /
+  linear-attention state and speculative decoding's draft layers are refused at start
+  (:mod:`connector.vllm_groups`).
+
 * **LoRA adapters**: a request's adapter is its namespace's ``adapter``, a hash of the adapter's
   files (:mod:`connector.vllm_request`: vLLM's ``lora_int_id``, name and path do not hold across
   hosts), so it only finds blocks computed with the same adapter weights, on any host.
@@ -91,6 +98,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from connector.core import ConnectorMetadata, SchedulerConnector, WorkerConnector
@@ -101,7 +109,7 @@ from connector.core.metadata import LoadSpec
 from connector.core.pipeline import PipelineSlot
 from connector.layout import KVSpec
 from connector.transfer import make_transfer
-from connector.vllm_dtype import cache_dtype_and_scales
+from connector.vllm_groups import Group, GroupWorkers, engine_groups, refuse_draft_layers
 from connector.vllm_request import AdapterHashes, media_extras
 from kvstore.client import SyncClient
 from kvstore.errors import InvalidArgument
@@ -158,41 +166,6 @@ class Settings:
         return cls(**extra)
 
 
-def kv_spec_and_namespace(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: Settings
-) -> tuple[KVSpec, Namespace, list[str]]:
-    """The KV spec, namespace and ordered attention layer names of this engine (both roles)."""
-    from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec
-
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise NotImplementedError(f"kvstore connector: one KV-cache group supported, got {len(groups)}")
-    attn = groups[0].kv_cache_spec
-    if not isinstance(attn, AttentionSpec):
-        raise NotImplementedError(f"kvstore connector: attention KV caches only, got {type(attn).__name__}")
-    layers = list(groups[0].layer_names)
-    dtype, scales = cache_dtype_and_scales(vllm_config, attn.dtype)  # fp8: as configured, not uint8
-    revision = settings.revision or (vllm_config.model_config.revision or "")
-    if scales:
-        revision = f"{revision}+kv_scales={scales}"  # an fp8 block's bytes mean something only with its scales
-    if isinstance(attn, MLAAttentionSpec):
-        layout = "vllm_mla"  # a latent row per token on every backend, no ISA packing (connector/layout.py)
-    elif current_platform.is_cpu():
-        layout = "vllm_cpu"
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(attn.dtype, attn.block_size, attn.head_size, vllm_config.cache_config.cache_dtype)
-        revision = f"{revision}+cpu_attn={isa}"  # the block's packing depends on the kernel ISA
-    else:
-        layout = "vllm_gpu"
-    spec = KVSpec(layout=layout, num_layers=len(layers), kv_heads=attn.num_kv_heads, head_size=attn.head_size,
-                  block_size=attn.block_size, dtype=dtype)
-    ns = Namespace(model=settings.model_id or str(vllm_config.model_config.model), kv_layout=layout, dtype=dtype,
-                   block_size=attn.block_size, revision=revision)
-    return spec, ns, layers
-
-
 def cannot_load_mla(role: str) -> str:
     """Why an MLA engine without prefix caching cannot load. vLLM turns prefix caching (and chunked
     prefill) off for MLA where its CPU backend cannot attend to a cached prefix (the reference CPU
@@ -234,6 +207,14 @@ def parallel_shards(vllm_config: VllmConfig, ns: Namespace) -> tuple[Namespace, 
     return tuple(shards)
 
 
+def engine_shards(vllm_config: VllmConfig, groups: tuple[Group, ...]) -> tuple[Namespace, ...]:
+    """Every shard's namespace: :func:`parallel_shards` of each KV-cache group's namespace, in the
+    order pipeline stage, tensor-parallel rank, group (group ``g`` of parallel shard ``p`` is shard
+    ``p * len(groups) + g``)."""
+    per_group = [parallel_shards(vllm_config, g.ns) for g in groups]
+    return tuple(per_group[g][p] for p in range(len(per_group[0])) for g in range(len(groups)))
+
+
 def own_shard(vllm_config: VllmConfig, ns: Namespace) -> tuple[int, bool]:
     """This worker's index in :func:`parallel_shards` (its pipeline stage and tensor-parallel
     rank), and whether it writes that shard: every rank its own; a rank-free shard (MLA) is
@@ -268,7 +249,7 @@ class _Req:
     request: Any  # vllm.v1.request.Request (live object in the scheduler's process)
     ns: Namespace  # the connector's, with the request's cache_salt
     bypass: str | None  # why the connector leaves it alone (a BYPASS_REASONS entry), or None
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # its block table per KV-cache group
     offered: int = 0  # leading full blocks already handed over for saving
     retain_ms: int | None = None  # its retention hint (kv_transfer_params' kvstore_retain_s; None: none)
 
@@ -291,7 +272,7 @@ def bypass_reason(request: Request) -> str | None:
     return None
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
@@ -300,9 +281,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.settings = Settings.from_extra(tc.kv_connector_extra_config)
-        self.spec, ns, self._layers = kv_spec_and_namespace(vllm_config, kv_cache_config, self.settings)
-        shards = parallel_shards(vllm_config, ns)
-        self._shard, self._writer = (0, True) if role == KVConnectorRole.SCHEDULER else own_shard(vllm_config, ns)
+        refuse_draft_layers(vllm_config)
+        self._groups = engine_groups(vllm_config, kv_cache_config, self.settings.model_id, self.settings.revision)
+        self.spec, ns = self._groups[0].spec, self._groups[0].ns  # every group has this block size and layout
+        shards, n_groups = engine_shards(vllm_config, self._groups), len(self._groups)
+        part, self._writer = (0, True) if role == KVConnectorRole.SCHEDULER else own_shard(vllm_config, ns)
+        self._shard = part * n_groups  # this worker's first group's shard; group g's is _shard + g
         self.ns = shards[self._shard]  # the scheduler's: shard 0's, the others' go with every load and save
         # a handoff's shape, checked on arrival (a rank-free cache loads whatever the TP size)
         self._shape = {"block_size": self.spec.block_size, "tensor_parallel_size": _tp(vllm_config, ns),
@@ -313,7 +297,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._save = tc.is_kv_producer  # kv_producer or kv_both
         self.client = SyncClient(self.settings.url, token=self.settings.token or os.environ.get("KVSTORE_TOKEN", ""))
         self._sched: SchedulerConnector | None = None
-        self._worker: WorkerConnector | None = None
+        self._worker: GroupWorkers | None = None
         if role == KVConnectorRole.SCHEDULER:
             if tc.kv_load_failure_policy != self.settings.load_failure_policy:
                 log.info("kvstore connector: kv_load_failure_policy %r -> %r", tc.kv_load_failure_policy,
@@ -325,7 +309,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             if self.settings.directory:
                 finder = DirectoryFinder(lease_finder, directory_for(self.settings.url))
             self._sched = SchedulerConnector(self.client, self.ns, self.spec, lease_ttl_ms=self.settings.lease_ttl_ms,
-                                             finder=finder, shards=shards[1:])
+                                             finder=finder, shards=shards[1:],
+                                             shard_groups=[i % n_groups for i in range(1, len(shards))]
+                                             if n_groups > 1 else ())
             self._reqs: dict[str, _Req] = {}
             self._lookups: dict[str, tuple[int, int, int, float]] = {}  # req -> (computed, tokens, n, until)
             self._waits: dict[str, _Wait] = {}  # requests waiting for announced blocks
@@ -335,22 +321,26 @@ class KVStoreConnector(KVConnectorBase_V1):
         else:
             from vllm.platforms import current_platform
 
-            transfer = self.settings.transfer or ("numpy" if current_platform.is_cpu() else "cupy")
-            directory = directory_for(self.settings.url) if self.settings.directory else None
-            wait_published = self.settings.wait_published
-            if wait_published is None:
-                wait_published = tc.kv_role == "kv_producer"  # a prefill instance: decode hosts find its blocks
-            self._worker = WorkerConnector(self.client, self.ns, self.spec, transfer=make_transfer(transfer),
-                                           verify_checksums=self.settings.verify_checksums,
-                                           threads=self.settings.threads,
-                                           directory=directory, pipeline=PipelineSlot(self.client),
-                                           wait_published=wait_published,
-                                           wait_write_through=self.settings.wait_write_through)
+            self._worker = GroupWorkers([  # one per KV-cache group: its layers, its namespace (this rank's shard)
+                self._group_worker(shards[self._shard + i], g.spec, current_platform.is_cpu(), str(tc.kv_role))
+                for i, g in enumerate(self._groups)], self._groups, self._shard)
             self._failed_reqs: set[str] = set()  # loads that failed in this step
             self._had_saves: set[str] = set()  # requests handed saves (the scheduler delays their free)
             self._pending: set[str] = set()  # requests with saves possibly in flight
             self._finished: set[str] = set()  # finished requests waiting for their saves
         log.info("kvstore connector (%s, %s): %s at %s", role.name, tc.kv_role, self.ns.label, self.settings.url)
+
+    def _group_worker(self, ns: Namespace, spec: KVSpec, cpu: bool, kv_role: str) -> WorkerConnector:
+        """The worker-side core of one KV-cache group (its namespace and spec)."""
+        transfer = self.settings.transfer or ("numpy" if cpu else "cupy")
+        directory = directory_for(self.settings.url) if self.settings.directory else None
+        wait_published = self.settings.wait_published
+        if wait_published is None:
+            wait_published = kv_role == "kv_producer"  # a prefill instance: decode hosts find its blocks
+        return WorkerConnector(self.client, ns, spec, transfer=make_transfer(transfer),
+                               verify_checksums=self.settings.verify_checksums, threads=self.settings.threads,
+                               directory=directory, pipeline=PipelineSlot(self.client),
+                               wait_published=wait_published, wait_write_through=self.settings.wait_write_through)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -358,9 +348,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def kvstore_stats(self) -> dict[str, Any]:
         """This role's counters (loads, saves, failures by reason)."""
-        core = self._sched if self._sched is not None else self._worker
-        assert core is not None  # one of the two is set by __init__, by role
-        return core.stats.as_dict()
+        if self._sched is not None:
+            return self._sched.stats.as_dict()
+        assert self._worker is not None  # one of the two is set by __init__, by role
+        return self._worker.stats()
 
     # --- scheduler side ---------------------------------------------------------------------
 
@@ -482,7 +473,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
         if num_external_tokens > 0:
-            self._sched.update_state_after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+            groups = blocks.get_block_ids()  # one block table per KV-cache group
+            self._sched.update_state_after_alloc(request.request_id, groups[0], num_external_tokens, groups)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -490,7 +482,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         for new in scheduler_output.scheduled_new_reqs:
             req = self._reqs.get(new.req_id)
             if req is not None:  # blocks vLLM had or loaded need no save
-                req.block_ids, req.offered = list(new.block_ids[0]), new.num_computed_tokens // self.spec.block_size
+                req.block_ids = [list(ids) for ids in new.block_ids]
+                req.offered = new.num_computed_tokens // self.spec.block_size
                 self._offer_save(new.req_id, req, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -499,10 +492,11 @@ class KVStoreConnector(KVConnectorBase_V1):
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                req.block_ids = list(new_ids[0]) if new_ids else []
+                req.block_ids = [list(ids) for ids in new_ids] if new_ids else []
                 req.offered = cached.num_computed_tokens[i] // self.spec.block_size
             elif new_ids is not None:
-                req.block_ids.extend(new_ids[0])
+                for table, ids in zip(req.block_ids, new_ids):
+                    table.extend(ids)
             self._offer_save(req_id, req, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         bypassed, self._bypassed = tuple(self._bypassed), []
         return KVStoreConnectorMetadata(self._sched.build_connector_meta(),
@@ -516,11 +510,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         bs = self.spec.block_size
         limit = len(req.request.all_token_ids) if self.settings.save_decode else req.request.num_prompt_tokens
         full = min(computed, limit) // bs
-        full = min(full, len(req.block_ids))
+        full = min(full, len(req.block_ids[0])) if req.block_ids else 0
         if full > req.offered:
             assert self._sched is not None
-            self._sched.schedule_save(req_id, req.request.all_token_ids[: full * bs], req.block_ids[:full],
-                                      req.retain_ms, req.ns)
+            groups = [table[:full] for table in req.block_ids]
+            self._sched.schedule_save(req_id, req.request.all_token_ids[: full * bs], groups[0], req.retain_ms, req.ns,
+                                      groups)
             req.offered = full
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -530,7 +525,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         if bad:
             self._sched.stats.add(recomputed_after_failed_load_blocks=len(bad))
             for req in self._reqs.values():
-                if not bad.isdisjoint(req.block_ids):
+                if any(not bad.isdisjoint(table) for table in req.block_ids):
                     req.offered = 0  # the recomputed blocks are offered again when full
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -549,11 +544,17 @@ class KVStoreConnector(KVConnectorBase_V1):
                 params = {HANDOFF_KEY: {"blocks": blocks, "root": req.ns.root.hex(), **self._shape}}
         return self._sched.request_finished(request.request_id), params
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator's form of :meth:`request_finished` (``SupportsHMA``)."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     # --- worker side ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches([kv_caches[name] for name in self._layers])
+        self._worker.register(kv_caches)
 
     def _meta(self) -> KVStoreConnectorMetadata:
         meta = self._get_connector_metadata()
@@ -570,10 +571,11 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._meta()
         if self._shard == 0:  # every rank sees the step's bypasses: one counts them
-            self._worker.bypassed(meta.bypassed)
-        loads = tuple(self._own(load.shard(self._shard)) for load in meta.core.loads)
-        if loads:  # synchronous: the forward pass that follows reads these blocks
-            self._failed_reqs = {r.req_id for r in self._worker.load_now(loads) if not r.ok}
+            self._worker.workers[0].bypassed(meta.bypassed)
+        if self._worker.before_forward():  # a windowed group's blocks may be reused from this step on
+            self._pending.clear()
+        if meta.core.loads:  # synchronous: the forward pass that follows reads these blocks
+            self._failed_reqs = self._worker.load_now(meta.core.loads, self._own)
 
     def _own(self, load: LoadSpec) -> LoadSpec:
         """This rank's load: under its own lease, which it ends; a rank that reads a shard it does
@@ -592,18 +594,14 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        saves = tuple(save.shard(self._shard) for save in self._meta().core.saves)
+        saves = self._meta().core.saves
         self._had_saves.update(s.req_id for s in saves)
-        keep = tuple(s for s in saves if s.req_id not in self._failed_reqs and self._writer)
-        self._failed_reqs = set()
-        if keep:
-            self._worker.start(ConnectorMetadata(saves=keep))
-            self._pending.update(s.req_id for s in keep)
+        failed, self._failed_reqs = self._failed_reqs, set()
+        self._pending |= self._worker.save(saves, lambda s: s.req_id not in failed and self._writer)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        saved, _ = self._worker.get_finished(finished_req_ids)
-        self._pending -= saved
+        self._pending -= self._worker.get_finished(finished_req_ids)
         self._finished |= finished_req_ids & self._had_saves
         done = {r for r in self._finished if r not in self._pending}
         self._finished -= done
@@ -612,11 +610,10 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
-        return self._worker.get_block_ids_with_load_errors()
+        return self._worker.load_errors()
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.wait_for_saves()
             self._worker.close()
         else:
             self._pipeline.close()

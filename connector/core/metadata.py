@@ -24,12 +24,15 @@ class Role(enum.Enum):
 @dataclass(slots=True, frozen=True)
 class ShardPart:
     """A further shard's part of a load or save (another tensor-parallel rank or pipeline stage of
-    the engine, each with its own keys): its keys, for a load the lease on them, and the request's
-    namespace for that shard (the shard's, with the request's ``cache_salt``; None: the worker's)."""
+    the engine, or another KV-cache group of a hybrid model, each with its own keys): its keys, for
+    a load the lease on them, the request's namespace for that shard (the shard's, with the
+    request's ``cache_salt``; None: the worker's), and the engine blocks it moves when they are not
+    the spec's own (another KV-cache group's block table; None: the spec's ``block_ids``)."""
 
     keys: tuple[BlockKey, ...]
     lease: HeldLease | None = None
     ns: Namespace | None = None
+    block_ids: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,7 +59,19 @@ class LoadSpec:
         if i == 0 or not self.others:
             return dataclasses.replace(self, others=()) if self.others else self
         part = self.others[i - 1]
-        return dataclasses.replace(self, keys=part.keys, lease=part.lease, ns=part.ns, others=())
+        return dataclasses.replace(self, keys=part.keys, lease=part.lease, ns=part.ns, others=(),
+                                   block_ids=self.block_ids if part.block_ids is None else part.block_ids)
+
+    def tail(self, skip: int) -> LoadSpec:
+        """The load without its first ``skip`` blocks (keys, engine blocks, tiers and lease from
+        block ``first_block + skip`` on): what a sliding-window group loads of a longer prefix."""
+        if skip <= 0:
+            return self
+        lease = self.lease
+        if lease is not None and lease.slots:
+            lease = lease.part(self.first_block + skip, len(self.keys) - skip)
+        return dataclasses.replace(self, keys=self.keys[skip:], block_ids=self.block_ids[skip:],
+                                   first_block=self.first_block + skip, tiers=self.tiers[skip:], lease=lease)
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,7 +90,17 @@ class SaveSpec:
         if i == 0 or not self.others:
             return dataclasses.replace(self, others=()) if self.others else self
         part = self.others[i - 1]
-        return dataclasses.replace(self, keys=part.keys, ns=part.ns, others=())
+        return dataclasses.replace(self, keys=part.keys, ns=part.ns, others=(),
+                                   block_ids=self.block_ids if part.block_ids is None else part.block_ids)
+
+    def without(self, skip: frozenset[int]) -> SaveSpec:
+        """The save without the blocks at positions ``skip`` (engine blocks a sliding-window group
+        no longer holds)."""
+        if not skip:
+            return self
+        keep = [i for i in range(len(self.keys)) if i not in skip]
+        return dataclasses.replace(self, keys=tuple(self.keys[i] for i in keep),
+                                   block_ids=tuple(self.block_ids[i] for i in keep))
 
 
 @dataclass(slots=True, frozen=True)

@@ -77,18 +77,25 @@ class SchedulerConnector:
         lease_ttl_ms: int = 30_000,
         finder: Finder | None = None,
         shards: Sequence[Namespace] = (),
+        shard_groups: Sequence[int] = (),
     ) -> None:
         """Without a cost model every available block (bar the last token's) is loaded. The
         finder defaults to one Lookup per request (:class:`~connector.core.finders.LookupFinder`).
         ``shards``: the namespaces of the engine's further shards (its other tensor-parallel ranks
         and pipeline stages; ``ns`` is shard 0's): a block is found only where every shard has it,
         in one round trip, and each load and save carries every shard's keys
-        (:meth:`ConnectorMetadata.shard <connector.core.metadata.ConnectorMetadata.shard>`)."""
+        (:meth:`ConnectorMetadata.shard <connector.core.metadata.ConnectorMetadata.shard>`).
+        ``shard_groups``: for each further shard, the engine block table it moves (the index into
+        the ``groups`` given to :meth:`update_state_after_alloc` and :meth:`schedule_save`: a hybrid
+        model's KV-cache group, each with its own blocks); empty: every shard moves ``block_ids``."""
+        if shard_groups and len(shard_groups) != len(shards):
+            raise ValueError(f"shard_groups: one per further shard ({len(shards)}), got {len(shard_groups)}")
         for other in (ns, *shards):
             if other.block_size != spec.block_size or other.kv_layout != spec.layout:
                 raise ValueError("namespace and KV spec disagree on block_size or kv_layout")
         self.client, self.ns, self.spec, self.cost = client, ns, spec, cost
         self.shards = tuple(shards)
+        self.shard_groups = tuple(shard_groups)
         self.lease_ttl_ms = lease_ttl_ms
         self.finder: Finder = finder or LookupFinder(client)
         self.stats = ConnectorStats()
@@ -255,8 +262,22 @@ class SchedulerConnector:
             leases, req.lease, req.others = (req.lease, *req.others), None, ()
         return leases
 
-    def update_state_after_alloc(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        """The engine allocated ``block_ids`` (the request's whole block table) for the request."""
+    def _group_ids(
+        self, groups: Sequence[Sequence[int]], first: int, n: int
+    ) -> tuple[tuple[int, ...] | None, ...]:
+        """Each further shard's engine blocks ``[first, first + n)`` of its group's block table
+        (None: the spec's own, without ``shard_groups``)."""
+        if not self.shard_groups:
+            return (None,) * len(self.shards)
+        if len(groups) <= max(self.shard_groups):
+            raise ValueError(f"{len(groups)} block tables given, shard_groups name {max(self.shard_groups) + 1}")
+        return tuple(tuple(groups[g][first : first + n]) for g in self.shard_groups)
+
+    def update_state_after_alloc(
+        self, req_id: str, block_ids: Sequence[int], num_external_tokens: int, groups: Sequence[Sequence[int]] = (),
+    ) -> None:
+        """The engine allocated ``block_ids`` (the request's whole block table) for the request;
+        ``groups``: every block table of a hybrid engine (``shard_groups``), ``block_ids`` the first."""
         if num_external_tokens <= 0:
             return
         with self._lock:
@@ -266,10 +287,13 @@ class SchedulerConnector:
             if n > req.load_blocks or len(block_ids) < first + n:
                 raise ValueError(f"{req_id}: {n} blocks to load, {req.load_blocks} were offered")
             lease = None
-            parts = tuple(ShardPart(tuple(o.keys[first : first + n]), ns=o.ns) for o in req.asked)
+            ids = self._group_ids(groups, first, n)
+            parts = tuple(ShardPart(tuple(o.keys[first : first + n]), ns=o.ns, block_ids=b)
+                          for o, b in zip(req.asked, ids))
             if req.lease is not None and req.lease.slots:  # the workers read under them, then end them
                 lease, req.lease = req.lease.part(first, n), None
-                parts = tuple(ShardPart(p.keys, o.part(first, n), p.ns) for p, o in zip(parts, req.others))
+                parts = tuple(ShardPart(p.keys, o.part(first, n), p.ns, p.block_ids)
+                              for p, o in zip(parts, req.others))
                 req.others = ()
             self._loads.append(
                 LoadSpec(
@@ -288,9 +312,10 @@ class SchedulerConnector:
 
     def schedule_save(
         self, req_id: str, token_ids: Sequence[int] | np.ndarray, block_ids: Sequence[int],
-        retain_ms: int | None = None, ns: Namespace | None = None,
+        retain_ms: int | None = None, ns: Namespace | None = None, groups: Sequence[Sequence[int]] = (),
     ) -> int:
-        """Store the full blocks of ``token_ids`` (computed KV in ``block_ids``); returns their count.
+        """Store the full blocks of ``token_ids`` (computed KV in ``block_ids``; ``groups``: every
+        block table of a hybrid engine, as :meth:`update_state_after_alloc`); returns their count.
 
         All full blocks are offered: the sidecar skips those it already has without a copy.
         ``retain_ms``: the request's retention hint, for all of them (connector/core/hints.py).
@@ -300,7 +325,9 @@ class SchedulerConnector:
         keys = self._request_keys(req_id, token_ids, ns)[: len(block_ids)]
         if not keys:
             return 0
-        others = tuple(ShardPart(tuple(o.keys[: len(keys)]), ns=o.ns) for o in self._others(req_id, token_ids, ns))
+        ids = self._group_ids(groups, 0, len(keys))
+        others = tuple(ShardPart(tuple(o.keys[: len(keys)]), ns=o.ns, block_ids=b)
+                       for o, b in zip(self._others(req_id, token_ids, ns), ids))
         with self._lock:
             self._saves.append(SaveSpec(req_id, tuple(keys), tuple(block_ids[: len(keys)]), retain_ms, ns, others))
         return len(keys)

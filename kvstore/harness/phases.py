@@ -16,7 +16,8 @@ nothing is loaded, neither from vLLM's own cache nor from the connector -- a rec
 null] (request i's ``cache_salt``), adapters: [[name, id, path] or null] (request i's LoRA adapter, as
 vLLM's ``LoRARequest(name, id, path)``; needs ``enable_lora``), embeds: bool (each request is sent as
 random prompt embeddings, one per token of its prompt)}``, ``tensor_parallel_size`` (optional),
-``max_num_batched_tokens`` (optional: prompts are computed in chunks of it), ``out``,
+``max_num_batched_tokens`` (optional: prompts are computed in chunks of it), ``speculative_config``
+(optional: vLLM's, a dict), ``out``,
 ``pace`` (set by :class:`~kvstore.harness.instance.Instance`).
 """
 
@@ -159,6 +160,7 @@ class _Engine:
             **({"enable_lora": True, "max_lora_rank": spec.get("max_lora_rank", 8), "max_loras": 2}
                if spec.get("enable_lora") else {}),
             disable_log_stats=False, seed=0, kv_transfer_config=KVTransferConfig(**kv) if kv else None,
+            **({"speculative_config": spec["speculative_config"]} if spec.get("speculative_config") else {}),
             **_parallel(spec),
         )
         self.startup_s = time.perf_counter() - t1

@@ -132,12 +132,17 @@ def build_tiny_llama(
     max_position_embeddings: int = 4096,
     initializer_range: float = 0.3,
     dtype: str = "float32",
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a tiny random LlamaForCausalLM + BPE tokenizer to ``out_dir``.
 
     Returns ``out_dir`` as a ``Path``.  ``dtype`` is ``"float32"`` or
     ``"bfloat16"`` (both accepted by vLLM CPU; float16 also works on CPUs with
-    AVX512-FP16 support but is not recommended here).
+    AVX512-FP16 support but is not recommended here). ``layer_types`` (one of
+    ``"sliding_attention"`` / ``"full_attention"`` per layer) with ``sliding_window``
+    (tokens): a hybrid-attention config, as vLLM's Llama reads it (the weights are the
+    plain model's of the same seed; transformers' Llama ignores the window).
     """
     from transformers import LlamaConfig
 
@@ -166,6 +171,8 @@ def build_tiny_llama(
         dtype=dtype,
     )
     config.architectures = ["LlamaForCausalLM"]
+    if layer_types is not None:
+        config.layer_types, config.sliding_window = list(layer_types), sliding_window
 
     model = _random_model(config, tokenizer, seed, dtype)
     model.save_pretrained(out, safe_serialization=True)
@@ -199,6 +206,30 @@ def build_tiny_deepseek_v2(out_dir: str | Path, *, seed: int = 0, initializer_ra
     )
     config.architectures = ["DeepseekV2ForCausalLM"]
     model = _random_model(config, tokenizer, seed, "bfloat16")
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_tiny_jamba(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write a tiny random Jamba (layer 0 a Mamba mixer, layer 1 attention; dense MLPs) in float32
+    + the BPE tokenizer to ``out_dir``; returns it as a ``Path``. vLLM's hybrid allocator gives it
+    a ``MambaSpec`` group and a full-attention group (block 64 on CPU)."""
+    from transformers import JambaConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(seed, 512, 4096)
+    config = JambaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=1, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+        use_mamba_kernels=False, max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        dtype="float32",
+    )
+    config.architectures = ["JambaForCausalLM"]
+    model = _random_model(config, tokenizer, seed, "float32")
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

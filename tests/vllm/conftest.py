@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_cases import NEW, PROMPTS, instance, outputs, stop_tqdm_monitors
+from vllm_cases import NEW, PROMPTS, WINDOW, instance, outputs, stop_tqdm_monitors
 
 from kvstore.harness.sidecar import ServeProcess
 
@@ -35,6 +35,28 @@ def tiny_mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvstore.harness.tiny_model import build_tiny_deepseek_v2
 
     path = build_tiny_deepseek_v2(tmp_path_factory.mktemp("tiny-deepseek-v2-vllm"), seed=0)
+    stop_tqdm_monitors()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_sliding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a sliding window of ``WINDOW`` tokens on layer 0 and full attention on
+    layer 1 (vLLM's hybrid allocator gives each kind a KV-cache group), built once."""
+    from kvstore.harness.tiny_model import build_tiny_llama
+
+    path = build_tiny_llama(tmp_path_factory.mktemp("tiny-sliding-vllm"), seed=0,
+                            layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW)
+    stop_tqdm_monitors()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_jamba_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Jamba (a Mamba layer and an attention layer), built once."""
+    from kvstore.harness.tiny_model import build_tiny_jamba
+
+    path = build_tiny_jamba(tmp_path_factory.mktemp("tiny-jamba-vllm"), seed=0)
     stop_tqdm_monitors()
     return path
 

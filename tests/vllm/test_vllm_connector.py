@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_cases import BS, DOC_1, DOC_2, DOC_3, FOLLOW_UP, NEW, fill, instance, outputs
+from vllm_cases import BS, DOC_1, DOC_2, DOC_3, FOLLOW_UP, NEW, by_source, fill, instance, loadable, outputs
 
 from kvstore.client import SyncClient
 from kvstore.harness.instance import kvstore_config
@@ -23,15 +23,6 @@ from kvstore.keys import Namespace, prefix_keys
 from tests.support.corrupt import corrupt_dram_block
 
 pytestmark = pytest.mark.vllm
-
-
-def loadable(prompt: list[int]) -> int:
-    """Tokens the connector can load: full blocks, keeping the last prompt token to compute."""
-    return (len(prompt) - 1) // BS * BS
-
-
-def by_source(result: dict, phase: str) -> list[dict[str, int]]:
-    return [r["by_source"] for r in result["phases"][phase]["requests"]]
 
 
 def test_evicted_prefix_reloads_from_kvstore(tiny_model: Path, reference, sidecar) -> None:

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from vllm_cases import DOC_1, DOC_2, NEW, instance, outputs
+from vllm_cases import DOC_1, DOC_2, NEW, TP_ENV, by_source, index, instance, loadable, outputs
 
-from kvstore.client import SyncClient
 from kvstore.harness.instance import kvstore_config
 
 # Two or three vLLM instances one after the other: more than the default 600 s per test on a
@@ -39,22 +38,8 @@ AMX = bool(torch.cpu._is_amx_tile_supported())  # the backend vLLM picks for MLA
 BS = 64 if AMX else 16
 MLA = ({"dtype": "bfloat16", "block_size": BS, "num_blocks": 128, "max_num_batched_tokens": BS} if AMX
        else {"dtype": "bfloat16", "block_size": BS, "num_blocks": 256})
-TP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 DOCS = [DOC_1, DOC_2]
 FULL = sum(len(p) // BS for p in DOCS)  # the prompts' full blocks (a prefill saves no generated ones here)
-
-
-def loadable(prompt: list[int]) -> int:
-    return (len(prompt) - 1) // BS * BS
-
-
-def by_source(result: dict, phase: str) -> list[dict[str, int]]:
-    return [r["by_source"] for r in result["phases"][phase]["requests"]]
-
-
-def index(url: str) -> dict[str, int]:
-    with SyncClient(url) as c:
-        return dict(c.stats()["index"])
 
 
 def mla_instance(model: Path, kv: dict, phases: list[dict], tp: int, seed: str) -> dict:
@@ -85,7 +70,7 @@ def decode(model: Path, url: str, handoff: Path, tp: int, a: dict) -> None:
     b = mla_instance(model, kv, phases, tp, "2")
     assert outputs(b, "decode") == outputs(a, "prefill")
     src = by_source(b, "decode")
-    assert [s["external_kv_transfer"] for s in src] == [loadable(p) for p in DOCS]
+    assert [s["external_kv_transfer"] for s in src] == [loadable(p, BS) for p in DOCS]
     assert [s["local_cache_hit"] for s in src] == [0, 0]
 
 

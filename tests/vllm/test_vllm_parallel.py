@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_cases import BS, DOC_1, DOC_2, NEW, instance, outputs
+from vllm_cases import BS, DOC_1, DOC_2, NEW, TP_ENV, by_source, index, instance, loadable, outputs
 
-from kvstore.client import SyncClient
 from kvstore.harness.instance import kvstore_config
 
 # Three vLLM instances one after the other (TP 2 ones start worker processes): more than the
@@ -27,21 +26,6 @@ from kvstore.harness.instance import kvstore_config
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 TP = 2
-# Worker processes of their own (the in-process engine runs TP 1 only), one core each.
-TP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-
-
-def loadable(prompt: list[int]) -> int:
-    return (len(prompt) - 1) // BS * BS
-
-
-def by_source(result: dict, phase: str) -> list[dict[str, int]]:
-    return [r["by_source"] for r in result["phases"][phase]["requests"]]
-
-
-def index(url: str) -> dict[str, int]:
-    with SyncClient(url) as c:
-        return dict(c.stats()["index"])
 
 
 def test_tp2_prefill_hands_off_to_tp2_decode_and_a_tp1_decode_refuses_it(

@@ -10,6 +10,9 @@ import numpy as np
 BS = 32  # vLLM block size (smallest the CPU attention kernel takes)
 POOL = 64  # vLLM's KV pool in blocks (num_gpu_blocks_override): 2048 tokens
 NEW = 8  # generated tokens per request
+WINDOW = 64  # the sliding window (tokens) of the tiny sliding-window model's windowed layer
+# A tensor-parallel instance's worker processes (the in-process engine runs TP 1 only), one core each.
+TP_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -48,6 +51,25 @@ def instance(
 
 def outputs(result: dict[str, Any], phase: str) -> list[list[int]]:
     return [r["tokens"] for r in result["phases"][phase]["requests"]]
+
+
+def loadable(prompt: list[int], bs: int = BS) -> int:
+    """Tokens the connector can load of ``prompt``: its full blocks of ``bs`` tokens, keeping the
+    last prompt token to compute."""
+    return (len(prompt) - 1) // bs * bs
+
+
+def by_source(result: dict[str, Any], phase: str) -> list[dict[str, int]]:
+    """Where each request of a phase got its prompt tokens (``local_cache_hit``, ``external_kv_transfer``, ...)."""
+    return [r["by_source"] for r in result["phases"][phase]["requests"]]
+
+
+def index(url: str) -> dict[str, int]:
+    """The sidecar's index counts (``namespaces``, ``blocks``, ``allocations``, ``leases``)."""
+    from kvstore.client import SyncClient
+
+    with SyncClient(url) as c:
+        return dict(c.stats()["index"])
 
 
 def stop_tqdm_monitors() -> None:
