@@ -28,11 +28,11 @@ import numpy as np
 
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
-from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, Block, Index, NsEntry, State
 from kvstore.store.remote import PeerBlock
 from kvstore.store.retention import Retention
-from kvstore.store.space import DramSpace, held, tenure
+from kvstore.store.sealing import in_slots, seal
+from kvstore.store.space import DramSpace
 
 
 class Reservation:
@@ -182,20 +182,15 @@ class Exchange:
         # otherwise leave the lease pinning these blocks in DRAM until its deadline: until the
         # Loan owns the lease, anything that ends the call releases it.
         try:
-            unsealed = [b for b in readable if b.checksum is None]
-            if unsealed:
-                tenures = {b: tenure(b) for b in readable}
-                for b, c in zip(unsealed, await checksums([space.view(b) for b in unsealed])):
-                    if held(b, tenures[b]):
-                        b.seal(c)  # (sealed meanwhile: the same bytes, kept)
-                # The lease ended while they were hashed (the reaper): the run ends before the first
-                # block that left its slot meanwhile (what was hashed there was not only its bytes).
-                moved = next((i for i, b in enumerate(readable) if not held(b, tenures[b])), None)
-                if moved is not None:
-                    readable = readable[:moved]
-                    if not readable:
-                        release()
-                        return None
+            kept = await seal(readable, *in_slots(space, readable))
+            # The lease ended while they were hashed (the reaper): the run ends before the first
+            # block that left its slot meanwhile (what was hashed there was not only its bytes).
+            moved = next((i for i, k in enumerate(kept) if k is None), None)
+            if moved is not None:
+                readable = readable[:moved]
+                if not readable:
+                    release()
+                    return None
             space.touch(readable)
             retained = [self.retention.left(b) for b in readable]
             return Loan([(b.checksum or 0, space.view(b)) for b in readable], release, left_s, retained)
