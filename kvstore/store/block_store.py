@@ -22,7 +22,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 from kvstore.config import Config
 from kvstore.dram.slab import Slab, Slot
@@ -54,7 +54,7 @@ from kvstore.store.index import (
 from kvstore.store.remote import PeerBlock, Remote
 from kvstore.store.retention import Retention
 from kvstore.store.sealing import Sealing
-from kvstore.store.space import DramSpace
+from kvstore.store.space import DramSpace, Wanted
 from kvstore.store.tenants import Tenants
 
 __all__ = ["BlockSpec", "BlockStore", "CommitSpec"]  # a request's blocks are defined with their checks
@@ -198,21 +198,16 @@ class BlockStore:
         self, ns: NsEntry, specs: Sequence[BlockSpec], ttl_ms: int = 0
     ) -> tuple[Allocation, list[Slot | None]]:
         """Reserve DRAM slots for the blocks not yet stored; None marks a block already present."""
-        keys, classes, ttl = self.checks.blocks(specs, ttl_ms)
+        keys, _, ttl = self.checks.blocks(specs, ttl_ms)  # (the classes: each size has one)
         ns = self.index.live(ns)  # the caller's may be stale
 
         get = self.index.get
-        new = [(i, s, cls) for i, (s, cls) in enumerate(zip(specs, classes)) if get(ns, s.key) is None]
-        tenant = ns.tenant
-        need = Counter(cls for _, _, cls in new)
-        taken = {cls: iter(got) for cls, got in self.space.take(need, tenant, sum(s.size for _, s, _ in new)).items()}
+        new = [i for i, s in enumerate(specs) if get(ns, s.key) is None]
+        reserved = self.space.reserve(ns, [Wanted(keys[i], specs[i].parent, specs[i].size) for i in new])
         blocks: dict[int, Block] = {}
         slots: list[Slot | None] = [None] * len(specs)  # None: present already
-        for i, s, cls in new:
-            slot = slots[i] = next(taken[cls])
-            b = self.index.add(ns, keys[i], s.parent, s.size, State.ALLOCATED)
-            b.slot = slot  # written into now, placed in DRAM at commit
-            slot.holder = b
+        for i, b in zip(new, reserved):
+            slot = slots[i] = cast(Slot, b.slot)
             blocks[slot.slot_id] = b
         alloc = self.index.open_allocation(ns, blocks, self.clock() + ttl / 1000.0)
         self.stats.writes["allocations"] += 1

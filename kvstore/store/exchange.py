@@ -26,13 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.errors import KVStoreError
 from kvstore.keys import BlockKey
 from kvstore.store.index import DRAM, Block, Index, NsEntry, State
 from kvstore.store.remote import PeerBlock
 from kvstore.store.retention import Retention
 from kvstore.store.sealing import in_slots, seal
-from kvstore.store.space import DramSpace
+from kvstore.store.space import DramSpace, Wanted
 
 
 class Reservation:
@@ -107,22 +106,12 @@ class Exchange:
         key before ``keys[0]``, ``depth`` its 1-based position) that is not here yet: the run
         stops at a key stored (written or fetched here meanwhile), or when DRAM cannot take
         one more (full of pinned blocks, or a size this slab has no class for)."""
-        index, space = self.index, self.space
-        ns = index.live(ns)
-        blocks: list[Block] = []
-        for i, pb in enumerate(holders):
-            key = keys[i]
-            if index.get(ns, key) is not None:
-                break
-            b = index.add(ns, BlockKey(key), keys[i - 1] if i else parent, pb.size, State.ALLOCATED, depth + i)
-            ns = b.ns
-            try:
-                b.slot = space.take_slot(b)
-            except KVStoreError:
-                index.drop(b)
-                break
-            blocks.append(b)
-        reservation = Reservation(self, ns, blocks, list(holders[: len(blocks)]))
+        ns = self.index.live(ns)
+        wanted = [
+            Wanted(BlockKey(keys[i]), keys[i - 1] if i else parent, pb.size, depth + i) for i, pb in enumerate(holders)
+        ]
+        blocks = self.space.reserve(ns, wanted, whole=False)
+        reservation = Reservation(self, blocks[-1].ns if blocks else ns, blocks, list(holders[: len(blocks)]))
         self.reservations.add(reservation)
         return reservation
 

@@ -14,20 +14,32 @@ written, a promotion being read) it holds its slot and cannot be evicted. What p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import cast
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import NamedTuple, cast
 
 import numpy as np
 
 from kvstore.dram.slab import Page, Slab, Slot
-from kvstore.errors import ResourceExhausted
+from kvstore.errors import KVStoreError, ResourceExhausted
+from kvstore.keys import BlockKey
 from kvstore.policy.base import EvictionPolicy
 from kvstore.store.below import Below, Movers, NoMovers
 from kvstore.store.counters import Stats
-from kvstore.store.index import DRAM, Block, Index
+from kvstore.store.index import DRAM, Block, Index, NsEntry, State
 from kvstore.store.placement import Space
 from kvstore.store.retention import Retention
 from kvstore.store.tenants import Quotas
+
+
+class Wanted(NamedTuple):
+    """A block to reserve a slot for: its key, its parent's key, its size, and its 1-based depth
+    when the caller knows it (None: derived from the parent, :meth:`Index.add`)."""
+
+    key: BlockKey
+    parent: bytes
+    size: int
+    depth: int | None = None
 
 
 class DramSpace:
@@ -184,6 +196,39 @@ class DramSpace:
         if self.quotas is not None:
             self.quotas.reserve(holder)
         return slot
+
+    def reserve(self, ns: NsEntry, wanted: Sequence[Wanted], *, whole: bool = True) -> list[Block]:
+        """The one slot reservation (an Allocate's, a peer fetch's): each of ``wanted`` filed in
+        ``ns`` (its live entry) as ALLOCATED, holding a slot its bytes are written into (placed by
+        the commit, or when the fetch settles); in no tier until then. ``whole`` (an Allocate):
+        slots for all of them or none (:meth:`take`, refused before anything is evicted). Else (a
+        fetch) the leading run that DRAM takes one slot at a time (:meth:`take_slot`): it stops at
+        a key stored (written or fetched here meanwhile), or when DRAM cannot take one more (full
+        of pinned blocks, or a size the slab has no class for)."""
+        index, class_of = self.index, self.slab.class_of
+        taken: dict[int, Iterator[Slot]] = {}
+        if whole:
+            need = Counter(class_of(w.size) for w in wanted)
+            taken = {c: iter(got) for c, got in self.take(need, ns.tenant, sum(w.size for w in wanted)).items()}
+        out: list[Block] = []
+        for w in wanted:
+            if whole:
+                slot = next(taken[class_of(w.size)])
+                b = index.add(ns, w.key, w.parent, w.size, State.ALLOCATED, w.depth)
+            else:
+                if index.get(ns, w.key) is not None:
+                    break
+                b = index.add(ns, w.key, w.parent, w.size, State.ALLOCATED, w.depth)
+                try:
+                    slot = self.take_slot(b)
+                except KVStoreError:
+                    index.drop(b)
+                    break
+            ns = b.ns
+            b.slot = slot  # written into now, placed at commit (or a fetch's settle)
+            slot.holder = b
+            out.append(b)
+        return out
 
     def view(self, b: Block) -> np.ndarray:
         """The bytes of ``b``'s slot (``b`` holds one)."""
