@@ -103,7 +103,7 @@ class Sealing:
             return
         blocks = [b for _, b, _ in to_verify]
         sums = await hashed(blocks, *in_slots(self.space, blocks))
-        for (i, b, expected), got in zip(to_verify, sums):
+        for (i, _, expected), got in zip(to_verify, sums):
             # (None: the slot was freed meanwhile, the allocation aborted or reclaimed, which the commit says)
             if got is not None and got != expected:
                 self.stats.tier("dram", "checksum_failures")
