@@ -22,7 +22,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, cast
+from typing import Any
 
 from kvstore.config import Config
 from kvstore.dram.slab import Slab, Slot
@@ -54,7 +54,7 @@ from kvstore.store.index import (
 from kvstore.store.remote import PeerBlock, Remote
 from kvstore.store.retention import Retention
 from kvstore.store.sealing import Sealing
-from kvstore.store.space import DramSpace, Wanted
+from kvstore.store.space import DramSpace
 from kvstore.store.tenants import Tenants
 
 __all__ = ["BlockSpec", "BlockStore", "CommitSpec"]  # a request's blocks are defined with their checks
@@ -198,16 +198,19 @@ class BlockStore:
         self, ns: NsEntry, specs: Sequence[BlockSpec], ttl_ms: int = 0
     ) -> tuple[Allocation, list[Slot | None]]:
         """Reserve DRAM slots for the blocks not yet stored; None marks a block already present."""
-        keys, _, ttl = self.checks.blocks(specs, ttl_ms)  # (the classes: each size has one)
+        keys, classes, ttl = self.checks.blocks(specs, ttl_ms)
         ns = self.index.live(ns)  # the caller's may be stale
 
         get = self.index.get
         new = [i for i, s in enumerate(specs) if get(ns, s.key) is None]
-        reserved = self.space.reserve(ns, [Wanted(keys[i], specs[i].parent, specs[i].size) for i in new])
+        reserved = self.space.reserve(
+            ns, [(keys[i], specs[i].parent, specs[i].size, None) for i in new], [classes[i] for i in new]
+        )
         blocks: dict[int, Block] = {}
         slots: list[Slot | None] = [None] * len(specs)  # None: present already
         for i, b in zip(new, reserved):
-            slot = slots[i] = cast(Slot, b.slot)
+            slot = slots[i] = b.slot
+            assert slot is not None  # (reserved: it holds one)
             blocks[slot.slot_id] = b
         alloc = self.index.open_allocation(ns, blocks, self.clock() + ttl / 1000.0)
         self.stats.writes["allocations"] += 1

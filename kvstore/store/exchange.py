@@ -149,10 +149,10 @@ class Exchange:
         stops at a key stored (written or fetched here meanwhile), or when DRAM cannot take
         one more (full of pinned blocks, or a size this slab has no class for)."""
         ns = self.index.live(ns)
-        wanted = [
-            Wanted(BlockKey(keys[i]), keys[i - 1] if i else parent, pb.size, depth + i) for i, pb in enumerate(holders)
+        wanted: list[Wanted] = [
+            (BlockKey(keys[i]), keys[i - 1] if i else parent, pb.size, depth + i) for i, pb in enumerate(holders)
         ]
-        blocks = self.space.reserve(ns, wanted, whole=False)
+        blocks = self.space.reserve(ns, wanted)
         reservation = Reservation(self, blocks[-1].ns if blocks else ns, blocks, list(holders[: len(blocks)]))
         self.reservations.add(reservation)
         return reservation

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import NamedTuple, cast
+from typing import cast
 
 import numpy as np
 
@@ -31,15 +31,10 @@ from kvstore.store.placement import Space
 from kvstore.store.retention import Retention
 from kvstore.store.tenants import Quotas
 
-
-class Wanted(NamedTuple):
-    """A block to reserve a slot for: its key, its parent's key, its size, and its 1-based depth
-    when the caller knows it (None: derived from the parent, :meth:`Index.add`)."""
-
-    key: BlockKey
-    parent: bytes
-    size: int
-    depth: int | None = None
+# A block to reserve a slot for: its key, its parent's key, its size, and its 1-based depth when
+# the caller knows it (None: derived from the parent, Index.add). (A plain tuple: an Allocate
+# makes one per block.)
+Wanted = tuple[BlockKey, bytes, int, int | None]
 
 
 class DramSpace:
@@ -197,28 +192,29 @@ class DramSpace:
             self.quotas.reserve(holder)
         return slot
 
-    def reserve(self, ns: NsEntry, wanted: Sequence[Wanted], *, whole: bool = True) -> list[Block]:
+    def reserve(self, ns: NsEntry, wanted: Sequence[Wanted], classes: Sequence[int] | None = None) -> list[Block]:
         """The one slot reservation (an Allocate's, a peer fetch's): each of ``wanted`` filed in
         ``ns`` (its live entry) as ALLOCATED, holding a slot its bytes are written into (placed by
-        the commit, or when the fetch settles); in no tier until then. ``whole`` (an Allocate):
-        slots for all of them or none (:meth:`take`, refused before anything is evicted). Else (a
-        fetch) the leading run that DRAM takes one slot at a time (:meth:`take_slot`): it stops at
-        a key stored (written or fetched here meanwhile), or when DRAM cannot take one more (full
-        of pinned blocks, or a size the slab has no class for)."""
-        index, class_of = self.index, self.slab.class_of
+        the commit, or when the fetch settles); in no tier until then. With ``classes`` (an
+        Allocate: each block's size class, checked already) slots for all of them or none
+        (:meth:`take`, refused before anything is evicted). Without (a fetch) the leading run that
+        DRAM takes one slot at a time (:meth:`take_slot`): it stops at a key stored (written or
+        fetched here meanwhile), or when DRAM cannot take one more (full of pinned blocks, or a
+        size the slab has no class for)."""
+        index = self.index
         taken: dict[int, Iterator[Slot]] = {}
-        if whole:
-            need = Counter(class_of(w.size) for w in wanted)
-            taken = {c: iter(got) for c, got in self.take(need, ns.tenant, sum(w.size for w in wanted)).items()}
+        if classes is not None:
+            need = Counter(classes)
+            taken = {c: iter(got) for c, got in self.take(need, ns.tenant, sum(w[2] for w in wanted)).items()}
         out: list[Block] = []
-        for w in wanted:
-            if whole:
-                slot = next(taken[class_of(w.size)])
-                b = index.add(ns, w.key, w.parent, w.size, State.ALLOCATED, w.depth)
-            else:
-                if index.get(ns, w.key) is not None:
+        for j, (key, parent, size, depth) in enumerate(wanted):
+            if classes is not None:
+                slot = next(taken[classes[j]])
+                b = index.add(ns, key, parent, size, State.ALLOCATED, depth)
+            else:  # (a fetch)
+                if index.get(ns, key) is not None:
                     break
-                b = index.add(ns, w.key, w.parent, w.size, State.ALLOCATED, w.depth)
+                b = index.add(ns, key, parent, size, State.ALLOCATED, depth)
                 try:
                     slot = self.take_slot(b)
                 except KVStoreError:
