@@ -2,9 +2,9 @@
 
 A lookup that ends short of the request asks the directory about the rest (one script call; one
 pipeline on a Redis Cluster). A block in a shared tier this node has (Redis, S3) is adopted: it
-joins the local index as placed there (``BlockStore.exchange.adopt``; the movers read and verify
+joins the local index as placed there (``StoreDoor.adopt``; the movers read and verify
 it as any promotion). A block only another node holds is fetched from it over the peer data path
-straight into a local slot reserved for it (``BlockStore.exchange.reserve``), checked against the
+straight into a local slot reserved for it (``StoreDoor.reserve``), checked against the
 holder's checksum and the directory's, and settled: the leading run that arrived intact is kept as
 replicas (``Block.replica``: dropped, not demoted, when DRAM evicts it) with the retention the
 holder's answer says it holds now (not the directory record's), every other slot freed.
@@ -28,7 +28,7 @@ from kvstore.cluster.membership import Membership
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.publisher import Publisher
 from kvstore.errors import Unavailable, shown
-from kvstore.store.block_store import BlockStore
+from kvstore.store.door import StoreDoor
 from kvstore.store.exchange import Reservation
 from kvstore.store.index import DRAM, NsEntry, top_label
 from kvstore.store.remote import MAX_HOLDERS, PeerBlock
@@ -54,7 +54,7 @@ def _rank(tiers: int) -> int:
 
 
 class Fetcher:
-    def __init__(self, store: BlockStore, members: Membership, publisher: Publisher) -> None:
+    def __init__(self, store: StoreDoor, members: Membership, publisher: Publisher) -> None:
         self.store = store
         self.members = members
         self.publisher = publisher  # (the void records a lookup meets go to its next pass)
@@ -124,7 +124,7 @@ class Fetcher:
             return 0, []
         now = self.members.now_ms()
         store = self.store
-        ns = store.index.live(ns)  # the live entry: a write meanwhile may have made it
+        ns = store.live(ns)  # the live entry: a write meanwhile may have made it
         adopted = 0
         peers: list[PeerBlock] = []
         through: set[str] = set()  # the nodes the run goes through
@@ -134,17 +134,17 @@ class Fetcher:
             key = keys[i]
             live, shared = self._holders(holders, now)
             if not peers and shared is not None:
-                here = store.exchange.adopt(
+                here = store.adopt(
                     ns, key, keys[i - 1] if i else parent, shared.size, shared.tiers, shared.checksum, depth + i
                 )
                 if here is not None:
                     ns = here
                     adopted += 1
                     continue
-            if not live or store.index.get(ns, key) is not None:
+            if not live or store.stored(ns, key):
                 break
             m, rec = min(live, key=lambda mr: (mr[0].node != previous, _rank(mr[1].tiers), mr[0].node))
-            if not store.slab.holds(rec.size):
+            if not store.fits(rec.size):
                 break  # a block larger than any slot here (the holder has larger pages): a miss
             if m.node not in through and len(through) == MAX_HOLDERS:
                 break  # (the run goes through at most that many nodes: a miss from here)
@@ -186,7 +186,7 @@ class Fetcher:
         members = self.members
         found = await self.records(ns.root, keys) if members.up else None
         now = members.now_ms()
-        own = self.store.index.leading_run(ns, keys)
+        own = self.store.leading_run(ns, keys)
         # where each live node holds each key: node -> placement bits, per key
         holders: list[dict[str, int]] = []
         for i in range(len(keys)):
@@ -222,7 +222,7 @@ class Fetcher:
         adopted, peers = await self.find(ns, keys, parent, depth)
         if not peers or self.closing:  # (closing: no fetch may start after close ended those in flight)
             return adopted
-        reservation = self.store.exchange.reserve(
+        reservation = self.store.reserve(
             ns, keys[adopted:], keys[adopted - 1] if adopted else parent, depth + adopted, peers
         )
         # The fetch runs on whatever happens to the caller: a cancelled Acquire must not leave

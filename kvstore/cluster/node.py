@@ -12,9 +12,10 @@ A facade over three parts, all on the event loop:
   adopted, other nodes' blocks fetched over the peer data path into slots reserved for them.
 
 The holder's side of a fetch is :meth:`ClusterNode.lend`, served by
-:class:`~kvstore.cluster.peer_server.PeerServer`. The node works on the block store only through
-``BlockStore.exchange`` (:mod:`kvstore.store.exchange`) and read-only lookups; the sidecar wires it
-in (``BlockStore.remote``, :mod:`kvstore.server.sidecar`).
+:class:`~kvstore.cluster.peer_server.PeerServer`. The node and its parts work on the block store only through
+:class:`~kvstore.store.door.StoreDoor` (the store's exchange, :mod:`kvstore.store.exchange`: its
+steps and read-only lookups), never the ``BlockStore``; the sidecar wires it in
+(``BlockStore.remote``, :mod:`kvstore.server.sidecar`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ from kvstore.cluster.peer_server import NOTHING_LENT, Lent, PeerServer
 from kvstore.cluster.publisher import PUBLISH_BATCH, Publisher
 from kvstore.config import Config
 from kvstore.errors import Unavailable
-from kvstore.keys import NamespaceRoot
-from kvstore.store.block_store import BlockStore
+from kvstore.store.door import StoreDoor
 from kvstore.store.index import Block, NsEntry
 from kvstore.store.remote import PeerBlock
 from kvstore.util.tasks import TaskHealth, cancel_and_wait, every
@@ -75,7 +75,7 @@ SHORT_TOKEN = 16  # characters: a token shorter than this is warned of at start 
 
 class ClusterNode:
     def __init__(
-        self, store: BlockStore, config: Config, directory: Directory, node: str, health: TaskHealth | None = None
+        self, store: StoreDoor, config: Config, directory: Directory, node: str, health: TaskHealth | None = None
     ) -> None:
         self.store = store
         self.health = health or TaskHealth(store.stats.errors)  # the background loops' errors
@@ -106,8 +106,8 @@ class ClusterNode:
     # --- life cycle -------------------------------------------------------------------------
 
     @classmethod
-    async def start(cls, store: BlockStore, config: Config, health: TaskHealth | None = None) -> ClusterNode:
-        """Join the cluster: serve peers, publish what ``store`` holds, beat. The caller wires the
+    async def start(cls, store: StoreDoor, config: Config, health: TaskHealth | None = None) -> ClusterNode:
+        """Join the cluster: serve peers, publish what ``store`` (the store's door) holds, beat. The caller wires the
         node into the store (``BlockStore.remote``) once this returns."""
         node_id = config.cluster.node_id or socket.gethostname()
         if len(config.cluster.token) < SHORT_TOKEN:
@@ -157,7 +157,7 @@ class ClusterNode:
             async with asyncio.timeout(self.cfg.directory_timeout_s):
                 await self.directory.leave()
             # then its records, within a few deadlines (what is left is void: its member entry is gone)
-            held = [(ns.root, b.key) for ns in self.store.index.namespaces.values() for b in ns.visible.values()]
+            held = [(b.ns.root, b.key) for b in self.store.held()]
             async with asyncio.timeout(4 * self.cfg.directory_timeout_s):
                 for i in range(0, len(held), PUBLISH_BATCH):
                     await self.directory.publish([], held[i : i + PUBLISH_BATCH])
@@ -217,13 +217,13 @@ class ClusterNode:
     async def lend(self, root: bytes, keys: Sequence[bytes]) -> Lent:
         """The leading run of ``keys`` this node holds, brought into DRAM and leased while sent."""
         store = self.store
-        ns = store.index.namespaces.get(NamespaceRoot(root))  # raw root bytes off the wire
+        ns = store.namespace(root)  # raw root bytes off the wire
         if ns is None:
             return NOTHING_LENT
-        run = store.index.leading_run(ns, keys)
+        run = store.leading_run(ns, keys)
         if len(run) < len(keys):  # asked for what it does not hold: its record goes
             self.publisher.unheld(root, keys[len(run)])
-        loan = await store.exchange.lend(run, self.cfg.fetch_timeout_s * 2)
+        loan = await store.lend(run, self.cfg.fetch_timeout_s * 2)
         if loan is None:
             return NOTHING_LENT
         self.stats["blocks_lent"] += len(loan.blocks)

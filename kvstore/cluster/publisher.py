@@ -28,9 +28,8 @@ from kvstore.cluster.directory import Ghosts, Published, Record
 from kvstore.cluster.membership import Membership
 from kvstore.cluster.waiters import PublishWaiters, Where
 from kvstore.errors import Unavailable
-from kvstore.keys import NamespaceRoot
 from kvstore.policy.ghost import GhostSpan
-from kvstore.store.block_store import BlockStore
+from kvstore.store.door import StoreDoor
 from kvstore.store.index import Block, ChangeFeed
 
 PUBLISH_BATCH = 4096  # directory records in one pipeline
@@ -55,7 +54,7 @@ class _Pass:
 
 
 class Publisher:
-    def __init__(self, store: BlockStore, members: Membership) -> None:
+    def __init__(self, store: StoreDoor, members: Membership) -> None:
         self.store = store
         self.members = members
         self.stats = members.stats
@@ -68,12 +67,12 @@ class Publisher:
 
     def start(self) -> None:
         """Read the index's changes from now on, everything it holds first."""
-        self._feed = self.store.index.subscribe()
+        self._feed = self.store.subscribe()
         self.republish_all()
 
     def stop(self, why: str) -> None:
         self._waiters.fail_all(why)
-        self.store.index.unsubscribe()
+        self.store.unsubscribe()
         self._feed = None
 
     # --- what the next pass writes ----------------------------------------------------------
@@ -82,9 +81,8 @@ class Publisher:
         feed = self._feed
         if feed is None:
             return
-        for ns in self.store.index.namespaces.values():
-            for b in ns.visible.values():
-                feed.moved(b)
+        for b in self.store.held():
+            feed.moved(b)
 
     @property
     def voids_full(self) -> bool:
@@ -152,15 +150,14 @@ class Publisher:
         """The records of ``changed`` (one per key, as the index has it now: not per Block object,
         a key deleted and written again is two Blocks) and of the keys peers asked for in vain."""
         out = _Pass()
-        index, count, incarnation = self.store.index, self.store.exchange.uses, self.members.incarnation
+        store, count, incarnation = self.store, self.store.uses, self.members.incarnation
         seen: set[tuple[bytes, bytes]] = set()
         for b, new in changed.items():
             where: tuple[bytes, bytes] = (b.ns.root, b.key)
             if where in seen:
                 continue
             seen.add(where)
-            live = index.namespaces.get(b.ns.root)
-            now = live.visible.get(b.key) if live is not None else None
+            now = store.visible(b.ns.root, b.key)
             if now is not None and now.tiers:
                 out.puts.append(
                     (
@@ -178,8 +175,7 @@ class Publisher:
             self._span.let_go(len(out.removes), time.monotonic())
         unheld, self._unheld = self._unheld, set()
         for where in unheld - seen:
-            live = index.namespaces.get(NamespaceRoot(where[0]))
-            if live is None or where[1] not in live.visible:
+            if store.visible(*where) is None:
                 out.removes.append(where)
                 # A record left behind, not a block let go now: its count went to the ghost when
                 # it left (rewriting it could replace a newer count another node left since).
@@ -192,7 +188,7 @@ class Publisher:
         re-publishing millions of blocks after an outage gets there in steps instead of timing out
         whole. The records the directory refused go into ``refused``."""
         members = self.members
-        ttl_ms = round(1000 * self._span.ttl_s(self.store.exchange.ghost_size(), members.cfg.ghost_ttl_s))
+        ttl_ms = round(1000 * self._span.ttl_s(self.store.ghost_size(), members.cfg.ghost_ttl_s))
         puts, removes = records.puts, records.removes
         self._call = ("publish", time.perf_counter())
         for i in range(0, max(len(puts), len(removes)), PUBLISH_BATCH):
@@ -248,11 +244,9 @@ class Publisher:
                 "Cluster's GETDEL needs Redis 6.2 or later): %s",
                 ghosts.error,
             )
-        namespaces = self.store.index.namespaces
         for i, n in ghosts.found.items():
             root, key, _ = puts[i]
-            ns = namespaces.get(NamespaceRoot(root))
-            b = ns.visible.get(key) if ns is not None else None
+            b = self.store.visible(root, key)
             if b is not None and b.tiers:  # (let go meanwhile: the count goes with it)
-                self.store.exchange.resume(b, n)
+                self.store.resume(b, n)
                 self.stats["ghosts_resumed"] += 1

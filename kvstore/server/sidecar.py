@@ -227,7 +227,7 @@ class Sidecar:
         from kvstore.cluster.node import ClusterNode
 
         assert self.store is not None
-        self.cluster = await ClusterNode.start(self.store, self.config, self.health)
+        self.cluster = await ClusterNode.start(self.store.exchange, self.config, self.health)
         self.store.remote = self.cluster
 
     async def _close_cluster(self) -> None:

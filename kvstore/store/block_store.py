@@ -203,16 +203,15 @@ class BlockStore:
         ns = self.index.live(ns)  # the caller's may be stale
 
         get = self.index.get
-        new = [(i, s, cls) for i, (s, cls) in enumerate(zip(specs, classes)) if get(ns, s.key) is None]
-        tenant = ns.tenant
-        need = Counter(cls for _, _, cls in new)
-        taken = {cls: iter(got) for cls, got in self.space.take(need, tenant, sum(s.size for _, s, _ in new)).items()}
+        new = [i for i, s in enumerate(specs) if get(ns, s.key) is None]
+        reserved = self.space.reserve(
+            ns, [(keys[i], specs[i].parent, specs[i].size, None) for i in new], [classes[i] for i in new]
+        )
         blocks: dict[int, Block] = {}
         slots: list[Slot | None] = [None] * len(specs)  # None: present already
-        for i, s, cls in new:
-            slot = slots[i] = next(taken[cls])
-            b = self.index.add(ns, keys[i], s.parent, s.size, State.ALLOCATED)
-            self.space.bind(b, slot)  # written into now, placed in DRAM at commit
+        for i, b in zip(new, reserved):
+            slot = slots[i] = b.slot
+            assert slot is not None  # (reserved: it holds one)
             blocks[slot.slot_id] = b
         alloc = self.index.open_allocation(ns, blocks, self.clock() + ttl / 1000.0)
         self.stats.writes["allocations"] += 1

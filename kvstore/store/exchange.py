@@ -14,25 +14,26 @@ blocks lent out to a peer, and the use counts the cluster's ghosts carry.
   retention now (the fetcher adopts that, not the directory's record of it).
 
 Why a door of its own: the cluster (``kvstore/cluster/``) works on the store only through these
-calls and read-only lookups, so placing, pinning and sealing stay where the state layer does them
-for its own requests, and the cluster knows nothing of the index's states, the DRAM space's slots
-or the movers.
+calls and the read-only lookups below, so placing, pinning and sealing stay where the state layer
+does them for its own requests (a fetch's slots are reserved by :meth:`DramSpace.reserve` as an
+Allocate's are, its lend seals with :func:`kvstore.store.sealing.seal` as the sealer does), and the
+cluster knows nothing of the index's states, the DRAM space's slots or the movers. It holds this
+object as :class:`kvstore.store.door.StoreDoor`, the only door, checked by mypy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.errors import KVStoreError
-from kvstore.keys import BlockKey
-from kvstore.store.checksum import checksums
-from kvstore.store.index import DRAM, Block, Index, NsEntry, State
+from kvstore.keys import BlockKey, NamespaceRoot
+from kvstore.store.index import DRAM, Block, ChangeFeed, Index, NsEntry, State
 from kvstore.store.remote import PeerBlock
 from kvstore.store.retention import Retention
-from kvstore.store.space import DramSpace, held, tenure
+from kvstore.store.sealing import in_slots, seal
+from kvstore.store.space import DramSpace, Wanted
 
 
 class Reservation:
@@ -95,7 +96,47 @@ class Exchange:
         self.space = space
         self.retention = retention
         self.clock = clock
+        self.stats = space.stats
         self.reservations: set[Reservation] = set()  # open: a peer fetch in flight each
+
+    # --- read-only lookups (kvstore.store.door) -------------------------------------------
+
+    def live(self, ns: NsEntry) -> NsEntry:
+        """The live entry of ``ns``'s namespace (:meth:`Index.live`)."""
+        return self.index.live(ns)
+
+    def namespace(self, root: bytes) -> NsEntry | None:
+        """The live entry of the namespace ``root`` names (raw bytes off the wire), None: none here."""
+        return self.index.namespaces.get(NamespaceRoot(root))
+
+    def stored(self, ns: NsEntry, key: bytes) -> bool:
+        """Whether ``key`` is stored here in ``ns`` (in any state)."""
+        return self.index.get(ns, key) is not None
+
+    def leading_run(self, ns: NsEntry, keys: Sequence[bytes]) -> list[Block]:
+        """The committed blocks at the head of ``keys`` (:meth:`Index.leading_run`)."""
+        return self.index.leading_run(ns, keys)
+
+    def visible(self, root: bytes, key: bytes) -> Block | None:
+        """The committed block of ``key`` in the namespace ``root``, None: none here."""
+        ns = self.index.namespaces.get(NamespaceRoot(root))
+        return ns.visible.get(key) if ns is not None else None
+
+    def held(self) -> Iterator[Block]:
+        """Every committed block here."""
+        for ns in self.index.namespaces.values():
+            yield from ns.visible.values()
+
+    def fits(self, size: int) -> bool:
+        """Whether a block of ``size`` bytes fits a slot here."""
+        return self.space.slab.holds(size)
+
+    def subscribe(self) -> ChangeFeed:
+        """The index's change feed, from now on (:meth:`Index.subscribe`)."""
+        return self.index.subscribe()
+
+    def unsubscribe(self) -> None:
+        self.index.unsubscribe()
 
     # --- a peer fetch ---------------------------------------------------------------------
 
@@ -106,22 +147,12 @@ class Exchange:
         key before ``keys[0]``, ``depth`` its 1-based position) that is not here yet: the run
         stops at a key stored (written or fetched here meanwhile), or when DRAM cannot take
         one more (full of pinned blocks, or a size this slab has no class for)."""
-        index, space = self.index, self.space
-        ns = index.live(ns)
-        blocks: list[Block] = []
-        for i, pb in enumerate(holders):
-            key = keys[i]
-            if index.get(ns, key) is not None:
-                break
-            b = index.add(ns, BlockKey(key), keys[i - 1] if i else parent, pb.size, State.ALLOCATED, depth + i)
-            ns = b.ns
-            try:
-                space.bind(b, space.take_slot(b))
-            except KVStoreError:
-                index.drop(b)
-                break
-            blocks.append(b)
-        reservation = Reservation(self, ns, blocks, list(holders[: len(blocks)]))
+        ns = self.index.live(ns)
+        wanted: list[Wanted] = [
+            (BlockKey(keys[i]), keys[i - 1] if i else parent, pb.size, depth + i) for i, pb in enumerate(holders)
+        ]
+        blocks = self.space.reserve(ns, wanted)
+        reservation = Reservation(self, blocks[-1].ns if blocks else ns, blocks, list(holders[: len(blocks)]))
         self.reservations.add(reservation)
         return reservation
 
@@ -180,20 +211,15 @@ class Exchange:
         # otherwise leave the lease pinning these blocks in DRAM until its deadline: until the
         # Loan owns the lease, anything that ends the call releases it.
         try:
-            unsealed = [b for b in readable if b.checksum is None]
-            if unsealed:
-                tenures = {b: tenure(b) for b in readable}
-                for b, c in zip(unsealed, await checksums([space.view(b) for b in unsealed])):
-                    if held(b, tenures[b]):
-                        b.seal(c)  # (sealed meanwhile: the same bytes, kept)
-                # The lease ended while they were hashed (the reaper): the run ends before the first
-                # block that left its slot meanwhile (what was hashed there was not only its bytes).
-                moved = next((i for i, b in enumerate(readable) if not held(b, tenures[b])), None)
-                if moved is not None:
-                    readable = readable[:moved]
-                    if not readable:
-                        release()
-                        return None
+            kept = await seal(readable, *in_slots(space, readable))
+            # The lease ended while they were hashed (the reaper): the run ends before the first
+            # block that left its slot meanwhile (what was hashed there was not only its bytes).
+            moved = next((i for i, k in enumerate(kept) if k is None), None)
+            if moved is not None:
+                readable = readable[:moved]
+                if not readable:
+                    release()
+                    return None
             space.touch(readable)
             retained = [self.retention.left(b) for b in readable]
             return Loan([(b.checksum or 0, space.view(b)) for b in readable], release, left_s, retained)

@@ -3,6 +3,9 @@ committed without one (the sealer), checked again on a local read (``dram.verify
 
 The bytes are hashed on the hash threads (:func:`kvstore.store.checksum.checksums`, which release
 the GIL), never on the event loop; what is recorded is recorded by :meth:`Block.seal`, once.
+:func:`hashed` is the one hash of blocks' bytes and :func:`seal` the one hash-and-seal: the three
+here, the exchange's lend (a run sealed before it is lent) and a demotion's sealer (from the staging
+copy) all go through them.
 Why apart from the block store: each of the three hashes a batch of slots and then judges what it
 found, and what a mismatch costs (DATA_LOSS for a Commit, a dropped copy for a read) is decided
 here, beside the rule it follows.
@@ -19,13 +22,68 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvstore.errors import ChecksumMismatch
 from kvstore.store.checksum import checksums
 from kvstore.store.counters import Stats
 from kvstore.store.index import Block, Index, Lease
-from kvstore.store.space import DramSpace, held, tenure
+from kvstore.store.space import DramSpace, Tenure, held, tenure
 
 log = logging.getLogger("kvstore.store.block_store")  # (the store's log: what operators grep for)
+
+Bytes = np.ndarray | memoryview
+
+
+def in_slots(space: DramSpace, blocks: Sequence[Block]) -> tuple[list[np.ndarray], list[Tenure]]:
+    """The bytes of ``blocks``' DRAM slots, and their tenures (read together, before the hash)."""
+    return [space.view(b) for b in blocks], [tenure(b) for b in blocks]
+
+
+async def hashed(
+    blocks: Sequence[Block], views: Sequence[Bytes], tenures: Sequence[Tenure] | None = None
+) -> list[int | None]:
+    """The one hash of blocks' bytes: the checksum of each block's bytes in ``views``; None for a
+    block that left its slot while they were hashed (``tenures``: :func:`~kvstore.store.space.held`),
+    what was hashed there was not (only) its bytes. Without ``tenures`` the bytes are the caller's
+    own (a staging copy) and every checksum counts. Nothing to hash: no await."""
+    if not blocks:
+        return []
+    sums = await checksums(list(views))
+    if tenures is None:
+        return list(sums)
+    return [c if held(b, t) else None for b, t, c in zip(blocks, tenures, sums)]
+
+
+async def seal(
+    blocks: Sequence[Block],
+    views: Sequence[Bytes],
+    tenures: Sequence[Tenure] | None = None,
+    *,
+    verify: bool = False,
+) -> list[bool | None]:
+    """The one hash-and-seal: each block not sealed yet hashed from its bytes in ``views`` and
+    sealed (:meth:`Block.seal`; one sealed meanwhile from its slot keeps its own: the same bytes).
+    Per block: None when it left its slot while they were hashed (``tenures``; not sealed from
+    what was hashed), else True. With ``verify`` every block is hashed, a sealed one checked (False:
+    its bytes disagree with its checksum), and the answer ends at the first block not True (the
+    blocks after it are neither sealed nor judged)."""
+    todo = list(range(len(blocks))) if verify else [i for i, b in enumerate(blocks) if b.checksum is None]
+    sums = await hashed(
+        [blocks[i] for i in todo], [views[i] for i in todo], None if tenures is None else [tenures[i] for i in todo]
+    )
+    got = dict(zip(todo, sums))
+    out: list[bool | None] = []
+    for i, b in enumerate(blocks):
+        if i in got:
+            c = got[i]
+            ok = None if c is None else b.seal(c)
+            out.append(ok if verify else (None if ok is None else True))
+        else:  # (already sealed: not hashed, but it may have left its slot meanwhile all the same)
+            out.append(None if tenures is not None and not held(b, tenures[i]) else True)
+        if verify and out[-1] is not True:
+            break
+    return out
 
 
 class Sealing:
@@ -43,11 +101,11 @@ class Sealing:
         to_verify = [(i, b, c) for i, (b, c) in enumerate(chosen) if c is not None]
         if not to_verify:
             return
-        tenures = [tenure(b) for _, b, _ in to_verify]
-        sums = await checksums([self.space.view(b) for _, b, _ in to_verify])
-        for (i, b, expected), t, got in zip(to_verify, tenures, sums):
-            # (a slot freed meanwhile: the allocation was aborted or reclaimed, which the commit says)
-            if got != expected and held(b, t):
+        blocks = [b for _, b, _ in to_verify]
+        sums = await hashed(blocks, *in_slots(self.space, blocks))
+        for (i, _, expected), got in zip(to_verify, sums):
+            # (None: the slot was freed meanwhile, the allocation aborted or reclaimed, which the commit says)
+            if got is not None and got != expected:
                 self.stats.tier("dram", "checksum_failures")
                 raise ChecksumMismatch(
                     f"blocks[{i}].checksum: the slot holds bytes with checksum {got:#018x}, "
@@ -70,12 +128,8 @@ class Sealing:
         batch = [b for b in batch if b.checksum is None and b.slot is not None]
         if not batch:
             return 0
-        tenures = [tenure(b) for b in batch]
-        sums = await checksums([self.space.view(b) for b in batch])
-        for b, t, c in zip(batch, tenures, sums):
-            if held(b, t):  # (in the same slot throughout: these are its bytes)
-                b.seal(c)
-            elif b.checksum is None and b.slot is not None:
+        for b, kept in zip(batch, await seal(batch, *in_slots(self.space, batch))):
+            if kept is None and b.checksum is None and b.slot is not None:  # (left its slot meanwhile)
                 self.unsealed.append(b)
         return len(batch)
 
@@ -84,16 +138,15 @@ class Sealing:
         bytes no longer match its checksum (that copy is dropped), or that left its slot while
         it was hashed (the lease ended meanwhile: a miss, nothing judged or dropped)."""
         run = lease.blocks
-        tenures = [tenure(b) for b in run]
         try:
-            sums = await checksums([self.space.view(b) for b in run])
+            verdicts = await seal(run, *in_slots(self.space, run), verify=True)
         except BaseException:
             self._end_lease(lease)
             raise
-        for i, (b, t, got) in enumerate(zip(run, tenures, sums)):
-            if not held(b, t):  # the lease ended while it was hashed and the block moved: not judged
+        for i, (b, ok) in enumerate(zip(run, verdicts)):
+            if ok is None:  # the lease ended while it was hashed and the block moved: not judged
                 return self._cut(lease, run, i, deadline)
-            if not b.seal(got):  # (an unsealed one is sealed now: nothing earlier to compare with)
+            if not ok:  # (an unsealed one was sealed: nothing earlier to compare with)
                 log.warning("checksum mismatch on DRAM block %s; dropping it", b.key.hex()[:16])
                 self.stats.tier("dram", "checksum_failures")
                 self._end_lease(lease)  # (before it leaves DRAM, as ever; _cut finds it ended)

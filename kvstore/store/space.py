@@ -14,20 +14,27 @@ written, a promotion being read) it holds its slot and cannot be evicted. What p
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import cast
 
 import numpy as np
 
 from kvstore.dram.slab import Page, Slab, Slot
-from kvstore.errors import ResourceExhausted
+from kvstore.errors import KVStoreError, ResourceExhausted
+from kvstore.keys import BlockKey
 from kvstore.policy.base import EvictionPolicy
 from kvstore.store.below import Below, Movers, NoMovers
 from kvstore.store.counters import Stats
-from kvstore.store.index import DRAM, Block, Index
+from kvstore.store.index import DRAM, Block, Index, NsEntry, State
 from kvstore.store.placement import Space
 from kvstore.store.retention import Retention
 from kvstore.store.tenants import Quotas
+
+# A block to reserve a slot for: its key, its parent's key, its size, and its 1-based depth when
+# the caller knows it (None: derived from the parent, Index.add). (A plain tuple: an Allocate
+# makes one per block.)
+Wanted = tuple[BlockKey, bytes, int, int | None]
 
 
 class DramSpace:
@@ -191,6 +198,39 @@ class DramSpace:
         set; :meth:`free` is the one place it is unset."""
         b.slot = slot
         slot.holder = b
+
+    def reserve(self, ns: NsEntry, wanted: Sequence[Wanted], classes: Sequence[int] | None = None) -> list[Block]:
+        """The one slot reservation (an Allocate's, a peer fetch's): each of ``wanted`` filed in
+        ``ns`` (its live entry) as ALLOCATED, holding a slot its bytes are written into (placed by
+        the commit, or when the fetch settles); in no tier until then. With ``classes`` (an
+        Allocate: each block's size class, checked already) slots for all of them or none
+        (:meth:`take`, refused before anything is evicted). Without (a fetch) the leading run that
+        DRAM takes one slot at a time (:meth:`take_slot`): it stops at a key stored (written or
+        fetched here meanwhile), or when DRAM cannot take one more (full of pinned blocks, or a
+        size the slab has no class for)."""
+        index = self.index
+        taken: dict[int, Iterator[Slot]] = {}
+        if classes is not None:
+            need = Counter(classes)
+            taken = {c: iter(got) for c, got in self.take(need, ns.tenant, sum(w[2] for w in wanted)).items()}
+        out: list[Block] = []
+        for j, (key, parent, size, depth) in enumerate(wanted):
+            if classes is not None:
+                slot = next(taken[classes[j]])
+                b = index.add(ns, key, parent, size, State.ALLOCATED, depth)
+            else:  # (a fetch)
+                if index.get(ns, key) is not None:
+                    break
+                b = index.add(ns, key, parent, size, State.ALLOCATED, depth)
+                try:
+                    slot = self.take_slot(b)
+                except KVStoreError:
+                    index.drop(b)
+                    break
+            ns = b.ns
+            self.bind(b, slot)  # written into now, placed at commit (or a fetch's settle)
+            out.append(b)
+        return out
 
     def view(self, b: Block) -> np.ndarray:
         """The bytes of ``b``'s slot (``b`` holds one)."""

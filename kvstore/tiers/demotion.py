@@ -27,8 +27,8 @@ import numpy as np
 
 from kvstore.dram.copying import copy_blocks
 from kvstore.dram.staging import StagingPool
-from kvstore.store.checksum import checksums
 from kvstore.store.index import DRAM, Block
+from kvstore.store.sealing import seal  # (the store's one hash-and-seal, from the staging copy)
 from kvstore.store.space import DramSpace
 from kvstore.tiers.crew import Crew
 from kvstore.tiers.eviction import Eviction
@@ -51,13 +51,6 @@ SEAL_BATCH = 8  # blocks per thread hop of the demotion sealer
 SPARE_STAGED = 2 * DEMOTE_DEPTH * DEMOTE_BATCH
 
 Staged = tuple[Block, np.ndarray, mmap.mmap]  # a demotion in flight: block, its bytes, their buffer
-
-
-async def seal(blocks: Sequence[Block], views: Sequence[np.ndarray | memoryview]) -> None:
-    """Checksums of the blocks the server had not sealed yet, from their bytes in ``views``."""
-    unsealed = [(b, v) for b, v in zip(blocks, views) if b.checksum is None]
-    for (b, _), c in zip(unsealed, await checksums([v for _, v in unsealed])):
-        b.seal(c)  # (sealed meanwhile from the slot: the same bytes, kept)
 
 
 class Lane:

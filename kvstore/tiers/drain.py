@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.store.index import DRAM, Block
+from kvstore.store.sealing import seal
 from kvstore.store.space import DramSpace
-from kvstore.tiers.demotion import DEMOTE_BATCH, DEMOTE_DEPTH, seal
+from kvstore.tiers.demotion import DEMOTE_BATCH, DEMOTE_DEPTH
 from kvstore.tiers.eviction import Eviction
 from kvstore.tiers.level import Level
 

@@ -19,9 +19,9 @@ from time import perf_counter
 
 from kvstore.errors import Unavailable
 from kvstore.store.index import Block
+from kvstore.store.sealing import seal
 from kvstore.store.space import DramSpace
 from kvstore.tiers.crew import Crew
-from kvstore.tiers.demotion import seal
 from kvstore.tiers.eviction import Eviction
 from kvstore.tiers.level import Level
 

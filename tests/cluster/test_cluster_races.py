@@ -874,7 +874,7 @@ async def test_a_peer_that_reads_a_trickle_holds_its_send_thread_and_lease_until
 async def test_a_lend_cancelled_while_it_hashes_keeps_its_lease_until_the_deadline(
     tmp_path: Path, directory: RedisServer, ns: Namespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvstore.store.exchange as exchange_module  # (where the lend hashes: BlockStore.exchange.lend)
+    import kvstore.store.sealing as sealing_module  # (where the lend hashes: the store's one hash-and-seal)
 
     # a deadline longer than the test: the old code's lease would outlive it
     async with Sidecar(node_config(tmp_path, "a", directory, **{"cluster.fetch_timeout_s": 60.0})) as a:
@@ -893,7 +893,7 @@ async def test_a_lend_cancelled_while_it_hashes_keeps_its_lease_until_the_deadli
             await never.wait()
             raise AssertionError("the lend was not cancelled")
 
-        monkeypatch.setattr(exchange_module, "checksums", stalled_checksums)
+        monkeypatch.setattr(sealing_module, "checksums", stalled_checksums)
         lending = asyncio.create_task(a.cluster.lend(entry.root, keys))
         await asyncio.wait_for(hashing.wait(), 10)
         assert len(store.index.leases) == 1, "the lend leased its run before it hashed"

@@ -29,7 +29,6 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-import kvstore.store.exchange
 import kvstore.store.sealing
 import kvstore.tiers.demotion
 from kvstore.dram.slab import Slab
@@ -213,7 +212,7 @@ async def test_a_lend_whose_lease_ended_while_it_hashed_lends_no_checksum_of_oth
     async def back() -> None:
         assert await store.prefetch(env.ns, [a.key]) == 1
 
-    hashing_while(monkeypatch, kvstore.store.exchange, evicted_and_reused, back)
+    hashing_while(monkeypatch, kvstore.store.sealing, evicted_and_reused, back)
     loan = await store.exchange.lend([a], 1.0)
     assert a.checksum in (None, checksum(data(1))), "a was sealed with another block's bytes"
     assert loan is None or all(c == checksum(v) for c, v in loan.blocks), "lent with another block's checksum"
