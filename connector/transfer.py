@@ -5,8 +5,9 @@ One copy plan, two engines. :func:`bind_caches` views an engine's cache as plane
 of a block go where in its slot. Both engines execute that plan:
 
 * :class:`NumpyTransfer` (CPU caches: numpy arrays, or torch CPU tensors viewed zero-copy through
-  ``Tensor.numpy()``): one ``memmove`` per piece and block, straight into / out of the slot.
-  Synchronous.
+  ``Tensor.numpy()``): one native loop per batch over the pieces and blocks, a ``memcpy`` each,
+  straight into / out of the slot (:mod:`connector.native_copy`; streaming stores for a batch too
+  large for the cache). Synchronous.
 * :class:`connector.cuda_transfer.CupyTransfer` (GPU caches): one fused kernel per chunk of
   blocks into a device staging buffer, then one DMA per run of slots side by side, chunks
   pipelined on two streams per direction; the slab is pinned once, at start. cupy is imported
