@@ -7,15 +7,18 @@ batch's blocks, ``memcpy`` per piece. Without llvmlite (or a JIT for this CPU) t
 back to :func:`connector.transfer.run_plan`, one ``ctypes.memmove`` per piece from Python.
 
 Why native: from Python a piece costs ~0.5 µs of call overhead, which at 8 KiB pieces is most of
-the work. Why *streaming* stores: glibc's ``memcpy`` writes a copy larger than its non-temporal
-threshold (3/4 of a thread's share of the last-level cache) with non-temporal stores, which skip
-reading the destination's lines first; one piece of 64 KiB never reaches it, so the same bytes
-copied piece by piece moved at ~0.5 of one ``memcpy`` of them all on the build machine however the
-calls were made. A batch at least :data:`STREAM_BYTES` long is therefore written here the way one
-``memcpy`` of its bytes would be: each piece's whole 64-byte lines with non-temporal stores
-(LLVM's ``!nontemporal``; the head up to the destination's first line and the tail by
-``memcpy``), then one fence, before the call returns, so every store is visible to the caller and
-to other processes mapping the slab. Smaller batches stay in the cache, as one ``memcpy`` would.
+the work. Why *streaming* stores: a regular store first reads the destination's line into the
+cache (read for ownership), a third memory access per byte copied. glibc's ``memcpy`` streams only
+a copy larger than 3/4 of a thread's share of the last-level cache (180 MiB on the build machine,
+whose VM reports a 480 MiB L3), which no piece reaches: pieces of 64 KiB, or even 64 MiB, copied a
+call at a time ran at ~0.5-0.6 of one ``memcpy`` of them all. A batch of at least
+:data:`STREAM_BYTES` (a CPU's share of its L2) is therefore written with streaming stores: each
+piece's whole 64-byte lines with LLVM's ``!nontemporal`` stores (the head up to the destination's
+first line and the tail by ``memcpy``), then one fence before the call returns, so every store is
+visible to the caller and to other processes mapping the slab. Such a batch would not stay in the
+core's cache anyway, and what reads it next finds it in memory either way: a forward pass streams
+the model's weights through the cache before it reads the loaded blocks, a saved slot is hashed,
+served or spilled later. A smaller batch is copied by ``memcpy`` alone.
 
 The loop is the plan's own arithmetic: piece ``p`` of block ``ids[i]`` is the bytes
 ``[src[p] + ids[i] * stride[p], + nbytes[p])`` of the cache and ``[slots[i] + slot_off[p], +
@@ -148,21 +151,16 @@ done:
 _Native = Callable[[int, int, int, int, int, int, int], None]
 
 
-def _llc_share() -> int:
-    """A thread's share of the last-level cache (bytes), from sysfs; 0 when it cannot be read."""
-    best = (0, 0, 1)  # (level, size, cpus sharing it)
+def _cache_share(level: int) -> int:
+    """A CPU's share of its data (or unified) cache at ``level``, in bytes, from sysfs; 0 if unknown."""
     for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
-            if (d / "type").read_text().strip() == "Instruction":
+            if (d / "type").read_text().strip() == "Instruction" or int((d / "level").read_text()) != level:
                 continue
-            level = int((d / "level").read_text())
-            size = _size((d / "size").read_text().strip())
-            sharing = _count_cpus((d / "shared_cpu_list").read_text().strip())
-        except (OSError, ValueError):
+            return _size((d / "size").read_text().strip()) // _count_cpus((d / "shared_cpu_list").read_text().strip())
+        except (OSError, ValueError, KeyError):
             continue
-        if level > best[0]:
-            best = (level, size, sharing)
-    return best[1] // max(1, best[2])
+    return 0
 
 
 def _size(text: str) -> int:
@@ -178,9 +176,9 @@ def _count_cpus(text: str) -> int:
     return n
 
 
-# A batch this long is written with streaming stores: as glibc's memcpy decides for one copy of
-# the same bytes (3/4 of a thread's share of the last-level cache; 0.75 * 8 MiB where unknown).
-STREAM_BYTES = (_llc_share() or 8 << 20) * 3 // 4
+# A batch this long is written with streaming stores: more than a CPU's share of its L2 (1 MiB
+# where sysfs does not say) cannot stay in the copying core's own cache.
+STREAM_BYTES = _cache_share(2) or 1 << 20
 
 
 @functools.cache
