@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 LINE = 64  # bytes a streaming store writes at once (one cache line)
 MIN_STREAMED = 4 * LINE  # a shorter piece is one memcpy even in a streamed batch
 
-_IR = r"""
+LOOP_IR = r"""
 declare ptr @memcpy(ptr, ptr, i64)
 
 define internal void @copy(i64 %d, i64 %s, i64 %n, i1 %stream) {
@@ -148,7 +148,7 @@ done:
 !0 = !{i32 1}
 """.replace("MIN_STREAMED", str(MIN_STREAMED))
 
-_Native = Callable[[int, int, int, int, int, int, int], None]
+Loop = Callable[[int, int, int, int, int, int, int], None]
 
 
 def _cache_share(level: int) -> int:
@@ -182,10 +182,10 @@ STREAM_BYTES = _cache_share(2) or 1 << 20
 
 
 @functools.cache
-def _compiled() -> tuple[_Native, object] | None:
+def _compiled() -> tuple[Loop, object] | None:
     """The loop as a C function (and the engine that owns its code), or None without llvmlite."""
     try:
-        return build(_IR)
+        return build(LOOP_IR)
     except ImportError:
         log.info("transfer: llvmlite is not installed; the CPU engine copies a piece at a time from Python")
     except (RuntimeError, OSError) as exc:  # no JIT for this CPU, no LLVM library: the Python loop copies
@@ -193,7 +193,7 @@ def _compiled() -> tuple[_Native, object] | None:
     return None
 
 
-def build(ir: str) -> tuple[_Native, object]:
+def build(ir: str) -> tuple[Loop, object]:
     """Compile ``ir`` for this CPU: its ``run_plan`` as a C function, and the engine owning the code."""
     import llvmlite.binding as llvm
 
@@ -220,9 +220,9 @@ def plan_table(plan: Sequence[Piece]) -> np.ndarray:
 
 
 def run(table: np.ndarray, block_ids: np.ndarray, addresses: np.ndarray, *, to_slots: bool, stream: bool,
-        loop: _Native | None = None) -> None:
+        loop: Loop | None = None) -> None:
     """Execute the plan ``table`` (:func:`plan_table`): block ``block_ids[i]`` <-> the slot at
-    ``addresses[i]``, with streaming stores when ``stream``, by ``loop`` (default: :data:`_IR`
+    ``addresses[i]``, with streaming stores when ``stream``, by ``loop`` (default: :data:`LOOP_IR`
     compiled). The caller has checked the ids against the cache and the slots' sizes."""
     if loop is None:
         native = _compiled()

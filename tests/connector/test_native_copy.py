@@ -33,7 +33,7 @@ def _addresses(slots: list[np.ndarray]) -> np.ndarray:
 
 
 def _moves_the_reference_bytes(kind: str, dtype: str, d: int, *, stream: bool,
-                               loop: native_copy._Native | None = None) -> bool:
+                               loop: native_copy.Loop | None = None) -> bool:
     """Gather (ids out of order) into odd slots, then scatter the reference's bytes from them into
     another cache in the other order, by the native loop; whether both match the reference."""
     spec = _spec(LAYOUT[kind], d, dtype)
@@ -79,8 +79,8 @@ MISTAKES = {  # one wrong line each, in the loop's own IR
 def test_the_byte_check_catches_a_wrong_loop(mistake: str) -> None:
     """The check above fails for a loop that is wrong by one piece, one block, a tail or an offset."""
     old, new = MISTAKES[mistake]
-    assert old in native_copy._IR
-    loop, engine = native_copy.build(native_copy._IR.replace(old, new))
+    assert old in native_copy.LOOP_IR
+    loop, engine = native_copy.build(native_copy.LOOP_IR.replace(old, new))
     assert not _moves_the_reference_bytes("flash_attn", "float8_e4m3", 67, stream=True, loop=loop)
     del engine  # owns the loop's code: kept alive until here
 
