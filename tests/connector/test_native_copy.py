@@ -3,7 +3,7 @@ the reference (plain array assignment in slot order) over every cache layout the
 pieces under and over the streamed minimum, piece sizes and addresses not multiples of 16 (fp8,
 odd head sizes), slots at odd addresses with gaps between them, ids out of order; with and without
 streaming stores. The check is shown to catch a wrong loop: compiled variants of the loop's IR
-with one mistake each (a piece, a block, a line's tail, the slot offset) fail it."""
+with one mistake each (a piece, a block, a line's tail, the slot offset, a quarter's lines) fail it."""
 
 from __future__ import annotations
 
@@ -72,12 +72,14 @@ MISTAKES = {  # one wrong line each, in the loop's own IR
                                "%b2 = add i64 %b1, 1\n  %again = icmp slt i64 %b2, %blocks"),
     "a streamed piece's tail dropped": ("call ptr @memcpy(ptr %ptd, ptr %pts, i64 %t)", ""),
     "the slot offset ignored": ("%at = add i64 %slot, %off", "%at = add i64 %slot, 0"),
+    "a quarter read from the wrong place": ("%sa2 = add i64 %sa1, %qb", "%sa2 = add i64 %sa1, 0"),
 }
 
 
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_the_byte_check_catches_a_wrong_loop(mistake: str) -> None:
-    """The check above fails for a loop that is wrong by one piece, one block, a tail or an offset."""
+    """The check above fails for a loop that is wrong by one piece, one block, a tail, an offset or
+    a quarter of a streamed piece."""
     old, new = MISTAKES[mistake]
     assert old in native_copy.LOOP_IR
     loop, engine = native_copy.build(native_copy.LOOP_IR.replace(old, new))
