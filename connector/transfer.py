@@ -5,8 +5,9 @@ One copy plan, two engines. :func:`bind_caches` views an engine's cache as plane
 of a block go where in its slot. Both engines execute that plan:
 
 * :class:`NumpyTransfer` (CPU caches: numpy arrays, or torch CPU tensors viewed zero-copy through
-  ``Tensor.numpy()``): one ``memmove`` per piece and block, straight into / out of the slot.
-  Synchronous.
+  ``Tensor.numpy()``): one native loop per batch over the pieces and blocks, a ``memcpy`` each,
+  straight into / out of the slot (:mod:`connector.native_copy`; streaming stores for a batch too
+  large for the cache). Synchronous.
 * :class:`connector.cuda_transfer.CupyTransfer` (GPU caches): one fused kernel per chunk of
   blocks into a device staging buffer, then one DMA per run of slots side by side, chunks
   pipelined on two streams per direction; the slab is pinned once, at start. cupy is imported
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from connector import native_copy
 from connector.copy_plan import Piece, PlaneGeometry, block_bytes, check_disjoint, pieces
 from connector.layout import Array, KVSpec
 from kvstore.dram.slab import attach, page_bytes_of
@@ -224,26 +226,52 @@ class Transfer(Protocol):
 
 
 class NumpyTransfer:
-    """CPU caches: the copy plan run as one ``memmove`` per piece and block (no indexed array
-    assignment, no temporaries: ``plane[ids] = ...`` per layer ran at 0.17 of a plain memcpy)."""
+    """CPU caches: the copy plan run by one native loop per batch (:mod:`connector.native_copy`;
+    without llvmlite, :func:`run_plan`: one ``memmove`` per piece and block from Python). No
+    indexed array assignment, no temporaries: ``plane[ids] = ...`` per layer ran at 0.17 of a
+    plain memcpy."""
 
     name = "numpy"
     pins_host = False
+
+    def __init__(self, native: bool = True, stream_bytes: int | None = None) -> None:
+        """``native=False``: the Python loop (:func:`run_plan`). ``stream_bytes``: a batch at least this
+        long is written with streaming stores (default :data:`connector.native_copy.STREAM_BYTES`)."""
+        self.native = native and native_copy.available()
+        self.stream_bytes = native_copy.STREAM_BYTES if stream_bytes is None else stream_bytes
+        self._tables: dict[int, tuple[tuple[Piece, ...], np.ndarray]] = {}
 
     def register(self, host: Array, page_bytes: int = 0) -> None:
         return None  # nothing to pin on CPU
 
     def gather(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
         _on_host(kv)
-        addresses = slot_addresses(kv, block_ids, slots, writing=True).tolist()
-        run_plan(kv.plan, block_ids, addresses, to_slots=True)
+        self._copy(kv, block_ids, slot_addresses(kv, block_ids, slots, writing=True), to_slots=True)
         return DONE
 
     def scatter(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
         _on_host(kv)
-        addresses = slot_addresses(kv, block_ids, slots, writing=False).tolist()
-        run_plan(kv.plan, block_ids, addresses, to_slots=False)
+        self._copy(kv, block_ids, slot_addresses(kv, block_ids, slots, writing=False), to_slots=False)
         return DONE
+
+    def _copy(self, kv: PagedKV, block_ids: Sequence[int], addresses: np.ndarray, *, to_slots: bool) -> None:
+        if not self.native:
+            run_plan(kv.plan, block_ids, addresses.tolist(), to_slots=to_slots)
+            return
+        stream = len(addresses) * kv.spec.block_bytes >= self.stream_bytes
+        native_copy.run(self._table(kv), np.asarray(block_ids, dtype=np.int64), addresses, to_slots=to_slots,
+                        stream=stream)
+
+    def _table(self, kv: PagedKV) -> np.ndarray:
+        """The plan's table, built once per plan (the same plan object: an identity check, no hash)."""
+        hit = self._tables.get(kv.plan_key)
+        if hit is not None and (hit[0] is kv.plan or hit[0] == kv.plan):
+            return hit[1]
+        if len(self._tables) >= 64:  # caches rebound over and over: start again rather than grow
+            self._tables.clear()
+        table = native_copy.plan_table(kv.plan)
+        self._tables[kv.plan_key] = (kv.plan, table)
+        return table
 
     def close(self) -> None:
         return None  # synchronous, holds nothing

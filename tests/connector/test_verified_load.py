@@ -51,6 +51,7 @@ class Recording(NumpyTransfer):
     one (while the copy of the first chunk is under way)."""
 
     def __init__(self, during_first: Any = None) -> None:
+        super().__init__()
         self.calls: list[list[int]] = []
         self.during_first = during_first
 
