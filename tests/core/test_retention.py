@@ -186,7 +186,9 @@ async def test_hints_together_hold_at_most_the_retained_fraction_of_dram(
     await c.put_blocks(NS, third, data(2, 3), retain=(MINUTE, 0))  # none fits: refused (the blocks are stored)
     retained = (await c.stats())["retained"]
     assert retained["bytes"] == {"dram": 9 * BLOCK}
+    worth = retained["budget"].pop("worth")
     assert retained["budget"] == {"fraction": 0.6, "shortened": 1, "refused": 1}
+    assert worth["scale"] == 1.0  # nothing judged yet: the whole bound
     assert await c.retain(NS, third, MINUTE) == 0  # what Retain holds: none of them
     blocks = sc.store.index.namespaces[NS.root].blocks
     assert [blocks[k].retain_until > 0 for k in second] == [True, True, True, False]
