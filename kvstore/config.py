@@ -270,6 +270,11 @@ class TenantsConfig(_Section):
         "past it is shortened to its leading blocks that fit, or refused (kvstore/store/hint_budget.py, "
         "docs/eviction.md); 1: no total bound (hints may hold a whole tier)",
     )
+    retained_adaptive: bool = Field(
+        True,
+        description="scale retained_fraction per node by what its hints were worth (kvstore/store/hint_worth.py: "
+        "whole while they paid what they cost, none once they cost twice that); false: the fixed share",
+    )
 
     @field_validator("dram_quotas", "ssd_quotas", "redis_quotas", "s3_quotas")
     @classmethod

@@ -78,7 +78,8 @@ class BlockStore:
         self.space.quotas = self.tenants.attach("dram")
         capacities = {"dram": slab.capacity_bytes, "ssd": config.ssd.capacity_bytes if config.ssd.enabled else 0}
         totals = config.tenants.retained_totals(capacities)  # (none at a fraction of 1)
-        budget = HintBudget(totals, config.tenants.retained_fraction) if totals else None
+        budget = HintBudget(totals, config.tenants.retained_fraction, config.tenants.retained_adaptive) \
+            if totals else None
         self.space.retention = self.retention = Retention(
             clock, config.tenants.retained_bounds(), budget, config.server.stats_namespaces,
         )
