@@ -222,6 +222,9 @@ QUOTA_TIERS = ("dram", "ssd", "redis", "s3")  # the tiers a tenant quota may be 
 # place of the value: tenants.retained_fraction, and what kvstore replay's hints may hold), tuned
 # by replay on the agentic and the shared traces (docs/eviction.md, "Hints the cache can afford").
 RETAINED_FRACTION = 0.6
+# tenants.retained_adaptive: off, since over the hints table it trades cells (the agentic trace's
+# losses over 8 nodes shrink to < 1%, but three Mooncake cells at 1% fall below 1.1x): docs/eviction.md.
+RETAINED_ADAPTIVE = False
 
 
 class TenantsConfig(_Section):
@@ -271,9 +274,10 @@ class TenantsConfig(_Section):
         "docs/eviction.md); 1: no total bound (hints may hold a whole tier)",
     )
     retained_adaptive: bool = Field(
-        True,
+        RETAINED_ADAPTIVE,
         description="scale retained_fraction per node by what its hints were worth (kvstore/store/hint_worth.py: "
-        "whole while they paid what they cost, none once they cost twice that); false: the fixed share",
+        "whole while they paid what they cost, none once they cost twice that); false: the fixed share "
+        "(docs/eviction.md, \"Hints the cache can afford\": what each gives, cell by cell)",
     )
 
     @field_validator("dram_quotas", "ssd_quotas", "redis_quotas", "s3_quotas")

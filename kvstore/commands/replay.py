@@ -101,9 +101,9 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--retained-fraction", type=float, metavar="F",
                    help="with --hints: the replayed sidecar's tenants.retained_fraction, the share of each cache that "
                         "hints may hold together (default: the sidecar's default; 1: hints may hold it all)")
-    p.add_argument("--fixed-share", action="store_true",
-                   help="with --hints: the replayed sidecar's tenants.retained_adaptive false (the share for hints "
-                        "fixed, not scaled per node by what its hints were worth)")
+    p.add_argument("--adaptive-share", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --hints: the replayed sidecar's tenants.retained_adaptive (the share for hints scaled "
+                        "per node by what its hints were worth; default: the sidecar's default, off)")
     p.set_defaults(func=run)
 
 
@@ -125,14 +125,14 @@ def run(args: argparse.Namespace) -> int:
         if hints is None or not 0.0 <= args.retained_fraction <= 1.0:
             raise InvalidArgument(f"--retained-fraction: a share in 0..1 with --hints, got {args.retained_fraction}")
         hints = replace(hints, retained_fraction=args.retained_fraction)
-    if args.fixed_share:
+    if args.adaptive_share is not None:
         from dataclasses import replace
 
         from kvstore.errors import InvalidArgument
 
         if hints is None:
-            raise InvalidArgument("--fixed-share: with --hints")
-        hints = replace(hints, adaptive=False)
+            raise InvalidArgument("--adaptive-share: with --hints")
+        hints = replace(hints, adaptive=args.adaptive_share)
     trace = load_trace(args.trace, args.block_tokens)
     unique = trace.unique_blocks()
     names = _policy_names(args.policy)

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvstore.config import RETAINED_FRACTION, TenantsConfig
+from kvstore.config import RETAINED_ADAPTIVE, RETAINED_FRACTION, TenantsConfig
 from kvstore.errors import InvalidArgument
 from kvstore.sim.traces import Request, Trace
 from kvstore.store.hint_budget import HintBudget
@@ -60,7 +60,7 @@ class Hints:
     seconds: float
     end: str = ""  # the variants: "next-turn" or "origin" (:data:`ENDS`); "": the retention runs out
     retained_fraction: float = RETAINED_FRACTION  # the replayed sidecar's budget for hints (1: none)
-    adaptive: bool = True  # tenants.retained_adaptive: the budget scaled per node by what hints were worth
+    adaptive: bool = RETAINED_ADAPTIVE  # tenants.retained_adaptive: the share scaled per node by what hints were worth
 
     @property
     def retain_ms(self) -> int:
