@@ -263,3 +263,31 @@ def test_the_retained_set_lets_go_of_blocks_no_tier_holds() -> None:
         b.tiers = 0
         index.moved(b)  # (Space.unplace's news)
     assert sum(map(len, r.ends)) <= 2048 and r.count() == 0 and r.by_tier() == {}
+
+
+@pytest.fixture(params=["grpc"])
+async def adaptive(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[Sidecar, KVStoreClient]]:
+    """The default total bound, scaled by what the sidecar's hints were worth."""
+    async for pair in serve(request, tmp_path, **{"tenants.retained_adaptive": True}):
+        yield pair
+
+
+async def test_a_sidecar_whose_retained_turns_come_back_elsewhere_ends_up_refusing_hints(
+    adaptive: tuple[Sidecar, KVStoreClient]
+) -> None:
+    """Each round a turn of 4 blocks is committed retained, its hint of 0 says it came back, but
+    it is never read here, and 16 other blocks push it out: each retention ended unused, so by
+    the third round the sidecar holds not one block of a turn's hint (counted by rounds, not
+    time); /stats says why. With the share fixed (the default, and before tenants.retained_adaptive)
+    every turn's 4 blocks are held."""
+    _, c = adaptive
+    held = []
+    for n in range(5):
+        turn = chain(100 + n, 4)
+        await c.put_blocks(NS, turn, data(4, 100 + n), retain=(MINUTE, 0))
+        held.append((await c.stats())["retained"]["blocks"])
+        assert await c.retain(NS, turn, 0) == 4  # the turn came back (elsewhere)
+        await flood(c, 200 + 10 * n, 4)  # 16 blocks: the turn is evicted, never read
+    assert held[0] == 4 and held[-2:] == [0, 0]
+    worth = (await c.stats())["retained"]["budget"]["worth"]
+    assert worth["unused"] > 0 and worth["saved"] == 0 and worth["scale"] < 0.1
