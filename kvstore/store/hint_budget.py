@@ -12,9 +12,9 @@ against one total bound per tier (:class:`HintBudget`), the one place of that de
 * in each tier with a capacity (DRAM, the SSD), retained blocks together take at most
   ``tenants.retained_fraction`` of it (the rest stays in the policy's own order;
   :meth:`kvstore.config.TenantsConfig.retained_totals`), with ``tenants.retained_adaptive``
-  scaled by what this node's hints were worth so far (:class:`~kvstore.store.hint_worth.HintWorth`: the whole share where they paid, none
-  where they cost twice what they paid); a share that shrank ends retentions at once
-  (:meth:`HintBudget.trim`);
+  scaled by what this node's hints were worth so far (:class:`~kvstore.store.hint_worth.HintWorth`:
+  the whole share where they paid, none where they cost twice what they paid); a share that
+  shrank ends retentions at once (:meth:`HintBudget.trim`);
 * a hint that does not fit is **shortened** to its leading blocks that do (a prefix hit needs the
   leading run, so what lies past a block the cache cannot keep is worth nothing to it), and is
   **refused** when not one fits; blocks it already retains cost nothing more. Neither is an
