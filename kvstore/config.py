@@ -234,6 +234,9 @@ QUOTA_TIERS = NAMES  # the tiers a tenant quota may be set for: every row of kvs
 # place of the value: tenants.retained_fraction, and what kvstore replay's hints may hold), tuned
 # by replay on the agentic and the shared traces (docs/eviction.md, "Hints the cache can afford").
 RETAINED_FRACTION = 0.6
+# tenants.retained_adaptive: off, since over the hints table it trades cells (the agentic trace's
+# losses over 8 nodes shrink to < 1%, but three Mooncake cells at 1% fall below 1.1x): docs/eviction.md.
+RETAINED_ADAPTIVE = False
 
 Bytes = Annotated[int, Field(ge=0)]
 # A tier's own key, ``<tier>_<suffix>`` (``ssd_quota_bytes``), sets that tier's entry of the mapping.
@@ -284,6 +287,12 @@ class TenantsConfig(_Section):
         "share of it (a salt is free, so per-tenant bounds alone let many salts retain the whole cache); a hint "
         "past it is shortened to its leading blocks that fit, or refused (kvstore/store/hint_budget.py, "
         "docs/eviction.md); 1: no total bound (hints may hold a whole tier)",
+    )
+    retained_adaptive: bool = Field(
+        RETAINED_ADAPTIVE,
+        description="scale retained_fraction per node by what its hints were worth (kvstore/store/hint_worth.py: "
+        "whole while they paid what they cost, none once they cost twice that); false: the fixed share "
+        "(docs/eviction.md, \"Hints the cache can afford\": what each gives, cell by cell)",
     )
 
     @model_validator(mode="before")

@@ -6,9 +6,10 @@ Layout (every key starts with ``{key_prefix}:``):
   holds the block (the node id), valued with a sealed :class:`Record` (the node's incarnation,
   where the block lies on it, its size and checksum): a version byte, the 25 bytes of the record
   and a 16-byte MAC over them, the key and the node id with a key derived from the cluster token
-  (:class:`~kvstore.cluster.cluster_key.ClusterKey`), 42 bytes in all. A retained block's record
-  has 9 bytes more, an optional trailing field sealed with the rest (its retention's end on the
-  holder's wall clock and its priority, kvstore/store/retention.py): 34 and 51 bytes. A value that does not
+  (:class:`~kvstore.cluster.cluster_key.ClusterKey`), 42 bytes in all. (The release before wrote a
+  retained block's record with 9 bytes more, its retention's end and priority, 51 in all: read
+  still, the trailing field ignored; no node writes it any more, and none ever adopted it: a
+  fetcher takes a retention from the holder's answer.) A value that does not
   check out (written by someone without the token, moved from another key or node, or of an older
   version) is not read: counted in :attr:`Directory.rejected_records`, a miss. A node writes and
   deletes only its own fields; Redis drops the key with its last field. Keys spread over a Redis
@@ -75,10 +76,12 @@ from kvstore.store.remote import MAX_HOLDERS
 from kvstore.wire.resp_pipe import PipelinedLink, ReplyError, tcp_settings
 
 _RECORD = struct.Struct("<QBQQ")  # incarnation, placement bits, size, checksum (0: not sealed)
-# An optional trailing field, only on a retained block's record: its retention's end in ms since
-# the epoch (the holder's wall clock) and its priority (kvstore/store/retention.py). For whoever
-# reads the directory: no node adopts it (a directory writer can put back one its holder has ended
-# since); a fetcher takes the retention from the holder's answer (kvstore/wire/peer.py).
+# An optional trailing field that the release before wrote on a retained block's record: its
+# retention's end in ms since the epoch (the holder's wall clock) and its priority. Parsed, so that
+# a node of that release's records are read during a rolling update, and never used: no node
+# writes it (the publisher's records have none) or adopts it (a directory writer can put back one
+# its holder has ended since); a fetcher takes the retention from the holder's answer
+# (kvstore/wire/peer.py).
 _RETAIN = struct.Struct("<QB")
 ROOT_BYTES = 16  # of the namespace root in a directory key: 2^128 namespaces is plenty
 MEMBER_MARK = MEMBER_VERSION.encode()  # how a member entry of this version begins
@@ -219,7 +222,7 @@ class Record(NamedTuple):
     tiers: int  # placement bits on that node (kvstore.store.index: DRAM | SSD | REDIS | S3)
     size: int
     checksum: int  # 0 while the holder has not sealed it
-    retain_until_ms: int = 0  # a retained block's: its retention's end, ms since the epoch (0: none)
+    retain_until_ms: int = 0  # the release before's trailing field (0: none): read by no node
     retain_priority: int = 0
 
     def pack(self) -> bytes:

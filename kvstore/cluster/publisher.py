@@ -159,13 +159,7 @@ class Publisher:
             seen.add(where)
             now = store.visible(b.ns.root, b.key)
             if now is not None and now.tiers:
-                out.puts.append(
-                    (
-                        b.ns.root,
-                        b.key,
-                        Record(incarnation, now.tiers, now.size, now.checksum or 0, *self._retention_of(now)),
-                    )
-                )
+                out.puts.append((b.ns.root, b.key, Record(incarnation, now.tiers, now.size, now.checksum or 0)))
                 out.fresh.append(new if now is b else changed.get(now, False))
             else:
                 out.removes.append(where)
@@ -208,11 +202,6 @@ class Publisher:
             self.stats["records_published"] += len(puts[batch]) - len(published.refused_puts)
             self.stats["records_removed"] += len(removes[batch]) - len(published.refused_removes)
             self._resume(puts[batch], published.ghosts)
-
-    def _retention_of(self, b: Block) -> tuple[int, int]:
-        """``b``'s retention for its record: (end in ms since the epoch, priority); (0, 0): none."""
-        left = b.retain_until - self.store.clock()
-        return (round(time.time() * 1000 + left * 1000), b.retain_priority) if left > 0 else (0, 0)
 
     def _refused(
         self, puts: Sequence[tuple[bytes, bytes, Record]], removes: Sequence[Where], published: Published

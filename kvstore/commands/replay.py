@@ -101,6 +101,9 @@ def register(subparsers: Subparsers) -> None:
     p.add_argument("--retained-fraction", type=float, metavar="F",
                    help="with --hints: the replayed sidecar's tenants.retained_fraction, the share of each cache that "
                         "hints may hold together (default: the sidecar's default; 1: hints may hold it all)")
+    p.add_argument("--adaptive-share", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --hints: the replayed sidecar's tenants.retained_adaptive (the share for hints scaled "
+                        "per node by what its hints were worth; default: the sidecar's default, off)")
     p.set_defaults(func=run)
 
 
@@ -122,6 +125,14 @@ def run(args: argparse.Namespace) -> int:
         if hints is None or not 0.0 <= args.retained_fraction <= 1.0:
             raise InvalidArgument(f"--retained-fraction: a share in 0..1 with --hints, got {args.retained_fraction}")
         hints = replace(hints, retained_fraction=args.retained_fraction)
+    if args.adaptive_share is not None:
+        from dataclasses import replace
+
+        from kvstore.errors import InvalidArgument
+
+        if hints is None:
+            raise InvalidArgument("--adaptive-share: with --hints")
+        hints = replace(hints, adaptive=args.adaptive_share)
     trace = load_trace(args.trace, args.block_tokens)
     unique = trace.unique_blocks()
     names = _policy_names(args.policy)
@@ -208,7 +219,7 @@ def _replay_size(trace: Trace, unique: int, key_lists: list[tuple[int, ...]], sp
         res = replay(trace, specs, n, progress=progress)
         out["policies"][n] = res.to_json()
         if hints is not None:
-            out["retained_fraction"] = hints.retained_fraction
+            out["retained_fraction"], out["retained_adaptive"] = hints.retained_fraction, hints.adaptive
             hinted = replay(trace, specs, n, progress=progress, hints=hints)
             out["policies"][n]["hints"] = hinted.to_json()
             out["policies"][n]["hints_vs_none"] = _ratio(hinted.prefix_hit_rate, res.prefix_hit_rate)
@@ -252,7 +263,7 @@ def _run_cluster(args: argparse.Namespace, trace: Trace, unique: int, names: lis
             policies[n] = compare(trace, args.nodes, per_node, routings, n, args.seed, progress=progress,
                                   tie_seed=args.tie_seed, ghost_ttl_s=ghost)
             if hints is not None:
-                out["retained_fraction"] = hints.retained_fraction
+                out["retained_fraction"], out["retained_adaptive"] = hints.retained_fraction, hints.adaptive
                 hinted = compare(trace, args.nodes, per_node, routings, n, args.seed, progress=progress,
                                  tie_seed=args.tie_seed, ghost_ttl_s=ghost, hints=hints)
                 policies[n]["hints"] = hinted

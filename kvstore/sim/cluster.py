@@ -208,6 +208,9 @@ class ClusterPolicy:
         if self.spare:
             spare = self.spare.__contains__
             victim = plain_pop(self.inner, spare if eligible is None else (lambda b: spare(b) and eligible(b)))
+            retention = self.retention
+            if victim is not None and retention is not None and victim.retain_until <= retention.clock():
+                retention.evicted(victim)  # (counted as the node's victims are: hint_worth.py)
         if victim is None:
             pop = cast("Callable[[EvictionPolicy, Eligible | None], Item | None]", self.pop)
             victim = pop(self.inner, eligible)
@@ -487,6 +490,8 @@ def _serve(
     res.peer_hits += len(fetched)
     for i in range(n - 1, -1, -1):  # deepest first, in the policy of the node that holds it
         owners[i].access(run[i])
+    if node.retention is not None and n:  # (hints: each holder's budget weighs its retained blocks' use)
+        _used(node, members, held, run, fetched)
     if fetched and directory is not None:  # (only a directory names peers)
         res.replicas += _fetch(node, directory, _specs(req, bt, fetched), [run[i] for i in fetched])
     blocks = node.ns.blocks
@@ -523,6 +528,24 @@ def _usable_prefix(
     return run, owners, fetched
 
 
+def _used(node: Node, members: list[Node], held: dict[BlockKey, list[int]], run: list[Block],
+          fetched: list[int]) -> None:
+    """The blocks of ``run`` used where they are held: ``node``'s own, and each peer block on the
+    node that serves it (the first holder, as :func:`_usable_prefix` takes it)."""
+    if not fetched:
+        node.retention.used(run)  # type: ignore[union-attr]  # (the caller checked)
+        return
+    peer = set(fetched)
+    node.retention.used([b for i, b in enumerate(run) if i not in peer])  # type: ignore[union-attr]
+    by: dict[int, list[Block]] = {}
+    for i in fetched:
+        by.setdefault(held[run[i].key][0], []).append(run[i])
+    for h, blocks in by.items():
+        retention = members[h].retention
+        if retention is not None:
+            retention.used(blocks)
+
+
 def _specs(req: Request, bt: int, positions: Sequence[int]) -> list[CommitSpec]:
     """:meth:`Node.commit`'s specs of ``req``'s blocks at ``positions``: key, parent key, size
     (``bt`` tokens, the last block its own), depth."""
@@ -557,6 +580,8 @@ def _store(node: Node, directory: Directory | None, specs: Sequence[CommitSpec])
     committed = node.commit(specs[:room])
     own = node.space.policy
     own.access_many(committed[::-1])
+    if node.retention is not None:
+        node.retention.stored(committed)
     if directory is not None:
         for b in committed:
             if uses := directory.add(b.key, node.id):

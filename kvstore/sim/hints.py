@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvstore.config import RETAINED_FRACTION, TenantsConfig
+from kvstore.config import RETAINED_ADAPTIVE, RETAINED_FRACTION, TenantsConfig
 from kvstore.errors import InvalidArgument
 from kvstore.sim.traces import Request, Trace
 from kvstore.store.hint_budget import HintBudget
@@ -60,6 +60,7 @@ class Hints:
     seconds: float
     end: str = ""  # the variants: "next-turn" or "origin" (:data:`ENDS`); "": the retention runs out
     retained_fraction: float = RETAINED_FRACTION  # the replayed sidecar's budget for hints (1: none)
+    adaptive: bool = RETAINED_ADAPTIVE  # tenants.retained_adaptive: the share scaled per node by what hints were worth
 
     @property
     def retain_ms(self) -> int:
@@ -162,7 +163,8 @@ class Hinting:
         hints over its spaces' ``capacity`` (tier bit -> blocks; a block's size is its tokens)."""
         totals = TenantsConfig(retained_fraction=self.fraction).retained_totals(
             {TierId(t).label: n * self.bt for t, n in capacity.items()})
-        r = Retention(self.clock, budget=HintBudget(totals, self.fraction) if totals else None)
+        budget = HintBudget(totals, self.fraction, self.hints.adaptive) if totals else None
+        r = Retention(self.clock, budget=budget)
         self.retentions.append(r)
         return r
 

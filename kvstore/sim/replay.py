@@ -246,6 +246,8 @@ class _OneSpace(_Replay):
         self.hits += n
         if n:
             self.access_many(run[::-1])
+            if self.retention is not None:
+                self.retention.used(run)
         return n
 
     def allocate(self, req: Request, keys: Sequence[BlockKey], n: int) -> list[Block]:
@@ -288,6 +290,8 @@ class _OneSpace(_Replay):
             publish(b)
             place(b)
         self.access_many(new[::-1])
+        if self.retention is not None:
+            self.retention.stored(new)
 
 
 class ReplaySpace(Space):
@@ -431,6 +435,8 @@ class _Tiered(_Replay):
                     break
         if n:
             _touch(self.spaces, run)
+            if self.retention is not None:
+                self.retention.used(run)
         return run
 
     def acquire(self, run: list[Block]) -> None:
@@ -480,3 +486,5 @@ class _Tiered(_Replay):
             index.publish(b)
             top.place(b)
         top.policy.access_many(new[::-1])
+        if self.retention is not None:
+            self.retention.stored(new)

@@ -79,12 +79,12 @@ class BlockStore:
         self.space.quotas = self.tenants.attach("dram")
         capacities = {"dram": slab.capacity_bytes, "ssd": config.ssd.capacity_bytes if config.ssd.enabled else 0}
         totals = config.tenants.retained_totals(capacities)  # (none at a fraction of 1)
-        budget = HintBudget(totals, config.tenants.retained_fraction) if totals else None
+        budget = HintBudget(totals, config.tenants.retained_fraction, config.tenants.retained_adaptive) \
+            if totals else None
         self.space.retention = self.retention = Retention(
             clock, config.tenants.retained_bounds(), budget, config.server.stats_namespaces,
         )
-        self.retention.changed = self.index.moved  # a retained block's record carries its retention
-        self.index.retained = self.retention.recount  # ... and its bytes move with its tiers
+        self.index.retained = self.retention.recount  # a retained block's bytes move with its tiers
         self.retention.watch(self.space.policy)  # the DRAM policy keeps retained blocks apart
         self._closed_allocations: OrderedDict[str, str] = OrderedDict()  # id -> "committed" | "aborted" | "reclaimed"
         self.checks = Checks(config, slab, clock)  # what every call validates first
@@ -289,6 +289,7 @@ class BlockStore:
             nbytes += b.size
         # Recency deepest first, so that ancestors are at least as recent as their descendants.
         space.policy.access_many([b for b, _ in reversed(chosen)])
+        self.retention.stored(b for b, _ in chosen)  # (what the hints were worth: kvstore/store/hint_worth.py)
         self._remember(alloc, "committed")
         self.stats.writes["commits"] += 1
         self.stats.writes["blocks_committed"] += len(chosen)
@@ -331,6 +332,7 @@ class BlockStore:
         if lease is not None and self.config.dram.verify_local_reads:
             lease, readable = await self.sealing.verified(lease, deadline)
         self.space.touch(readable)
+        self.retention.used(readable)
         if retain_ms and readable:
             self.retention.retain(readable, retain_ms, retain_priority)
         self.stats.reads["acquires"] += 1

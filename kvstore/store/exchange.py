@@ -222,6 +222,7 @@ class Exchange:
                     return None
             space.touch(readable)
             retained = [self.retention.left(b) for b in readable]
+            self.retention.used(readable)  # (after: the fetcher adopts what is left of their retention)
             return Loan([(b.checksum or 0, space.view(b)) for b in readable], release, left_s, retained)
         except BaseException:
             release()

@@ -11,7 +11,10 @@ against one total bound per tier (:class:`HintBudget`), the one place of that de
 
 * in each tier with a capacity (DRAM, the SSD), retained blocks together take at most
   ``tenants.retained_fraction`` of it (the rest stays in the policy's own order;
-  :meth:`kvstore.config.TenantsConfig.retained_totals`);
+  :meth:`kvstore.config.TenantsConfig.retained_totals`), with ``tenants.retained_adaptive``
+  scaled by what this node's hints were worth so far (:class:`~kvstore.store.hint_worth.HintWorth`:
+  the whole share where they paid, none where they cost twice what they paid); a share that
+  shrank ends retentions at once (:meth:`HintBudget.trim`);
 * a hint that does not fit is **shortened** to its leading blocks that do (a prefix hit needs the
   leading run, so what lies past a block the cache cannot keep is worth nothing to it), and is
   **refused** when not one fits; blocks it already retains cost nothing more. Neither is an
@@ -26,7 +29,7 @@ against one total bound per tier (:class:`HintBudget`), the one place of that de
   the block is placed unretained.
 
 The bytes it judges against are the retention's own counts per tier, kept incrementally as blocks
-gain or lose a retention or a tier (``Retention.tier_held``), and the room it makes comes off the
+gain or lose a retention or a tier (``Retention.held_in``, its one ledger), and the room it makes comes off the
 retention's heaps of ends per priority: a hint costs O(its blocks), and each retention ended to
 make room O(log n), however many blocks are retained.
 """
@@ -37,6 +40,7 @@ import heapq
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from kvstore.store.hint_worth import HintWorth
 from kvstore.store.index import Block
 from kvstore.tier_table import BIT_NAMES
 
@@ -48,13 +52,18 @@ _TIERS = BIT_NAMES  # (bit, label) of every tier (kvstore/tier_table.py, a regis
 
 class HintBudget:
     """All tenants' retained bytes per tier label within ``totals`` (bytes; a tier not named is
-    not bounded), ``fraction`` being the share of each tier's capacity that gave them."""
+    not bounded) scaled by what this node's hints were worth (:class:`HintWorth`; ``adapt``
+    False: not scaled, the fixed share alone), ``fraction`` being the share of each tier's
+    capacity that gave them."""
 
-    def __init__(self, totals: Mapping[str, int], fraction: float) -> None:
+    def __init__(self, totals: Mapping[str, int], fraction: float, adapt: bool = True) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"retained_fraction: {fraction} is outside 0..1")
         self.totals = dict(totals)
         self.fraction = fraction
+        # What this node's hints were worth: its bounds now are ``totals`` x ``worth.scale``.
+        bound = max(1, next(iter(self.totals.values()), 1))
+        self.worth = HintWorth(bound, int(bound / fraction) if fraction else bound, adapt)
         self.shortened = 0  # hints cut to the leading blocks that fit
         self.refused = 0  # hints of which not one new block fit, and blocks that came retained and did not
 
@@ -62,12 +71,15 @@ class HintBudget:
         """The bytes ``b`` takes in the bounded tiers of ``tiers``."""
         return {label: b.size for bit, label in _TIERS if tiers & bit and label in self.totals}
 
-    def admit(self, r: Retention, blocks: list[Block], priority: int, into: int, now: float) -> list[Block]:
-        """The leading blocks of ``blocks`` (no key twice) that a hint at ``priority`` may retain in
-        ``r``; ``into``: tier bits they are about to enter. Room made from lower priorities is
-        made now (their retentions ended); the blocks' own bytes are counted as they are retained."""
+    def admit(self, r: Retention, blocks: list[Block], priority: int, into: int, now: float,
+              until: float) -> list[Block]:
+        """The leading blocks of ``blocks`` (no key twice) that a hint at ``priority`` until
+        ``until`` may retain in ``r``; ``into``: tier bits they are about to enter. Room made from
+        lower priorities is made now (their retentions ended); the blocks' own bytes are counted
+        as they are retained. The rest are the worth's ``wanted`` (:meth:`HintWorth.cut`)."""
         if not self.totals:
             return blocks
+        self.trim(r, now)
         r.work["summed"] += len(blocks)  # (the hint's own blocks: what it costs, however many are retained)
         adding: dict[str, int] = {}
         hint: set[Block] | None = None
@@ -89,8 +101,20 @@ class HintBudget:
                 self.shortened += 1
             else:
                 self.refused += 1
+            self.worth.cut((x for x in blocks[i:] if x.retain_until <= now), until)
             return blocks[:i]
         return blocks
+
+    def trim(self, r: Retention, now: float) -> None:
+        """The node's hints were worth less than the retentions it holds (:class:`HintWorth`):
+        end retentions, the lowest priority first, the earliest end first, until what is held
+        fits the bounds as they are now (a share that shrank takes effect at once, not as the
+        retentions held end)."""
+        worth = self.worth
+        if worth.room < worth.bound:
+            need = dict.fromkeys(self.totals, 0)
+            if self._short(r, need):
+                self._room(r, need, len(r.ends), now, set())
 
     def fits(self, r: Retention, b: Block, gained: int) -> bool:
         """Whether retained ``b`` may keep its retention in the tiers of ``gained`` it enters
@@ -106,15 +130,16 @@ class HintBudget:
 
     def _short(self, r: Retention, need: Mapping[str, int]) -> list[str]:
         """The tiers where ``need`` more bytes do not fit now."""
-        held, totals = r.tier_held, self.totals
-        return [t for t, n in need.items() if held[t] + n > totals[t]]
+        held, limit, totals = r.held_in, self.worth.limit, self.totals
+        return [t for t, n in need.items() if held(t) + n > limit(totals[t])]
 
     def _room(self, r: Retention, need: Mapping[str, int], priority: int, now: float, keep: set[Block]) -> bool:
         """Whether ``need`` more bytes fit in every tier they are for, after ending retentions of a
         lower priority than ``priority`` (lowest first, earliest end first; never one of ``keep``)
         that are counted in a tier where they do not."""
         short = self._short(r, need)
-        if any(need[t] > self.totals[t] for t in short):
+        limit = self.worth.limit
+        if any(need[t] > limit(self.totals[t]) for t in short):
             return False
         bits = sum(bit for bit, label in _TIERS if label in short)
         for p in range(priority):
@@ -131,7 +156,7 @@ class HintBudget:
                 if b in keep or not r.counted[b] & bits:
                     skipped.append(entry)
                     continue
-                r.end(b)
+                r.end(b, returned=False)
                 short = self._short(r, need)
                 bits = sum(bit for bit, label in _TIERS if label in short)
             for entry in skipped:
@@ -142,4 +167,5 @@ class HintBudget:
 
     def snapshot(self) -> dict[str, object]:
         """The budget's part of /stats' ``retained``: the fraction, hints shortened and refused."""
-        return {"fraction": self.fraction, "shortened": self.shortened, "refused": self.refused}
+        return {"fraction": self.fraction, "shortened": self.shortened, "refused": self.refused,
+                "worth": self.worth.snapshot()}

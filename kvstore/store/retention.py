@@ -54,10 +54,10 @@ from kvstore.tier_table import BIT_NAMES
 
 if TYPE_CHECKING:
     from kvstore.policy.base import Banded, Eligible, EvictionPolicy
+    from kvstore.store.hint_worth import HintWorth
 
 PRIORITIES = 4  # retain_priority is 0..3; the lowest goes first once only retained blocks are left
 MAX_RETAIN_MS = 86_400_000  # a day: longer is a pin, not a hint
-REPUBLISH_S = 1.0  # a retention's end moved later by less than this is not news for the directory
 OTHER = "other"  # the refused count of every tenant past the ``shown`` first
 _TIERS = BIT_NAMES  # (bit, label) of every tier (kvstore/tier_table.py, a registered one's too)
 
@@ -75,13 +75,35 @@ def tenant(b: Block) -> str:
     return b.ns.tenant
 
 
+class Held:
+    """The bytes retained in one tier: per tenant and in all, changed together (:meth:`add`). The
+    one ledger of retained bytes: a tenant's bound reads ``tenants``, the budget's total bound
+    ``total`` (:meth:`Retention.held_in`)."""
+
+    __slots__ = ("tenants", "total")
+
+    def __init__(self) -> None:
+        self.tenants: Counter[str] = Counter()  # tenant -> bytes
+        self.total = 0
+
+    def add(self, who: str, n: int) -> None:
+        """``n`` bytes more (fewer, negative) retained by tenant ``who``."""
+        tenants = self.tenants
+        tenants[who] += n
+        if not tenants[who]:
+            del tenants[who]
+        self.total += n
+
+
 class Budget(Protocol):
     """What a retention asks of its budget (:class:`kvstore.store.hint_budget.HintBudget`, which
     reads the retention it is handed: this module does not import it back)."""
 
     totals: dict[str, int]
+    worth: HintWorth
 
-    def admit(self, r: Retention, blocks: list[Block], priority: int, into: int, now: float) -> list[Block]: ...
+    def admit(self, r: Retention, blocks: list[Block], priority: int, into: int, now: float,
+              until: float) -> list[Block]: ...
 
     def fits(self, r: Retention, b: Block, gained: int) -> bool: ...
 
@@ -104,9 +126,7 @@ class Retention:
         self.shown = shown
         self.refused: Counter[str] = Counter()  # tenant (``OTHER`` past ``shown``) -> hints refused
         self.work: Counter[str] = Counter()  # "examined": candidates judged; "summed": blocks added up
-        self.changed: Callable[[Block], None] = lambda b: None  # told of each block whose retention changed
-        self.held: dict[str, Counter[str]] = {}  # tier label -> tenant -> bytes retained now
-        self.tier_held: Counter[str] = Counter()  # tier label -> bytes retained now, all tenants
+        self.held: dict[str, Held] = {}  # tier label -> the bytes retained there now (the one ledger)
         self.counted: dict[Block, int] = {}  # the retained blocks some tier holds -> tier bits counted
         # Per priority a heap of (end, seq, block), stale ones too: a block's entry is in the heap
         # of its priority (pushed again when it rises), its end maybe earlier than the block's now.
@@ -145,7 +165,7 @@ class Retention:
         for (tier, who), n in adding.items():
             bound = self.bounds.get(tier)
             held = self.held.get(tier)
-            has = held[who] if held is not None else 0
+            has = held.tenants[who] if held is not None else 0
             if bound and has + n > bound:
                 return who, (f"tenant {who or '-'!r} would retain {has + n} bytes in {tier}, past its bound "
                              f"of {bound} (tenants.{tier}_retained_bytes)")
@@ -159,22 +179,19 @@ class Retention:
     def retain(self, blocks: Iterable[Block], retain_ms: int, priority: int, into: int = 0) -> list[Block]:
         """Retain ``blocks`` for ``retain_ms`` from now (0: end their retention now): the leading
         ones the budget affords (:meth:`HintBudget.admit`; ``into``: tier bits they are about to
-        enter). A block retained already keeps the later end and the higher priority. Only the
-        blocks whose retention changed are news (``changed``: a later end counts once it moves by
-        ``REPUBLISH_S``). The blocks retained or ended (each once)."""
+        enter). A block retained already keeps the later end and the higher priority. The blocks
+        retained or ended (each once)."""
         now = self._expire()
         unique = list(dict.fromkeys(blocks))
         if not retain_ms:
             for b in unique:
                 self.end(b)
             return unique
-        if self.budget is not None:
-            unique = self.budget.admit(self, unique, priority, into, now)
-        changed = self.changed
         until = now + retain_ms / 1000.0
+        if self.budget is not None:
+            unique = self.budget.admit(self, unique, priority, into, now, until)
         for b in unique:
             if b.retain_until > now:  # retained already: the later end (the heap learns it lazily)
-                news = until >= b.retain_until + REPUBLISH_S or priority > b.retain_priority
                 if until > b.retain_until:
                     b.retain_until = until
                 if priority > b.retain_priority:
@@ -183,20 +200,25 @@ class Retention:
                     if b in self.counted:  # (its end waits in the heap of its new priority)
                         self.wait(b)
             else:
-                news = True
                 b.retain_until, b.retain_priority = until, priority
+                if self.budget is not None:
+                    self.budget.worth.retained(b)
                 self.recount(b, checked=True)  # (the caller checked the hint: check, and the budget's admit)
                 self._rekey(b)
-            if news:
-                changed(b)
         return unique
 
-    def end(self, b: Block) -> None:
-        """``b``'s retention ends now (a hint of 0, or to make room for a higher priority)."""
+    def end(self, b: Block, returned: bool = True) -> None:
+        """``b``'s retention ends now: a hint of 0 (``returned``: the turn came back), or the
+        budget's (room for a higher priority, a share that shrank)."""
         if b.retain_until > self.clock():
+            if self.budget is not None:
+                worth = self.budget.worth
+                if returned:
+                    worth.returned(b)
+                else:
+                    worth.marks.pop(b, None)  # (not judged: the budget ended it)
             b.retain_until, b.retain_priority = 0.0, 0
             self._update(b)
-            self.changed(b)
 
     def adopt(self, b: Block) -> bool:
         """``b`` came with a retention of its own (its holder's, as the holder's fetch answer gave
@@ -208,6 +230,8 @@ class Retention:
             return False
         b.retain_until = min(b.retain_until, now + MAX_RETAIN_MS / 1000.0)
         self._update(b)
+        if b.retain_until > now and self.budget is not None:
+            self.budget.worth.retained(b)  # (its room is this node's: judged as a hint's)
         return b.retain_until > now
 
     def inherit(self, b: Block, until: float, priority: int) -> bool:
@@ -244,7 +268,6 @@ class Retention:
             return
         size, who = b.size, tenant(b)
         gained = new & ~old
-        ended = False
         if gained and not checked:
             refusal = self._past({(label, who): size for bit, label in _TIERS if gained & bit}) \
                 if self.bounds else None
@@ -252,24 +275,23 @@ class Retention:
                 self._refuse(who)
             if refusal is not None or (self.budget is not None and not self.budget.fits(self, b, gained)):
                 b.retain_until, b.retain_priority = 0.0, 0
-                new, ended = 0, True
+                new = 0
         moved = old ^ new
         for bit, label in _TIERS:
             if moved & bit:
                 n = size if new & bit else -size
                 held = self.held.get(label)
                 if held is None:
-                    held = self.held[label] = Counter()
-                held[who] += n
-                if not held[who]:
-                    del held[who]
-                self.tier_held[label] += n
+                    held = self.held[label] = Held()
+                held.add(who, n)
         if new:
             if not old:
                 self.wait(b)
             self.counted[b] = new
         elif old:
             del self.counted[b]
+            if self.budget is not None:
+                self.budget.worth.unused(b)
             self._rekey(b)  # (a retention that ran out, or was refused: back to band -1)
             if sum(map(len, self.ends)) > 2 * len(self.counted) + 1024:  # (the ends of blocks let go)
                 self.ends = [[] for _ in range(PRIORITIES)]
@@ -277,8 +299,25 @@ class Retention:
                     self.ends[x.retain_priority].append((x.retain_until, next(self._seq), x))
                 for heap in self.ends:
                     heapq.heapify(heap)
-        if ended:
-            self.changed(b)
+
+    def held_in(self, tier: str) -> int:
+        """All tenants' bytes retained in ``tier`` (a label) now, as last counted."""
+        held = self.held.get(tier)
+        return held.total if held is not None else 0
+
+    def stored(self, blocks: Iterable[Block]) -> None:
+        """``blocks`` were stored anew here (a Commit's, the replay's misses; not a peer's
+        fetched copies): the budget weighs what its hints were worth
+        (:meth:`kvstore.store.hint_worth.HintWorth.stored`)."""
+        if self.budget is not None:
+            self.budget.worth.stored(blocks, self.clock())
+
+    def used(self, blocks: Iterable[Block]) -> None:
+        """``blocks`` were used here (an Acquire's run, the blocks a peer fetched from here, the
+        replay's hits): the budget judges the retained ones among them
+        (:meth:`kvstore.store.hint_worth.HintWorth.used`)."""
+        if self.budget is not None:
+            self.budget.worth.used(blocks, max((h.total for h in self.held.values()), default=0))
 
     def _update(self, b: Block) -> None:
         """``b``'s retention was set or ended: its bytes are counted (or not), and the policies
@@ -332,12 +371,24 @@ class Retention:
             ok = counted
         eligible = cast("Eligible | None", ok)
         if not self.counted:
-            return cast("Block | None", banded.pop_victim(eligible))
+            v = cast("Block | None", banded.pop_victim(eligible))
+            if v is not None:
+                self.evicted(v)
+            return v
         for p in range(-1, PRIORITIES):
             v = cast("Block | None", banded.pop_victim(eligible, p))
             if v is not None:
+                if p < 0:
+                    self.evicted(v)
                 return v
         return None
+
+    def evicted(self, v: Block) -> None:
+        """Unretained ``v`` was chosen as a victim (here, or by the cluster replay's preference for
+        spare copies): the budget counts what the policy turned over and what retained blocks
+        displaced (:meth:`kvstore.store.hint_worth.HintWorth.evicted`)."""
+        if self.budget is not None:
+            self.budget.worth.evicted(v, max((h.total for h in self.held.values()), default=0))
 
     def watch(self, policy: EvictionPolicy) -> None:
         """``policy`` keeps retained candidates apart from now on (its blocks retained already
@@ -370,7 +421,7 @@ class Retention:
     def by_tier(self) -> dict[str, dict[str, int]]:
         """Retained bytes now, per tier label and tenant tag, of blocks some tier holds."""
         self._expire()
-        return {t: dict(c) for t, c in self.held.items() if c}
+        return {t: dict(h.tenants) for t, h in self.held.items() if h.tenants}
 
     def count(self) -> int:
         """Blocks retained now that some tier holds."""
@@ -389,7 +440,7 @@ class Retention:
             shown[t] = {(k or "-"): n for k, n in top.items()} | ({OTHER: rest} if rest else {})
         return {
             "blocks": len(self.counted),
-            "bytes": {t: sum(c.values()) for t, c in tiers.items()},
+            "bytes": {t: self.held[t].total for t in tiers},
             "tenants": shown,
             "bounds": dict(self.bounds),
             "totals": dict(self.budget.totals) if self.budget is not None else {},

@@ -186,7 +186,9 @@ async def test_hints_together_hold_at_most_the_retained_fraction_of_dram(
     await c.put_blocks(NS, third, data(2, 3), retain=(MINUTE, 0))  # none fits: refused (the blocks are stored)
     retained = (await c.stats())["retained"]
     assert retained["bytes"] == {"dram": 9 * BLOCK}
+    worth = retained["budget"].pop("worth")
     assert retained["budget"] == {"fraction": 0.6, "shortened": 1, "refused": 1}
+    assert worth["scale"] == 1.0  # nothing judged yet: the whole bound
     assert await c.retain(NS, third, MINUTE) == 0  # what Retain holds: none of them
     blocks = sc.store.index.namespaces[NS.root].blocks
     assert [blocks[k].retain_until > 0 for k in second] == [True, True, True, False]
@@ -261,3 +263,31 @@ def test_the_retained_set_lets_go_of_blocks_no_tier_holds() -> None:
         b.tiers = 0
         index.moved(b)  # (Space.unplace's news)
     assert sum(map(len, r.ends)) <= 2048 and r.count() == 0 and r.by_tier() == {}
+
+
+@pytest.fixture(params=["grpc"])
+async def adaptive(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[Sidecar, KVStoreClient]]:
+    """The default total bound, scaled by what the sidecar's hints were worth."""
+    async for pair in serve(request, tmp_path, **{"tenants.retained_adaptive": True}):
+        yield pair
+
+
+async def test_a_sidecar_whose_retained_turns_come_back_elsewhere_ends_up_refusing_hints(
+    adaptive: tuple[Sidecar, KVStoreClient]
+) -> None:
+    """Each round a turn of 4 blocks is committed retained, its hint of 0 says it came back, but
+    it is never read here, and 16 other blocks push it out: each retention ended unused, so by
+    the third round the sidecar holds not one block of a turn's hint (counted by rounds, not
+    time); /stats says why. With the share fixed (the default, and before tenants.retained_adaptive)
+    every turn's 4 blocks are held."""
+    _, c = adaptive
+    held = []
+    for n in range(5):
+        turn = chain(100 + n, 4)
+        await c.put_blocks(NS, turn, data(4, 100 + n), retain=(MINUTE, 0))
+        held.append((await c.stats())["retained"]["blocks"])
+        assert await c.retain(NS, turn, 0) == 4  # the turn came back (elsewhere)
+        await flood(c, 200 + 10 * n, 4)  # 16 blocks: the turn is evicted, never read
+    assert held == [4, 1, 1, 0, 0]  # the whole turn, then the share as the evidence came in
+    worth = (await c.stats())["retained"]["budget"]["worth"]
+    assert worth["unused"] > 0 and worth["saved"] == 0 and worth["scale"] < 0.1

@@ -60,6 +60,7 @@ async def test_free_salts_cannot_retain_more_than_the_tiers_share(tmp_path: Path
         assert retained["bytes"] == {"dram": 38 * BLOCK}
         assert retained["tenants"]["dram"][salt_tag("s4")] == 6 * BLOCK
         assert salt_tag("s5") not in retained["tenants"]["dram"]
+        assert retained["budget"].pop("worth")["scale"] == 1.0  # nothing judged yet
         assert retained["budget"] == {"fraction": 0.6, "shortened": 1, "refused": 1}
         assert retained["refused"] == {}  # no tenant passed its own bound
         entry = sc.store.index.namespaces[ns("s4").root]

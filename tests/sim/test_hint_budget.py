@@ -14,20 +14,22 @@ import pytest
 from kvstore.cli import main
 from kvstore.config import TenantsConfig
 from kvstore.keys import NamespaceRoot
+from kvstore.policy import make_policy
 from kvstore.sim.coding_agents import Params, generate
 from kvstore.sim.hints import RETAINED_FRACTION, TraceClock, parse_hints
-from kvstore.sim.replay import replay
+from kvstore.sim.replay import ReplaySpace, TierSpec, replay
 from kvstore.sim.traces import Trace
 from kvstore.store.hint_budget import HintBudget
-from kvstore.store.index import DRAM, SSD, Block, Index, State
+from kvstore.store.index import DRAM, SSD, Block, Index, State, TierId
 from kvstore.store.retention import Retention
 
 SIZE = 100
 
 
-def budget(capacity: dict[str, int], fraction: float) -> HintBudget:
-    """The sidecar's budget over tiers of ``capacity`` (label -> bytes) at ``fraction``."""
-    return HintBudget(TenantsConfig(retained_fraction=fraction).retained_totals(capacity), fraction)
+def budget(capacity: dict[str, int], fraction: float, adapt: bool = False) -> HintBudget:
+    """The sidecar's budget over tiers of ``capacity`` (label -> bytes) at ``fraction`` (``adapt``
+    False: the fixed share, whatever the hints were worth, for the tests of its mechanics)."""
+    return HintBudget(TenantsConfig(retained_fraction=fraction).retained_totals(capacity), fraction, adapt)
 
 
 def cache(capacity_blocks: int, fraction: float = 0.5) -> tuple[Retention, TraceClock, list[Block]]:
@@ -57,7 +59,9 @@ def test_a_hint_past_the_budget_is_shortened_to_its_leading_blocks_then_refused(
     r.retain(b[0:5], 120_000, 0)  # what it holds already costs nothing: extended
     assert all(x.retain_until == 120 for x in b[0:5])
     assert r.budget is not None and (r.budget.shortened, r.budget.refused) == (1, 1)
-    assert r.snapshot()["budget"] == {"fraction": 0.5, "shortened": 1, "refused": 1}
+    budget = r.snapshot()["budget"]
+    assert isinstance(budget, dict) and budget.pop("worth")["scale"] == 1.0
+    assert budget == {"fraction": 0.5, "shortened": 1, "refused": 1}
 
 
 def test_room_comes_back_when_a_retention_ends_runs_out_or_its_block_is_evicted() -> None:
@@ -141,8 +145,13 @@ def test_the_replay_takes_the_fraction_and_rejects_a_bad_one(
     assert main(["replay", str(path), "--capacity", "5%", "--hints", "until-returned:600", "--retained-fraction",
                  "0.25", "--policy", "lru", "--json", "--no-progress"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["retained_fraction"] == 0.25
+    assert out["retained_fraction"] == 0.25 and out["retained_adaptive"] is False  # (the default)
     assert out["policies"]["lru"]["hints"]["retained_peak_blocks"] <= out["capacity_blocks"] * 0.25
+    assert main(["replay", str(path), "--capacity", "5%", "--adaptive-share"]) == 2  # (without --hints)
+    assert "--adaptive-share" in capsys.readouterr().err
+    assert main(["replay", str(path), "--capacity", "5%", "--hints", "until-returned:600", "--adaptive-share",
+                 "--policy", "lru", "--json", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["retained_adaptive"] is True
 
 
 def test_a_hint_judged_beside_many_retained_blocks_costs_its_own_blocks() -> None:
@@ -193,3 +202,79 @@ def test_a_retained_block_entering_a_full_tier_makes_room_from_lower_priorities_
     index.moved(b[2])
     assert retained(b, 0) == [1, 2]
     assert r.by_tier() == {"dram": {"": 2 * SIZE}, "ssd": {"": 2 * SIZE}}
+
+
+class Node:
+    """One replayed node's DRAM of ``capacity`` blocks (the store's placement, LRU) with the
+    sidecar's budget for hints, served the store's calls: hits used, new blocks stored."""
+
+    def __init__(self, capacity: int, fraction: float = 0.5) -> None:
+        self.clock = TraceClock()
+        self.retention = Retention(self.clock, budget=budget({"dram": capacity * SIZE}, fraction, adapt=True))
+        self.index = Index()
+        self.index.retained = self.retention.recount
+        self.ns = self.index.namespace(NamespaceRoot(b"t"), "t")
+        self.space = ReplaySpace(TierSpec(TierId.DRAM, capacity), make_policy("lru"), self.index)
+
+    def serve(self, keys: list[bytes]) -> list[Block]:
+        """A request for ``keys`` (one prefix): its leading run used, the rest stored (victims
+        popped by the store's soft pin). The request's blocks."""
+        run = self.index.leading_run(self.ns, keys)
+        self.space.policy.access_many(run[::-1])
+        self.retention.used(run)
+        new = []
+        for i in range(len(run), len(keys)):
+            while len(self.space.sizes) >= self.space.capacity:
+                v = self.retention.pop_victim(self.space.policy, None)
+                assert v is not None
+                self.space.unplace(v)
+            b = self.index.add(self.ns, keys[i], keys[i - 1] if i else b"", SIZE, State.COMMITTED, i + 1)
+            self.space.place(b)
+            new.append(b)
+        self.space.policy.access_many(new[::-1])
+        self.retention.stored(new)
+        return run + new
+
+
+def turn(n: int, length: int = 4) -> list[bytes]:
+    return [f"turn{n}.{i}".encode() for i in range(length)]
+
+
+def test_a_node_whose_retained_turns_never_come_back_ends_up_refusing_hints() -> None:
+    """Each turn is retained for 10 s and never comes back, while a working set of 6 blocks the
+    retained turns push out is asked for again and again: every retention runs out unused and
+    every block of the working set pushed out is stored again, so the node's budget shrinks to
+    nothing and a hint is refused, counted by turns, not time (before the budget adapted, every
+    turn's hint held 4 of the 10 blocks' room for good)."""
+    node = Node(10)
+    work = [f"work{i}".encode() for i in range(6)]
+    held = []
+    for n in range(12):
+        node.clock.now = 20.0 * n
+        node.serve(work)
+        held.append(len(node.retention.retain(node.serve(turn(n)), 10_000, 0)))
+    assert held[0] == 4  # the whole bound at first: 5 of 10 blocks
+    assert held[-3:] == [0, 0, 0]
+    assert node.retention.budget is not None
+    worth = node.retention.budget.worth
+    assert worth.room < SIZE and worth.losses > 0  # not one block's room: every hint refused
+    assert worth.judged["unused"] > 0  # (each retention ran out unused)
+
+
+def test_a_node_whose_retained_turns_come_back_after_the_cache_turned_over_keeps_its_bound() -> None:
+    """The same node, each turn retained for 30 s coming back (a hit, then its hint of 0) 20 s
+    later, after 8 other blocks were stored, more than the room left unretained: the retention
+    kept what the policy would have evicted, so the node keeps its whole bound and every turn's
+    hint is held."""
+    node = Node(10)
+    held = []
+    for n in range(12):
+        node.clock.now = 20.0 * n
+        node.serve([f"other{n}.{i}".encode() for i in range(8)])
+        if n:
+            node.serve([*turn(n - 1), f"turn{n - 1}.next".encode()])  # the turn returns: a hit
+            node.retention.retain(node.index.leading_run(node.ns, turn(n - 1)), 0, 0)
+        held.append(len(node.retention.retain(node.serve(turn(n)), 30_000, 0)))
+    assert node.retention.budget is not None
+    worth = node.retention.budget.worth
+    assert held == [4] * 12 and worth.scale == 1.0 and worth.gains > 0
