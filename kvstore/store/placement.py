@@ -112,8 +112,7 @@ class Space:
         first of ``rest`` (the caller's evictable blocks here, which the policy holds) by
         retention alone. None: nothing may leave. The store's DRAM and levels and ``kvstore
         replay``'s spaces all pick through it."""
-        policy = self.policy
-        assert policy is not None, "an unordered space has no victims"
+        policy = cast(EvictionPolicy, self.policy)  # (an unordered space has no victims)
         if retention is None:
             b = cast("Block | None", policy.pop_victim(cast("Eligible | None", ok)))
         else:
@@ -150,8 +149,8 @@ def next_home(below: Sequence[H], b: Block, leaving: int, top: int) -> H | None:
     tier but the top and the one it leaves holds it. None: nowhere (dropped, unless a tier holds
     it). The store's movers (a DRAM eviction's demotion, a level's victim or refused demotion)
     and ``kvstore replay`` both ask it."""
-    target = next((t for t in below if not t.down), None)
-    if target is None:
-        return None
-    kept = b.tiers & target.bit if leaving == top else b.tiers & ~(top | leaving)
-    return None if kept else target
+    for target in below:  # (a loop, not next() over a generator: the replay asks per victim)
+        if not target.down:
+            kept = b.tiers & target.bit if leaving == top else b.tiers & ~(top | leaving)
+            return None if kept else target
+    return None
