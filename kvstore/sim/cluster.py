@@ -252,7 +252,7 @@ class ClusterPolicy:
 class Node:
     """One sidecar's index and DRAM space."""
 
-    __slots__ = ("id", "index", "ns", "pop", "requests", "retention", "space")
+    __slots__ = ("id", "index", "ns", "pick", "requests", "retention", "space")
 
     def __init__(
         self, node_id: int, capacity: int, policy: EvictionPolicy, label: str, retention: Retention | None = None
@@ -265,20 +265,21 @@ class Node:
         self.retention = retention  # with hints: the store's soft pin picks the victims
         if retention is not None:
             self.index.retained = retention.recount  # (its counts follow the placements, as the store's)
-        self.pop: Pop = retention.pop_victim if retention is not None else plain_pop
+        # Whose soft pin Allocate's victim rule picks through (Space.victim); None: the policy's own pick.
+        self.pick: Retention | None = retention
 
     def victims_by(self, policy: ClusterPolicy) -> None:
         """The node joined a cluster: ``policy`` picks its victims, by the node's rule in each pass."""
-        policy.pop, self.pop = self.pop, plain_pop
-        policy.retention = self.retention
+        policy.pop = self.pick.pop_victim if self.pick is not None else plain_pop
+        policy.retention, self.pick = self.retention, None
 
     def allocate(self, n: int) -> int:
         """The store's Allocate: victims popped until ``n`` more blocks fit (or none is left to
-        pop); how many of the ``n`` fit."""
-        sp = self.space
-        pop, policy = self.pop, sp.policy
+        pop), each the store's pick (:meth:`~kvstore.store.placement.Space.victim`); how many of
+        the ``n`` fit."""
+        sp, pick = self.space, self.pick
         while len(sp.sizes) + n > sp.capacity:
-            v = pop(policy, None)
+            v = sp.victim(pick)
             if v is None:
                 break
             sp.unplace(v)

@@ -14,8 +14,9 @@ For each request, in timestamp order, the replay does what the store does:
    Like the store, victims are popped at allocation time; at commit blocks are inserted root
    first (so each parent is there to link to), then ``access_many`` on them deepest first sets
    their recency (ancestors at least as recent as descendants).
-4. A victim of the top tier is placed in the next tier down at once (the movers place a demotion
-   before writing it); each tier below makes room after each allocation, its new arrivals held
+4. Every victim is the store's pick (``Space.victim``) and goes where the store's movers pass it
+   down (``next_home``): placed there at once (the movers place a demotion before writing it);
+   each tier below makes room after each allocation, its new arrivals held
    (being written). A block that no tier holds is dropped from the Index.
 
 Each tier space is the store's own :class:`~kvstore.store.placement.Space` (a
@@ -32,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.policy import make_policy
@@ -41,7 +42,10 @@ from kvstore.sim.belady import HitRates
 from kvstore.sim.hints import Hinting, Hints
 from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import Block, Index, State, TierId
-from kvstore.store.placement import Space
+from kvstore.store.placement import Space, next_home
+
+if TYPE_CHECKING:
+    from kvstore.store.retention import Retention
 
 PROGRESS_EVERY = 1024  # requests between progress-bar updates
 
@@ -204,9 +208,9 @@ class _OneSpace(_Replay):
         "label",
         "place",
         "placed",
-        "pop_victim",
         "publish",
         "unplace",
+        "victim",
         "visible",
     )
 
@@ -218,11 +222,7 @@ class _OneSpace(_Replay):
         self.add, self.drop, self.publish = index.add, index.drop, index.publish
         self.place, self.unplace, self.placed = space.place, space.unplace, space.sizes
         self.access_many = policy.access_many
-        # The policy's items are this replay's Blocks (the Protocol types them as any hashable).
-        pop_victim = cast("Callable[[Eligible | None], Block | None]", policy.pop_victim)
-        if self.retention is not None:  # the store's soft pin picks the victims
-            pop_victim = partial(self.retention.pop_victim, policy)
-        self.pop_victim = pop_victim
+        self.victim = partial(space.victim, self.retention)  # the store's victim rule (with hints, its soft pin)
         self.capacity = spec.capacity
         self.bt = trace.block_tokens
         self.label = spec.tier.label
@@ -255,7 +255,7 @@ class _OneSpace(_Replay):
         victims popped until it has a slot (dropped when none is left to pop); the blocks allocated,
         root first. A key present behind the gap is a block hit only."""
         blocks, visible, add, drop = self.blocks, self.visible, self.add, self.drop
-        pop_victim, unplace, placed = self.pop_victim, self.unplace, self.placed
+        victim, unplace, placed = self.victim, self.unplace, self.placed
         ns, capacity, bt, allocated = self.ns, self.capacity, self.bt, State.ALLOCATED
         hits = 0
         new: list[Block] = []
@@ -272,7 +272,7 @@ class _OneSpace(_Replay):
                 drop(b)
                 continue
             short = len(placed) + len(new) + 1 - capacity  # slots: the placed, this allocation's, b's
-            while short > 0 and (v := pop_victim(None)) is not None:
+            while short > 0 and (v := victim(None)) is not None:
                 unplace(v)  # (each victim frees its slot)
                 short -= 1
             if short > 0:
@@ -297,29 +297,27 @@ class _OneSpace(_Replay):
 class ReplaySpace(Space):
     """A replayed tier space: the store's placement (:class:`~kvstore.store.placement.Space`, a
     block taking its token count), with a capacity in blocks (``len(sizes)`` counts them) and the
-    next space down."""
+    spaces below it."""
 
-    __slots__ = ("below", "capacity")
+    __slots__ = ("below", "capacity", "under")
     policy: EvictionPolicy  # always one here
+    down: ClassVar[bool] = False  # a replayed tier never has an outage (:class:`~kvstore.store.placement.Home`)
 
     def __init__(self, spec: TierSpec, policy: EvictionPolicy, index: Index) -> None:
         super().__init__(int(spec.tier), policy, index)
         self.capacity = spec.capacity
-        self.below: ReplaySpace | None = None
+        self.below: ReplaySpace | None = None  # the next space down
+        self.under: tuple[ReplaySpace, ...] = ()  # every space below, fastest first
 
 
 def _evicted(top: ReplaySpace, sp: ReplaySpace, v: Block, arrivals: dict[ReplaySpace, list[Block]]) -> None:
-    """``v`` was popped from ``sp``. The movers place it in the next space down at once (a
-    demotion, written later): from the top when the next space lacks it, from a space below
-    when no space but the top holds it still (to the first one below that lacks it). Then it
-    leaves ``sp`` (and the index, when no space holds it)."""
-    rest = v.tiers & ~sp.bit  # where else it is
-    below = sp.below
-    if sp is not top:
-        below = None if rest & ~top.bit else below
-        while below is not None and rest & below.bit:
-            below = below.below
-    if below is not None and below.capacity > 0 and not rest & below.bit:
+    """``v`` was popped from ``sp``: it goes where the store's movers pass it down
+    (:func:`~kvstore.store.placement.next_home`, the one pass-down rule; a space of no capacity
+    takes nothing). Where the store queues the demotion and places it when its batch is written,
+    the replay places it at once (the only difference). Then it leaves ``sp`` (and the index,
+    when no space holds it)."""
+    below = next_home(sp.under, v, sp.bit, top.bit)
+    if below is not None and below.capacity > 0:
         below.place(v)
         arrivals.setdefault(below, []).append(v)
     sp.unplace(v)
@@ -333,17 +331,17 @@ def plain_pop(policy: EvictionPolicy, ok: Callable[[Block], bool] | None) -> Blo
     return cast("Block | None", policy.pop_victim(cast("Eligible | None", ok)))
 
 
-def _allocate(top: ReplaySpace, n: int, pinned: Sequence[Block] = (), pop: Pop = plain_pop) -> int:
+def _allocate(top: ReplaySpace, n: int, pinned: Sequence[Block] = (), retention: Retention | None = None) -> int:
     """The store's slots for ``n`` blocks in the top space: victims popped until they fit (or none
     is left but ``pinned`` ones), each demoted; then every space below is brought within its
     capacity with its new arrivals and ``pinned`` held (being written, leased: the demotion
-    writer's ``_make_room``). How many of the ``n`` fit. ``pop`` picks each victim (the soft pin's
-    :meth:`~kvstore.store.retention.Retention.pop_victim` with hints)."""
+    writer's ``_make_room``). How many of the ``n`` fit. Each victim is the store's pick
+    (:meth:`~kvstore.store.placement.Space.victim`; with hints, ``retention``'s soft pin)."""
     arrivals: dict[ReplaySpace, list[Block]] = {}
     pins = set(pinned)
     ok = pins.__contains__
     while len(top.sizes) + n > top.capacity:
-        v = pop(top.policy, (lambda b: not ok(b)) if pins else None)
+        v = top.victim(retention, (lambda b: not ok(b)) if pins else None)
         if v is None:
             break
         _evicted(top, top, v, arrivals)
@@ -353,14 +351,14 @@ def _allocate(top: ReplaySpace, n: int, pinned: Sequence[Block] = (), pop: Pop =
         for b in held:
             sp.policy.hold(b)
         while len(sp.sizes) > sp.capacity:
-            v = pop(sp.policy, None)
+            v = sp.victim(retention)
             if v is None:
                 break
             _evicted(top, sp, v, arrivals)
         for b in held:
             sp.policy.release(b)
         while len(sp.sizes) > sp.capacity:  # only arrivals left: the oldest are refused (passed on or dropped)
-            v = pop(sp.policy, (lambda b: not ok(b)) if pins else None)
+            v = sp.victim(retention, (lambda b: not ok(b)) if pins else None)
             if v is None:
                 break
             _evicted(top, sp, v, arrivals)
@@ -392,7 +390,7 @@ class _Tiered(_Replay):
     A victim of the top goes to the next space down at once (the movers place a demotion before
     it is written); the spaces below make room after each allocation, their arrivals held."""
 
-    __slots__ = ("bt", "labels", "pop", "spaces", "tier_hits", "top")
+    __slots__ = ("bt", "labels", "spaces", "tier_hits", "top")
 
     def __init__(
         self,
@@ -404,13 +402,12 @@ class _Tiered(_Replay):
     ) -> None:
         super().__init__(trace, hinting, ~0, {int(s.tier): s.capacity for s in specs})
         spaces = [ReplaySpace(s, p, self.index) for s, p in zip(specs, policies)]
-        for upper, lower in itertools.pairwise(spaces):
-            upper.below = lower
+        for i, (upper, lower) in enumerate(itertools.pairwise(spaces)):
+            upper.below, upper.under = lower, tuple(spaces[i + 1 :])
         self.spaces, self.top = spaces, spaces[0]
         self.labels = [(int(s.tier), s.tier.label) for s in specs]
         self.tier_hits = tier_hits  # prefix hits by the tier that served them
         self.bt = trace.block_tokens
-        self.pop: Pop = self.retention.pop_victim if self.retention is not None else plain_pop
 
     def serve(self, req: Request, keys: Sequence[BlockKey]) -> None:
         run = self.lookup(keys)
@@ -447,7 +444,7 @@ class _Tiered(_Replay):
         if not up:
             return
         evicts = len(top.sizes) + len(up) > top.capacity
-        room = _allocate(top, len(up), run, self.pop)
+        room = _allocate(top, len(up), run, self.retention)
         for b in up[:room]:
             top.place(b)
         readable = list(itertools.takewhile(lambda b: bool(b.tiers & top.bit), run))
@@ -472,7 +469,7 @@ class _Tiered(_Replay):
         self.hits += hits
         if new:
             top = self.top
-            room = _allocate(top, len(new), pop=self.pop) if top.capacity > 0 else 0
+            room = _allocate(top, len(new), retention=self.retention) if top.capacity > 0 else 0
             for b in new[room:]:
                 index.drop(b)
             del new[room:]

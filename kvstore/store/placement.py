@@ -11,17 +11,24 @@ Every placement goes through one: the DRAM space's (:class:`~kvstore.store.space
 which adds the slab and its slots), each lower tier's level (:mod:`kvstore.tiers.movers`, which
 adds the demotion queue and the writes), and ``kvstore replay``'s tier spaces
 (:mod:`kvstore.sim.replay`, :mod:`kvstore.sim.cluster`, which add a capacity in blocks), so the
-simulator places as the store does. Pure bookkeeping, no I/O; it decides no victim (the owner
-of the space pops the policy's, through the retention's soft pin).
+simulator places as the store does. Pure bookkeeping, no I/O.
+
+The eviction decision is here too, once for the store and the replay alike: which block leaves a
+space next (:meth:`Space.victim`, the one victim rule: the policy's pick through the retention's
+soft pin) and where its bytes go when it leaves (:func:`next_home`, the one pass-down rule).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
-from kvstore.policy.base import EvictionPolicy
+from kvstore.policy.base import Eligible, EvictionPolicy
 from kvstore.store.index import Block, Index
 from kvstore.store.tenants import Quotas
+
+if TYPE_CHECKING:
+    from kvstore.store.retention import Retention
 
 Footprint = Callable[[int, str], int]  # (block size, namespace label) -> what the block takes in the tier
 
@@ -95,6 +102,55 @@ class Space:
             index.drop(b)
         return True
 
+    def victim(
+        self, retention: Retention | None, ok: Callable[[Block], bool] | None = None, rest: Iterable[Block] = ()
+    ) -> Block | None:
+        """The one victim rule: the block to leave this space next, out of the policy now. The
+        policy's next victim among the blocks ``ok`` accepts (None: any), through ``retention``'s
+        soft pin (an unretained one while there is any; None: no hints, the policy's own pick);
+        when the policy offers none (a prefix-aware one keeps parents for their children), the
+        first of ``rest`` (the caller's evictable blocks here, which the policy holds) by
+        retention alone. None: nothing may leave. The store's DRAM and levels and ``kvstore
+        replay``'s spaces all pick through it."""
+        policy = cast(EvictionPolicy, self.policy)  # (an unordered space has no victims)
+        if retention is None:
+            b = cast("Block | None", policy.pop_victim(cast("Eligible | None", ok)))
+        else:
+            b = retention.pop_victim(policy, ok)
+        if b is None:
+            b = next(iter(rest), None) if retention is None else retention.least(rest)
+            if b is not None:
+                policy.remove(b)
+        return b
+
     def __len__(self) -> int:
         """How many blocks are placed here."""
         return len(self.sizes)
+
+
+class Home(Protocol):
+    """A tier a block may pass down to (a store's level, a replay's space)."""
+
+    @property
+    def bit(self) -> int: ...  # the tier's bit in Block.tiers
+
+    @property
+    def down(self) -> bool: ...  # True: it takes no blocks now (an outage)
+
+
+H = TypeVar("H", bound=Home)
+
+
+def next_home(below: Sequence[H], b: Block, leaving: int, top: int) -> H | None:
+    """The one pass-down rule: where ``b``'s bytes go when ``b`` leaves the tier of bit
+    ``leaving``, given ``below``, the tiers under that one (fastest first), and ``top``, the bit
+    of the top tier (DRAM). It goes to the first of ``below`` that is up, unless its bytes are
+    kept below already: leaving the top, when that tier holds it; leaving a lower tier, when any
+    tier but the top and the one it leaves holds it. None: nowhere (dropped, unless a tier holds
+    it). The store's movers (a DRAM eviction's demotion, a level's victim or refused demotion)
+    and ``kvstore replay`` both ask it."""
+    for target in below:  # (a loop, not next() over a generator: the replay asks per victim)
+        if not target.down:
+            kept = b.tiers & target.bit if leaving == top else b.tiers & ~(top | leaving)
+            return None if kept else target
+    return None

@@ -15,7 +15,7 @@ written, a promotion being read) it holds its slot and cannot be evicted. What p
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import cast
 
 import numpy as np
@@ -148,14 +148,18 @@ class DramSpace:
                 f"blocks: tenant {tenant or '-'!r} would pass its DRAM quota of {quotas.quota(tenant)} bytes "
                 f"(tenants.dram_quota_bytes) by {excess} bytes, and only {evictable} bytes of its blocks may leave"
             )
-        while quotas.excess(tenant, nbytes):
-            victim = self.retention.pop_victim(self.policy, own)
-            if victim is None:  # the policy keeps the rest for their children: take one anyway
-                victim = self.retention.least(b for b in self.policy_blocks() if own(b))
-                assert victim is not None, "the tenant's evictable bytes were counted above"
+        def theirs() -> Iterator[Block]:  # (lazy: scanned only when the policy offers no victim)
+            yield from (b for b in self.policy_blocks() if own(b))
 
-                self.policy.remove(victim)
+        while quotas.excess(tenant, nbytes):
+            victim = self.victim(own, theirs())
+            assert victim is not None, "the tenant's evictable bytes were counted above"
             self.evict(victim)
+
+    def victim(self, ok: Callable[[Block], bool] | None, rest: Iterable[Block] = ()) -> Block | None:
+        """DRAM's next victim that ``ok`` accepts, out of the policy now; the first of ``rest``
+        by retention when the policy offers none (:meth:`Space.victim`, the one victim rule)."""
+        return self.placement.victim(self.retention, ok, rest)
 
     def policy_blocks(self) -> list[Block]:
         """The blocks in DRAM (placed), in slab order."""
@@ -174,7 +178,7 @@ class DramSpace:
         empties the policy: for a stop's drain only (:mod:`kvstore.tiers.drain`)."""
         self.drain_touches()
         order: list[Block] = []
-        while (b := self.retention.pop_victim(self.policy, None)) is not None:
+        while (b := self.victim(None)) is not None:
             order.append(b)
         order.reverse()
         popped = set(order)
@@ -451,7 +455,6 @@ class _Room:
     def _taker(self, cls: int) -> Callable[[], Slot]:
         """What takes the next slot of class ``cls``, evicting when none is free."""
         slab, space, left, whole = self.slab, self.space, self.left, self._is_whole
-        policy = space.policy
         own = self._own(cls)
 
         may_evict = self.may_evict
@@ -462,16 +465,13 @@ class _Room:
             slot = _slot_of(b)
             return slot.cls == cls or (not left.get(slot.cls) and whole(slab.page_of(slot)))
 
-        pop, least = space.retention.pop_victim, space.retention.least
+        pick = space.victim
 
         def take() -> Slot:
             while (slot := slab.try_alloc(cls)) is None:
-                victim = pop(policy, victim_ok)
-                if victim is None:  # the policy keeps the rest for their children: take one anyway
-                    victim = least(own)
-                    if victim is None:
-                        raise self._full()
-                    policy.remove(victim)
+                victim = pick(victim_ok, own)
+                if victim is None:
+                    raise self._full()
                 if _slot_of(victim).cls == cls:
                     space.evict(victim)
                 else:
@@ -502,7 +502,7 @@ class _Room:
                 and self._is_whole(slab.page_of(_slot_of(b)))
             )
 
-        victim = self.space.retention.pop_victim(self.space.policy, victim_ok)
+        victim = self.space.victim(victim_ok)
         if victim is not None:
             page: Page | None = slab.page_of(_slot_of(victim))
         else:

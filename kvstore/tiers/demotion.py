@@ -28,6 +28,7 @@ import numpy as np
 from kvstore.dram.copying import copy_blocks
 from kvstore.dram.staging import StagingPool
 from kvstore.store.index import DRAM, Block
+from kvstore.store.placement import next_home
 from kvstore.store.sealing import seal  # (the store's one hash-and-seal, from the staging copy)
 from kvstore.store.space import DramSpace
 from kvstore.tiers.crew import Crew
@@ -145,8 +146,8 @@ class Demotion:
         if b.replica and b.retain_until <= self.space.retention.clock():
             return  # fetched from another node, which holds it: drop this copy, spend no tier on it
         # (a retained replica is demoted as any block: the retention is a promise to keep it near)
-        target = next((lv for lv in self.levels if not lv.down), None)
-        if target is None or target.holds(b):
+        target = next_home(self.levels, b, DRAM, DRAM)  # (the one pass-down rule)
+        if target is None:
             if not b.tiers & ~DRAM:
                 self.stats.drop("dram", "no_tier")
             return  # nowhere to go, or the next tier down has it already
@@ -335,7 +336,7 @@ class Demotion:
         for staged in refused:
             b, data, _ = staged
             target = self.eviction.down_from(lv, b)
-            if target is not None and not b.tiers & ~(DRAM | lv.bit) and self._staged.get(b) is data:
+            if target is not None and self._staged.get(b) is data:
                 self._queue(target, staged)  # placed there before it leaves lv: never in no tier
                 lv.unplace(b)
             else:

@@ -25,6 +25,7 @@ import numpy as np
 from kvstore.errors import Unavailable
 from kvstore.store.counters import Stats
 from kvstore.store.index import DRAM, Block
+from kvstore.store.placement import next_home
 from kvstore.store.space import DramSpace
 from kvstore.store.tenants import Quotas
 from kvstore.tiers.level import Level
@@ -67,10 +68,10 @@ class Eviction:
         self._passes = {lv: asyncio.Lock() for lv in levels}
 
     def down_from(self, lv: Level, b: Block) -> Level | None:
-        """Where ``b`` goes when it leaves ``lv``: the next level below ``lv`` that is up and does not
-        hold it already; None: nowhere (dropped)."""
-        below = self.levels[self.levels.index(lv) + 1 :]
-        return next((t for t in below if not t.down and not t.holds(b)), None)
+        """Where ``b``'s bytes go when it leaves ``lv`` (:func:`next_home`, the one pass-down rule):
+        the next level below ``lv`` that is up, unless a tier below DRAM other than ``lv`` holds
+        it; None: nowhere (dropped, unless such a tier holds it)."""
+        return next_home(self.levels[self.levels.index(lv) + 1 :], b, lv.bit, DRAM)
 
     async def trim(self, lv: Level) -> None:
         """Every tenant within its quota in ``lv`` (quotas lowered since its blocks were written)."""
@@ -142,13 +143,11 @@ class Eviction:
         def may(x: Block) -> bool:
             return not x.pinned and x not in staged and x not in kept and ok(x)
 
-        retention = self.space.retention  # the soft pin: a retained block goes last here too
-        b = retention.pop_victim(policy, may)
-        if b is None:
-            b = retention.least(x for x in lv.held if x in policy and may(x))
-            if b is not None:
-                policy.remove(b)
-        return b
+        def rest() -> Iterator[Block]:  # (lazy: read only when the policy offers no victim)
+            yield from (x for x in lv.held if x in policy and may(x))
+
+        # The one victim rule, the store's soft pin with it: a retained block goes last here too.
+        return lv.placement.victim(self.space.retention, may, rest())
 
     async def _within_quotas(
         self, lv: Level, quotas: Quotas, keep: list[Block], out: dict[Block, int], fresh: bool
@@ -226,7 +225,7 @@ class Eviction:
             lv.quotas.evicted(b)
         target = self.down_from(lv, b)
         reason = "no_tier"  # why it is dropped if no tier holds it after this
-        if target is not None and not b.tiers & ~(DRAM | lv.bit):
+        if target is not None:
             try:
                 reason = await self._pass_down(lv, target, b)
             except Unavailable as exc:
