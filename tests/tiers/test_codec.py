@@ -3,8 +3,8 @@ names it, a promotion decodes it and checks the commit's checksum over the raw b
 naming an unknown codec is an unreadable copy, never served.
 
 A throwaway codec registered from this module (a byte-wise XOR, reversible and size-keeping)
-stands for a compressing one: what the SSD holds differs from the raw bytes. Real sidecar, real
-SSD directory (both layouts), real gRPC client."""
+stands for a compressing one: what the tier holds differs from the raw bytes. Real sidecar, real
+SSD directory (both layouts) and redis-server, real gRPC client."""
 
 from __future__ import annotations
 
@@ -52,10 +52,15 @@ def xor_codec() -> Iterator[Xor]:
     codecs.unregister(c)
 
 
-def stored_bytes(sc: Sidecar, key: bytes) -> bytes:
-    """What the SSD tier holds for ``key``'s payload, read from its files."""
-    lv = next(lv for lv in sc.store.tiering.levels if lv.name == "ssd")
+def stored_bytes(sc: Sidecar, key: bytes, redis_url: str = "") -> bytes:
+    """What the tier below holds for ``key``'s payload, read from its files (or Redis's chunks)."""
+    lv = sc.store.tiering.levels[0]
     ref = BlockRef(NS.root, BlockKey(key))
+    if redis_url:
+        import redis as sync_redis
+
+        r = sync_redis.Redis.from_url(redis_url)
+        return b"".join(r.get(k) or b"" for k in lv.tier.chunk_keys(ref, PAGE))
     if hasattr(lv.tier, "locate"):
         path, offset, size = lv.tier.locate(ref)
     else:
@@ -94,24 +99,29 @@ def test_an_unknown_codec_is_a_clear_error_and_a_taken_id_is_refused(xor_codec):
     assert codecs.codec_of(200) is xor_codec
 
 
-@pytest.mark.parametrize("layout", ["files", "segments"])
-async def test_a_demotion_stores_encoded_bytes_and_a_promotion_returns_the_raw_ones(tmp_path, layout, xor_codec):
-    async with Sidecar(tiered_config(tmp_path, **{"ssd.layout": layout})) as sc, \
-            KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
-        next(lv for lv in sc.store.tiering.levels if lv.name == "ssd").codec = xor_codec
+@pytest.mark.parametrize("tier", ["files", "segments", "redis"])
+async def test_a_demotion_stores_encoded_bytes_and_a_promotion_returns_the_raw_ones(tmp_path, tier, xor_codec, request):
+    over: dict[str, object] = {"ssd.layout": tier} if tier != "redis" else {}
+    url = ""
+    if tier == "redis":
+        url = request.getfixturevalue("redis_clean").url
+        over.update({"ssd.enabled": False, "tiering.chain": ["redis"], "redis.enabled": True, "redis.url": url})
+    name = "redis" if url else "ssd"
+    async with Sidecar(tiered_config(tmp_path, **over)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        sc.store.tiering.levels[0].codec = xor_codec
         a, b = chain(40, 2), chain(41, 4)
         da = blocks_for(2, 40)
         await c.put_blocks(NS, a, da)
         await c.put_blocks(NS, b, blocks_for(4, 41))  # DRAM holds 4 slots: a goes down
         await settle(sc)
-        assert placement(sc, a) == ["ssd", "ssd"]
-        on_disk = [stored_bytes(sc, k) for k in a]
-        assert on_disk == [xor(d) for d in da] and on_disk != da  # the SSD holds the encoded bytes
+        assert placement(sc, a) == [name, name]
+        on_disk = [stored_bytes(sc, k, url) for k in a]
+        assert on_disk == [xor(d) for d in da] and on_disk != da  # the tier holds the encoded bytes
         got = await c.get_blocks(NS, a)
         assert [g.tobytes() for g in got] == da  # the raw bytes, their commit checksum held
         blocks = sc.store.index.namespaces[NS.root].blocks
         assert [blocks[k].checksum for k in a] == [checksum(d) for d in da]
-        stats = (await c.stats())["tiers"]["ssd"]
+        stats = (await c.stats())["tiers"][name]
         assert stats["promotions"] == 2 and stats["checksum_failures"] == 0
 
 
