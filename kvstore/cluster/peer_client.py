@@ -27,6 +27,7 @@ import numpy as np
 from kvstore.cluster import peer_frames, peer_hello
 from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey
 from kvstore.cluster.peer_frames import Frames
+from kvstore.codec import UnknownCodec, codec_of, decode
 from kvstore.store.checksum import checksum
 from kvstore.store.retention import MAX_RETAIN_MS, PRIORITIES
 from kvstore.util.address import split_host_port
@@ -164,15 +165,21 @@ def _exchange(
     if entries is None:
         raise w.PeerProtocolError("an answer not sealed with this connection's key (sent by another party)")
     heads: list[w.Fields] = list(w.ENTRY.iter_unpack(entries))
-    for (size, _, ms, priority), view in zip(heads, into):
+    for (size, _, ms, priority, codec), view in zip(heads, into):
+        try:
+            codec_of(codec)
+        except UnknownCodec as exc:
+            raise w.PeerProtocolError(f"answer entry: {exc}") from None
         if size != view.nbytes:
             raise w.PeerProtocolError(f"block of {size} bytes where {view.nbytes} were expected")
         if ms > MAX_RETAIN_MS or priority >= PRIORITIES:
             raise w.PeerProtocolError(
                 f"retention of {ms} ms, priority {priority} (0..{MAX_RETAIN_MS}, 0..{PRIORITIES - 1})"
             )
-    for (_, sent, ms, priority), view in zip(heads, into):
-        frames.recv_block(sock, memoryview(view).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
+    for (_, sent, ms, priority, codec), view in zip(heads, into):
+        got = memoryview(view).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
+        frames.recv_block(sock, got)
+        decode(codec, got)  # (the checksum is of the raw bytes)
         out.checksums.append(sent)
         out.hashes.append(checksum(view))
         out.retained.append((ms, priority))

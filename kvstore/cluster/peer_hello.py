@@ -1,8 +1,8 @@
 """The peer data path's hello: each side proves it holds the cluster token without sending it, and
 the holder proves which incarnation of its node answers.
 
-    fetcher -> holder   "KVP4" u16 name length, u8 flags, nonce (16 random bytes), the fetcher's node id
-    holder -> fetcher   "KVP4" u16 name length, u8 flags, nonce (16 random bytes), the holder's node id,
+    fetcher -> holder   "KVP5" u16 name length, u8 flags, nonce (16 random bytes), the fetcher's node id
+    holder -> fetcher   "KVP5" u16 name length, u8 flags, nonce (16 random bytes), the holder's node id,
                         u64 its incarnation,
                         proof (32) = HMAC(hello key, "holder", both nonces, both names, incarnation,
                         the holder's address, both flags)
@@ -33,8 +33,8 @@ encrypted when either side set it (:mod:`kvstore.cluster.peer_frames`); both fla
 proofs, so a party on the path cannot clear one. Other bits: not a hello of this version (closed).
 
 A peer of another version ("KVP1", the token in clear; "KVP2", no incarnation; "KVP3", answers
-without the holder's retention) is told nothing and closed: old and new versions miss each other
-(docs/cluster.md, "Rolling updates").
+without the holder's retention; "KVP4", answer entries without a codec) is told nothing and
+closed: old and new versions miss each other (docs/cluster.md, "Rolling updates").
 
 Both sides then hold the connection's own key (:class:`~kvstore.cluster.cluster_key.Session`,
 from the same nonces, names and incarnation): every request and every answer's head after the
@@ -56,7 +56,7 @@ from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES, ClusterKey, He
 from kvstore.util.tokens import token_matches
 from kvstore.wire import peer as w
 
-MAGIC = b"KVP4"  # 4: an answer carries the holder's retention of each block (kvstore.wire.peer)
+MAGIC = b"KVP5"  # 5: each entry of an answer names its bytes' codec (kvstore.wire.peer); 4: retention
 GREETING = struct.Struct("<4sHB")  # magic, name length, flags (then the nonce and the name)
 ENCRYPT = 1  # a flag: this side wants the connection encrypted
 INCARNATION = struct.Struct("<Q")  # the holder's, after its name

@@ -43,6 +43,7 @@ import numpy as np
 from kvstore.cluster import peer_frames, peer_hello
 from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey
 from kvstore.cluster.peer_frames import Frames
+from kvstore.codec import IDENTITY
 from kvstore.store.latency import Latencies
 from kvstore.util.address import split_host_port
 from kvstore.util.backoff import accept_backoff
@@ -244,7 +245,7 @@ class PeerServer:
         try:
             blocks = lent.blocks
             answer = frames.answer_head(
-                [(data.nbytes, checksum, *held) for (checksum, data), held in zip(blocks, lent.retained)]
+                [(data.nbytes, checksum, *held, IDENTITY.id) for (checksum, data), held in zip(blocks, lent.retained)]
             )
             # (a 1-D uint8 array is a buffer; numpy's stubs do not say so before Python 3.12)
             payload = [memoryview(data) for _, data in blocks]  # type: ignore[arg-type]

@@ -44,35 +44,41 @@ class BlockMeta:
     checksum: int  # xxh3_64 of the bytes
     label: str = ""  # namespace label, for stats after a restart (only for reading)
     tenant: str = ""  # the namespace's tenant tag (kvstore.store.tenants), for its quotas after a restart
+    codec: int = 0  # the codec the stored bytes went through (kvstore.tiers.codec; 0: identity, as stored)
 
 
 # magic, version, ns(32), key(32), has_parent, parent(32), size, checksum, length of the rest; the
 # rest (version 2): the tenant tag (TENANT_BYTES, ASCII, NUL-padded; all NUL: no tenant), the label.
+# Version 3 starts the rest with one byte more, the codec id (kvstore.tiers.codec), and is written
+# only for a codec other than identity: an identity block's header is version 2, byte for byte what
+# it was before the field (older sidecars read it; they refuse a version 3 one as a bad header).
 # Version 1 (before the tenant was a field) has the label alone: read with no tenant, since its
-# label, built from the client's free text, cannot tell one.
+# label, built from the client's free text, cannot tell one. Versions 1 and 2 read as identity.
 _HEADER = struct.Struct("<4sH32s32s?32sQQH")
 MAGIC = b"KVB1"
 VERSION = 2
+VERSION_CODEC = 3
 TENANT_BYTES = TENANT_TAG_HEX
 LABEL_MAX = 0xFFFF - TENANT_BYTES  # label bytes a header keeps (the rest's length is a u16)
 HashedRead = tuple[BlockMeta | None, int | None]  # a block's header (None on a miss) and the xxh3_64 of its bytes
 
 
-def _label_bytes(label: str) -> bytes:
-    return label.encode()[:LABEL_MAX]
+def _label_bytes(label: str, codec: int = 0) -> bytes:
+    return label.encode()[: LABEL_MAX - bool(codec)]
 
 
-def header_bytes(label: str) -> int:
-    """Length of the header :func:`encode_header` writes for a block with ``label``."""
-    return _HEADER.size + TENANT_BYTES + len(_label_bytes(label))
+def header_bytes(label: str, codec: int = 0) -> int:
+    """Length of the header :func:`encode_header` writes for a block with ``label`` (and ``codec``)."""
+    return _HEADER.size + bool(codec) + TENANT_BYTES + len(_label_bytes(label, codec))
 
 
 def encode_header(meta: BlockMeta) -> bytes:
-    rest = meta.tenant.encode().ljust(TENANT_BYTES, b"\0") + _label_bytes(meta.label)
+    codec = bytes([meta.codec]) if meta.codec else b""  # (version 3 only)
+    rest = codec + meta.tenant.encode().ljust(TENANT_BYTES, b"\0") + _label_bytes(meta.label, meta.codec)
     return (
         _HEADER.pack(
-            MAGIC, VERSION, meta.ref.ns, meta.ref.key, bool(meta.parent), meta.parent.ljust(32, b"\0"),
-            meta.size, meta.checksum, len(rest),
+            MAGIC, VERSION_CODEC if meta.codec else VERSION, meta.ref.ns, meta.ref.key, bool(meta.parent),
+            meta.parent.ljust(32, b"\0"), meta.size, meta.checksum, len(rest),
         )
         + rest
     )
@@ -93,15 +99,19 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockMeta:
     if len(buf) < _HEADER.size:
         raise ChecksumMismatch(f"block header truncated ({len(buf)} of {_HEADER.size} bytes)")
     magic, version, ns, key, has_parent, parent, size, checksum, n = _HEADER.unpack_from(buf)
-    if magic != MAGIC or version not in (1, VERSION):
+    if magic != MAGIC or version not in (1, VERSION, VERSION_CODEC):
         raise ChecksumMismatch(f"bad block header (magic {magic!r}, version {version})")
     rest = bytes(buf[_HEADER.size : _HEADER.size + n])
-    tenant = ""
-    if version == VERSION:
+    tenant, codec = "", 0
+    if version == VERSION_CODEC:
+        if not rest or not rest[0]:
+            raise ChecksumMismatch(f"bad block header (codec field {rest[:1]!r})")
+        codec, rest = rest[0], rest[1:]
+    if version >= VERSION:
         tenant = _tenant(rest[:TENANT_BYTES])
         rest = rest[TENANT_BYTES:]
     label = rest.decode(errors="replace")
-    return BlockMeta(BlockRef(ns, key), parent if has_parent else b"", size, checksum, label, tenant)
+    return BlockMeta(BlockRef(ns, key), parent if has_parent else b"", size, checksum, label, tenant, codec)
 
 
 _HEX = frozenset(b"0123456789abcdef")

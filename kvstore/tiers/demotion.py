@@ -289,7 +289,7 @@ class Demotion:
                 self._release_staged(batch)  # written
 
     async def _put(self, lv: Level, live: list[tuple[Block, np.ndarray]]) -> None:
-        items = [(lv.meta(b), d.data) for b, d in live]
+        items = [lv.encoded(b, d.data) for b, d in live]  # (through the level's codec)
         with self.stats.latency.timed("demotion", (lv.name,)):  # (a failure is _write_batch's to handle)
             async with lv.slots:
                 await lv.tier.put_many(items)

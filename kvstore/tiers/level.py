@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
+from kvstore.codec import IDENTITY, Codec, encode
 from kvstore.config import TIER_IN_FLIGHT
 from kvstore.errors import Unavailable
 from kvstore.policy.base import EvictionPolicy
@@ -62,6 +64,7 @@ class Level:
         # quotas), each block's footprint and their sum, the tenant quotas in this tier.
         self.placement = Space(bit, policy, index, footprint, quotas)
         self.write_through = write_through  # every committed block is written here at once
+        self.codec: Codec = IDENTITY  # what a demotion writes here goes through it (kvstore.codec)
         self._index = index
         self._stats = stats
         # Requests in flight to this tier at once: movers start one task per block, and a burst of
@@ -119,6 +122,14 @@ class Level:
     def meta(self, b: Block) -> BlockMeta:
         """What the tier keeps next to ``b``'s bytes."""
         return BlockMeta(self.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label, b.ns.tenant)
+
+    def encoded(self, b: Block, raw: memoryview) -> tuple[BlockMeta, memoryview]:
+        """What a demotion gives the tier for ``b``: its header naming this level's codec, and
+        ``raw`` through that codec (:mod:`kvstore.codec`; the header's checksum stays the raw bytes')."""
+        meta = self.meta(b)
+        if self.codec is not IDENTITY:
+            meta = dataclasses.replace(meta, codec=self.codec.id)
+        return meta, encode(self.codec, raw)
 
     # --- placement --------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from kvstore.store.space import DramSpace
 from kvstore.tiers.crew import Crew
 from kvstore.tiers.demotion import Demotion
 from kvstore.tiers.level import Level
-from kvstore.tiers.verify import verified_get
+from kvstore.tiers.verify import decoded, verified_get
 
 log = logging.getLogger("kvstore.tiers.movers")
 
@@ -168,6 +168,7 @@ class Promotion:
             with self.stats.latency.timed("promotion", (lv.name,)):  # (a tier timing out shows there)
                 async with lv.slots:
                     read = await lv.tier.get_many_hashed([lv.ref(b) for b in blocks], [v.data for v in views])
+            read = decoded(read, [v.data for v in views])  # (the checksum is of the raw bytes)
         except Unavailable as exc:
             lv.mark_down(exc)
             return [False] * len(items)

@@ -2,7 +2,7 @@
 
 One file, ``<root>/index.log``: *frames*, each a 128-byte frame header (magic, record count,
 crc32 of the records) followed by that many 128-byte records (:data:`RECORD`): a ``put`` names a
-block (namespace id, key, parent, size, checksum) and where its bytes lie (size class, segment,
+block (namespace id, key, parent, size, checksum, codec) and where its bytes lie (size class, segment,
 slot); a ``del`` (tombstone) names a block that is gone. A restart reads the file sequentially and
 decodes it with numpy (:func:`read_log`); the last record of a block decides. A frame whose crc
 does not match (a torn append: the process died inside a ``write``) ends the log, and the file is
@@ -43,7 +43,8 @@ RECORD = np.dtype(
         ("checksum", "<u8"),
         ("seg", "<u4"),
         ("slot", "<u4"),
-        ("reserved", "V24"),
+        ("codec", "u1"),  # the codec the slot's bytes went through (kvstore.tiers.codec; 0: identity)
+        ("reserved", "V23"),  # (zeros: a log written before the codec field reads as identity)
     ]
 )
 assert RECORD.itemsize == 128

@@ -245,18 +245,18 @@ class SegmentTier(TierBase):
         ns_root, label, tenant = self._ns.entries[int(rec["ns"])]
         parent = bytes(rec["parent"]) if int(rec["flags"]) & HAS_PARENT else b""
         ref = BlockRef(NamespaceRoot(ns_root), BlockKey(bytes(rec["key"])))
-        return BlockMeta(ref, parent, int(rec["size"]), int(rec["checksum"]), label, tenant)
+        return BlockMeta(ref, parent, int(rec["size"]), int(rec["checksum"]), label, tenant, int(rec["codec"]))
 
     def _metas(self, records: np.ndarray) -> list[BlockMeta]:
         entries = self._ns.entries
         keys, parents = records["key"].tobytes(), records["parent"].tobytes()
         out = []
-        columns = (records[f].tolist() for f in ("ns", "flags", "size", "checksum"))
-        for i, (ns, flags, size, csum) in enumerate(zip(*columns)):
+        columns = (records[f].tolist() for f in ("ns", "flags", "size", "checksum", "codec"))
+        for i, (ns, flags, size, csum, codec) in enumerate(zip(*columns)):
             root, label, tenant = entries[ns]
             parent = parents[i * 32 : i * 32 + 32] if flags & HAS_PARENT else b""
             ref = BlockRef(root, BlockKey(keys[i * 32 : i * 32 + 32]))
-            out.append(BlockMeta(ref, parent, size, csum, label, tenant))
+            out.append(BlockMeta(ref, parent, size, csum, label, tenant, codec))
         return out
 
     def _read(self, ref: BlockRef, into: memoryview, hashed: bool) -> HashedRead:
@@ -327,6 +327,7 @@ class SegmentTier(TierBase):
         records["parent"] = np.frombuffer(b"".join(m.parent.ljust(32, b"\0") for m in metas), "V32")
         records["size"] = [m.size for m in metas]
         records["checksum"] = [m.checksum for m in metas]
+        records["codec"] = [m.codec for m in metas]
         return records
 
     def _write_slots(

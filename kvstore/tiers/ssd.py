@@ -89,10 +89,10 @@ def _read_full(fd: int, into: memoryview, offset: int) -> int:
     return done
 
 
-def file_bytes(size: int, label: str) -> int:
-    """Bytes of the file of a block of ``size`` bytes whose header carries ``label``: the header
-    (as :func:`encode_header` writes it) padded to a page, then the payload."""
-    return _align(header_bytes(label)) + size
+def file_bytes(size: int, label: str, codec: int = 0) -> int:
+    """Bytes of the file of a block of ``size`` bytes whose header carries ``label`` (and
+    ``codec``): the header (as :func:`encode_header` writes it) padded to a page, then the payload."""
+    return _align(header_bytes(label, codec)) + size
 
 
 def _aligned(data: memoryview) -> bool:
@@ -442,7 +442,7 @@ class SsdTier(TierBase):
                 if len(data) != meta.size:
                     raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
                 header = encode_header(meta)
-                nbytes = file_bytes(meta.size, meta.label)
+                nbytes = file_bytes(meta.size, meta.label, meta.codec)
                 src = self._reserve(nbytes)
                 reserved += nbytes
                 final = self.path_of(meta.ref)

@@ -17,8 +17,12 @@ the thread's call at once.
                                  MAC (16 bytes, the connection's key: its hello's Session)
     answer   holder -> fetcher   u32 m (the leading m <= n blocks the holder has), then m times
                                  (u64 size, u64 checksum, u32 retention left in ms, u8 its
-                                 priority), MAC of those (16 bytes), then the m blocks' bytes
-                                 back to back
+                                 priority, u8 the codec of the bytes sent), MAC of those (16
+                                 bytes), then the m blocks' bytes back to back
+
+The codec (:mod:`kvstore.codec`; 0, identity: the holder's slot as it is) is what the fetcher
+decodes the block's bytes by before it hashes them: the checksum is always of the raw bytes. A
+codec the fetcher does not know ends the fetch (:class:`PeerProtocolError`), a miss.
 
 The retention is the holder's now, on its own clock (0 ms: not retained): the one a fetcher that
 keeps the block adopts (kvstore/store/exchange.py). It comes from the holder it names, under the
@@ -50,7 +54,8 @@ T = TypeVar("T")
 WELCOME = b"OK\0\0"  # the hello's last word (kvstore.cluster.peer_hello)
 REQUEST = struct.Struct("<I")
 COUNT = struct.Struct("<I")  # blocks in the answer
-ENTRY = struct.Struct("<QQIB")  # size, checksum, the holder's retention of the block: ms left (0: none), priority
+# size, checksum, the holder's retention of the block: ms left (0: none), priority; the bytes' codec
+ENTRY = struct.Struct("<QQIBB")
 ROOT_BYTES = KEY_BYTES = 32
 ASKED, ANSWERED = b"request", b"answer"  # what a Session MAC seals
 IO_THREADS = 16  # fetches moving at once, per process, and as many answers (each holds a thread while it moves)
@@ -81,16 +86,17 @@ class PeerStalled(ConnectionError):
 
 
 class Entry(NamedTuple):
-    """One block of an answer: its size and checksum, and the holder's retention of it now (ms
-    left on the holder's clock, 0: none; its priority)."""
+    """One block of an answer: its size and checksum, the holder's retention of it now (ms
+    left on the holder's clock, 0: none; its priority), and the codec of the bytes sent."""
 
     size: int
     checksum: int
     retain_ms: int = 0
     retain_priority: int = 0
+    codec: int = 0
 
 
-Fields = tuple[int, int, int, int]  # an Entry's, as a plain tuple (what a head packs, and unpacks to)
+Fields = tuple[int, int, int, int, int]  # an Entry's, as a plain tuple (what a head packs, and unpacks to)
 
 
 def entries(blocks: Sequence[Fields]) -> bytes:

@@ -73,12 +73,12 @@ class Listener(LoopbackServer):
                     (n,) = struct.unpack("<I", await self._read(reader, 4))
                     body = await self._read(reader, 32 + 32 * n)
                     writer.write(self._answer([body[i : i + 32] for i in range(32, len(body), 32)]))
-            elif magic == b"KVP4":
+            elif magic == b"KVP5":
                 (n, _) = struct.unpack("<HB", await self._read(reader, 3))
                 nonce = await self._read(reader, 16)
                 await self._read(reader, n)
                 name = self.holder.encode()
-                writer.write(b"KVP4" + struct.pack("<HB", len(name), 0) + nonce + name + os.urandom(8 + 32))
+                writer.write(b"KVP5" + struct.pack("<HB", len(name), 0) + nonce + name + os.urandom(8 + 32))
                 self.received += await reader.read()  # whatever the fetcher says next, until it closes
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             if isinstance(exc, asyncio.IncompleteReadError):
@@ -230,7 +230,7 @@ async def test_a_listener_at_a_replayed_member_address_learns_no_token_and_no_ro
                 root = ns.root
                 assert root not in heard and root[:16] not in heard, "the namespace root went to the listener"
                 assert not any(k in heard for k in keys), "a block key went to the listener"
-                assert heard[:4] == b"KVP4" and len(heard) == 4 + 2 + 1 + 16 + len(b"b")  # B's opening only
+                assert heard[:4] == b"KVP5" and len(heard) == 4 + 2 + 1 + 16 + len(b"b")  # B's opening only
                 assert (await cb.stats())["cluster"]["fetch_failures"] >= 1
             finally:
                 await listener.close()
@@ -305,7 +305,7 @@ async def test_an_observer_on_the_path_sees_blocks_but_not_the_token_and_cannot_
             finally:
                 writer.close()
             assert not any(bytes(d) in answer for d in data), "a replayed hello got blocks"
-            assert answer[:4] == b"KVP4" and len(answer) == 4 + 2 + 1 + 16 + len(b"a") + 8 + 32  # its greeting only
+            assert answer[:4] == b"KVP5" and len(answer) == 4 + 2 + 1 + 16 + len(b"a") + 8 + 32  # its greeting only
             assert a.cluster.server.refused == refused + 1
     finally:
         await relay.close()

@@ -139,7 +139,7 @@ class FakeHolder:
             self._keep(sock, peer_hello.NONCE_BYTES + n)
             sock.sendall(peer_hello.opening(self.name, os.urandom(peer_hello.NONCE_BYTES))
                          + os.urandom(peer_hello.INCARNATION.size + peer_hello.PROOF_BYTES))
-            entry = peer_wire.ENTRY.pack(BLOCK, checksum(EVIL_BYTES), 0, 0)
+            entry = peer_wire.ENTRY.pack(BLOCK, checksum(EVIL_BYTES), 0, 0, 0)
             while True:
                 self._keep(sock, 4096)
                 sock.sendall(entry + EVIL_BYTES)

@@ -49,5 +49,5 @@ def test_a_level_keeps_its_tier_space_capacity_and_health_only() -> None:
         if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
     }
     assert fields == {
-        "name", "tier", "capacity", "placement", "write_through", "slots", "_index", "_stats", "_down"
+        "name", "tier", "capacity", "placement", "write_through", "codec", "slots", "_index", "_stats", "_down"
     }, "a mover's state belongs to the mover (demotion.Lane, Removal, Eviction), not to the level"
