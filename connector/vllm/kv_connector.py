@@ -65,9 +65,9 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def kvstore_stats(self) -> dict[str, Any]:
         """This role's counters (loads, saves, failures by reason)."""
         if self._sched is not None:
-            return self._sched.core.stats.as_dict()
+            return self._sched.stats()
         assert self._worker is not None  # one of the two is set by __init__, by role
-        return self._worker.workers.stats()
+        return self._worker.stats()
 
     def _scheduler(self) -> SchedulerSide:
         assert self._sched is not None, "a scheduler-side call on a worker's connector"
@@ -111,7 +111,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._workers().workers.register(kv_caches)
+        self._workers().register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self._workers().handle_preemptions(kv_connector_metadata)
@@ -132,11 +132,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._workers().get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._workers().workers.load_errors()
+        return self._workers().load_errors()
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.workers.close()
+            self._worker.close()
         elif self._sched is not None:
             self._sched.close()
         log.info("kvstore connector (%s) stats: %s", self._role.name, self.kvstore_stats())

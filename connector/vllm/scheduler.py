@@ -217,6 +217,9 @@ class SchedulerSide:
             params = self.handoffs.announce(req.ns, min(req.offered, request.num_prompt_tokens // self.spec.block_size))
         return self.core.request_finished(request.request_id), params
 
+    def stats(self) -> dict[str, Any]:
+        return self.core.stats.as_dict()
+
     def close(self) -> None:
         self.pipeline.close()
 

@@ -63,6 +63,9 @@ class WorkerSide:
         self._pending: set[str] = set()  # requests with saves possibly in flight
         self._finished: set[str] = set()  # finished requests waiting for their saves
 
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        self.workers.register(kv_caches)
+
     def handle_preemptions(self, meta: Any) -> None:
         if getattr(meta, "preempted", None) and self._pending:
             self.workers.wait_for_saves()  # freed blocks are reused in this step
@@ -98,3 +101,12 @@ class WorkerSide:
         self._finished -= done
         self._had_saves -= done
         return done or None, None
+
+    def load_errors(self) -> set[int]:
+        return self.workers.load_errors()
+
+    def stats(self) -> dict[str, Any]:
+        return self.workers.stats()
+
+    def close(self) -> None:
+        self.workers.close()
