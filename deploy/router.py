@@ -31,7 +31,7 @@ go to the least-loaded engine. ``GET /router/stats``: requests per engine, in fl
 by reason, errors, the last decisions. ``POST /router/route[?api=chat]``: the decision for a
 request body, nothing sent. ``GET /healthz``.
 
-The namespace must be the one the engines' connector (connector/vllm_groups.py ``engine_groups``)
+The namespace must be the one the engines' connector (connector/vllm/cache_groups.py ``engine_groups``)
 writes, or no prefix is ever found: ``--model-id`` = the connector's ``model_id`` (default there:
 vLLM's ``--model`` path or name, not ``--served-model-name``), ``--kv-layout`` ``vllm_gpu`` or
 ``vllm_cpu``, ``--dtype`` the KV cache dtype (``float16``, ``bfloat16``, ``float32``, ...),

@@ -25,7 +25,7 @@ TIER_LABELS = NAMES  # every row of kvstore/tier_table.py
 OTHER = "other"  # the /stats namespace (or tenant) entry that sums every one not shown on its own
 OUTCOMES = ("loaded", "recomputed", "fallback", "bypass")  # or "fallback:<reason>", "bypass:<BYPASS_REASONS>"
 # Why a connector served a request without the cache at all (no lookup, no save): its KV depends on
-# more than what its keys hold. A closed set of the reasons connector/vllm.py can give (multimodal
+# more than what its keys hold. A closed set of the reasons connector/vllm/ can give (multimodal
 # items are keyed, not bypassed): /stats and /metrics count bypasses by these reasons only.
 # lora: an adapter without local files; cache_salt: longer than a namespace field holds.
 BYPASS_REASONS = ("lora", "prompt_embeds", "cache_salt")

@@ -151,7 +151,7 @@ def test_a_salted_request_saves_and_finds_every_shard_under_its_salt(client) -> 
 
 
 def test_a_request_s_media_are_in_every_shard_s_keys(client) -> None:
-    """A multimodal request's extra key bytes (connector/vllm_request.py's media_extras) go into
+    """A multimodal request's extra key bytes (connector/vllm/request_keys.py's media_extras) go into
     the keys of every shard, not only shard 0's: rank 1 never saves it as the text-only prompt."""
     extras = {2: b"image:0123"}  # block 2 overlaps an image
     sched = SchedulerConnector(client, RANKS[0], SPEC, shards=RANKS[1:])

@@ -1,4 +1,4 @@
-"""Multimodal items in the keys (connector/vllm_request.py ``media_extras``), with vLLM's own
+"""Multimodal items in the keys (connector/vllm/request_keys.py ``media_extras``), with vLLM's own
 ``Request`` and ``MultiModalFeatureSpec`` objects, through the scheduler and worker sides against a
 real sidecar: a prompt with image A stored at one position is found again only with image A at
 that position; image B, image A elsewhere, an identifier that differs only in its last character,
@@ -14,7 +14,7 @@ from vllm.v1.request import Request
 
 from connector.core import SchedulerConnector, WorkerConnector
 from connector.layout import KVSpec
-from connector.vllm_request import media_extras
+from connector.vllm.request_keys import media_extras
 from kvstore.client import SyncClient
 from kvstore.keys import Namespace
 

@@ -1,4 +1,4 @@
-"""An adapter's identity (connector/vllm_request.py): a hash of its files, cached by path, mtime
+"""An adapter's identity (connector/vllm/request_keys.py): a hash of its files, cached by path, mtime
 and size; the same files elsewhere are the same adapter, changed files another one."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 from safetensors.numpy import save_file
 
-from connector.vllm_request import AdapterHashes
+from connector.vllm.request_keys import AdapterHashes
 
 
 def adapter(path: Path, seed: int) -> Path:

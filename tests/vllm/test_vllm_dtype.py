@@ -1,4 +1,4 @@
-"""The namespace dtype and k/v scale source of a vLLM cache (connector/vllm_dtype.py), from vLLM's
+"""The namespace dtype and k/v scale source of a vLLM cache (connector/vllm/cache_dtype.py), from vLLM's
 own config values: every ``CacheDType`` vLLM 0.32.0 lists is either named exactly or refused,
 naming the field -- never ``uint8``, the tensor dtype vLLM gives every fp8 cache."""
 
@@ -11,7 +11,7 @@ from vllm.config import CacheConfig
 from vllm.config.cache import CacheDType
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 
-from connector.vllm_dtype import kv_cache_dtype, kv_scales_source, torch_name
+from connector.vllm.cache_dtype import kv_cache_dtype, kv_scales_source, torch_name
 
 pytestmark = pytest.mark.vllm
 

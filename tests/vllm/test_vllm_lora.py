@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from vllm_cases import BS, DOC_1, NEW, instance, outputs
 
-from connector.vllm_request import AdapterHashes
+from connector.vllm.request_keys import AdapterHashes
 from kvstore.client import SyncClient
 from kvstore.harness.instance import kvstore_config
 from kvstore.harness.tiny_model import build_tiny_lora

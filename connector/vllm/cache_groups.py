@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connector.layout import KVSpec
-from connector.vllm_dtype import cache_dtype_and_scales
+from connector.vllm.cache_dtype import cache_dtype_and_scales
 from kvstore.keys import Namespace
 
 if TYPE_CHECKING:
