@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -142,7 +142,9 @@ class Sidecar:
             self._tasks.append(task)
             quiet_gc()  # (kvstore.util.tuning: undone when the last sidecar of the process stops)
             self._quiet = True
-            self.ready = True
+            self.ready = True  # serving: the lower tiers' blocks load from now on (/stats recovery)
+            if isinstance(self.store.tiering, Tiering):
+                self.store.tiering.recovery.start()
         except BaseException:
             await self.stop()
             raise
@@ -153,7 +155,16 @@ class Sidecar:
         return self
 
     async def _start_tiering(self) -> None:
-        self.store.tiering = await Tiering.start(self.store.space, self.config, self.store.tenants, self.health)
+        self.store.tiering = await Tiering.start(
+            self.store.space, self.config, self.store.tenants, self.health, recover=False
+        )
+
+    async def recovered(self) -> Mapping[str, object]:
+        """The restart's recovery's end (at once when there is none): what it entered."""
+        tiering = self.store.tiering
+        if isinstance(tiering, Tiering):
+            await tiering.recovery.done.wait()
+        return tiering.recovered()
 
     def _cleanup_stale_segment(self) -> None:
         marker = self.data_dir / "segment"
@@ -320,7 +331,9 @@ class Sidecar:
                 ),
                 flush=True,
             )
+            said = asyncio.create_task(self._say_recovered(), name="kvstore-recovered-line")
             await stop.wait()
+            said.cancel()
             log.info("signal received; draining")
             self._step("signalled")
             slab = self.slab
@@ -328,6 +341,11 @@ class Sidecar:
             self._watchdog = ShutdownWatchdog(loop, limit, lambda: self.phase, lambda: slab.name if slab else "")
             self._watchdog.start()
         self._step("ending the event loop (asyncio.run cancels leftover tasks, joins the default executor)")
+
+    async def _say_recovered(self) -> None:
+        """Ready serves while the lower tiers' blocks load; a second line says when they are all in."""
+        doc = await self.recovered()
+        print(json.dumps({"event": "recovered", "blocks": doc["blocks"], "batches": doc["batches"]}), flush=True)
 
     def finished(self) -> None:
         """The process is about to exit (``asyncio.run`` has returned): the watchdog stands down."""
