@@ -137,3 +137,17 @@ def test_a_put_of_a_key_still_loading_wins(tmp_path, serve_process):
         assert [g.tobytes() for g in c.get_blocks(NS, [key(other)])] == [content(key(other), b"new")]
         assert [g.tobytes() for g in c.get_blocks(NS, [key(same)])] == [content(key(same))]
         assert found(c) == list(range(BLOCKS))
+
+
+def test_a_stop_while_recovering_ends_cleanly_and_the_next_start_loads_everything(tmp_path, serve_process):
+    """SIGTERM while the recovery is held after its first batch: the stop cancels it (exit 0, no
+    traceback); the directory is untouched, and the next start loads every block."""
+    sc = serve(tmp_path, serve_process)
+    assert recovery(sc.http)["recovering"] is True
+    assert sc.stop() == 0
+    assert "Traceback" not in sc.logs()
+    (tmp_path / "go").touch()
+    again = serve_process(sc.proc.args[3:], entry=("-c", HELD))
+    assert again.recovered == {"event": "recovered", "blocks": BLOCKS, "batches": BLOCKS // BATCH}
+    with SyncClient(again.grpc) as c:
+        assert found(c) == list(range(BLOCKS))
