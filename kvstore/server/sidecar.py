@@ -105,7 +105,10 @@ class Sidecar:
 
     # --- start / stop -----------------------------------------------------------------------
 
-    async def start(self) -> Sidecar:
+    async def start(self, recovered: bool = True) -> Sidecar:
+        """Serve. ``recovered`` False: return as soon as it serves, the lower tiers' blocks still
+        loading into the index in the background (``kvstore serve``: /stats ``recovery``); True
+        (in-process callers): once they are all in."""
         cfg = self.config
         self.lock.acquire()
         try:
@@ -152,6 +155,8 @@ class Sidecar:
             "kvstore ready",
             extra={"grpc_port": self.grpc_port, "http_port": self.http_port, "segment": self.slab.name},
         )
+        if recovered:
+            await self.recovered()
         return self
 
     async def _start_tiering(self) -> None:
@@ -314,7 +319,8 @@ class Sidecar:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        async with self:
+        await self.start(recovered=False)  # (ready = serving: the recovery goes on behind it)
+        try:
             host = self.config.server.grpc_address.rpartition(":")[0]
             grpc_address = self.config.server.grpc_address if host.startswith("unix") else f"{host}:{self.grpc_port}"
             http_host = self.config.server.http_address.rpartition(":")[0]
@@ -340,6 +346,8 @@ class Sidecar:
             limit = self.config.server.stop_bound_s()
             self._watchdog = ShutdownWatchdog(loop, limit, lambda: self.phase, lambda: slab.name if slab else "")
             self._watchdog.start()
+        finally:
+            await self.stop()
         self._step("ending the event loop (asyncio.run cancels leftover tasks, joins the default executor)")
 
     async def _say_recovered(self) -> None:
