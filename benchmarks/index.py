@@ -15,8 +15,10 @@ the same process on the same bytes:
   sidecar's recovery reads it; ``*_cpu_s``: this process's CPU time of each), against reading
   the log's bytes sequentially (``segments``) or the same number of bytes (``files``: its
   headers, one page a block) from one file;
-* ``serve_restart_s``: ``kvstore serve`` started on that directory until its ready line, minus a
-  start on an empty one (measured once per run), and the sidecar's ``RssAnon`` per block held
+* ``serve_restart_s``: ``kvstore serve`` started on that directory until its ready line (from then
+  on it answers Lookups, a block not loaded yet a miss), minus a start on an empty one (measured
+  once per run); ``serve_recovered_s``: until its recovered line (every block loaded into the
+  index, kvstore.tiers.recovery), minus the same; and the sidecar's ``RssAnon`` per block held
   then (``serve_rss_per_block_B``; the Python index's memory, issue 41 item 1, not this layout's);
 * ``disk_bytes_per_block``: what the directory takes on the filesystem, against the payload;
 * ``tier_index_bytes_per_block``: the segment tier's own in-memory index (its record array and
@@ -132,22 +134,27 @@ def raw_read_s(path: Path) -> float:
     return time.perf_counter() - t
 
 
-def serve_start(data_dir: Path, layout: str) -> tuple[float, int]:
-    """Seconds until ``kvstore serve`` is ready on ``data_dir``, and its RssAnon then (bytes)."""
+def serve_start(data_dir: Path, layout: str) -> tuple[float, float, int]:
+    """Seconds until ``kvstore serve`` is ready on ``data_dir``, until it has recovered every block,
+    and its RssAnon then (bytes)."""
     args = ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(data_dir)]
     env = {"KVSTORE_DRAM__CAPACITY_BYTES": str(64 << 20), "KVSTORE_SSD__CAPACITY_BYTES": str(1 << 44),
            "KVSTORE_SSD__LAYOUT": layout, "KVSTORE_SERVER__LOCAL_SOCKET": "off"}
     t = time.perf_counter()
-    sc = ServeProcess(args, env)
+    sc = ServeProcess(args, env, recovered=False)
     ready = time.perf_counter() - t
+    sc.wait_recovered()
+    recovered = time.perf_counter() - t
     with open(f"/proc/{sc.proc.pid}/status") as f:
         rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
     sc.stop()
     Path(sc.log.name).unlink(missing_ok=True)
-    return ready, rss
+    return ready, recovered, rss
 
 
-def measure(res: Result, layout: str, n: int, tmp: Path, args: argparse.Namespace, empty: tuple[float, int]) -> None:
+def measure(
+    res: Result, layout: str, n: int, tmp: Path, args: argparse.Namespace, empty: tuple[float, float, int]
+) -> None:
     tag = f"{layout}_{n}"
     size = args.block_bytes
     data = tmp / tag
@@ -188,9 +195,10 @@ def measure(res: Result, layout: str, n: int, tmp: Path, args: argparse.Namespac
     res.figure(f"raw_restart_s_{tag}", raw_restart, "s")
     res.ratio(f"restart_vs_raw_{tag}", raw_restart / restart)
     if not args.no_serve:
-        ready, rss = serve_start(data, layout)
+        ready, recovered, rss = serve_start(data, layout)
         res.figure(f"serve_restart_s_{tag}", ready - empty[0], "s")
-        res.figure(f"serve_rss_per_block_B_{tag}", (rss - empty[1]) / n, "B")
+        res.figure(f"serve_recovered_s_{tag}", recovered - empty[0], "s")
+        res.figure(f"serve_rss_per_block_B_{tag}", (rss - empty[2]) / n, "B")
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
@@ -199,7 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     files_counts = {int(c) for c in args.files_counts.split(",") if c}
     with tempfile.TemporaryDirectory(dir=base) as tmp_name:
         tmp = Path(tmp_name)
-        empty = (0.0, 0)
+        empty = (0.0, 0.0, 0)
         if not args.no_serve:
             serve_start(tmp / "empty", "segments")  # (imports warm)
             empty = min(serve_start(tmp / "empty", "segments") for _ in range(2))

@@ -431,6 +431,12 @@ class TieringConfig(_Section):
         description="most bytes of DRAM evictions staged for demotion at once; an eviction past it is dropped "
                     "(counted in /stats tiers.dram.drops.backlog)",
     )
+    recover_batch: int = Field(
+        4096, ge=1,
+        description="at a restart, blocks of the lower tiers entered into the index between two yields to the "
+                    "event loop: the sidecar serves while it recovers (a block not loaded yet is a miss; "
+                    "/stats recovery)",
+    )
 
     @field_validator("chain")
     @classmethod

@@ -17,10 +17,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class ServeProcess:
-    """Starts ``kvstore serve ARGS`` and waits for its ready line (bound addresses as JSON)."""
+    """Starts ``kvstore serve ARGS`` and waits for its ready line (bound addresses as JSON), and
+    then (``recovered``, the default) for its recovered line: every block its lower tiers held
+    at the start loaded (it serves from the ready line on, a block not loaded yet a miss)."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
-                 entry: tuple[str, ...] = ("-m", "kvstore", "serve")) -> None:
+                 entry: tuple[str, ...] = ("-m", "kvstore", "serve"), recovered: bool = True) -> None:
         """``entry``: what the interpreter runs before ``args`` (a test's ``-c`` wrapper around
         ``kvstore.cli.main``, say)."""
         # stderr (structured logs) goes to a file: a pipe nobody reads would block the server.
@@ -45,6 +47,18 @@ class ServeProcess:
         self.ready: dict[str, str] = json.loads(line)
         self.grpc: str = self.ready["grpc"]
         self.http: str = self.ready["http"]
+        self.recovered: dict[str, int] = {}
+        if recovered:
+            self.wait_recovered()
+
+    def wait_recovered(self) -> dict[str, int]:
+        """Wait for the recovered line (``blocks``, ``batches``: what the restart loaded)."""
+        assert self.proc.stdout is not None  # stdout=PIPE
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"kvstore serve exited {self.proc.wait()} before recovering: {self.logs()[-3000:]}")
+        self.recovered = json.loads(line)
+        return self.recovered
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         """Signal the sidecar and wait for it; its exit status. A sidecar whose shutdown stuck

@@ -17,7 +17,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -105,7 +105,10 @@ class Sidecar:
 
     # --- start / stop -----------------------------------------------------------------------
 
-    async def start(self) -> Sidecar:
+    async def start(self, recovered: bool = True) -> Sidecar:
+        """Serve. ``recovered`` False: return as soon as it serves, the lower tiers' blocks still
+        loading into the index in the background (``kvstore serve``: /stats ``recovery``); True
+        (in-process callers): once they are all in."""
         cfg = self.config
         self.lock.acquire()
         try:
@@ -142,7 +145,9 @@ class Sidecar:
             self._tasks.append(task)
             quiet_gc()  # (kvstore.util.tuning: undone when the last sidecar of the process stops)
             self._quiet = True
-            self.ready = True
+            self.ready = True  # serving: the lower tiers' blocks load from now on (/stats recovery)
+            if isinstance(self.store.tiering, Tiering):
+                self.store.tiering.recovery.start()
         except BaseException:
             await self.stop()
             raise
@@ -150,10 +155,21 @@ class Sidecar:
             "kvstore ready",
             extra={"grpc_port": self.grpc_port, "http_port": self.http_port, "segment": self.slab.name},
         )
+        if recovered:
+            await self.recovered()
         return self
 
     async def _start_tiering(self) -> None:
-        self.store.tiering = await Tiering.start(self.store.space, self.config, self.store.tenants, self.health)
+        self.store.tiering = await Tiering.start(
+            self.store.space, self.config, self.store.tenants, self.health, recover=False
+        )
+
+    async def recovered(self) -> Mapping[str, object]:
+        """The restart's recovery's end (at once when there is none): what it entered."""
+        tiering = self.store.tiering
+        if isinstance(tiering, Tiering):
+            await tiering.recovery.done.wait()
+        return tiering.recovered()
 
     def _cleanup_stale_segment(self) -> None:
         marker = self.data_dir / "segment"
@@ -303,7 +319,8 @@ class Sidecar:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        async with self:
+        await self.start(recovered=False)  # (ready = serving: the recovery goes on behind it)
+        try:
             host = self.config.server.grpc_address.rpartition(":")[0]
             grpc_address = self.config.server.grpc_address if host.startswith("unix") else f"{host}:{self.grpc_port}"
             http_host = self.config.server.http_address.rpartition(":")[0]
@@ -320,14 +337,23 @@ class Sidecar:
                 ),
                 flush=True,
             )
+            said = asyncio.create_task(self._say_recovered(), name="kvstore-recovered-line")
             await stop.wait()
+            said.cancel()
             log.info("signal received; draining")
             self._step("signalled")
             slab = self.slab
             limit = self.config.server.stop_bound_s()
             self._watchdog = ShutdownWatchdog(loop, limit, lambda: self.phase, lambda: slab.name if slab else "")
             self._watchdog.start()
+        finally:
+            await self.stop()
         self._step("ending the event loop (asyncio.run cancels leftover tasks, joins the default executor)")
+
+    async def _say_recovered(self) -> None:
+        """Ready serves while the lower tiers' blocks load; a second line says when they are all in."""
+        doc = await self.recovered()
+        print(json.dumps({"event": "recovered", "blocks": doc["blocks"], "batches": doc["batches"]}), flush=True)
 
     def finished(self) -> None:
         """The process is about to exit (``asyncio.run`` has returned): the watchdog stands down."""

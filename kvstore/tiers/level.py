@@ -28,10 +28,10 @@ from kvstore.config import TIER_IN_FLIGHT
 from kvstore.errors import Unavailable
 from kvstore.policy.base import EvictionPolicy
 from kvstore.store.counters import Stats
-from kvstore.store.index import Block, Index, State
+from kvstore.store.index import Block, Index
 from kvstore.store.placement import Footprint, Space
 from kvstore.store.tenants import Quotas
-from kvstore.tiers.base import BlockMeta, BlockRef, Recoverable, Tier
+from kvstore.tiers.base import BlockMeta, BlockRef, Tier
 
 log = logging.getLogger("kvstore.tiers.movers")
 
@@ -143,28 +143,6 @@ class Level:
         (:meth:`Space.unplace`)."""
         if b.tiers & self.bit:  # (a block queued for a demotion here leaves that queue first)
             self.placement.unplace(b)  # (a block with no tier bit is committed: only those are placed)
-
-    async def recover(self) -> int:
-        """Re-enter every block the tier holds into the index (a restart); how many copies. A
-        copy that disagrees with the index's checksum is left alone (reads verify against the
-        first)."""
-        if not isinstance(self.tier, Recoverable):
-            return 0
-        index, found = self._index, 0
-        try:
-            async for meta in self.tier.scan():
-                ns = index.namespace(meta.ref.ns, meta.label or meta.ref.ns.hex()[:16], tenant=meta.tenant)
-                b = ns.blocks.get(meta.ref.key)
-                if b is None:
-                    b = index.add(ns, meta.ref.key, meta.parent, meta.size, State.COMMITTED)
-                    b.seal(meta.checksum)
-                elif b.checksum != meta.checksum:
-                    continue
-                self.place(b)
-                found += 1
-        except Unavailable as exc:
-            self.mark_down(exc)
-        return found
 
     # --- health -------------------------------------------------------------------------------------
 

@@ -43,6 +43,7 @@ from kvstore.tiers.eviction import Eviction
 from kvstore.tiers.health import Probe
 from kvstore.tiers.level import Level
 from kvstore.tiers.promotion import Promotion
+from kvstore.tiers.recovery import RECOVER_BATCH, Recovery
 from kvstore.tiers.removal import Removal
 from kvstore.tiers.write_through import WriteThrough
 from kvstore.util.tasks import TaskHealth
@@ -83,7 +84,8 @@ def build_levels(space: DramSpace, config: Config, tenants: Tenants | None = Non
 class Tiering:
     """The movers between the DRAM space and the levels below it (a :class:`~kvstore.store.below.Movers`)."""
 
-    def __init__(self, space: DramSpace, levels: list[Level], staging_bytes: int = STAGING_LIMIT) -> None:
+    def __init__(self, space: DramSpace, levels: list[Level], staging_bytes: int = STAGING_LIMIT,
+                 recover_batch: int = RECOVER_BATCH) -> None:
         self.space = space
         self._levels = levels
         self.crew = Crew()
@@ -93,33 +95,38 @@ class Tiering:
         self.promotion = Promotion(space, levels, self.crew, self.demotion)
         self.write_through = WriteThrough(space, levels, self.crew, self.eviction)
         self.probe = Probe(levels)
+        self.recovery = Recovery(levels, space.index, recover_batch)  # what the tiers held at a restart
+        self.recovery.then = self._within_quotas
 
     @classmethod
     async def start(
-        cls, space: DramSpace, config: Config, tenants: Tenants | None = None, health: TaskHealth | None = None
+        cls, space: DramSpace, config: Config, tenants: Tenants | None = None, health: TaskHealth | None = None,
+        *, recover: bool = True,
     ) -> Movers:
-        """The configured chain below ``space``, its blocks recovered (and each tenant brought
-        within its quotas); :class:`NoMovers` when no tier is enabled. ``health``: where the
-        probe loop's errors go (counted, logged, reported by ``/readyz``)."""
+        """The configured chain below ``space``, its blocks recovered (and then each tenant
+        brought within its quotas); :class:`NoMovers` when no tier is enabled. ``health``: where
+        the probe loop's errors go (counted, logged, reported by ``/readyz``). ``recover`` False:
+        the caller starts ``recovery`` (:mod:`kvstore.tiers.recovery`: in batches, in the
+        background; the sidecar does once it serves)."""
         levels = build_levels(space, config, tenants)
         if not levels:
             return NoMovers()
-        self = cls(space, levels, config.tiering.staging_bytes)
-        await self.recover()
-        for lv in levels:
-            if lv.quotas is not None and lv.quotas.over():  # quotas lowered since these blocks were written
-                self.crew.spawn(self.eviction.trim(lv))
+        self = cls(space, levels, config.tiering.staging_bytes, config.tiering.recover_batch)
+        if recover:
+            await self.recovery.wait()
         self.probe.start(health or TaskHealth())
         return self
 
-    async def recover(self) -> int:
-        """Re-enter every block a Recoverable tier holds into the index (restart)."""
-        found = 0
+    def _within_quotas(self) -> None:
+        """The recovery's end: each tenant over its quota in a level (quotas lowered since these
+        blocks were written) trimmed back."""
         for lv in self._levels:
-            found += await lv.recover()
-        if found:
-            log.info("recovered %d block copies from lower tiers", found)
-        return found
+            if lv.quotas is not None and lv.quotas.over():
+                self.crew.spawn(self.eviction.trim(lv))
+
+    def recovered(self) -> Mapping[str, object]:
+        """``/stats`` ``recovery``: whether the restart's recovery is still loading, what it entered."""
+        return self.recovery.snapshot()
 
     # --- the Movers ------------------------------------------------------------------------------
 
@@ -178,10 +185,12 @@ class Tiering:
         lv = next((lv for lv in self._levels if lv.bit == SSD and not lv.down), None)
         if lv is None:
             return None
+        await self.recovery.cancel()  # (a stop while recovering: the rest stays on disk, unloaded)
         await self.crew.flush()  # the moves in flight first: their deletes free the room they hold on disk
         return await drain(self.space, lv, self.eviction, seconds)
 
     async def close(self) -> None:
+        await self.recovery.cancel()
         self.write_through.close()  # the deletes waiting for write-throughs: Unavailable now
         await self.probe.stop()
         await self.crew.flush()
