@@ -169,7 +169,7 @@ class Sidecar:
         tiering = self.store.tiering
         if isinstance(tiering, Tiering):
             await tiering.recovery.done.wait()
-        return tiering.recovered()
+        return tiering.recovery_stats
 
     def _cleanup_stale_segment(self) -> None:
         marker = self.data_dir / "segment"

@@ -183,7 +183,8 @@ class Movers(Protocol):
         in a write's way)."""
         ...
 
-    def recovered(self) -> Mapping[str, object]:
+    @property
+    def recovery_stats(self) -> Mapping[str, object]:
         """``/stats`` ``recovery``: whether a restart's recovery of the lower tiers' blocks is
         still loading (``recovering``), and the ``blocks`` and ``batches`` it has entered."""
         ...
@@ -221,8 +222,9 @@ class NoMovers:
     async def flush(self) -> bool:
         return False
 
-    def recovered(self) -> Mapping[str, object]:
-        return {"recovering": False, "blocks": 0, "batches": 0, "skipped": 0}
+    recovery_stats: Mapping[str, object] = MappingProxyType(
+        {"recovering": False, "blocks": 0, "batches": 0, "skipped": 0}
+    )
 
     async def close(self) -> None:
         pass

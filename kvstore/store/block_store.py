@@ -430,7 +430,7 @@ class BlockStore:
     def snapshot(self) -> dict[str, object]:
         doc = self.stats.snapshot(self.occupancy(), self.index.count())
         doc["policy"] = self.space.policy.name
-        doc["recovery"] = dict(self.tiering.recovered())
+        doc["recovery"] = dict(self.tiering.recovery_stats)
         if self.tenants.attached:
             doc["tenants"] = self.tenants.snapshot(self.config.server.stats_namespaces)
         doc["retained"] = self._retained(self.config.server.stats_namespaces)

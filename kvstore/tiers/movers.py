@@ -124,7 +124,8 @@ class Tiering:
             if lv.quotas is not None and lv.quotas.over():
                 self.crew.spawn(self.eviction.trim(lv))
 
-    def recovered(self) -> Mapping[str, object]:
+    @property
+    def recovery_stats(self) -> Mapping[str, object]:
         """``/stats`` ``recovery``: whether the restart's recovery is still loading, what it entered."""
         return self.recovery.snapshot()
 
