@@ -11,14 +11,18 @@ A tier that cannot reach its server raises :class:`kvstore.errors.Unavailable`; 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import struct
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from kvstore.errors import ChecksumMismatch
 from kvstore.keys import TENANT_TAG_HEX, BlockKey, NamespaceRoot
 from kvstore.store.checksum import checksums
+from kvstore.util.threads import in_threads, split
 
 
 @dataclass(slots=True, frozen=True)
@@ -202,6 +206,59 @@ class TierBase:
     async def delete_many(self, refs: Sequence[BlockRef]) -> None:
         for r in refs:
             await self.delete(r)  # type: ignore[attr-defined]  # a Tier method (mixin)
+
+
+class ThreadedTier(TierBase):
+    """A tier of synchronous local I/O (both SSD layouts): a batch split over ``io_threads``
+    threads of ``_io`` (a device answers several reads at once, and page-cache copies run on
+    several cores), each block hashed by the thread that read it. A subclass gives the three
+    synchronous steps: :meth:`read_one`, :meth:`write_batch` (durable on return) and
+    :meth:`remove_batch`."""
+
+    io_threads: int
+    _io: ThreadPoolExecutor
+
+    def read_one(self, ref: BlockRef, into: memoryview, hashed: bool) -> HashedRead:
+        raise NotImplementedError
+
+    def write_batch(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
+        raise NotImplementedError
+
+    def remove_batch(self, refs: Sequence[BlockRef]) -> None:
+        raise NotImplementedError
+
+    async def get(self, ref: BlockRef, into: memoryview) -> BlockMeta | None:
+        return (await self.get_many([ref], [into]))[0]
+
+    async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
+        return [meta for meta, _ in await self._read_many(refs, into, hashed=False)]
+
+    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[HashedRead]:
+        return await self._read_many(refs, into, hashed=True)
+
+    async def _read_many(
+        self, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool
+    ) -> list[HashedRead]:
+        def read(a: int, b: int) -> list[HashedRead]:
+            return [self.read_one(r, buf, hashed) for r, buf in zip(refs[a:b], into[a:b])]
+
+        calls = [functools.partial(read, a, b) for a, b in split(len(refs), self.io_threads)]
+        parts = await in_threads(self._io, calls)
+        return [got for part in parts for got in part]
+
+    async def put(self, meta: BlockMeta, data: memoryview) -> None:
+        await self.put_many([(meta, data)])
+
+    async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
+        if items:
+            await asyncio.to_thread(self.write_batch, items)
+
+    async def delete(self, ref: BlockRef) -> None:
+        await self.delete_many([ref])
+
+    async def delete_many(self, refs: Sequence[BlockRef]) -> None:
+        if refs:
+            await asyncio.to_thread(self.remove_batch, refs)
 
 
 async def with_hashes(metas: Sequence[BlockMeta | None], into: Sequence[memoryview]) -> list[HashedRead]:

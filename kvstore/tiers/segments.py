@@ -37,8 +37,6 @@ blocks for the sidecar's index (after importing a directory of the file layout:
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import itertools
 import logging
 import threading
@@ -53,14 +51,14 @@ from kvstore.config import SSD_IO_THREADS, SsdConfig
 from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.store.checksum import checksum
-from kvstore.tiers.base import BlockMeta, BlockRef, HashedRead, TierBase
+from kvstore.tiers.base import BlockMeta, BlockRef, HashedRead, ThreadedTier
 from kvstore.tiers.direct_io import probe_direct_io
 from kvstore.tiers.private import private_dir
 from kvstore.tiers.segfiles import SegmentFiles
 from kvstore.tiers.seglog import DEL, HAS_PARENT, PUT, RECORD, IndexLog, Namespaces, fsync_dir
 from kvstore.tiers.segrows import Rows
 from kvstore.tiers.slots import PAGE, Slots, pages
-from kvstore.util.threads import in_threads, split
+from kvstore.util.threads import split
 
 log = logging.getLogger("kvstore.tiers.segments")
 
@@ -73,7 +71,7 @@ def is_segment_dir(root: Path) -> bool:
     return (root / LAYOUT_FILE).exists()
 
 
-class SegmentTier(TierBase):
+class SegmentTier(ThreadedTier):
     """Blocks in segment files under ``path``, at most ``capacity_bytes`` of slots."""
 
     name = "ssd"
@@ -187,39 +185,6 @@ class SegmentTier(TierBase):
         with self._lock:
             return [(r.ns + r.key) in self._rows for r in refs]
 
-    async def get(self, ref: BlockRef, into: memoryview) -> BlockMeta | None:
-        return (await self.get_many([ref], [into]))[0]
-
-    async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
-        return [meta for meta, _ in await self._read_many(refs, into, hashed=False)]
-
-    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[HashedRead]:
-        return await self._read_many(refs, into, hashed=True)
-
-    async def _read_many(
-        self, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool
-    ) -> list[HashedRead]:
-        def read(a: int, b: int) -> list[HashedRead]:
-            return [self._read(r, buf, hashed) for r, buf in zip(refs[a:b], into[a:b])]
-
-        calls = [functools.partial(read, a, b) for a, b in split(len(refs), self.io_threads)]
-        parts = await in_threads(self._io, calls)
-        return [got for part in parts for got in part]
-
-    async def put(self, meta: BlockMeta, data: memoryview) -> None:
-        await self.put_many([(meta, data)])
-
-    async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
-        if items:
-            await asyncio.to_thread(self.write_batch, items)
-
-    async def delete(self, ref: BlockRef) -> None:
-        await self.delete_many([ref])
-
-    async def delete_many(self, refs: Sequence[BlockRef]) -> None:
-        if refs:
-            await asyncio.to_thread(self.remove_batch, refs)
-
     async def close(self) -> None:
         self.closed = True
         self._io.shutdown(wait=True)
@@ -259,7 +224,7 @@ class SegmentTier(TierBase):
             out.append(BlockMeta(ref, parent, size, csum, label, tenant, codec))
         return out
 
-    def _read(self, ref: BlockRef, into: memoryview, hashed: bool) -> HashedRead:
+    def read_one(self, ref: BlockRef, into: memoryview, hashed: bool) -> HashedRead:
         key = ref.ns + ref.key
         with self._lock:
             rec = self._rows.get(key)

@@ -35,7 +35,6 @@ older version left readable by others.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import mmap
@@ -56,7 +55,7 @@ from kvstore.tiers.base import (
     BlockMeta,
     BlockRef,
     HashedRead,
-    TierBase,
+    ThreadedTier,
     decode_header,
     encode_header,
     header_bytes,
@@ -66,7 +65,6 @@ from kvstore.tiers.direct_io import ALIGN, O_DIRECT, probe_direct_io
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
 from kvstore.tiers.segments import LAYOUT_FILE, SegmentTier
-from kvstore.util.threads import in_threads, split
 
 log = logging.getLogger("kvstore.tiers.ssd")
 
@@ -134,7 +132,7 @@ def read_block_file(path: str | Path) -> tuple[BlockMeta, bytearray]:
         os.close(fd)
 
 
-class SsdTier(TierBase):
+class SsdTier(ThreadedTier):
     """Blocks as files under ``path``, at most ``capacity_bytes`` of them (file bytes)."""
 
     name = "ssd"
@@ -266,44 +264,9 @@ class SsdTier(TierBase):
     async def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
         return await asyncio.to_thread(lambda: [self.path_of(r).exists() for r in refs])
 
-    async def get(self, ref: BlockRef, into: memoryview) -> BlockMeta | None:
-        return (await self.get_many([ref], [into]))[0]
-
-    async def get_many(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[BlockMeta | None]:
-        return [m for m, _ in await self._read_many(refs, into, hashed=False)]
-
-    async def get_many_hashed(self, refs: Sequence[BlockRef], into: Sequence[memoryview]) -> list[HashedRead]:
-        return await self._read_many(refs, into, hashed=True)
-
-    async def _read_many(
-        self, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool
-    ) -> list[tuple[BlockMeta | None, int | None]]:
-        """The blocks split over the ``io_threads`` (a device answers several reads at once,
-        and page-cache copies run on several cores); each hashed by the thread that read it."""
-
-        def read(a: int, b: int) -> list[tuple[BlockMeta | None, int | None]]:
-            out: list[tuple[BlockMeta | None, int | None]] = []
-            for r, buf in zip(refs[a:b], into[a:b]):
-                meta = self._read(r, buf)
-                out.append((meta, checksum(buf[: meta.size]) if hashed and meta is not None else None))
-            return out
-
-        calls = [functools.partial(read, a, b) for a, b in split(len(refs), self.io_threads)]
-        parts = await in_threads(self._io, calls)
-        return [got for part in parts for got in part]
-
-    async def put(self, meta: BlockMeta, data: memoryview) -> None:
-        await self.put_many([(meta, data)])
-
-    async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
-        if items:
-            await asyncio.to_thread(self._write_batch, items)
-
-    async def delete(self, ref: BlockRef) -> None:
-        await self.delete_many([ref])
-
-    async def delete_many(self, refs: Sequence[BlockRef]) -> None:
-        await asyncio.to_thread(self._unlink_many, refs)
+    def read_one(self, ref: BlockRef, into: memoryview, hashed: bool) -> HashedRead:
+        meta = self._read(ref, into)
+        return meta, checksum(into[: meta.size]) if hashed and meta is not None else None
 
     async def close(self) -> None:
         self._io.shutdown(wait=True)  # no file handles are held between calls
@@ -431,7 +394,7 @@ class SsdTier(TierBase):
             raise
         return fd
 
-    def _write_batch(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
+    def write_batch(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
         staged: list[tuple[Path, Path, int]] = []  # (tmp, final, file bytes)
         jobs: list[tuple[Path, bytes, memoryview, bool]] = []
         fds: list[int] = []
@@ -491,7 +454,7 @@ class SsdTier(TierBase):
         finally:
             os.close(fd)
 
-    def _unlink_many(self, refs: Sequence[BlockRef]) -> None:
+    def remove_batch(self, refs: Sequence[BlockRef]) -> None:
         for r in refs:
             self._unlink(self.path_of(r))
 

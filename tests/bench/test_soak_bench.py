@@ -165,13 +165,13 @@ async def _delete_during_a_demotion(tmp_path: Path, monkeypatch: pytest.MonkeyPa
             i += 1
         assert ssd.used == ssd.tier.used_bytes == capacity
         victim = next(k for k in map(key, range(i)) if where(sc, k) == "ssd")
-        unlink = SsdTier._unlink_many
+        unlink = SsdTier.remove_batch
 
         def slow_unlink(self: SsdTier, refs: list[Any]) -> None:
             time.sleep(0.3)
             unlink(self, refs)
 
-        monkeypatch.setattr(SsdTier, "_unlink_many", slow_unlink)
+        monkeypatch.setattr(SsdTier, "remove_batch", slow_unlink)
         deleting = asyncio.ensure_future(c.delete(ns, [victim]))
         await asyncio.sleep(0.05)  # the Delete has unplaced its block; its file is still there
         await c.put_blocks(ns, [key(i)], [np.full(size, 7, np.uint8)])  # evicts one DRAM block to the SSD
@@ -202,7 +202,7 @@ async def _delete_during_a_demotion_write(tmp_path: Path, monkeypatch: pytest.Mo
     size = 4096
     cfg = small_config(tmp_path, **{"ssd.enabled": True, "tiering.chain": ["ssd"]})
     keys = [prefix_keys(ns, [i + 1] * ns.block_size)[0] for i in range(80)]
-    write = SsdTier._write_batch
+    write = SsdTier.write_batch
     writing = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -212,7 +212,7 @@ async def _delete_during_a_demotion_write(tmp_path: Path, monkeypatch: pytest.Mo
         write(self, items)
 
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
-        monkeypatch.setattr(SsdTier, "_write_batch", slow_write)
+        monkeypatch.setattr(SsdTier, "write_batch", slow_write)
         i = 0
         while not writing.is_set():  # fill DRAM until the first demotion batch is being written
             await c.put_blocks(ns, [keys[i]], [np.full(size, i, np.uint8)])
