@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import mmap
 import os
 import threading
 from pathlib import Path
 
 import numpy as np
 
-from kvstore.tiers.direct_io import O_DIRECT
+from kvstore.tiers.file_io import O_DIRECT, staging
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir
 from kvstore.tiers.slots import PAGE, Slots
 
@@ -66,14 +65,6 @@ class SegmentFiles:
                 fds = self._fds[(cls, seg)] = (w, os.open(path, os.O_RDONLY))
             return fds
 
-    def _staging(self, nbytes: int) -> mmap.mmap:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            if buf is not None:
-                buf.close()
-            buf = self._local.buf = mmap.mmap(-1, nbytes)
-        return buf
-
     def write(self, cls: int, g: int, data: memoryview) -> tuple[int, int]:
         """Write a block's bytes into slot ``g`` of class ``cls``; the (class, segment) touched."""
         seg, offset = self.slots.place(cls, g)
@@ -82,7 +73,7 @@ class SegmentFiles:
             _pwrite_full(fd, data, offset)
         else:
             nbytes = -(-len(data) // PAGE) * PAGE
-            buf = self._staging(cls * PAGE)
+            buf = staging(self._local, cls * PAGE)
             buf[: len(data)] = data
             buf[len(data) : nbytes] = bytes(nbytes - len(data))
             _pwrite_full(fd, memoryview(buf)[:nbytes], offset)

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.keys import NamespaceRoot
+from kvstore.tiers.file_io import fsync_dir, write_all
 from kvstore.tiers.private import FILE_MODE
 
 PUT, DEL = 1, 2
@@ -57,20 +58,6 @@ LOG_NAME = "index.log"
 NS_NAME = "namespaces.log"
 _NS_HEAD = struct.Struct("<II")  # length of the rest, crc32 of the rest
 _NS_FIXED = struct.Struct("<I32s16s")  # id, root, tenant tag (NUL-padded)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_all(fd: int, data: bytes | memoryview) -> None:
-    view, done = memoryview(data), 0
-    while done < len(view):
-        done += os.write(fd, view[done:])
 
 
 def frame(records: np.ndarray) -> bytes:

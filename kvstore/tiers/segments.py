@@ -52,10 +52,10 @@ from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.store.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef, HashedRead, ThreadedTier
-from kvstore.tiers.direct_io import probe_direct_io
+from kvstore.tiers.file_io import fsync_dir, probe_direct_io
 from kvstore.tiers.private import private_dir
 from kvstore.tiers.segfiles import SegmentFiles
-from kvstore.tiers.seglog import DEL, HAS_PARENT, PUT, RECORD, IndexLog, Namespaces, fsync_dir
+from kvstore.tiers.seglog import DEL, HAS_PARENT, PUT, RECORD, IndexLog, Namespaces
 from kvstore.tiers.segrows import Rows
 from kvstore.tiers.slots import PAGE, Slots, pages
 from kvstore.util.threads import split

@@ -61,7 +61,7 @@ from kvstore.tiers.base import (
     header_bytes,
     header_size,
 )
-from kvstore.tiers.direct_io import ALIGN, O_DIRECT, probe_direct_io
+from kvstore.tiers.file_io import ALIGN, O_DIRECT, fsync_dir, probe_direct_io, staging, write_all
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
 from kvstore.tiers.segments import LAYOUT_FILE, SegmentTier
@@ -96,12 +96,6 @@ def file_bytes(size: int, label: str, codec: int = 0) -> int:
 def _aligned(data: memoryview) -> bool:
     """Whether O_DIRECT can write ``data`` in place (page-aligned address and length)."""
     return len(data) % ALIGN == 0 and np.frombuffer(data, dtype=np.uint8).ctypes.data % ALIGN == 0
-
-
-def _write_full(fd: int, data: memoryview) -> None:
-    done = 0
-    while done < len(data):
-        done += os.write(fd, data[done:])
 
 
 def _fit(fd: int, size: int, reused: bool) -> None:
@@ -340,14 +334,6 @@ class SsdTier(ThreadedTier):
             page = self._local.page = mmap.mmap(-1, ALIGN)
         return page
 
-    def _staging(self, nbytes: int) -> mmap.mmap:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            if buf is not None:
-                buf.close()
-            buf = self._local.buf = mmap.mmap(-1, _align(nbytes))
-        return buf
-
     def _write_tmp(self, tmp: Path, header: bytes, data: memoryview, reused: bool) -> int:
         """Write one temp file (``reused``: a free file renamed to ``tmp``, overwritten in place);
         returns its fd (still open) for the batch's sync step."""
@@ -363,22 +349,22 @@ class SsdTier(ThreadedTier):
             try:
                 n = os.writev(fd, [head, data])
                 if n < ALIGN:  # short writes: finish piecewise
-                    _write_full(fd, memoryview(head)[n:])
-                _write_full(fd, data[max(0, n - ALIGN) :])
+                    write_all(fd, memoryview(head)[n:])
+                write_all(fd, data[max(0, n - ALIGN) :])
                 _fit(fd, total, reused)
             except BaseException:
                 os.close(fd)
                 raise
             return fd
         if self.direct_io:
-            buf = self._staging(_align(total))
+            buf = staging(self._local, total)
             buf[: len(header)] = header
             buf[len(header) : offset] = bytes(offset - len(header))
             buf[offset:total] = data
             buf[total : _align(total)] = bytes(_align(total) - total)
             fd = os.open(tmp, flags | O_DIRECT, FILE_MODE)
             try:
-                _write_full(fd, memoryview(buf)[: _align(total)])
+                write_all(fd, memoryview(buf)[: _align(total)])
                 os.ftruncate(fd, total)
             except BaseException:
                 os.close(fd)
@@ -386,8 +372,8 @@ class SsdTier(ThreadedTier):
             return fd
         fd = os.open(tmp, flags, FILE_MODE)
         try:
-            _write_full(fd, memoryview(header.ljust(offset, b"\0")))
-            _write_full(fd, data)
+            write_all(fd, memoryview(header.ljust(offset, b"\0")))
+            write_all(fd, data)
             _fit(fd, total, reused)
         except BaseException:
             os.close(fd)
@@ -425,7 +411,7 @@ class SsdTier(ThreadedTier):
                 reserved -= nbytes
             if self.fsync:  # makes the renames (and, with O_DIRECT, the file sizes) durable
                 for d in {final.parent for _, final, _ in staged} | ({self.root} if new_dirs else set()):
-                    self._fsync_dir(d)
+                    fsync_dir(d)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -445,14 +431,6 @@ class SsdTier(ThreadedTier):
                     os.close(f.result())
             raise next(e for e in errors if e is not None)
         return [f.result() for f in futures]
-
-    @staticmethod
-    def _fsync_dir(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def remove_batch(self, refs: Sequence[BlockRef]) -> None:
         for r in refs:
