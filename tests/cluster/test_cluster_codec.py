@@ -7,54 +7,22 @@ throwaway codec registered from the test (tests/tiers/test_codec.py's XOR)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import socket
-
 import numpy as np
 
-from kvstore.cluster import peer_frames, peer_hello
-from kvstore.cluster.cluster_key import ClusterKey
-from kvstore.cluster.peer_client import FetchResult, PeerClient
+from kvstore.cluster import peer_hello
+from kvstore.cluster.peer_client import FetchResult
 from kvstore.store.checksum import checksum
 from kvstore.wire import peer as peer_wire
-from tests.cluster.nodes import BLOCK, TOKEN, blocks
+from tests.cluster.fake_holder import answering
+from tests.cluster.nodes import BLOCK, blocks
 from tests.tiers.test_codec import xor, xor_codec  # noqa: F401  # (a fixture)
 
 
 async def fetch_from_holder(codec_id: int, raw: bytes, sent: bytes) -> tuple[FetchResult, np.ndarray]:
     """Fetch one block from a holder whose answer sends ``sent`` under an entry naming ``codec_id``
     (and the checksum of ``raw``)."""
-    key, incarnation = ClusterKey(TOKEN), 7
-
-    async def holder(listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        conn, _ = await loop.sock_accept(listener)
-        conn.setblocking(False)
-        with conn:
-            at = f"127.0.0.1:{listener.getsockname()[1]}"
-            _, session = await peer_hello.welcome(conn, key, "a", incarnation, at)
-            frames = peer_frames.frames(session, fetcher=False)
-            head = await peer_wire.recv_bytes(conn, peer_wire.REQUEST.size)
-            (n,) = peer_wire.REQUEST.unpack(head)
-            assert frames.opened_request(head, await peer_wire.recv_bytes(conn, 32 + 32 * n + 16)) is not None
-            entry = peer_wire.Entry(BLOCK, checksum(raw), codec=codec_id)
-            await loop.sock_sendall(conn, frames.answer_head([entry]) + sent)
-            with contextlib.suppress(ConnectionError):
-                await peer_wire.recv_bytes(conn, 1)  # (until the fetcher drops the connection)
-
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        listener.setblocking(False)
-        serving = asyncio.create_task(holder(listener))
-        client = PeerClient(f"127.0.0.1:{listener.getsockname()[1]}", key, "b", "a", incarnation, 5.0)
-        try:
-            into = np.zeros(BLOCK, dtype=np.uint8)
-            return await client.fetch(bytes(32), [bytes(32)], [into], 5.0), into
-        finally:
-            client.close()
-            serving.cancel()
+    async with answering(peer_wire.Entry(BLOCK, checksum(raw), codec=codec_id), sent) as holder:
+        return await holder.fetch(), holder.into
 
 
 async def test_a_block_sent_through_a_codec_arrives_raw_and_its_checksum_holds(xor_codec) -> None:  # noqa: F811

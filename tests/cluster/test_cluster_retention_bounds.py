@@ -9,26 +9,22 @@ a real redis-server as the directory; each node's tenant bound is 8 blocks (64 K
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from redis.asyncio import Redis
 
-from kvstore.cluster import peer_frames, peer_hello
-from kvstore.cluster.cluster_key import ClusterKey
-from kvstore.cluster.peer_client import PeerClient
 from kvstore.errors import ResourceExhausted
 from kvstore.harness.servers import RedisServer
 from kvstore.keys import Namespace, salt_tag
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.checksum import checksum
 from kvstore.wire import peer as peer_wire
-from tests.cluster.nodes import BLOCK, TOKEN, blocks, client_of, keys_for, node_config
+from tests.cluster.fake_holder import answering
+from tests.cluster.nodes import BLOCK, blocks, client_of, keys_for, node_config
 from tests.cluster.test_cluster_auth import dir_key
 
 MINUTE = 60_000
@@ -181,40 +177,12 @@ async def test_an_answer_with_a_retention_no_hint_could_give_is_refused(retain_m
     hello right) whose answer gives a block a retention past a day, or a priority past 3: the
     fetch ends there, a miss (nothing is adopted), the connection dropped. On 66d9839 an answer
     had no retention to give."""
-    key, incarnation = ClusterKey(TOKEN), 7
     data = blocks(1, seed=7)[0]
-    answered: list[bool] = []
-
-    async def holder(listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        conn, _ = await loop.sock_accept(listener)
-        conn.setblocking(False)
-        with conn:
-            at = f"127.0.0.1:{listener.getsockname()[1]}"  # (the address the fetcher dialled)
-            _, session = await peer_hello.welcome(conn, key, "a", incarnation, at)
-            frames = peer_frames.frames(session, fetcher=False)
-            head = await peer_wire.recv_bytes(conn, peer_wire.REQUEST.size)
-            (n,) = peer_wire.REQUEST.unpack(head)
-            assert frames.opened_request(head, await peer_wire.recv_bytes(conn, 32 + 32 * n + 16)) is not None
-            entry = peer_wire.Entry(BLOCK, checksum(data), retain_ms, priority)
-            await loop.sock_sendall(conn, frames.answer_head([entry]) + data.tobytes())
-            answered.append(True)
-            await peer_wire.recv_bytes(conn, 1)  # (until the fetcher drops the connection)
-
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        listener.setblocking(False)
-        serving = asyncio.create_task(holder(listener))
-        client = PeerClient(f"127.0.0.1:{listener.getsockname()[1]}", key, "b", "a", incarnation, 5.0)
-        try:
-            into = np.zeros(BLOCK, dtype=np.uint8)
-            result = await client.fetch(bytes(32), [bytes(32)], [into], 5.0)
-            with pytest.raises(ConnectionError):  # the fetcher dropped the connection
-                await asyncio.wait_for(serving, 5)
-            assert answered == [True]
-            assert result.checksums == [] and result.retained == []
-            assert "retention of" in result.error and "0..86400000, 0..3" in result.error
-        finally:
-            client.close()
-            serving.cancel()
+    entry = peer_wire.Entry(BLOCK, checksum(data), retain_ms, priority)
+    async with answering(entry, data.tobytes()) as holder:
+        result = await holder.fetch()
+        with pytest.raises(ConnectionError):  # the fetcher dropped the connection
+            await asyncio.wait_for(holder.serving, 5)
+        assert holder.answered == [True]
+        assert result.checksums == [] and result.retained == []
+        assert "retention of" in result.error and "0..86400000, 0..3" in result.error
