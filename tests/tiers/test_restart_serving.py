@@ -2,8 +2,9 @@
 segment-layout directory is ready, and answers Lookups, while its recovery is still entering the
 SSD's blocks batch by batch (``tiering.recover_batch``); a block not loaded yet is a miss; a put of
 a key still loading wins (its bytes are what a read returns after the recovery; the loading record
-is skipped, or placed as the block's SSD copy when the bytes agree); once the recovery is done,
-every block is found and reads back byte-exact.
+is skipped, or placed as the block's SSD copy when the bytes agree); a delete of a key still
+loading (or a drop of its namespace) removes it for good; once the recovery is done, every block
+is found and reads back byte-exact.
 
 Counted, not timed: the sidecar runs under a wrapper that holds the recovery after its first batch
 until the test creates a file, so "before the recovery completes" is the count of batches /stats
@@ -126,7 +127,7 @@ def test_lookups_answer_while_recovering_and_every_block_is_found_after(tmp_path
         (tmp_path / "go").touch()
         assert sc.wait_recovered() == {"event": "recovered", "blocks": BLOCKS, "batches": BLOCKS // BATCH}
         assert recovery(sc.http) == {"recovering": False, "blocks": BLOCKS, "batches": BLOCKS // BATCH,
-                                     "skipped": 0, "batch": BATCH}
+                                     "skipped": 0, "deleted": 0, "batch": BATCH}
         assert found(c) == list(range(BLOCKS))
         got = c.get_blocks(NS, [key(i) for i in range(BLOCKS)][:64])
         assert [g.tobytes() for g in got] == [content(key(i)) for i in range(64)]
@@ -163,3 +164,46 @@ def test_a_stop_while_recovering_ends_cleanly_and_the_next_start_loads_everythin
     assert again.recovered == {"event": "recovered", "blocks": BLOCKS, "batches": BLOCKS // BATCH}
     with SyncClient(again.grpc) as c:
         assert found(c) == list(range(BLOCKS))
+
+
+def test_a_delete_of_a_key_still_loading_removes_it_for_good(tmp_path, serve_process):
+    """A key not loaded yet deleted while the recovery is held: its record is skipped when its batch
+    comes (counted in ``deleted``), and the delete removed it from the SSD, so the next start does
+    not find it either. (Before: the delete found nothing and the block came back with its batch.)"""
+    sc = serve(tmp_path, serve_process)
+    assert held_after_first_batch(sc.http)["batches"] == 1
+    with SyncClient(sc.grpc) as c:
+        loaded = set(found(c))
+        doomed = min(set(range(BLOCKS)) - loaded)
+        assert c.delete(NS, [key(doomed)]) == (0, 0)  # (not in the index yet: no block deleted there)
+        (tmp_path / "go").touch()
+        sc.wait_recovered()
+        done = recovery(sc.http)
+        assert (done["blocks"], done.get("deleted")) == (BLOCKS - 1, 1), done
+        rest = [i for i in range(BLOCKS) if i != doomed]
+        assert found(c) == rest
+    assert sc.stop() == 0
+    again = serve_process(sc.proc.args[3:], entry=("-c", HELD))
+    assert again.recovered == {"event": "recovered", "blocks": BLOCKS - 1, "batches": BLOCKS // BATCH}
+    with SyncClient(again.grpc) as c:
+        assert found(c) == rest
+        got = c.get_blocks(NS, [key(i) for i in rest[:32]])
+        assert [g.tobytes() for g in got] == [content(key(i)) for i in rest[:32]]
+
+
+def test_a_namespace_dropped_while_loading_stays_dropped(tmp_path, serve_process):
+    """``all_keys`` while the recovery is held after batch 1: the loaded blocks go at once, every
+    record the loading reaches later is skipped and removed from the SSD (``deleted``); the next
+    start loads nothing."""
+    sc = serve(tmp_path, serve_process)
+    assert held_after_first_batch(sc.http)["batches"] == 1
+    with SyncClient(sc.grpc) as c:
+        assert c.delete(NS, all_keys=True) == (BATCH, 0)
+        (tmp_path / "go").touch()
+        sc.wait_recovered()
+        done = recovery(sc.http)
+        assert (done["blocks"], done.get("deleted")) == (BATCH, BLOCKS - BATCH), done
+        assert found(c) == []
+    assert sc.stop() == 0
+    again = serve_process(sc.proc.args[3:], entry=("-c", HELD))
+    assert again.recovered == {"event": "recovered", "blocks": 0, "batches": 0}
