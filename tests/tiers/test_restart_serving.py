@@ -12,7 +12,6 @@ reports (1 of 32), not a race."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import time
@@ -22,10 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.client import SyncClient
-from kvstore.keys import BlockKey, Namespace, namespace_root, prefix_keys
-from kvstore.store.checksum import checksum
-from kvstore.tiers.base import BlockMeta, BlockRef
-from kvstore.tiers.segments import SegmentTier
+from kvstore.keys import BlockKey, Namespace, prefix_keys
+from tests.tiers.segment_dir import write_segment_dir
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
 BLOCK = 4096
@@ -60,22 +57,6 @@ def content(k: bytes, salt: bytes = b"") -> bytes:
     return hashlib.sha256(salt + k).digest() * (BLOCK // 32)
 
 
-def write_directory(ssd: Path) -> None:
-    """BLOCKS blocks written by the segment tier itself, as a sidecar that stopped leaves them."""
-    tier = SegmentTier(ssd, 1 << 30)
-    root = namespace_root(NS)
-    items = []
-    for i in range(BLOCKS):
-        data = content(key(i))
-        items.append((BlockMeta(BlockRef(root, key(i)), b"", BLOCK, checksum(data), NS.label), memoryview(data)))
-
-    async def put() -> None:
-        await tier.put_many(items)
-        await tier.close()
-
-    asyncio.run(put())
-
-
 def serve(tmp_path: Path, serve_process):
     cfg = tmp_path / "kvstore.toml"
     cfg.write_text(f"""
@@ -90,7 +71,7 @@ capacity_bytes = {4 * BLOCKS * BLOCK}
 [tiering]
 recover_batch = {BATCH}
 """)
-    write_directory(tmp_path / "data" / "ssd")
+    write_segment_dir(tmp_path / "data" / "ssd", NS, [(key(i), content(key(i))) for i in range(BLOCKS)])
     args = [str(tmp_path / "go"), "--config", str(cfg), "--grpc-address", "127.0.0.1:0",
             "--http-address", "127.0.0.1:0"]
     return serve_process(args, entry=("-c", HELD), recovered=False)
