@@ -23,6 +23,7 @@ wires them and hands each call on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Collection, Mapping, Sequence, Set
 from contextlib import AbstractContextManager
@@ -67,7 +68,8 @@ def build_levels(space: DramSpace, config: Config, tenants: Tenants | None = Non
                 space.stats,
                 capacity=tier.capacity_bytes,
                 policy=make_policy(config.index.policy),
-                footprint=tier.footprint,
+                # (pure in (size, label), asked once a block placed: a restart places millions)
+                footprint=functools.lru_cache(maxsize=4096)(tier.footprint),
                 quotas=quotas,
                 write_through=through,
             )

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from kvstore.errors import Unavailable
 from kvstore.keys import NamespaceRoot
 from kvstore.store.index import Index, NsEntry, State
-from kvstore.tiers.base import BlockMeta, BlockRef, Recoverable
+from kvstore.tiers.base import BlockRef, Recoverable, Row, ScansRows, meta_row
 from kvstore.tiers.level import Level
 from kvstore.util.tasks import cancel_and_wait
 from kvstore.util.tuning import freeze_loaded
@@ -117,14 +117,17 @@ class Recovery:
         return [BlockRef(root, k) for k in keys]  # type: ignore[arg-type]
 
     async def _level(self, lv: Level, tier: Recoverable) -> None:
-        pending: list[BlockMeta] = []
+        pending: list[Row] = []
+        batch = self.batch
         try:
-            async for meta in tier.scan():
-                pending.append(meta)
-                if len(pending) >= self.batch:
-                    await self._remove(lv, self._enter(lv, pending))
-                    pending = []
+            async for rows in _rows(tier):
+                pending += rows
+                done = 0
+                while len(pending) - done >= batch:
+                    await self._remove(lv, self._enter(lv, pending[done : done + batch]))
+                    done += batch
                     await self.between(self.batches)
+                del pending[:done]
             if pending:
                 await self._remove(lv, self._enter(lv, pending))
         except Unavailable as exc:
@@ -137,33 +140,32 @@ class Recovery:
             with lv.failures(f"deleting {len(refs)} dropped blocks from"):
                 await lv.tier.delete_many(refs)
 
-    def _enter(self, lv: Level, metas: Sequence[BlockMeta]) -> list[BlockRef]:
+    def _enter(self, lv: Level, rows: Sequence[Row]) -> list[BlockRef]:
         """One batch: each record's block found or added (committed, sealed with the record's
         checksum) and placed in ``lv``. No await: atomic to the other requests. Returns the
         records of namespaces dropped meanwhile, to remove from the tier."""
-        index, place = self._index, lv.placement.place
+        index, place, add = self._index, lv.placement.place, self._index.add
         entries: dict[bytes, NsEntry] = {}  # this batch's namespaces (an emptied one is re-registered)
         found = skipped = deleted = 0
         gone, dropped, doomed = self._gone, self._dropped, []
-        for meta in metas:
-            ref = meta.ref
+        for root, key, parent, size, csum, label, tenant, _ in rows:
             if gone or dropped:
-                if ref.ns in gone and ref.key in gone[ref.ns]:
+                if root in gone and key in gone[root]:
                     deleted += 1
                     continue  # deleted while loading: its copy is removed by the delete
-                if ref.ns in dropped and ((live := index.namespaces.get(ref.ns)) is None or ref.key not in live.blocks):
-                    doomed.append(ref)  # its namespace dropped while loading
+                if root in dropped and ((live := index.namespaces.get(root)) is None or key not in live.blocks):
+                    doomed.append(BlockRef(root, key))  # its namespace dropped while loading
                     deleted += 1
                     continue
-            ns = entries.get(ref.ns)
+            ns = entries.get(root)
             if ns is None:
-                ns = entries[ref.ns] = index.namespace(ref.ns, meta.label or ref.ns.hex()[:16], tenant=meta.tenant)
-            b = ns.blocks.get(ref.key)
+                ns = entries[root] = index.namespace(root, label or root.hex()[:16], tenant=tenant)
+            b = ns.blocks.get(key)
             if b is None:
-                b = index.add(ns, ref.key, meta.parent, meta.size, State.COMMITTED)
-                ns = entries[ref.ns] = b.ns  # (add registers a detached entry: the live one from now on)
-                b.seal(meta.checksum)
-            elif b.checksum != meta.checksum:
+                b = add(ns, key, parent, size, State.COMMITTED)
+                ns = entries[root] = b.ns  # (add registers a detached entry: the live one from now on)
+                b.seal(csum)
+            elif b.checksum != csum:
                 skipped += 1
                 continue
             if place(b):
@@ -184,3 +186,14 @@ class Recovery:
         """``/stats`` ``recovery``."""
         return {"recovering": self.recovering, "blocks": self.blocks, "batches": self.batches,
                 "skipped": self.skipped, "deleted": self.deleted, "batch": self.batch}
+
+
+async def _rows(tier: Recoverable) -> AsyncIterator[list[Row]]:
+    """``tier``'s blocks in its scan's order, in batches of rows (:class:`ScansRows`: as the tier
+    lists them; any other tier: its ``BlockMeta`` one by one, flattened)."""
+    if isinstance(tier, ScansRows):
+        async for rows in tier.scan_rows():
+            yield rows
+    else:
+        async for meta in tier.scan():
+            yield [meta_row(meta)]
