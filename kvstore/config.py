@@ -368,6 +368,13 @@ class ClusterConfig(_Section):
     )
     heartbeat_ms: int = Field(1000, ge=100, description="membership heartbeat interval (< lease_ms / 2)")
     publish_interval_ms: int = Field(5, ge=1, le=1000, description="directory writes are batched over this long")
+    publish_records_per_s: int = Field(
+        50_000,
+        ge=0,
+        description="directory records of blocks that only moved (a restart's recovery, a re-publish of everything "
+        "after an outage) a node writes a second at most, publish_interval_ms at a time; blocks new on the node "
+        "are never held back; 0: no limit",
+    )
     fetch_timeout_s: float = Field(
         5.0,
         gt=0,

@@ -693,9 +693,9 @@ def install() -> None:
 
     sc_start = Sidecar.start
 
-    async def start_and_record(self: Any) -> Any:
+    async def start_and_record(self: Any, *args: Any, **kw: Any) -> Any:
         _sidecars.add(self)
-        return await sc_start(self)
+        return await sc_start(self, *args, **kw)
 
     Sidecar.start = start_and_record  # type: ignore[method-assign]
 

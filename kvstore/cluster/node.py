@@ -47,6 +47,7 @@ COUNTERS = (  # /stats "cluster": every one shown from the start, 0 until it hap
     "directory_lookups",
     "records_published",
     "records_removed",
+    "records_paced",
     "peer_blocks_found",
     "blocks_adopted",
     "blocks_fetched",

@@ -15,12 +15,22 @@ from a peer) takes up the count another node left, in the policies of the spaces
 Why a feed: the index says what changed as it changes and the publisher reads it when it writes,
 so a pass costs the changes since the last one, never a walk over everything held; and nothing is
 kept while no publisher reads (a node on its own).
+
+Paced (``cluster.publish_records_per_s``): a pass writes at most that rate times
+``publish_interval_ms`` records of blocks that only moved (a restart's recovery entering a
+million blocks, a re-publish of everything after an outage or a new incarnation); the rest wait
+in the publisher's backlog, in order, for the next passes. Blocks new on this node (committed,
+fetched) and those a ``wait_published`` commit waits for are never held back. So a restarted
+node's million records go out in bounded pipelines, a pass at a time, between which the event
+loop serves requests and heartbeats (before, one pass wrote them all: 100 k records in 25
+back-to-back pipelines, and the 100 k-record walk that built them, on one turn of the loop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -64,6 +74,15 @@ class Publisher:
         self._unheld: set[tuple[bytes, bytes]] = set()  # keys peers asked for that this node does not hold
         self._span = GhostSpan()  # how fast this node lets blocks go: how long its ghosts last
         self._call: tuple[str, float] = ("publish", 0.0)  # the directory call in flight, and its start
+        # Changes of blocks that only moved, not written yet: a pass takes at most ``budget`` of them.
+        self._backlog: OrderedDict[Block, bool] = OrderedDict()
+        rate, interval_ms = members.cfg.publish_records_per_s, members.cfg.publish_interval_ms
+        self.budget = max(1, rate * interval_ms // 1000) if rate else 0  # records of moved blocks a pass (0: all)
+
+    @property
+    def backlog(self) -> int:
+        """Changes waiting for a pass (paced: ``cluster.publish_records_per_s``)."""
+        return len(self._backlog)
 
     def start(self) -> None:
         """Read the index's changes from now on, everything it holds first."""
@@ -120,10 +139,10 @@ class Publisher:
         if not self.members.up:  # nothing is written while the directory is away: whoever waits is told now
             self._waiters.fail_all("unreachable since the last call to it")
             return
-        if not (feed or self._stale or self._waiters or self._unheld):
+        if not (feed or self._stale or self._waiters or self._unheld or self._backlog):
             return
-        changed = feed.drain()
         waiters = self._waiters.take()
+        changed = self._paced(feed.drain(), waiters)
         stale, self._stale = self._stale, []
         records = self._gather(changed)
         pending = changed
@@ -145,6 +164,33 @@ class Publisher:
             self.members.unreachable(*self._call, exc, "cluster directory write failed (kept for the next pass)")
         finally:
             self._waiters.answer(waiters, error, refused)
+
+    def _paced(
+        self, changed: dict[Block, bool], waiters: list[tuple[asyncio.Future[None], list[Where]]]
+    ) -> dict[Block, bool]:
+        """This pass's changes: every new block's and every one ``waiters`` wait for, then the
+        oldest of the rest, up to :attr:`budget` in all; the others wait in the backlog (each
+        counted once in ``records_paced``)."""
+        backlog, budget = self._backlog, self.budget
+        if not budget or (not backlog and len(changed) <= budget):
+            return changed  # (the usual pass: nothing held back)
+        now: dict[Block, bool] = {}
+        for b, new in changed.items():
+            if new:
+                backlog.pop(b, None)
+                now[b] = True
+            elif b not in backlog:
+                backlog[b] = False
+                self.stats["records_paced"] += 1
+        for _, where in waiters:  # (their records as the index has them now: e.g. after a write-through)
+            for root, key in where:
+                held = self.store.visible(root, key)
+                if held is not None and held in backlog:
+                    now[held] = backlog.pop(held)
+        while backlog and len(now) < budget:
+            b, new = backlog.popitem(last=False)
+            now.setdefault(b, new)
+        return now
 
     def _gather(self, changed: dict[Block, bool]) -> _Pass:
         """The records of ``changed`` (one per key, as the index has it now: not per Block object,

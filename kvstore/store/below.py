@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvstore.tier_table import shared_bits
 
 if TYPE_CHECKING:
+    from kvstore.keys import NamespaceRoot
     from kvstore.policy.base import EvictionPolicy
     from kvstore.store.index import Block
     from kvstore.store.tenants import Quotas
@@ -178,6 +179,12 @@ class Movers(Protocol):
         result removes their copies."""
         ...
 
+    def forget_unloaded(self, root: NamespaceRoot, keys: Sequence[bytes] | None) -> Awaitable[None]:
+        """A delete of ``keys`` the index does not hold (None: namespace ``root`` dropped) while a
+        restart's recovery is still loading: they are not loaded after it (awaiting the result
+        removes their copies from the tiers); nothing once the loading has ended."""
+        ...
+
     async def flush(self) -> bool:
         """Wait for the moves in flight; whether there were any (their pins may be all that stood
         in a write's way)."""
@@ -219,11 +226,14 @@ class NoMovers:
     def forget(self, blocks: Sequence[Block]) -> Awaitable[None]:
         return nothing()
 
+    def forget_unloaded(self, root: NamespaceRoot, keys: Sequence[bytes] | None) -> Awaitable[None]:
+        return nothing()
+
     async def flush(self) -> bool:
         return False
 
     recovery_stats: Mapping[str, object] = MappingProxyType(
-        {"recovering": False, "blocks": 0, "batches": 0, "skipped": 0}
+        {"recovering": False, "blocks": 0, "batches": 0, "skipped": 0, "deleted": 0}
     )
 
     async def close(self) -> None:

@@ -383,6 +383,10 @@ class BlockStore:
             if all_keys
             else [b for k in dict.fromkeys(keys) if (b := ns.blocks.get(k)) is not None]
         )
+        # Keys a restart's recovery has not loaded yet (the whole namespace for all_keys): not
+        # loaded after this either, their copies removed below (kvstore.tiers.recovery).
+        unloaded = self.space.movers.forget_unloaded(
+            ns.root, None if all_keys else [k for k in dict.fromkeys(keys) if k not in ns.blocks])
         if any(b.moving and not b.leases for b in targets):
             # A write-through in flight reads these blocks' slots (a Commit that did not wait for
             # it): the delete waits for it, then deletes them everywhere, the copy it made too.
@@ -402,6 +406,7 @@ class BlockStore:
             self.index.drop(b)
         self.stats.writes["deleted"] += len(gone)
         await copies
+        await unloaded
         return len(gone), len(targets) - len(gone)
 
     # --- background ---------------------------------------------------------------------------

@@ -169,6 +169,24 @@ class Recoverable(Protocol):
     def scan(self) -> AsyncIterator[BlockMeta]: ...
 
 
+# One block as a restart lists it, without a BlockMeta: (namespace root, key, parent, size,
+# checksum, label, tenant, codec), the fields of :class:`BlockMeta` flattened.
+Row = tuple[NamespaceRoot, BlockKey, bytes, int, int, str, str, int]
+
+
+def meta_row(m: BlockMeta) -> Row:
+    return (m.ref.ns, m.ref.key, m.parent, m.size, m.checksum, m.label, m.tenant, m.codec)
+
+
+@runtime_checkable
+class ScansRows(Protocol):
+    """A :class:`Recoverable` tier that also lists its blocks as batches of :data:`Row`, in
+    ``scan``'s order: what a restart's recovery reads (kvstore.tiers.recovery), without building
+    a ``BlockRef`` and a ``BlockMeta`` per block."""
+
+    def scan_rows(self) -> AsyncIterator[list[Row]]: ...
+
+
 @runtime_checkable
 class Bounded(Protocol):
     """A tier with a fixed capacity that the sidecar fills and evicts itself (SSD)."""

@@ -23,20 +23,22 @@ wires them and hands each call on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Collection, Mapping, Sequence, Set
 from contextlib import AbstractContextManager
 
 from kvstore.config import Config
+from kvstore.keys import NamespaceRoot
 from kvstore.policy import make_policy
-from kvstore.store.below import Lower, Movers, NoMovers
+from kvstore.store.below import Lower, Movers, NoMovers, nothing
 from kvstore.store.index import SSD, Block
 from kvstore.store.space import DramSpace
 from kvstore.store.tenants import Tenants
 from kvstore.tier_table import BY_NAME
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import Bounded
-from kvstore.tiers.crew import Crew
+from kvstore.tiers.crew import Crew, ended
 from kvstore.tiers.demotion import STAGING_LIMIT, Demotion
 from kvstore.tiers.drain import Drained, drain
 from kvstore.tiers.eviction import Eviction
@@ -66,7 +68,8 @@ def build_levels(space: DramSpace, config: Config, tenants: Tenants | None = Non
                 space.stats,
                 capacity=tier.capacity_bytes,
                 policy=make_policy(config.index.policy),
-                footprint=tier.footprint,
+                # (pure in (size, label), asked once a block placed: a restart places millions)
+                footprint=functools.lru_cache(maxsize=4096)(tier.footprint),
                 quotas=quotas,
                 write_through=through,
             )
@@ -175,6 +178,15 @@ class Tiering:
         for b in blocks:
             self.demotion.drop(b)
         return self.removal.forget(blocks)
+
+    def forget_unloaded(self, root: NamespaceRoot, keys: Sequence[bytes] | None) -> Awaitable[None]:
+        """A delete of blocks the recovery has not loaded yet (:meth:`Recovery.forget`): tombstoned
+        for the loading, their records removed from the recovered levels' tiers in a mover task
+        (no bytes to release: no level counts them yet)."""
+        refs = self.recovery.forget(root, keys)
+        if not refs:
+            return nothing()
+        return ended(self.removal.remove({lv: (refs, 0) for lv in self.recovery.levels}))
 
     async def flush(self) -> bool:
         """Wait for demotions, promotions and write-throughs in flight; whether there were any."""

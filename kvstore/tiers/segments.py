@@ -51,7 +51,7 @@ from kvstore.config import SSD_IO_THREADS, SsdConfig
 from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.store.checksum import checksum
-from kvstore.tiers.base import BlockMeta, BlockRef, HashedRead, ThreadedTier
+from kvstore.tiers.base import BlockMeta, BlockRef, HashedRead, Row, ThreadedTier
 from kvstore.tiers.file_io import fsync_dir, probe_direct_io
 from kvstore.tiers.private import private_dir
 from kvstore.tiers.segfiles import SegmentFiles
@@ -195,14 +195,20 @@ class SegmentTier(ThreadedTier):
 
     async def scan(self) -> AsyncIterator[BlockMeta]:
         """Every block the log names (after importing a file-layout directory's blocks)."""
+        async for rows in self.scan_rows():
+            for root, key, parent, size, csum, label, tenant, codec in rows:
+                yield BlockMeta(BlockRef(root, key), parent, size, csum, label, tenant, codec)
+
+    async def scan_rows(self) -> AsyncIterator[list[Row]]:
+        """:meth:`scan`'s blocks as rows, 4,096 a batch (the recovery's input: no object per block
+        but its tuple and its key's bytes)."""
         from kvstore.tiers.segmigrate import import_files
 
         await import_files(self)
         with self._lock:
             records = self._rows.live()
         for a in range(0, len(records), 4096):
-            for meta in self._metas(records[a : a + 4096]):
-                yield meta
+            yield self._row_batch(records[a : a + 4096])
 
     # ---- blocking work (worker threads) -----------------------------------------------------
 
@@ -212,17 +218,24 @@ class SegmentTier(ThreadedTier):
         ref = BlockRef(NamespaceRoot(ns_root), BlockKey(bytes(rec["key"])))
         return BlockMeta(ref, parent, int(rec["size"]), int(rec["checksum"]), label, tenant, int(rec["codec"]))
 
-    def _metas(self, records: np.ndarray) -> list[BlockMeta]:
-        entries = self._ns.entries
-        keys, parents = records["key"].tobytes(), records["parent"].tobytes()
-        out = []
-        columns = (records[f].tolist() for f in ("ns", "flags", "size", "checksum", "codec"))
-        for i, (ns, flags, size, csum, codec) in enumerate(zip(*columns)):
-            root, label, tenant = entries[ns]
-            parent = parents[i * 32 : i * 32 + 32] if flags & HAS_PARENT else b""
-            ref = BlockRef(root, BlockKey(keys[i * 32 : i * 32 + 32]))
-            out.append(BlockMeta(ref, parent, size, csum, label, tenant, codec))
-        return out
+    def _row_batch(self, records: np.ndarray) -> list[Row]:
+        """``records`` as rows, column by column (numpy's ``tolist``; the 32-byte keys and parents
+        as ``bytes`` whole, a void field's ``tolist`` keeps trailing zeros)."""
+        entries, n = self._ns.entries, len(records)
+        ns = records["ns"]
+        if n and (ns == ns[0]).all():  # (one namespace: the usual batch)
+            root, label, tenant = entries[int(ns[0])]
+            roots, labels, tenants = itertools.repeat(root, n), itertools.repeat(label, n), itertools.repeat(tenant, n)
+        else:
+            info = [entries[i] for i in ns.tolist()]
+            roots, labels, tenants = ([e[j] for e in info] for j in range(3))  # type: ignore[assignment]
+        parents = records["parent"].tolist()
+        chained = (records["flags"] & HAS_PARENT) != 0
+        if not chained.all():
+            parents = [p if c else b"" for p, c in zip(parents, chained.tolist())]
+        columns = (records[f].tolist() for f in ("key", "size", "checksum", "codec"))
+        keys, sizes, csums, codecs = columns
+        return list(zip(roots, keys, parents, sizes, csums, labels, tenants, codecs))
 
     def read_one(self, ref: BlockRef, into: memoryview, hashed: bool) -> HashedRead:
         key = ref.ns + ref.key

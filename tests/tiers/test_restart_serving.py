@@ -2,8 +2,9 @@
 segment-layout directory is ready, and answers Lookups, while its recovery is still entering the
 SSD's blocks batch by batch (``tiering.recover_batch``); a block not loaded yet is a miss; a put of
 a key still loading wins (its bytes are what a read returns after the recovery; the loading record
-is skipped, or placed as the block's SSD copy when the bytes agree); once the recovery is done,
-every block is found and reads back byte-exact.
+is skipped, or placed as the block's SSD copy when the bytes agree); a delete of a key still
+loading (or a drop of its namespace) removes it for good; once the recovery is done, every block
+is found and reads back byte-exact.
 
 Counted, not timed: the sidecar runs under a wrapper that holds the recovery after its first batch
 until the test creates a file, so "before the recovery completes" is the count of batches /stats
@@ -11,7 +12,6 @@ reports (1 of 32), not a race."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import time
@@ -21,10 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from kvstore.client import SyncClient
-from kvstore.keys import BlockKey, Namespace, namespace_root, prefix_keys
-from kvstore.store.checksum import checksum
-from kvstore.tiers.base import BlockMeta, BlockRef
-from kvstore.tiers.segments import SegmentTier
+from kvstore.keys import BlockKey, Namespace, prefix_keys
+from tests.tiers.segment_dir import write_segment_dir
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
 BLOCK = 4096
@@ -59,22 +57,6 @@ def content(k: bytes, salt: bytes = b"") -> bytes:
     return hashlib.sha256(salt + k).digest() * (BLOCK // 32)
 
 
-def write_directory(ssd: Path) -> None:
-    """BLOCKS blocks written by the segment tier itself, as a sidecar that stopped leaves them."""
-    tier = SegmentTier(ssd, 1 << 30)
-    root = namespace_root(NS)
-    items = []
-    for i in range(BLOCKS):
-        data = content(key(i))
-        items.append((BlockMeta(BlockRef(root, key(i)), b"", BLOCK, checksum(data), NS.label), memoryview(data)))
-
-    async def put() -> None:
-        await tier.put_many(items)
-        await tier.close()
-
-    asyncio.run(put())
-
-
 def serve(tmp_path: Path, serve_process):
     cfg = tmp_path / "kvstore.toml"
     cfg.write_text(f"""
@@ -89,7 +71,7 @@ capacity_bytes = {4 * BLOCKS * BLOCK}
 [tiering]
 recover_batch = {BATCH}
 """)
-    write_directory(tmp_path / "data" / "ssd")
+    write_segment_dir(tmp_path / "data" / "ssd", NS, [(key(i), content(key(i))) for i in range(BLOCKS)])
     args = [str(tmp_path / "go"), "--config", str(cfg), "--grpc-address", "127.0.0.1:0",
             "--http-address", "127.0.0.1:0"]
     return serve_process(args, entry=("-c", HELD), recovered=False)
@@ -126,7 +108,7 @@ def test_lookups_answer_while_recovering_and_every_block_is_found_after(tmp_path
         (tmp_path / "go").touch()
         assert sc.wait_recovered() == {"event": "recovered", "blocks": BLOCKS, "batches": BLOCKS // BATCH}
         assert recovery(sc.http) == {"recovering": False, "blocks": BLOCKS, "batches": BLOCKS // BATCH,
-                                     "skipped": 0, "batch": BATCH}
+                                     "skipped": 0, "deleted": 0, "batch": BATCH}
         assert found(c) == list(range(BLOCKS))
         got = c.get_blocks(NS, [key(i) for i in range(BLOCKS)][:64])
         assert [g.tobytes() for g in got] == [content(key(i)) for i in range(64)]
@@ -163,3 +145,46 @@ def test_a_stop_while_recovering_ends_cleanly_and_the_next_start_loads_everythin
     assert again.recovered == {"event": "recovered", "blocks": BLOCKS, "batches": BLOCKS // BATCH}
     with SyncClient(again.grpc) as c:
         assert found(c) == list(range(BLOCKS))
+
+
+def test_a_delete_of_a_key_still_loading_removes_it_for_good(tmp_path, serve_process):
+    """A key not loaded yet deleted while the recovery is held: its record is skipped when its batch
+    comes (counted in ``deleted``), and the delete removed it from the SSD, so the next start does
+    not find it either. (Before: the delete found nothing and the block came back with its batch.)"""
+    sc = serve(tmp_path, serve_process)
+    assert held_after_first_batch(sc.http)["batches"] == 1
+    with SyncClient(sc.grpc) as c:
+        loaded = set(found(c))
+        doomed = min(set(range(BLOCKS)) - loaded)
+        assert c.delete(NS, [key(doomed)]) == (0, 0)  # (not in the index yet: no block deleted there)
+        (tmp_path / "go").touch()
+        sc.wait_recovered()
+        done = recovery(sc.http)
+        assert (done["blocks"], done.get("deleted")) == (BLOCKS - 1, 1), done
+        rest = [i for i in range(BLOCKS) if i != doomed]
+        assert found(c) == rest
+    assert sc.stop() == 0
+    again = serve_process(sc.proc.args[3:], entry=("-c", HELD))
+    assert again.recovered == {"event": "recovered", "blocks": BLOCKS - 1, "batches": BLOCKS // BATCH}
+    with SyncClient(again.grpc) as c:
+        assert found(c) == rest
+        got = c.get_blocks(NS, [key(i) for i in rest[:32]])
+        assert [g.tobytes() for g in got] == [content(key(i)) for i in rest[:32]]
+
+
+def test_a_namespace_dropped_while_loading_stays_dropped(tmp_path, serve_process):
+    """``all_keys`` while the recovery is held after batch 1: the loaded blocks go at once, every
+    record the loading reaches later is skipped and removed from the SSD (``deleted``); the next
+    start loads nothing."""
+    sc = serve(tmp_path, serve_process)
+    assert held_after_first_batch(sc.http)["batches"] == 1
+    with SyncClient(sc.grpc) as c:
+        assert c.delete(NS, all_keys=True) == (BATCH, 0)
+        (tmp_path / "go").touch()
+        sc.wait_recovered()
+        done = recovery(sc.http)
+        assert (done["blocks"], done.get("deleted")) == (BATCH, BLOCKS - BATCH), done
+        assert found(c) == []
+    assert sc.stop() == 0
+    again = serve_process(sc.proc.args[3:], entry=("-c", HELD))
+    assert again.recovered == {"event": "recovered", "blocks": 0, "batches": 0}
