@@ -5,12 +5,16 @@ DMAs, the tables' lookup, the enqueue loop -- and not the driver's work, which i
 GPU only. A lease's slots (``SlotViews`` of a real slab, registered at start), ids out of order,
 the FlashAttention layout of each model shape, batches of 1 to 2,048 blocks.
 
-Figures per shape and batch size ``n``: ``host_us_per_batch_{n}`` with the ids as an int64 array,
-``host_list_us_per_batch_{n}`` with them as a list (as the connector hands them over today:
-converting them is ~0.02 µs an id), and for the shape's GPU batch (``GPU_BLOCKS``, or
-``--blocks``) the older names: ``host_plan_us_per_batch`` / ``_per_block`` (ids as a list), a
-batch of one block (``host_plan_one_block_us``), what a further slot adds, and per block with
-plain views (``host_plan_views_us_per_block``: every view asked its address)."""
+Figures per shape and batch size ``n``: ``host_plan_us_per_batch_{n}``, the planning (the ids,
+the slots' checks and addresses, the schedule against the registrations, every DMA's and
+launch's arguments: what the engine works out before and between its CUDA calls), and
+``host_us_per_batch_{n}``, the whole gather (the planning, the locks, the events, the enqueue
+loop calling the idle cupy), both with the ids as an int64 array; ``host_plan_list_..`` and
+``host_list_..`` the same with them as a list, as the connector hands them over today
+(converting them is ~0.02 µs an id). For the shape's GPU batch (``GPU_BLOCKS``, or ``--blocks``)
+the older names, the planning with the ids as a list: ``host_plan_us_per_batch`` /
+``_per_block``, a batch of one block (``host_plan_one_block_us``), what a further slot adds, and
+per block with plain views (``host_plan_views_us_per_block``: every view asked its address)."""
 
 from __future__ import annotations
 
@@ -143,26 +147,22 @@ def host_plan(res: Result, shape: str, blocks: int, rounds: int, memcpy_per_bloc
         ids = random_ids(top, kv.num_blocks, 3)  # a list, as the connector hands them over
         with _engine() as t:
             t.register(slab.buf, page)
-
-            def batch(slots_: Any, ids_: Any) -> Callable[[], float]:
-                def go() -> float:
-                    t0 = time.perf_counter()
-                    t.gather(kv, ids_, slots_).wait()
-                    return time.perf_counter() - t0
-                return go
-
-            timed = []
+            timed: list[Callable[[], float]] = []
             for n in sizes:
-                timed += [batch(views[:n], np.array(ids[:n], np.int64)), batch(views[:n], ids[:n])]
-            timed.append(batch(list(views[:n_gpu]), ids[:n_gpu]))
+                arr = np.array(ids[:n], np.int64)
+                timed += [_planning(t, kv, views[:n], arr), _planning(t, kv, views[:n], ids[:n]),
+                          _batch(t, kv, views[:n], arr), _batch(t, kv, views[:n], ids[:n])]
+            timed.append(_planning(t, kv, list(views[:n_gpu]), ids[:n_gpu]))
             best = best_of(max(rounds, 20), *timed)
         del views
     finally:
         slab.close()
-    at = {n: (best[2 * i], best[2 * i + 1]) for i, n in enumerate(sizes)}
-    for n, (array, listed) in at.items():
-        res.figure(f"{shape}_host_us_per_batch_{n}", array * 1e6, "us")
-        res.figure(f"{shape}_host_list_us_per_batch_{n}", listed * 1e6, "us")
+    at = {n: best[4 * i: 4 * i + 4] for i, n in enumerate(sizes)}
+    for n, (plan, plan_listed, engine, engine_listed) in at.items():
+        res.figure(f"{shape}_host_plan_us_per_batch_{n}", plan * 1e6, "us")
+        res.figure(f"{shape}_host_plan_list_us_per_batch_{n}", plan_listed * 1e6, "us")
+        res.figure(f"{shape}_host_us_per_batch_{n}", engine * 1e6, "us")
+        res.figure(f"{shape}_host_list_us_per_batch_{n}", engine_listed * 1e6, "us")
     known, asked = at[n_gpu][1], best[-1]
     one = at[1][1] if 1 in at else known
     res.figure(f"{shape}_host_plan_blocks", n_gpu, "blocks")
@@ -172,3 +172,33 @@ def host_plan(res: Result, shape: str, blocks: int, rounds: int, memcpy_per_bloc
     res.figure(f"{shape}_host_plan_us_per_slot_above_one", max(0.0, known - one) * 1e6 / max(1, n_gpu - 1), "us")
     res.figure(f"{shape}_host_plan_views_us_per_block", asked * 1e6 / n_gpu, "us")
     res.ratio(f"{shape}_host_plan_vs_memcpy_per_block", (known / n_gpu) / memcpy_per_block)
+
+
+def _batch(t: Any, kv: PagedKV, slots: Any, ids: Any) -> Callable[[], float]:
+    """One gather through the engine, end to end (over :func:`idle_cupy`)."""
+    def go() -> float:
+        t0 = time.perf_counter()
+        t.gather(kv, ids, slots).wait()
+        return time.perf_counter() - t0
+    return go
+
+
+def _planning(t: Any, kv: PagedKV, slots: Any, ids: Any) -> Callable[[], float]:
+    """The engine's planning of a gather, the steps ``CupyTransfer`` takes for it on the host
+    before and around its CUDA calls: the ids, the slots' checks and addresses, the schedule
+    against the registrations, every DMA's and launch's arguments (``enqueue_steps``)."""
+    from connector.copy_plan import enqueue_steps
+    from connector.cuda_transfer import CHUNK_BLOCKS, STAGE_BYTES
+    from connector.transfer import as_ids, slot_addresses
+
+    bb = kv.spec.block_bytes
+    per_chunk = max(1, min(CHUNK_BLOCKS, STAGE_BYTES // bb))
+    stages = [1 << 40, 1 << 41]
+
+    def go() -> float:
+        t0 = time.perf_counter()
+        block_ids = as_ids(ids)
+        addresses = slot_addresses(kv, block_ids, slots, writing=True)
+        enqueue_steps(t._schedule(slots, addresses, bb, per_chunk), stages, 1 << 42, True)
+        return time.perf_counter() - t0
+    return go

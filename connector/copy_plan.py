@@ -218,7 +218,7 @@ def _runs(a: np.ndarray, width: int, limits: Registrations,
     segment of one link so robbed has no run of its own, and gives the next one its slot back.
     Slots in no run are runs of one."""
     n = len(a)
-    d = a[1:] - a[:-1]
+    d = a[1:] - a[:-1] if n > 1 else a[:0]
     if n:  # the common batch: slots side by side (so a[0] and a[-1] are the ends) in one registration
         p = int(d[0]) if n > 1 else width
         if width <= p <= max_pitch and (n == 1 or bool((d == p).all())) and \
@@ -346,11 +346,13 @@ def schedule(addresses: Sequence[int] | np.ndarray, width: int, per_chunk: int, 
     a = np.asarray(addresses, dtype=np.int64)
     n, step = len(a), max(1, per_chunk)
     first, pitch = _runs(a, width, _registrations(limits))
+    if len(first) == 1 and n <= step:  # one run, one chunk: one DMA
+        return Schedule(n, step, width, first, first + n, a[:1], pitch)
     if len(first) == 1:  # one run: a DMA per chunk
         at = np.arange(0, n, step, dtype=np.int64)
         count = n - at
         np.minimum(count, step, out=count)
-        return Schedule(n, step, width, at, count, a[at], pitch.repeat(len(at)))
+        return Schedule(n, step, width, at, count, a[::step], pitch.repeat(len(at)))
     cut = np.zeros(n, bool)
     cut[first] = True
     cut[::step] = True
@@ -361,28 +363,25 @@ def schedule(addresses: Sequence[int] | np.ndarray, width: int, per_chunk: int, 
     return Schedule(n, step, width, at, count, a[at], pitch[first.searchsorted(at, side="right") - 1])
 
 
-def enqueue_steps(plan: Schedule, streams: int, stages: np.ndarray, ids_ptr: int,
-                  to_slots: bool) -> Iterator[tuple[Any, ...]]:
+def enqueue_steps(plan: Schedule, stages: Sequence[int], ids_ptr: int, to_slots: bool) -> Iterator[tuple[Any, ...]]:
     """Every DMA of ``plan`` as the GPU engine's enqueue loop makes it, worked out for the whole
     batch at once, as ``(stream, launch, dst, dst pitch, src, src pitch, blocks, chunk blocks,
     chunk ids, staging)``: ``launch`` is set on the DMA its chunk's kernel goes with (a gather's
     first, the kernel before it; a scatter's last, the kernel after it); the last two are the
     kernel's pointers, ``numpy.uint64`` (the block ids are an int64 array at ``ids_ptr``). Chunk
-    ``c`` runs on stream ``c % streams`` in that stream's staging at ``stages[c % streams]``, its
-    blocks side by side. Numpy only: nothing in Python per chunk or per DMA."""
-    step, width, first = plan.step, plan.width, plan.first
-    count = plan.count.tolist()
-    host, pitch = plan.host.tolist(), plan.pitch.tolist()
+    ``c`` runs on stream ``c % len(stages)`` in that stream's staging at ``stages[c %
+    len(stages)]``, its blocks side by side. Numpy only: nothing in Python per chunk or per DMA."""
+    step, width, first, streams = plan.step, plan.width, plan.first, len(stages)
+    count, host, pitch = plan.count.tolist(), plan.host.tolist(), plan.pitch.tolist()
     chunks = plan.num_chunks
     if len(first) == chunks:  # a DMA per chunk (the batch is one run): the chunk's start, its size, launched
         rounds = -(-chunks // streams)  # the streams' staging in turn: lists repeated, no arithmetic per chunk
-        j = (list(range(streams)) * rounds)[:chunks]
-        staged = (stages[:streams].tolist() * rounds)[:chunks]
-        stage = (list(stages[:streams].astype(np.uint64)) * rounds)[:chunks]
+        staged = (list(stages) * rounds)[:chunks]
         ids = first * 8
         ids += ids_ptr
         moves = (host, pitch, staged, repeat(width)) if to_slots else (staged, repeat(width), host, pitch)
-        return zip(j, repeat(True), *moves, count, count, ids.astype(np.uint64), stage)
+        return zip((list(range(streams)) * rounds)[:chunks], repeat(True), *moves, count, count,
+                   ids.astype(np.uint64), ([np.uint64(a) for a in stages] * rounds)[:chunks])
     chunk = first // step
     start = chunk * step
     k = chunk % streams
@@ -392,16 +391,17 @@ def enqueue_steps(plan: Schedule, streams: int, stages: np.ndarray, ids_ptr: int
     else:
         end = at + plan.count
         launch = (end == step) | (end + start == plan.n)
+    base = np.asarray(stages, dtype=np.int64)[k]
     at *= width
-    at += stages[k]
+    at += base
     blocks = plan.n - start
     np.minimum(blocks, step, out=blocks)
-    start *= 8
-    start += ids_ptr
+    ids = start * 8  # the chunk's first id
+    ids += ids_ptr
     staged = at.tolist()
     moves = (host, pitch, staged, repeat(width)) if to_slots else (staged, repeat(width), host, pitch)
-    return zip(k.tolist(), launch.tolist(), *moves, count, blocks.tolist(), start.astype(np.uint64),
-               stages[k].astype(np.uint64))
+    return zip(k.tolist(), launch.tolist(), *moves, count, blocks.tolist(), ids.astype(np.uint64),
+               base.astype(np.uint64))
 
 
 def registration_pieces(start: int, size: int, piece: int, page: int) -> list[tuple[int, int]]:

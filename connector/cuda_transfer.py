@@ -91,24 +91,24 @@ class _Direction:
     def __init__(self, cp: Any, streams: int) -> None:
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(max(1, streams))]
         self.stage: list[Any] = [None] * len(self.streams)
-        self.bases = np.zeros(len(self.streams), np.int64)  # their staging buffers' device addresses
+        self.bases = [0] * len(self.streams)  # their staging buffers' device addresses
         self.lock = threading.Lock()  # one batch enqueued at a time: chunks of two would share staging
         # re-recorded every batch (under the lock): a wait already queued keeps the record it saw
         self.engine_done = cp.cuda.Event(block=True, disable_timing=True)
         self.uploaded = cp.cuda.Event(block=True, disable_timing=True)
         self._cp = cp
 
-    def buffers(self, used: int, nbytes: int) -> np.ndarray:
-        """The addresses of the first ``used`` streams' staging buffers, each at least ``nbytes``
-        (``bases``: kept between batches); a smaller one is let go only after its stream has
-        finished with it."""
+    def buffers(self, used: int, nbytes: int) -> list[int]:
+        """The device addresses of the first ``used`` streams' staging buffers, each at least
+        ``nbytes`` (``bases``: kept between batches); a smaller one is let go only after its stream
+        has finished with it."""
         for j in range(used):
             buf = self.stage[j]
             if buf is None or buf.nbytes < nbytes:
                 self.streams[j].synchronize()
                 buf = self.stage[j] = self._cp.empty(nbytes, dtype=self._cp.uint8)
-                self.bases[j] = buf.data.ptr
-        return self.bases
+                self.bases[j] = int(buf.data.ptr)
+        return self.bases if used == len(self.bases) else self.bases[:used]
 
     def finish(self) -> None:
         for s in self.streams:
@@ -296,7 +296,7 @@ class CupyTransfer:
             for s in d.streams[1:]:
                 s.wait_event(d.uploaded)
         used = d.streams[: min(len(d.streams), plan.num_chunks)]  # a stream without a chunk has nothing to wait for
-        steps = enqueue_steps(plan, len(d.streams), d.buffers(len(used), per_chunk * bb), ids.data.ptr, to_slots)
+        steps = enqueue_steps(plan, d.buffers(len(used), per_chunk * bb), ids.data.ptr, to_slots)
         kernel, streams, block = state.kernels[to_slots], d.streams, (tables.threads,)
         grid_x, pitch, parts = tables.pieces * tables.parts, np.int64(bb), np.int64(tables.parts)
         src, stride, nbytes, off = tables.src, tables.stride, tables.nbytes, tables.off

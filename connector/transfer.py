@@ -38,6 +38,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 log = logging.getLogger(__name__)
 
 LayerPlanes = list[list[Array]]  # [layer][plane] -> array with the block index first
+_largest, _smallest = np.maximum.reduce, np.minimum.reduce  # ndarray.max/min less their Python wrapper
 
 
 @dataclass(slots=True, frozen=True)
@@ -159,7 +160,7 @@ def slot_addresses(kv: PagedKV, block_ids: Sequence[int] | np.ndarray, slots: Se
         raise InvalidArgument(f"transfer: {len(block_ids)} block ids for {len(slots)} slots")
     n = kv.num_blocks
     ids = as_ids(block_ids)
-    if len(ids) and int(ids.view(np.uint64).max()) >= n:  # one reduction: a negative id is >= 2**63 as uint64
+    if len(ids) and int(_largest(ids.view(np.uint64))) >= n:  # one reduction: a negative id is >= 2**63 as uint64
         bad = (ids < 0) | (ids >= n)
         raise InvalidArgument(f"transfer: block id {int(ids[int(np.argmax(bad))])} is outside the cache (0..{n - 1})")
     need = kv.spec.block_bytes
@@ -181,7 +182,7 @@ def slot_addresses(kv: PagedKV, block_ids: Sequence[int] | np.ndarray, slots: Se
 
 
 def _known_addresses(slots: Any, need: int, writing: bool) -> np.ndarray:
-    if len(slots) and int(slots.lengths.min()) < need:
+    if len(slots) and int(_smallest(slots.lengths)) < need:
         i = int(np.argmax(slots.lengths < need))
         raise InvalidArgument(f"slot {i}: {int(slots.lengths[i])} bytes is smaller than a block ({need})")
     if writing and not slots.writable and len(slots):

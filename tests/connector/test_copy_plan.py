@@ -219,9 +219,9 @@ def _run_steps(kv_plan: tuple, ids: np.ndarray, plan: object, streams: int, bb: 
     a launch is the copy plan run for the chunk's blocks between the cache and its stream's
     staging, blocks side by side; a DMA is ``count`` copies of a block, each side at its pitch."""
     stages = [np.zeros(plan.step * bb, np.uint8) for _ in range(streams)]  # type: ignore[attr-defined]
-    bases = np.array([int(b.ctypes.data) for b in stages], np.int64)
+    bases = [int(b.ctypes.data) for b in stages]
     ids_ptr = int(ids.ctypes.data)
-    steps = enqueue_steps(plan, streams, bases, ids_ptr, to_slots)  # type: ignore[arg-type]
+    steps = enqueue_steps(plan, bases, ids_ptr, to_slots)  # type: ignore[arg-type]
 
     def launch(ids_at: np.uint64, stage_at: np.uint64, blocks: int) -> None:
         a = (int(ids_at) - ids_ptr) // 8
@@ -229,7 +229,8 @@ def _run_steps(kv_plan: tuple, ids: np.ndarray, plan: object, streams: int, bb: 
                  to_slots=to_slots)
 
     for j, go, dst, dpitch, src, spitch, count, blocks, ids_at, stage_at in steps:
-        assert isinstance(ids_at, np.uint64) and int(stage_at) == bases[j]  # pointers as the kernel takes them
+        assert isinstance(ids_at, np.uint64) and isinstance(stage_at, np.uint64)  # pointers as the kernel takes them
+        assert int(stage_at) == bases[j]
         if go and to_slots:
             launch(ids_at, stage_at, blocks)
         for k in range(count):
