@@ -318,9 +318,9 @@ class CupyTransfer:
         return _Events([_event(cp, s) for s in used], (ids, tables))
 
     def _schedule(self, slots: Sequence[Array], addresses: np.ndarray, bb: int, per_chunk: int) -> Schedule:
-        """The batch's schedule against the registrations; a slot outside every one (``schedule``
-        refuses it, and every slot before the first registration) pinned on the request's path
-        first. The common batch: its slots checked once, by ``schedule`` itself."""
+        """The batch's schedule against the registrations, which checks every slot lies in one:
+        when one does not (``schedule`` refuses it; before anything is registered, every slot),
+        its mapping is pinned on the request's path and the batch scheduled again."""
         limits = self._pinned.limits
         if limits:
             try:

@@ -142,8 +142,8 @@ def scatter_block(planes: LayerPlanes, block: int, src: Array) -> None:
 
 def as_ids(block_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """Block ids as an int64 array: an int64 array as it is (no copy: read it, never write it),
-    anything else converted once (``np.fromiter``: ~0.02 µs an id from a list, half of
-    ``np.asarray``'s)."""
+    anything else converted once (``np.fromiter``: ~0.02-0.03 µs an id from a list, 0.6-0.9 of
+    ``np.asarray``'s time)."""
     if isinstance(block_ids, np.ndarray):
         return block_ids if block_ids.dtype == np.int64 else block_ids.astype(np.int64)
     return np.fromiter(block_ids, np.int64, len(block_ids))
