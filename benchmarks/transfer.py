@@ -13,13 +13,10 @@ model built on the device with random weights ÷ the time to bring the prefix's 
 Without a GPU: ``NumpyTransfer`` for the ``vllm_cpu`` layout (Llama-3-8B shape, blocks out of
 order, slots of a real ``Slab``) against one plain memcpy of the same bytes into / out of the
 same mapping, on one thread each: ``gather_vs_memcpy``, ``scatter_vs_memcpy``. And the GPU path's
-host work per batch, which runs on the CPU before its first CUDA call (the slots' checks and
-addresses, the pinning check, the chunks and their DMA runs, the plan tables' lookup), for a
-GPU-sized batch (the FlashAttention layout) of a lease's slots (``SlotViews``):
-``host_plan_us_per_batch``, ``host_plan_us_per_block``, ``host_plan_vs_memcpy_per_block`` (÷ the
-memcpy of a block's bytes above), a batch of one block (``host_plan_one_block_us``: the fixed part)
-and what each further slot adds (``host_plan_us_per_slot_above_one``), and per block with plain
-views (``host_plan_views_us_per_block``: every view asked its address).
+host work per batch (:mod:`benchmarks.transfer_host`: ``CupyTransfer`` over a cupy that does
+nothing, batches of 1 to 2,048 blocks of a lease's slots): ``host_us_per_batch_{n}``,
+``host_plan_us_per_batch``, ``host_plan_vs_memcpy_per_block`` (÷ the memcpy of a block's bytes
+above) and the rest listed there.
 
 Every round times ours and the baseline back to back; each figure is the best round.
 """
@@ -35,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import Result
+from benchmarks.transfer_host import host_plan
 from benchmarks.transfer_shapes import GPU_BLOCKS, SHAPES, MiB, best_of, random_ids, slab_slots, spec_of
 from connector.transfer import PagedKV, bind_caches, make_transfer
 from kvstore.dram.slab import Slab
@@ -124,55 +122,4 @@ def _cpu_shape(res: Result, shape: str, n: int, rounds: int, n_plan: int = 0) ->
     res.figure(f"{shape}_blocks", n, "blocks")
     res.ratio(f"{shape}_gather_vs_memcpy", raw_in / gather)
     res.ratio(f"{shape}_scatter_vs_memcpy", raw_out / scatter)
-    _host_plan(res, shape, n_plan or GPU_BLOCKS[shape], rounds, raw_in / n)
-
-
-def _host_plan(res: Result, shape: str, n: int, rounds: int, memcpy_per_block: float) -> None:
-    """The GPU path's host work for one batch of ``n`` blocks (see the module docstring), the steps
-    ``CupyTransfer`` takes before its first CUDA call; nothing is copied and no cache byte is
-    touched. Also a batch of one block (the fixed part) and the part per slot above it."""
-    import torch
-
-    from connector.copy_plan import Registrations, schedule, uncovered
-    from connector.cuda_transfer import CHUNK_BLOCKS
-    from connector.transfer import slot_addresses
-    from kvstore.client.wire import mapped_views
-
-    spec = spec_of(shape, "vllm_gpu")
-    bb = spec.block_bytes
-    shape_of = (2, 2 * n, spec.block_size, spec.kv_heads, spec.head_size)
-    kv = bind_caches(spec, [torch.empty(shape_of, dtype=torch.bfloat16) for _ in range(spec.num_layers)])
-    page = max(32 * MiB, bb)
-    slot_bytes = 1 << (bb - 1).bit_length()  # the size class a block's slot comes from
-    slab = Slab(n * slot_bytes + page, page_bytes=page, prefault=False, name_prefix="kvstore-bench-plan")
-    try:
-        slots = slab.take(slab.class_of(bb), n)
-        views = mapped_views([(slab.name, s.offset, bb) for s in slots], writable=True)
-        plain = list(views)
-        base = int(slab.buf.__array_interface__["data"][0])
-        limits = Registrations([(base, base + slab.capacity_bytes)])  # as registered at start (PinnedHost)
-        ids = random_ids(n, kv.num_blocks, 3)  # a list, as the connector hands them over
-        tables = {kv.plan_key: object()}
-
-        def plan(slots_: object, ids_: list[int]) -> Callable[[], float]:
-            def go() -> float:
-                t0 = time.perf_counter()
-                addresses = slot_addresses(kv, np.asarray(ids_, dtype=np.int64), slots_,  # type: ignore[arg-type]
-                                           writing=True)
-                assert not uncovered(addresses, bb, limits)
-                schedule(addresses, bb, CHUNK_BLOCKS, limits)
-                tables.get(kv.plan_key)
-                return time.perf_counter() - t0
-            return go
-
-        known, one, asked = best_of(max(rounds, 20), plan(views, ids), plan(views[:1], ids[:1]), plan(plain, ids))
-        del views, plain
-    finally:
-        slab.close()
-    res.figure(f"{shape}_host_plan_blocks", n, "blocks")
-    res.figure(f"{shape}_host_plan_us_per_batch", known * 1e6, "us")
-    res.figure(f"{shape}_host_plan_us_per_block", known * 1e6 / n, "us")
-    res.figure(f"{shape}_host_plan_one_block_us", one * 1e6, "us")
-    res.figure(f"{shape}_host_plan_us_per_slot_above_one", max(0.0, known - one) * 1e6 / max(1, n - 1), "us")
-    res.figure(f"{shape}_host_plan_views_us_per_block", asked * 1e6 / n, "us")
-    res.ratio(f"{shape}_host_plan_vs_memcpy_per_block", (known / n) / memcpy_per_block)
+    host_plan(res, shape, n_plan, rounds, raw_in / n)

@@ -20,7 +20,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import product
+from itertools import product, repeat
+from typing import Any
 
 import numpy as np
 
@@ -165,7 +166,10 @@ class Registrations:
         does (the common batch: slots of one slab page): two reductions, nothing per slot."""
         if not len(a) or not self.pieces:
             return None
-        lo, hi = int(a.min()), int(a.max())
+        return self.holding_span(int(a.min()), int(a.max()), width)
+
+    def holding_span(self, lo: int, hi: int, width: int) -> int | None:
+        """The end of the one piece that holds ``[lo, hi + width)``, if one does."""
         k = bisect_right(self.first, lo) - 1
         return self.last[k] if k >= 0 and hi + width <= self.last[k] else None
 
@@ -189,35 +193,69 @@ def dma_runs(addresses: Sequence[int] | np.ndarray, width: int, limits: Limits =
     must lie in one registration), and a slot that itself crosses one is refused (the
     registration is cut at slab page boundaries, so a slot never does).
 
-    Numpy over the slots (the checks, the pitches, where they change), Python only per run: the
-    sidecar hands a batch's slots out side by side, so a batch is a run or a few."""
+    The readable form of :func:`_runs` (numpy only, nothing in Python per slot or per run)."""
     a = np.asarray(addresses, dtype=np.int64)
+    first, pitch = _runs(a, width, _registrations(limits), max_pitch)
+    count = np.diff(first, append=len(a))
+    return [DmaRun(f, c, h, p, width) for f, c, h, p in
+            zip(first.tolist(), count.tolist(), a[first].tolist(), pitch.tolist(), strict=True)]
+
+
+_ONE_RUN = np.zeros(1, np.int64)
+_ONE_RUN.flags.writeable = False
+
+
+def _runs(a: np.ndarray, width: int, limits: Registrations,
+          max_pitch: int = MAX_PITCH) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`dma_runs` as arrays: the batch position where each run starts, and its pitch (a
+    run's length is up to the next one's start; a slot alone has the pitch ``width``).
+
+    The greedy walk, with numpy: a *link* joins slot ``k`` to ``k + 1`` when their distance is a
+    pitch a 2-D copy takes and slot ``k + 1`` ends within slot ``k``'s registration; a *segment*
+    is a longest row of links of one distance. A run is a segment from its first slot to the one
+    after its last link, except that a segment right after another (they share a slot: the
+    distance changes there) starts one slot later, the shared slot going to the run before; a
+    segment of one link so robbed has no run of its own, and gives the next one its slot back.
+    Slots in no run are runs of one."""
     n = len(a)
-    if n == 0:
-        return []
-    ends = _limit_ends(a, width, _registrations(limits))
-    d = a[1:] - a[:-1]
-    # where the distance to the next slot differs from the one before: a run with the pitch
-    # d[i] goes on from slot i + 1 until the first such change at or after i + 1
-    change = (d[1:] != d[:-1]).nonzero()[0] + 1
-    runs: list[DmaRun] = []
-    i = 0
-    while i < n:
-        j = i + 1
-        start, end = int(a[i]), ends if isinstance(ends, int) else int(ends[i])
-        if j < n:
-            pitch = int(d[i])
-            if width <= pitch <= max_pitch and start + pitch + width <= end:
-                k = int(np.searchsorted(change, j)) if len(change) else 0
-                stop = int(change[k]) + 1 if k < len(change) else n  # slots of the same pitch: up to stop
-                room = (end - width - start) // pitch + 1  # slots that end within the registration
-                j = min(stop, i + room)
-                runs.append(DmaRun(i, j - i, start, pitch, width))
-                i = j
-                continue
-        runs.append(DmaRun(i, 1, start, width, width))
-        i = j
-    return runs
+    d = a[1:] - a[:-1] if n > 1 else a[:0]
+    if n:  # the common batch: slots side by side (so a[0] and a[-1] are the ends) in one registration
+        p = int(d[0]) if n > 1 else width
+        if width <= p <= max_pitch and (n == 1 or bool((d == p).all())) and \
+                (not limits or limits.holding_span(int(a[0]), int(a[-1]), width) is not None):
+            return _ONE_RUN, _ONE_RUN + p
+    ends = _limit_ends(a, width, limits)
+    if n < 2:
+        return _ONE_RUN[:n], _ONE_RUN[:n] + width
+    link = (d >= width) & (d <= max_pitch)
+    if not isinstance(ends, int):
+        link &= a[1:] + width <= ends[:-1]
+    goes_on = np.zeros(n, bool)  # goes_on[k]: link k continues link k - 1's segment
+    goes_on[1:-1] = link[:-1] & link[1:] & (d[1:] == d[:-1])
+    lo = (link & ~goes_on[:-1]).nonzero()[0]  # first and last link of each segment
+    hi = (link & ~goes_on[1:]).nonzero()[0]
+    size = hi - lo + 1
+    after = np.zeros(len(lo), bool)  # right after the segment before: they share slot lo
+    after[1:] = lo[1:] == hi[:-1] + 1
+    # a segment starts one slot late when right after one that has a run; that depends on
+    # the one before only through segments of one link, where it alternates from the last
+    # segment that does not
+    flips = after.copy()
+    flips[1:] &= size[:-1] == 1
+    idx = np.arange(len(lo))
+    base = np.maximum.accumulate(np.where(flips, 0, idx))
+    late = after[base] ^ ((idx - base) & 1).astype(bool)
+    keep = size > late
+    starts, stops = (lo + late)[keep], hi[keep] + 2
+    covered = np.zeros(n + 1, np.int64)
+    covered[starts] += 1
+    covered[stops] -= 1
+    first = covered[:n].cumsum() == 0
+    first[starts] = True
+    pitch = np.full(n, width, np.int64)
+    pitch[starts] = d[lo[keep]]
+    at = first.nonzero()[0]
+    return at, pitch[at]
 
 
 def _limit_ends(a: np.ndarray, width: int, limits: Registrations) -> int | np.ndarray:
@@ -264,36 +302,106 @@ def chunks(n: int, size: int) -> list[tuple[int, int]]:
 
 @dataclass(slots=True)
 class Chunk:
-    """Batch positions ``[start, end)`` staged together, and the DMAs that move them."""
+    """Batch positions ``[start, end)`` staged together, and the DMAs that move them (the readable
+    form of a :class:`Schedule`'s chunk)."""
 
     start: int
     end: int
     runs: list[DmaRun]
 
 
-def schedule(addresses: Sequence[int] | np.ndarray, width: int, per_chunk: int, limits: Limits = ()) -> list[Chunk]:
-    """A batch's chunks of at most ``per_chunk`` blocks, each with the parts of the batch's
-    slot runs that fall in it (a run that spans two chunks is two DMAs): one pass over the runs
-    and the chunks together, Python per chunk and per run only."""
-    runs = dma_runs(addresses, width, limits)
-    n, step = len(addresses), max(1, per_chunk)
-    out: list[Chunk] = []
-    r, nr = 0, len(runs)
-    for a in range(0, n, step):
-        b = a + step if a + step < n else n
-        parts = []
-        while r < nr:
-            run = runs[r]
-            first, end = run.first, run.first + run.count
-            lo, hi = (a if a > first else first), (b if b < end else end)
-            if lo < hi:
-                parts.append(run if lo == first and hi == end else
-                             DmaRun(lo, hi - lo, run.host + (lo - first) * run.pitch, run.pitch, run.width))
-            if end > b:  # goes on in the next chunk
-                break
-            r += 1
-        out.append(Chunk(a, b, parts))
-    return out
+@dataclass(slots=True)
+class Schedule:
+    """A batch of ``n`` slots in chunks of ``step`` positions (chunk ``c``: ``[c * step, min(n,
+    (c + 1) * step))``), and its DMAs in batch order, as arrays: DMA ``k`` moves ``count[k]``
+    blocks of ``width`` bytes between positions ``first[k]..`` of the batch and the host at
+    ``host[k]``, ``pitch[k]`` bytes apart; each lies in one chunk and one run of
+    :func:`dma_runs` (a run that spans chunks is one DMA per chunk)."""
+
+    n: int
+    step: int
+    width: int
+    first: np.ndarray
+    count: np.ndarray
+    host: np.ndarray
+    pitch: np.ndarray
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.n // self.step)
+
+    def chunks(self) -> list[Chunk]:
+        """The chunks and their DMAs as objects (for reading and the tests; the engine reads the arrays)."""
+        out = [Chunk(a, b, []) for a, b in chunks(self.n, self.step)]
+        for f, c, h, p in zip(self.first.tolist(), self.count.tolist(), self.host.tolist(), self.pitch.tolist(),
+                              strict=True):
+            out[f // self.step].runs.append(DmaRun(f, c, h, p, self.width))
+        return out
+
+
+def schedule(addresses: Sequence[int] | np.ndarray, width: int, per_chunk: int, limits: Limits = ()) -> Schedule:
+    """A batch's chunks of at most ``per_chunk`` blocks and their DMAs: the runs of
+    :func:`dma_runs` cut at every chunk's start. Numpy only: nothing in Python per slot, per
+    run or per chunk."""
+    a = np.asarray(addresses, dtype=np.int64)
+    n, step = len(a), max(1, per_chunk)
+    first, pitch = _runs(a, width, _registrations(limits))
+    if len(first) == 1 and n <= step:  # one run, one chunk: one DMA
+        return Schedule(n, step, width, first, first + n, a[:1], pitch)
+    if len(first) == 1:  # one run: a DMA per chunk
+        at = np.arange(0, n, step, dtype=np.int64)
+        count = n - at
+        np.minimum(count, step, out=count)
+        return Schedule(n, step, width, at, count, a[::step], pitch.repeat(len(at)))
+    cut = np.zeros(n, bool)
+    cut[first] = True
+    cut[::step] = True
+    at = cut.nonzero()[0]
+    count = np.empty_like(at)
+    count[:-1] = at[1:] - at[:-1]
+    count[-1:] = n - at[-1:]
+    return Schedule(n, step, width, at, count, a[at], pitch[first.searchsorted(at, side="right") - 1])
+
+
+def enqueue_steps(plan: Schedule, stages: Sequence[int], ids_ptr: int, to_slots: bool) -> Iterator[tuple[Any, ...]]:
+    """Every DMA of ``plan`` as the GPU engine's enqueue loop makes it, worked out for the whole
+    batch at once, as ``(stream, launch, dst, dst pitch, src, src pitch, blocks, chunk blocks,
+    chunk ids, staging)``: ``launch`` is set on the DMA its chunk's kernel goes with (a gather's
+    first, the kernel before it; a scatter's last, the kernel after it); the last two are the
+    kernel's pointers, ``numpy.uint64`` (the block ids are an int64 array at ``ids_ptr``). Chunk
+    ``c`` runs on stream ``c % len(stages)`` in that stream's staging at ``stages[c %
+    len(stages)]``, its blocks side by side. Numpy only: nothing in Python per chunk or per DMA."""
+    step, width, first, streams = plan.step, plan.width, plan.first, len(stages)
+    count, host, pitch = plan.count.tolist(), plan.host.tolist(), plan.pitch.tolist()
+    chunks = plan.num_chunks
+    if len(first) == chunks:  # a DMA per chunk (the batch is one run): the chunk's start, its size, launched
+        rounds = -(-chunks // streams)  # the streams' staging in turn: lists repeated, no arithmetic per chunk
+        staged = (list(stages) * rounds)[:chunks]
+        ids = first * 8
+        ids += ids_ptr
+        moves = (host, pitch, staged, repeat(width)) if to_slots else (staged, repeat(width), host, pitch)
+        return zip((list(range(streams)) * rounds)[:chunks], repeat(True), *moves, count, count,
+                   ids.astype(np.uint64), ([np.uint64(a) for a in stages] * rounds)[:chunks])
+    chunk = first // step
+    start = chunk * step
+    k = chunk % streams
+    at = first - start  # where in its chunk
+    if to_slots:
+        launch = at == 0
+    else:
+        end = at + plan.count
+        launch = (end == step) | (end + start == plan.n)
+    base = np.asarray(stages, dtype=np.int64)[k]
+    at *= width
+    at += base
+    blocks = plan.n - start
+    np.minimum(blocks, step, out=blocks)
+    ids = start * 8  # the chunk's first id
+    ids += ids_ptr
+    staged = at.tolist()
+    moves = (host, pitch, staged, repeat(width)) if to_slots else (staged, repeat(width), host, pitch)
+    return zip(k.tolist(), launch.tolist(), *moves, count, blocks.tolist(), ids.astype(np.uint64),
+               base.astype(np.uint64))
 
 
 def registration_pieces(start: int, size: int, piece: int, page: int) -> list[tuple[int, int]]:

@@ -44,9 +44,10 @@ from typing import Any
 import numpy as np
 
 from connector.copy_plan import (
-    Chunk,
     Piece,
     Registrations,
+    Schedule,
+    enqueue_steps,
     launch_shape,
     plan_tables,
     registration_pieces,
@@ -54,7 +55,7 @@ from connector.copy_plan import (
     uncovered,
 )
 from connector.layout import Array
-from connector.transfer import Completion, PagedKV, slot_addresses
+from connector.transfer import Completion, PagedKV, as_ids, slot_addresses
 from kvstore.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -90,20 +91,24 @@ class _Direction:
     def __init__(self, cp: Any, streams: int) -> None:
         self.streams = [cp.cuda.Stream(non_blocking=True) for _ in range(max(1, streams))]
         self.stage: list[Any] = [None] * len(self.streams)
+        self.bases = [0] * len(self.streams)  # their staging buffers' device addresses
         self.lock = threading.Lock()  # one batch enqueued at a time: chunks of two would share staging
         # re-recorded every batch (under the lock): a wait already queued keeps the record it saw
         self.engine_done = cp.cuda.Event(block=True, disable_timing=True)
         self.uploaded = cp.cuda.Event(block=True, disable_timing=True)
         self._cp = cp
 
-    def buffer(self, j: int, nbytes: int) -> Any:
-        """Stream ``j``'s staging buffer, at least ``nbytes``; a smaller one is let go only after
-        its stream has finished with it."""
-        buf = self.stage[j]
-        if buf is None or buf.nbytes < nbytes:
-            self.streams[j].synchronize()
-            buf = self.stage[j] = self._cp.empty(nbytes, dtype=self._cp.uint8)
-        return buf
+    def buffers(self, used: int, nbytes: int) -> list[int]:
+        """The device addresses of the first ``used`` streams' staging buffers, each at least
+        ``nbytes`` (``bases``: kept between batches); a smaller one is let go only after its stream
+        has finished with it."""
+        for j in range(used):
+            buf = self.stage[j]
+            if buf is None or buf.nbytes < nbytes:
+                self.streams[j].synchronize()
+                buf = self.stage[j] = self._cp.empty(nbytes, dtype=self._cp.uint8)
+                self.bases[j] = int(buf.data.ptr)
+        return self.bases if used == len(self.bases) else self.bases[:used]
 
     def finish(self) -> None:
         for s in self.streams:
@@ -250,7 +255,7 @@ class CupyTransfer:
     def _move(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array], *, to_slots: bool) -> Completion:
         if not kv.on_device:
             raise InvalidArgument("cupy transfer: the cache is in host memory (use the 'numpy' transfer)")
-        ids = np.asarray(block_ids, dtype=np.int64)  # once: checked, planned and uploaded from it
+        ids = as_ids(block_ids)  # once: checked, planned and uploaded from it
         addresses = slot_addresses(kv, ids, slots, writing=to_slots)
         if not len(ids):
             return _Events([], ())
@@ -259,8 +264,7 @@ class CupyTransfer:
         with cp.cuda.Device(dev):
             with self._lock:
                 self._refuse_closed()
-                self._pin_missing(slots, addresses, bb)
-                plan = schedule(addresses, bb, per_chunk, self._pinned.limits)
+                plan = self._schedule(slots, addresses, bb, per_chunk)
                 state = self._devices.get(dev) or self._devices.setdefault(dev, _Device(cp, self._streams))
                 d = state.dirs[to_slots]
                 d.lock.acquire()  # before close() can look: it waits for this batch to be queued
@@ -269,12 +273,15 @@ class CupyTransfer:
             finally:
                 d.lock.release()
 
-    def _enqueue(self, state: _Device, d: _Direction, kv: PagedKV, block_ids: np.ndarray, plan: list[Chunk],
+    def _enqueue(self, state: _Device, d: _Direction, kv: PagedKV, block_ids: np.ndarray, plan: Schedule,
                  bb: int, per_chunk: int, to_slots: bool) -> Completion:
         """Queue one batch. On the first stream, in this order: a wait for the engine's stream, the
         plan's tables (uploaded there when new, else a wait for their upload when it was queued on
         another stream), the block ids, then the event every other stream of the batch waits on:
-        whatever stream the engine computes on, nothing a kernel reads can land after it runs."""
+        whatever stream the engine computes on, nothing a kernel reads can land after it runs.
+        Then per chunk, on stream ``chunk % streams``: its kernel and its DMAs
+        (:func:`connector.copy_plan.enqueue_steps`: what each one needs worked out for the whole
+        batch with numpy, so the loop makes the CUDA calls and nothing else)."""
         cp = self._cp
         first = d.streams[0]
         d.engine_done.record(_engine_stream(cp, cp.cuda.Device().id, state.external))
@@ -288,32 +295,40 @@ class CupyTransfer:
             d.uploaded.record(first)
             for s in d.streams[1:]:
                 s.wait_event(d.uploaded)
+        used = d.streams[: min(len(d.streams), plan.num_chunks)]  # a stream without a chunk has nothing to wait for
+        steps = enqueue_steps(plan, d.buffers(len(used), per_chunk * bb), ids.data.ptr, to_slots)
+        kernel, streams, block = state.kernels[to_slots], d.streams, (tables.threads,)
+        grid_x, pitch, parts = tables.pieces * tables.parts, np.int64(bb), np.int64(tables.parts)
+        src, stride, nbytes, off = tables.src, tables.stride, tables.nbytes, tables.off
+        memcpy, kind = cp.cuda.runtime.memcpy2DAsync, _D2H if to_slots else _H2D
         try:
-            for c, chunk in enumerate(plan):
-                j = c % len(d.streams)
-                self._chunk(state, tables, ids, chunk, bb, d.buffer(j, per_chunk * bb), d.streams[j], to_slots)
+            for j, launch, dst, dpitch, from_, spitch, count, blocks, chunk_ids, stage in steps:
+                s = streams[j]
+                if launch and to_slots:  # gather: the chunk's kernel, then its DMAs
+                    with s:
+                        kernel((grid_x, blocks), block, (src, stride, nbytes, off, chunk_ids, stage, pitch, parts))
+                memcpy(dst, dpitch, from_, spitch, bb, count, kind, s.ptr)
+                if launch and not to_slots:  # scatter: the chunk's DMAs, then its kernel
+                    with s:
+                        kernel((grid_x, blocks), block, (src, stride, nbytes, off, chunk_ids, stage, pitch, parts))
         except BaseException:
             for s in d.streams:  # nothing queued may outlive the buffers it uses
                 s.synchronize()
             raise
-        used = d.streams[: min(len(d.streams), len(plan))]  # a stream without a chunk has nothing to wait for
         return _Events([_event(cp, s) for s in used], (ids, tables))
 
-    def _chunk(self, state: _Device, t: _Tables, ids: Any, chunk: Chunk, bb: int, stage: Any, stream: Any,
-               to_slots: bool) -> None:
-        rt = self._cp.cuda.runtime
-        a, b, runs = chunk.start, chunk.end, chunk.runs
-        base = int(stage.data.ptr)
-        args = (t.src, t.stride, t.nbytes, t.off, np.uint64(int(ids.data.ptr) + 8 * a), np.uint64(base), np.int64(bb),
-                np.int64(t.parts))
-        if not to_slots:
-            for r in runs:
-                rt.memcpy2DAsync(base + (r.first - a) * bb, bb, r.host, r.pitch, bb, r.count, _H2D, stream.ptr)
-        with stream:
-            state.kernels[to_slots]((t.pieces * t.parts, b - a), (t.threads,), args)
-        if to_slots:
-            for r in runs:
-                rt.memcpy2DAsync(r.host, r.pitch, base + (r.first - a) * bb, bb, bb, r.count, _D2H, stream.ptr)
+    def _schedule(self, slots: Sequence[Array], addresses: np.ndarray, bb: int, per_chunk: int) -> Schedule:
+        """The batch's schedule against the registrations, which checks every slot lies in one:
+        when one does not (``schedule`` refuses it; before anything is registered, every slot),
+        its mapping is pinned on the request's path and the batch scheduled again."""
+        limits = self._pinned.limits
+        if limits:
+            try:
+                return schedule(addresses, bb, per_chunk, limits)
+            except InvalidArgument:
+                pass
+        self._pin_missing(slots, addresses, bb)
+        return schedule(addresses, bb, per_chunk, self._pinned.limits)
 
     def _pin_missing(self, slots: Sequence[Array], addresses: np.ndarray, bb: int) -> None:
         for i in uncovered(addresses, bb, self._pinned.limits):

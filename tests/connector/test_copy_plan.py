@@ -18,6 +18,7 @@ from connector.copy_plan import (
     PlaneGeometry,
     Registrations,
     dma_runs,
+    enqueue_steps,
     pieces,
     registration_pieces,
     schedule,
@@ -203,7 +204,7 @@ def test_schedule_stages_and_moves_every_block_once(kind: str, per_chunk: int) -
     addrs = [int(s.ctypes.data) for s in slots]
     limits = sorted((int(a.ctypes.data), int(a.ctypes.data) + a.nbytes) for a in (one, two))
     stage = np.zeros(per_chunk * bb, np.uint8)
-    for chunk in schedule(addrs, bb, per_chunk, limits):
+    for chunk in schedule(addrs, bb, per_chunk, limits).chunks():
         n = chunk.end - chunk.start
         base = int(stage.ctypes.data)
         run_plan(kv.plan, ids[chunk.start:chunk.end], [base + i * bb for i in range(n)], to_slots=True)
@@ -211,6 +212,61 @@ def test_schedule_stages_and_moves_every_block_once(kind: str, per_chunk: int) -
             for k in range(r.count):
                 ctypes.memmove(r.host + k * r.pitch, base + (r.first - chunk.start + k) * bb, r.width)
     assert [s.tobytes() for s in slots] == _reference(spec, _caches(kind, 8, torch.float16, 3), ids)
+
+
+def _run_steps(kv_plan: tuple, ids: np.ndarray, plan: object, streams: int, bb: int, to_slots: bool) -> None:
+    """The GPU engine's enqueue loop (``CupyTransfer._enqueue``) executed on the host, step by step:
+    a launch is the copy plan run for the chunk's blocks between the cache and its stream's
+    staging, blocks side by side; a DMA is ``count`` copies of a block, each side at its pitch."""
+    stages = [np.zeros(plan.step * bb, np.uint8) for _ in range(streams)]  # type: ignore[attr-defined]
+    bases = [int(b.ctypes.data) for b in stages]
+    ids_ptr = int(ids.ctypes.data)
+    steps = enqueue_steps(plan, bases, ids_ptr, to_slots)  # type: ignore[arg-type]
+
+    def launch(ids_at: np.uint64, stage_at: np.uint64, blocks: int) -> None:
+        a = (int(ids_at) - ids_ptr) // 8
+        run_plan(kv_plan, ids[a:a + blocks].tolist(), [int(stage_at) + i * bb for i in range(blocks)],
+                 to_slots=to_slots)
+
+    for j, go, dst, dpitch, src, spitch, count, blocks, ids_at, stage_at in steps:
+        assert isinstance(ids_at, np.uint64) and isinstance(stage_at, np.uint64)  # pointers as the kernel takes them
+        assert int(stage_at) == bases[j]
+        if go and to_slots:
+            launch(ids_at, stage_at, blocks)
+        for k in range(count):
+            ctypes.memmove(dst + k * dpitch, src + k * spitch, bb)
+        if go and not to_slots:
+            launch(ids_at, stage_at, blocks)
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+@pytest.mark.parametrize("per_chunk", [1, 2, 3, 32])
+@pytest.mark.parametrize("order", ["side_by_side", "scattered"])
+def test_the_gpu_engines_steps_gather_and_scatter_every_block_once(order: str, per_chunk: int, streams: int) -> None:
+    """The kernels and DMAs the GPU engine enqueues for a batch (:func:`enqueue_steps`, worked out
+    with numpy for the whole batch), executed on the host in their order: a gather fills each slot
+    with its block; a scatter of those slots into a cleared cache gives the blocks back. Slots side
+    by side (a DMA per chunk), or runs, gaps and a second mapping (DMAs that span chunks)."""
+    kind = "flash_attn"
+    spec = _spec(LAYOUT[kind], 8)
+    bb = spec.block_bytes
+    caches = _caches(kind, 8, torch.float16, 3)
+    kv = bind_caches(spec, caches)
+    ids = np.array([6, 1, 4, 0, 5, 2, 3], np.int64)
+    one, two = np.zeros(12 * bb, np.uint8), np.zeros(4 * bb, np.uint8)
+    at = range(7) if order == "side_by_side" else (0, 1, 2, 3, 5, 7)
+    slots = [one[o * bb:][:bb] for o in at] + ([two[bb:][:bb]] if order == "scattered" else [])
+    limits = sorted((int(a.ctypes.data), int(a.ctypes.data) + a.nbytes) for a in (one, two))
+    plan = schedule([int(s.ctypes.data) for s in slots], bb, per_chunk, limits)
+    _run_steps(kv.plan, ids, plan, streams, bb, to_slots=True)
+    want = _reference(spec, _caches(kind, 8, torch.float16, 3), ids.tolist())
+    assert [s.tobytes() for s in slots] == want
+    for c in caches:
+        c.zero_()
+    _run_steps(kv.plan, ids, plan, streams, bb, to_slots=False)
+    back = [np.zeros(bb, np.uint8) for _ in ids]
+    NumpyTransfer(native=False).gather(kv, ids.tolist(), back)
+    assert [b.tobytes() for b in back] == want
 
 
 def _greedy_runs(addresses: list[int], width: int, limits: list[tuple[int, int]], max_pitch: int) -> list[DmaRun]:
@@ -234,7 +290,7 @@ def _greedy_runs(addresses: list[int], width: int, limits: list[tuple[int, int]]
     return runs
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_dma_runs_match_the_slot_by_slot_definition(seed: int) -> None:
     """The vectorised grouping gives the greedy slot-by-slot runs: runs side by side, gaps, pitches
     that change, slots going back, repeats, pitches over the limit, registrations that cut runs."""
@@ -244,7 +300,7 @@ def test_dma_runs_match_the_slot_by_slot_definition(seed: int) -> None:
     at = 1 << 30
     while len(addresses) < int(rng.integers(1, 200)):
         pitch = int(rng.choice([width, width + 36, 2 * width, 3 * width, width - 1, 0, -width, 1 << 20]))
-        for _ in range(int(rng.integers(1, 12))):
+        for _ in range(int(rng.integers(1, 3 if seed % 4 == 1 else 12))):  # 1-2: the pitch changes at every slot
             addresses.append(at)
             at += pitch
         at += int(rng.choice([0, width, 5 * width]))
@@ -274,7 +330,7 @@ def test_schedule_cuts_the_runs_at_every_chunk(seed: int) -> None:
         addresses = [int(x) for x in rng.permutation(addresses)]
     per_chunk = int(rng.choice([1, 3, 32, 1000]))
     runs = dma_runs(addresses, width)
-    got = schedule(addresses, width, per_chunk)
+    got = schedule(addresses, width, per_chunk).chunks()
     assert [(c.start, c.end) for c in got] == [(a, min(a + per_chunk, len(addresses)))
                                                for a in range(0, len(addresses), per_chunk)]
     for c in got:

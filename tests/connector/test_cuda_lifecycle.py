@@ -102,3 +102,28 @@ def test_close_waits_for_a_batch_being_queued_and_refuses_later_ones(gpu: Gpu) -
     with pytest.raises(FailedPrecondition, match="closed"):
         t.register(host)
     assert len(gpu.registered_on) == 1
+
+
+def test_a_slot_of_a_mapping_nobody_registered_is_pinned_when_first_seen(gpu: Gpu,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A batch with slots in the registered slab and in another mapping: the other mapping is
+    pinned once, on the request's path, with a warning; every slot is moved (a DMA each, the two
+    mappings never one DMA); a second batch pins nothing more."""
+    kv = _kv()
+    bb = kv.spec.block_bytes
+    one, two = np.zeros(4 * bb, np.uint8), np.zeros(4 * bb, np.uint8)
+    slots = [one[:bb], one[bb:2 * bb], two[:bb], two[bb:2 * bb]]
+    t = make_transfer("cupy")
+    try:
+        t.register(one)
+        with caplog.at_level("WARNING", logger="connector.cuda_transfer"):
+            t.gather(kv, [0, 1, 2, 3], slots).wait()
+        assert "request's path" in caplog.text
+        assert [a for a, _ in gpu.registered_on] == [int(one.ctypes.data), int(two.ctypes.data)]
+        dmas = [op.detail for op in gpu.ops if op.kind == "dma"]
+        assert sorted((dst, height) for dst, _, _, height, _ in dmas) == [(int(one.ctypes.data), 2),
+                                                                          (int(two.ctypes.data), 2)]
+        t.gather(kv, [0, 1, 2, 3], slots).wait()
+        assert len(gpu.registered_on) == 2
+    finally:
+        t.close()
