@@ -63,6 +63,7 @@ from kvstore.sim.hints import Hinting, Hints
 from kvstore.sim.replay import PROGRESS_EVERY, Pop, Progress, ReplaySpace, TierSpec, index_keys, plain_pop
 from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import DRAM, Block, Index, NsEntry, State, TierId
+from kvstore.store.placement import evictions
 from kvstore.store.retention import Retention
 
 MODES = ("isolated", "cluster", "global")
@@ -275,13 +276,14 @@ class Node:
 
     def allocate(self, n: int) -> int:
         """The store's Allocate: victims popped until ``n`` more blocks fit (or none is left to
-        pop), each the store's pick (:meth:`~kvstore.store.placement.Space.victim`); how many of
-        the ``n`` fit."""
-        sp, pick = self.space, self.pick
-        while len(sp.sizes) + n > sp.capacity:
-            v = sp.victim(pick)
-            if v is None:
-                break
+        pop), by the store's capacity rule (:func:`~kvstore.store.placement.evictions`); how many
+        of the ``n`` fit."""
+        sp = self.space
+
+        def over() -> bool:
+            return len(sp.sizes) + n > sp.capacity
+
+        for v, _ in evictions(sp, over, self.pick, (), sp.bit):  # (a node's one space: nowhere below)
             sp.unplace(v)
         return max(0, min(n, sp.capacity - len(sp.sizes)))
 

@@ -14,10 +14,12 @@ For each request, in timestamp order, the replay does what the store does:
    Like the store, victims are popped at allocation time; at commit blocks are inserted root
    first (so each parent is there to link to), then ``access_many`` on them deepest first sets
    their recency (ancestors at least as recent as descendants).
-4. Every victim is the store's pick (``Space.victim``) and goes where the store's movers pass it
-   down (``next_home``): placed there at once (the movers place a demotion before writing it);
-   each tier below makes room after each allocation, its new arrivals held
-   (being written). A block that no tier holds is dropped from the Index.
+4. Every space is brought within its capacity by the store's own rule (``evictions``, the loop
+   of ``Space.victim`` and ``next_home`` that the store's level eviction runs): each victim goes
+   where the store's movers pass it down, placed there at once (the movers queue a demotion and
+   place it when its batch is written: the one difference, in ``_evicted``); each tier below makes
+   room after each allocation, its new arrivals held (being written). A block that no tier holds
+   is dropped from the Index.
 
 Each tier space is the store's own :class:`~kvstore.store.placement.Space` (a
 :class:`ReplaySpace`): a block enters and leaves it as it enters and leaves the store's DRAM or a
@@ -32,7 +34,6 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from kvstore.keys import BlockKey, NamespaceRoot
@@ -42,7 +43,7 @@ from kvstore.sim.belady import HitRates
 from kvstore.sim.hints import Hinting, Hints
 from kvstore.sim.traces import Request, Trace
 from kvstore.store.index import Block, Index, State, TierId
-from kvstore.store.placement import Space, next_home
+from kvstore.store.placement import Space, evictions
 
 if TYPE_CHECKING:
     from kvstore.store.retention import Retention
@@ -209,8 +210,8 @@ class _OneSpace(_Replay):
         "place",
         "placed",
         "publish",
+        "space",
         "unplace",
-        "victim",
         "visible",
     )
 
@@ -222,7 +223,7 @@ class _OneSpace(_Replay):
         self.add, self.drop, self.publish = index.add, index.drop, index.publish
         self.place, self.unplace, self.placed = space.place, space.unplace, space.sizes
         self.access_many = policy.access_many
-        self.victim = partial(space.victim, self.retention)  # the store's victim rule (with hints, its soft pin)
+        self.space = space
         self.capacity = spec.capacity
         self.bt = trace.block_tokens
         self.label = spec.tier.label
@@ -255,10 +256,14 @@ class _OneSpace(_Replay):
         victims popped until it has a slot (dropped when none is left to pop); the blocks allocated,
         root first. A key present behind the gap is a block hit only."""
         blocks, visible, add, drop = self.blocks, self.visible, self.add, self.drop
-        victim, unplace, placed = self.victim, self.unplace, self.placed
+        space, retention, unplace, placed = self.space, self.retention, self.unplace, self.placed
         ns, capacity, bt, allocated = self.ns, self.capacity, self.bt, State.ALLOCATED
         hits = 0
         new: list[Block] = []
+
+        def full() -> bool:  # no slot for one more: the placed, this allocation's
+            return len(placed) + len(new) >= capacity
+
         nk = len(keys)
         last = nk - 1
         for i in range(n, nk):
@@ -271,13 +276,12 @@ class _OneSpace(_Replay):
             if capacity <= 0:
                 drop(b)
                 continue
-            short = len(placed) + len(new) + 1 - capacity  # slots: the placed, this allocation's, b's
-            while short > 0 and (v := victim(None)) is not None:
-                unplace(v)  # (each victim frees its slot)
-                short -= 1
-            if short > 0:
-                drop(b)
-                continue
+            if full():
+                for v, _ in evictions(space, full, retention, (), space.bit):  # (one space: nowhere below)
+                    unplace(v)  # (each victim frees its slot)
+                if full():
+                    drop(b)
+                    continue
             new.append(b)
         self.hits += hits
         return new
@@ -310,17 +314,33 @@ class ReplaySpace(Space):
         self.under: tuple[ReplaySpace, ...] = ()  # every space below, fastest first
 
 
-def _evicted(top: ReplaySpace, sp: ReplaySpace, v: Block, arrivals: dict[ReplaySpace, list[Block]]) -> None:
-    """``v`` was popped from ``sp``: it goes where the store's movers pass it down
-    (:func:`~kvstore.store.placement.next_home`, the one pass-down rule; a space of no capacity
-    takes nothing). Where the store queues the demotion and places it when its batch is written,
-    the replay places it at once (the only difference). Then it leaves ``sp`` (and the index,
-    when no space holds it)."""
-    below = next_home(sp.under, v, sp.bit, top.bit)
-    if below is not None and below.capacity > 0:
-        below.place(v)
-        arrivals.setdefault(below, []).append(v)
+def _evicted(sp: ReplaySpace, v: Block, home: ReplaySpace | None, arrivals: dict[ReplaySpace, list[Block]]) -> None:
+    """``v`` leaves ``sp`` for ``home``, where the store's movers pass it down (:func:`evictions`'
+    answer; a space of no capacity takes nothing), then leaves ``sp`` (and the index, when no
+    space holds it)."""
+    if home is not None and home.capacity > 0:
+        home.place(v)  # the one difference: the store queues the demotion and places it when its batch is written
+        arrivals.setdefault(home, []).append(v)
     sp.unplace(v)
+
+
+def _within(
+    top: ReplaySpace,
+    sp: ReplaySpace,
+    n: int,
+    retention: Retention | None,
+    ok: Callable[[Block], bool] | None,
+    arrivals: dict[ReplaySpace, list[Block]],
+) -> None:
+    """``sp`` brought within its capacity with room for ``n`` more by the store's capacity rule
+    (:func:`~kvstore.store.placement.evictions`; ``ok``: which blocks may leave, None: any the
+    policy offers), each victim passed down (:func:`_evicted`)."""
+
+    def over() -> bool:
+        return len(sp.sizes) + n > sp.capacity
+
+    for v, home in evictions(sp, over, retention, sp.under, top.bit, ok):
+        _evicted(sp, v, home, arrivals)
 
 
 Pop = Callable[[EvictionPolicy, Callable[[Block], bool] | None], Block | None]
@@ -335,33 +355,24 @@ def _allocate(top: ReplaySpace, n: int, pinned: Sequence[Block] = (), retention:
     """The store's slots for ``n`` blocks in the top space: victims popped until they fit (or none
     is left but ``pinned`` ones), each demoted; then every space below is brought within its
     capacity with its new arrivals and ``pinned`` held (being written, leased: the demotion
-    writer's ``_make_room``). How many of the ``n`` fit. Each victim is the store's pick
-    (:meth:`~kvstore.store.placement.Space.victim`; with hints, ``retention``'s soft pin)."""
+    writer's ``_make_room``), then, when only they are left, the oldest arrivals passed on. How
+    many of the ``n`` fit. Every step is :func:`_within`, the store's capacity rule (with hints,
+    ``retention``'s soft pin picks)."""
     arrivals: dict[ReplaySpace, list[Block]] = {}
     pins = set(pinned)
     ok = pins.__contains__
-    while len(top.sizes) + n > top.capacity:
-        v = top.victim(retention, (lambda b: not ok(b)) if pins else None)
-        if v is None:
-            break
-        _evicted(top, top, v, arrivals)
+    unpinned = (lambda b: not ok(b)) if pins else None
+    _within(top, top, n, retention, unpinned, arrivals)
     sp = top.below
     while sp is not None:
         held = [*arrivals.get(sp, []), *pinned]
         for b in held:
             sp.policy.hold(b)
-        while len(sp.sizes) > sp.capacity:
-            v = sp.victim(retention)
-            if v is None:
-                break
-            _evicted(top, sp, v, arrivals)
+        _within(top, sp, 0, retention, None, arrivals)
         for b in held:
             sp.policy.release(b)
-        while len(sp.sizes) > sp.capacity:  # only arrivals left: the oldest are refused (passed on or dropped)
-            v = sp.victim(retention, (lambda b: not ok(b)) if pins else None)
-            if v is None:
-                break
-            _evicted(top, sp, v, arrivals)
+        # Only arrivals left: the oldest are refused (passed on or dropped).
+        _within(top, sp, 0, retention, unpinned, arrivals)
         sp = sp.below
     return max(0, min(n, top.capacity - len(top.sizes)))
 

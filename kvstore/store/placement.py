@@ -15,12 +15,14 @@ simulator places as the store does. Pure bookkeeping, no I/O.
 
 The eviction decision is here too, once for the store and the replay alike: which block leaves a
 space next (:meth:`Space.victim`, the one victim rule: the policy's pick through the retention's
-soft pin) and where its bytes go when it leaves (:func:`next_home`, the one pass-down rule).
+soft pin), where its bytes go when it leaves (:func:`next_home`, the one pass-down rule), and the
+loop of the two that brings a space within its capacity (:func:`evictions`, the one capacity
+rule: the store's level eviction and the replay's Allocate both run it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 from kvstore.policy.base import Eligible, EvictionPolicy
@@ -154,3 +156,28 @@ def next_home(below: Sequence[H], b: Block, leaving: int, top: int) -> H | None:
             kept = b.tiers & target.bit if leaving == top else b.tiers & ~(top | leaving)
             return None if kept else target
     return None
+
+
+def evictions(
+    space: Space,
+    over: Callable[[], bool],
+    retention: Retention | None,
+    below: Sequence[H],
+    top: int,
+    ok: Callable[[Block], bool] | None = None,
+    rest: Callable[[], Iterable[Block]] | None = None,
+) -> Iterator[tuple[Block, H | None]]:
+    """The one capacity rule: while ``over()`` (the space holds more than it may), the block to
+    leave ``space`` next (:meth:`Space.victim` with ``retention``, ``ok`` and ``rest()``) and
+    where its bytes go (:func:`next_home` over ``below``, the tiers under it, and ``top``; None:
+    nowhere). Stops when ``over()`` is false or nothing may leave. The caller moves each victim
+    before the next is decided (``over()`` is asked again then): the store's level eviction
+    reads it back and writes it below (awaiting between steps), ``kvstore replay`` places it
+    below at once; both unplace it from ``space``."""
+    bit = space.bit
+    victim = space.victim
+    while over():
+        b = victim(retention, ok, () if rest is None else rest())
+        if b is None:
+            return
+        yield b, next_home(below, b, bit, top)

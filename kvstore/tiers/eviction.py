@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Container, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -25,7 +25,7 @@ import numpy as np
 from kvstore.errors import Unavailable
 from kvstore.store.counters import Stats
 from kvstore.store.index import DRAM, Block
-from kvstore.store.placement import next_home
+from kvstore.store.placement import evictions, next_home
 from kvstore.store.space import DramSpace
 from kvstore.store.tenants import Quotas
 from kvstore.tiers.level import Level
@@ -136,6 +136,16 @@ class Eviction:
         """The policy's next victim in ``lv`` that ``ok`` accepts, and that is not pinned or being
         written there (out of the policy now); any such block when the policy offers none (a
         prefix-aware one keeps parents for their children)."""
+        may, rest = self._may(lv, ok)
+        # The one victim rule, the store's soft pin with it: a retained block goes last here too.
+        return lv.placement.victim(self.space.retention, may, rest())
+
+    def _may(
+        self, lv: Level, ok: Callable[[Block], bool]
+    ) -> tuple[Callable[[Block], bool], Callable[[], Iterable[Block]]]:
+        """What may leave ``lv``: the blocks ``ok`` accepts that are not pinned, being written
+        there or kept by a drain; and the caller's evictable blocks there (lazy: read only when
+        the policy offers no victim), as :meth:`Space.victim` takes them."""
         policy = lv.policy
         assert policy is not None
         staged, kept = self.staged, self.kept
@@ -143,11 +153,10 @@ class Eviction:
         def may(x: Block) -> bool:
             return not x.pinned and x not in staged and x not in kept and ok(x)
 
-        def rest() -> Iterator[Block]:  # (lazy: read only when the policy offers no victim)
+        def rest() -> Iterator[Block]:
             yield from (x for x in lv.held if x in policy and may(x))
 
-        # The one victim rule, the store's soft pin with it: a retained block goes last here too.
-        return lv.placement.victim(self.space.retention, may, rest())
+        return may, rest
 
     async def _within_quotas(
         self, lv: Level, quotas: Quotas, keep: list[Block], out: dict[Block, int], fresh: bool
@@ -186,7 +195,7 @@ class Eviction:
             if victim is None and (fresh or not mine):
                 victim = self._evictable(lv, own)
             if victim is not None:
-                await self._evict(lv, victim)
+                await self._evict(lv, victim, self.down_from(lv, victim))
             elif mine:
                 quotas.refuse(tenant, 1)
                 self._refuse(lv, mine[0], keep, out)
@@ -195,35 +204,41 @@ class Eviction:
 
     async def _within_capacity(self, lv: Level, capacity: int, keep: list[Block], out: dict[Block, int]) -> None:
         """Evict from a bounded level until what it holds fits ``capacity``, never a block of a
-        tenant within its quota; when nothing may go, the oldest placed blocks of ``keep`` are
-        refused instead."""
-        may = lv.quotas.evictable_for(None) if lv.quotas is not None else (lambda x: True)
+        tenant within its quota: the victims and where each goes are :func:`evictions`' (the one
+        capacity rule, ``kvstore replay``'s too); when nothing may go, the oldest placed blocks
+        of ``keep`` are refused instead."""
+        may, rest = self._may(lv, lv.quotas.evictable_for(None) if lv.quotas is not None else (lambda x: True))
         queued = self.backlog.queued_bytes
         if lv.used - queued(lv) > capacity:
             self.space.drain_touches()
+
+        def held() -> int:
+            return lv.used - queued(lv) - sum(n for b, n in out.items() if lv.holds(b))
+
+        def over() -> bool:
+            return held() > capacity
+
+        below = self.levels[self.levels.index(lv) + 1 :]
         while True:
-            held = lv.used - queued(lv) - sum(n for b, n in out.items() if lv.holds(b))
-            if held + self.removal.releasing(lv) <= capacity:
-                return
-            if held <= capacity:  # deletes in flight make the room
-                await self.removal.wait_released(lv)
-                continue
-            victim = self._evictable(lv, may)
-            if victim is not None:
-                await self._evict(lv, victim)
+            for victim, home in evictions(lv.placement, over, self.space.retention, below, DRAM, may, rest):
+                await self._evict(lv, victim, home)
+            if held() <= capacity:
+                if held() + self.removal.releasing(lv) <= capacity:
+                    return
+                await self.removal.wait_released(lv)  # deletes in flight make the room
                 continue
             placed = [b for b in keep if lv.holds(b)]
             if not placed:
                 return
             self._refuse(lv, placed[0], keep, out)
 
-    async def _evict(self, lv: Level, b: Block) -> None:
-        """Evict ``b`` (out of ``lv``'s policy already) from ``lv``: when no other tier holds it, its
-        bytes go to the next tier down that is up and takes them (its quotas), else it is dropped."""
+    async def _evict(self, lv: Level, b: Block, target: Level | None) -> None:
+        """Evict ``b`` (out of ``lv``'s policy already) from ``lv``: its bytes go to ``target``
+        (:func:`next_home`'s answer, None: nowhere) when it takes them (its quotas), else it is
+        dropped unless another tier holds it."""
         self.stats.tier(lv.name, "evictions")
         if lv.quotas is not None:
             lv.quotas.evicted(b)
-        target = self.down_from(lv, b)
         reason = "no_tier"  # why it is dropped if no tier holds it after this
         if target is not None:
             try:
