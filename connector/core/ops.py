@@ -19,6 +19,7 @@ import grpc
 from connector.core.client import AllocationLike, ConnectorClient, PlacedAllocationLike
 from connector.core.directory import BlockDirectory, epoch_of
 from connector.core.finders import HeldLease
+from connector.core.guard import LoadGuard, must_hash
 from connector.core.metadata import Failure, LoadResult, LoadSpec, SaveResult, SaveSpec
 from connector.core.verified import scatter_verified
 from connector.transfer import PagedKV, Transfer
@@ -55,12 +56,19 @@ def classify(exc: BaseException) -> Failure:
 class _Held:
     views: list[Any]
     checksums: list[int]
+    slots: list[Any]
 
 
 @contextmanager
 def _read_held(lease: HeldLease) -> Iterator[_Held]:
     """The blocks of a lease the scheduler took, mapped from the sidecar's shared memory."""
-    yield _Held(mapped_views(lease.slots), list(lease.checksums))
+    yield _Held(mapped_views(lease.slots), list(lease.checksums), list(lease.slots))
+
+
+def _segments(lease: Any, n: int) -> list[str] | None:
+    """The segments the first ``n`` slots of ``lease`` lie in; None when it does not say."""
+    slots = getattr(lease, "slots", None)
+    return None if slots is None else [s.segment for s in slots[:n]]
 
 
 def _blocks(client: ConnectorClient, ns: Namespace, spec: LoadSpec) -> tuple[AbstractContextManager[Any], int | None]:
@@ -86,14 +94,17 @@ def load_blocks(
     spec: LoadSpec,
     *,
     verify: bool = True,
+    guard: LoadGuard = "read_only",
 ) -> LoadResult:
     """Fill ``spec.block_ids`` from the sidecar; the leading run that arrives intact is kept.
 
-    With ``verify``, blocks are checked against the checksums the lease carries (when it carries
-    them; 0 means not sealed yet and passes), each before it is copied, the hashing overlapped
-    with the copy (:mod:`connector.core.verified`): the first mismatch and everything after it is
-    never copied and is reported for recompute. A lease handed over in ``spec.lease`` is read
-    under, not ended: the caller releases it.
+    With ``verify``, no corrupted block is copied, under ``guard`` (:mod:`connector.core.guard`):
+    blocks in a slab this process maps read-only are copied as they are (``"read_only"``: nothing
+    here can have written them); others are checked against the checksums the lease carries (when
+    it carries them; 0 means not sealed yet and passes), each before it is copied, the hashing
+    overlapped with the copy (:mod:`connector.core.verified`): the first mismatch and everything
+    after it is never copied and is reported for recompute. A lease handed over in ``spec.lease``
+    is read under, not ended: the caller releases it.
     """
     t0 = time.perf_counter()
     loaded, failure = 0, None
@@ -110,7 +121,8 @@ def load_blocks(
                     len(spec.keys) - n,
                     len(spec.keys),
                 )
-            sums = getattr(lease, "checksums", None) if verify else None
+            hashing = verify and must_hash(guard, _segments(lease, n))
+            sums = getattr(lease, "checksums", None) if hashing else None
             bad = _copy_in(transfer, kv, spec.block_ids[:n], views, sums)
             if bad is not None:
                 n, failure = bad, Failure.CHECKSUM

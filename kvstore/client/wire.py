@@ -15,7 +15,8 @@ from typing import Any, Generic, NamedTuple, Protocol, SupportsIndex, TypeVar, o
 import numpy as np
 from google.protobuf.message import Message
 
-from kvstore.dram.slab import attach
+from kvstore.dram.protect import ReadOnlyMapping, Run
+from kvstore.dram.slab import attach, read_only
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.store.checksum import checksum
@@ -345,7 +346,35 @@ class AllocationState(Opened[pb.AllocateResponse]):
         self.slots: list[_Slot] = []
         self.checksums: dict[int, int] = {}  # index in the request -> checksum sent with the Commit
         self.written_through = 0  # after commit(wait_write_through=True): blocks in every write-through tier
-        self.done = False
+        self._writes: list[tuple[ReadOnlyMapping, list[Run]]] = []  # the slot pages made writable for it
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        """Committed or aborted (or being so): from then on its slots are read-only again here."""
+        return self._done
+
+    @done.setter
+    def done(self, done: bool) -> None:
+        self._done = done
+        if done:
+            self._end_writes()
+
+    def _open_writes(self, refs: Sequence[SlotRef]) -> None:
+        """Make the pages of ``refs`` writable where this process maps their slab read-only
+        (:mod:`kvstore.dram.protect`); :meth:`_end_writes` before the Commit or Abort is sent."""
+        by_segment: dict[str, list[tuple[int, int]]] = {}
+        for seg, off, n in refs:
+            by_segment.setdefault(seg, []).append((off, n))
+        for seg, ranges in by_segment.items():
+            mapping = read_only(seg)
+            if mapping is not None:
+                self._writes.append((mapping, mapping.open(ranges)))
+
+    def _end_writes(self) -> None:
+        writes, self._writes = self._writes, []
+        for mapping, rs in writes:
+            mapping.close(rs)
 
     def _fill(self, r: pb.AllocateResponse) -> None:
         """Read the answer; one that is malformed (a block count, key or slot length other than
@@ -366,6 +395,7 @@ class AllocationState(Opened[pb.AllocateResponse]):
                     f"Allocate answer: blocks[{i}].slot.length {ref.length} is not the size asked ({asked[i].size})"
                 )
         views = dict(zip(at, mapped_views(refs, ALLOCATE_FIELDS, writable=True, at=at)))
+        self._open_writes(refs)
         refs_at = dict(zip(at, refs))
         for i, b in enumerate(r.blocks):
             if b.present:
