@@ -98,13 +98,11 @@ def load_blocks(
 ) -> LoadResult:
     """Fill ``spec.block_ids`` from the sidecar; the leading run that arrives intact is kept.
 
-    With ``verify``, no corrupted block is copied, under ``guard`` (:mod:`connector.core.guard`):
-    blocks in a slab this process maps read-only are copied as they are (``"read_only"``: nothing
-    here can have written them); others are checked against the checksums the lease carries (when
-    it carries them; 0 means not sealed yet and passes), each before it is copied, the hashing
-    overlapped with the copy (:mod:`connector.core.verified`): the first mismatch and everything
-    after it is never copied and is reported for recompute. A lease handed over in ``spec.lease``
-    is read under, not ended: the caller releases it.
+    With ``verify``, no corrupted block is copied, under ``guard`` (:mod:`connector.core.guard`:
+    a slab this process maps read-only is trusted under ``"read_only"``). Blocks it hashes are
+    checked against the lease's checksums (0, not sealed yet, passes) each before its copy
+    (:mod:`connector.core.verified`): the first mismatch and everything after it is never copied
+    and is reported for recompute. A lease handed over in ``spec.lease`` is read under, not ended.
     """
     t0 = time.perf_counter()
     loaded, failure = 0, None
@@ -121,8 +119,7 @@ def load_blocks(
                     len(spec.keys) - n,
                     len(spec.keys),
                 )
-            hashing = verify and must_hash(guard, _segments(lease, n))
-            sums = getattr(lease, "checksums", None) if hashing else None
+            sums = getattr(lease, "checksums", None) if verify and must_hash(guard, _segments(lease, n)) else None
             bad = _copy_in(transfer, kv, spec.block_ids[:n], views, sums)
             if bad is not None:
                 n, failure = bad, Failure.CHECKSUM
