@@ -189,7 +189,7 @@ def save_blocks(
     failure = None
     try:
         with client.allocate(ns, list(spec.keys), [size] * len(spec.keys)) as alloc:
-            pairs = list(alloc.writable())
+            pairs = list(alloc.writable(cpu=not transfer.pins_host))  # (a device's DMA: no CPU write)
             transfer.gather(kv, [spec.block_ids[i] for i, _ in pairs], [v for _, v in pairs]).wait()
             placed = _placed(alloc) if directory is not None else None
             epoch = _free_epoch_before_commit(placed, pairs) if placed is not None else None

@@ -347,6 +347,7 @@ class AllocationState(Opened[pb.AllocateResponse]):
         self.checksums: dict[int, int] = {}  # index in the request -> checksum sent with the Commit
         self.written_through = 0  # after commit(wait_write_through=True): blocks in every write-through tier
         self._writes: list[tuple[ReadOnlyMapping, list[Run]]] = []  # the slot pages made writable for it
+        self._opened = False  # by writable(cpu=True)
         self._done = False
 
     @property
@@ -362,7 +363,10 @@ class AllocationState(Opened[pb.AllocateResponse]):
 
     def _open_writes(self, refs: Sequence[SlotRef]) -> None:
         """Make the pages of ``refs`` writable where this process maps their slab read-only
-        (:mod:`kvstore.dram.protect`); :meth:`_end_writes` before the Commit or Abort is sent."""
+        (:mod:`kvstore.dram.protect`); :meth:`_end_writes` before the Commit or Abort is sent
+        (and nothing once it is done)."""
+        if self._done:
+            return
         by_segment: dict[str, list[tuple[int, int]]] = {}
         for seg, off, n in refs:
             by_segment.setdefault(seg, []).append((off, n))
@@ -395,7 +399,6 @@ class AllocationState(Opened[pb.AllocateResponse]):
                     f"Allocate answer: blocks[{i}].slot.length {ref.length} is not the size asked ({asked[i].size})"
                 )
         views = dict(zip(at, mapped_views(refs, ALLOCATE_FIELDS, writable=True, at=at)))
-        self._open_writes(refs)
         refs_at = dict(zip(at, refs))
         for i, b in enumerate(r.blocks):
             if b.present:
@@ -407,8 +410,14 @@ class AllocationState(Opened[pb.AllocateResponse]):
         self.done = True  # (ended, as abort() marks it)
         return Undo("Abort", pb.AbortRequest(allocation_id=self.id))
 
-    def writable(self) -> Iterator[tuple[int, np.ndarray]]:
-        """(index in the request, writable uint8 view) for every block that needs its bytes."""
+    def writable(self, cpu: bool = True) -> Iterator[tuple[int, np.ndarray]]:
+        """(index in the request, writable uint8 view) for every block that needs its bytes.
+        ``cpu``: this process's CPU writes them, so their pages are made writable here until the
+        Commit or Abort (:mod:`kvstore.dram.protect`); False: a device's DMA into the pinned slab
+        does, which the CPU's page tables do not gate (a CPU write then faults)."""
+        if cpu and not self._opened:
+            self._opened = True
+            self._open_writes([s.ref for s in self.slots if s.ref is not None])
         for i, s in enumerate(self.slots):
             if s.view is not None:
                 yield i, s.view

@@ -15,18 +15,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import serve_args
-from paged_cases import NS, SPEC, caches
+from paged_cases import NS, PROMPT, SPEC, caches
 from test_connector_held_leases import held_load
 from test_verified_load import sealed_load
 
 from connector.core import WorkerConnector
 from connector.core.guard import in_force, must_hash
-from connector.core.metadata import Failure
+from connector.core.metadata import Failure, SaveSpec
+from connector.core.ops import save_blocks
+from connector.transfer import DONE, Completion, NumpyTransfer
 from connector.vllm.config import Settings
 from kvstore.client import SyncClient
 from kvstore.dram.protect import PAGE, pages_whole, protection, runs
 from kvstore.dram.slab import attach, read_only
 from kvstore.harness.sidecar import REPO, ServeProcess
+from kvstore.keys import prefix_keys
 
 # A process that acquires the sealed block at keys[0] and writes into it through its own mapping
 # of the slab, as a bad pointer of the engine would; it prints "wrote" if the write went through.
@@ -81,12 +84,47 @@ def test_only_an_allocations_own_slots_are_writable_until_it_ends(client) -> Non
         keys = [bytes([n, i]) * 16 for i in range(3)]
         with client.allocate(NS, keys, [1000] * 3) as alloc:
             refs = list(alloc.slot_refs().values())
+            assert [protection(address(r))[:2] for r in refs] == ["r-"] * 3  # until this process writes them
+            views = [v for _, v in alloc.writable()]
             assert [protection(address(r))[:2] for r in refs] == ["rw"] * 3
             assert protection(sealed)[:2] == "r-"
-            for _, view in alloc.writable():
+            for view in views:
                 view[:] = 7
             alloc.commit() if end == "commit" else alloc.abort()
             assert [protection(address(r))[:2] for r in refs] == ["r-"] * 3, end
+
+
+class DeviceLike(NumpyTransfer):
+    """A transfer that pins the slab and writes slots by DMA, as ``CupyTransfer`` does: it records
+    the CPU's permissions on what it registers and on the slots it is given to write, and writes
+    nothing through the CPU (which would fault: a device does not need the CPU's mapping)."""
+
+    pins_host = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str]] = []
+
+    def register(self, host, page_bytes: int = 0) -> None:
+        self.seen.append(("register", protection(int(host.__array_interface__["data"][0]))[:2]))
+
+    def gather(self, kv, block_ids, slots) -> Completion:
+        self.seen += [("gather", protection(int(v.__array_interface__["data"][0]))[:2]) for v in slots]
+        return DONE
+
+
+def test_a_device_save_leaves_the_cpu_mapping_read_only(client) -> None:
+    """Pinning needs the whole slab writable once (lifted for the registration, restored after);
+    a save by a device's DMA never makes the CPU's mapping of its slots writable."""
+    t = DeviceLike()
+    worker = WorkerConnector(client, NS, SPEC, transfer=t)
+    worker.register_kv_caches(caches(1))
+    seg = client.hello().segment
+    assert t.seen == [("register", "rw")]
+    assert protection(int(attach(seg).__array_interface__["data"][0]))[:2] == "r-"
+    r = save_blocks(client, NS, worker.kv, t, SaveSpec("s", tuple(prefix_keys(NS, PROMPT)[:3]), (1, 2, 3)))
+    worker.close()
+    assert r.written == 3 and t.seen[1:] == [("gather", "r-")] * 3
 
 
 def test_runs_cover_whole_pages_and_merge_neighbours() -> None:
