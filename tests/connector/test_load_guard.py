@@ -6,6 +6,7 @@ refuse a corrupted slot. Real sidecar processes, real slab, a real fault."""
 
 from __future__ import annotations
 
+import resource
 import signal
 import subprocess
 import sys
@@ -57,7 +58,8 @@ def test_a_write_into_a_sealed_slot_through_a_clients_mapping_faults(client, sid
     client.release(load.lease.id)
     here = Path(__file__).parent
     p = subprocess.run([sys.executable, "-c", SCRIBBLER, sidecar_process.url], capture_output=True, text=True,
-                       cwd=REPO, env={"PYTHONPATH": f"{REPO}:{here}", "PATH": "/usr/bin:/bin"}, timeout=120)
+                       cwd=REPO, env={"PYTHONPATH": f"{REPO}:{here}", "PATH": "/usr/bin:/bin"}, timeout=120,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))  # no core file
     assert "wrote" not in p.stdout, "the write into a sealed slot went through"
     assert p.returncode == -signal.SIGSEGV, p.stderr
     worker = WorkerConnector(client, NS, SPEC, load_guard="hash")  # hash it anyway: byte-exact as sealed
