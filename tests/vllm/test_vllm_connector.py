@@ -47,7 +47,7 @@ def test_prefill_instance_hands_off_to_decode_instance(tiny_model: Path, referen
                  [{"name": "prefill", "prompts": docs, "max_tokens": 1}], env={"PYTHONHASHSEED": "1"})
     assert a["connector"]["worker"].get("loads", 0) == 0
     assert a["connector"]["worker"]["saved_blocks"] >= sum(len(p) // BS for p in docs)
-    b = instance(tiny_model, kvstore_config(sidecar.grpc, "kv_consumer", load_guard="hash"),  # corrupted elsewhere
+    b = instance(tiny_model, kvstore_config(sidecar.grpc, "kv_consumer"),
                  [{"name": "decode", "prompts": docs, "max_tokens": NEW}], env={"PYTHONHASHSEED": "2"})
     assert outputs(b, "decode") == [reference[tuple(p)] for p in docs]
     src = by_source(b, "decode")
@@ -76,7 +76,7 @@ def test_corrupted_block_is_recomputed_and_counted(tiny_model: Path, reference, 
     ns = Namespace(**a["connector"]["namespace"])
     with SyncClient(sidecar.grpc) as client:
         corrupt_dram_block(client, ns, prefix_keys(ns, DOC_3)[3])
-    b = instance(tiny_model, kvstore_config(sidecar.grpc, "kv_consumer"),
+    b = instance(tiny_model, kvstore_config(sidecar.grpc, "kv_consumer", load_guard="hash"),  # corrupted elsewhere
                  [{"name": "decode", "prompts": [DOC_3], "max_tokens": NEW}])
     assert outputs(b, "decode") == [reference[tuple(DOC_3)]]
     worker, sched = b["connector"]["worker"], b["connector"]["scheduler"]
