@@ -4,29 +4,33 @@ without, in the same run (CPU).
 A sidecar (`kvstore serve`, its own process) holds ``--blocks`` blocks of a model shape (vLLM's
 CPU layout, bf16, 16-token blocks), saved through the connector (``save_blocks``) and sealed by
 the sidecar. Each round reloads them all into the engine's cache through the connector's load
-(``load_blocks``: Acquire, copy into the cache by ``NumpyTransfer``, Release) once with
-``verify=True`` (every slot checked against its checksum before it is copied, the hashing
-overlapped with the copy: ``connector/core/verified.py``) and once with ``verify=False``, in
-alternating order, the same keys into the same engine blocks (the same work and cache state but
-the check). Each reload is timed on the wall clock and in this process's CPU time (every thread:
-the copy, the hashing pool, gRPC; the sidecar is another process).
+(``load_blocks``: Acquire, copy into the cache by ``NumpyTransfer``, Release) three ways, each
+first in turn, the same keys into the same engine blocks (the same work and cache state but the
+check): ``verify=True`` under the shipped ``load_guard="read_only"`` (the slab is mapped
+read-only in this process, so nothing is hashed: ``connector/core/guard.py``; the guard in force
+is in ``notes``), ``verify=True`` under ``load_guard="hash"`` (every slot checked against its
+checksum before it is copied, the hashing overlapped with the copy:
+``connector/core/verified.py``; the check until #39), and ``verify=False``. Each reload is timed
+on the wall clock and in this process's CPU time (every thread: the copy, the hashing pool,
+gRPC; the sidecar is another process).
 
 - ``<shape>_verified_vs_unverified``: the unverified reload's best wall time ÷ the verified one's
-  (1.0: verification costs nothing; the target is ≥ 1/1.1), and ``..._median`` of the medians.
-- ``<shape>_verified_vs_unverified_cpu``: the same of the CPU times (medians): the work the check
-  adds. Where no core is free for the hashing (a shared machine under load) the wall ratio tends
-  to this; where one is, to ``unverified ÷ (unverified + first chunk's hash)``.
-- ``<shape>_verified_vs_unverified_caller_cpu``: the same of the calling thread's own CPU time
-  (the copy, and any part of a chunk it had to hash itself because no pool thread had started it):
-  1.0 when all the hashing ran on the pool's threads, off the copy's path.
-- ``<shape>_serial_hash_ms`` (one thread hashing the whole batch: the check until #39),
-  ``<shape>_hash_GBps`` (its rate), ``<shape>_copy_GBps`` (the unverified reload's bytes ÷ its
-  time), ``<shape>_first_chunk_hash_ms`` (the first chunk, hashed on the pool before any copy:
-  what a verified load adds by construction) and ``<shape>_hash_hidden`` (of the serial hash time,
-  the share that did not show in the verified reload's wall time: (unverified + serial hash −
-  verified) ÷ serial hash, medians; 1: all of it ran beside the copy, 0: none).
+  (as shipped; 1.0: verification costs nothing; the target is ≥ 1/1.1), and ``..._median`` of
+  the medians; ``<shape>_hashed_vs_unverified``: the same under ``load_guard="hash"``.
+- ``<shape>_{verified,hashed}_vs_unverified_cpu``: the same of the CPU times (medians): the work
+  the check adds. Where no core is free for the hashing (a shared machine under load) the hashed
+  wall ratio tends to this; where one is, to ``unverified ÷ (unverified + first chunk's hash)``.
+- ``<shape>_{verified,hashed}_vs_unverified_caller_cpu``: the same of the calling thread's own
+  CPU time (the copy, and any part of a chunk it had to hash itself because no pool thread had
+  started it): 1.0 when all the hashing ran on the pool's threads, off the copy's path.
+- ``<shape>_serial_hash_ms`` (one thread hashing the whole batch: the check until the chunked
+  one), ``<shape>_hash_GBps`` (its rate), ``<shape>_copy_GBps`` (the unverified reload's bytes ÷
+  its time), ``<shape>_first_chunk_hash_ms`` (the first chunk, hashed on the pool before any copy:
+  what a hashed load adds by construction) and ``<shape>_hash_hidden`` (of the serial hash time,
+  the share that did not show in the hashed reload's wall time: (unverified + serial hash −
+  hashed) ÷ serial hash, medians; 1: all of it ran beside the copy, 0: none).
 
-``notes``: the CPUs and the load average before and after.
+``notes``: the CPUs, the load average before and after, ``<shape>_guard_in_force``.
 
     kvstore bench reload --json
 """
@@ -41,6 +45,7 @@ from typing import Any
 
 from benchmarks.common import Result, sidecar_process
 from benchmarks.transfer_shapes import SHAPES, spec_of
+from connector.core.guard import in_force
 from connector.core.metadata import LoadSpec, SaveSpec
 from connector.core.ops import load_blocks, save_blocks
 from connector.core.verified import chunks
@@ -50,6 +55,10 @@ from kvstore.keys import Namespace, prefix_keys
 from kvstore.store.checksum import checksum, start_checksums
 
 MiB = 1 << 20
+UNVERIFIED = "unverified"
+MODES = ["read_only", "hash", UNVERIFIED]  # verify under each load_guard (connector.core.guard), and not at all
+VERIFIED = MODES[:2]
+WAYS = {"read_only": "verified", "hash": "hashed", UNVERIFIED: "unverified"}  # as the figures name them
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,9 +101,10 @@ def _shape(res: Result, shape: str, n: int, rounds: int) -> None:
         res.figure(f"{shape}_block_bytes", bb, "B")
         load = LoadSpec("load", tuple(keys), tuple(range(n, 2 * n)), 0, spec.block_size)
 
-        def reload(verify: bool) -> tuple[float, float, float]:
+        def reload(mode: str) -> tuple[float, float, float]:
+            verify, guard = mode != UNVERIFIED, "hash" if mode == "hash" else "read_only"
             c0, t0 = time.process_time(), time.thread_time()
-            r = load_blocks(client, ns, kv, t, load, verify=verify)
+            r = load_blocks(client, ns, kv, t, load, verify=verify, guard=guard)
             caller, cpu = time.thread_time() - t0, time.process_time() - c0
             if r.loaded != n:
                 raise SystemExit(f"kvstore bench reload: {r.loaded} of {n} blocks loaded ({r.failure})")
@@ -110,45 +120,51 @@ def _shape(res: Result, shape: str, n: int, rounds: int) -> None:
                 start_checksums(lease.views[: chunks(n)[0][1]])()
                 return t1 - t0, time.perf_counter() - t1
 
-        reload(True), reload(False)  # warm-up
-        wall: dict[bool, list[float]] = {True: [], False: []}
-        cpu: dict[bool, list[float]] = {True: [], False: []}
-        caller: dict[bool, list[float]] = {True: [], False: []}
+        for mode in MODES:  # warm-up
+            reload(mode)
+        res.notes[f"{shape}_guard_in_force"] = in_force("read_only", client.hello().segment)
+        wall: dict[str, list[float]] = {m: [] for m in MODES}
+        cpu: dict[str, list[float]] = {m: [] for m in MODES}
+        caller: dict[str, list[float]] = {m: [] for m in MODES}
         serial, first = [], []
         for i in range(rounds):
-            for verify in (True, False) if i % 2 == 0 else (False, True):
-                w, c, own = reload(verify)
-                wall[verify].append(w)
-                cpu[verify].append(c)
-                caller[verify].append(own)
+            for mode in MODES[i % len(MODES):] + MODES[: i % len(MODES)]:  # each first in turn
+                w, c, own = reload(mode)
+                wall[mode].append(w)
+                cpu[mode].append(c)
+                caller[mode].append(own)
             h, f = hashes()
             serial.append(h)
             first.append(f)
     _report(res, shape, n * bb, wall, cpu, serial, first)
-    for verify, way in ((True, "verified"), (False, "unverified")):
-        res.figure(f"{shape}_reload_{way}_caller_cpu_ms", statistics.median(caller[verify]) * 1e3, "ms")
-    own = {v: statistics.median(caller[v]) for v in caller}
-    res.ratio(f"{shape}_verified_vs_unverified_caller_cpu", own[False] / own[True])
+    for mode in MODES:
+        res.figure(f"{shape}_reload_{WAYS[mode]}_caller_cpu_ms", statistics.median(caller[mode]) * 1e3, "ms")
+    own = {m: statistics.median(caller[m]) for m in caller}
+    for mode in VERIFIED:
+        res.ratio(f"{shape}_{WAYS[mode]}_vs_unverified_caller_cpu", own[UNVERIFIED] / own[mode])
 
 
-def _report(res: Result, shape: str, nbytes: int, wall: dict[bool, list[float]], cpu: dict[bool, list[float]],
+def _report(res: Result, shape: str, nbytes: int, wall: dict[str, list[float]], cpu: dict[str, list[float]],
             serial: list[float], first: list[float]) -> None:
-    med = {v: statistics.median(wall[v]) for v in wall}
+    med = {m: statistics.median(wall[m]) for m in wall}
     hashing = statistics.median(serial)
-    res.figure(f"{shape}_reload_verified_ms", min(wall[True]) * 1e3, "ms")
-    res.figure(f"{shape}_reload_unverified_ms", min(wall[False]) * 1e3, "ms")
-    res.figure(f"{shape}_reload_verified_median_ms", med[True] * 1e3, "ms")
-    res.figure(f"{shape}_reload_unverified_median_ms", med[False] * 1e3, "ms")
-    res.figure(f"{shape}_reload_verified_cpu_ms", statistics.median(cpu[True]) * 1e3, "ms")
-    res.figure(f"{shape}_reload_unverified_cpu_ms", statistics.median(cpu[False]) * 1e3, "ms")
+    for mode in MODES:
+        way = WAYS[mode]
+        res.figure(f"{shape}_reload_{way}_ms", min(wall[mode]) * 1e3, "ms")
+        res.figure(f"{shape}_reload_{way}_median_ms", med[mode] * 1e3, "ms")
+        res.figure(f"{shape}_reload_{way}_cpu_ms", statistics.median(cpu[mode]) * 1e3, "ms")
     res.figure(f"{shape}_serial_hash_ms", min(serial) * 1e3, "ms")
     res.figure(f"{shape}_first_chunk_hash_ms", min(first) * 1e3, "ms")
     res.figure(f"{shape}_hash_GBps", nbytes / 1e9 / min(serial), "GB/s")
-    res.figure(f"{shape}_copy_GBps", nbytes / 1e9 / min(wall[False]), "GB/s")
-    res.figure(f"{shape}_hash_hidden", min(1.0, max(0.0, (med[False] + hashing - med[True]) / hashing)), "share")
-    res.ratio(f"{shape}_verified_vs_unverified", min(wall[False]) / min(wall[True]))
-    res.ratio(f"{shape}_verified_vs_unverified_median", med[False] / med[True])
-    res.ratio(f"{shape}_verified_vs_unverified_cpu", statistics.median(cpu[False]) / statistics.median(cpu[True]))
+    res.figure(f"{shape}_copy_GBps", nbytes / 1e9 / min(wall[UNVERIFIED]), "GB/s")
+    res.figure(f"{shape}_hash_hidden", min(1.0, max(0.0, (med[UNVERIFIED] + hashing - med["hash"]) / hashing)),
+               "share")
+    for mode in VERIFIED:
+        way = WAYS[mode]
+        res.ratio(f"{shape}_{way}_vs_unverified", min(wall[UNVERIFIED]) / min(wall[mode]))
+        res.ratio(f"{shape}_{way}_vs_unverified_median", med[UNVERIFIED] / med[mode])
+        res.ratio(f"{shape}_{way}_vs_unverified_cpu",
+                  statistics.median(cpu[UNVERIFIED]) / statistics.median(cpu[mode]))
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -29,6 +29,7 @@ import torch
 
 from connector.core.client import ConnectorClient
 from connector.core.counters import ConnectorStats
+from connector.core.guard import checked
 from connector.core.hints import retain_ms
 from connector.core.metadata import LoadResult, SaveResult, SaveSpec
 from connector.core.ops import load_blocks, save_blocks
@@ -117,6 +118,7 @@ class HFConnector:
         cost: CostModel | None = None,
         transfer: Transfer | None = None,
         verify_checksums: bool = True,
+        load_guard: str = "read_only",
     ) -> None:
         self.model = model
         self.client = client
@@ -128,6 +130,7 @@ class HFConnector:
         self.sched = SchedulerConnector(client, self.ns, self.spec, cost)
         self.transfer = transfer or default_transfer(self.device, client)
         self.verify = verify_checksums
+        self.guard = checked(load_guard)  # how verify_checksums is kept (connector.core.guard)
         self.stats = ConnectorStats()
         self.reporter = DecisionReporter(client)
         self._ids = itertools.count()
@@ -160,7 +163,8 @@ class HFConnector:
         try:
             self.sched.update_state_after_alloc(req, list(range(n)), n_tokens)
             [spec] = self.sched.build_connector_meta().loads
-            result = load_blocks(self.client, self.ns, bind_caches(s, bufs), self.transfer, spec, verify=self.verify)
+            result = load_blocks(self.client, self.ns, bind_caches(s, bufs), self.transfer, spec, verify=self.verify,
+                                 guard=self.guard)
             self.sched.update_connector_output(load_results=[result])  # ends the lookup's lease
         finally:
             self.sched.request_finished(req)

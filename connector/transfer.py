@@ -20,6 +20,7 @@ of a block go where in its slot. Both engines execute that plan:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import logging
@@ -32,7 +33,7 @@ import numpy as np
 from connector import native_copy
 from connector.copy_plan import Piece, PlaneGeometry, block_bytes, check_disjoint, pieces
 from connector.layout import Array, KVSpec
-from kvstore.dram.slab import attach, page_bytes_of
+from kvstore.dram.slab import attach, page_bytes_of, read_only
 from kvstore.errors import InvalidArgument, KVStoreError
 
 log = logging.getLogger(__name__)
@@ -308,18 +309,29 @@ def run_plan(plan: Sequence[Piece], block_ids: Sequence[int], addresses: Sequenc
                 move(src + b * stride, slot + off, n)
 
 
-def register_slab(transfer: Transfer, client: object) -> None:
+def register_slab(transfer: Transfer, client: object) -> str | None:
     """Register the sidecar's slab with ``transfer`` once, at the connector's start: ``client.hello()``
-    names its segment. A client without a local slab (a remote sidecar) registers nothing."""
+    names its segment, which is returned (None: nothing registered). A client without a local slab
+    (a remote sidecar), or a transfer that pins nothing, registers nothing.
+
+    A slab mapped read-only here (:mod:`kvstore.dram.protect`) is writable while it is pinned:
+    pinning for a device's writes (a save's gather) needs write access to every page once; the
+    CPU's mapping is read-only again after (a device writes the pinned pages, not through it)."""
     hello = getattr(client, "hello", None)
     if hello is None or not transfer.pins_host:
-        return
+        return None
     try:
-        segment = hello().segment
-        if segment:  # registrations cut at the slab's pages: no slot straddles two
-            transfer.register(attach(segment), page_bytes=page_bytes_of(segment))
+        segment: str = hello().segment
+        if not segment:
+            return None
+        mem = attach(segment)
+        guard = read_only(segment)
+        with guard.unprotected() if guard is not None else contextlib.nullcontext():
+            transfer.register(mem, page_bytes=page_bytes_of(segment))  # cut at the slab's pages
+        return segment
     except (OSError, KVStoreError) as exc:  # no slab on this host: each mapping is pinned when first seen
         log.warning("transfer: the sidecar's slab could not be registered at start (%s)", exc)
+        return None
 
 
 _TRANSFERS: dict[str, tuple[str, str]] = {

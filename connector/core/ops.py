@@ -19,6 +19,7 @@ import grpc
 from connector.core.client import AllocationLike, ConnectorClient, PlacedAllocationLike
 from connector.core.directory import BlockDirectory, epoch_of
 from connector.core.finders import HeldLease
+from connector.core.guard import LoadGuard, must_hash
 from connector.core.metadata import Failure, LoadResult, LoadSpec, SaveResult, SaveSpec
 from connector.core.verified import scatter_verified
 from connector.transfer import PagedKV, Transfer
@@ -55,12 +56,19 @@ def classify(exc: BaseException) -> Failure:
 class _Held:
     views: list[Any]
     checksums: list[int]
+    slots: list[Any]
 
 
 @contextmanager
 def _read_held(lease: HeldLease) -> Iterator[_Held]:
     """The blocks of a lease the scheduler took, mapped from the sidecar's shared memory."""
-    yield _Held(mapped_views(lease.slots), list(lease.checksums))
+    yield _Held(mapped_views(lease.slots), list(lease.checksums), list(lease.slots))
+
+
+def _segments(lease: Any, n: int) -> list[str] | None:
+    """The segments the first ``n`` slots of ``lease`` lie in; None when it does not say."""
+    slots = getattr(lease, "slots", None)
+    return None if slots is None else [s.segment for s in slots[:n]]
 
 
 def _blocks(client: ConnectorClient, ns: Namespace, spec: LoadSpec) -> tuple[AbstractContextManager[Any], int | None]:
@@ -86,14 +94,15 @@ def load_blocks(
     spec: LoadSpec,
     *,
     verify: bool = True,
+    guard: LoadGuard = "read_only",
 ) -> LoadResult:
     """Fill ``spec.block_ids`` from the sidecar; the leading run that arrives intact is kept.
 
-    With ``verify``, blocks are checked against the checksums the lease carries (when it carries
-    them; 0 means not sealed yet and passes), each before it is copied, the hashing overlapped
-    with the copy (:mod:`connector.core.verified`): the first mismatch and everything after it is
-    never copied and is reported for recompute. A lease handed over in ``spec.lease`` is read
-    under, not ended: the caller releases it.
+    With ``verify``, no corrupted block is copied, under ``guard`` (:mod:`connector.core.guard`:
+    a slab this process maps read-only is trusted under ``"read_only"``). Blocks it hashes are
+    checked against the lease's checksums (0, not sealed yet, passes) each before its copy
+    (:mod:`connector.core.verified`): the first mismatch and everything after it is never copied
+    and is reported for recompute. A lease handed over in ``spec.lease`` is read under, not ended.
     """
     t0 = time.perf_counter()
     loaded, failure = 0, None
@@ -110,7 +119,7 @@ def load_blocks(
                     len(spec.keys) - n,
                     len(spec.keys),
                 )
-            sums = getattr(lease, "checksums", None) if verify else None
+            sums = getattr(lease, "checksums", None) if verify and must_hash(guard, _segments(lease, n)) else None
             bad = _copy_in(transfer, kv, spec.block_ids[:n], views, sums)
             if bad is not None:
                 n, failure = bad, Failure.CHECKSUM
@@ -180,7 +189,7 @@ def save_blocks(
     failure = None
     try:
         with client.allocate(ns, list(spec.keys), [size] * len(spec.keys)) as alloc:
-            pairs = list(alloc.writable())
+            pairs = list(alloc.writable(cpu=not transfer.pins_host))  # (a device's DMA: no CPU write)
             transfer.gather(kv, [spec.block_ids[i] for i, _ in pairs], [v for _, v in pairs]).wait()
             placed = _placed(alloc) if directory is not None else None
             epoch = _free_epoch_before_commit(placed, pairs) if placed is not None else None

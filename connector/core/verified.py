@@ -1,9 +1,9 @@
 """A load's copy with every slot checked against its checksum before its bytes are copied, the
 hashing off the copy's path.
 
-Every client maps the slab read-write and the sidecar's pods share the host's IPC namespace, so
-a buggy process can change a sealed slot; the checksum the lease carries is what keeps such a
-block from reaching a model. Hashing the whole batch on the calling thread before the copy cost
+Under ``load_guard="hash"``, or from a slab this process cannot keep read-only
+(:mod:`connector.core.guard`), the checksum the lease carries is what keeps a block changed after
+it was sealed from reaching a model. Hashing the whole batch on the calling thread before the copy cost
 ~19 ms per 512 MiB in front of ~10 ms of DMA. Here the batch goes in chunks (small first, so the
 pipeline fills fast): chunk *k+1* is hashed on the checksum pool's threads while chunk *k* is
 copied, and a chunk is copied only once each of its slots has matched. So the guarantee is the

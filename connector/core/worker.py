@@ -29,6 +29,7 @@ from typing import Any
 from connector.core.client import ConnectorClient
 from connector.core.counters import ConnectorStats
 from connector.core.directory import BlockDirectory
+from connector.core.guard import checked, in_force
 from connector.core.metadata import (
     ConnectorMetadata,
     LoadResult,
@@ -67,6 +68,7 @@ class WorkerConnector:
         transfer: Transfer | None = None,
         cost: CostModel | None = None,
         verify_checksums: bool = True,
+        load_guard: str = "read_only",
         threads: int = 1,
         directory: BlockDirectory | None = None,
         pipeline: PipelineSlot | None = None,
@@ -78,13 +80,17 @@ class WorkerConnector:
         sidecar is told after loads goes over it, unanswered until a later step.
         ``wait_published`` / ``wait_write_through``: a save is done (:meth:`get_finished`) only
         once the cluster directory lists its blocks / the write-through tiers hold them
-        (:func:`~connector.core.ops.save_blocks`)."""
+        (:func:`~connector.core.ops.save_blocks`). ``verify_checksums``: no corrupted block is
+        loaded, under ``load_guard`` (:mod:`connector.core.guard`: ``"read_only"``, a slab this
+        process maps read-only is trusted and loads from any other hash; ``"hash"``, every load
+        hashes)."""
         self.client, self.ns, self.spec = client, ns, spec
         self.directory = directory
         self.pipeline = pipeline
         self.transfer = transfer or NumpyTransfer()
         self.cost = cost
         self.verify = verify_checksums
+        self.guard = checked(load_guard)
         self.wait_published, self.wait_write_through = wait_published, wait_write_through
         self.stats = ConnectorStats()
         self._kv: PagedKV | None = None
@@ -103,7 +109,9 @@ class WorkerConnector:
         """Bind the engine's per-layer caches (zero-copy views) once, at start-up, and register the
         sidecar's slab with the transfer engine (pinned for DMA on a GPU)."""
         self._kv = bind_caches(self.spec, caches)
-        register_slab(self.transfer, self.client)
+        segment = register_slab(self.transfer, self.client)
+        if self.verify and segment is not None:
+            log.info("loads verified under the %r guard (load_guard %r)", in_force(self.guard, segment), self.guard)
 
     @property
     def kv(self) -> PagedKV:
@@ -144,7 +152,8 @@ class WorkerConnector:
 
     def _load(self, kv: PagedKV, spec: LoadSpec) -> LoadResult:
         try:
-            r = load_blocks(self.client, spec.ns or self.ns, kv, self.transfer, spec, verify=self.verify)
+            r = load_blocks(self.client, spec.ns or self.ns, kv, self.transfer, spec, verify=self.verify,
+                            guard=self.guard)
         finally:
             if spec.lease is not None:
                 lease = spec.lease

@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from connector.core.guard import GUARDS
 from connector.layout import KVSpec
 from connector.vllm.cache_groups import Group, engine_groups, refuse_draft_layers
 from kvstore.keys import Namespace
@@ -31,7 +32,8 @@ class Settings:
     model_id: str = ""  # namespace model name; default: vLLM's model path/name
     revision: str = ""  # namespace revision; default: vLLM's model revision
     save_decode: bool = True  # also store blocks filled by generated tokens
-    verify_checksums: bool = True  # check loaded blocks against their checksums
+    verify_checksums: bool = True  # never load a corrupted block, under load_guard
+    load_guard: str = "read_only"  # "read_only": trust a slab mapped read-only here, hash others; "hash": hash all
     lease_ttl_ms: int = 30_000  # the lookup's lease on the blocks it found, until they are loaded
     lookup_reuse_ms: int = 1_000  # a waiting request's lookup answer is reused this long
     load_failure_policy: Literal["recompute", "fail"] = "recompute"  # applied to vLLM's kv_load_failure_policy
@@ -51,6 +53,8 @@ class Settings:
             raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}; known: {sorted(known)}")
         if extra.get("load_failure_policy", "recompute") not in ("recompute", "fail"):
             raise ValueError("kv_connector_extra_config.load_failure_policy: 'recompute' or 'fail'")
+        if extra.get("load_guard", "read_only") not in GUARDS:
+            raise ValueError(f"kv_connector_extra_config.load_guard: one of {list(GUARDS)}")
         wait = extra.get("handoff_wait_ms", 0)
         if not isinstance(wait, int) or isinstance(wait, bool) or wait < 0:
             raise ValueError("kv_connector_extra_config.handoff_wait_ms: milliseconds, an integer >= 0")

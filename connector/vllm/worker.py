@@ -42,7 +42,8 @@ def group_worker(client: SyncClient, settings: Settings, ns: Namespace, spec: KV
     if wait_published is None:
         wait_published = kv_role == "kv_producer"  # a prefill instance: decode hosts find its blocks
     return WorkerConnector(client, ns, spec, transfer=make_transfer(transfer),
-                           verify_checksums=settings.verify_checksums, threads=settings.threads,
+                           verify_checksums=settings.verify_checksums,
+                           load_guard=settings.load_guard, threads=settings.threads,
                            directory=directory, pipeline=PipelineSlot(client),
                            wait_published=wait_published, wait_write_through=settings.wait_write_through)
 

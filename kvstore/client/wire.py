@@ -15,7 +15,8 @@ from typing import Any, Generic, NamedTuple, Protocol, SupportsIndex, TypeVar, o
 import numpy as np
 from google.protobuf.message import Message
 
-from kvstore.dram.slab import attach
+from kvstore.dram.protect import ReadOnlyMapping, Run
+from kvstore.dram.slab import attach, read_only
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.store.checksum import checksum
@@ -345,7 +346,39 @@ class AllocationState(Opened[pb.AllocateResponse]):
         self.slots: list[_Slot] = []
         self.checksums: dict[int, int] = {}  # index in the request -> checksum sent with the Commit
         self.written_through = 0  # after commit(wait_write_through=True): blocks in every write-through tier
-        self.done = False
+        self._writes: list[tuple[ReadOnlyMapping, list[Run]]] = []  # the slot pages made writable for it
+        self._opened = False  # by writable(cpu=True)
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        """Committed or aborted (or being so): from then on its slots are read-only again here."""
+        return self._done
+
+    @done.setter
+    def done(self, done: bool) -> None:
+        self._done = done
+        if done:
+            self._end_writes()
+
+    def _open_writes(self, refs: Sequence[SlotRef]) -> None:
+        """Make the pages of ``refs`` writable where this process maps their slab read-only
+        (:mod:`kvstore.dram.protect`); :meth:`_end_writes` before the Commit or Abort is sent
+        (and nothing once it is done)."""
+        if self._done:
+            return
+        by_segment: dict[str, list[tuple[int, int]]] = {}
+        for seg, off, n in refs:
+            by_segment.setdefault(seg, []).append((off, n))
+        for seg, ranges in by_segment.items():
+            mapping = read_only(seg)
+            if mapping is not None:
+                self._writes.append((mapping, mapping.open(ranges)))
+
+    def _end_writes(self) -> None:
+        writes, self._writes = self._writes, []
+        for mapping, rs in writes:
+            mapping.close(rs)
 
     def _fill(self, r: pb.AllocateResponse) -> None:
         """Read the answer; one that is malformed (a block count, key or slot length other than
@@ -377,8 +410,14 @@ class AllocationState(Opened[pb.AllocateResponse]):
         self.done = True  # (ended, as abort() marks it)
         return Undo("Abort", pb.AbortRequest(allocation_id=self.id))
 
-    def writable(self) -> Iterator[tuple[int, np.ndarray]]:
-        """(index in the request, writable uint8 view) for every block that needs its bytes."""
+    def writable(self, cpu: bool = True) -> Iterator[tuple[int, np.ndarray]]:
+        """(index in the request, writable uint8 view) for every block that needs its bytes.
+        ``cpu``: this process's CPU writes them, so their pages are made writable here until the
+        Commit or Abort (:mod:`kvstore.dram.protect`); False: a device's DMA into the pinned slab
+        does, which the CPU's page tables do not gate (a CPU write then faults)."""
+        if cpu and not self._opened:
+            self._opened = True
+            self._open_writes([s.ref for s in self.slots if s.ref is not None])
         for i, s in enumerate(self.slots):
             if s.view is not None:
                 yield i, s.view

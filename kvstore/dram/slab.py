@@ -15,8 +15,10 @@ is only ever handed out when no slot of another cut of its page is taken.
 
 A header page after the last slab page (the segment's last 4 KiB) holds the slab's page size (a
 u64 at byte 8, :func:`page_bytes_of`: a worker pins the slab in registrations cut at page
-boundaries) and the **free epoch** (a u64 at its start, :func:`free_epoch`): the sidecar adds
-one every time it frees a slot (eviction, delete, abort, shutdown). A client that read the epoch
+boundaries), its smallest slot (a u64 at byte 16: whether every slot is whole OS pages, which a
+client's read-only mapping needs, :mod:`kvstore.dram.protect`) and the **free epoch** (a u64 at
+its start, :func:`free_epoch`): the sidecar adds one every time it frees a slot (eviction, delete,
+abort, shutdown). A client that read the epoch
 before learning where committed blocks lie may read them there without a lease as long as the
 epoch has not moved: a committed block's bytes only change after its slot was freed (:mod:`connector.core.directory`).
 """
@@ -37,6 +39,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kvstore.dram.protect import ReadOnlyMapping, pages_whole
 from kvstore.errors import InvalidArgument
 
 
@@ -109,6 +112,7 @@ class Slab:
         self.buf = np.frombuffer(mapped, dtype=np.uint8, count=self.capacity_bytes)
         self._epoch = epoch_view(mapped, self.capacity_bytes)
         epoch_view(mapped, self.capacity_bytes + PAGE_BYTES_AT)[0] = page_bytes  # for clients: page_bytes_of()
+        epoch_view(mapped, self.capacity_bytes + MIN_SLOT_BYTES_AT)[0] = min_slot_bytes  # for clients: attach()
         if prefault:
             self.buf[:: 4096] = 0
         self.classes: list[_SizeClass] = []
@@ -277,6 +281,7 @@ class Slab:
         _close_when_unexported(self._shm)
         _owned.pop(self.name, None)
         _attached.pop(self.name, None)
+        _read_only.pop(self.name, None)
         if unlink:
             with contextlib.suppress(FileNotFoundError):
                 self._shm.unlink()
@@ -284,8 +289,9 @@ class Slab:
 
 # --- worker side ----------------------------------------------------------------------------
 
-HEADER_BYTES = 4096  # after the slab pages: the free epoch, then the page size
+HEADER_BYTES = 4096  # after the slab pages: the free epoch, then the page size, then the smallest slot
 PAGE_BYTES_AT = 8  # the slab's page_bytes (u64) in the header page
+MIN_SLOT_BYTES_AT = 16  # the slab's min_slot_bytes (u64) in the header page (0: a sidecar that did not record it)
 
 
 def epoch_view(buf: memoryview | np.ndarray, offset: int) -> np.ndarray:
@@ -309,6 +315,7 @@ def page_bytes_of(segment: str) -> int:
 _attached: dict[str, shared_memory.SharedMemory] = {}
 _owned: dict[str, shared_memory.SharedMemory] = {}  # slabs this process created (an in-process sidecar)
 _arrays: dict[str, np.ndarray] = {}  # each mapping as one uint8 array: clients slice a view per block
+_read_only: dict[str, ReadOnlyMapping] = {}  # the attached mappings kept read-only (kvstore.dram.protect)
 _attach_lock = threading.Lock()
 
 
@@ -359,6 +366,10 @@ gc.callbacks.append(_retry_closing)
 def attach(segment: str) -> np.ndarray:
     """Map the sidecar's slab into this process, once per process.
 
+    A slab another process owns is mapped read-only when every slot of it is whole OS pages
+    (:func:`read_only`): only the slots of this process's allocations are made writable, while
+    they are written (:mod:`kvstore.dram.protect`).
+
     Python 3.11's SharedMemory registers every segment it opens with the resource tracker, which
     unlinks it when this process exits; a worker must never destroy the sidecar's slab, so we
     unregister it again.
@@ -373,8 +384,26 @@ def attach(segment: str) -> np.ndarray:
             _untrack(shm)
             _prefault(shm)
             _attached[segment] = shm
+            _protect(segment, np.frombuffer(_mapping(shm), dtype=np.uint8))
         mem = _arrays[segment] = np.frombuffer(_mapping(shm), dtype=np.uint8)
         return mem
+
+
+def _protect(segment: str, mem: np.ndarray) -> None:
+    """Map a slab another process owns read-only here (:mod:`kvstore.dram.protect`) when every
+    slot of it is whole OS pages; else leave it read-write (loads from it keep hashing)."""
+    header = len(mem) - HEADER_BYTES
+    if header < 0 or not pages_whole(int(epoch_view(mem, header + PAGE_BYTES_AT)[0]),
+                                     int(epoch_view(mem, header + MIN_SLOT_BYTES_AT)[0])):
+        return
+    _read_only[segment] = ReadOnlyMapping(int(mem.__array_interface__["data"][0]), len(mem))
+
+
+def read_only(segment: str) -> ReadOnlyMapping | None:
+    """This process's mapping of ``segment`` when it is kept read-only (:mod:`kvstore.dram.protect`:
+    nothing in this process can write a slot it did not allocate), else None (a slab this process
+    owns, one whose slots are not whole OS pages, or one not attached yet)."""
+    return _read_only.get(segment)
 
 
 def _mapping(shm: shared_memory.SharedMemory) -> memoryview:

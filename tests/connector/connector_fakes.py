@@ -39,7 +39,7 @@ class FakeAllocation:
     bufs: dict[int, np.ndarray] = field(default_factory=dict)
     committed: bool = False
 
-    def writable(self) -> Iterator[tuple[int, np.ndarray]]:
+    def writable(self, cpu: bool = True) -> Iterator[tuple[int, np.ndarray]]:
         for i, k in enumerate(self.keys):
             if (self.ns.root, k) not in self.owner.blocks:
                 self.bufs[i] = np.zeros(self.sizes[i], np.uint8)

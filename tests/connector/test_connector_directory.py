@@ -13,8 +13,8 @@ from connector.core.directory import BlockDirectory, epoch_of
 from connector.core.finders import DirectoryFinder, LeaseFinder
 from connector.core.metadata import Failure, LoadSpec
 from kvstore.client import SlotRef, SyncClient
-from kvstore.dram.slab import attach
 from kvstore.keys import Namespace, prefix_keys
+from tests.support.corrupt import flip
 
 
 def acquires(client: SyncClient) -> int:
@@ -30,9 +30,10 @@ def lookup(client: SyncClient, directory: BlockDirectory) -> LoadSpec:
     return load
 
 
-def load(client: SyncClient, spec: LoadSpec, directory: BlockDirectory) -> tuple[list[np.ndarray], object]:
+def load(client: SyncClient, spec: LoadSpec, directory: BlockDirectory,
+         guard: str = "read_only") -> tuple[list[np.ndarray], object]:
     dst = caches(2)
-    worker = WorkerConnector(client, NS, SPEC, directory=directory)
+    worker = WorkerConnector(client, NS, SPEC, directory=directory, load_guard=guard)
     worker.register_kv_caches(dst)
     [r] = worker.load_now([spec])
     worker.close()  # waits for the touch it queued
@@ -119,8 +120,8 @@ def test_a_corrupted_slot_is_caught_on_the_unleased_path(client) -> None:
     stored(client, directory)
     spec = lookup(client, directory)
     slot = spec.lease.slots[2]
-    attach(slot.segment)[slot.offset + 3] ^= 0xFF
-    _, r = load(client, spec, directory)
+    flip(slot.segment, slot.offset + 3)  # by a process that maps the slab read-write: only a hash sees it
+    _, r = load(client, spec, directory, guard="hash")
     assert (r.loaded, r.failure) == (2, Failure.CHECKSUM)
     assert r.failed_block_ids == spec.block_ids[2:]
 

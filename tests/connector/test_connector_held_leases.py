@@ -14,7 +14,7 @@ from connector.core import SchedulerConnector, WorkerConnector
 from connector.core.finders import LeaseFinder
 from connector.core.metadata import Failure, LoadSpec
 from kvstore.client import SyncClient
-from kvstore.dram.slab import attach
+from tests.support.corrupt import flip
 
 
 def leases(client: SyncClient) -> int:
@@ -77,8 +77,8 @@ def test_bytes_changed_under_a_lease_fail_their_checksum(client) -> None:
             raise AssertionError("checksums never sealed")
         time.sleep(0.01)
     slot = load.lease.slots[3]
-    attach(slot.segment)[slot.offset + 5] ^= 0xFF
-    worker = WorkerConnector(client, NS, SPEC)
+    flip(slot.segment, slot.offset + 5)  # by a process that maps the slab read-write: only a hash sees it
+    worker = WorkerConnector(client, NS, SPEC, load_guard="hash")
     worker.register_kv_caches(caches(2))
     [r] = worker.load_now([load])
     worker.close()

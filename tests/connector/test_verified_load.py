@@ -20,7 +20,7 @@ from connector.core.metadata import Failure, LoadSpec
 from connector.core.ops import load_blocks
 from connector.core.verified import chunks
 from connector.transfer import Completion, NumpyTransfer, PagedKV, bind_caches
-from kvstore.dram.slab import attach
+from tests.support.corrupt import flip
 
 
 def sealed_load(client: Any) -> tuple[list[np.ndarray], list[int], LoadSpec]:
@@ -40,10 +40,11 @@ def sealed_load(client: Any) -> tuple[list[np.ndarray], list[int], LoadSpec]:
 
 
 def scribble(load: LoadSpec, i: int) -> None:
-    """What a buggy process that maps the slab read-write can do to a sealed slot."""
+    """What a buggy process that maps the slab read-write can do to a sealed slot (not through
+    this process's mapping, which is read-only: tests/connector/test_load_guard.py)."""
     assert load.lease is not None
     slot = load.lease.slots[i]
-    attach(slot.segment)[slot.offset + slot.length // 3] ^= 0x5A
+    flip(slot.segment, slot.offset + slot.length // 3, 0x5A)
 
 
 class Recording(NumpyTransfer):
@@ -80,7 +81,7 @@ def test_a_slot_changed_after_it_was_sealed_is_never_copied(client, where: int) 
     before = [layer.copy() for layer in dst]
     kv = bind_caches(SPEC, dst)
     t = Recording()
-    r = load_blocks(client, NS, kv, t, load, verify=True)
+    r = load_blocks(client, NS, kv, t, load, verify=True, guard="hash")
     client.release(load.lease.id)
     assert (r.loaded, r.failure) == (where, Failure.CHECKSUM)
     assert r.failed_block_ids == load.block_ids[where:]
@@ -98,7 +99,7 @@ def test_a_slot_changed_while_the_load_copies_is_never_copied(client) -> None:
     dst = caches(2)
     before = [layer.copy() for layer in dst]
     t = Recording(during_first=lambda: scribble(load, 4))
-    r = load_blocks(client, NS, bind_caches(SPEC, dst), t, load, verify=True)
+    r = load_blocks(client, NS, bind_caches(SPEC, dst), t, load, verify=True, guard="hash")
     client.release(load.lease.id)
     assert (r.loaded, r.failure) == (4, Failure.CHECKSUM)
     assert r.failed_block_ids == load.block_ids[4:]
@@ -112,7 +113,7 @@ def test_an_intact_batch_loads_in_chunks(client) -> None:
     src, ids, load = sealed_load(client)
     dst = caches(2)
     t = Recording()
-    r = load_blocks(client, NS, bind_caches(SPEC, dst), t, load, verify=True)
+    r = load_blocks(client, NS, bind_caches(SPEC, dst), t, load, verify=True, guard="hash")
     client.release(load.lease.id)
     assert r.ok and r.loaded == 6
     assert t.calls == [list(load.block_ids[a:b]) for a, b in chunks(6)]

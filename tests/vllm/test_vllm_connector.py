@@ -76,7 +76,7 @@ def test_corrupted_block_is_recomputed_and_counted(tiny_model: Path, reference, 
     ns = Namespace(**a["connector"]["namespace"])
     with SyncClient(sidecar.grpc) as client:
         corrupt_dram_block(client, ns, prefix_keys(ns, DOC_3)[3])
-    b = instance(tiny_model, kvstore_config(sidecar.grpc, "kv_consumer"),
+    b = instance(tiny_model, kvstore_config(sidecar.grpc, "kv_consumer", load_guard="hash"),  # corrupted elsewhere
                  [{"name": "decode", "prompts": [DOC_3], "max_tokens": NEW}])
     assert outputs(b, "decode") == [reference[tuple(DOC_3)]]
     worker, sched = b["connector"]["worker"], b["connector"]["scheduler"]

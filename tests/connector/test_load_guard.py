@@ -1,0 +1,172 @@
+"""The guard that lets a load skip the hash (``connector/core/guard.py``, ``kvstore/dram/protect.py``):
+a client maps the sidecar's slab read-only, so a stray write of the engine process into a sealed
+slot faults instead of changing it; only its own allocations' slots are writable, until their
+Commit or Abort. Where the slab cannot be kept read-only, loads fall back to hashing and still
+refuse a corrupted slot. Real sidecar processes, real slab, a real fault."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import serve_args
+from paged_cases import NS, PROMPT, SPEC, caches
+from test_connector_held_leases import held_load
+from test_verified_load import sealed_load
+
+from connector.core import WorkerConnector
+from connector.core.guard import in_force, must_hash
+from connector.core.metadata import Failure, SaveSpec
+from connector.core.ops import save_blocks
+from connector.transfer import DONE, Completion, NumpyTransfer
+from connector.vllm.config import Settings
+from kvstore.client import SyncClient
+from kvstore.dram.protect import PAGE, pages_whole, protection, runs
+from kvstore.dram.slab import attach, read_only
+from kvstore.harness.sidecar import REPO, ServeProcess
+from kvstore.keys import prefix_keys
+
+# A process that acquires the sealed block at keys[0] and writes into it through its own mapping
+# of the slab, as a bad pointer of the engine would; it prints "wrote" if the write went through.
+SCRIBBLER = """
+import sys
+from kvstore.client import SyncClient
+from kvstore.dram.slab import attach
+from paged_cases import NS, PROMPT
+from kvstore.keys import prefix_keys
+
+with SyncClient(sys.argv[1]) as c, c.acquire(NS, prefix_keys(NS, PROMPT)[:1]) as lease:
+    slot = lease.slots[0]
+    assert lease.checksums[0], "not sealed"
+    attach(slot.segment)[slot.offset + slot.length // 2] ^= 0xFF
+    print("wrote", flush=True)
+"""
+
+
+def address(slot) -> int:
+    return int(attach(slot.segment).__array_interface__["data"][0]) + slot.offset
+
+
+def test_a_write_into_a_sealed_slot_through_a_clients_mapping_faults(client, sidecar_process) -> None:
+    src, ids, load = sealed_load(client)
+    client.release(load.lease.id)
+    here = Path(__file__).parent
+    p = subprocess.run([sys.executable, "-c", SCRIBBLER, sidecar_process.url], capture_output=True, text=True,
+                       cwd=REPO, env={"PYTHONPATH": f"{REPO}:{here}", "PATH": "/usr/bin:/bin"}, timeout=120,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))  # no core file
+    assert "wrote" not in p.stdout, "the write into a sealed slot went through"
+    assert p.returncode == -signal.SIGSEGV, p.stderr
+    worker = WorkerConnector(client, NS, SPEC, load_guard="hash")  # hash it anyway: byte-exact as sealed
+    dst = caches(2)
+    worker.register_kv_caches(dst)
+    again = held_load(client)
+    [r] = worker.load_now([again])
+    client.release(again.lease.id)
+    worker.close()
+    assert r.ok and r.loaded == 6
+    for layer in range(SPEC.num_layers):
+        np.testing.assert_array_equal(dst[layer][list(again.block_ids)], src[layer][ids])
+
+
+def test_only_an_allocations_own_slots_are_writable_until_it_ends(client) -> None:
+    seg = client.hello().segment
+    attach(seg)
+    assert read_only(seg) is not None and in_force("read_only", seg) == "read_only"
+    assert not must_hash("read_only", [seg]) and must_hash("hash", [seg]) and must_hash("read_only", None)
+    _, _, load = sealed_load(client)
+    sealed = address(load.lease.slots[0])
+    client.release(load.lease.id)
+    for n, end in enumerate(("commit", "abort")):
+        keys = [bytes([n, i]) * 16 for i in range(3)]
+        with client.allocate(NS, keys, [1000] * 3) as alloc:
+            refs = list(alloc.slot_refs().values())
+            assert [protection(address(r))[:2] for r in refs] == ["r-"] * 3  # until this process writes them
+            views = [v for _, v in alloc.writable()]
+            assert [protection(address(r))[:2] for r in refs] == ["rw"] * 3
+            assert protection(sealed)[:2] == "r-"
+            for view in views:
+                view[:] = 7
+            alloc.commit() if end == "commit" else alloc.abort()
+            assert [protection(address(r))[:2] for r in refs] == ["r-"] * 3, end
+
+
+class DeviceLike(NumpyTransfer):
+    """A transfer that pins the slab and writes slots by DMA, as ``CupyTransfer`` does: it records
+    the CPU's permissions on what it registers and on the slots it is given to write, and writes
+    nothing through the CPU (which would fault: a device does not need the CPU's mapping)."""
+
+    pins_host = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str]] = []
+
+    def register(self, host, page_bytes: int = 0) -> None:
+        self.seen.append(("register", protection(int(host.__array_interface__["data"][0]))[:2]))
+
+    def gather(self, kv, block_ids, slots) -> Completion:
+        self.seen += [("gather", protection(int(v.__array_interface__["data"][0]))[:2]) for v in slots]
+        return DONE
+
+
+def test_a_device_save_leaves_the_cpu_mapping_read_only(client) -> None:
+    """Pinning needs the whole slab writable once (lifted for the registration, restored after);
+    a save by a device's DMA never makes the CPU's mapping of its slots writable."""
+    t = DeviceLike()
+    worker = WorkerConnector(client, NS, SPEC, transfer=t)
+    worker.register_kv_caches(caches(1))
+    seg = client.hello().segment
+    assert t.seen == [("register", "rw")]
+    assert protection(int(attach(seg).__array_interface__["data"][0]))[:2] == "r-"
+    r = save_blocks(client, NS, worker.kv, t, SaveSpec("s", tuple(prefix_keys(NS, PROMPT)[:3]), (1, 2, 3)))
+    worker.close()
+    assert r.written == 3 and t.seen[1:] == [("gather", "r-")] * 3
+
+
+def test_runs_cover_whole_pages_and_merge_neighbours() -> None:
+    assert runs([(2 * PAGE, 100), (0, PAGE), (PAGE, PAGE)]) == [(0, 3 * PAGE)]
+    assert runs([(0, 10), (4 * PAGE, PAGE + 1)]) == [(0, PAGE), (4 * PAGE, 6 * PAGE)]
+    assert pages_whole(4 << 20, PAGE) and not pages_whole(4 << 20, PAGE // 2) and not pages_whole(4 << 20, 0)
+
+
+@pytest.fixture
+def small_slots(tmp_path: Path) -> Iterator[SyncClient]:
+    """A sidecar whose smallest slots are half an OS page: two share a page, so its slab cannot
+    be kept read-only slot by slot, and loads from it hash."""
+    sc = ServeProcess(serve_args(tmp_path / "kvstore-data"), env={"KVSTORE_DRAM__MIN_SLOT_BYTES": str(PAGE // 2)})
+    try:
+        with SyncClient(sc.grpc) as c:
+            yield c
+    finally:
+        sc.stop()
+
+
+def test_a_slab_that_cannot_be_kept_read_only_falls_back_to_hashing(small_slots) -> None:
+    client = small_slots
+    seg = client.hello().segment
+    attach(seg)
+    assert read_only(seg) is None and in_force("read_only", seg) == "hash"
+    _, _, load = sealed_load(client)
+    slot = load.lease.slots[2]
+    attach(slot.segment)[slot.offset + 9] ^= 0xFF  # through this process's own (read-write) mapping
+    worker = WorkerConnector(client, NS, SPEC)  # load_guard as shipped
+    worker.register_kv_caches(caches(2))
+    [r] = worker.load_now([load])
+    client.release(load.lease.id)
+    worker.close()
+    assert (r.loaded, r.failure) == (2, Failure.CHECKSUM)
+
+
+def test_the_setting_names_the_guard() -> None:
+    assert Settings().load_guard == "read_only" and Settings().verify_checksums
+    assert Settings.from_extra({"load_guard": "hash"}).load_guard == "hash"
+    with pytest.raises(ValueError, match="load_guard"):
+        Settings.from_extra({"load_guard": "none"})
+    with pytest.raises(Exception, match="load_guard"):
+        WorkerConnector(None, NS, SPEC, load_guard="crc")  # type: ignore[arg-type]
