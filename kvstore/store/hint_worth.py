@@ -40,7 +40,7 @@ from collections.abc import Iterable
 from kvstore.store.index import Block
 
 JUDGED = ("saved", "wanted", "early", "unused", "displaced")  # the blocks judged, by how (/stats)
-PRIOR_PAID_Q, PRIOR_COST_Q = 4, 5  # the priors of paid and cost, in quarters of the bound
+PRIOR_PAID, PRIOR_COST = 2, 4  # the priors of paid and cost, in sixteenths of the bound
 HORIZON = 64  # bounds of evidence (paid + cost) past which both are halved
 RETURNING = 1 << 16  # blocks returned and not yet used or evicted, at most (the oldest forgotten)
 
@@ -85,8 +85,10 @@ class HintWorth:
 
     def unused(self, b: Block) -> None:
         """``b``'s retention ran out or was refused, or ``b`` left the tier, before any use."""
-        if self.marks.pop(b, None) is not None or (not b.tiers and self.returning.pop(b, None) is not None):
+        if self.marks.pop(b, None) is not None:
             self._judge("unused", b.size)
+        elif not b.tiers:
+            self.returning.pop(b, None)  # (came back, maybe elsewhere: not judged)
 
     def used(self, blocks: Iterable[Block], retained: int) -> None:
         """``blocks`` were used here while ``retained`` bytes were retained: saved or early."""
@@ -105,8 +107,7 @@ class HintWorth:
     def evicted(self, b: Block, retained: int) -> None:
         """Unretained ``b`` was evicted while ``retained`` bytes were retained in its tier."""
         self.turnover += b.size
-        if self.returning.pop(b, None) is not None:  # came back, and not here
-            self._judge("unused", b.size)
+        self.returning.pop(b, None)  # (came back, maybe elsewhere: not judged, the docstring)
         if not retained:
             return
         ghost = self.displaced
@@ -160,8 +161,8 @@ class HintWorth:
         if self.paid + self.cost > HORIZON * bound:
             self.paid //= 2
             self.cost //= 2
-        paid, cost = self.paid + bound * PRIOR_PAID_Q // 4, self.cost + bound * PRIOR_COST_Q // 4
-        self.room = max(0, min(bound, 2 * bound * paid // cost - bound))
+        paid, cost = self.paid + bound * PRIOR_PAID // 16, self.cost + bound * PRIOR_COST // 16
+        self.room = max(0, min(bound, bound * (4 * paid - cost) // cost))
 
     @property
     def scale(self) -> float:
