@@ -283,9 +283,9 @@ def test_a_node_whose_retained_turns_come_back_after_the_cache_turned_over_keeps
 def test_a_node_whose_retained_turns_come_back_before_the_cache_turned_over_refuses_the_next_hint() -> None:
     """Each turn of 2 blocks is retained and comes back (a hit, then its hint of 0) after one other
     block was stored: the policy would have kept it anyway, so its room bought nothing (early). The
-    priors weigh an eighth and a quarter of the bound, so the first such return takes the share to
-    nothing and the second turn's hint is refused, counted by turns (before, with priors of the whole
-    bound and 5/4 of it, the second turn still held a block: [2, 1, 0, ...])."""
+    priors weigh 1/64 and 1/32 of the bound, so the first such return takes the share to nothing
+    and the second turn's hint is refused, counted by turns (before, with priors of the whole bound
+    and 5/4 of it, the second turn still held a block: [2, 1, 0, ...])."""
     node = Node(10)
     held = []
     for n in range(4):
