@@ -13,7 +13,7 @@ against one total bound per tier (:class:`HintBudget`), the one place of that de
   ``tenants.retained_fraction`` of it (the rest stays in the policy's own order;
   :meth:`kvstore.config.TenantsConfig.retained_totals`), with ``tenants.retained_adaptive``
   scaled by what this node's hints were worth so far (:class:`~kvstore.store.hint_worth.HintWorth`:
-  the whole share where they paid, none where they cost twice what they paid); a share that
+  the whole share where they paid an eighth of what they cost, none at a sixteenth); a share that
   shrank ends retentions at once (:meth:`HintBudget.trim`);
 * a hint that does not fit is **shortened** to its leading blocks that do (a prefix hit needs the
   leading run, so what lies past a block the cache cannot keep is worth nothing to it), and is

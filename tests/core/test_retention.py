@@ -272,14 +272,16 @@ async def adaptive(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncItera
         yield pair
 
 
-async def test_a_sidecar_whose_retained_turns_come_back_elsewhere_ends_up_refusing_hints(
+async def test_a_sidecar_whose_retained_turns_come_back_elsewhere_keeps_its_share(
     adaptive: tuple[Sidecar, KVStoreClient]
 ) -> None:
     """Each round a turn of 4 blocks is committed retained, its hint of 0 says it came back, but
-    it is never read here, and 16 other blocks push it out: each retention ended unused, so by
-    the third round the sidecar holds not one block of a turn's hint (counted by rounds, not
-    time); /stats says why. With the share fixed (the default, and before tenants.retained_adaptive)
-    every turn's 4 blocks are held."""
+    it is never read here, and 16 other blocks push it out. Where a turn came back the sidecar
+    cannot tell (round-robin routing sends it to another node), so a retention the client ended
+    is judged only by a use here, never as unused: every turn's 4 blocks are held, counted by
+    rounds, not time. (Before, each was judged unused and by the third round the sidecar held
+    not one block of a hint: [4, 1, 1, 0, 0]; over 8 round-robin nodes that took the Mooncake
+    traces from 1.15-1.19x to 1.02-1.06x at 1%, docs/eviction.md.)"""
     _, c = adaptive
     held = []
     for n in range(5):
@@ -288,6 +290,6 @@ async def test_a_sidecar_whose_retained_turns_come_back_elsewhere_ends_up_refusi
         held.append((await c.stats())["retained"]["blocks"])
         assert await c.retain(NS, turn, 0) == 4  # the turn came back (elsewhere)
         await flood(c, 200 + 10 * n, 4)  # 16 blocks: the turn is evicted, never read
-    assert held == [4, 1, 1, 0, 0]  # the whole turn, then the share as the evidence came in
+    assert held == [4, 4, 4, 4, 4]
     worth = (await c.stats())["retained"]["budget"]["worth"]
-    assert worth["unused"] > 0 and worth["saved"] == 0 and worth["scale"] < 0.1
+    assert worth["unused"] == 0 and worth["saved"] == 0 and worth["scale"] == 1.0

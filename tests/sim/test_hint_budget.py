@@ -278,3 +278,23 @@ def test_a_node_whose_retained_turns_come_back_after_the_cache_turned_over_keeps
     assert node.retention.budget is not None
     worth = node.retention.budget.worth
     assert held == [4] * 12 and worth.scale == 1.0 and worth.gains > 0
+
+
+def test_a_node_whose_retained_turns_come_back_before_the_cache_turned_over_refuses_the_next_hint() -> None:
+    """Each turn of 2 blocks is retained and comes back (a hit, then its hint of 0) after one other
+    block was stored: the policy would have kept it anyway, so its room bought nothing (early). The
+    priors weigh 1/64 and 1/32 of the bound, so the first such return takes the share to nothing
+    and the second turn's hint is refused, counted by turns (before, with priors of the whole bound
+    and 5/4 of it, the second turn still held a block: [2, 1, 0, ...])."""
+    node = Node(10)
+    held = []
+    for n in range(4):
+        node.clock.now = 20.0 * n
+        if n:
+            node.serve([*turn(n - 1, 2), f"turn{n - 1}.next".encode()])  # back at once: a hit
+            node.retention.retain(node.index.leading_run(node.ns, turn(n - 1, 2)), 0, 0)
+        held.append(len(node.retention.retain(node.serve(turn(n, 2)), 30_000, 0)))
+        node.serve([f"other{n}".encode()])
+    assert node.retention.budget is not None
+    worth = node.retention.budget.worth
+    assert held == [2, 0, 0, 0] and worth.judged["early"] == 2 and worth.scale == 0.0
