@@ -170,7 +170,7 @@ class SegmentTier(ThreadedTier):
     def locate(self, ref: BlockRef) -> tuple[Path, int, int] | None:
         """Where a block's bytes lie: (segment file, offset, size); None if the tier lacks it."""
         with self._lock:
-            rec = self._rows.get(ref.ns + ref.key)
+            rec = self._rows.get(ref.ns, ref.key)
         if rec is None:
             return None
         seg, offset = self.slots.place(int(rec["cls"]), int(rec["slot"]))
@@ -183,7 +183,8 @@ class SegmentTier(ThreadedTier):
 
     async def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
         with self._lock:
-            return [(r.ns + r.key) in self._rows for r in refs]
+            has = self._rows.has
+            return [has(r.ns, r.key) for r in refs]
 
     async def close(self) -> None:
         self.closed = True
@@ -199,9 +200,9 @@ class SegmentTier(ThreadedTier):
 
         await import_files(self)
         with self._lock:
-            records = self._rows.live()
+            records, keys = self._rows.live_keys()
         for a in range(0, len(records), 4096):
-            for meta in self._metas(records[a : a + 4096]):
+            for meta in self._metas(records[a : a + 4096], keys[a : a + 4096]):
                 yield meta
 
     # ---- blocking work (worker threads) -----------------------------------------------------
@@ -212,22 +213,22 @@ class SegmentTier(ThreadedTier):
         ref = BlockRef(NamespaceRoot(ns_root), BlockKey(bytes(rec["key"])))
         return BlockMeta(ref, parent, int(rec["size"]), int(rec["checksum"]), label, tenant, int(rec["codec"]))
 
-    def _metas(self, records: np.ndarray) -> list[BlockMeta]:
+    def _metas(self, records: np.ndarray, keys: list[bytes]) -> list[BlockMeta]:
+        """The records' metas, ``keys`` their key objects (the index's: one object each, issue 41)."""
         entries = self._ns.entries
-        keys, parents = records["key"].tobytes(), records["parent"].tobytes()
+        parents = records["parent"].tobytes()
         out = []
         columns = (records[f].tolist() for f in ("ns", "flags", "size", "checksum", "codec"))
         for i, (ns, flags, size, csum, codec) in enumerate(zip(*columns)):
             root, label, tenant = entries[ns]
             parent = parents[i * 32 : i * 32 + 32] if flags & HAS_PARENT else b""
-            ref = BlockRef(root, BlockKey(keys[i * 32 : i * 32 + 32]))
+            ref = BlockRef(root, BlockKey(keys[i]))
             out.append(BlockMeta(ref, parent, size, csum, label, tenant, codec))
         return out
 
     def read_one(self, ref: BlockRef, into: memoryview, hashed: bool) -> HashedRead:
-        key = ref.ns + ref.key
         with self._lock:
-            rec = self._rows.get(key)
+            rec = self._rows.get(ref.ns, ref.key)
         if rec is None:
             return None, None
         meta = self._meta(rec)
@@ -237,7 +238,7 @@ class SegmentTier(ThreadedTier):
         if self._files.read(int(rec["cls"]), int(rec["slot"]), view) < meta.size:
             raise ChecksumMismatch(f"ssd slot of {ref.name} is cut short")
         with self._lock:
-            now = self._rows.get(key)
+            now = self._rows.get(ref.ns, ref.key)
         if now is None or int(now["seq"]) != int(rec["seq"]):
             return None, None  # deleted or overwritten while it was read: its slot may hold other bytes
         return meta, checksum(view) if hashed else None
@@ -269,7 +270,7 @@ class SegmentTier(ThreadedTier):
                 self._log.append(records, sync=True)
                 taken = []  # committed: the slots are the blocks' now
                 with self._lock:
-                    old = self._rows.put(records, [m.ref.ns + m.ref.key for m, _ in items])
+                    old = self._rows.put(records, [(m.ref.ns, m.ref.key) for m, _ in items])
                 self.slots.free(old, durable=True)  # the new records are durable: the old slots are free
                 self.slots.settle()
                 self._checkpoint()
@@ -314,7 +315,7 @@ class SegmentTier(ThreadedTier):
         """Tombstones for the blocks the tier holds; their slots free once those are durable."""
         with self._commit:
             with self._lock:
-                gone = self._rows.pop([r.ns + r.key for r in refs])
+                gone = self._rows.pop([(r.ns, r.key) for r in refs])
             if not len(gone):
                 return
             gone["op"] = DEL
