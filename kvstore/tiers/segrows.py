@@ -1,12 +1,13 @@
 """The segment tier's in-memory index: each live block's log record, by (namespace root, key).
 
-The records sit in one numpy array of :data:`~kvstore.tiers.seglog.RECORD` rows (128 bytes a
-block, exactly what the log holds for it), and one dict per namespace root maps a block's 32-byte
-key to its row; a checkpoint writes the live rows as they are. The key objects are the ones the
-tier was given (a put's ``BlockRef.key``: the sidecar's ``Block.key``) or hands out
+The records sit in one numpy array of :data:`ROW` rows: a log record (:data:`~kvstore.tiers.seglog.RECORD`,
+128 bytes) less its key and its reserved bytes, 73 bytes a block. One dict per namespace root maps
+a block's 32-byte key to its row, and a list gives each row's key back: the key objects are the
+ones the tier was given (a put's ``BlockRef.key``: the sidecar's ``Block.key``) or hands out
 (:meth:`Rows.live_keys`, what a restart's scan names), so a block's key is one bytes object in the
-tier and in the sidecar's index (issue 41: 65 bytes a block less, where a 64-byte root + key was
-built for this dict alone). Not thread-safe: the tier holds its lock.
+tier and in the sidecar's index (issue 41: where a 64-byte root + key was built for this dict and
+the key was held a third time in the record). What the rows give out are whole log records again
+(:func:`_records`: a checkpoint writes them as they are). Not thread-safe: the tier holds its lock.
 """
 
 from __future__ import annotations
@@ -18,6 +19,26 @@ from typing import Any
 import numpy as np
 
 from kvstore.tiers.seglog import PUT, RECORD
+
+ROW = np.dtype([(name, RECORD.fields[name][0]) for name in RECORD.names if name not in ("key", "reserved")])
+
+
+def _rows(records: np.ndarray) -> np.ndarray:
+    """Log records as rows (their keys and reserved bytes left out)."""
+    rows = np.empty(len(records), ROW)
+    for name in ROW.names:
+        rows[name] = records[name]
+    return rows
+
+
+def _records(rows: np.ndarray, keys: Sequence[bytes]) -> np.ndarray:
+    """Rows as log records again, ``keys`` their keys."""
+    records = np.zeros(len(rows), RECORD)
+    for name in ROW.names:
+        records[name] = rows[name]
+    if len(keys):
+        records["key"] = np.frombuffer(b"".join(keys), "V32")
+    return records
 
 
 def _keys(records: np.ndarray, roots: Sequence[bytes]) -> list[bytes]:
@@ -48,7 +69,7 @@ class Rows:
     """Live records, by namespace root and key."""
 
     def __init__(self) -> None:
-        self._arr = np.zeros(1024, RECORD)
+        self._arr = np.zeros(1024, ROW)
         self._n = 0  # rows ever used
         self._free: list[int] = []
         self._where: dict[bytes, dict[bytes, int]] = {}  # namespace root -> key -> row
@@ -63,7 +84,7 @@ class Rows:
         return rows is not None and key in rows
 
     def nbytes(self) -> int:
-        """The record array, the dicts, their keys (bytes objects: shared with the sidecar's
+        """The row array, the dicts, their keys (bytes objects: shared with the sidecar's
         index when one reads this tier) and row numbers, and the row -> key list, in bytes."""
         total = int(self._arr.nbytes) + sys.getsizeof(self._keys) + sys.getsizeof(self._where)
         for rows in self._where.values():
@@ -75,13 +96,13 @@ class Rows:
         """A copy of the record of ``key`` in namespace ``root`` (a numpy structured scalar), or None."""
         rows = self._where.get(root)
         i = rows.get(key) if rows is not None else None
-        return None if i is None else self._arr[i].copy()
+        return None if i is None else _records(self._arr[i : i + 1], [key])[0]
 
     def _row(self) -> int:
         if self._free:
             return self._free.pop()
         if self._n == len(self._arr):
-            grown = np.zeros(2 * len(self._arr), RECORD)
+            grown = np.zeros(2 * len(self._arr), ROW)
             grown[: self._n] = self._arr[: self._n]
             self._arr = grown
         self._n += 1
@@ -93,6 +114,7 @@ class Rows:
         """Enter committed records, ``refs`` their (namespace root, key); the (class, slot) of each
         record they replace."""
         old = []
+        records = _rows(records)
         for i, (root, key) in enumerate(refs):
             rows = self._where.get(root)
             if rows is None:
@@ -109,30 +131,31 @@ class Rows:
 
     def pop(self, refs: Sequence[tuple[bytes, bytes]]) -> np.ndarray:
         """Remove the (namespace root, key)s held; their records (copies)."""
-        found = []
+        found, keys = [], []
         for root, key in refs:
             rows = self._where.get(root)
             row = rows.pop(key, None) if rows is not None else None
             if row is None:
                 continue
             found.append(row)
+            keys.append(key)
             self._keys[row] = None
             if not rows:
                 del self._where[root]
         self._count -= len(found)
-        out = self._arr[found].copy()
+        out = _records(self._arr[found], keys)
         self._arr["op"][found] = 0
         self._free.extend(found)
         return out
 
     def live(self) -> np.ndarray:
         """Every live record (a copy), in row order."""
-        arr = self._arr[: self._n]
-        live: np.ndarray = arr[arr["op"] == PUT].copy()
-        return live
+        records, keys = self.live_keys()
+        return _records(records, keys)
 
     def live_keys(self) -> tuple[np.ndarray, list[bytes]]:
-        """:meth:`live`, and each record's key object (the one this index holds), in the same order."""
+        """Every live row (a copy, :data:`ROW`: no key) and its key object (the one this index
+        holds), in row order."""
         arr = self._arr[: self._n]
         rows = np.flatnonzero(arr["op"] == PUT)
         keys = self._keys
@@ -156,8 +179,8 @@ class Rows:
             _, first = np.unique(sid[order], return_index=True)
             live = live[np.sort(order[first])]
         n = len(live)
-        self._arr = np.zeros(max(1024, n + n // 4), RECORD)
-        self._arr[:n] = live
+        self._arr = np.zeros(max(1024, n + n // 4), ROW)
+        self._arr[:n] = _rows(live)
         self._n = n
         self._free = []
         blob = live["key"].tobytes()
