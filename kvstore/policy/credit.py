@@ -6,8 +6,8 @@ A block's priority is ``last use + boost × (uses - 1) × capacity``, with ``use
 largest size seen) is placed one capacity below its last use: a tail is re-keyed by the next turn,
 so it is the first to go.
 
-* **Queues, not one heap.** Blocks with the same credit sit in one LRU queue (an ``OrderedDict`` in
-  last-use order), so each queue's oldest leaf is its lowest priority. A victim is the lowest of the
+* **Queues, not one heap.** Blocks with the same credit sit in one LRU queue (a dict of their
+  last-use ticks: the ticks are the order), so each queue's oldest leaf is its lowest priority. A victim is the lowest of the
   ``classes + 1`` queues' oldest eligible leaves (one queue per use count, one for partial tails). A
   use moves a block to the end of its queue or to the next queue's end. Each queue's leaves that
   are not held are also kept oldest first (:class:`~kvstore.policy.leaves.Leaves`), so a pop does
@@ -26,8 +26,8 @@ so it is the first to go.
 * **Prefix-aware.** A block with resident children is never the victim (its children go first).
   Owners access a request's blocks deepest first, so an ancestor is at least as recent and at
   least as often used as its descendants.
-* **Two entries a block** (issue 41, the compact index): its queue holds its last-use tick as the
-  value (a move between queues always takes a new tick, so an entry of queue ``q``'s leaves is
+* **Two plain dict entries a block** (issue 41, the compact index): its queue holds its last-use
+  tick (a move between queues always takes a new tick, so an entry of queue ``q``'s leaves is
   current while queue ``q`` gives its item that tick), and one dict holds its queue and its use
   count packed in one small int (:meth:`CreditLRUPolicy._pack`).
 
@@ -38,7 +38,7 @@ is not counted as a use (otherwise every new block would start with two uses).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import filterfalse
 from typing import ClassVar
@@ -65,8 +65,8 @@ class CreditLRUPolicy(Holding):
         self.classes = classes
         self.ghost_share = ghost
         self._links = PrefixLinks()
-        # Each queue: item -> tick of its last use (or of the commit's ordering), in that order.
-        self._queues: list[OrderedDict[Item, int]] = [OrderedDict() for _ in range(classes + 1)]
+        # Each queue: item -> tick of its last use (or of the commit's ordering; unique: the order).
+        self._queues: list[dict[Item, int]] = [{} for _ in range(classes + 1)]
         self._unit = classes + 1
         self._queue: dict[Item, int] = {}  # item -> its queue and its uses (capped at ``classes``), packed
         self._leaves = [Leaves() for _ in range(classes + 1)]  # each queue's candidates
@@ -117,9 +117,7 @@ class CreditLRUPolicy(Holding):
         else:
             f = uses = min(uses + 1, self.classes)
         if f == q:
-            queue = self._queues[q]
-            queue[item] = self._tick
-            queue.move_to_end(item)
+            self._queues[q][item] = self._tick
         else:
             del self._queues[q][item]
             self._queues[f][item] = self._tick
@@ -134,7 +132,6 @@ class CreditLRUPolicy(Holding):
             # Hits on blocks that already have full credit (a hot prefix): reorder in C.
             self._batch = False
             last = self._queues[top]
-            deque(map(last.move_to_end, items), maxlen=0)
             t = self._tick
             last.update(zip(items, range(t + 1, t + n + 1), strict=True))
             self._tick = t + n

@@ -55,7 +55,9 @@ class Leaves:
         return len(heap) + len(self.parked) <= 2 * size + 64
 
     def rebuild(self, entries: list[Entry]) -> None:
-        """Replace the entries with ``entries``: the current candidates, in tick order."""
+        """Replace the entries with ``entries``: the current candidates (sorted here by tick, each
+        item's own: the policies keep their ticks in plain dicts, in no order)."""
+        entries.sort(key=_tick)
         self.heap, self.parked = entries, []
 
     def first(self, ticks: Mapping[Item, int], kids: Container[Item], held: Container[Item], eligible: Eligible | None,
