@@ -7,11 +7,12 @@ largest size seen) is placed one capacity below its last use: a tail is re-keyed
 so it is the first to go.
 
 * **Queues, not one heap.** Blocks with the same credit sit in one LRU queue (a dict of their
-  last-use ticks: the ticks are the order), so each queue's oldest leaf is its lowest priority. A victim is the lowest of the
-  ``classes + 1`` queues' oldest eligible leaves (one queue per use count, one for partial tails). A
-  use moves a block to the end of its queue or to the next queue's end. Each queue's leaves that
-  are not held are also kept oldest first (:class:`~kvstore.policy.leaves.Leaves`), so a pop does
-  not walk past blocks with children or blocks being written: O(log n) amortized.
+  last-use ticks: the ticks are the order), so each queue's oldest leaf is its lowest priority. A
+  victim is the lowest of the ``classes + 1`` queues' oldest eligible leaves (one queue per use
+  count, one for partial tails). A use moves a block to the end of its queue (a new tick) or to
+  the next queue's end. Each queue's leaves that are not held are also kept oldest first
+  (:class:`~kvstore.policy.leaves.Leaves`), so a pop does not walk past blocks with children or
+  blocks being written: O(log n) amortized.
 * **Bounded credit.** Uncapped credit (the heap version this replaced allowed 64 uses, i.e. up to
   31 lifetimes) keeps old, often-used steps of an agent loop while the next step needs the newest
   blocks: it lost to LRU on the held-out agentic shape (0.93x at 5%). With 4 classes and boost

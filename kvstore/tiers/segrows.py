@@ -20,13 +20,15 @@ import numpy as np
 
 from kvstore.tiers.seglog import PUT, RECORD
 
-ROW = np.dtype([(name, RECORD.fields[name][0]) for name in RECORD.names if name not in ("key", "reserved")])
+_FIELDS: dict[str, Any] = dict(RECORD.fields or {})
+ROW = np.dtype([(name, _FIELDS[name][0]) for name in _FIELDS if name not in ("key", "reserved")])
+_ROW_FIELDS = [name for name in _FIELDS if name not in ("key", "reserved")]
 
 
 def _rows(records: np.ndarray) -> np.ndarray:
     """Log records as rows (their keys and reserved bytes left out)."""
     rows = np.empty(len(records), ROW)
-    for name in ROW.names:
+    for name in _ROW_FIELDS:
         rows[name] = records[name]
     return rows
 
@@ -34,7 +36,7 @@ def _rows(records: np.ndarray) -> np.ndarray:
 def _records(rows: np.ndarray, keys: Sequence[bytes]) -> np.ndarray:
     """Rows as log records again, ``keys`` their keys."""
     records = np.zeros(len(rows), RECORD)
-    for name in ROW.names:
+    for name in _ROW_FIELDS:
         records[name] = rows[name]
     if len(keys):
         records["key"] = np.frombuffer(b"".join(keys), "V32")
@@ -159,7 +161,7 @@ class Rows:
         arr = self._arr[: self._n]
         rows = np.flatnonzero(arr["op"] == PUT)
         keys = self._keys
-        return arr[rows], [keys[i] for i in rows.tolist()]  # type: ignore[misc]  # live rows have keys
+        return arr[rows], [k for k in map(keys.__getitem__, rows.tolist()) if k is not None]  # (every live row has one)
 
     def restore(self, records: np.ndarray, roots: Sequence[bytes]) -> dict[int, np.ndarray]:
         """Rebuilt from a log's records (in order); the live slots of each size class."""
@@ -168,10 +170,8 @@ class Rows:
             return {}
         keys = _keys(records, roots)
         where = _last_puts(keys, records["op"])
-        if len(where) == len(records):  # each record a live put of its own key (a checkpointed log)
-            live = records
-        else:
-            live = records[np.fromiter(where.values(), np.int64, len(where))]
+        # (each record a live put of its own key: a checkpointed log)
+        live = records if len(where) == len(records) else records[np.fromiter(where.values(), np.int64, len(where))]
         del keys, where
         sid = (live["cls"].astype(np.uint64) << np.uint64(40)) | live["slot"].astype(np.uint64)
         if len(np.unique(sid)) != len(sid):  # two records name one slot: the later one holds it
@@ -184,11 +184,12 @@ class Rows:
         self._n = n
         self._free = []
         blob = live["key"].tobytes()
-        self._keys = [blob[i : i + 32] for i in range(0, n * 32, 32)]
+        keys = [blob[i : i + 32] for i in range(0, n * 32, 32)]
+        self._keys = list(keys)
         self._where = {}
         ns = live["ns"]
         for u in np.unique(ns).tolist():  # (ids of one root, another label: one dict)
             rows = np.flatnonzero(ns == u).tolist()
-            self._where.setdefault(roots[u], {}).update(zip(map(self._keys.__getitem__, rows), rows))
+            self._where.setdefault(roots[u], {}).update(zip(map(keys.__getitem__, rows), rows))
         self._count = n
         return {int(c): live["slot"][live["cls"] == c].astype(np.int64) for c in np.unique(live["cls"])}
