@@ -168,28 +168,42 @@ class Rows:
         records = records[records["ns"] < len(roots)] if len(records) else records
         if not len(records):
             return {}
-        keys = _keys(records, roots)
+        ids = records["ns"]
+        one_root = len({roots[u] for u in np.unique(ids).tolist()}) == 1  # (the common case: one model)
+        if one_root:  # the 32-byte keys kept from here on find each block's last record
+            blob = records["key"].tobytes()
+            keys = [blob[i : i + 32] for i in range(0, len(records) * 32, 32)]
+        else:  # 64-byte root + keys, only to find them
+            keys = _keys(records, roots)
         where = _last_puts(keys, records["op"])
-        # (each record a live put of its own key: a checkpointed log)
-        live = records if len(where) == len(records) else records[np.fromiter(where.values(), np.int64, len(where))]
-        del keys, where
+        checkpointed = len(where) == len(records)  # each record a live put of its own key
+        live = records if checkpointed else records[np.fromiter(where.values(), np.int64, len(where))]
+        kept = list(where)  # live's keys, in its order
+        del keys
         sid = (live["cls"].astype(np.uint64) << np.uint64(40)) | live["slot"].astype(np.uint64)
-        if len(np.unique(sid)) != len(sid):  # two records name one slot: the later one holds it
+        deduped = len(np.unique(sid)) != len(sid)
+        if deduped:  # two records name one slot: the later one holds it
             order = np.argsort(-live["seq"].astype(np.int64), kind="stable")
             _, first = np.unique(sid[order], return_index=True)
-            live = live[np.sort(order[first])]
+            keep = np.sort(order[first])
+            live, kept = live[keep], [kept[i] for i in keep.tolist()]
         n = len(live)
         self._arr = np.zeros(max(1024, n + n // 4), ROW)
         self._arr[:n] = _rows(live)
         self._n = n
         self._free = []
-        blob = live["key"].tobytes()
-        keys = [blob[i : i + 32] for i in range(0, n * 32, 32)]
-        self._keys = list(keys)
-        self._where = {}
-        ns = live["ns"]
-        for u in np.unique(ns).tolist():  # (ids of one root, another label: one dict)
-            rows = np.flatnonzero(ns == u).tolist()
-            self._where.setdefault(roots[u], {}).update(zip(map(keys.__getitem__, rows), rows))
+        if one_root:
+            self._keys = list(kept)
+            rows = where if checkpointed and not deduped else dict(zip(kept, range(n)))
+            self._where = {roots[int(ids[0])]: rows}
+        else:
+            blob = live["key"].tobytes()
+            keys = [blob[i : i + 32] for i in range(0, n * 32, 32)]
+            self._keys = list(keys)
+            self._where = {}
+            ns = live["ns"]
+            for u in np.unique(ns).tolist():  # (ids of one root, another label: one dict)
+                at = np.flatnonzero(ns == u).tolist()
+                self._where.setdefault(roots[u], {}).update(zip(map(keys.__getitem__, at), at))
         self._count = n
         return {int(c): live["slot"][live["cls"] == c].astype(np.int64) for c in np.unique(live["cls"])}
