@@ -25,20 +25,43 @@ ROW = np.dtype([(name, _FIELDS[name][0]) for name in _FIELDS if name not in ("ke
 _ROW_FIELDS = [name for name in _FIELDS if name not in ("key", "reserved")]
 
 
-def _rows(records: np.ndarray) -> np.ndarray:
-    """Log records as rows (their keys and reserved bytes left out)."""
-    rows = np.empty(len(records), ROW)
+def _spans() -> list[tuple[int, int, int]]:
+    """The byte ranges a row copies from a record: (offset in the record, offset in the row, length)."""
+    spans: list[tuple[int, int, int]] = []
+    at = 0
     for name in _ROW_FIELDS:
-        rows[name] = records[name]
+        dtype, offset = _FIELDS[name][0], _FIELDS[name][1]
+        if spans and spans[-1][0] + spans[-1][2] == offset:
+            spans[-1] = (spans[-1][0], spans[-1][1], spans[-1][2] + dtype.itemsize)
+        else:
+            spans.append((offset, at, dtype.itemsize))
+        at += dtype.itemsize
+    return spans
+
+
+_SPANS = _spans()  # (two: the fields before the key, those between it and the reserved bytes)
+
+
+def _rows(records: np.ndarray) -> np.ndarray:
+    """Log records as rows (their keys and reserved bytes left out), copied as bytes."""
+    n = len(records)
+    src = np.ascontiguousarray(records).view(np.uint8).reshape(n, RECORD.itemsize)
+    out = np.empty((n, ROW.itemsize), np.uint8)
+    for at, to, length in _SPANS:
+        out[:, to : to + length] = src[:, at : at + length]
+    rows: np.ndarray = out.view(ROW).reshape(n)
     return rows
 
 
 def _records(rows: np.ndarray, keys: Sequence[bytes]) -> np.ndarray:
-    """Rows as log records again, ``keys`` their keys."""
-    records = np.zeros(len(rows), RECORD)
-    for name in _ROW_FIELDS:
-        records[name] = rows[name]
-    if len(keys):
+    """Rows as log records again, ``keys`` their keys (the reserved bytes zero)."""
+    n = len(rows)
+    src = np.ascontiguousarray(rows).view(np.uint8).reshape(n, ROW.itemsize)
+    out = np.zeros((n, RECORD.itemsize), np.uint8)
+    for at, to, length in _SPANS:
+        out[:, at : at + length] = src[:, to : to + length]
+    records: np.ndarray = out.view(RECORD).reshape(n)
+    if n:
         records["key"] = np.frombuffer(b"".join(keys), "V32")
     return records
 
