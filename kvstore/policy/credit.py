@@ -6,12 +6,13 @@ A block's priority is ``last use + boost × (uses - 1) × capacity``, with ``use
 largest size seen) is placed one capacity below its last use: a tail is re-keyed by the next turn,
 so it is the first to go.
 
-* **Queues, not one heap.** Blocks with the same credit sit in one LRU queue (an ``OrderedDict`` in
-  last-use order), so each queue's oldest leaf is its lowest priority. A victim is the lowest of the
-  ``classes + 1`` queues' oldest eligible leaves (one queue per use count, one for partial tails). A
-  use moves a block to the end of its queue or to the next queue's end. Each queue's leaves that
-  are not held are also kept oldest first (:class:`~kvstore.policy.leaves.Leaves`), so a pop does
-  not walk past blocks with children or blocks being written: O(log n) amortized.
+* **Queues, not one heap.** Blocks with the same credit sit in one LRU queue (a dict of their
+  last-use ticks: the ticks are the order), so each queue's oldest leaf is its lowest priority. A
+  victim is the lowest of the ``classes + 1`` queues' oldest eligible leaves (one queue per use
+  count, one for partial tails). A use moves a block to the end of its queue (a new tick) or to
+  the next queue's end. Each queue's leaves that are not held are also kept oldest first
+  (:class:`~kvstore.policy.leaves.Leaves`), so a pop does not walk past blocks with children or
+  blocks being written: O(log n) amortized.
 * **Bounded credit.** Uncapped credit (the heap version this replaced allowed 64 uses, i.e. up to
   31 lifetimes) keeps old, often-used steps of an agent loop while the next step needs the newest
   blocks: it lost to LRU on the held-out agentic shape (0.93x at 5%). With 4 classes and boost
@@ -26,6 +27,10 @@ so it is the first to go.
 * **Prefix-aware.** A block with resident children is never the victim (its children go first).
   Owners access a request's blocks deepest first, so an ancestor is at least as recent and at
   least as often used as its descendants.
+* **Two plain dict entries a block** (issue 41, the compact index): its queue holds its last-use
+  tick (a move between queues always takes a new tick, so an entry of queue ``q``'s leaves is
+  current while queue ``q`` gives its item that tick), and one dict holds its queue and its use
+  count packed in one small int (:meth:`CreditLRUPolicy._pack`).
 
 The owner's commit inserts new blocks root first and then calls ``access_many`` on them deepest
 first to order them (kvstore/store/block_store.py); that first ``access`` after an ``insert`` only orders, it
@@ -34,7 +39,7 @@ is not counted as a use (otherwise every new block would start with two uses).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import filterfalse
 from typing import ClassVar
@@ -61,12 +66,12 @@ class CreditLRUPolicy(Holding):
         self.classes = classes
         self.ghost_share = ghost
         self._links = PrefixLinks()
-        self._queues: list[OrderedDict[Item, None]] = [OrderedDict() for _ in range(classes + 1)]
-        self._queue: dict[Item, int] = {}  # item -> index of the queue that holds it
+        # Each queue: item -> tick of its last use (or of the commit's ordering; unique: the order).
+        self._queues: list[dict[Item, int]] = [{} for _ in range(classes + 1)]
+        self._unit = classes + 1
+        self._queue: dict[Item, int] = {}  # item -> its queue and its uses (capped at ``classes``), packed
         self._leaves = [Leaves() for _ in range(classes + 1)]  # each queue's candidates
         self._held: set[Item] = set()  # not victims until released (blocks being written)
-        self._freq: dict[Item, int] = {}  # uses, capped at ``classes``
-        self._last: dict[Item, int] = {}  # tick of the last use (or of the commit's ordering)
         self._ghost: OrderedDict[object, int] = OrderedDict()
         self._tick = 0
         self._cap = 0  # the space's capacity, learned: the most blocks held when asked for a victim
@@ -76,6 +81,10 @@ class CreditLRUPolicy(Holding):
         self.band: Callable[[Item], int] | None = None  # the owner's bands (Banded); None: one
         self._bands: dict[Item, int] = {}
         self._banded: dict[int, list[Leaves]] = {}  # band >= 0 -> each queue's leaves in it
+
+    def _pack(self, q: int, f: int) -> int:
+        """Queue ``q`` and ``f`` uses as one int (a small one, shared, for the default classes)."""
+        return q * self._unit + f
 
     def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
         if item in self._queue:
@@ -90,47 +99,41 @@ class CreditLRUPolicy(Holding):
         self._full = max(self._full, size)
         f = min(self._ghost.pop(ghost_key(item), 0) + 1, self.classes)
         q = TAILS if size < self._full else f
-        self._freq[item] = f
         self._tick += 1
-        self._last[item] = self._tick
-        self._queue[item] = q
-        self._queues[q][item] = None
+        self._queue[item] = self._pack(q, f)
+        self._queues[q][item] = self._tick
         if item not in self._held:
             self._leaf(q, self._tick, item)
 
     def access(self, item: Item) -> None:
         self._batch = False
-        q = self._queue.get(item)
-        if q is None:
+        packed = self._queue.get(item)
+        if packed is None:
             return
+        q, uses = divmod(packed, self._unit)
         self._tick += 1
-        self._last[item] = self._tick
         if item in self._fresh:  # the owner's commit ordering a block it just inserted: not a use
             self._fresh.discard(item)
             f = q
         else:
-            f = self._freq[item]
-            if f < self.classes:
-                f += 1
-                self._freq[item] = f
+            f = uses = min(uses + 1, self.classes)
         if f == q:
-            self._queues[q].move_to_end(item)
+            self._queues[q][item] = self._tick
         else:
             del self._queues[q][item]
-            self._queues[f][item] = None
-            self._queue[item] = f
+            self._queues[f][item] = self._tick
+        self._queue[item] = self._pack(f, uses)
         if item not in self._links.kids and item not in self._held:
             self._leaf(f, self._tick, item)
 
     def access_many(self, items: Sequence[Item]) -> None:
         top = self.classes
         n = len(items)
-        if n > 1 and not self._fresh and list(map(self._queue.get, items)).count(top) == n:
+        if n > 1 and not self._fresh and list(map(self._queue.get, items)).count(self._pack(top, top)) == n:
             # Hits on blocks that already have full credit (a hot prefix): reorder in C.
             self._batch = False
-            deque(map(self._queues[top].move_to_end, items), maxlen=0)
+            last = self._queues[top]
             t = self._tick
-            last = self._last
             last.update(zip(items, range(t + 1, t + n + 1), strict=True))
             self._tick = t + n
             held = self._held
@@ -143,16 +146,16 @@ class CreditLRUPolicy(Holding):
             access(item)
 
     def remove(self, item: Item) -> None:
-        q = self._queue.pop(item, None)
-        if q is None:
+        packed = self._queue.pop(item, None)
+        if packed is None:
             return
-        del self._queues[q][item]
-        del self._freq[item], self._last[item]
+        del self._queues[packed // self._unit][item]
         self._fresh.discard(item)
         self._unlink(item)
 
     def _candidate(self, item: Item) -> None:
-        self._leaf(self._queue[item], self._last[item], item)
+        q = self._queue[item] // self._unit
+        self._leaf(q, self._queues[q][item], item)
 
     def _leaf(self, q: int, tick: int, item: Item) -> None:
         """``item`` is a candidate of queue ``q`` as of ``tick`` (its last use), in its band's leaves."""
@@ -165,9 +168,9 @@ class CreditLRUPolicy(Holding):
                 banded = self._banded[b] = [Leaves() for _ in self._leaves]
             leaves = banded[q]
         if not leaves.add(tick, item, len(self._queues[q])):
-            kids, held, last, get = self._links.kids, self._held, self._last, self._bands.get
+            kids, held, get = self._links.kids, self._held, self._bands.get
             leaves.rebuild(
-                [(last[x], x) for x in self._queues[q] if x not in kids and x not in held and get(x, -1) == b]
+                [(t, x) for x, t in self._queues[q].items() if x not in kids and x not in held and get(x, -1) == b]
             )
 
     def pop_victim(self, eligible: Eligible | None = None, band: int | None = None) -> Item | None:
@@ -175,7 +178,7 @@ class CreditLRUPolicy(Holding):
         n = len(self._queue)
         self._cap = max(self._cap, n)
         unit = self.boost * self._cap
-        last, kids, held, bands = self._last, self._links.kids, self._held, self._bands or None
+        queues, kids, held, bands = self._queues, self._links.kids, self._held, self._bands or None
         # Each queue's leaves to search: one band's (``band``), or every band's.
         searched: list[tuple[int, list[Leaves]]]
         if bands is None:
@@ -188,7 +191,7 @@ class CreditLRUPolicy(Holding):
         victim, best = None, 0.0
         for q in range(len(self._leaves)):  # queue by queue: a tie goes to the first queue, as ever
             for b, per_queue in searched:
-                first = per_queue[q].first(last, kids, held, eligible, bands, b)  # its lowest priority
+                first = per_queue[q].first(queues[q], kids, held, eligible, bands, b)  # its lowest priority
                 if first is None:
                     continue
                 tick, item = first
@@ -198,36 +201,36 @@ class CreditLRUPolicy(Holding):
         if victim is None:
             return None
         ghost = self._ghost
-        ghost[ghost_key(victim)] = self._freq[victim]
+        ghost[ghost_key(victim)] = self._queue[victim] % self._unit
         if len(ghost) > self.ghost_share * self._cap:
             ghost.popitem(last=False)
         self.remove(victim)
         return victim
 
     def uses(self, item: Item) -> int:
-        f = self._freq.get(item)
-        return f if f is not None else self._ghost.get(ghost_key(item), 0)
+        packed = self._queue.get(item)
+        return packed % self._unit if packed is not None else self._ghost.get(ghost_key(item), 0)
 
     def ghost_size(self) -> int:
         return int(self.ghost_share * self._cap)
 
     def resume(self, item: Item, uses: int) -> None:
-        q = self._queue.get(item)
-        if q is None:
+        packed = self._queue.get(item)
+        if packed is None:
             return
+        q, had = divmod(packed, self._unit)
         f = min(uses + 1, self.classes)  # as its own ghost would: the count remembered, plus this store
-        if f <= self._freq[item]:
+        if f <= had:
             return
-        self._freq[item] = f
         if q == TAILS:  # a partial tail keeps its place: the next turn re-keys it
+            self._queue[item] = self._pack(q, f)
             return
         # A new tick, as a move between queues must have: the old queue's leaf entry goes stale
         # (kvstore.policy.leaves). It was stored moments ago, so this barely moves its recency.
         self._tick += 1
-        self._last[item] = self._tick
         del self._queues[q][item]
-        self._queues[f][item] = None
-        self._queue[item] = f
+        self._queues[f][item] = self._tick
+        self._queue[item] = self._pack(f, f)
         if item not in self._links.kids and item not in self._held:
             self._leaf(f, self._tick, item)
 

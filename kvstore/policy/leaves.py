@@ -14,7 +14,10 @@ from its front past such blocks made each pop O(n) and an eviction pass O(n²) (
   push per search.
 
 An entry whose item has moved on (a newer tick, a child, a hold, another band, gone) is stale: it is
-dropped when a search reaches it, or by a rebuild once the entries outnumber twice the queue. A pop
+dropped when a search reaches it, or by a rebuild once the entries added since the last rebuild
+outnumber half the queue (issue 41: a prompt's blocks enter as leaves and all but the last soon
+have a child, so most entries of a queue of prompts go stale; this keeps them under half a queue
+beyond its candidates, where twice the queue let a tuple of 64 bytes stay for each block). A pop
 costs O(log n) amortized, plus the blocks ``eligible`` rejects.
 
 **Bands.** The owner of a policy may sort its candidates into bands (``Banded``,
@@ -41,22 +44,26 @@ def _tick(entry: Entry) -> int:
 
 
 class Leaves:
-    __slots__ = ("heap", "parked")
+    __slots__ = ("floor", "heap", "parked")
 
     def __init__(self) -> None:
         self.heap: list[Entry] = []
         self.parked: list[Entry] = []
+        self.floor = 0  # the entries the last rebuild left
 
     def add(self, tick: int, item: Item, size: int) -> bool:
-        """Add a candidate; False when the entries outnumber twice ``size`` (the queue's length)
-        and the owner should :meth:`rebuild` them."""
+        """Add a candidate; False when the entries exceed those the last rebuild left by half
+        ``size`` (the queue's length) and the owner should :meth:`rebuild` them (a rebuild walks
+        the queue: at most one per half a queue of adds)."""
         heap = self.heap
         heappush(heap, (tick, item))
-        return len(heap) + len(self.parked) <= 2 * size + 64
+        return len(heap) + len(self.parked) <= self.floor + size // 2 + 64
 
     def rebuild(self, entries: list[Entry]) -> None:
-        """Replace the entries with ``entries``: the current candidates, in tick order."""
-        self.heap, self.parked = entries, []
+        """Replace the entries with ``entries``: the current candidates (sorted here by tick, each
+        item's own: the policies keep their ticks in plain dicts, in no order)."""
+        entries.sort(key=_tick)
+        self.heap, self.parked, self.floor = entries, [], len(entries)
 
     def first(self, ticks: Mapping[Item, int], kids: Container[Item], held: Container[Item], eligible: Eligible | None,
               bands: Mapping[Item, int] | None = None, band: int = -1) -> Entry | None:

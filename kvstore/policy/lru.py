@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from itertools import filterfalse
 from typing import ClassVar
@@ -17,13 +16,15 @@ class LRUPolicy(Holding):
 
     A block with resident children is skipped (its children go first), so a prefix is trimmed
     from its tail, never cut at its root. The leaves that are not held are also kept oldest first
-    (:class:`~kvstore.policy.leaves.Leaves`), so a pop does not walk past the others.
+    (:class:`~kvstore.policy.leaves.Leaves`), so a pop does not walk past the others. Each block's
+    last-use tick is one plain dict entry (issue 41, the compact index): the ticks are the order,
+    and only a rebuild of the leaves needs them sorted.
     """
 
     name: ClassVar[str] = "lru"
 
     def __init__(self) -> None:
-        self._order: OrderedDict[Item, int] = OrderedDict()  # oldest first -> tick of the last use
+        self._order: dict[Item, int] = {}  # item -> tick of its last use (unique: the order)
         self._links = PrefixLinks()
         self._leaves = Leaves()
         self._held: set[Item] = set()  # not victims until released (blocks being written)
@@ -47,15 +48,12 @@ class LRUPolicy(Holding):
         if item in order:
             self._tick += 1
             order[item] = self._tick
-            order.move_to_end(item)
             if item not in self._links.kids and item not in self._held:
                 self._leaf(self._tick, item)
 
     def access_many(self, items: Sequence[Item]) -> None:
         order = self._order
-        try:
-            deque(map(order.move_to_end, items), maxlen=0)  # the loop runs in C
-        except KeyError:  # one of them is not in this space: take the careful path
+        if not all(map(order.__contains__, items)):  # one of them is not in this space: the careful path
             for item in items:
                 self.access(item)
             return

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.errors import FailedPrecondition, NotFound, shown
 from kvstore.keys import BlockKey, Namespace, NamespaceRoot
 from kvstore.tier_table import BY_NAME, ROWS, TOP_LABEL, TOP_TIER, TierRow
+from kvstore.util.ints import shared
 
 if TYPE_CHECKING:
     from kvstore.dram.slab import Slot
@@ -253,9 +254,12 @@ class Index:
     ) -> Block:
         """Record a block. ``depth`` is its 1-based position in the prompt when the caller knows
         it (the parent may have been evicted); otherwise it is derived from the parent."""
+        parent_block = ns.blocks.get(parent) if parent else None
+        if parent_block is not None:
+            parent = parent_block.key  # the same bytes: one object for both blocks (issue 41)
         if depth is None:
-            parent_block = ns.blocks.get(parent) if parent else None
             depth = parent_block.depth + 1 if parent_block is not None else 1
+        size = shared(size)  # (the few block sizes: one int object each, kvstore.util.ints)
         if not ns.blocks:  # its first block: register it (again, when it was dropped on emptying)
             ns = self.namespaces.setdefault(ns.root, ns)
         block = Block(ns, key, parent, size, depth, state)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 from kvstore.policy.base import Eligible, EvictionPolicy
 from kvstore.store.index import Block, Index
 from kvstore.store.tenants import Quotas
+from kvstore.util.ints import shared
 
 if TYPE_CHECKING:
     from kvstore.store.retention import Retention
@@ -73,7 +74,7 @@ class Space:
         b.tiers |= bit
         self.index.moved(b)
         footprint = self.footprint
-        n = self.sizes[b] = b.size if footprint is None else footprint(b.size, b.ns.label)
+        n = self.sizes[b] = b.size if footprint is None else shared(footprint(b.size, b.ns.label))
         self.used += n
         if self.quotas is not None:
             self.quotas.placed(b, n)

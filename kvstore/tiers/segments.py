@@ -170,7 +170,7 @@ class SegmentTier(ThreadedTier):
     def locate(self, ref: BlockRef) -> tuple[Path, int, int] | None:
         """Where a block's bytes lie: (segment file, offset, size); None if the tier lacks it."""
         with self._lock:
-            rec = self._rows.get(ref.ns + ref.key)
+            rec = self._rows.get(ref.ns, ref.key)
         if rec is None:
             return None
         seg, offset = self.slots.place(int(rec["cls"]), int(rec["slot"]))
@@ -183,7 +183,8 @@ class SegmentTier(ThreadedTier):
 
     async def contains_many(self, refs: Sequence[BlockRef]) -> list[bool]:
         with self._lock:
-            return [(r.ns + r.key) in self._rows for r in refs]
+            has = self._rows.has
+            return [has(r.ns, r.key) for r in refs]
 
     async def close(self) -> None:
         self.closed = True
@@ -206,9 +207,9 @@ class SegmentTier(ThreadedTier):
 
         await import_files(self)
         with self._lock:
-            records = self._rows.live()
+            records, keys = self._rows.live_keys()
         for a in range(0, len(records), 4096):
-            yield self._row_batch(records[a : a + 4096])
+            yield self._row_batch(records[a : a + 4096], keys[a : a + 4096])
 
     # ---- blocking work (worker threads) -----------------------------------------------------
 
@@ -218,9 +219,10 @@ class SegmentTier(ThreadedTier):
         ref = BlockRef(NamespaceRoot(ns_root), BlockKey(bytes(rec["key"])))
         return BlockMeta(ref, parent, int(rec["size"]), int(rec["checksum"]), label, tenant, int(rec["codec"]))
 
-    def _row_batch(self, records: np.ndarray) -> list[Row]:
-        """``records`` as rows, column by column (numpy's ``tolist``; the 32-byte keys and parents
-        as ``bytes`` whole, a void field's ``tolist`` keeps trailing zeros)."""
+    def _row_batch(self, records: np.ndarray, keys: list[bytes]) -> list[Row]:
+        """``records`` as rows, column by column (numpy's ``tolist``; the 32-byte parents as
+        ``bytes`` whole, a void field's ``tolist`` keeps trailing zeros), ``keys`` their key objects
+        (the index's: one object each, issue 41)."""
         entries, n = self._ns.entries, len(records)
         ns = records["ns"]
         if n and (ns == ns[0]).all():  # (one namespace: the usual batch)
@@ -233,14 +235,13 @@ class SegmentTier(ThreadedTier):
         chained = (records["flags"] & HAS_PARENT) != 0
         if not chained.all():
             parents = [p if c else b"" for p, c in zip(parents, chained.tolist())]
-        columns = (records[f].tolist() for f in ("key", "size", "checksum", "codec"))
-        keys, sizes, csums, codecs = columns
+        columns = (records[f].tolist() for f in ("size", "checksum", "codec"))
+        sizes, csums, codecs = columns
         return list(zip(roots, keys, parents, sizes, csums, labels, tenants, codecs))
 
     def read_one(self, ref: BlockRef, into: memoryview, hashed: bool) -> HashedRead:
-        key = ref.ns + ref.key
         with self._lock:
-            rec = self._rows.get(key)
+            rec = self._rows.get(ref.ns, ref.key)
         if rec is None:
             return None, None
         meta = self._meta(rec)
@@ -250,7 +251,7 @@ class SegmentTier(ThreadedTier):
         if self._files.read(int(rec["cls"]), int(rec["slot"]), view) < meta.size:
             raise ChecksumMismatch(f"ssd slot of {ref.name} is cut short")
         with self._lock:
-            now = self._rows.get(key)
+            now = self._rows.get(ref.ns, ref.key)
         if now is None or int(now["seq"]) != int(rec["seq"]):
             return None, None  # deleted or overwritten while it was read: its slot may hold other bytes
         return meta, checksum(view) if hashed else None
@@ -282,7 +283,7 @@ class SegmentTier(ThreadedTier):
                 self._log.append(records, sync=True)
                 taken = []  # committed: the slots are the blocks' now
                 with self._lock:
-                    old = self._rows.put(records, [m.ref.ns + m.ref.key for m, _ in items])
+                    old = self._rows.put(records, [(m.ref.ns, m.ref.key) for m, _ in items])
                 self.slots.free(old, durable=True)  # the new records are durable: the old slots are free
                 self.slots.settle()
                 self._checkpoint()
@@ -327,7 +328,7 @@ class SegmentTier(ThreadedTier):
         """Tombstones for the blocks the tier holds; their slots free once those are durable."""
         with self._commit:
             with self._lock:
-                gone = self._rows.pop([r.ns + r.key for r in refs])
+                gone = self._rows.pop([(r.ns, r.key) for r in refs])
             if not len(gone):
                 return
             gone["op"] = DEL

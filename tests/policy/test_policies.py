@@ -159,7 +159,7 @@ def test_credit_commit_order_is_not_a_use() -> None:
             p.insert(k, parent, i + 1, 512)
             parent = k
         p.access_many(list(reversed(keys)))
-    assert p._freq == {"a1": 1, "a2": 1, "b1": 1, "b2": 1}  # type: ignore[attr-defined]  # credit's, not the Protocol's
+    assert {k: p.uses(k) for k in ("a1", "a2", "b1", "b2")} == {"a1": 1, "a2": 1, "b1": 1, "b2": 1}
     hit(p, ["a1"])
     # a2 is oldest and unused; then the b chain leaf first; a1 was used again and earned credit
     assert drain(p) == ["a2", "b2", "b1", "a1"]

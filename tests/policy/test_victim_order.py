@@ -21,21 +21,21 @@ class ScanCredit(CreditLRUPolicy):
     def pop_victim(self, eligible: Eligible | None = None) -> Item | None:
         n = len(self._queue)
         self._cap = max(self._cap, n)
-        kids, last, held = self._links.kids, self._last, self._held
+        kids, held = self._links.kids, self._held
         unit = self.boost * self._cap
         victim, best = None, 0.0
         for q, queue in enumerate(self._queues):
-            for item in queue:
+            for item in sorted(queue, key=queue.__getitem__):  # (oldest first: by the last use's tick)
                 if item in kids or item in held or (eligible is not None and not eligible(item)):
                     continue
-                pri = last[item] + ((q - 1) * unit if q != TAILS else -self._cap)
+                pri = queue[item] + ((q - 1) * unit if q != TAILS else -self._cap)  # (its last use)
                 if victim is None or pri < best:
                     victim, best = item, pri
                 break
         if victim is None:
             return None
         ghost = self._ghost
-        ghost[victim] = self._freq[victim]
+        ghost[victim] = self.uses(victim)
         if len(ghost) > self.ghost_share * self._cap:
             ghost.popitem(last=False)
         self.remove(victim)
@@ -47,7 +47,7 @@ class ScanLRU(LRUPolicy):
 
     def pop_victim(self, eligible: Eligible | None = None) -> Item | None:
         kids, held = self._links.kids, self._held
-        for item in self._order:
+        for item in sorted(self._order, key=self._order.__getitem__):  # (oldest first)
             if item in kids or item in held or (eligible is not None and not eligible(item)):
                 continue
             self.remove(item)

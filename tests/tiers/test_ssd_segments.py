@@ -229,3 +229,22 @@ async def test_concurrent_puts_and_deletes_keep_the_books(tmp_path: Path, tiers)
     assert {m.ref async for m in again.scan()} == set(live)
     assert await reads_back(again, list(live.values()))
     assert again.used_bytes == len(live) * 8192
+
+
+async def test_a_restart_finds_each_namespace_root_its_own_blocks(tmp_path: Path, tiers):
+    """Two namespace roots holding some of the same keys, some of one root's deleted: a restart
+    (the log's records of two roots, tombstones among them) finds exactly the live blocks, each
+    in its own root (the rows are keyed by root, then key: kvstore/tiers/segrows.py)."""
+    root = tmp_path / "ssd"
+    tier = tiers(root, 1 << 30)
+    a = [make_block(i, 4096, ns=b"A" * 32) for i in range(20)]
+    b = [make_block(i, 4096, ns=b"B" * 32) for i in range(10, 30)]  # keys 10..19 in both roots
+    await tier.put_many(a + b)
+    await tier.delete_many([m.ref for m, _ in a[10:15]])  # A's copies of shared keys: B's stay
+    await tier.close()
+
+    again = tiers(root, 1 << 30)
+    live = a[:10] + a[15:] + b
+    assert {m.ref async for m in again.scan()} == {m.ref for m, _ in live}
+    assert await again.contains_many([m.ref for m, _ in a[10:15]]) == [False] * 5
+    assert await reads_back(again, live)
