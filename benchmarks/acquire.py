@@ -5,7 +5,7 @@ The sidecar runs in its own process (`kvstore serve`) and holds ``--requests`` p
 ``--blocks`` blocks of ``--block-bytes`` each (default: six requests of 25 x 64 KiB, a batch round
 of `kvstore bench vllm`). One *hit* is what a P/D decode instance does per request:
 
-* ``acquire``: the scheduler side's :class:`~connector.core.finders.LeaseFinder` sends the
+* ``acquire``: the scheduler side's :class:`~connector.roles.finders.LeaseFinder` sends the
   ``Acquire`` on its :class:`~kvstore.client.Pipeline` (the sidecar's Unix socket) and reads
   the answer into the lease it hands the worker; then a ``Release`` of that lease on the same
   pipeline. Consecutive hits ask for different requests' blocks (the store counts a run touched
@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import Result, percentile, process_cpu_s, sidecar_process
-from connector.core.finders import LeaseFinder
-from connector.core.pipeline import PipelineSlot
+from connector.roles.finders import LeaseFinder
+from connector.roles.pipeline import PipelineSlot
 from kvstore.client import KVStoreClient, Pipeline, SyncClient, namespace_pb
 from kvstore.config import load_config
 from kvstore.keys import BlockKey, Namespace, prefix_keys

@@ -765,7 +765,7 @@ def _op_publish(st: AgentState, url: str, records: int, rounds: int, size: int) 
     fresh keys, on the directory's own Redis client; the first side alternates."""
     from kvstore.cluster.directory import Directory, Record
     from kvstore.config import ClusterConfig
-    from kvstore.store.index import DRAM
+    from kvstore.store.books.index import DRAM
 
     directory = Directory.from_config(ClusterConfig(directory_url=url, key_prefix="bench-publish"), "bench-node")
     field, root, incarnation = directory.node.encode(), NS.root, time.time_ns() // 1_000_000

@@ -77,7 +77,7 @@ from kvstore.cluster.cluster_key import MAC_BYTES
 from kvstore.cluster.directory import LEAVE, ROOT_BYTES, TAKE, Directory, Record
 from kvstore.config import ClusterConfig
 from kvstore.harness.servers import redis_cluster, redis_server
-from kvstore.store.index import DRAM
+from kvstore.store.books.index import DRAM
 
 PREFIX = "kvstore"  # ClusterConfig.key_prefix's default
 NODE_A, NODE_B = "node-000", "node-001"  # node ids; a real one defaults to the host name (often longer)

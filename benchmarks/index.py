@@ -18,7 +18,7 @@ the same process on the same bytes:
 * ``serve_restart_s``: ``kvstore serve`` started on that directory until its ready line (from then
   on it answers Lookups, a block not loaded yet a miss), minus a start on an empty one (measured
   once per run); ``serve_recovered_s``: until its recovered line (every block loaded into the
-  index, kvstore.tiers.recovery), minus the same; and the sidecar's ``RssAnon`` per block held
+  index, kvstore.movers.recovery), minus the same; and the sidecar's ``RssAnon`` per block held
   then (``serve_rss_per_block_B``; the Python index's memory, issue 41 item 1, not this layout's);
 * ``disk_bytes_per_block``: what the directory takes on the filesystem, against the payload;
 * ``tier_index_bytes_per_block``: the segment tier's own in-memory index (its record array and
@@ -46,7 +46,7 @@ from benchmarks.ssd_layout import disk_bytes
 from kvstore.harness.sidecar import ServeProcess
 from kvstore.keys import BlockKey, Namespace, namespace_root
 from kvstore.tiers.base import BlockMeta, BlockRef
-from kvstore.tiers.segments import SegmentTier
+from kvstore.tiers.segments.tier import SegmentTier
 from kvstore.tiers.ssd import SsdTier
 
 NS = Namespace(model="bench-index", kv_layout="raw", dtype="float16", block_size=16)

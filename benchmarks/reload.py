@@ -7,10 +7,10 @@ the sidecar. Each round reloads them all into the engine's cache through the con
 (``load_blocks``: Acquire, copy into the cache by ``NumpyTransfer``, Release) three ways, each
 first in turn, the same keys into the same engine blocks (the same work and cache state but the
 check): ``verify=True`` under the shipped ``load_guard="read_only"`` (the slab is mapped
-read-only in this process, so nothing is hashed: ``connector/core/guard.py``; the guard in force
+read-only in this process, so nothing is hashed: ``connector/roles/guard.py``; the guard in force
 is in ``notes``), ``verify=True`` under ``load_guard="hash"`` (every slot checked against its
 checksum before it is copied, the hashing overlapped with the copy:
-``connector/core/verified.py``; the check until #39), and ``verify=False``. Each reload is timed
+``connector/roles/verified.py``; the check until #39), and ``verify=False``. Each reload is timed
 on the wall clock and in this process's CPU time (every thread: the copy, the hashing pool,
 gRPC; the sidecar is another process).
 
@@ -45,18 +45,18 @@ from typing import Any
 
 from benchmarks.common import Result, sidecar_process
 from benchmarks.transfer_shapes import SHAPES, spec_of
-from connector.core.guard import in_force
-from connector.core.metadata import LoadSpec, SaveSpec
-from connector.core.ops import load_blocks, save_blocks
-from connector.core.verified import chunks
-from connector.transfer import NumpyTransfer, bind_caches
+from connector.roles.guard import in_force
+from connector.roles.metadata import LoadSpec, SaveSpec
+from connector.roles.ops import load_blocks, save_blocks
+from connector.roles.verified import chunks
+from connector.transfer.engines import NumpyTransfer, bind_caches
+from kvstore.checksum import checksum, start_checksums
 from kvstore.client import SyncClient
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.store.checksum import checksum, start_checksums
 
 MiB = 1 << 20
 UNVERIFIED = "unverified"
-MODES = ["read_only", "hash", UNVERIFIED]  # verify under each load_guard (connector.core.guard), and not at all
+MODES = ["read_only", "hash", UNVERIFIED]  # verify under each load_guard (connector.roles.guard), and not at all
 VERIFIED = MODES[:2]
 WAYS = {"read_only": "verified", "hash": "hashed", UNVERIFIED: "unverified"}  # as the figures name them
 

@@ -82,7 +82,7 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks.common import pages
-from kvstore.store.checksum import checksum
+from kvstore.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef
 from kvstore.util.threads import split
 

@@ -34,7 +34,7 @@ import numpy as np
 from benchmarks.common import Result
 from benchmarks.transfer_host import host_plan
 from benchmarks.transfer_shapes import GPU_BLOCKS, SHAPES, MiB, best_of, random_ids, slab_slots, spec_of
-from connector.transfer import PagedKV, bind_caches, make_transfer
+from connector.transfer.engines import PagedKV, bind_caches, make_transfer
 from kvstore.dram.slab import Slab
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from benchmarks.common import Result
 from benchmarks.transfer_shapes import BLOCK_TOKENS, MiB, best_of, random_ids, slab_slots, spec_of
-from connector.transfer import bind_caches, make_transfer
+from connector.transfer.engines import bind_caches, make_transfer
 from kvstore.dram.slab import Slab
 
 _D2H, _H2D = 2, 1

@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks.common import Result
 from benchmarks.transfer_shapes import GPU_BLOCKS, MiB, best_of, random_ids, spec_of
-from connector.transfer import PagedKV, bind_caches
+from connector.transfer.engines import PagedKV, bind_caches
 from kvstore.dram.slab import Slab
 
 SIZES = (1, 256, 1024, 2048)
@@ -99,7 +99,7 @@ def idle_cupy() -> types.ModuleType:
 @contextmanager
 def _engine(chunk_blocks: int | None = None) -> Iterator[Any]:
     """A ``CupyTransfer`` over :func:`idle_cupy` (cupy is imported when the engine is built)."""
-    module = importlib.import_module("connector.cuda_transfer")
+    module = importlib.import_module("connector.transfer.cuda")
     saved = sys.modules.get("cupy")
     sys.modules["cupy"] = idle_cupy()
     try:
@@ -128,7 +128,7 @@ def host_plan(res: Result, shape: str, blocks: int, rounds: int, memcpy_per_bloc
     (the shape's GPU batch when 0); ``memcpy_per_block``: a memcpy of a block's bytes on this CPU."""
     import torch
 
-    from kvstore.client.wire import mapped_views
+    from kvstore.client.calls import mapped_views
 
     n_gpu = blocks or GPU_BLOCKS[shape]
     sizes = sorted({*(s for s in SIZES if not blocks), n_gpu})
@@ -187,9 +187,9 @@ def _planning(t: Any, kv: PagedKV, slots: Any, ids: Any) -> Callable[[], float]:
     """The engine's planning of a gather, the steps ``CupyTransfer`` takes for it on the host
     before and around its CUDA calls: the ids, the slots' checks and addresses, the schedule
     against the registrations, every DMA's and launch's arguments (``enqueue_steps``)."""
-    from connector.copy_plan import enqueue_steps
-    from connector.cuda_transfer import CHUNK_BLOCKS, STAGE_BYTES
-    from connector.transfer import as_ids, slot_addresses
+    from connector.transfer.cuda import CHUNK_BLOCKS, STAGE_BYTES
+    from connector.transfer.engines import as_ids, slot_addresses
+    from connector.transfer.plan import enqueue_steps
 
     bb = kv.spec.block_bytes
     per_chunk = max(1, min(CHUNK_BLOCKS, STAGE_BYTES // bb))

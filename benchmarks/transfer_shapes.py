@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from connector.layout import KVSpec
+from connector.transfer.layout import KVSpec
 from kvstore.dram.slab import Slab
 
 SHAPES = {  # name -> (layers, kv heads, head size)

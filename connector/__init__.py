@@ -2,10 +2,10 @@
 
 Modules, one concept each:
 
-* :mod:`connector.layout` -- KV layouts (``vllm_cpu``, ``vllm_gpu``, ``hf``) and the slot byte order.
-* :mod:`connector.transfer` -- gather/scatter between paged KV and DRAM slots (numpy; cupy on GPU).
+* :mod:`connector.transfer.layout` -- KV layouts (``vllm_cpu``, ``vllm_gpu``, ``hf``) and the slot byte order.
+* :mod:`connector.transfer.engines` -- gather/scatter between paged KV and DRAM slots (numpy; cupy on GPU).
 * :mod:`connector.cost` -- reload-or-recompute cost model and its calibration.
-* :mod:`connector.core` -- framework-neutral scheduler side and worker side, with the metadata
+* :mod:`connector.roles` -- framework-neutral scheduler side and worker side, with the metadata
   that flows from one to the other each step.
 * :mod:`connector.hf` -- transformers adapter (DynamicCache) and the prefill/decode handoff.
 """

@@ -6,9 +6,9 @@ handoff and multi-turn reuse.
     out = conn.generate(prompt_ids, 20)            # decode worker: load the prefix, compute the
                                                    # rest, decode greedily, store the new blocks
 
-It drives the framework-neutral core: :class:`~connector.core.SchedulerConnector` decides how
+It drives the framework-neutral core: :class:`~connector.roles.SchedulerConnector` decides how
 many leading blocks to load (lookup + cost model); the transfers are
-:func:`~connector.core.load_blocks` / :func:`~connector.core.save_blocks` over the ``hf`` layout,
+:func:`~connector.roles.load_blocks` / :func:`~connector.roles.save_blocks` over the ``hf`` layout,
 reading a ``DynamicCache``'s tensors in place. The engine's "block table" is the identity: block
 ``i`` is tokens ``[i*B, (i+1)*B)``. Anything that goes wrong while loading (sidecar down, block
 gone, checksum mismatch) shortens the loaded prefix; the rest is recomputed, so the output is the
@@ -27,17 +27,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from connector.core.client import ConnectorClient
-from connector.core.counters import ConnectorStats
-from connector.core.guard import checked
-from connector.core.hints import retain_ms
-from connector.core.metadata import LoadResult, SaveResult, SaveSpec
-from connector.core.ops import load_blocks, save_blocks
-from connector.core.report import DecisionReporter, decision_record
-from connector.core.scheduler import SchedulerConnector
 from connector.cost import CostModel, Decision
-from connector.layout import KVSpec
-from connector.transfer import NumpyTransfer, Transfer, bind_caches, make_transfer, register_slab
+from connector.roles.client import ConnectorClient
+from connector.roles.guard import checked
+from connector.roles.hints import retain_ms
+from connector.roles.metadata import LoadResult, SaveResult, SaveSpec
+from connector.roles.ops import load_blocks, save_blocks
+from connector.roles.report import DecisionReporter, decision_record
+from connector.roles.scheduler import SchedulerConnector
+from connector.roles.stats import ConnectorStats
+from connector.transfer.engines import NumpyTransfer, Transfer, bind_caches, make_transfer, register_slab
+from connector.transfer.layout import KVSpec
 from kvstore.keys import Namespace
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class HFConnector:
         self.sched = SchedulerConnector(client, self.ns, self.spec, cost)
         self.transfer = transfer or default_transfer(self.device, client)
         self.verify = verify_checksums
-        self.guard = checked(load_guard)  # how verify_checksums is kept (connector.core.guard)
+        self.guard = checked(load_guard)  # how verify_checksums is kept (connector.roles.guard)
         self.stats = ConnectorStats()
         self.reporter = DecisionReporter(client)
         self._ids = itertools.count()
@@ -184,7 +184,7 @@ class HFConnector:
     def save(self, token_ids: Sequence[int], cache: Any, *, retain_s: float | None = None) -> SaveResult | None:
         """Store the full blocks of ``token_ids`` whose KV is in ``cache`` (sidecar skips known ones).
         ``retain_s``: retain them that long (0: end their retention; None: say nothing;
-        connector/core/hints.py; ValueError naming it when bad)."""
+        connector/roles/hints.py; ValueError naming it when bad)."""
         ms = retain_ms(retain_s, "retain_s")
         kv = cache_tensors(cache)
         held = kv[0][0].shape[2] if kv else 0

@@ -261,7 +261,7 @@ def _per_tier_value(key: str, value: Any, kind: Any) -> Any:
 
 
 class TenantsConfig(_Section):
-    """Tenant quotas (kvstore/store/tenants.py): a tenant is a namespace's cache_salt. Each tier
+    """Tenant quotas (kvstore/store/books/tenants.py): a tenant is a namespace's cache_salt. Each tier
     (a row of kvstore/tier_table.py) has a quota for every tenant (``quota_bytes``) and per-salt
     ones over it (``quotas``; a salt given 0 has none); absent or 0: no quota. A tier's own keys
     say the same: ``<tier>_quota_bytes``, ``<tier>_quotas``, ``<tier>_retained_bytes`` (e.g.
@@ -279,19 +279,19 @@ class TenantsConfig(_Section):
     )
     retained_bytes: dict[str, Bytes] = Field(
         default_factory=dict, description="per tier: every tenant's bound on its retained bytes there (retention "
-        "hints, kvstore/store/retention.py): a hint past it is refused; absent or 0: no bound; "
+        "hints, kvstore/store/books/retention.py): a hint past it is refused; absent or 0: no bound; "
         "<tier>_retained_bytes = N sets one tier's"
     )
     retained_fraction: float = Field(
         RETAINED_FRACTION, ge=0, le=1,
         description="all tenants' retained bytes together in a tier of a known capacity (DRAM, SSD): at most this "
         "share of it (a salt is free, so per-tenant bounds alone let many salts retain the whole cache); a hint "
-        "past it is shortened to its leading blocks that fit, or refused (kvstore/store/hint_budget.py, "
+        "past it is shortened to its leading blocks that fit, or refused (kvstore/store/books/hint_budget.py, "
         "docs/eviction.md); 1: no total bound (hints may hold a whole tier)",
     )
     retained_adaptive: bool = Field(
         RETAINED_ADAPTIVE,
-        description="scale retained_fraction per node by what its hints were worth (kvstore/store/hint_worth.py: "
+        description="scale retained_fraction per node by what its hints were worth (kvstore/store/books/hint_worth.py: "
         "whole while they paid an eighth of what they cost, none at a sixteenth; a retention the client ended is "
         "judged only by a use here); false: the fixed share "
         "(docs/eviction.md, \"Hints the cache can afford\": what each gives, cell by cell)",

@@ -1,7 +1,7 @@
 """The one table of tier facts: a tier is its backend module plus one row here.
 
 Each row says what the rest of kvstore knows of a tier: its name (the config's chain, the stats'
-labels, a tenant quota's key), its placement bit (:attr:`kvstore.store.index.Block.tiers`), its
+labels, a tenant quota's key), its placement bit (:attr:`kvstore.store.books.index.Block.tiers`), its
 value in a Lookup's ``tiers`` bytes (the proto's ``Tier`` enum for the tiers the proto names),
 its backend (``(module, class)``, imported only when the tier is selected: :mod:`kvstore.tiers`),
 whether every node of a cluster reaches it (a shared tier's copy is adopted, not fetched), whether

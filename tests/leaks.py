@@ -99,7 +99,7 @@ SLAB_NAME = re.compile(r"-(\d+)-[0-9a-f]{8}(?:\.sock)?$")  # kvstore.dram.slab.S
 # Threads that kvstore makes once per process and keeps by design (module-level pools, never shut
 # down; their threads are started lazily, up to the pool's size, by whichever test first needs one).
 THREAD_ALLOW: dict[str, str] = {
-    r"kvstore-hash_\d+": "kvstore/store/checksum.py: the process-wide checksum pool (HASH_THREADS), "
+    r"kvstore-hash_\d+": "kvstore/checksum.py: the process-wide checksum pool (HASH_THREADS), "
                          "module-level, so no block hashing waits for a pool to start",
     r"kvstore-copy_\d+": "kvstore/dram/copying.py: the process-wide slot copy pool (COPY_THREADS), "
                          "module-level, shared by every client of every slab in the process",
@@ -397,7 +397,7 @@ def _process_wide() -> Owned:
     * a slab closed while a view of its mapping is still alive (``Slab.close``,
       ``kvstore.dram.slab._close_when_unexported``): its SharedMemory cannot close yet, so it keeps
       its fd (and its mapping's) until the last view is gone and the next garbage collection closes
-      it. Seen when a tier goes down during a test: the warning (kvstore/tiers/movers.py:211 logs the
+      it. Seen when a tier goes down during a test: the warning (kvstore/movers/tiering.py:211 logs the
       exception object as an argument) is kept by pytest's log capture until the test ends, its
       traceback's frames hold slot views, and the in-process sidecar stops while they are alive.
       Allowed by exactly the fds on a slab this process created and has since closed and unlinked

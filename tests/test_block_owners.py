@@ -1,6 +1,6 @@
 """Every field of a block has one owner (issue #40): one room writes it, through the methods named here.
 
-``Block`` (``kvstore/store/index.py``) is the record of one block: its state, where it lies, its
+``Block`` (``kvstore/store/books/index.py``) is the record of one block: its state, where it lies, its
 slot, its pins, its retention. Each transition of it is a method of the room that owns the field
 (the index pins and publishes, the DRAM space binds a slot, a placement space places, the
 retention retains), and every other room calls those methods, never writes the field: so the
@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 
 from kvstore.keys import BlockKey, Namespace
-from kvstore.store.index import Block, Index, State
+from kvstore.store.books.index import Block, Index, State
 from tests.support.source_tree import PACKAGES, parsed_sources, write_tree
 
 ROOT = Path(__file__).resolve().parents[1]
-INDEX = "kvstore/store/index.py"
+INDEX = "kvstore/store/books/index.py"
 
 # field -> (its owner's module, the methods there that write it). A field set only when the block
 # is made (Index.add) lists none.
@@ -46,21 +46,21 @@ OWNERS: dict[str, tuple[str, frozenset[str]]] = {
     "checksum": (INDEX, frozenset({"Block.seal"})),
     "leases": (INDEX, frozenset({"Index.take_lease", "Index.release_lease", "Index.pinned"})),
     "moving": (INDEX, frozenset({"Index.start_moving", "Index.stop_moving"})),
-    "tiers": ("kvstore/store/placement.py", frozenset({"Space.place", "Space.unplace", "placed_nowhere"})),
-    "slot": ("kvstore/store/space.py", frozenset({"DramSpace.bind", "DramSpace.free"})),
+    "tiers": ("kvstore/store/books/placement.py", frozenset({"Space.place", "Space.unplace", "placed_nowhere"})),
+    "slot": ("kvstore/store/books/dram_space.py", frozenset({"DramSpace.bind", "DramSpace.free"})),
     "retain_until": (
-        "kvstore/store/retention.py",
+        "kvstore/store/books/retention.py",
         frozenset({"Retention.retain", "Retention.end", "Retention.adopt", "Retention.inherit", "Retention.recount"}),
     ),
     "retain_priority": (
-        "kvstore/store/retention.py",
+        "kvstore/store/books/retention.py",
         frozenset({"Retention.retain", "Retention.end", "Retention.inherit", "Retention.recount"}),
     ),
 }
 
 # (path, the enclosing function's qualified name, attribute) -> why it is no block's field
 NOT_BLOCKS: dict[tuple[str, str, str], str] = {
-    ("kvstore/client/wire.py", "AllocationState._commit_request", "checksum"): "the client's CommitBlock message",
+    ("kvstore/client/calls.py", "AllocationState._commit_request", "checksum"): "the client's CommitBlock message",
 }
 
 
@@ -266,8 +266,8 @@ def test_the_check_finds_every_kind_of_write(tmp_path: Path) -> None:
     assert block_fields(tmp_path) == {"leases", "slot"}
     found = writes(tmp_path)
     assert [str(w) for w in found] == [
-        "kvstore/store/index.py:6: Block.seal writes .leases",
-        "kvstore/store/index.py:14: Index.take writes .leases",
+        "kvstore/store/books/index.py:6: Block.seal writes .leases",
+        "kvstore/store/books/index.py:14: Index.take writes .leases",
         "kvstore/tiers/sneaky.py:2: f writes .slot",
         "kvstore/tiers/sneaky.py:3: f writes .leases",
         "kvstore/tiers/sneaky.py:4: f writes .slot",

@@ -1,4 +1,4 @@
-"""One place writes a block's checksum (issue #31): ``Block.seal`` in ``kvstore/store/index.py``.
+"""One place writes a block's checksum (issue #31): ``Block.seal`` in ``kvstore/store/books/index.py``.
 
 A block's checksum is recorded once (set while it is None) and never changes; every copy that
 comes back across a tier boundary, from a peer or out of a DRAM slot is judged against it. That
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.keys import BlockKey, Namespace
-from kvstore.store.index import Index, State
+from kvstore.store.books.index import Index, State
 from tests.support.source_tree import PACKAGES, parsed_sources, write_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +27,8 @@ FIELD = "checksum"
 
 # (path, the enclosing function's qualified name) -> why it may write an attribute named checksum
 OWNERS: dict[tuple[str, str], str] = {
-    ("kvstore/store/index.py", "Block.seal"): "the owner: a block's checksum is recorded once",
-    ("kvstore/client/wire.py", "AllocationState._commit_request"): "the client's CommitBlock message: no block's",
+    ("kvstore/store/books/index.py", "Block.seal"): "the owner: a block's checksum is recorded once",
+    ("kvstore/client/calls.py", "AllocationState._commit_request"): "the client's CommitBlock message: no block's",
 }
 
 
@@ -97,7 +97,7 @@ def test_one_place_writes_a_blocks_checksum() -> None:
     found = writes(ROOT)
     extra = unowned(found, OWNERS)
     assert not extra, (
-        "a block's checksum is written only by Block.seal (kvstore/store/index.py), which records it once; "
+        "a block's checksum is written only by Block.seal (kvstore/store/books/index.py), which records it once; "
         "call b.seal(checksum) instead:\n" + "\n".join(extra)
     )
     # exactly one site each: the owner's rule is its one assignment, and no listed owner is stale
@@ -120,7 +120,7 @@ def test_seal_records_a_checksum_once() -> None:
 
 def test_the_check_finds_every_kind_of_write(tmp_path: Path) -> None:
     files = {
-        "kvstore/store/index.py": textwrap.dedent("""\
+        "kvstore/store/books/index.py": textwrap.dedent("""\
             class Block:
                 checksum: int | None = None
 
@@ -153,7 +153,7 @@ def test_the_check_finds_every_kind_of_write(tmp_path: Path) -> None:
 
     found = writes(tmp_path)
     assert [str(w) for w in found] == [
-        "kvstore/store/index.py:6: Block.seal writes .checksum",
+        "kvstore/store/books/index.py:6: Block.seal writes .checksum",
         "kvstore/tiers/sneaky.py:2: f writes .checksum",
         "kvstore/tiers/sneaky.py:3: f writes .checksum",
         "kvstore/tiers/sneaky.py:4: f writes .checksum",
@@ -163,6 +163,6 @@ def test_the_check_finds_every_kind_of_write(tmp_path: Path) -> None:
         "kvstore/tiers/sneaky.py:9: f writes .checksum",
         "kvstore/tiers/sneaky.py:15: C.g writes .checksum",
     ]
-    owners = {("kvstore/store/index.py", "Block.seal"): "the owner"}
+    owners = {("kvstore/store/books/index.py", "Block.seal"): "the owner"}
     assert unowned(found, owners) == [str(w) for w in found[1:]]
     assert unowned(found[:1], owners) == []

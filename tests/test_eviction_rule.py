@@ -1,11 +1,11 @@
 """One eviction decision for the store and ``kvstore replay`` (issue 40, item 3): which block leaves a
 space next is :meth:`Space.victim`, where its bytes go is :func:`next_home`, and the loop of the two
-that brings a space within its capacity is :func:`evictions` (``kvstore/store/placement.py``); the
+that brings a space within its capacity is :func:`evictions` (``kvstore/store/books/placement.py``); the
 store's movers and the replay call them.
 
-Before, the victim pick was written in DRAM's two picks (``store/space.py``), a level's
-(``tiers/eviction.py``) and the replay's own loops (``sim/replay.py``, ``sim/cluster.py``); the
-pass-down rule in ``tiers/demotion.py``, ``tiers/eviction.py`` and the replay's ``_evicted``; the
+Before, the victim pick was written in DRAM's two picks (``store/books/dram_space.py``), a level's
+(``movers/eviction.py``) and the replay's own loops (``sim/replay.py``, ``sim/cluster.py``); the
+pass-down rule in ``movers/demotion.py``, ``movers/eviction.py`` and the replay's ``_evicted``; the
 capacity loop in the level's ``_within_capacity`` and, again, in the replay's ``_allocate``, its
 one-space Allocate and the cluster node's. These tests change the rules and see the store (a real
 in-process sidecar over gRPC, DRAM evicting to a real SSD tier that evicts too) and every replay
@@ -26,29 +26,29 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
+import kvstore.movers.demotion
+import kvstore.movers.eviction
 import kvstore.sim.cluster
 import kvstore.sim.replay
-import kvstore.tiers.demotion
-import kvstore.tiers.eviction
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from kvstore.sim.cluster import replay_cluster
 from kvstore.sim.replay import TierSpec, replay
 from kvstore.sim.traces import multi_turn
-from kvstore.store import placement
-from kvstore.store.index import TierId
-from kvstore.store.placement import Space
+from kvstore.store.books import placement
+from kvstore.store.books.index import TierId
+from kvstore.store.books.placement import Space
 from tests.conftest import small_config
 
 ROOT = Path(__file__).resolve().parents[1] / "kvstore"
 # Where a policy is asked for a victim directly: the policies themselves, the soft pin's rule, the
 # one victim rule, and the cluster policy's own spare-first pick (a policy wrapping a policy).
 ASKS = {"pop_victim", "least"}
-MAY_ASK = {"store/retention.py", "store/placement.py"}
+MAY_ASK = {"store/books/retention.py", "store/books/placement.py"}
 MAY_ASK_IN = {("sim/replay.py", "plain_pop")}
-PASSERS = (kvstore.tiers.demotion, kvstore.tiers.eviction)  # next_home, for a block that leaves outside a capacity loop
-BOUNDERS = (kvstore.tiers.eviction, kvstore.sim.replay, kvstore.sim.cluster)  # evictions: a space within its capacity
+PASSERS = (kvstore.movers.demotion, kvstore.movers.eviction)  # next_home, for a block that leaves outside a capacity loop
+BOUNDERS = (kvstore.movers.eviction, kvstore.sim.replay, kvstore.sim.cluster)  # evictions: a space within its capacity
 SIM = ROOT / "sim"
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
 BLOCK = 8192
@@ -77,7 +77,7 @@ def _asks(path: Path) -> list[str]:
 def test_no_module_picks_a_victim_but_the_rule() -> None:
     """Every victim, the store's and the replay's, is :meth:`Space.victim`'s pick."""
     found = [line for p in sorted(ROOT.rglob("*.py")) for line in _asks(p)]
-    assert not found, "victims picked outside Space.victim (kvstore/store/placement.py):\n" + "\n".join(found)
+    assert not found, "victims picked outside Space.victim (kvstore/store/books/placement.py):\n" + "\n".join(found)
 
 
 def test_store_and_replay_pass_down_by_one_rule() -> None:
@@ -189,8 +189,8 @@ async def test_the_store_runs_the_same_rules(monkeypatch: pytest.MonkeyPatch, tm
             keys = prefix_keys(NS, list(range(r * 100_000, r * 100_000 + 16 * 32)))
             await c.put_blocks(NS, keys, [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in keys])
             await sc.store.tiering.flush()
-    assert victims["kvstore.store.space"] > 0
-    assert homes["kvstore.tiers.demotion"] > 0
-    assert bounds["kvstore.tiers.eviction"] > 0
-    assert victims["kvstore.tiers.eviction"] > 0
-    assert homes["kvstore.tiers.eviction"] > 0
+    assert victims["kvstore.store.books.dram_space"] > 0
+    assert homes["kvstore.movers.demotion"] > 0
+    assert bounds["kvstore.movers.eviction"] > 0
+    assert victims["kvstore.movers.eviction"] > 0
+    assert homes["kvstore.movers.eviction"] > 0

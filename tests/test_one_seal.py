@@ -4,7 +4,7 @@ The commit's check, the sealer, a verified read, the exchange's lend and the mov
 (demotion, write-through, drain) hash through ``sealing.hashed`` / ``sealing.seal``, which judge
 what a moved block's slot held once for all of them. This test reads ``kvstore/`` with ``ast``
 (never importing it) for every module that imports the batch hash
-(``kvstore.store.checksum.checksums``) and holds the list to ``HASHERS``: exact, so a stale entry
+(``kvstore.checksum.checksums``) and holds the list to ``HASHERS``: exact, so a stale entry
 fails too.
 """
 
@@ -31,7 +31,7 @@ def hashers(root: Path) -> set[str]:
         for rel, tree in parsed_sources(root, ("kvstore",))
         for node in ast.walk(tree)
         if isinstance(node, ast.ImportFrom)
-        and node.module == "kvstore.store.checksum"
+        and node.module == "kvstore.checksum"
         and any(a.name == "checksums" for a in node.names)
     }
 
@@ -47,9 +47,9 @@ def test_the_check_finds_a_second_hasher(tmp_path: Path) -> None:
     write_tree(
         tmp_path,
         {
-            "kvstore/store/sealing.py": "from kvstore.store.checksum import checksums\n",
-            "kvstore/tiers/demotion.py": "from kvstore.store.checksum import checksum, checksums\n",
-            "kvstore/store/exchange.py": "from kvstore.store.checksum import checksum\n",  # (one block: not the batch)
+            "kvstore/store/sealing.py": "from kvstore.checksum import checksums\n",
+            "kvstore/movers/demotion.py": "from kvstore.checksum import checksum, checksums\n",
+            "kvstore/store/exchange.py": "from kvstore.checksum import checksum\n",  # (one block: not the batch)
         },
     )
-    assert hashers(tmp_path) == {"kvstore/store/sealing.py", "kvstore/tiers/demotion.py"}
+    assert hashers(tmp_path) == {"kvstore/store/sealing.py", "kvstore/movers/demotion.py"}

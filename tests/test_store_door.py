@@ -28,18 +28,18 @@ CLUSTER = "kvstore/cluster/"
 ALLOWED: dict[tuple[str, str], str] = {
     ("kvstore.store.door", "StoreDoor"): "the door itself",
     ("kvstore.store.exchange", "Reservation"): "what the door's reserve hands out (a fetch's slots, settled)",
-    ("kvstore.store.index", "Block"): "the records the door's lookups and the change feed hand out",
-    ("kvstore.store.index", "NsEntry"): "a namespace's entry, as the door's lookups take and give it",
-    ("kvstore.store.index", "ChangeFeed"): "what the door's subscribe hands out",
-    ("kvstore.store.index", "DRAM"): "a placement bit (a constant)",
-    ("kvstore.store.index", "top_label"): "a label for the logs (a pure function)",
+    ("kvstore.store.books.index", "Block"): "the records the door's lookups and the change feed hand out",
+    ("kvstore.store.books.index", "NsEntry"): "a namespace's entry, as the door's lookups take and give it",
+    ("kvstore.store.books.index", "ChangeFeed"): "what the door's subscribe hands out",
+    ("kvstore.store.books.index", "DRAM"): "a placement bit (a constant)",
+    ("kvstore.store.books.index", "top_label"): "a label for the logs (a pure function)",
     ("kvstore.store.remote", "PeerBlock"): "the Remote Protocol's record of a block a peer holds",
     ("kvstore.store.remote", "MAX_HOLDERS"): "the Remote Protocol's bound (a constant)",
-    ("kvstore.store.counters", "Stats"): "the counters (the door's stats)",
-    ("kvstore.store.latency", "Latencies"): "the latency histograms (the door's stats)",
-    ("kvstore.store.retention", "MAX_RETAIN_MS"): "a retention hint's bound (a constant)",
-    ("kvstore.store.retention", "PRIORITIES"): "a retention hint's priorities (a constant)",
-    ("kvstore.store.checksum", "checksum"): "foundation: the checksum of a block's bytes",
+    ("kvstore.stats.counters", "Stats"): "the counters (the door's stats)",
+    ("kvstore.stats.latency", "Latencies"): "the latency histograms (the door's stats)",
+    ("kvstore.store.books.retention", "MAX_RETAIN_MS"): "a retention hint's bound (a constant)",
+    ("kvstore.store.books.retention", "PRIORITIES"): "a retention hint's priorities (a constant)",
+    ("kvstore.checksum", "checksum"): "foundation: the checksum of a block's bytes",
 }
 FORBIDDEN_NAME = "BlockStore"
 # attributes named after the store's rooms: the door hands out calls, never these
@@ -120,9 +120,9 @@ def test_the_check_finds_every_reach_past_the_door(tmp_path: Path) -> None:
             "kvstore/cluster/sneaky.py": textwrap.dedent("""\
                 from __future__ import annotations
                 from typing import TYPE_CHECKING
-                import kvstore.store.space
+                import kvstore.store.books.dram_space
                 from kvstore.store.door import StoreDoor
-                from kvstore.store.index import Block, Index
+                from kvstore.store.books.index import Block, Index
                 if TYPE_CHECKING:
                     from kvstore.store.block_store import BlockStore
 
@@ -133,17 +133,17 @@ def test_the_check_finds_every_reach_past_the_door(tmp_path: Path) -> None:
                 def g(x: "BlockStore | None") -> None:
                     "BlockStore in a docstring is prose, not a reach."
             """),
-            "kvstore/store/exchange.py": "from kvstore.store.index import Index\n",  # (not the cluster's)
+            "kvstore/store/exchange.py": "from kvstore.store.books.index import Index\n",  # (not the cluster's)
         },
     )
     bad, used = reaches(tmp_path)
     assert [str(r) for r in bad] == [
-        "kvstore/cluster/sneaky.py:3: imports kvstore.store.space",
-        "kvstore/cluster/sneaky.py:5: imports Index from kvstore.store.index",
+        "kvstore/cluster/sneaky.py:3: imports kvstore.store.books.dram_space",
+        "kvstore/cluster/sneaky.py:5: imports Index from kvstore.store.books.index",
         "kvstore/cluster/sneaky.py:7: imports BlockStore from kvstore.store.block_store",
         "kvstore/cluster/sneaky.py:9: names BlockStore",
         "kvstore/cluster/sneaky.py:10: reads .index",
         "kvstore/cluster/sneaky.py:11: reads .slab",
         "kvstore/cluster/sneaky.py:13: names BlockStore in a string annotation",
     ]
-    assert used == {("kvstore.store.door", "StoreDoor"), ("kvstore.store.index", "Block")}
+    assert used == {("kvstore.store.door", "StoreDoor"), ("kvstore.store.books.index", "Block")}

@@ -5,12 +5,12 @@
         kv_role="kv_both",                       # kv_producer: store only; kv_consumer: load only
         kv_connector_extra_config={"url": "grpc://127.0.0.1:50051", "model_id": "tiny-llama"}))
 
-The scheduler role wraps :class:`~connector.core.SchedulerConnector` (one batched Acquire per
-request through :class:`~connector.core.finders.LeaseFinder`, the loads it offers, the saves of
-blocks that became full in a step); the worker role wraps :class:`~connector.core.WorkerConnector`
+The scheduler role wraps :class:`~connector.roles.SchedulerConnector` (one batched Acquire per
+request through :class:`~connector.roles.finders.LeaseFinder`, the loads it offers, the saves of
+blocks that became full in a step); the worker role wraps :class:`~connector.roles.WorkerConnector`
 (copies straight out of the leased shared-memory slots, saves on a thread, per-block load
 failures). The lookup is the only round trip to the sidecar on a request's path, and none at all
-when the engine's :mod:`~connector.core.directory` knows where every block lies at the slab's
+when the engine's :mod:`~connector.roles.block_directory` knows where every block lies at the slab's
 current free epoch (blocks this engine saved or loaded, nothing freed since).
 The package is a facade and the modules behind it: :mod:`~connector.vllm.kv_connector` (the
 class vLLM loads: it only hands each of vLLM's calls to the side of its role),
@@ -50,7 +50,7 @@ the core is only vLLM's call protocol:
 
 * **Retention hints**: a request whose ``kv_transfer_params`` carry ``{"kvstore_retain_s": 60}``
   (an agent's turn that ends in a tool call) has its saves retain its blocks for that long
-  (connector/core/hints.py; the sidecar's soft pin); ``{"kvstore_retain_s": 0}`` on the next turn
+  (connector/roles/hints.py; the sidecar's soft pin); ``{"kvstore_retain_s": 0}`` on the next turn
   ends the retention of the blocks it covers (the tool call returned). A hint that is not a number
   of seconds in 0..86400 is logged, naming the field, and the request is served without it.
 
@@ -64,7 +64,7 @@ the core is only vLLM's call protocol:
   revision). The scheduler finds a block only where every shard has it, in one ``Acquire`` over all shards' keys
   (``AcquireRequest.shards``, each shard leased on its own); each load and save carries every
   shard's keys and lease, and each rank takes its own (:meth:`ConnectorMetadata.shard
-  <connector.core.metadata.ConnectorMetadata.shard>`). A handoff names the prefill's block size
+  <connector.roles.metadata.ConnectorMetadata.shard>`). A handoff names the prefill's block size
   and parallel sizes; a decode instance that differs in one refuses it with an error naming the
   field (``handoff_refused``) and computes the prompt itself.
 * **MLA** (``MLAAttentionSpec``: DeepSeek's latent cache, layout ``vllm_mla``) is the same on every

@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from connector.layout import KVSpec
+from connector.transfer.layout import KVSpec
 from connector.vllm.cache_dtype import cache_dtype_and_scales
 from kvstore.keys import Namespace
 
@@ -112,7 +112,7 @@ def _attention_spec(vllm_config: VllmConfig, attn: Any, layers: list[str], model
     if scales:
         revision = f"{revision}+kv_scales={scales}"  # an fp8 block's bytes mean something only with its scales
     if isinstance(attn, MLAAttentionSpec):
-        layout = "vllm_mla"  # a latent row per token on every backend, no ISA packing (connector/layout.py)
+        layout = "vllm_mla"  # a latent row per token on every backend, no ISA packing (connector/transfer/layout.py)
     elif current_platform.is_cpu():
         layout = "vllm_cpu"
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
@@ -179,7 +179,7 @@ def merged_stats(per_group: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class GroupWorkers:
-    """A worker's :class:`~connector.core.WorkerConnector` per KV-cache group: each moves its
+    """A worker's :class:`~connector.roles.WorkerConnector` per KV-cache group: each moves its
     group's layers and blocks (shard ``first_shard + i`` of every load and save). A windowed
     group loads only the blocks vLLM allocated (the leading null ones are outside its window) and
     saves only those it still holds; after a step in which one saved, the next forward waits for
@@ -220,7 +220,7 @@ class GroupWorkers:
     def save(self, saves: Any, keep: Any) -> set[str]:
         """Start the step's saves in every group (``keep(spec)``: whether to save it); the
         requests handed a save."""
-        from connector.core import ConnectorMetadata
+        from connector.roles import ConnectorMetadata
 
         handed: set[str] = set()
         for i, w in enumerate(self.workers):

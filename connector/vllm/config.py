@@ -8,8 +8,8 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from connector.core.guard import GUARDS
-from connector.layout import KVSpec
+from connector.roles.guard import GUARDS
+from connector.transfer.layout import KVSpec
 from connector.vllm.cache_groups import Group, engine_groups, refuse_draft_layers
 from kvstore.keys import Namespace
 

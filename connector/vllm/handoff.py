@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from connector.core.counters import ConnectorStats
+from connector.roles.stats import ConnectorStats
 from kvstore.keys import Namespace
 
 if TYPE_CHECKING:

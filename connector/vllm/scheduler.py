@@ -1,5 +1,5 @@
 """The connector's scheduler side in vLLM's terms: vLLM's requests and scheduler outputs turned
-into the calls of the core's :class:`~connector.core.SchedulerConnector` (one batched Acquire per
+into the calls of the core's :class:`~connector.roles.SchedulerConnector` (one batched Acquire per
 request, the loads it offers, the saves of blocks that became full in a step).
 
 What it adds to the core is only what vLLM's call protocol asks for: a request's namespace (its
@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from connector.core import ConnectorMetadata, SchedulerConnector
-from connector.core.directory import directory_for
-from connector.core.finders import DirectoryFinder, Finder, LeaseFinder
-from connector.core.hints import retain_ms_of_params
-from connector.core.pipeline import PipelineSlot
+from connector.roles import ConnectorMetadata, SchedulerConnector
+from connector.roles.block_directory import directory_for
+from connector.roles.finders import DirectoryFinder, Finder, LeaseFinder
+from connector.roles.hints import retain_ms_of_params
+from connector.roles.pipeline import PipelineSlot
 from connector.vllm.config import EngineKV, Settings
 from connector.vllm.handoff import Handoffs
 from connector.vllm.request_keys import AdapterHashes, media_extras
@@ -68,7 +68,7 @@ def request_retain_ms(request: Request) -> int | None:
 
 def bypass_reason(request: Request) -> str | None:
     """Why a request's KV cannot be keyed by its token ids and namespace (one of
-    :data:`kvstore.store.counters.BYPASS_REASONS`), or None."""
+    :data:`kvstore.stats.counters.BYPASS_REASONS`), or None."""
     if getattr(request, "prompt_embeds", None) is not None:
         return "prompt_embeds"
     return None

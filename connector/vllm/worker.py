@@ -1,4 +1,4 @@
-"""The connector's worker side in vLLM's terms: one core :class:`~connector.core.WorkerConnector`
+"""The connector's worker side in vLLM's terms: one core :class:`~connector.roles.WorkerConnector`
 per KV-cache group (:class:`~connector.vllm.cache_groups.GroupWorkers`), driven by vLLM's
 worker-side hooks.
 
@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from connector.core import WorkerConnector
-from connector.core.directory import directory_for
-from connector.core.metadata import LoadSpec
-from connector.core.pipeline import PipelineSlot
-from connector.layout import KVSpec
-from connector.transfer import make_transfer
+from connector.roles import WorkerConnector
+from connector.roles.block_directory import directory_for
+from connector.roles.metadata import LoadSpec
+from connector.roles.pipeline import PipelineSlot
+from connector.transfer.engines import make_transfer
+from connector.transfer.layout import KVSpec
 from connector.vllm.cache_groups import GroupWorkers
 from connector.vllm.config import EngineKV, Settings
 from kvstore.client import SyncClient

@@ -26,10 +26,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import Message
 
-from kvstore.client.grpc_channel import DEFAULT_MAX_MESSAGE, AsyncGrpcChannel, Metadata, open_channel
-from kvstore.client.local_channel import open_local_async
-from kvstore.client.pipeline import AsyncPipeline
-from kvstore.client.wire import (
+from kvstore.client.calls import (
     DEFAULT_TIMEOUT_S,
     AllocationState,
     AsyncCall,
@@ -43,6 +40,9 @@ from kvstore.client.wire import (
     acquired_shards,
     as_uint8,
 )
+from kvstore.client.grpc_channel import DEFAULT_MAX_MESSAGE, AsyncGrpcChannel, Metadata, open_channel
+from kvstore.client.local_channel import open_local_async
+from kvstore.client.pipeline import AsyncPipeline
 from kvstore.dram.copying import copy_blocks_async
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace

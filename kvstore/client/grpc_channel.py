@@ -1,7 +1,7 @@
 """The gRPC transport of the clients: the channel for a URL, the bearer token on every call, and
 gRPC errors turned into :mod:`kvstore.errors` exceptions. :class:`GrpcChannel` is the blocking
 transport (gRPC's synchronous stub, on the caller's own thread), :class:`AsyncGrpcChannel` the
-asyncio one; both have the one ``call(name, request, timeout)`` of :mod:`kvstore.client.wire`."""
+asyncio one; both have the one ``call(name, request, timeout)`` of :mod:`kvstore.client.calls`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The client ends of the local socket (wire format: :mod:`kvstore.wire.framing`): a blocking channel
 (one connection per calling thread) and an asyncio one (a connection per call in flight), each a
-transport with the one ``call(name, request, timeout)`` of :mod:`kvstore.client.wire`.
+transport with the one ``call(name, request, timeout)`` of :mod:`kvstore.client.calls`.
 :func:`open_local` and :func:`open_local_async` open one only where the socket answers.
 
 Both ends treat a call alike. A request over the limit the sidecar gave at hello is refused before

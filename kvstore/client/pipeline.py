@@ -29,8 +29,8 @@ from typing import Any
 
 from google.protobuf.message import Message
 
+from kvstore.client.calls import DEFAULT_TIMEOUT_S, AsyncCall, Wire
 from kvstore.client.local_channel import after_failure, connect, within_limit
-from kvstore.client.wire import DEFAULT_TIMEOUT_S, AsyncCall, Wire
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.v1 import kvstore_pb2 as pb
@@ -128,8 +128,8 @@ class Pipeline:
         shards: Sequence[tuple[Namespace, Sequence[bytes]]] = (),
     ) -> Call:
         """Send an ``Acquire`` (packed; over ``shards`` too, when given): its answer (an
-        ``AcquireResponse``, read with :func:`~kvstore.client.wire.acquired` or
-        :func:`~kvstore.client.wire.acquired_shards`) as :meth:`send`'s."""
+        ``AcquireResponse``, read with :func:`~kvstore.client.calls.acquired` or
+        :func:`~kvstore.client.calls.acquired_shards`) as :meth:`send`'s."""
         return self.send("Acquire", self._wire.acquire(ns, keys, lease_ttl_ms, shards=shards), then)
 
     def release(self, lease_id: str, then: Then | None = None) -> Call:

@@ -23,10 +23,7 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import Message
 
-from kvstore.client.grpc_channel import DEFAULT_MAX_MESSAGE, GrpcChannel, open_channel
-from kvstore.client.local_channel import open_local
-from kvstore.client.pipeline import Pipeline, open_pipeline
-from kvstore.client.wire import (
+from kvstore.client.calls import (
     DEFAULT_TIMEOUT_S,
     AllocationState,
     Call,
@@ -40,6 +37,9 @@ from kvstore.client.wire import (
     acquired_shards,
     as_uint8,
 )
+from kvstore.client.grpc_channel import DEFAULT_MAX_MESSAGE, GrpcChannel, open_channel
+from kvstore.client.local_channel import open_local
+from kvstore.client.pipeline import Pipeline, open_pipeline
 from kvstore.dram.copying import copy_blocks
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace

@@ -219,7 +219,7 @@ class Record(NamedTuple):
     holder of every key, and a tuple is made several times faster than a frozen dataclass)."""
 
     incarnation: int  # the holder's start, in ms since the epoch: a later life has a larger one
-    tiers: int  # placement bits on that node (kvstore.store.index: DRAM | SSD | REDIS | S3)
+    tiers: int  # placement bits on that node (kvstore.store.books.index: DRAM | SSD | REDIS | S3)
     size: int
     checksum: int  # 0 while the holder has not sealed it
     retain_until_ms: int = 0  # the release before's trailing field (0: none): read by no node

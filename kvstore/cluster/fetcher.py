@@ -28,9 +28,9 @@ from kvstore.cluster.membership import Membership
 from kvstore.cluster.peer_client import PeerClient
 from kvstore.cluster.publisher import Publisher
 from kvstore.errors import Unavailable, shown
+from kvstore.store.books.index import DRAM, NsEntry, top_label
 from kvstore.store.door import StoreDoor
 from kvstore.store.exchange import Reservation
-from kvstore.store.index import DRAM, NsEntry, top_label
 from kvstore.store.remote import MAX_HOLDERS, PeerBlock
 from kvstore.tier_table import shared_bits
 from kvstore.util.tasks import cancel_and_wait

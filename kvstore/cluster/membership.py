@@ -26,7 +26,7 @@ from kvstore.cluster.sweep import Sweeper
 from kvstore.cluster.unreadable import UnreadableMembers
 from kvstore.config import ClusterConfig
 from kvstore.errors import Unavailable
-from kvstore.store.counters import Stats
+from kvstore.stats.counters import Stats
 from kvstore.util.logs import Once, Throttled
 
 log = logging.getLogger("kvstore.cluster.node")  # (the node's logger: its parts log as the node did)
@@ -44,7 +44,7 @@ class Membership:
         self.incarnation = time.time_ns() // 1_000_000  # ms: each start of a node is a later life
         self.address = ""  # this node's peer address, once its server listens
         self.stats = stats.cluster
-        self.latency = stats.latency  # directory round trips (kvstore/store/latency.py)
+        self.latency = stats.latency  # directory round trips (kvstore/stats/latency.py)
         self.up = False  # the directory answered the last call made to it
         self.closing = False  # the node is leaving: the sweep starts no pass
         self.warn = Throttled(log)  # the node's warnings (a flood of bad input must not flood the log)

@@ -33,8 +33,8 @@ from kvstore.cluster.peer_server import NOTHING_LENT, Lent, PeerServer
 from kvstore.cluster.publisher import PUBLISH_BATCH, Publisher
 from kvstore.config import Config
 from kvstore.errors import Unavailable
+from kvstore.store.books.index import Block, NsEntry
 from kvstore.store.door import StoreDoor
-from kvstore.store.index import Block, NsEntry
 from kvstore.store.remote import PeerBlock
 from kvstore.util.tasks import TaskHealth, cancel_and_wait, every
 

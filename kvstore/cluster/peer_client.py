@@ -24,12 +24,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvstore.checksum import checksum
 from kvstore.cluster import peer_frames, peer_hello
 from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey
 from kvstore.cluster.peer_frames import Frames
 from kvstore.codec import UnknownCodec, codec_of, decode
-from kvstore.store.checksum import checksum
-from kvstore.store.retention import MAX_RETAIN_MS, PRIORITIES
+from kvstore.store.books.retention import MAX_RETAIN_MS, PRIORITIES
 from kvstore.util.address import split_host_port
 from kvstore.wire import peer as w
 

@@ -44,7 +44,7 @@ from kvstore.cluster import peer_frames, peer_hello
 from kvstore.cluster.cluster_key import MAC_BYTES, ClusterKey
 from kvstore.cluster.peer_frames import Frames
 from kvstore.codec import IDENTITY
-from kvstore.store.latency import Latencies
+from kvstore.stats.latency import Latencies
 from kvstore.util.address import split_host_port
 from kvstore.util.backoff import accept_backoff
 from kvstore.util.logs import Throttled
@@ -101,7 +101,7 @@ class PeerServer:
         self.incarnation = incarnation  # this node's incarnation now: the hello proves it too
         self.address = address  # where its member entry says it lives: the hello proves that as well
         self.encrypt = encrypt  # ask for encrypted connections (cluster.peer_encryption; a fetcher may ask too)
-        self.latency = latency if latency is not None else Latencies()  # answers' (kvstore/store/latency.py)
+        self.latency = latency if latency is not None else Latencies()  # answers' (kvstore/stats/latency.py)
         self.send_timeout_s = send_timeout_s
         self.send_stall_s = send_stall_s
         self.request_timeout_s = request_timeout_s

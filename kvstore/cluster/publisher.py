@@ -1,7 +1,7 @@
 """This node's records in the cluster directory: the index's change feed written out in passes.
 
 The index feeds the publisher every block whose visibility or placement changes
-(:meth:`kvstore.store.index.Index.subscribe`); every ``publish_interval_ms`` :meth:`Publisher.flush`
+(:meth:`kvstore.store.books.index.Index.subscribe`); every ``publish_interval_ms`` :meth:`Publisher.flush`
 writes those records to the directory in one pipeline (HSET for a block this node holds, HDEL for
 one it no longer does), deletes the void records met meanwhile (by lookups) and the records of
 blocks peers asked for that this node does not hold. A failed write keeps the changes for the next
@@ -39,8 +39,8 @@ from kvstore.cluster.membership import Membership
 from kvstore.cluster.waiters import PublishWaiters, Where
 from kvstore.errors import Unavailable
 from kvstore.policy.ghost import GhostSpan
+from kvstore.store.books.index import Block, ChangeFeed
 from kvstore.store.door import StoreDoor
-from kvstore.store.index import Block, ChangeFeed
 
 PUBLISH_BATCH = 4096  # directory records in one pipeline
 STALE_MAX = 65536  # void records met and not yet deleted (the publisher's next pass deletes them)

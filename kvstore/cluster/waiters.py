@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Sequence
 
 from kvstore.errors import FailedPrecondition, KVStoreError, Unavailable
-from kvstore.store.index import Block
+from kvstore.store.books.index import Block
 
 Where = tuple[bytes, bytes]  # (namespace root, block key)
 

@@ -178,7 +178,7 @@ def _tier_specs(args: argparse.Namespace, unique: int) -> list[list[TierSpec]]:
     ``--capacity`` (default 5%)."""
     from kvstore.errors import InvalidArgument
     from kvstore.sim.replay import TierSpec
-    from kvstore.store.index import TierId
+    from kvstore.store.books.index import TierId
 
     if not args.tier:
         return [[TierSpec(TierId.DRAM, _blocks(cap, unique))] for cap in args.capacity or [("frac", 0.05)]]

@@ -9,7 +9,7 @@ the slots its own allocations were handed, while they are written (:meth:`ReadOn
 at the Allocate's answer, :meth:`ReadOnlyMapping.close` before the Commit or Abort is sent, so
 never a sealed slot's). A stray write into any other page faults (SIGSEGV) instead of changing a
 block: the process dies, the block stays as the sidecar sealed it. A load may then skip the hash
-(:mod:`connector.core.guard`).
+(:mod:`connector.roles.guard`).
 
 This holds only where every slot is whole OS pages (the slab's smallest slot a multiple of the
 page size): otherwise a slot being written would share a page with a sealed one. A slab that is

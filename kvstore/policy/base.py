@@ -87,7 +87,7 @@ class Banded(Protocol):
     :mod:`kvstore.policy.leaves`): ``band`` gives an item's band (-1: the common one), read as the
     item becomes a candidate; :meth:`rekey` says an item's band may have changed. A search within
     one band never walks past the other bands' candidates: the retention hints keep retained blocks
-    in the bands of their priorities (kvstore/store/retention.py), so choosing a victim among
+    in the bands of their priorities (kvstore/store/books/retention.py), so choosing a victim among
     unretained or retained blocks costs O(log n) however many are retained."""
 
     band: Callable[[Item], int] | None

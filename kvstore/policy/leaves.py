@@ -22,7 +22,7 @@ costs O(log n) amortized, plus the blocks ``eligible`` rejects.
 
 **Bands.** The owner of a policy may sort its candidates into bands (``Banded``,
 :mod:`kvstore.policy.base`): the retention hints put a retained block's entries in the band of its
-priority (kvstore/store/retention.py), so that a search among the unretained blocks never walks
+priority (kvstore/store/books/retention.py), so that a search among the unretained blocks never walks
 past the retained ones, nor one among the retained past the rest. A queue keeps one ``Leaves`` per
 band; an entry is current in its band only while ``bands`` (item -> band, -1 when absent) says so.
 """

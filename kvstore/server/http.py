@@ -28,7 +28,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from kvstore.server.auth import token_matches
 from kvstore.server.local_server import connection_cap
-from kvstore.store.counters import document_json
+from kvstore.stats.counters import document_json
 from kvstore.util.address import split_host_port
 from kvstore.util.logs import Throttled
 
@@ -72,7 +72,7 @@ def build_app(source: HttpSource, paths: Collection[str] | None = None) -> web.A
         return web.Response(text=document_json(source.snapshot()), content_type="application/json")
 
     async def metrics(_: web.Request) -> web.Response:
-        from kvstore.server.metrics import render
+        from kvstore.stats.prometheus import render
 
         body, content_type = render(source.snapshot())
         return web.Response(body=body, headers={"Content-Type": content_type})

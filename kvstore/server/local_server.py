@@ -23,7 +23,7 @@ from kvstore.wire.framing import HELLO_MAX_BYTES, LEN, METHODS, error_frame, fra
 
 if TYPE_CHECKING:
     from kvstore.config import ServerConfig
-    from kvstore.store.counters import Stats
+    from kvstore.stats.counters import Stats
 
 log = logging.getLogger("kvstore.local")
 

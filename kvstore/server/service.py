@@ -28,9 +28,9 @@ from kvstore.dram.slab import Slab, Slot
 from kvstore.errors import MAX_MESSAGE_CHARS, InvalidArgument, KVStoreError, shown
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.routing import prefix_score, rank
+from kvstore.stats.counters import check_decision, document_json
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
-from kvstore.store.counters import check_decision, document_json
-from kvstore.store.index import Block, Lease, NsEntry
+from kvstore.store.books.index import Block, Lease, NsEntry
 from kvstore.store.remote import MAX_HOLDERS, PeerBlock
 from kvstore.tier_table import LOWER, TOP_PROTO, all_bits
 from kvstore.util.logs import Throttled
@@ -125,7 +125,7 @@ def _rpc(method: Handler[Req, Resp]) -> Handler[Req, Resp]:
 
 
 def _slot_pb(slab: Slab, block: Block) -> pb.SlotDescriptor:
-    slot: Slot = block.slot  # type: ignore[assignment]  # Block.slot is typed object (kvstore/store/index.py)
+    slot: Slot = block.slot  # type: ignore[assignment]  # Block.slot is typed object (kvstore/store/books/index.py)
     return pb.SlotDescriptor(segment=slab.name, offset=slot.offset, length=block.size, slot_id=slot.slot_id)
 
 

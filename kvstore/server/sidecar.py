@@ -28,14 +28,14 @@ from grpc_health.v1 import health_pb2
 from kvstore.config import Config
 from kvstore.dram.slab import Slab, unlink_stale
 from kvstore.errors import FailedPrecondition
+from kvstore.movers.tiering import Tiering
 from kvstore.server.local_server import LocalServer
 from kvstore.server.service import SERVICE_NAME, KVStoreServicer, start_grpc
 from kvstore.server.watchdog import ShutdownWatchdog
-from kvstore.store.below import NoMovers
+from kvstore.stats.counters import Stats
 from kvstore.store.block_store import BlockStore
-from kvstore.store.counters import Stats
+from kvstore.store.books.below import NoMovers
 from kvstore.store.remote import NoRemote
-from kvstore.tiers.movers import Tiering
 from kvstore.util.logs import throttle_loop_errors
 from kvstore.util.tasks import TaskHealth, cancel_and_wait, every
 from kvstore.util.tuning import quiet_gc, restore_gc

@@ -62,9 +62,9 @@ from kvstore.sim.belady import HitRates
 from kvstore.sim.hints import Hinting, Hints
 from kvstore.sim.replay import PROGRESS_EVERY, Pop, Progress, ReplaySpace, TierSpec, index_keys, plain_pop
 from kvstore.sim.traces import Request, Trace
-from kvstore.store.index import DRAM, Block, Index, NsEntry, State, TierId
-from kvstore.store.placement import evictions
-from kvstore.store.retention import Retention
+from kvstore.store.books.index import DRAM, Block, Index, NsEntry, State, TierId
+from kvstore.store.books.placement import evictions
+from kvstore.store.books.retention import Retention
 
 MODES = ("isolated", "cluster", "global")
 GHOST_TTL_S: float = ClusterConfig.model_fields["ghost_ttl_s"].default  # the sidecar's default
@@ -276,7 +276,7 @@ class Node:
 
     def allocate(self, n: int) -> int:
         """The store's Allocate: victims popped until ``n`` more blocks fit (or none is left to
-        pop), by the store's capacity rule (:func:`~kvstore.store.placement.evictions`); how many
+        pop), by the store's capacity rule (:func:`~kvstore.store.books.placement.evictions`); how many
         of the ``n`` fit."""
         sp = self.space
 

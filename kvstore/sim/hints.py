@@ -3,7 +3,7 @@
 An agent framework that ends a turn in a tool call knows the conversation will come back with this
 turn's prompt and output as the next prompt's prefix. The replay gives each such request the hint
 the framework would: retain its blocks for SECONDS (default 60) from its end, through the store's
-own soft pin (:class:`~kvstore.store.retention.Retention`).
+own soft pin (:class:`~kvstore.store.books.retention.Retention`).
 
 The rule on a Mooncake trace, whose ``hash_ids`` name the prompt's blocks only (an id names a
 whole prefix, so equal ids at a position mean equal prefixes):
@@ -24,7 +24,7 @@ has no full block retains nothing.
 ``until-continued[:SECONDS]``, a variant: the retention also ends when the continuation is
 served (the framework knows its tool call returned, and the next turn says ``Retain(keys, 0)``
 for the earlier turn's blocks after its save, then retains what it needs with its own hint: the
-connectors' hint of 0, connector/core/hints.py). As the sidecar's ``Retain(keys, 0)`` does, it
+connectors' hint of 0, connector/roles/hints.py). As the sidecar's ``Retain(keys, 0)`` does, it
 ends the retention of every one of those blocks, also where another request's hint extended it (a
 shared system prompt): the sidecar keeps one retention per block, not one per hint. And as that
 call does, it acts on the cache that serves the next turn only: in a cluster replay whose routing
@@ -45,9 +45,9 @@ from dataclasses import dataclass
 from kvstore.config import RETAINED_ADAPTIVE, RETAINED_FRACTION, TenantsConfig
 from kvstore.errors import InvalidArgument
 from kvstore.sim.traces import Request, Trace
-from kvstore.store.hint_budget import HintBudget
-from kvstore.store.index import Block, TierId
-from kvstore.store.retention import Retention
+from kvstore.store.books.hint_budget import HintBudget
+from kvstore.store.books.index import Block, TierId
+from kvstore.store.books.retention import Retention
 
 KINDS = ("continuation", "until-continued", "until-returned")
 ENDS = {"until-continued": "next-turn", "until-returned": "origin"}  # where the retention is ended
@@ -143,7 +143,7 @@ class Hinting:
 
     def __init__(self, trace: Trace, hints: Hints) -> None:
         self.hints = hints
-        self.fraction = hints.retained_fraction  # tenants.retained_fraction (kvstore/store/hint_budget.py)
+        self.fraction = hints.retained_fraction  # tenants.retained_fraction (kvstore/store/books/hint_budget.py)
         self.bt = trace.block_tokens
         links = continued_by(trace)
         self.keep = [n for n, _ in links]

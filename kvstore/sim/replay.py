@@ -21,7 +21,7 @@ For each request, in timestamp order, the replay does what the store does:
    room after each allocation, its new arrivals held (being written). A block that no tier holds
    is dropped from the Index.
 
-Each tier space is the store's own :class:`~kvstore.store.placement.Space` (a
+Each tier space is the store's own :class:`~kvstore.store.books.placement.Space` (a
 :class:`ReplaySpace`): a block enters and leaves it as it enters and leaves the store's DRAM or a
 tier below it (the tier bit, the policy's insert linked to the parent, the index).
 Capacities are block counts per tier space (fixed-size slots: a partial block takes a whole slot).
@@ -42,11 +42,11 @@ from kvstore.policy.base import Eligible, EvictionPolicy
 from kvstore.sim.belady import HitRates
 from kvstore.sim.hints import Hinting, Hints
 from kvstore.sim.traces import Request, Trace
-from kvstore.store.index import Block, Index, State, TierId
-from kvstore.store.placement import Space, evictions
+from kvstore.store.books.index import Block, Index, State, TierId
+from kvstore.store.books.placement import Space, evictions
 
 if TYPE_CHECKING:
-    from kvstore.store.retention import Retention
+    from kvstore.store.books.retention import Retention
 
 PROGRESS_EVERY = 1024  # requests between progress-bar updates
 
@@ -299,13 +299,13 @@ class _OneSpace(_Replay):
 
 
 class ReplaySpace(Space):
-    """A replayed tier space: the store's placement (:class:`~kvstore.store.placement.Space`, a
+    """A replayed tier space: the store's placement (:class:`~kvstore.store.books.placement.Space`, a
     block taking its token count), with a capacity in blocks (``len(sizes)`` counts them) and the
     spaces below it."""
 
     __slots__ = ("below", "capacity", "under")
     policy: EvictionPolicy  # always one here
-    down: ClassVar[bool] = False  # a replayed tier never has an outage (:class:`~kvstore.store.placement.Home`)
+    down: ClassVar[bool] = False  # a replayed tier never has an outage (:class:`~kvstore.store.books.placement.Home`)
 
     def __init__(self, spec: TierSpec, policy: EvictionPolicy, index: Index) -> None:
         super().__init__(int(spec.tier), policy, index)
@@ -333,7 +333,7 @@ def _within(
     arrivals: dict[ReplaySpace, list[Block]],
 ) -> None:
     """``sp`` brought within its capacity with room for ``n`` more by the store's capacity rule
-    (:func:`~kvstore.store.placement.evictions`; ``ok``: which blocks may leave, None: any the
+    (:func:`~kvstore.store.books.placement.evictions`; ``ok``: which blocks may leave, None: any the
     policy offers), each victim passed down (:func:`_evicted`)."""
 
     def over() -> bool:
@@ -388,7 +388,7 @@ def _touch(spaces: Sequence[ReplaySpace], run: Sequence[Block]) -> None:
 class _Tiered(_Replay):
     """Several spaces, top (DRAM) first, inclusive of promoted copies, making the store's calls
     in the store's order (kvstore/store/block_store.py lookup, acquire, allocate, commit;
-    kvstore/tiers/movers.py promote, demotion):
+    kvstore/movers/tiering.py promote, demotion):
 
     1. Lookup: the run touched (``access_many`` deepest first, in each space on what it holds).
     2. Acquire: the run's blocks only below the top are promoted: victims popped for all of them

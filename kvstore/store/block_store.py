@@ -5,8 +5,8 @@ Every public method validates its whole request before it changes anything
 event loop thread; only checksum work (which releases the GIL) is sent to a thread: the DRAM
 copies' checksums, checked at commit, sealed later and checked on a local read, are
 :class:`~kvstore.store.sealing.Sealing`'s. DRAM -- slots, placement, eviction, the policy -- is the
-:class:`~kvstore.store.space.DramSpace`'s; the tiers below DRAM are :attr:`BlockStore.tiering`, the
-movers (:class:`~kvstore.store.below.NoMovers` for a DRAM-only store). The rest of a cluster is
+:class:`~kvstore.store.books.dram_space.DramSpace`'s; the tiers below DRAM are :attr:`BlockStore.tiering`, the
+movers (:class:`~kvstore.store.books.below.NoMovers` for a DRAM-only store). The rest of a cluster is
 :attr:`BlockStore.remote`, which works on this store only through :attr:`BlockStore.exchange`
 (:mod:`kvstore.store.exchange`: a peer fetch's reserved slots, adopted shared-tier blocks, runs lent);
 the reads that reach it (a Lookup continued through it, a run completed from it, the per-node
@@ -35,13 +35,11 @@ from kvstore.errors import (
 from kvstore.keys import Namespace
 from kvstore.policy import make_policy
 from kvstore.policy.base import EvictionPolicy
-from kvstore.store.below import Below, Movers
-from kvstore.store.checks import BlockSpec, Checks, CommitSpec
-from kvstore.store.cluster_reads import ClusterReads
-from kvstore.store.counters import Stats, busiest, folded
-from kvstore.store.exchange import Exchange
-from kvstore.store.hint_budget import HintBudget
-from kvstore.store.index import (
+from kvstore.stats.counters import Stats, busiest, folded
+from kvstore.store.books.below import Below, Movers
+from kvstore.store.books.dram_space import DramSpace
+from kvstore.store.books.hint_budget import HintBudget
+from kvstore.store.books.index import (
     DRAM,
     Allocation,
     Block,
@@ -51,12 +49,14 @@ from kvstore.store.index import (
     State,
     top_label,
 )
-from kvstore.store.placement import placed_nowhere
+from kvstore.store.books.placement import placed_nowhere
+from kvstore.store.books.retention import Retention
+from kvstore.store.books.tenants import Tenants
+from kvstore.store.checks import BlockSpec, Checks, CommitSpec
+from kvstore.store.cluster_reads import ClusterReads
+from kvstore.store.exchange import Exchange
 from kvstore.store.remote import PeerBlock, Remote
-from kvstore.store.retention import Retention
 from kvstore.store.sealing import Sealing
-from kvstore.store.space import DramSpace
-from kvstore.store.tenants import Tenants
 
 __all__ = ["BlockSpec", "BlockStore", "CommitSpec"]  # a request's blocks are defined with their checks
 
@@ -244,7 +244,7 @@ class BlockStore:
         these blocks have finished, how many of them every such tier now holds; else 0. With
         ``wait_published``, once the cluster directory lists them: an error where it did not list
         every one (refused a record, or could not be written to; the blocks stay committed here).
-        With ``retain_ms``, they are retained (kvstore.store.retention); a hint past the tenant's
+        With ``retain_ms``, they are retained (kvstore.store.books.retention); a hint past the tenant's
         bound refuses the commit, the allocation left open."""
         self._closed(alloc_id)
         alloc = self.index.allocation(alloc_id)
@@ -289,7 +289,7 @@ class BlockStore:
             nbytes += b.size
         # Recency deepest first, so that ancestors are at least as recent as their descendants.
         space.policy.access_many([b for b, _ in reversed(chosen)])
-        self.retention.stored(b for b, _ in chosen)  # (what the hints were worth: kvstore/store/hint_worth.py)
+        self.retention.stored(b for b, _ in chosen)  # (what the hints were worth: kvstore/store/books/hint_worth.py)
         self._remember(alloc, "committed")
         self.stats.writes["commits"] += 1
         self.stats.writes["blocks_committed"] += len(chosen)
@@ -384,7 +384,7 @@ class BlockStore:
             else [b for k in dict.fromkeys(keys) if (b := ns.blocks.get(k)) is not None]
         )
         # Keys a restart's recovery has not loaded yet (the whole namespace for all_keys): not
-        # loaded after this either, their copies removed below (kvstore.tiers.recovery).
+        # loaded after this either, their copies removed below (kvstore.movers.recovery).
         unloaded = self.space.movers.forget_unloaded(
             ns.root, None if all_keys else [k for k in dict.fromkeys(keys) if k not in ns.blocks])
         if any(b.moving and not b.leases for b in targets):

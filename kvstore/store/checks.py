@@ -17,7 +17,7 @@ from kvstore.config import Config
 from kvstore.dram.slab import Slab
 from kvstore.errors import InvalidArgument
 from kvstore.keys import KEY_BYTES, BlockKey, check_key
-from kvstore.store.index import Allocation, Block
+from kvstore.store.books.index import Allocation, Block
 
 
 @dataclass(slots=True, frozen=True)

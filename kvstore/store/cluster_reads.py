@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from kvstore.stats.counters import Stats
+from kvstore.store.books.index import Block, Index, Lease, NsEntry, top_label
 from kvstore.store.checks import Checks
-from kvstore.store.counters import Stats
-from kvstore.store.index import Block, Index, Lease, NsEntry, top_label
 from kvstore.store.remote import NoRemote, PeerBlock, Remote
 
 # the store's own lookup: (namespace, keys, lease_ttl_ms) -> (run, placement masks, lease)

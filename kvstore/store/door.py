@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # (types only: the exchange imports nothing of this module)
-    from kvstore.store.counters import Stats
+    from kvstore.stats.counters import Stats
+    from kvstore.store.books.index import Block, ChangeFeed, NsEntry
     from kvstore.store.exchange import Loan, Reservation
-    from kvstore.store.index import Block, ChangeFeed, NsEntry
     from kvstore.store.remote import PeerBlock
 
 

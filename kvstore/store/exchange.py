@@ -3,7 +3,7 @@ blocks lent out to a peer, and the use counts the cluster's ghosts carry.
 
 - **Reserve, then settle** (a peer fetch): :meth:`Exchange.reserve` files the blocks another node
   holds as ALLOCATED, each holding a DRAM slot, in a :class:`Reservation` (an open allocation of
-  the cluster's, which :func:`kvstore.store.audit.audit` knows); the peer data path writes their
+  the cluster's, which :func:`tests.support.audit.audit` knows); the peer data path writes their
   bytes into :meth:`Reservation.views`; :meth:`Reservation.settle` places the leading run that
   arrived intact as replicas (with the checksum they arrived with and what is left of the
   holder's retention, as its answer said) and frees every other slot.
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.keys import BlockKey, NamespaceRoot
-from kvstore.store.index import DRAM, Block, ChangeFeed, Index, NsEntry, State
+from kvstore.store.books.dram_space import DramSpace, Wanted
+from kvstore.store.books.index import DRAM, Block, ChangeFeed, Index, NsEntry, State
+from kvstore.store.books.retention import Retention
 from kvstore.store.remote import PeerBlock
-from kvstore.store.retention import Retention
 from kvstore.store.sealing import in_slots, seal
-from kvstore.store.space import DramSpace, Wanted
 
 
 class Reservation:

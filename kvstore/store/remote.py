@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from kvstore.store.index import Block, NsEntry
+    from kvstore.store.books.index import Block, NsEntry
 
 
 MAX_HOLDERS = 256  # distinct nodes one run through others' blocks goes through: a Lookup answer indexes them

@@ -1,7 +1,7 @@
 """A DRAM copy's checksum: checked against its writer's at commit, computed later for a block
 committed without one (the sealer), checked again on a local read (``dram.verify_local_reads``).
 
-The bytes are hashed on the hash threads (:func:`kvstore.store.checksum.checksums`, which release
+The bytes are hashed on the hash threads (:func:`kvstore.checksum.checksums`, which release
 the GIL), never on the event loop; what is recorded is recorded by :meth:`Block.seal`, once.
 :func:`hashed` is the one hash of blocks' bytes and :func:`seal` the one hash-and-seal: the three
 here, the exchange's lend (a run sealed before it is lent) and a demotion's sealer (from the staging
@@ -14,7 +14,7 @@ The event loop runs while the bytes are hashed: a block nothing pins (the sealer
 lease or allocation ended meanwhile (the reaper), may leave DRAM, its slot be reused by another
 block, and the block come back into another slot or the same one. What was hashed was then not
 (only) its bytes: each judges only the blocks that held their slot throughout
-(:func:`~kvstore.store.space.held`), never records or compares another's bytes as theirs.
+(:func:`~kvstore.store.books.dram_space.held`), never records or compares another's bytes as theirs.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvstore.checksum import checksums
 from kvstore.errors import ChecksumMismatch
-from kvstore.store.checksum import checksums
-from kvstore.store.counters import Stats
-from kvstore.store.index import Block, Index, Lease
-from kvstore.store.space import DramSpace, Tenure, held, tenure
+from kvstore.stats.counters import Stats
+from kvstore.store.books.dram_space import DramSpace, Tenure, held, tenure
+from kvstore.store.books.index import Block, Index, Lease
 
 log = logging.getLogger("kvstore.store.block_store")  # (the store's log: what operators grep for)
 
@@ -44,7 +44,7 @@ async def hashed(
     blocks: Sequence[Block], views: Sequence[Bytes], tenures: Sequence[Tenure] | None = None
 ) -> list[int | None]:
     """The one hash of blocks' bytes: the checksum of each block's bytes in ``views``; None for a
-    block that left its slot while they were hashed (``tenures``: :func:`~kvstore.store.space.held`),
+    block that left its slot while they were hashed (``tenures``: :func:`~kvstore.store.books.dram_space.held`),
     what was hashed there was not (only) its bytes. Without ``tenures`` the bytes are the caller's
     own (a staging copy) and every checksum counts. Nothing to hash: no await."""
     if not blocks:

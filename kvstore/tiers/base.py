@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from kvstore.checksum import checksums
 from kvstore.errors import ChecksumMismatch
 from kvstore.keys import TENANT_TAG_HEX, BlockKey, NamespaceRoot
-from kvstore.store.checksum import checksums
 from kvstore.util.threads import in_threads, split
 
 
@@ -47,7 +47,7 @@ class BlockMeta:
     size: int
     checksum: int  # xxh3_64 of the bytes
     label: str = ""  # namespace label, for stats after a restart (only for reading)
-    tenant: str = ""  # the namespace's tenant tag (kvstore.store.tenants), for its quotas after a restart
+    tenant: str = ""  # the namespace's tenant tag (kvstore.store.books.tenants), for its quotas after a restart
     codec: int = 0  # the codec the stored bytes went through (kvstore.tiers.codec; 0: identity, as stored)
 
 
@@ -181,7 +181,7 @@ def meta_row(m: BlockMeta) -> Row:
 @runtime_checkable
 class ScansRows(Protocol):
     """A :class:`Recoverable` tier that also lists its blocks as batches of :data:`Row`, in
-    ``scan``'s order: what a restart's recovery reads (kvstore.tiers.recovery), without building
+    ``scan``'s order: what a restart's recovery reads (kvstore.movers.recovery), without building
     a ``BlockRef`` and a ``BlockMeta`` per block."""
 
     def scan_rows(self) -> AsyncIterator[list[Row]]: ...
@@ -280,7 +280,7 @@ class ThreadedTier(TierBase):
 
 
 async def with_hashes(metas: Sequence[BlockMeta | None], into: Sequence[memoryview]) -> list[HashedRead]:
-    """Each read block's header with the xxh3_64 of the bytes it filled (:func:`kvstore.store.checksum.checksums`)."""
+    """Each read block's header with the xxh3_64 of the bytes it filled (:func:`kvstore.checksum.checksums`)."""
     read = [(i, v[: m.size]) for i, (v, m) in enumerate(zip(into, metas)) if m is not None]
     sums: list[int | None] = [None] * len(metas)
     for (i, _), c in zip(read, await checksums([v for _, v in read])):

@@ -1,5 +1,5 @@
 """The file I/O both SSD layouts share (:mod:`kvstore.tiers.ssd`, one file per block;
-:mod:`kvstore.tiers.segments`, segment files): whether the file system takes O_DIRECT (asked
+:mod:`kvstore.tiers.segments.tier`, segment files): whether the file system takes O_DIRECT (asked
 once at start; buffered I/O where it is refused: tmpfs, some overlay file systems) and its
 alignment, a write that finishes short writes, a directory's fsync, and each I/O thread's own
 page-aligned staging buffer.

@@ -46,6 +46,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from kvstore.checksum import checksum
 from kvstore.config import REDIS_CHUNK_BYTES, REDIS_PIPELINES, TIER_IN_FLIGHT, RedisConfig
 from kvstore.errors import (
     ChecksumMismatch,
@@ -53,7 +54,6 @@ from kvstore.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvstore.store.checksum import checksum
 from kvstore.tiers.base import (
     BlockMeta,
     BlockRef,

@@ -47,9 +47,9 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.checksum import checksum
 from kvstore.config import SSD_IO_THREADS, SsdConfig
 from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument, ResourceExhausted
-from kvstore.store.checksum import checksum
 from kvstore.tiers.base import (
     HEADER_FIXED,
     BlockMeta,
@@ -64,7 +64,7 @@ from kvstore.tiers.base import (
 from kvstore.tiers.file_io import ALIGN, O_DIRECT, fsync_dir, probe_direct_io, staging, write_all
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
-from kvstore.tiers.segments import LAYOUT_FILE, SegmentTier
+from kvstore.tiers.segments.tier import LAYOUT_FILE, SegmentTier
 
 log = logging.getLogger("kvstore.tiers.ssd")
 
@@ -174,7 +174,7 @@ class SsdTier(ThreadedTier):
     @classmethod
     def from_config(cls, cfg: SsdConfig, data_dir: str | Path = "./kvstore-data") -> SsdTier | SegmentTier:
         """``cfg.path``, or ``<data_dir>/ssd`` when it is empty (as ``Config.ssd_path``); the
-        tier of ``cfg.layout`` (``segments``: :class:`~kvstore.tiers.segments.SegmentTier`)."""
+        tier of ``cfg.layout`` (``segments``: :class:`~kvstore.tiers.segments.tier.SegmentTier`)."""
         if cfg.layout == "segments":
             return SegmentTier.from_config(cfg, data_dir)
         return cls(

@@ -7,9 +7,9 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 
+from kvstore.checksum import checksum
 from kvstore.codec import IDENTITY, UnknownCodec, decode
 from kvstore.errors import ChecksumMismatch
-from kvstore.store.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef, HashedRead, Tier
 
 log = logging.getLogger(__name__)

@@ -80,7 +80,7 @@ def restore_gc() -> None:
 
 def freeze_loaded() -> None:
     """While a sidecar runs (:func:`quiet_gc`): what is alive now frozen too. A restart's recovery
-    loads the index after the sidecar started serving (kvstore.tiers.recovery), a batch at a time:
+    loads the index after the sidecar started serving (kvstore.movers.recovery), a batch at a time:
     each batch's blocks are frozen out of the scans as those alive at the start are (a full scan of
     a million unfrozen blocks took ~40 % of a recovery's CPU). Outside a sidecar: nothing."""
     if _quiet:

@@ -3,7 +3,7 @@ and a sidecar kill) and returns its JSON shape, with no corrupt read and no lost
 No timed assertions. Also: the pieces it relies on (block content, the verifier, the slow-Redis
 proxy), and regression tests of the product bugs the soak found (``in_threads`` leaving failures
 unretrieved; a Delete racing a demotion into the SSD: the room it releases and the copies
-it dooms, ``kvstore.tiers.removal.Removal``)."""
+it dooms, ``kvstore.movers.removal.Removal``)."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ async def _delete_during_a_demotion(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     from kvstore.client import KVStoreClient
     from kvstore.keys import prefix_keys
     from kvstore.server.sidecar import Sidecar
-    from kvstore.store.index import TOP_LABEL
+    from kvstore.store.books.index import TOP_LABEL
     from kvstore.tiers.ssd import SsdTier, file_bytes
     from tests.conftest import small_config
 

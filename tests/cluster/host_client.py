@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from kvstore.checksum import checksum
 from kvstore.client import SyncClient
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.store.checksum import checksum
 
 
 def namespace(salt: str = "") -> Namespace:

@@ -25,14 +25,14 @@ from kvstore.errors import ConfigError, KVStoreError
 from kvstore.harness.servers import RedisServer, redis_server
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.audit import audit
-from kvstore.store.index import DRAM
+from kvstore.store.books.index import DRAM
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.wire import peer as peer_wire
 from tests.cluster.nodes import BLOCK, TOKEN, blocks, client_of, keys_for, node_config
 from tests.cluster.test_cluster_races import eventually, sees
 from tests.conftest import small_config
+from tests.support.audit import audit
 
 
 def other_tenant(ns: Namespace, salt: str) -> Namespace:

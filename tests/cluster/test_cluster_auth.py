@@ -24,12 +24,12 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis, RedisCluster
 
+from kvstore.checksum import checksum
 from kvstore.cluster import peer_hello
 from kvstore.cluster.cluster_key import NONCE_BYTES, PROOF_BYTES
 from kvstore.cluster.directory import Directory, Record
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.checksum import checksum
 from tests.cluster.directories import KINDS, DirectoryServer, directory_server
 from tests.cluster.listening import LoopbackServer
 from tests.cluster.nodes import BLOCK, TOKEN, blocks, client_of, keys_for

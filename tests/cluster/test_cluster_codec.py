@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvstore.checksum import checksum
 from kvstore.cluster import peer_hello
 from kvstore.cluster.peer_client import FetchResult
-from kvstore.store.checksum import checksum
 from kvstore.wire import peer as peer_wire
 from tests.cluster.fake_holder import answering
 from tests.cluster.nodes import BLOCK, blocks

@@ -19,7 +19,7 @@ from kvstore.keys import Namespace
 from kvstore.policy import make_policy
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.block_store import BlockSpec, CommitSpec
-from kvstore.store.index import SSD, Block
+from kvstore.store.books.index import SSD, Block
 from tests.cluster.directories import KINDS, DirectoryServer, directory_server
 from tests.cluster.nodes import BLOCK, blocks, client_of, keys_for
 from tests.tiers.test_tier_uses import Traffic, reused_on_ssd

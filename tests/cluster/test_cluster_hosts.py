@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
+from kvstore.checksum import checksum
 from kvstore.harness.hosts import Host, Hosts
 from kvstore.harness.servers import RedisServer, redis_cluster, redis_server
-from kvstore.store.checksum import checksum
 
 sys.path.insert(0, str(Path(__file__).parent))
 from host_client import make_blocks

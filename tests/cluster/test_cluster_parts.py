@@ -16,7 +16,7 @@ from kvstore.cluster.directory import Directory, Record
 from kvstore.harness.servers import RedisServer
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.index import DRAM
+from kvstore.store.books.index import DRAM
 from tests.cluster.nodes import BLOCK, client_of, keys_for, node_config
 from tests.cluster.test_cluster_races import eventually
 
@@ -35,7 +35,7 @@ async def test_the_cluster_logs_under_the_nodes_logger_as_before_the_split(
     """Every log line of the cluster node went out under ``kvstore.cluster.node`` (the JSON logs'
     ``logger`` field, what an operator filters on); the split sent the heartbeat's, the
     publisher's and the fetcher's under loggers of their own modules. (The tiers' split kept
-    ``kvstore.tiers.movers`` for all of its modules.)"""
+    ``kvstore.movers.tiering`` for all of its modules.)"""
     caplog.set_level(logging.INFO, logger="kvstore")
     cfg = node_config(tmp_path, "a", directory, **{"cluster.directory_url": f"redis://127.0.0.1:{_closed_port()}/0"})
     async with Sidecar(cfg) as a:  # (no server at that port: the start's heartbeat fails)

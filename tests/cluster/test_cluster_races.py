@@ -25,7 +25,7 @@ from kvstore.harness.servers import RedisServer, redis_server
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.block_store import BlockSpec, CommitSpec
-from kvstore.store.index import State
+from kvstore.store.books.index import State
 from tests.cluster.nodes import hello_socket, hello_stream
 from tests.conftest import small_config
 

@@ -1,4 +1,4 @@
-"""Retention in a cluster (kvstore/store/retention.py, kvstore/cluster/directory.py): a retained
+"""Retention in a cluster (kvstore/store/books/retention.py, kvstore/cluster/directory.py): a retained
 block's directory record carries its retention (an optional trailing field), and a peer that
 fetched the block retains it too (as the holder's answer to the fetch says, kvstore/wire/peer.py).
 Two sidecars and a real redis-server as the directory."""
@@ -12,7 +12,7 @@ from kvstore.cluster.directory import Record
 from kvstore.harness.servers import RedisServer
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.index import TOP_LABEL
+from kvstore.store.books.index import TOP_LABEL
 from tests.cluster.nodes import blocks, client_of, keys_for, node_config
 
 MINUTE = 60_000

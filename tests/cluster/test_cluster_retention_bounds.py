@@ -1,4 +1,4 @@
-"""One retention bound, held on the cluster's paths too (kvstore/store/retention.py): a hinted
+"""One retention bound, held on the cluster's paths too (kvstore/store/books/retention.py): a hinted
 Acquire whose run is fetched from a peer is checked on the whole run, a retention adopted from a
 peer is checked against this node's bounds (N holders do not make N times the bound) and taken
 from the holder's answer, not from its directory record (a record a directory writer puts back
@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+from kvstore.checksum import checksum
 from kvstore.errors import ResourceExhausted
 from kvstore.harness.servers import RedisServer
 from kvstore.keys import Namespace, salt_tag
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.checksum import checksum
 from kvstore.wire import peer as peer_wire
 from tests.cluster.fake_holder import answering
 from tests.cluster.nodes import BLOCK, blocks, client_of, keys_for, node_config

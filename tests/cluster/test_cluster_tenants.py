@@ -13,7 +13,7 @@ import pytest
 from kvstore.harness.servers import RedisServer
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.tenants import salt_tag
+from kvstore.store.books.tenants import salt_tag
 from tests.cluster.nodes import BLOCK, blocks, client_of, keys_for, node_config
 
 QUOTAS = {"dram.capacity_bytes": 64 * 65536, "tenants.dram_quota_bytes": 1 << 20}  # 4 MiB; 1 MiB a tenant

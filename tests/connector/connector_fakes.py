@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvstore.checksum import checksum
 from kvstore.errors import Unavailable
 from kvstore.keys import Namespace
-from kvstore.store.checksum import checksum
 
 
 @dataclass

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from connector.core import SchedulerConnector, WorkerConnector
-from connector.core.directory import BlockDirectory
-from connector.layout import KVSpec
+from connector.roles import SchedulerConnector, WorkerConnector
+from connector.roles.block_directory import BlockDirectory
+from connector.transfer.layout import KVSpec
 from kvstore.client import SyncClient
 from kvstore.keys import Namespace
 

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from connector_fakes import FakeClient
 
-from connector.core import (
+from connector.cost import CostModel, ModelShape, TierRate
+from connector.roles import (
     ConnectorMetadata,
     Failure,
     Role,
     SchedulerConnector,
     WorkerConnector,
 )
-from connector.cost import CostModel, ModelShape, TierRate
-from connector.layout import KVSpec
+from connector.transfer.layout import KVSpec
 from kvstore.keys import Namespace
 
 BS, L, H, D, NB = 4, 2, 2, 8, 16
@@ -268,7 +268,7 @@ def test_reports_are_dropped_when_the_sidecar_is_down(client: FakeClient, prefil
 
 
 def test_slowest_tier() -> None:
-    from connector.core.report import slowest_tier
+    from connector.roles.report import slowest_tier
 
     assert slowest_tier(["dram", "s3", "ssd"]) == "s3"
     assert slowest_tier(["dram", "tape"]) == "tape"

@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches, stored
 
-from connector.core import SchedulerConnector, WorkerConnector
-from connector.core.directory import BlockDirectory, epoch_of
-from connector.core.finders import DirectoryFinder, LeaseFinder
-from connector.core.metadata import Failure, LoadSpec
+from connector.roles import SchedulerConnector, WorkerConnector
+from connector.roles.block_directory import BlockDirectory, epoch_of
+from connector.roles.finders import DirectoryFinder, LeaseFinder
+from connector.roles.metadata import Failure, LoadSpec
 from kvstore.client import SlotRef, SyncClient
 from kvstore.keys import Namespace, prefix_keys
 from tests.support.corrupt import flip
@@ -99,7 +99,7 @@ def test_the_epoch_moving_mid_copy_reports_every_block(client, monkeypatch) -> N
     directory = BlockDirectory()
     stored(client, directory)
     spec = lookup(client, directory)
-    from connector.core import ops
+    from connector.roles import ops
 
     real = ops.epoch_of
     calls = []

@@ -20,8 +20,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from connector.core import Failure
 from connector.hf import HFConnector, reference_generate
+from connector.roles import Failure
 from kvstore.client import SyncClient
 from kvstore.harness.servers import RedisServer, redis_server
 from kvstore.harness.sidecar import ServeProcess
@@ -102,7 +102,7 @@ def test_tier_down_recomputes_and_says_so(model_and_tok, redis, redis_sidecar, c
 
         redis.stop()
         reader = HFConnector(model, client, model_id="tiny-llama", block_size=BS)
-        with caplog.at_level(logging.INFO, logger="connector.core.ops"):
+        with caplog.at_level(logging.INFO, logger="connector.roles.ops"):
             gen = reader.generate(prompt, NEW, save=False)
 
         # recomputed, and the output is exactly a full recompute's
@@ -116,7 +116,7 @@ def test_tier_down_recomputes_and_says_so(model_and_tok, redis, redis_sidecar, c
         assert load is not None and (load.loaded, load.failure) == (0, Failure.MISSING)
         assert load.failed_block_ids == tuple(range(min(n, (len(prompt) - 1) // BS)))
         assert reader.stats["load.missing"] == 1 and reader.stats["loaded_blocks"] == 0
-        assert any("recomputing" in r.getMessage() and r.name == "connector.core.ops" for r in caplog.records)
+        assert any("recomputing" in r.getMessage() and r.name == "connector.roles.ops" for r in caplog.records)
 
         # the sidecar says so: the tier is down, its errors counted, the fallback reported
         stats = http_stats(redis_sidecar)

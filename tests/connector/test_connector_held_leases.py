@@ -10,9 +10,9 @@ import time
 import numpy as np
 from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches, stored
 
-from connector.core import SchedulerConnector, WorkerConnector
-from connector.core.finders import LeaseFinder
-from connector.core.metadata import Failure, LoadSpec
+from connector.roles import SchedulerConnector, WorkerConnector
+from connector.roles.finders import LeaseFinder
+from connector.roles.metadata import Failure, LoadSpec
 from kvstore.client import SyncClient
 from tests.support.corrupt import flip
 

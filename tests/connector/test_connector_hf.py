@@ -20,9 +20,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from connector.core import Failure
 from connector.cost import CostModel, ModelShape, TierRate
 from connector.hf import HFConnector, cache_tensors, reference_generate
+from connector.roles import Failure
 from kvstore.client import SyncClient
 from tests.support.corrupt import corrupt_dram_block
 

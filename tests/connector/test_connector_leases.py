@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from connector.core import SchedulerConnector
-from connector.core.metadata import LoadResult
 from connector.cost import CostModel, ModelShape, TierRate
 from connector.hf import HFConnector
+from connector.roles import SchedulerConnector
+from connector.roles.metadata import LoadResult
 from kvstore.client import SyncClient
 
 BS = 16

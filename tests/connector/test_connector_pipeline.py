@@ -1,5 +1,5 @@
 """Calls sent now and answered later on one connection to a real sidecar's Unix socket
-(``kvstore.client.pipeline``, held by the connectors in ``connector.core.pipeline``): the
+(``kvstore.client.pipeline``, held by the connectors in ``connector.roles.pipeline``): the
 scheduler's lookup sent when the engine adds a request and read when the engine asks, and the
 worker's lease releases sent without waiting for their answers."""
 
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches, stored
 
-from connector.core import SchedulerConnector, WorkerConnector
-from connector.core.finders import LeaseFinder
-from connector.core.pipeline import PipelineSlot
+from connector.roles import SchedulerConnector, WorkerConnector
+from connector.roles.finders import LeaseFinder
+from connector.roles.pipeline import PipelineSlot
 from kvstore.client import Pipeline, SyncClient, namespace_pb
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unavailable
 from kvstore.harness.sidecar import ServeProcess

@@ -1,4 +1,4 @@
-"""Retention hints from the engines (connector/core/hints.py) to a real sidecar process: the HF
+"""Retention hints from the engines (connector/roles/hints.py) to a real sidecar process: the HF
 connector's ``retain_s`` argument, and vLLM's ``kv_transfer_params`` ``{"kvstore_retain_s": 60}``
 through the scheduler side's save specs (the connector metadata) to the worker's saves."""
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from connector.core import SchedulerConnector, WorkerConnector
-from connector.core.hints import retain_ms_of_params
 from connector.hf import HFConnector
-from connector.layout import KVSpec
+from connector.roles import SchedulerConnector, WorkerConnector
+from connector.roles.hints import retain_ms_of_params
+from connector.transfer.layout import KVSpec
 from connector.vllm import request_retain_ms
 from kvstore.client import SyncClient
 from kvstore.keys import Namespace

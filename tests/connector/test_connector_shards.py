@@ -10,9 +10,9 @@ import dataclasses
 import numpy as np
 from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches
 
-from connector.core import SchedulerConnector, WorkerConnector
-from connector.core.finders import LeaseFinder
-from connector.core.pipeline import PipelineSlot
+from connector.roles import SchedulerConnector, WorkerConnector
+from connector.roles.finders import LeaseFinder
+from connector.roles.pipeline import PipelineSlot
 from kvstore.client import SyncClient
 from kvstore.keys import PrefixKeys, prefix_keys
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.core import Failure, SchedulerConnector, WorkerConnector
-from connector.layout import KVSpec
+from connector.roles import Failure, SchedulerConnector, WorkerConnector
+from connector.transfer.layout import KVSpec
 from kvstore.client import SyncClient
 from kvstore.keys import Namespace
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from connector.layout import LAYOUTS, KVSpec, slot_array
-from connector.transfer import (
+from connector.transfer.engines import (
     NumpyTransfer,
     bind_caches,
     gather_block,
     make_transfer,
     scatter_block,
 )
+from connector.transfer.layout import LAYOUTS, KVSpec, slot_array
 from kvstore.errors import InvalidArgument
 
 L, H, D, BS, NB = 3, 2, 8, 4, 6
@@ -240,7 +240,7 @@ def test_slot_array_shape() -> None:
 
 def test_cupy_is_not_imported_on_cpu() -> None:
     # a fresh interpreter: another test of this process may have imported cupy on a GPU host
-    code = ("import sys; from connector.transfer import make_transfer; make_transfer('numpy'); "
+    code = ("import sys; from connector.transfer.engines import make_transfer; make_transfer('numpy'); "
             "print('cupy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True, text=True).stdout
     assert out.strip() == "False"

@@ -1,8 +1,8 @@
-"""The copy plan both transfer engines execute (connector/copy_plan.py), checked byte for byte on CPU.
+"""The copy plan both transfer engines execute (connector/transfer/plan.py), checked byte for byte on CPU.
 
 The GPU engine runs the same plan (pieces -> one fused kernel per chunk; :func:`schedule` -> the
 chunks and their DMAs); here the plan is executed with host copies and compared with the
-reference, plain array assignment in slot order (:func:`connector.transfer.gather_block`)."""
+reference, plain array assignment in slot order (:func:`connector.transfer.engines.gather_block`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from connector.copy_plan import (
+from connector.transfer.engines import NumpyTransfer, bind_caches, gather_block, run_plan, scatter_block
+from connector.transfer.layout import KVSpec, slot_array
+from connector.transfer.plan import (
     DmaRun,
     PlaneGeometry,
     Registrations,
@@ -24,8 +26,6 @@ from connector.copy_plan import (
     schedule,
     uncovered,
 )
-from connector.layout import KVSpec, slot_array
-from connector.transfer import NumpyTransfer, bind_caches, gather_block, run_plan, scatter_block
 from kvstore.errors import InvalidArgument
 
 L, H, BS, NB = 3, 2, 4, 7

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from connector.transfer import PagedKV
-from kvstore.client.wire import SlotViews, mapped_views
+from connector.transfer.engines import PagedKV
+from kvstore.client.calls import SlotViews, mapped_views
 from kvstore.dram.slab import Slab
 from tests.connector.test_cuda_ordering import _kv
 from tests.support.cuda_streams import DevicePlane, Gpu, installed
@@ -60,7 +60,7 @@ def lease(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Gpu, Slab, SlotView
 def _batch_calls(slab: Slab, views: SlotViews, n: int, chunk_blocks: int) -> Counter[str]:
     """The engine's calls for its second gather of ``n`` blocks (the first one uploads the tables
     and sizes the staging) with the slab registered at start."""
-    from connector.cuda_transfer import CupyTransfer
+    from connector.transfer.cuda import CupyTransfer
 
     base = _kv()
     kv = PagedKV(base.spec, [[DevicePlane(2 * BLOCKS)]], base.plan)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from connector import cuda_transfer
-from connector.transfer import make_transfer, register_slab
+from connector.transfer import cuda as cuda_transfer
+from connector.transfer.engines import make_transfer, register_slab
 from kvstore.dram.slab import Slab, page_bytes_of
 from kvstore.errors import FailedPrecondition
 from tests.connector.test_cuda_ordering import _kv
@@ -116,7 +116,7 @@ def test_a_slot_of_a_mapping_nobody_registered_is_pinned_when_first_seen(gpu: Gp
     t = make_transfer("cupy")
     try:
         t.register(one)
-        with caplog.at_level("WARNING", logger="connector.cuda_transfer"):
+        with caplog.at_level("WARNING", logger="connector.transfer.cuda"):
             t.gather(kv, [0, 1, 2, 3], slots).wait()
         assert "request's path" in caplog.text
         assert [a for a, _ in gpu.registered_on] == [int(one.ctypes.data), int(two.ctypes.data)]

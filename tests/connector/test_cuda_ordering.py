@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from connector.layout import KVSpec
-from connector.transfer import PagedKV, bind_caches
+from connector.transfer.engines import PagedKV, bind_caches
+from connector.transfer.layout import KVSpec
 from tests.connector.test_copy_plan import LAYOUT, _caches
 from tests.support.cuda_streams import DevicePlane, FakeArray, Gpu, Op, installed
 
@@ -54,7 +54,7 @@ def test_everything_a_kernel_reads_is_ordered_before_it(gpu: tuple[Gpu, types.Mo
     direction's streams) and a second gather: every kernel's tables, ids and staging, and the
     engine's write, are ordered before it."""
     g, cp = gpu
-    from connector.cuda_transfer import CupyTransfer
+    from connector.transfer.cuda import CupyTransfer
 
     side = cp.cuda.Stream(non_blocking=True)
     _engine_on(monkeypatch, side)

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from connector.layout import KVSpec
-from connector.transfer import NumpyTransfer, bind_caches, make_transfer
+from connector.transfer.engines import NumpyTransfer, bind_caches, make_transfer
+from connector.transfer.layout import KVSpec
 from kvstore.dram.slab import Slab
 from tests.connector.test_copy_plan import DTYPES, LAYOUT, _caches
 
@@ -206,7 +206,7 @@ def test_the_slab_is_pinned_at_register_and_released_at_close(cp: ModuleType, tw
         t.register(two_slabs[0].buf)
         assert rt.pointerGetAttributes(starts[0]).type == rt.memoryTypeHost
         assert rt.pointerGetAttributes(starts[1]).type == rt.memoryTypeUnregistered
-        with caplog.at_level(logging.WARNING, logger="connector.cuda_transfer"):
+        with caplog.at_level(logging.WARNING, logger="connector.transfer.cuda"):
             t.gather(bind_caches(spec, src), [0, 1, 2, 3], slots).wait()
         assert "request's path" in caplog.text
         assert all(rt.pointerGetAttributes(a).type == rt.memoryTypeHost for a in starts)

@@ -1,4 +1,4 @@
-"""The fused kernel's own source (connector/kernels/kv_copy.cu), compiled for the host with a shim for
+"""The fused kernel's own source (connector/transfer/kernels/kv_copy.cu), compiled for the host with a shim for
 CUDA's thread and block indices (tests/support/kv_copy_host.cpp) and launched as the GPU engine
 launches it, chunk by chunk: every cache layout, head sizes whose pieces are not multiples of 16
 bytes, staging at every alignment, 32- to 256-thread blocks, pieces split into several parts,
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from connector.copy_plan import Piece, chunks, launch_shape
-from connector.layout import KVSpec
-from connector.transfer import NumpyTransfer, PagedKV, bind_caches
+from connector.transfer.engines import NumpyTransfer, PagedKV, bind_caches
+from connector.transfer.layout import KVSpec
+from connector.transfer.plan import Piece, chunks, launch_shape
 from tests.connector.test_copy_plan import DTYPES, LAYOUT, _caches, _spec
 from tests.support.kernel_host import HostKernel
 

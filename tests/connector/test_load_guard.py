@@ -1,4 +1,4 @@
-"""The guard that lets a load skip the hash (``connector/core/guard.py``, ``kvstore/dram/protect.py``):
+"""The guard that lets a load skip the hash (``connector/roles/guard.py``, ``kvstore/dram/protect.py``):
 a client maps the sidecar's slab read-only, so a stray write of the engine process into a sealed
 slot faults instead of changing it; only its own allocations' slots are writable, until their
 Commit or Abort. Where the slab cannot be kept read-only, loads fall back to hashing and still
@@ -20,11 +20,11 @@ from paged_cases import NS, PROMPT, SPEC, caches
 from test_connector_held_leases import held_load
 from test_verified_load import sealed_load
 
-from connector.core import WorkerConnector
-from connector.core.guard import in_force, must_hash
-from connector.core.metadata import Failure, SaveSpec
-from connector.core.ops import save_blocks
-from connector.transfer import DONE, Completion, NumpyTransfer
+from connector.roles import WorkerConnector
+from connector.roles.guard import in_force, must_hash
+from connector.roles.metadata import Failure, SaveSpec
+from connector.roles.ops import save_blocks
+from connector.transfer.engines import DONE, Completion, NumpyTransfer
 from connector.vllm.config import Settings
 from kvstore.client import SyncClient
 from kvstore.dram.protect import PAGE, pages_whole, protection, runs

@@ -1,4 +1,4 @@
-"""The CPU engine's native loop over the copy plan (connector/native_copy.py), byte for byte against
+"""The CPU engine's native loop over the copy plan (connector/transfer/native.py), byte for byte against
 the reference (plain array assignment in slot order) over every cache layout the connector binds:
 pieces under and over the streamed minimum, piece sizes and addresses not multiples of 16 (fp8,
 odd head sizes), slots at odd addresses with gaps between them, ids out of order; with and without
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from connector import native_copy
-from connector.layout import slot_array
-from connector.transfer import NumpyTransfer, bind_caches, scatter_block
+from connector.transfer import native as native_copy
+from connector.transfer.engines import NumpyTransfer, bind_caches, scatter_block
+from connector.transfer.layout import slot_array
 from tests.connector.test_copy_plan import DTYPES, LAYOUT, _caches, _reference, _spec
 
 IDS = [5, 0, 6, 2, 3]
@@ -111,8 +111,8 @@ def test_without_llvmlite_the_python_loop_copies() -> None:
     code = """
 import sys; sys.modules["llvmlite"] = None
 import numpy as np
-from connector.layout import KVSpec
-from connector.transfer import NumpyTransfer, bind_caches
+from connector.transfer.layout import KVSpec
+from connector.transfer.engines import NumpyTransfer, bind_caches
 spec = KVSpec(layout="vllm_cpu", num_layers=2, kv_heads=1, head_size=4, block_size=2, dtype="float32")
 caches = [np.arange(3 * 16, dtype=np.float32).reshape(3, 1, 2, 8) + 100 * i for i in range(2)]
 t = NumpyTransfer()

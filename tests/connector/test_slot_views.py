@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from connector.transfer import NumpyTransfer, bind_caches, slot_addresses
-from kvstore.client.wire import SlotViews, mapped_views
+from connector.transfer.engines import NumpyTransfer, bind_caches, slot_addresses
+from kvstore.client.calls import SlotViews, mapped_views
 from kvstore.dram.slab import Slab
 from kvstore.errors import InvalidArgument
 from tests.connector.test_copy_plan import _caches, _spec

@@ -1,5 +1,5 @@
 """A load checks each slot against its checksum right before copying it, the hashing overlapped
-with the copy of the chunk before (``connector/core/verified.py``): bytes a process changes in
+with the copy of the chunk before (``connector/roles/verified.py``): bytes a process changes in
 the sidecar's shared memory after they were sealed -- before the load or while it copies -- never
 reach the engine's cache, and the blocks from there on are reported for recompute. Real sidecar,
 real slab."""
@@ -16,10 +16,10 @@ import pytest
 from paged_cases import NS, SPEC, caches, stored
 from test_connector_held_leases import held_load
 
-from connector.core.metadata import Failure, LoadSpec
-from connector.core.ops import load_blocks
-from connector.core.verified import chunks
-from connector.transfer import Completion, NumpyTransfer, PagedKV, bind_caches
+from connector.roles.metadata import Failure, LoadSpec
+from connector.roles.ops import load_blocks
+from connector.roles.verified import chunks
+from connector.transfer.engines import Completion, NumpyTransfer, PagedKV, bind_caches
 from tests.support.corrupt import flip
 
 

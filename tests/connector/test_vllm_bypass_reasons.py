@@ -1,5 +1,5 @@
 """The bypass reasons ``/stats`` and ``/metrics`` count are exactly those the vLLM connector gives
-(issue 38): each of :data:`kvstore.store.counters.BYPASS_REASONS` from a request vLLM can send
+(issue 38): each of :data:`kvstore.stats.counters.BYPASS_REASONS` from a request vLLM can send
 (prompt embeddings, a LoRA adapter without local files, a ``cache_salt`` longer than a namespace
 field holds), and none other: a multimodal request is cached, its items in its keys (no
 ``multimodal`` reason, which was declared and never given). vLLM's own request objects through the
@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import SyncClient
 from kvstore.harness.sidecar import ServeProcess
-from kvstore.store.counters import BYPASS_REASONS
+from kvstore.stats.counters import BYPASS_REASONS
 from tests.support.vllm_requests import run
 
 BS, TOKENS = 32, 4 * 32 + 3

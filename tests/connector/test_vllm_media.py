@@ -12,8 +12,8 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
 
-from connector.core import SchedulerConnector, WorkerConnector
-from connector.layout import KVSpec
+from connector.roles import SchedulerConnector, WorkerConnector
+from connector.transfer.layout import KVSpec
 from connector.vllm.request_keys import media_extras
 from kvstore.client import SyncClient
 from kvstore.keys import Namespace

@@ -25,13 +25,13 @@ from typing import Any
 
 import redis
 
+from kvstore.checksum import checksum
 from kvstore.client import SyncClient
 from kvstore.cluster import peer_hello
 from kvstore.cluster.directory import ROOT_BYTES, Record
 from kvstore.config import Config
 from kvstore.keys import Namespace
-from kvstore.store.checksum import checksum
-from kvstore.store.index import DRAM
+from kvstore.store.books.index import DRAM
 from kvstore.wire import peer as peer_wire
 from tests.conftest import small_config
 from tests.core.fuzz_model import ServerThread

@@ -5,7 +5,7 @@ the store's state for "a rejected call changes nothing", and the reference model
 Nothing is mocked: the sidecar is :class:`kvstore.server.sidecar.Sidecar` with its gRPC server and
 local socket, the clients are :class:`~kvstore.client.SyncClient` and
 :class:`~kvstore.client.KVStoreClient`. The test's thread never touches the store directly while a
-call is in flight; what it reads of the store (the fingerprint, :func:`kvstore.store.audit.audit`)
+call is in flight; what it reads of the store (the fingerprint, :func:`tests.support.audit.audit`)
 runs on the sidecar's loop thread, between two of its steps, so it sees one consistent state.
 """
 
@@ -26,15 +26,15 @@ import numpy as np
 import xxhash
 
 from kvstore.client import KVStoreClient, SyncClient
-from kvstore.client.wire import AllocationState, LeaseState, LookupResult
+from kvstore.client.calls import AllocationState, LeaseState, LookupResult
 from kvstore.config import Config
 from kvstore.keys import Namespace
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.audit import audit
 from kvstore.store.block_store import BlockStore
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import read_frame
 from tests.core.raw_frames import send_frame
+from tests.support.audit import audit
 
 T = TypeVar("T")
 CALL_TIMEOUT_S = 60.0  # a call that takes longer is a server that stopped answering

@@ -1,7 +1,7 @@
 """The packed Acquire answer (``AcquireRequest.packed``): the same run as one ``AcquiredBlock`` per
-block, as arrays; the clients read either form (:func:`kvstore.client.wire.acquired`), and an
+block, as arrays; the clients read either form (:func:`kvstore.client.calls.acquired`), and an
 answer whose arrays disagree is refused, naming the field. The Allocate answer's writable slots are
-checked by the same function as the Acquire answer's (:func:`kvstore.client.wire.mapped_views`)."""
+checked by the same function as the Acquire answer's (:func:`kvstore.client.calls.mapped_views`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVStoreClient, SlotRef, namespace_pb
-from kvstore.client.wire import acquired
+from kvstore.client.calls import acquired
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
@@ -77,9 +77,9 @@ def test_a_slot_past_its_segments_end_is_refused_by_the_client_and_the_connector
     slice past the mapping's end (or from a negative offset) would silently come back shorter
     than the block, and the caller would read or copy a truncated block as a whole one. Both
     readers of a run's places (the client's lease and the connector's held lease) refuse it."""
-    from connector.core.finders import HeldLease
-    from connector.core.ops import _read_held
-    from kvstore.client.wire import LeaseState
+    from connector.roles.finders import HeldLease
+    from connector.roles.ops import _read_held
+    from kvstore.client.calls import LeaseState
     from kvstore.dram.slab import attach
 
     seg = sidecar.store.slab.name
@@ -109,7 +109,7 @@ async def test_an_allocate_answer_with_a_bad_slot_is_refused_before_any_view_is_
     bytes, served to its readers), a length other than the size asked, a key other than asked (one
     block's bytes committed under another's key), or a block count other than asked is refused with
     INTERNAL naming the field, before any view is handed out."""
-    from kvstore.client.wire import AllocationState
+    from kvstore.client.calls import AllocationState
     from kvstore.dram.slab import attach
 
     ns = Namespace(model="m", kv_layout="raw", dtype="uint8", block_size=4)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVStoreClient, namespace_pb
-from kvstore.client.wire import acquired_shards
+from kvstore.client.calls import acquired_shards
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar

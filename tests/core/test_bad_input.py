@@ -17,7 +17,7 @@ import pytest
 from kvstore.client import KVStoreClient, namespace_pb
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.counters import TIER_COUNTERS
+from kvstore.stats.counters import TIER_COUNTERS
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import small_config

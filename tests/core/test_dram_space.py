@@ -21,7 +21,7 @@ from kvstore.dram.slab import Slab, Slot
 from kvstore.errors import ConfigError, InvalidArgument, ResourceExhausted
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.index import DRAM
+from kvstore.store.books.index import DRAM
 from tests.conftest import small_config
 
 MiB = 1 << 20

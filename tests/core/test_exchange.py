@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore.checksum import checksum
 from kvstore.dram.slab import Slab
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.store.audit import audit
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
-from kvstore.store.checksum import checksum
-from kvstore.store.index import DRAM, REDIS, State
+from kvstore.store.books.index import DRAM, REDIS, State
 from kvstore.store.remote import PeerBlock
 from tests.conftest import small_config
+from tests.support.audit import audit
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
 SIZE = 8192

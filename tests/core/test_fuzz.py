@@ -9,7 +9,7 @@ interleavings of the block store's calls from several clients, against one real 
   a status, never INTERNAL or UNKNOWN and only the codes the method can give; a rejected call
   leaves the store's fingerprint as it was (:func:`tests.core.fuzz_model.fingerprint`: every
   block's metadata, the slab's books, bytes and free epoch, allocations, leases, counters); and
-  :func:`kvstore.store.audit.audit` finds nothing.
+  :func:`tests.support.audit.audit` finds nothing.
 * :func:`test_random_interleavings_keep_the_store_consistent` -- a
   :class:`hypothesis.stateful.RuleBasedStateMachine` of Allocate / write / Commit / Abort / Acquire /
   Release / Delete / Lookup / Prefetch, rejected calls, and pairs of calls in flight at once (commit
@@ -77,8 +77,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
+from kvstore.checksum import checksum
 from kvstore.client import SyncClient, namespace_pb
-from kvstore.client.wire import AllocationState, LeaseState
+from kvstore.client.calls import AllocationState, LeaseState
 from kvstore.dram.slab import Slab
 from kvstore.errors import (
     ChecksumMismatch,
@@ -92,10 +93,8 @@ from kvstore.errors import (
 from kvstore.harness.servers import redis_server
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.audit import audit
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
-from kvstore.store.checksum import checksum
-from kvstore.store.index import DRAM
+from kvstore.store.books.index import DRAM
 from kvstore.tiers.base import BlockRef
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire.framing import STATUS
@@ -116,6 +115,7 @@ from tests.core.fuzz_model import (
     content,
     make_drivers,
 )
+from tests.support.audit import audit
 
 EXAMPLES = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "0"))  # 0: the bounded run
 STEPS = int(os.environ.get("KVSTORE_FUZZ_STEPS", "0")) or 50

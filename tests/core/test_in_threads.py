@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.store.checksum import checksum
+from kvstore.checksum import checksum
 from kvstore.util.threads import in_threads
 
 

@@ -1,4 +1,4 @@
-"""Latency histograms (kvstore/store/latency.py): the buckets and percentiles, and every RPC
+"""Latency histograms (kvstore/stats/latency.py): the buckets and percentiles, and every RPC
 timed by transport, method and outcome through a real sidecar, on /stats and /metrics."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvstore.client import KVStoreClient
 from kvstore.commands.stats import render, seconds
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.latency import BOUNDS_S, FAMILIES, Histogram, Latencies, quantile
+from kvstore.stats.latency import BOUNDS_S, FAMILIES, Histogram, Latencies, quantile
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from tests.conftest import small_config

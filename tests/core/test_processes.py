@@ -145,7 +145,7 @@ def test_invalid_config_fails_at_start_naming_the_field(tmp_path):
 STUCK_SERVE = """
 import asyncio, sys
 from kvstore.cli import main
-from kvstore.tiers.movers import Tiering
+from kvstore.movers.tiering import Tiering
 
 async def never(self):  # a tier that never answers its close
     await asyncio.Event().wait()

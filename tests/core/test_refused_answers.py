@@ -1,4 +1,4 @@
-"""An answer the client refuses (:meth:`kvstore.client.wire.Opened._fill`: INTERNAL naming the
+"""An answer the client refuses (:meth:`kvstore.client.calls.Opened._fill`: INTERNAL naming the
 field) still opened something on the sidecar: an Allocate's answer an allocation, its blocks' slots
 reserved; an Acquire's answer a lease, its blocks pinned in DRAM. The client ends it at once (an
 Abort, a Release), the blocking and the async one alike, rather than leave it to the sidecar's TTL

@@ -1,4 +1,4 @@
-"""Retention hints (kvstore/store/retention.py) through a real sidecar: a retained block is a soft
+"""Retention hints (kvstore/store/books/retention.py) through a real sidecar: a retained block is a soft
 pin (evicted from a tier only when nothing unretained is left there, demoted rather than dropped),
 its retention ends on the sidecar's clock, a tenant's retained bytes are bounded (a hint past the
 bound is refused whole and changes nothing), and a restart drops every retention. Real gRPC and
@@ -19,7 +19,7 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import InvalidArgument, ResourceExhausted
 from kvstore.keys import Namespace, prefix_keys, salt_tag
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.index import TOP_LABEL
+from kvstore.store.books.index import TOP_LABEL
 from tests.conftest import small_config
 
 BLOCK = 16 * 1024  # 4 to a 64 KiB page: the slab holds 16
@@ -249,8 +249,8 @@ async def test_a_restart_drops_every_retention_and_keeps_the_blocks(tmp_path: Pa
 
 def test_the_retained_set_lets_go_of_blocks_no_tier_holds() -> None:
     from kvstore.keys import NamespaceRoot
-    from kvstore.store.index import DRAM, Index, State
-    from kvstore.store.retention import Retention
+    from kvstore.store.books.index import DRAM, Index, State
+    from kvstore.store.books.retention import Retention
 
     index = Index()
     entry = index.namespace(NamespaceRoot(b"r" * 16), "label")

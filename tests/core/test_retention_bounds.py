@@ -1,5 +1,5 @@
-"""Retention bounds and costs on one real sidecar (kvstore/store/retention.py): the total bound per
-tier (``tenants.retained_fraction``, kvstore/store/hint_budget.py) that free salts cannot pass, a
+"""Retention bounds and costs on one real sidecar (kvstore/store/books/retention.py): the total bound per
+tier (``tenants.retained_fraction``, kvstore/store/books/hint_budget.py) that free salts cannot pass, a
 block retained on the SSD and promoted past its tenant's DRAM bound (promoted unretained, counted
 as refused), a key given twice in one Retain counted once, the refused counts bounded to
 ``server.stats_namespaces`` tenants, and what the soft pin costs counted as work (candidates judged
@@ -18,7 +18,7 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import ResourceExhausted
 from kvstore.keys import Namespace, prefix_keys, salt_tag
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.index import TOP_LABEL
+from kvstore.store.books.index import TOP_LABEL
 from tests.conftest import small_config
 
 BLOCK = 4096

@@ -29,17 +29,17 @@ from types import ModuleType
 import numpy as np
 import pytest
 
+import kvstore.movers.demotion
 import kvstore.store.sealing
-import kvstore.tiers.demotion
+from kvstore.checksum import checksum
 from kvstore.dram.slab import Slab
 from kvstore.errors import FailedPrecondition
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.store.audit import audit
+from kvstore.movers.tiering import Tiering
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
-from kvstore.store.checksum import checksum
-from kvstore.store.index import DRAM, Block, NsEntry
-from kvstore.tiers.movers import Tiering
+from kvstore.store.books.index import DRAM, Block, NsEntry
 from tests.conftest import small_config
+from tests.support.audit import audit
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
 SIZE = 65536  # one slot to a page: DRAM holds four blocks
@@ -74,13 +74,13 @@ async def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[
     store = BlockStore(cfg, slab, clock=lambda: now[0])
     store.tiering = await Tiering.start(store.space, cfg, store.tenants)
     behind = asyncio.Event()
-    seal = kvstore.tiers.demotion.seal
+    seal = kvstore.movers.demotion.seal
 
     async def held_back(blocks: list[Block], views: list[np.ndarray]) -> None:
         await behind.wait()
         await seal(blocks, views)
 
-    monkeypatch.setattr(kvstore.tiers.demotion, "seal", held_back)
+    monkeypatch.setattr(kvstore.movers.demotion, "seal", held_back)
     try:
         yield Env(store, store.namespace(NS), now, behind)
     finally:

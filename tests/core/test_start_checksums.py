@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvstore.store import checksum as cs
+from kvstore import checksum as cs
 
 
 def buffers(n: int) -> list[np.ndarray]:

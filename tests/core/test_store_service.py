@@ -180,7 +180,7 @@ async def test_blocks_written_without_checksum_are_sealed_by_the_server(client: 
         if all(b.checksum is not None for b in sidecar.store.index.namespaces[ns.root].blocks.values()):
             break
         await asyncio.sleep(0.05)
-    from kvstore.store.checksum import checksum
+    from kvstore.checksum import checksum
 
     assert [sidecar.store.index.namespaces[ns.root].blocks[k].checksum for k in keys] == [checksum(d) for d in data]
 

@@ -17,7 +17,7 @@ from kvstore.config import QUOTA_TIERS, load_config
 from kvstore.errors import ConfigError, ResourceExhausted
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.tenants import Tenants, salt_tag
+from kvstore.store.books.tenants import Tenants, salt_tag
 from tests.conftest import small_config
 
 BLOCK = 16 * 1024  # 4 to a 64 KiB page: the slab holds 16

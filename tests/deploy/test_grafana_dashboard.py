@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from traffic import one_round
 
 from kvstore.client import SyncClient
-from kvstore.store.latency import FAMILIES
+from kvstore.stats.latency import FAMILIES
 from tests.support.sidecar_args import loopback_args
 
 GRAFANA = topo.REPO / "deploy" / "grafana"
@@ -177,7 +177,7 @@ def test_latency_queries_name_only_their_familys_labels():
     """A panel that filters or sums a latency family by a label the family does not have shows
     nothing and says nothing (``outcome="error"`` on a family timed by tier alone): every label a
     latency query names, in its matchers and its by/without lists, is one of its family's
-    (kvstore/store/latency.py), ``le`` or the scrape's ``instance``."""
+    (kvstore/stats/latency.py), ``le`` or the scrape's ``instance``."""
     checked = 0
     for p in panels():
         for t in p["targets"]:

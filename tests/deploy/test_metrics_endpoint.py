@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from traffic import NAMESPACES, one_round
 
 from kvstore.client import SyncClient
-from kvstore.server.metrics import render
+from kvstore.stats.prometheus import render
 from tests.support.sidecar_args import loopback_args
 
 

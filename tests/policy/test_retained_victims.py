@@ -1,4 +1,4 @@
-"""The soft pin at the cost of a heap (kvstore/store/retention.py): retained blocks kept in bands of
+"""The soft pin at the cost of a heap (kvstore/store/books/retention.py): retained blocks kept in bands of
 the policies (kvstore/policy/leaves.py) give exactly the victims of the rule they replaced, which
 asked the policy once per priority with a filter that rejected every retained block above it
 (walking all of them on every eviction). The old rule is kept here as the reference, over a twin
@@ -17,8 +17,8 @@ from kvstore.keys import NamespaceRoot
 from kvstore.policy.base import Eligible, EvictionPolicy
 from kvstore.policy.credit import CreditLRUPolicy
 from kvstore.policy.lru import LRUPolicy
-from kvstore.store.index import DRAM, Block, Index, State
-from kvstore.store.retention import PRIORITIES, Retention
+from kvstore.store.books.index import DRAM, Block, Index, State
+from kvstore.store.books.retention import PRIORITIES, Retention
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""What a retention hint may hold (kvstore/store/hint_budget.py): the retained blocks of a cache
+"""What a retention hint may hold (kvstore/store/books/hint_budget.py): the retained blocks of a cache
 within ``retained_fraction`` of it, a hint that does not fit shortened to its leading blocks or
 refused, room made only from lower priorities (lowest first, earliest end first), and on a small
 trace of agentic coding conversations, hints that no longer lower the hit rate."""
@@ -19,9 +19,9 @@ from kvstore.sim.coding_agents import Params, generate
 from kvstore.sim.hints import RETAINED_FRACTION, TraceClock, parse_hints
 from kvstore.sim.replay import ReplaySpace, TierSpec, replay
 from kvstore.sim.traces import Trace
-from kvstore.store.hint_budget import HintBudget
-from kvstore.store.index import DRAM, SSD, Block, Index, State, TierId
-from kvstore.store.retention import Retention
+from kvstore.store.books.hint_budget import HintBudget
+from kvstore.store.books.index import DRAM, SSD, Block, Index, State, TierId
+from kvstore.store.books.retention import Retention
 
 SIZE = 100
 

@@ -1,5 +1,5 @@
 """One placement owner (issue 31): the store's DRAM space and every replay (single space, tiered,
-cluster) place blocks through the same :class:`~kvstore.store.placement.Space`, so the simulator
+cluster) place blocks through the same :class:`~kvstore.store.books.placement.Space`, so the simulator
 cannot drift from the store; and what a placement changes, in one place."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from kvstore.sim.cluster import replay_cluster
 from kvstore.sim.replay import TierSpec, replay
 from kvstore.sim.traces import multi_turn
 from kvstore.store.block_store import BlockSpec, BlockStore, CommitSpec
-from kvstore.store.index import DRAM, SSD, Block, Index, State, TierId
-from kvstore.store.placement import Space
-from kvstore.store.tenants import Quotas
+from kvstore.store.books.index import DRAM, SSD, Block, Index, State, TierId
+from kvstore.store.books.placement import Space
+from kvstore.store.books.tenants import Quotas
 from tests.conftest import small_config
 
 NS = Namespace(model="m", kv_layout="raw", dtype="uint8", block_size=16)

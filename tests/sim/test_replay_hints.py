@@ -1,6 +1,6 @@
 """``kvstore replay --hints continuation[:SECONDS]`` (kvstore/sim/hints.py): which requests a later
 one continues, and the replay keeping their blocks by the store's own soft pin
-(kvstore/store/retention.py)."""
+(kvstore/store/books/retention.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvstore.sim.cluster import replay_cluster
 from kvstore.sim.hints import Hinting, Hints, continuations, parse_hints
 from kvstore.sim.replay import TierSpec, index_keys, replay
 from kvstore.sim.traces import Request, Trace
-from kvstore.store.index import DRAM, TierId
+from kvstore.store.books.index import DRAM, TierId
 
 BT = 4  # tokens per block in these traces
 
@@ -89,7 +89,7 @@ def test_until_continued_ends_the_retention_when_the_next_turn_arrives() -> None
 def test_until_continued_ends_the_retention_as_the_sidecar_does_shared_blocks_too() -> None:
     """The framework's ``Retain(keys, 0)`` for a turn that came back ends the retention of all its
     blocks, also of a shared prefix that another conversation's hint extended: the sidecar keeps
-    one retention per block (kvstore/store/retention.py), and the replay does what it does."""
+    one retention per block (kvstore/store/books/retention.py), and the replay does what it does."""
     t = Trace("common-prefix", [
         req(0, [1, 2, 3, 4], 16, 0),  # agent A: 4 full blocks, continued at 5 s
         req(1, [1, 2], 8, 16),  # agent C: A's first 2 blocks, retained to 31 s; continued at 20 s

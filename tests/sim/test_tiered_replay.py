@@ -8,7 +8,7 @@ import pytest
 from kvstore.policy import policy_names
 from kvstore.sim.replay import TierSpec, replay
 from kvstore.sim.traces import multi_turn
-from kvstore.store.index import TierId
+from kvstore.store.books.index import TierId
 
 
 @pytest.mark.parametrize("policy", policy_names())

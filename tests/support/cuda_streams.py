@@ -1,4 +1,4 @@
-"""A recording stand-in for the part of cupy that ``connector/cuda_transfer.py`` calls, for CPU tests
+"""A recording stand-in for the part of cupy that ``connector/transfer/cuda.py`` calls, for CPU tests
 of *when* the GPU path enqueues what: streams, events, uploads, kernel launches and DMAs.
 
 It executes nothing on a device. Every operation is logged with the stream it was queued on and a
@@ -286,7 +286,7 @@ def installed(monkeypatch: Any) -> Iterator[tuple[Gpu, types.ModuleType]]:
 
 
 class DevicePlane:
-    """A plane of a cache "on the device" for :class:`connector.transfer.PagedKV`: its block count and device."""
+    """A plane of a cache "on the device" for :class:`connector.transfer.engines.PagedKV`: its block count and device."""
 
     def __init__(self, blocks: int) -> None:
         self.shape = (blocks,)

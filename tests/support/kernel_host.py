@@ -1,5 +1,5 @@
-"""``connector/kernels/kv_copy.cu`` compiled for the host with g++ and a shim (kv_copy_host.cpp), and
-launched the way ``connector/cuda_transfer.py`` launches it: the CPU tests run the kernel's own
+"""``connector/transfer/kernels/kv_copy.cu`` compiled for the host with g++ and a shim (kv_copy_host.cpp), and
+launched the way ``connector/transfer/cuda.py`` launches it: the CPU tests run the kernel's own
 index arithmetic, byte for byte, without a GPU."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from connector.copy_plan import Piece, plan_tables
-from connector.cuda_transfer import KERNEL_SOURCE
+from connector.transfer.cuda import KERNEL_SOURCE
+from connector.transfer.plan import Piece, plan_tables
 
 SHIM = Path(__file__).with_name("kv_copy_host.cpp")
 _u64, _i64, _ptr = ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p

@@ -18,6 +18,7 @@ import redis
 import redis.asyncio
 import redis.asyncio.cluster
 
+from kvstore.checksum import checksum
 from kvstore.harness.servers import (
     MOTO_CREDENTIALS,
     MotoServer,
@@ -27,11 +28,10 @@ from kvstore.harness.servers import (
     redis_cluster,
     redis_server,
 )
-from kvstore.store.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef
 from kvstore.tiers.redis import RedisTier
 from kvstore.tiers.s3 import S3Tier, client_config
-from kvstore.tiers.segments import SegmentTier
+from kvstore.tiers.segments.tier import SegmentTier
 from kvstore.tiers.ssd import SsdTier
 
 CHUNK = 64 * 1024  # small Redis chunks so modest blocks span several

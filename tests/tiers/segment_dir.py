@@ -8,10 +8,10 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvstore.checksum import checksum
 from kvstore.keys import BlockKey, Namespace, namespace_root
-from kvstore.store.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef
-from kvstore.tiers.segments import SegmentTier
+from kvstore.tiers.segments.tier import SegmentTier
 
 
 async def fill_segment_dir(ssd: Path, ns: Namespace, blocks: Sequence[tuple[BlockKey, bytes]]) -> None:

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from kvstore import codec as codecs
+from kvstore.checksum import checksum
 from kvstore.client import KVStoreClient
 from kvstore.errors import ChecksumMismatch
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef, decode_header, encode_header, header_bytes
 from tests.tiers.test_tiering import NS, PAGE, blocks_for, chain, placement, settle, tiered_config
 

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from kvstore.keys import BlockKey, Namespace, namespace_root
+from kvstore.movers.level import Level
+from kvstore.movers.recovery import Recovery
 from kvstore.policy import make_policy
-from kvstore.store.counters import Stats
-from kvstore.store.index import SSD, Index
+from kvstore.stats.counters import Stats
+from kvstore.store.books.index import SSD, Index
 from kvstore.tiers.base import BlockMeta, BlockRef
-from kvstore.tiers.level import Level
-from kvstore.tiers.recovery import Recovery
-from kvstore.tiers.segments import SegmentTier
+from kvstore.tiers.segments.tier import SegmentTier
 
 NS = Namespace(model="index-memory", kv_layout="raw", dtype="float16", block_size=16)
 BLOCKS, CHAIN, SIZE = 20_000, 16, 4096

@@ -19,7 +19,7 @@ from kvstore.client import KVStoreClient
 from kvstore.harness.servers import RedisServer
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.block_store import BlockSpec, CommitSpec
-from kvstore.store.index import DRAM, REDIS
+from kvstore.store.books.index import DRAM, REDIS
 from tests.tiers.test_tiering import NS, PAGE, blocks_for, chain, placement, settle, tiered_config
 
 

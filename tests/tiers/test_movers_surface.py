@@ -10,9 +10,9 @@ import ast
 import inspect
 import textwrap
 
-from kvstore.store.below import Lower, Movers, NoMovers
-from kvstore.tiers.level import Level
-from kvstore.tiers.movers import Tiering
+from kvstore.movers.level import Level
+from kvstore.movers.tiering import Tiering
+from kvstore.store.books.below import Lower, Movers, NoMovers
 
 
 def members(proto: type) -> set[str]:

@@ -1,4 +1,4 @@
-"""A restart's recovery in batches (kvstore.tiers.recovery) leaves the same index and the same
+"""A restart's recovery in batches (kvstore.movers.recovery) leaves the same index and the same
 policy order as the one-record-at-a-time pass it replaced (``Level.recover``, kept here as the
 reference), whatever the batch size: one batch of everything, batches of 7, batches of 1. A real
 segment tier on disk, the sidecar's default policy."""
@@ -8,16 +8,16 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from kvstore.checksum import checksum
 from kvstore.config import Config
 from kvstore.keys import Namespace, namespace_root, prefix_keys
+from kvstore.movers.level import Level
+from kvstore.movers.recovery import Recovery
 from kvstore.policy import make_policy
-from kvstore.store.checksum import checksum
-from kvstore.store.counters import Stats
-from kvstore.store.index import SSD, Index, State
+from kvstore.stats.counters import Stats
+from kvstore.store.books.index import SSD, Index, State
 from kvstore.tiers.base import BlockMeta, BlockRef
-from kvstore.tiers.level import Level
-from kvstore.tiers.recovery import Recovery
-from kvstore.tiers.segments import SegmentTier
+from kvstore.tiers.segments.tier import SegmentTier
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
 PROMPTS, CHAIN, BLOCK = 40, 5, 4096

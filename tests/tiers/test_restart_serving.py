@@ -34,7 +34,7 @@ HELD = """
 import asyncio, sys
 from pathlib import Path
 from kvstore.cli import main
-from kvstore.tiers.recovery import Recovery
+from kvstore.movers.recovery import Recovery
 
 go = Path(sys.argv[1])
 between = Recovery.between

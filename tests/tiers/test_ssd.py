@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.checksum import checksum
 from kvstore.config import Config, SsdConfig
 from kvstore.errors import ChecksumMismatch, ResourceExhausted
-from kvstore.store.checksum import checksum
 from kvstore.tiers import build_tier
 from kvstore.tiers import ssd as ssd_module
 from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef

@@ -1,4 +1,4 @@
-"""The SSD tier's segment layout (kvstore/tiers/segments.py) on a real directory: the on-disk
+"""The SSD tier's segment layout (kvstore/tiers/segments/tier.py) on a real directory: the on-disk
 overhead, slot reuse and hole punching, the log's torn tail and checkpoint, restart, the import
 of a file-layout directory, and the refusals."""
 
@@ -14,8 +14,8 @@ import pytest
 from kvstore.config import SsdConfig
 from kvstore.errors import ConfigError, ResourceExhausted
 from kvstore.tiers import build_tier
-from kvstore.tiers.seglog import LOG_NAME, RECORD, read_log
-from kvstore.tiers.segments import SegmentTier
+from kvstore.tiers.segments.log import LOG_NAME, RECORD, read_log
+from kvstore.tiers.segments.tier import SegmentTier
 from kvstore.tiers.ssd import SsdTier
 from tests.tiers.conftest import make_block
 
@@ -160,7 +160,7 @@ async def test_an_overwritten_block_reads_its_new_bytes_after_a_restart(tmp_path
     tier = tiers(root, 1 << 30)
     meta, _ = make_block(7, 8192)
     other = np.full(8192, 3, np.uint8)
-    from kvstore.store.checksum import checksum
+    from kvstore.checksum import checksum
 
     newer = type(meta)(meta.ref, meta.parent, 8192, checksum(other), meta.label)
     await tier.put(*make_block(7, 8192))
@@ -234,7 +234,7 @@ async def test_concurrent_puts_and_deletes_keep_the_books(tmp_path: Path, tiers)
 async def test_a_restart_finds_each_namespace_root_its_own_blocks(tmp_path: Path, tiers):
     """Two namespace roots holding some of the same keys, some of one root's deleted: a restart
     (the log's records of two roots, tombstones among them) finds exactly the live blocks, each
-    in its own root (the rows are keyed by root, then key: kvstore/tiers/segrows.py)."""
+    in its own root (the rows are keyed by root, then key: kvstore/tiers/segments/rows.py)."""
     root = tmp_path / "ssd"
     tier = tiers(root, 1 << 30)
     a = [make_block(i, 4096, ns=b"A" * 32) for i in range(20)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.tiers.segments import SegmentTier
+from kvstore.tiers.segments.tier import SegmentTier
 from tests.conftest import REPO
 from tests.tiers.conftest import make_block
 
@@ -18,8 +18,8 @@ from tests.tiers.conftest import make_block
 # batch (whose commit also starts a checkpoint: checkpoint_min=24).
 CHILD = """
 import asyncio, os, sys
-from kvstore.tiers import seglog
-from kvstore.tiers.segments import SegmentTier
+from kvstore.tiers.segments import log as seglog
+from kvstore.tiers.segments.tier import SegmentTier
 from tests.tiers.conftest import make_block
 
 point = sys.argv[2]
@@ -94,8 +94,8 @@ async def test_a_crash_at_each_step_leaves_exactly_the_committed_blocks(tmp_path
 IMPORTER = """
 import asyncio, os, sys
 from pathlib import Path
-from kvstore.tiers import segmigrate
-from kvstore.tiers.segments import SegmentTier
+from kvstore.tiers.segments import migrate as segmigrate
+from kvstore.tiers.segments.tier import SegmentTier
 
 real_batch, batches = segmigrate.import_batch, []
 

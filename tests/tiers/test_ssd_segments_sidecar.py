@@ -19,7 +19,7 @@ import pytest
 
 from kvstore.client import SyncClient
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.tiers.segments import SegmentTier
+from kvstore.tiers.segments.tier import SegmentTier
 from tests.conftest import REPO
 
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
@@ -32,7 +32,7 @@ WRITER = f"""
 import hashlib, sys, numpy as np
 from kvstore.client import SyncClient
 from kvstore.keys import Namespace, prefix_keys
-from kvstore.tiers.segments import SegmentTier
+from kvstore.tiers.segments.tier import SegmentTier
 ns = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)
 c = SyncClient(sys.argv[1])
 for i in range(int(sys.argv[3]), 1_000_000):

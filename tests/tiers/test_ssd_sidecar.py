@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvstore.checksum import checksum
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, prefix_keys
+from kvstore.movers.level import Level
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.checksum import checksum
 from kvstore.tiers.base import BlockMeta, BlockRef
-from kvstore.tiers.level import Level
 from kvstore.tiers.recycle import FREE_DIR
 from kvstore.tiers.ssd import SsdTier
 from tests.conftest import small_config
@@ -46,7 +46,7 @@ def ssd_level(sc: Sidecar) -> Level:
 
 
 def placement(sc: Sidecar, keys: list[bytes]) -> list[str]:
-    from kvstore.store.index import TOP_LABEL
+    from kvstore.store.books.index import TOP_LABEL
 
     entry = sc.store.index.namespaces.get(NS.root)
     blocks = entry.blocks if entry is not None else {}

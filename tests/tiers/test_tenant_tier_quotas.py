@@ -18,13 +18,13 @@ from kvstore.client import KVStoreClient
 from kvstore.config import Config
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.audit import audit
-from kvstore.store.index import TOP_LABEL
-from kvstore.store.tenants import salt_tag
+from kvstore.store.books.index import TOP_LABEL
+from kvstore.store.books.tenants import salt_tag
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import BlockRef
 from kvstore.tiers.ssd import SsdTier
 from tests.conftest import small_config
+from tests.support.audit import audit
 
 BLOCK = 16 * 1024  # 4 to a 64 KiB page: DRAM holds 16
 A = Namespace(model="m", kv_layout="raw", dtype="float16", block_size=16, cache_salt="tenant-a")

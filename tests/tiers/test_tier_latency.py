@@ -70,8 +70,8 @@ async def test_a_promotion_from_a_stopped_redis_is_timed_as_an_error(tmp_path, r
 
 @pytest.mark.parametrize("below", ["dram", "ssd"])
 async def test_a_demotion_to_a_stopped_redis_is_timed_as_an_error(tmp_path, redis_clean, below):
-    """The batch written from DRAM (kvstore/tiers/demotion.py), or the copy of a block an SSD
-    eviction passes down (kvstore/tiers/eviction.py)."""
+    """The batch written from DRAM (kvstore/movers/demotion.py), or the copy of a block an SSD
+    eviction passes down (kvstore/movers/eviction.py)."""
     over = {"ssd.enabled": True, "ssd.capacity_bytes": 2 * PAGE + 8192} if below == "ssd" else {}
     async with (
         Sidecar(redis_config(tmp_path, redis_clean, **over)) as sc,

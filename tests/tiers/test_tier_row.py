@@ -21,7 +21,7 @@ from kvstore.config import Config
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.index import TOP_LABEL, TierId
+from kvstore.store.books.index import TOP_LABEL, TierId
 from kvstore.tier_table import TierRow
 from kvstore.tiers.base import BlockMeta, BlockRef, TierBase, decode_header, encode_header, header_size
 from kvstore.v1 import kvstore_pb2 as pb

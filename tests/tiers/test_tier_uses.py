@@ -17,10 +17,10 @@ import numpy as np
 
 from kvstore.client import KVStoreClient
 from kvstore.keys import Namespace, prefix_keys
+from kvstore.movers.level import Level
+from kvstore.movers.tiering import Tiering
 from kvstore.server.sidecar import Sidecar
-from kvstore.store.index import SSD, Block
-from kvstore.tiers.level import Level
-from kvstore.tiers.movers import Tiering
+from kvstore.store.books.index import SSD, Block
 from tests.tiers.test_tiering import PAGE, tiered_config
 
 PROMPT = 4  # blocks per filler prompt (DRAM holds 4 blocks of a PAGE)

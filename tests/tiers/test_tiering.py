@@ -42,7 +42,7 @@ async def settle(sc: Sidecar) -> None:
 
 
 def placement(sc: Sidecar, keys: list[bytes]) -> list[str]:
-    from kvstore.store.index import TOP_LABEL
+    from kvstore.store.books.index import TOP_LABEL
 
     blocks = sc.store.index.namespaces[NS.root].blocks
     return [TOP_LABEL[blocks[k].tiers] if k in blocks else "gone" for k in keys]
@@ -111,7 +111,7 @@ async def test_demotions_whose_task_is_cancelled_give_their_buffers_back(tmp_pat
     them, and a writer's place among the ``DEMOTE_DEPTH`` batches in flight stayed taken for good.
     Their demotions fail now however the task ends (one cancelled as it writes, too: its buffers go
     back once, not twice), and the next ones are written as before."""
-    from kvstore.tiers.demotion import Demotion
+    from kvstore.movers.demotion import Demotion
 
     async with Sidecar(tiered_config(tmp_path)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         tiering = sc.store.tiering
@@ -213,7 +213,7 @@ async def test_commit_can_wait_for_the_write_through(tmp_path, redis_clean):
     every key at once), or says how many got there when Redis is down; the commit stands."""
     import redis as redis_py
 
-    from kvstore.store.index import DRAM, REDIS
+    from kvstore.store.books.index import DRAM, REDIS
 
     cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "redis.enabled": True, "redis.url": redis_clean.url,
                                      "redis.retries": 0, "tiering.write_through": ["redis"]})
@@ -543,7 +543,7 @@ async def test_a_backlog_of_demotions_stages_no_more_blocks_that_redis_holds(tmp
     past that it leaves DRAM as it is, counted in ``demotions_skipped``, and is read from Redis. The
     soak's sidecar kept ~5,300 such blocks (82 MiB of staging buffers, ~120 MiB in a burst) behind
     its SSD writer: its RSS moved with the backlog."""
-    from kvstore.tiers import demotion
+    from kvstore.movers import demotion
 
     size = 4096  # 64 slots in the 4 x 64 KiB slab
     cfg = tiered_config(tmp_path, **{"ssd.capacity_bytes": 1000 * (size + 4096), "redis.enabled": True,
@@ -586,7 +586,7 @@ async def test_a_burst_of_demotions_is_written_two_batches_at_a_time(tmp_path):
     """More evictions than two writer batches: the writer keeps ``DEMOTE_DEPTH`` batches in
     flight (the next one's files written while the last one waits for its fsync), never more,
     and every demoted block lands on SSD with its bytes."""
-    from kvstore.tiers import demotion
+    from kvstore.movers import demotion
 
     size = 4096  # 64 slots in the 4 x 64 KiB slab
     cfg = tiered_config(tmp_path, **{"ssd.capacity_bytes": 400 * (size + 4096)})
@@ -627,7 +627,7 @@ async def test_deleted_ssd_blocks_show_as_recycled_bytes(tmp_path):
     reuse: the directory's bytes are used_bytes + recycled_bytes."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvstore.server.metrics import render
+    from kvstore.stats.prometheus import render
 
     async with Sidecar(tiered_config(tmp_path)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         a, b = chain(700, 4), chain(701, 4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.store.checksum import checksum
+from kvstore.checksum import checksum
 from kvstore.tiers.base import BlockRef, Recoverable, Tier
 from kvstore.tiers.verify import verified_get
 

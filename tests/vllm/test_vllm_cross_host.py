@@ -177,7 +177,7 @@ def _directory_lists_in_redis(rig: CrossHost, ns: Namespace, prompts: list[list[
     """Every full block of ``prompts`` is listed by the directory as in the shared Redis tier."""
     from kvstore.cluster.directory import Directory
     from kvstore.config import ClusterConfig
-    from kvstore.store.index import REDIS
+    from kvstore.store.books.index import REDIS
 
     async def check() -> bool:
         cfg = ClusterConfig(enabled=True, directory_url=rig.redis.url, directory_cluster=cluster, key_prefix="xhost",

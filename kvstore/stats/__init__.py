@@ -1,0 +1,1 @@
+"""Counters, latency histograms, the one /stats document and its /metrics rendering."""

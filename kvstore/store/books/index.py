@@ -1,0 +1,398 @@
+"""Block metadata: state, placement per tier, leases, allocations, prefix links.
+
+Pure bookkeeping, no I/O and no bytes: the store (:mod:`kvstore.store.block_store`) drives it, and
+``kvstore replay`` drives the same code with a trace. Everything here runs on the server's event
+loop thread, so nothing is locked.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvstore.errors import FailedPrecondition, NotFound, shown
+from kvstore.keys import BlockKey, Namespace, NamespaceRoot
+from kvstore.tier_table import BY_NAME, ROWS, TOP_LABEL, TOP_TIER, TierRow
+from kvstore.util.ints import shared
+
+if TYPE_CHECKING:
+    from kvstore.dram.slab import Slot
+
+
+class State(enum.IntEnum):
+    ALLOCATED = 1  # slot reserved, bytes being written, invisible to lookups
+    COMMITTED = 2  # visible
+
+
+class TierId(enum.IntFlag):
+    """The built-in tiers' placement bits (the replay names them); every tier, a registered one
+    included, is a row of :mod:`kvstore.tier_table`, whose bits these are."""
+
+    DRAM = 1
+    SSD = 2
+    REDIS = 4
+    S3 = 8
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()  # type: ignore[union-attr]  # a combined flag has no name; single tiers all do
+
+
+TIER_ORDER: list[TierRow] = ROWS  # every tier, fastest first (int(t): its bit, t.label: its name)
+
+# Plain-int bits for the hot paths (enum arithmetic runs in Python, ints in C).
+DRAM, SSD, REDIS, S3 = (BY_NAME[n].bit for n in ("dram", "ssd", "redis", "s3"))
+
+
+def top_label(mask: int) -> str:
+    """Name of the fastest tier in a placement mask."""
+    return TOP_LABEL[mask]
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    ns: NsEntry
+    key: BlockKey
+    parent: bytes  # the previous block's key in its prefix, b"" for the first
+    size: int
+    depth: int = 1
+    state: State = State.ALLOCATED
+    tiers: int = 0  # placement bits (DRAM | SSD | REDIS | S3)
+    checksum: int | None = None  # None until sealed
+    slot: Slot | None = None  # while its bytes are in DRAM or being written there (kvstore.store.books.dram_space)
+    leases: int = 0
+    moving: int = 0  # movers reading its DRAM slot right now (write-through)
+    replica: bool = False  # fetched from another node of the cluster, which holds it too
+    retain_until: float = 0.0  # a retention hint's end on the sidecar's clock (kvstore.store.books.retention)
+    retain_priority: int = 0  # 0..3: among retained blocks, the lowest goes first
+
+    @property
+    def top_tier(self) -> int:
+        return TOP_TIER[self.tiers]
+
+    @property
+    def pinned(self) -> bool:
+        return self.leases > 0 or self.state is State.ALLOCATED or self.moving > 0
+
+    def seal(self, checksum: int) -> bool:
+        """Record ``checksum`` as the block's (the xxh3-64 of its bytes): the one place a block's
+        checksum is written (``tests/test_checksum_owner.py`` holds the tree to it).
+
+        The rule: a block's checksum is recorded once and never changes. An unsealed block
+        (``checksum`` None) takes the one given, whoever computed it first (the writer at commit,
+        the sealer, a read, a peer's record, a tier's header). A sealed block keeps its own, and
+        the answer says whether ``checksum`` agrees with it: False means the bytes just hashed are
+        not the bytes sealed (a corrupt copy), which the caller counts and drops or skips. True
+        when the block now carries ``checksum``."""
+        if self.checksum is None:
+            self.checksum = checksum
+            return True
+        return self.checksum == checksum
+
+
+@dataclass(slots=True, eq=False)
+class NsEntry:
+    root: NamespaceRoot
+    label: str  # for reading only (stats): built from free text, it names no tenant
+    namespace: Namespace | None
+    tenant: str = ""  # whose quotas its blocks count against (kvstore.store.books.tenants): fixed at creation
+    blocks: dict[bytes, Block] = field(default_factory=dict)  # every block, allocated or committed
+    visible: dict[bytes, Block] = field(default_factory=dict)  # the committed ones: what lookups see
+    visible_sizes: dict[int, int] = field(default_factory=dict)  # block size -> visible blocks of it
+
+    @property
+    def uniform_size(self) -> int:
+        """The size every visible block has, or 0 when sizes differ (or nothing is visible)."""
+        if len(self.visible_sizes) == 1:
+            return next(iter(self.visible_sizes))
+        return 0
+
+    def show(self, block: Block) -> None:
+        """Make ``block`` visible to lookups, its size counted in ``visible_sizes`` (:meth:`Index.add`
+        and :meth:`Index.publish` do, for a committed block)."""
+        self.visible[block.key] = block
+        self.visible_sizes[block.size] = self.visible_sizes.get(block.size, 0) + 1
+
+    def hide(self, block: Block) -> None:
+        """Take the visible ``block`` out of lookups and of ``visible_sizes`` (:meth:`Index.drop` does)."""
+        del self.visible[block.key]
+        n = self.visible_sizes[block.size] - 1
+        if n:
+            self.visible_sizes[block.size] = n
+        else:
+            del self.visible_sizes[block.size]
+
+
+def _entry(root: NamespaceRoot, label: str, namespace: Namespace | None, tenant: str) -> NsEntry:
+    return NsEntry(root, label, namespace, namespace.tenant if namespace is not None else tenant)
+
+
+@dataclass(slots=True, eq=False)
+class Allocation:
+    id: str
+    ns: NsEntry
+    blocks: dict[int, Block]  # slot_id -> block
+    deadline: float
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    id: str
+    blocks: list[Block]
+    deadline: float
+
+
+class ChangeFeed:
+    """The blocks whose visibility or placement changed since their reader last drained them, in
+    order: what the cluster's publisher writes to the directory. Each is True when it became
+    visible meanwhile (:meth:`Index.publish`: new on this node, whose cluster-wide use count the
+    publisher reads) and False when only it moved. Handed out by :meth:`Index.subscribe`, so the
+    index keeps no log while nothing reads one (a node on its own)."""
+
+    def __init__(self) -> None:
+        self.changes: dict[Block, bool] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.changes)
+
+    def moved(self, block: Block) -> None:
+        """``block`` changed (new here, when it already was since the last drain)."""
+        self.changes.setdefault(block, False)
+
+    def drain(self) -> dict[Block, bool]:
+        """The changes gathered so far; the feed starts empty again."""
+        out, self.changes = self.changes, {}
+        return out
+
+    def restore(self, pending: dict[Block, bool]) -> None:
+        """Put back changes drained but not written (a failed pass): they come before the ones
+        gathered since, and a block new in either is new."""
+        merged = dict(pending)
+        for b, new in self.changes.items():
+            merged[b] = merged.get(b, False) or new
+        self.changes = merged
+
+
+class Index:
+    def __init__(self) -> None:
+        self.namespaces: dict[NamespaceRoot, NsEntry] = {}
+        self.allocations: dict[str, Allocation] = {}
+        self.leases: dict[str, Lease] = {}
+        self._feed: ChangeFeed | None = None  # the one subscriber's (the cluster's publisher)
+        # Told of each move of a block that was ever retained (its retention's byte counts:
+        # Retention.recount, kvstore/store/books/retention.py); None: no retention watches.
+        self.retained: Callable[[Block], None] | None = None
+
+    # --- the change feed ----------------------------------------------------------------
+
+    def subscribe(self) -> ChangeFeed:
+        """A feed of the blocks whose visibility or placement changes from now on (one reader: a
+        new subscription replaces the last)."""
+        self._feed = ChangeFeed()
+        return self._feed
+
+    def unsubscribe(self) -> None:
+        """Stop keeping the feed (its reader has gone)."""
+        self._feed = None
+
+    # --- namespaces ---------------------------------------------------------------------
+
+    # An entry lives while it holds a block: reads of a namespace that stores nothing get a
+    # detached empty entry (``find``), the first block registers it (``add``), the last one to
+    # go drops it (``drop``). Clients choose namespaces freely; only stored blocks cost memory.
+
+    # An entry's tenant is the namespace's (``Namespace.tenant``) when it is known, else the one
+    # given (a tier's block header after a restart); it never changes while the entry lives.
+
+    def namespace(
+        self, root: NamespaceRoot, label: str, namespace: Namespace | None = None, tenant: str = ""
+    ) -> NsEntry:
+        """The namespace's entry, registered (created empty when it holds nothing yet)."""
+        entry = self.namespaces.get(root)
+        if entry is None:
+            entry = self.namespaces[root] = _entry(root, label, namespace, tenant)
+        elif namespace is not None and entry.namespace is None:
+            entry.namespace = namespace
+        return entry
+
+    def find(self, root: NamespaceRoot, label: str, namespace: Namespace | None = None, tenant: str = "") -> NsEntry:
+        """The namespace's entry, or a detached empty one when it holds nothing (not registered:
+        a lookup must not make the index grow)."""
+        entry = self.namespaces.get(root)
+        if entry is None:
+            return _entry(root, label, namespace, tenant)
+        if namespace is not None and entry.namespace is None:
+            entry.namespace = namespace
+        return entry
+
+    def live(self, ns: NsEntry) -> NsEntry:
+        """The live entry of ``ns``'s namespace (``ns`` may be a stale or detached one)."""
+        return self.find(ns.root, ns.label, ns.namespace, ns.tenant)
+
+    # --- lookups ------------------------------------------------------------------------
+
+    @staticmethod
+    def leading_run(ns: NsEntry, keys: Sequence[bytes]) -> list[Block]:
+        """The committed blocks at the head of ``keys``, in order.
+
+        The hot path of every Lookup: dictionary probes run in C (``map``), no Python loop."""
+        found: list[Any] = list(map(ns.visible.get, keys))  # Blocks up to the first None
+        try:
+            return found[: found.index(None)]
+        except ValueError:
+            return found
+
+    def get(self, ns: NsEntry, key: bytes) -> Block | None:
+        return ns.blocks.get(key)
+
+    def add(
+        self, ns: NsEntry, key: BlockKey, parent: bytes, size: int, state: State, depth: int | None = None
+    ) -> Block:
+        """Record a block. ``depth`` is its 1-based position in the prompt when the caller knows
+        it (the parent may have been evicted); otherwise it is derived from the parent."""
+        parent_block = ns.blocks.get(parent) if parent else None
+        if parent_block is not None:
+            parent = parent_block.key  # the same bytes: one object for both blocks (issue 41)
+        if depth is None:
+            depth = parent_block.depth + 1 if parent_block is not None else 1
+        size = shared(size)  # (the few block sizes: one int object each, kvstore.util.ints)
+        if not ns.blocks:  # its first block: register it (again, when it was dropped on emptying)
+            ns = self.namespaces.setdefault(ns.root, ns)
+        block = Block(ns, key, parent, size, depth, state)
+        ns.blocks[key] = block
+        if state is State.COMMITTED:
+            ns.show(block)
+            self.moved(block)
+        return block
+
+    def moved(self, block: Block) -> None:
+        """``block``'s visibility or placement changed (for the cluster directory, when one watches,
+        and the retention, when the block was ever retained)."""
+        if block.retain_until and self.retained is not None:
+            self.retained(block)
+        if self._feed is not None:
+            self._feed.changes.setdefault(block, False)
+
+    def publish(self, block: Block, replica: bool = False) -> None:
+        """ALLOCATED -> COMMITTED: the block becomes visible to lookups (committed, or fetched
+        from a peer: new on this node, a ``replica`` of the holder's)."""
+        block.state = State.COMMITTED
+        if replica:
+            block.replica = True
+        block.ns.show(block)
+        if self._feed is not None:
+            self._feed.changes[block] = True
+
+    def drop(self, block: Block) -> None:
+        """Forget a block that no tier holds any more. A committed block whose last copy goes
+        must be dropped here: lookups trust ``visible``. The namespace's last block takes its
+        entry with it."""
+        ns = block.ns
+        if ns.blocks.get(block.key) is block:
+            del ns.blocks[block.key]
+            if ns.visible.get(block.key) is block:
+                ns.hide(block)
+                self.moved(block)
+            if not ns.blocks and self.namespaces.get(ns.root) is ns:
+                del self.namespaces[ns.root]
+
+    def drop_if_gone(self, block: Block) -> None:
+        """:meth:`drop` ``block`` when no tier holds a copy of it any more."""
+        if not block.tiers:
+            self.drop(block)
+
+    # --- allocations --------------------------------------------------------------------
+
+    def open_allocation(self, ns: NsEntry, blocks: dict[int, Block], deadline: float) -> Allocation:
+        alloc = Allocation(uuid.uuid4().hex, ns, blocks, deadline)
+        self.allocations[alloc.id] = alloc
+        return alloc
+
+    def allocation(self, alloc_id: str) -> Allocation:
+        alloc = self.allocations.get(alloc_id)
+        if alloc is None:
+            raise NotFound(
+                f"allocation_id: {shown(alloc_id)} is unknown "
+                "(never allocated, already committed, aborted or reclaimed)"
+            )
+        return alloc
+
+    def close_allocation(self, alloc: Allocation) -> None:
+        self.allocations.pop(alloc.id, None)
+
+    def expired_allocations(self, now: float) -> list[Allocation]:
+        return [a for a in self.allocations.values() if a.deadline <= now]
+
+    # --- leases -------------------------------------------------------------------------
+
+    def take_lease(self, blocks: Iterable[Block], deadline: float) -> Lease:
+        lease = Lease(uuid.uuid4().hex, list(blocks), deadline)
+        for b in lease.blocks:
+            b.leases += 1
+        self.leases[lease.id] = lease
+        return lease
+
+    def release_lease(self, lease_id: str) -> Lease:
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            raise NotFound(f"lease_id: {shown(lease_id)} is unknown (never taken, released or expired)")
+        for b in lease.blocks:
+            b.leases -= 1
+        return lease
+
+    def expired_leases(self, now: float) -> list[Lease]:
+        return [le for le in self.leases.values() if le.deadline <= now]
+
+    # --- pins -----------------------------------------------------------------------------
+    # A block's pin counts (``leases``, ``moving``) are written here only (``Block.pinned``
+    # reads them; tests/test_block_owners.py holds the tree to it).
+
+    @staticmethod
+    @contextmanager
+    def pinned(blocks: Sequence[Block]) -> Iterator[None]:
+        """Pin ``blocks`` while the caller awaits (a promotion making room for parts of its run,
+        a peer fetch extending the local run): one more lease count each, with no :class:`Lease`
+        (the audit allows a count above the live leases only while such a pin can be held),
+        taken back however the block ends."""
+        for b in blocks:
+            b.leases += 1
+        try:
+            yield
+        finally:
+            for b in blocks:
+                b.leases -= 1
+
+    @staticmethod
+    def start_moving(blocks: Iterable[Block]) -> None:
+        """A mover reads the DRAM slots of ``blocks`` from now on (a write-through): pinned there
+        until :meth:`stop_moving`, which may be called from another task, so this is no ``with``."""
+        for b in blocks:
+            b.moving += 1
+
+    @staticmethod
+    def stop_moving(blocks: Iterable[Block]) -> None:
+        """The mover that :meth:`start_moving` ``blocks`` reads their slots no more."""
+        for b in blocks:
+            b.moving -= 1
+
+    # --- counts -------------------------------------------------------------------------
+
+    def count(self) -> dict[str, int]:
+        out = {
+            "namespaces": len(self.namespaces),
+            "blocks": 0,
+            "allocations": len(self.allocations),
+            "leases": len(self.leases),
+        }
+        for ns in self.namespaces.values():
+            out["blocks"] += len(ns.blocks)
+        return out
+
+
+def require_state(block: Block, state: State, field_name: str) -> None:
+    if block.state is not state:
+        raise FailedPrecondition(f"{field_name}: block is {block.state.name}, expected {state.name}")

@@ -1,0 +1,109 @@
+"""Importing a directory of the file layout (one ``<ns>/<key>.blk`` a block) into segments.
+
+A segment tier started on a directory that still holds block files (``ssd.layout`` switched from
+``files`` to ``segments``) copies them in before its first scan: batches of files are read (their
+header pages, as the file layout's scan; a file that is not whole is dropped), written into
+segments and logged as any put, and each file is unlinked only once the batch that copied it is
+durable. A crash mid-import leaves every block in one layout or both; the next start imports what
+is left (a block in both is put again: the later record wins). Temp files and the file layout's
+free pool (``.free``) are removed; blocks beyond the capacity are dropped, counted in the log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from kvstore.errors import ChecksumMismatch, ResourceExhausted
+from kvstore.tiers.base import BlockMeta
+from kvstore.tiers.recycle import FREE_DIR
+
+log = logging.getLogger("kvstore.tiers.segments.migrate")
+
+BATCH = 64
+_NS_DIR = re.compile(r"[0-9a-f]{16}")
+
+
+class SegmentTier(Protocol):
+    """What the import needs of :class:`kvstore.tiers.segments.tier.SegmentTier` (not imported: it
+    imports this module)."""
+
+    @property
+    def root(self) -> Path: ...
+
+    def write_batch(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None: ...
+
+
+@dataclass(slots=True)
+class Imported:
+    blocks: int = 0
+    dropped: int = 0
+
+
+def legacy_dirs(root: Path) -> list[Path]:
+    """The file layout's namespace directories under ``root``."""
+    return sorted(p for p in root.iterdir() if p.is_dir() and _NS_DIR.fullmatch(p.name))
+
+
+def _files(dirs: list[Path]) -> list[Path]:
+    out = []
+    for d in dirs:
+        for entry in os.scandir(d):
+            if entry.name.endswith(".tmp"):
+                os.unlink(entry.path)  # a crash mid-write of the file layout: never visible
+            elif entry.name.endswith(".blk"):
+                out.append(Path(entry.path))
+    return out
+
+
+def _read(paths: list[Path], into: Imported) -> list[tuple[BlockMeta, memoryview]]:
+    from kvstore.tiers.ssd import read_block_file
+
+    items = []
+    for path in paths:
+        try:
+            meta, data = read_block_file(path)
+        except (ChecksumMismatch, FileNotFoundError) as exc:
+            log.warning("ssd import: dropping %s: %s", path, exc)
+            into.dropped += 1
+            continue
+        items.append((meta, memoryview(data)))
+    return items
+
+
+def import_batch(tier: SegmentTier, paths: list[Path], into: Imported) -> None:
+    """Copy one batch of block files into segments (durable), then unlink them."""
+    items = _read(paths, into)
+    try:
+        tier.write_batch(items)
+        into.blocks += len(items)
+    except ResourceExhausted as exc:
+        log.warning("ssd import: %d blocks beyond the capacity dropped: %s", len(items), exc)
+        into.dropped += len(items)
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
+async def import_files(tier: SegmentTier) -> Imported:
+    """Every block file under the tier's root imported (none there: nothing done)."""
+    dirs = await asyncio.to_thread(legacy_dirs, tier.root)
+    free = tier.root / FREE_DIR
+    done = Imported()
+    if not dirs and not free.exists():
+        return done
+    paths = await asyncio.to_thread(_files, dirs)
+    log.info("ssd: importing %d block files of the file layout into segments", len(paths))
+    for a in range(0, len(paths), BATCH):
+        await asyncio.to_thread(import_batch, tier, paths[a : a + BATCH], done)
+    for d in dirs:
+        await asyncio.to_thread(shutil.rmtree, d, True)
+    await asyncio.to_thread(shutil.rmtree, free, True)
+    log.info("ssd: imported %d blocks (%d dropped)", done.blocks, done.dropped)
+    return done
