@@ -305,7 +305,7 @@ def describe(cycle: list[Import]) -> str:
 def two_way(found: Iterable[Import]) -> list[str]:
     """Every pair of modules that import each other, however: at module level, inside a function or
     under ``if TYPE_CHECKING:`` (a type-only import is still a dependency a reader must follow both
-    ways). A module only named (a lazy registry's ``("connector.cuda_transfer", ...)``) is not
+    ways). A module only named (a lazy registry's ``("connector.transfer.cuda", ...)``) is not
     imported by the name."""
     edges: dict[tuple[str, str], Import] = {}
     for imp in found:

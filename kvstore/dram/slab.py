@@ -20,7 +20,8 @@ client's read-only mapping needs, :mod:`kvstore.dram.protect`) and the **free ep
 its start, :func:`free_epoch`): the sidecar adds one every time it frees a slot (eviction, delete,
 abort, shutdown). A client that read the epoch
 before learning where committed blocks lie may read them there without a lease as long as the
-epoch has not moved: a committed block's bytes only change after its slot was freed (:mod:`connector.roles.block_directory`).
+epoch has not moved: a committed block's bytes only change after its slot was freed
+(:mod:`connector.roles.block_directory`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Slot:
     cls: int  # size-class index
     capacity: int
     page: int  # index of the page it is cut from
-    holder: Holder | None = None  # the block written into it (set by its owner, kvstore.store.books.dram_space); None once freed
+    # the block written into it (set by its owner, kvstore.store.books.dram_space); None once freed
+    holder: Holder | None = None
     # Times it was freed (Slab.free): a block holding it now and as many frees as when it was read has
     # held it without a break since (slot objects are reused: ``holder is b`` alone does not say so).
     frees: int = 0

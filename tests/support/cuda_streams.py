@@ -286,7 +286,8 @@ def installed(monkeypatch: Any) -> Iterator[tuple[Gpu, types.ModuleType]]:
 
 
 class DevicePlane:
-    """A plane of a cache "on the device" for :class:`connector.transfer.engines.PagedKV`: its block count and device."""
+    """A plane of a cache "on the device" for :class:`connector.transfer.engines.PagedKV`: its block count and
+    device."""
 
     def __init__(self, blocks: int) -> None:
         self.shape = (blocks,)
