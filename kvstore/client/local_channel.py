@@ -39,7 +39,7 @@ from kvstore.wire.framing import (
     unavailable,
 )
 
-log = logging.getLogger("kvstore.client")
+log = logging.getLogger(__name__)
 
 
 def within_limit(request: bytes, limit: int) -> None:

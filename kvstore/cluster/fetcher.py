@@ -35,7 +35,7 @@ from kvstore.store.remote import MAX_HOLDERS, PeerBlock
 from kvstore.tier_table import shared_bits
 from kvstore.util.tasks import cancel_and_wait
 
-log = logging.getLogger("kvstore.cluster.node")  # (the node's logger: its parts log as the node did)
+log = logging.getLogger(__name__)
 
 
 class Arrived(NamedTuple):

@@ -29,7 +29,7 @@ from kvstore.errors import Unavailable
 from kvstore.stats.counters import Stats
 from kvstore.util.logs import Once, Throttled
 
-log = logging.getLogger("kvstore.cluster.node")  # (the node's logger: its parts log as the node did)
+log = logging.getLogger(__name__)
 ABSENT_TRACKED = 65536  # nodes missing from the members followed at once (records of forged names)
 FORGET_MEMBERS_BATCH = 32768  # unreadable members entries deleted at most a heartbeat
 

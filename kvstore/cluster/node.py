@@ -38,7 +38,7 @@ from kvstore.store.door import StoreDoor
 from kvstore.store.remote import PeerBlock
 from kvstore.util.tasks import TaskHealth, cancel_and_wait, every
 
-log = logging.getLogger("kvstore.cluster.node")
+log = logging.getLogger(__name__)
 HEARTBEAT_TASK, PUBLISH_TASK = "kvstore-cluster-heartbeat", "kvstore-cluster-publish"
 SWEEP_TASK = "kvstore-cluster-sweep"
 COUNTERS = (  # /stats "cluster": every one shown from the start, 0 until it happens

@@ -51,7 +51,7 @@ from kvstore.util.logs import Throttled
 from kvstore.util.tasks import cancel_and_wait
 from kvstore.wire import peer as w
 
-log = logging.getLogger("kvstore.cluster.peer_server")
+log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 5.0
 MAX_PENDING = 64  # connections that have not said hello yet; past it the oldest is dropped
 IDLE_TIMEOUT_S = 60.0

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Coroutine, Set
 from typing import Any
 
-log = logging.getLogger("kvstore.movers.tiering")
+log = logging.getLogger(__name__)
 
 
 class Crew:

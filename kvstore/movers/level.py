@@ -33,7 +33,7 @@ from kvstore.store.books.placement import Footprint, Space
 from kvstore.store.books.tenants import Quotas
 from kvstore.tiers.base import BlockMeta, BlockRef, Tier
 
-log = logging.getLogger("kvstore.movers.tiering")
+log = logging.getLogger(__name__)
 
 
 def _size(size: int, label: str) -> int:

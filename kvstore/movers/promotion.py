@@ -29,7 +29,7 @@ from kvstore.store.books.dram_space import DramSpace
 from kvstore.store.books.index import DRAM, Block, State
 from kvstore.tiers.verify import decoded, verified_get
 
-log = logging.getLogger("kvstore.movers.tiering")
+log = logging.getLogger(__name__)
 
 Waiting = list[tuple[Block, asyncio.Future[bool]]]  # a promotion batch: each block, and its readers' future
 

@@ -43,7 +43,7 @@ from kvstore.tiers.base import BlockRef, Recoverable, Row, ScansRows, meta_row
 from kvstore.util.tasks import cancel_and_wait
 from kvstore.util.tuning import freeze_loaded
 
-log = logging.getLogger("kvstore.movers.tiering")
+log = logging.getLogger(__name__)
 
 RECOVER_BATCH = 4096  # records entered between two yields to the event loop (tiering.recover_batch)
 

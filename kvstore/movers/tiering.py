@@ -50,7 +50,7 @@ from kvstore.tiers import build_tier
 from kvstore.tiers.base import Bounded
 from kvstore.util.tasks import TaskHealth
 
-log = logging.getLogger("kvstore.movers.tiering")
+log = logging.getLogger(__name__)
 
 def build_levels(space: DramSpace, config: Config, tenants: Tenants | None = None) -> list[Level]:
     """One level per enabled tier of the configured chain, fastest first."""

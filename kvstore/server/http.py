@@ -35,7 +35,7 @@ from kvstore.util.logs import Throttled
 if TYPE_CHECKING:
     from kvstore.config import ServerConfig
 
-log = logging.getLogger("kvstore.http")
+log = logging.getLogger(__name__)
 
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = ("/healthz", "/readyz")  # probes answer without the token

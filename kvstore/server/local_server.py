@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from kvstore.config import ServerConfig
     from kvstore.stats.counters import Stats
 
-log = logging.getLogger("kvstore.local")
+log = logging.getLogger(__name__)
 
 
 class _Abort(Exception):

@@ -37,7 +37,7 @@ from kvstore.util.logs import Throttled
 from kvstore.v1 import kvstore_pb2 as pb
 from kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 
-log = logging.getLogger("kvstore.server.service")
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 # placement mask -> the proto value of its fastest tier (kvstore/tier_table.py's proto column)

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from kvstore.cluster.node import ClusterNode
     from kvstore.server.http import HttpServer
 
-log = logging.getLogger("kvstore.server.sidecar")
+log = logging.getLogger(__name__)
 BACKGROUND_TASK = "kvstore-background"
 SAMPLE_EVERY_S = 2.0  # the hit-rate history's step
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvstore.dram.slab import unlink_stale
 
-log = logging.getLogger("kvstore.server.watchdog")
+log = logging.getLogger(__name__)
 EXIT_STUCK = 70  # EX_SOFTWARE
 
 

@@ -60,7 +60,7 @@ from kvstore.store.sealing import Sealing
 
 __all__ = ["BlockSpec", "BlockStore", "CommitSpec"]  # a request's blocks are defined with their checks
 
-log = logging.getLogger("kvstore.store.block_store")
+log = logging.getLogger(__name__)
 _TIERS = operator.attrgetter("tiers")
 
 

@@ -30,7 +30,7 @@ from kvstore.stats.counters import Stats
 from kvstore.store.books.dram_space import DramSpace, Tenure, held, tenure
 from kvstore.store.books.index import Block, Index, Lease
 
-log = logging.getLogger("kvstore.store.block_store")  # (the store's log: what operators grep for)
+log = logging.getLogger(__name__)
 
 Bytes = np.ndarray | memoryview
 

@@ -66,7 +66,7 @@ from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
 from kvstore.tiers.segments.tier import LAYOUT_FILE, SegmentTier
 
-log = logging.getLogger("kvstore.tiers.ssd")
+log = logging.getLogger(__name__)
 
 SUFFIX = ".blk"
 TMP_SUFFIX = ".tmp"

@@ -12,7 +12,7 @@ from typing import Any
 from kvstore.util.backoff import Backoff
 from kvstore.util.logs import Throttled
 
-log = logging.getLogger("kvstore.tasks")
+log = logging.getLogger(__name__)
 SEEN_ERRORS = 256  # distinct errors logged in full (with their traceback); the rest are throttled
 BACKOFF_CAP_S = 10.0  # the longest wait between two failed passes of a background loop
 

@@ -1,6 +1,7 @@
 """The cluster node split into membership, publisher and fetcher (issue #31) behaves as the one
-``ClusterNode`` did: what it logs under which logger, and what a lookup does when the publisher
-holds as many void records as it keeps. Real sidecars and a real redis-server as the directory."""
+``ClusterNode`` did: what a lookup does when the publisher holds as many void records as it keeps;
+and each part logs under its own module's logger (issue #40). Real sidecars and a real
+redis-server as the directory."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from kvstore.store.books.index import DRAM
 from tests.cluster.nodes import BLOCK, client_of, keys_for, node_config
 from tests.cluster.test_cluster_races import eventually
 
-NODE_LOGGER = "kvstore.cluster.node"
+HEARTBEAT_LOGGER = "kvstore.cluster.membership"  # the module that runs the heartbeat
 
 
 def _closed_port() -> int:
@@ -29,20 +30,20 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def test_the_cluster_logs_under_the_nodes_logger_as_before_the_split(
+async def test_the_heartbeat_logs_under_its_own_modules_logger(
     tmp_path: Path, directory: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Every log line of the cluster node went out under ``kvstore.cluster.node`` (the JSON logs'
-    ``logger`` field, what an operator filters on); the split sent the heartbeat's, the
-    publisher's and the fetcher's under loggers of their own modules. (The tiers' split kept
-    ``kvstore.movers.tiering`` for all of its modules.)"""
+    """A log line goes out under the logger of the module that writes it (the JSON logs' ``logger``
+    field): the heartbeat's under ``kvstore.cluster.membership``, not the facade's
+    ``kvstore.cluster.node`` as before issue #40; an operator filters on ``kvstore.cluster`` for
+    every part of the node (loggers are a hierarchy)."""
     caplog.set_level(logging.INFO, logger="kvstore")
     cfg = node_config(tmp_path, "a", directory, **{"cluster.directory_url": f"redis://127.0.0.1:{_closed_port()}/0"})
     async with Sidecar(cfg) as a:  # (no server at that port: the start's heartbeat fails)
         assert a.cluster is not None and not a.cluster.active
     lines = [r for r in caplog.records if "cluster directory unreachable" in r.getMessage()]
     assert lines, caplog.text
-    assert {r.name for r in lines} == {NODE_LOGGER}
+    assert {r.name for r in lines} == {HEARTBEAT_LOGGER}
 
 
 async def test_a_lookup_past_the_void_records_kept_leaves_the_absent_members_alone(

@@ -25,7 +25,7 @@ from kvstore.errors import ChecksumMismatch, ResourceExhausted
 from kvstore.tiers.base import BlockMeta
 from kvstore.tiers.recycle import FREE_DIR
 
-log = logging.getLogger("kvstore.tiers.segments.migrate")
+log = logging.getLogger(__name__)
 
 BATCH = 64
 _NS_DIR = re.compile(r"[0-9a-f]{16}")

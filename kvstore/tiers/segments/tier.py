@@ -60,7 +60,7 @@ from kvstore.tiers.segments.rows import Rows
 from kvstore.tiers.segments.slots import PAGE, Slots, pages
 from kvstore.util.threads import split
 
-log = logging.getLogger("kvstore.tiers.segments.tier")
+log = logging.getLogger(__name__)
 
 LAYOUT_FILE = "LAYOUT"
 LAYOUT = "segments 1\n"
