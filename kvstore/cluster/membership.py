@@ -20,10 +20,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from itertools import islice
 
 from kvstore.cluster.directory import Directory, Member, Record
 from kvstore.cluster.sweep import Sweeper
-from kvstore.cluster.unreadable import UnreadableMembers
 from kvstore.config import ClusterConfig
 from kvstore.errors import Unavailable
 from kvstore.stats.counters import Stats
@@ -207,7 +207,7 @@ class Membership:
 
     async def _unreadable_members(self, entries: dict[bytes, bytes], now_ms: int) -> None:
         """Count the members entries this node cannot read (skipped) and delete those that have
-        outlasted a lease unchanged (:mod:`kvstore.cluster.unreadable`)."""
+        outlasted a lease unchanged (:class:`UnreadableMembers`, below)."""
         new = self._unreadable.seen(entries, now_ms)
         if new:
             self.stats["members_unreadable"] += new
@@ -254,3 +254,45 @@ class Membership:
     def round_trip(self, op: str, start: float, outcome: str) -> None:
         """A directory call begun at ``start`` (``time.perf_counter()``) has ended: its latency."""
         self.latency.histogram("directory", (op, outcome)).since(start)
+
+
+# --- The ``members`` entries a node cannot read, and since when each has been there unchanged. An entry
+# that is not UTF-8 or not ``address|incarnation|expiry_ms`` (a stray write, a bad byte, a version
+# that writes another format) is skipped by every read of the members
+# (:func:`~kvstore.cluster.directory.parse_member`); nobody renews it, so once it has been there
+# unchanged for longer than a lease it is deleted (compare-and-delete: an entry rewritten since
+# stays), a bounded batch a heartbeat. So such entries cannot pile up and slow every heartbeat.
+
+TRACKED = 1 << 20  # entries followed at most (the rest are followed once those are gone)
+
+
+class UnreadableMembers:
+    def __init__(self) -> None:
+        self._since: dict[bytes, tuple[bytes, int]] = {}  # field -> (value, first seen in directory ms)
+
+    def __len__(self) -> int:
+        return len(self._since)
+
+    def seen(self, entries: dict[bytes, bytes], now_ms: int) -> int:
+        """The unreadable entries of a heartbeat (field -> value) read at ``now_ms`` (the
+        directory's clock); how many of them are new (or changed) since the last one."""
+        since: dict[bytes, tuple[bytes, int]] = {}
+        new = 0
+        for field, value in islice(entries.items(), TRACKED):
+            prev = self._since.get(field)
+            if prev is not None and prev[0] == value:
+                since[field] = prev
+            else:
+                since[field] = (value, now_ms)
+                new += 1
+        self._since = since
+        return new
+
+    def due(self, now_ms: int, age_ms: int, limit: int) -> list[tuple[bytes, bytes]]:
+        """Up to ``limit`` entries (field, value) unchanged for ``age_ms`` or longer at ``now_ms``."""
+        old = ((f, v) for f, (v, t) in self._since.items() if now_ms - t >= age_ms)
+        return list(islice(old, limit))
+
+    def gone(self, entries: list[tuple[bytes, bytes]]) -> None:
+        for field, _ in entries:
+            self._since.pop(field, None)

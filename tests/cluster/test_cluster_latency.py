@@ -77,7 +77,7 @@ async def test_the_sweeps_passes_are_timed(pair: tuple[Sidecar, Sidecar]) -> Non
 async def test_the_deletion_of_unreadable_members_entries_is_timed(
     pair: tuple[Sidecar, Sidecar], directory: RedisServer
 ) -> None:
-    """Deleting members entries nobody can read (kvstore/cluster/unreadable.py), once they have
+    """Deleting members entries nobody can read (kvstore/cluster/membership.py, `UnreadableMembers`), once they have
     outlasted a lease (1 s here), is a directory round trip of its own after the heartbeat's,
     ``op="forget_members"`` (bounded polling, no timing assumed)."""
     a, _ = pair
