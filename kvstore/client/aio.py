@@ -31,12 +31,12 @@ from kvstore.client.calls import (
     AllocationState,
     AsyncCall,
     AsyncTransport,
+    Calls,
     LeaseState,
     LookupResult,
     PutResult,
     Retain,
     ShardRun,
-    Wire,
     acquired_shards,
     as_uint8,
 )
@@ -58,7 +58,7 @@ class KVStoreClient:
         there against 1.5-1.7 ms over gRPC). Where the socket cannot be opened the client stays on gRPC."""
         self._grpc = AsyncGrpcChannel(channel, metadata)
         self._transport: AsyncTransport = self._grpc
-        self._wire = Wire()
+        self._requests = Calls()
         self._token = token
         self._want_local = local
         self._choosing: asyncio.Lock | None = None  # made on first use, in the caller's event loop
@@ -125,19 +125,19 @@ class KVStoreClient:
         return AsyncPipeline(self._call)
 
     async def lookup(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> LookupResult:
-        return Wire.lookup_result(await self._call("Lookup", self._wire.lookup(ns, keys, lease_ttl_ms)))
+        return Calls.lookup_result(await self._call("Lookup", self._requests.lookup(ns, keys, lease_ttl_ms)))
 
     def allocate(
         self, ns: Namespace, keys: Sequence[bytes], sizes: Sequence[int] | int, parents: Sequence[bytes] | None = None,
         *, first_parent: bytes = b"", ttl_ms: int = 0,
     ) -> Allocation:
         """Reserve slots (``async with``); write into :meth:`Allocation.writable`, then commit."""
-        return Allocation(self._call, self._wire.allocate(ns, keys, sizes, parents, first_parent, ttl_ms))
+        return Allocation(self._call, self._requests.allocate(ns, keys, sizes, parents, first_parent, ttl_ms))
 
     def acquire(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0, retain: Retain = (0, 0)) -> Lease:
         """Lease the leading run of ``keys`` readable now (``async with``), as zero-copy views.
         With ``retain`` (retain_ms, retain_priority) the leased run is retained (a soft pin)."""
-        return Lease(self._call, self._wire.acquire(ns, keys, lease_ttl_ms, *retain))
+        return Lease(self._call, self._requests.acquire(ns, keys, lease_ttl_ms, *retain))
 
     async def acquire_shards(
         self, ns: Namespace, keys: Sequence[bytes], shards: Sequence[tuple[Namespace, Sequence[bytes]]],
@@ -146,7 +146,7 @@ class KVStoreClient:
         """Lease the leading run of blocks that every shard holds (``ns``'s ``keys`` and each of
         ``shards``: the ranks of a tensor-parallel engine), in one round trip: per shard, its own
         first, its lease and where its blocks lie. The caller releases each lease."""
-        r = await self._call("Acquire", self._wire.acquire(ns, keys, lease_ttl_ms, shards=shards))
+        r = await self._call("Acquire", self._requests.acquire(ns, keys, lease_ttl_ms, shards=shards))
         return acquired_shards(r, len(keys), len(shards))
 
     async def release(self, lease_id: str) -> int:
@@ -154,17 +154,17 @@ class KVStoreClient:
         return r.released
 
     async def delete(self, ns: Namespace, keys: Sequence[bytes] = (), *, all_keys: bool = False) -> tuple[int, int]:
-        r = await self._call("Delete", self._wire.delete(ns, keys, all_keys))
+        r = await self._call("Delete", self._requests.delete(ns, keys, all_keys))
         return r.deleted, r.skipped_leased
 
     async def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        r: pb.PrefetchResponse = await self._call("Prefetch", self._wire.prefetch(ns, keys), timeout=300)
+        r: pb.PrefetchResponse = await self._call("Prefetch", self._requests.prefetch(ns, keys), timeout=300)
         return r.ready
 
     async def retain(self, ns: Namespace, keys: Sequence[bytes], retain_ms: int, retain_priority: int = 0) -> int:
         """Retain the blocks of ``keys`` the sidecar holds for ``retain_ms`` (0: end their retention),
         a soft pin (docs/architecture.md); how many it holds. Past the tenant's bound: ResourceExhausted."""
-        r: pb.RetainResponse = await self._call("Retain", self._wire.retain(ns, keys, retain_ms, retain_priority))
+        r: pb.RetainResponse = await self._call("Retain", self._requests.retain(ns, keys, retain_ms, retain_priority))
         return r.retained
 
     async def stats(self) -> dict[str, Any]:
@@ -173,7 +173,7 @@ class KVStoreClient:
         return doc
 
     async def report(self, decisions: Sequence[dict[str, Any]]) -> None:
-        await self._call("Report", Wire.report(decisions))
+        await self._call("Report", Calls.report(decisions))
 
     async def put_blocks(
         self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence[Any], parents: Sequence[bytes] | None = None,

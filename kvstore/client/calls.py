@@ -208,7 +208,7 @@ class PutResult:
     written_through: int = 0  # with wait_write_through: blocks every write-through tier holds
 
 
-class Wire:
+class Calls:
     """Request builders and response readers shared by the async and the blocking client."""
 
     def __init__(self) -> None:

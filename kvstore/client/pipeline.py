@@ -29,7 +29,7 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from kvstore.client.calls import DEFAULT_TIMEOUT_S, AsyncCall, Wire
+from kvstore.client.calls import DEFAULT_TIMEOUT_S, AsyncCall, Calls
 from kvstore.client.local_channel import after_failure, connect, within_limit
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
@@ -63,7 +63,7 @@ class Pipeline:
         self._token = token.encode()
         self._timeout = timeout
         self._limit = 0  # the longest call frame the sidecar takes, from its last hello (0: not known)
-        self._wire = Wire()
+        self._requests = Calls()
         self._sock: socket.socket | None = None
         self._pending: deque[Call] = deque()
         self._lock = threading.RLock()
@@ -121,7 +121,7 @@ class Pipeline:
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes], then: Then | None = None) -> Call:
         """Send a ``Lookup`` (no lease): its answer (a ``LookupResponse``: ``matched``, ...) as :meth:`send`'s."""
-        return self.send("Lookup", self._wire.lookup(ns, keys, 0), then)
+        return self.send("Lookup", self._requests.lookup(ns, keys, 0), then)
 
     def acquire(
         self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int, then: Then | None = None,
@@ -130,7 +130,7 @@ class Pipeline:
         """Send an ``Acquire`` (packed; over ``shards`` too, when given): its answer (an
         ``AcquireResponse``, read with :func:`~kvstore.client.calls.acquired` or
         :func:`~kvstore.client.calls.acquired_shards`) as :meth:`send`'s."""
-        return self.send("Acquire", self._wire.acquire(ns, keys, lease_ttl_ms, shards=shards), then)
+        return self.send("Acquire", self._requests.acquire(ns, keys, lease_ttl_ms, shards=shards), then)
 
     def release(self, lease_id: str, then: Then | None = None) -> Call:
         """Send a ``Release`` of ``lease_id``: its answer (a ``ReleaseResponse``) as :meth:`send`'s."""
@@ -266,7 +266,7 @@ class AsyncPipeline:
 
     def __init__(self, call: AsyncCall) -> None:
         self._call = call
-        self._wire = Wire()
+        self._requests = Calls()
         self._calls: set[asyncio.Future[Any]] = set()
 
     def send(self, name: str, request: Message, then: Then | None = None) -> asyncio.Future[Any]:
@@ -281,14 +281,14 @@ class AsyncPipeline:
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes], then: Then | None = None) -> asyncio.Future[Any]:
         """:meth:`Pipeline.lookup`."""
-        return self.send("Lookup", self._wire.lookup(ns, keys, 0), then)
+        return self.send("Lookup", self._requests.lookup(ns, keys, 0), then)
 
     def acquire(
         self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int, then: Then | None = None,
         shards: Sequence[tuple[Namespace, Sequence[bytes]]] = (),
     ) -> asyncio.Future[Any]:
         """:meth:`Pipeline.acquire`."""
-        return self.send("Acquire", self._wire.acquire(ns, keys, lease_ttl_ms, shards=shards), then)
+        return self.send("Acquire", self._requests.acquire(ns, keys, lease_ttl_ms, shards=shards), then)
 
     def release(self, lease_id: str, then: Then | None = None) -> asyncio.Future[Any]:
         """:meth:`Pipeline.release`."""

@@ -27,13 +27,13 @@ from kvstore.client.calls import (
     DEFAULT_TIMEOUT_S,
     AllocationState,
     Call,
+    Calls,
     LeaseState,
     LookupResult,
     PutResult,
     Retain,
     ShardRun,
     Transport,
-    Wire,
     acquired_shards,
     as_uint8,
 )
@@ -58,7 +58,7 @@ class SyncClient:
         use). Where the socket cannot be opened the client stays on gRPC."""
         self._grpc = GrpcChannel(*open_channel(url, token, root_certificates, max_message_bytes, aio=False))
         self._transport: Transport = self._grpc
-        self._wire = Wire()
+        self._requests = Calls()
         self._token = token
         self._want_local = local
         self._choosing = threading.Lock()
@@ -117,21 +117,21 @@ class SyncClient:
         return open_pipeline(hello.local_socket, self._token)
 
     def lookup(self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0) -> LookupResult:
-        return Wire.lookup_result(self._call("Lookup", self._wire.lookup(ns, keys, lease_ttl_ms)))
+        return Calls.lookup_result(self._call("Lookup", self._requests.lookup(ns, keys, lease_ttl_ms)))
 
     def allocate(
         self, ns: Namespace, keys: Sequence[bytes], sizes: Sequence[int] | int, parents: Sequence[bytes] | None = None,
         *, first_parent: bytes = b"", ttl_ms: int = 0,
     ) -> SyncAllocation:
         """Reserve slots (``with``); write into :meth:`SyncAllocation.writable`, then commit."""
-        return SyncAllocation(self._call, self._wire.allocate(ns, keys, sizes, parents, first_parent, ttl_ms))
+        return SyncAllocation(self._call, self._requests.allocate(ns, keys, sizes, parents, first_parent, ttl_ms))
 
     def acquire(
         self, ns: Namespace, keys: Sequence[bytes], lease_ttl_ms: int = 0, retain: Retain = (0, 0)
     ) -> SyncLease:
         """Lease the leading run of ``keys`` readable now (``with``), as zero-copy views.
         With ``retain`` (retain_ms, retain_priority) the leased run is retained (a soft pin)."""
-        return SyncLease(self._call, self._wire.acquire(ns, keys, lease_ttl_ms, *retain))
+        return SyncLease(self._call, self._requests.acquire(ns, keys, lease_ttl_ms, *retain))
 
     def acquire_shards(
         self, ns: Namespace, keys: Sequence[bytes], shards: Sequence[tuple[Namespace, Sequence[bytes]]],
@@ -140,7 +140,7 @@ class SyncClient:
         """Lease the leading run of blocks that every shard holds (``ns``'s ``keys`` and each of
         ``shards``: the ranks of a tensor-parallel engine), in one round trip: per shard, its own
         first, its lease and where its blocks lie. The caller releases each lease."""
-        r = self._call("Acquire", self._wire.acquire(ns, keys, lease_ttl_ms, shards=shards))
+        r = self._call("Acquire", self._requests.acquire(ns, keys, lease_ttl_ms, shards=shards))
         return acquired_shards(r, len(keys), len(shards))
 
     def release(self, lease_id: str) -> int:
@@ -148,17 +148,17 @@ class SyncClient:
         return r.released
 
     def delete(self, ns: Namespace, keys: Sequence[bytes] = (), *, all_keys: bool = False) -> tuple[int, int]:
-        r = self._call("Delete", self._wire.delete(ns, keys, all_keys))
+        r = self._call("Delete", self._requests.delete(ns, keys, all_keys))
         return r.deleted, r.skipped_leased
 
     def prefetch(self, ns: Namespace, keys: Sequence[bytes]) -> int:
-        r: pb.PrefetchResponse = self._call("Prefetch", self._wire.prefetch(ns, keys), timeout=300)
+        r: pb.PrefetchResponse = self._call("Prefetch", self._requests.prefetch(ns, keys), timeout=300)
         return r.ready
 
     def retain(self, ns: Namespace, keys: Sequence[bytes], retain_ms: int, retain_priority: int = 0) -> int:
         """Retain the blocks of ``keys`` the sidecar holds for ``retain_ms`` (0: end their retention),
         a soft pin (docs/architecture.md); how many it holds. Past the tenant's bound: ResourceExhausted."""
-        r: pb.RetainResponse = self._call("Retain", self._wire.retain(ns, keys, retain_ms, retain_priority))
+        r: pb.RetainResponse = self._call("Retain", self._requests.retain(ns, keys, retain_ms, retain_priority))
         return r.retained
 
     def stats(self) -> dict[str, Any]:
@@ -167,7 +167,7 @@ class SyncClient:
         return doc
 
     def report(self, decisions: Sequence[dict[str, Any]]) -> None:
-        self._call("Report", Wire.report(decisions))
+        self._call("Report", Calls.report(decisions))
 
     def put_blocks(
         self, ns: Namespace, keys: Sequence[bytes], blocks: Sequence[Any], parents: Sequence[bytes] | None = None,

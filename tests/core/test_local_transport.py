@@ -51,7 +51,7 @@ BAD_CALLS = [
     lambda c: c.release("no-such-lease"),
     lambda c: c._call("Commit", pb.CommitRequest(allocation_id="nope")),
     lambda c: c._call("Allocate", pb.AllocateRequest()),
-    lambda c: c._call("Acquire", c._wire.acquire(NS, [b"x" * 31], 0)),
+    lambda c: c._call("Acquire", c._requests.acquire(NS, [b"x" * 31], 0)),
 ]
 
 
