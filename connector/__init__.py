@@ -1,11 +1,13 @@
 """Engine-side connector: moves KV blocks between an engine's cache and the kvstore sidecar.
 
-Modules, one concept each:
+The top level reads engines, roles, bytes, cost:
 
-* :mod:`connector.transfer.layout` -- KV layouts (``vllm_cpu``, ``vllm_gpu``, ``hf``) and the slot byte order.
-* :mod:`connector.transfer.engines` -- gather/scatter between paged KV and DRAM slots (numpy; cupy on GPU).
-* :mod:`connector.cost` -- reload-or-recompute cost model and its calibration.
-* :mod:`connector.roles` -- framework-neutral scheduler side and worker side, with the metadata
-  that flows from one to the other each step.
-* :mod:`connector.hf` -- transformers adapter (DynamicCache) and the prefill/decode handoff.
+* engines -- :mod:`connector.vllm` (the vLLM adapter, a facade vLLM loads as
+  ``connector.vllm.KVStoreConnector``) and :mod:`connector.hf` (transformers' DynamicCache).
+* roles -- :mod:`connector.roles`: the framework-neutral scheduler side and worker side, with the
+  metadata that flows from one to the other each step.
+* bytes -- :mod:`connector.transfer`: KV layouts and the slot byte order (``layout``), the copy plan
+  (``plan``), the engines that run it (``engines``: CPU; ``cuda``: GPU) and their kernels
+  (``native``, ``kernels/``).
+* cost -- :mod:`connector.cost`: the reload-or-recompute model and its calibration.
 """

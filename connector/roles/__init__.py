@@ -1,4 +1,4 @@
-"""Framework-neutral connector core, split by role as vLLM's ``KVConnectorBase_V1`` is.
+"""The connector's two roles, framework-neutral, split as vLLM's ``KVConnectorBase_V1`` is.
 
 * :class:`SchedulerConnector` (role ``SCHEDULER``): lookups, reload-or-recompute decisions,
   save scheduling; emits one :class:`ConnectorMetadata` per step.

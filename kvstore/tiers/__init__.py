@@ -1,5 +1,5 @@
-"""Storage tiers below DRAM, built by name through one lazy registry: the backend column of
-:mod:`kvstore.tier_table`.
+"""The tier backends below DRAM, built by name through one lazy registry: the backend column of
+:mod:`kvstore.tier_table`. What moves blocks between DRAM and them is :mod:`kvstore.movers`.
 
 ``build_tier("redis", config)`` imports ``kvstore.tiers.redis`` only then, so redis-py and
 aioboto3 load only when their tier is selected (as vLLM's kv_connector factory does).
