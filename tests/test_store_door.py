@@ -35,11 +35,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("kvstore.store.books.index", "top_label"): "a label for the logs (a pure function)",
     ("kvstore.store.remote", "PeerBlock"): "the Remote Protocol's record of a block a peer holds",
     ("kvstore.store.remote", "MAX_HOLDERS"): "the Remote Protocol's bound (a constant)",
-    ("kvstore.stats.counters", "Stats"): "the counters (the door's stats)",
-    ("kvstore.stats.latency", "Latencies"): "the latency histograms (the door's stats)",
     ("kvstore.store.books.retention", "MAX_RETAIN_MS"): "a retention hint's bound (a constant)",
     ("kvstore.store.books.retention", "PRIORITIES"): "a retention hint's priorities (a constant)",
-    ("kvstore.checksum", "checksum"): "foundation: the checksum of a block's bytes",
 }
 FORBIDDEN_NAME = "BlockStore"
 # attributes named after the store's rooms: the door hands out calls, never these
