@@ -47,7 +47,8 @@ ROOT = Path(__file__).resolve().parents[1] / "kvstore"
 ASKS = {"pop_victim", "least"}
 MAY_ASK = {"store/books/retention.py", "store/books/placement.py"}
 MAY_ASK_IN = {("sim/replay.py", "plain_pop")}
-PASSERS = (kvstore.movers.demotion, kvstore.movers.eviction)  # next_home, for a block that leaves outside a capacity loop
+# next_home, for a block that leaves outside a capacity loop
+PASSERS = (kvstore.movers.demotion, kvstore.movers.eviction)
 BOUNDERS = (kvstore.movers.eviction, kvstore.sim.replay, kvstore.sim.cluster)  # evictions: a space within its capacity
 SIM = ROOT / "sim"
 NS = Namespace(model="tiny-llama", kv_layout="raw", dtype="float16", block_size=16)

@@ -29,7 +29,6 @@ from collections.abc import Awaitable, Collection, Mapping, Sequence, Set
 from contextlib import AbstractContextManager
 
 from kvstore.config import Config
-from kvstore.keys import NamespaceRoot
 from kvstore.movers.crew import Crew, ended
 from kvstore.movers.demotion import STAGING_LIMIT, Demotion
 from kvstore.movers.drain import Drained, drain
@@ -41,7 +40,7 @@ from kvstore.movers.recovery import RECOVER_BATCH, Recovery
 from kvstore.movers.removal import Removal
 from kvstore.movers.write_through import WriteThrough
 from kvstore.policy import make_policy
-from kvstore.store.books.below import Lower, Movers, NoMovers, nothing
+from kvstore.store.books.below import Lower, Movers, NoMovers, Unloaded, both, nothing
 from kvstore.store.books.dram_space import DramSpace
 from kvstore.store.books.index import SSD, Block
 from kvstore.store.books.tenants import Tenants
@@ -171,22 +170,21 @@ class Tiering:
     async def writes_ended(self, blocks: Sequence[Block]) -> None:
         await self.write_through.ended(blocks)
 
-    def forget(self, blocks: Sequence[Block]) -> Awaitable[None]:
+    def forget(self, blocks: Sequence[Block], unloaded: Unloaded | None = None) -> Awaitable[None]:
         """Take ``blocks`` out of every level's books now (a delete): a demotion in flight is no
         longer readable, each level forgets them (:mod:`kvstore.movers.removal`); awaiting the
-        result waits for their copies to be removed."""
+        result waits for their copies to be removed. ``unloaded``, keys the recovery has not
+        loaded yet (:meth:`Recovery.forget`): tombstoned for the loading, their records removed
+        from the recovered levels' tiers in a mover task (no bytes to release: no level counts
+        them yet)."""
         for b in blocks:
             self.demotion.drop(b)
-        return self.removal.forget(blocks)
-
-    def forget_unloaded(self, root: NamespaceRoot, keys: Sequence[bytes] | None) -> Awaitable[None]:
-        """A delete of blocks the recovery has not loaded yet (:meth:`Recovery.forget`): tombstoned
-        for the loading, their records removed from the recovered levels' tiers in a mover task
-        (no bytes to release: no level counts them yet)."""
-        refs = self.recovery.forget(root, keys)
+        copies = self.removal.forget(blocks) if blocks else nothing()
+        refs = self.recovery.forget(*unloaded) if unloaded is not None else None
         if not refs:
-            return nothing()
-        return ended(self.removal.remove({lv: (refs, 0) for lv in self.recovery.levels}))
+            return copies
+        records = ended(self.removal.remove({lv: (refs, 0) for lv in self.recovery.levels}))
+        return both(copies, records)
 
     async def flush(self) -> bool:
         """Wait for demotions, promotions and write-throughs in flight; whether there were any."""

@@ -385,8 +385,9 @@ class BlockStore:
         )
         # Keys a restart's recovery has not loaded yet (the whole namespace for all_keys): not
         # loaded after this either, their copies removed below (kvstore.movers.recovery).
-        unloaded = self.space.movers.forget_unloaded(
-            ns.root, None if all_keys else [k for k in dict.fromkeys(keys) if k not in ns.blocks])
+        unloaded = self.space.movers.forget(
+            (), (ns.root, None if all_keys else [k for k in dict.fromkeys(keys) if k not in ns.blocks])
+        )
         if any(b.moving and not b.leases for b in targets):
             # A write-through in flight reads these blocks' slots (a Commit that did not wait for
             # it): the delete waits for it, then deletes them everywhere, the copy it made too.

@@ -19,15 +19,19 @@ import contextlib
 from collections.abc import Awaitable, Collection, Mapping, Sequence, Set
 from contextlib import AbstractContextManager
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
+from kvstore.keys import NamespaceRoot
 from kvstore.tier_table import shared_bits
 
 if TYPE_CHECKING:
-    from kvstore.keys import NamespaceRoot
     from kvstore.policy.base import EvictionPolicy
     from kvstore.store.books.index import Block
     from kvstore.store.books.tenants import Quotas
+
+# A delete's keys a restart's recovery has not loaded yet: (namespace root, keys), keys None when
+# the whole namespace is dropped (Movers.forget).
+Unloaded: TypeAlias = tuple[NamespaceRoot, Sequence[bytes] | None]
 
 class Lower(Protocol):
     """One tier below DRAM: its placement bit, its policy and its books."""
@@ -174,15 +178,12 @@ class Movers(Protocol):
         """Wait until no write-through in flight reads any of ``blocks`` (``Block.moving``)."""
         ...
 
-    def forget(self, blocks: Sequence[Block]) -> Awaitable[None]:
+    def forget(self, blocks: Sequence[Block], unloaded: Unloaded | None = None) -> Awaitable[None]:
         """Take ``blocks`` out of every lower tier's bookkeeping now (a delete); awaiting the
-        result removes their copies."""
-        ...
-
-    def forget_unloaded(self, root: NamespaceRoot, keys: Sequence[bytes] | None) -> Awaitable[None]:
-        """A delete of ``keys`` the index does not hold (None: namespace ``root`` dropped) while a
-        restart's recovery is still loading: they are not loaded after it (awaiting the result
-        removes their copies from the tiers); nothing once the loading has ended."""
+        result removes their copies. ``unloaded``: a delete's keys the index does not hold yet,
+        ``(root, keys)`` (keys None: namespace ``root`` dropped), while a restart's recovery is
+        still loading: they are not loaded after it, and awaiting removes their copies from the
+        tiers too (nothing once the loading has ended)."""
         ...
 
     async def flush(self) -> bool:
@@ -223,10 +224,7 @@ class NoMovers:
     async def writes_ended(self, blocks: Sequence[Block]) -> None:
         pass
 
-    def forget(self, blocks: Sequence[Block]) -> Awaitable[None]:
-        return nothing()
-
-    def forget_unloaded(self, root: NamespaceRoot, keys: Sequence[bytes] | None) -> Awaitable[None]:
+    def forget(self, blocks: Sequence[Block], unloaded: Unloaded | None = None) -> Awaitable[None]:
         return nothing()
 
     async def flush(self) -> bool:
@@ -242,3 +240,9 @@ class NoMovers:
 
 async def nothing() -> None:
     pass
+
+
+async def both(first: Awaitable[None], second: Awaitable[None]) -> None:
+    """Await ``first``, then ``second``."""
+    await first
+    await second
