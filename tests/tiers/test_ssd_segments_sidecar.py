@@ -27,9 +27,10 @@ BLOCK = 4096
 CHAIN = 8  # blocks a prompt
 
 # Puts prompt after prompt (first token i, CHAIN blocks) until killed; each block's bytes are a
-# function of its key, so a reader can check any block it finds; the prompts done go to argv[2].
+# function of its key, so a reader can check any block it finds; the prompts done go to argv[2]
+# (written beside it and renamed over it).
 WRITER = f"""
-import hashlib, sys, numpy as np
+import hashlib, os, sys, numpy as np
 from kvstore.client import SyncClient
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.tiers.segments.tier import SegmentTier
@@ -38,8 +39,9 @@ c = SyncClient(sys.argv[1])
 for i in range(int(sys.argv[3]), 1_000_000):
     keys = prefix_keys(ns, [i] * (16 * {CHAIN}))
     c.put_blocks(ns, keys, [np.frombuffer(hashlib.sha256(k).digest() * {BLOCK // 32}, np.uint8) for k in keys])
-    with open(sys.argv[2], "w") as f:
-        f.write(str(i + 1))
+    with open(sys.argv[2] + ".new", "w") as f:  # (replaced whole: a kill -9 between the open's
+        f.write(str(i + 1))                      # truncation and the write left it empty once)
+    os.replace(sys.argv[2] + ".new", sys.argv[2])
 """
 
 
