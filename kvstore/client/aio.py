@@ -227,7 +227,7 @@ class Allocation(AllocationState):
         return self._committed(await self._send("Commit", req))
 
     async def abort(self) -> None:
-        self.done = True
+        self._finish()
         if self.id:
             with contextlib.suppress(KVStoreError):  # already reclaimed: nothing to release
                 await self._send("Abort", pb.AbortRequest(allocation_id=self.id))

@@ -348,24 +348,18 @@ class AllocationState(Opened[pb.AllocateResponse]):
         self.written_through = 0  # after commit(wait_write_through=True): blocks in every write-through tier
         self._writes: list[tuple[ReadOnlyMapping, list[Run]]] = []  # the slot pages made writable for it
         self._opened = False  # by writable(cpu=True)
-        self._done = False
+        self.done = False  # committed or aborted (or being so): its slots read-only again here (_finish)
 
-    @property
-    def done(self) -> bool:
-        """Committed or aborted (or being so): from then on its slots are read-only again here."""
-        return self._done
-
-    @done.setter
-    def done(self, done: bool) -> None:
-        self._done = done
-        if done:
-            self._end_writes()
+    def _finish(self) -> None:
+        """Mark it done (committed or aborted, or being so) and close its writable slot pages."""
+        self.done = True
+        self._end_writes()
 
     def _open_writes(self, refs: Sequence[SlotRef]) -> None:
         """Make the pages of ``refs`` writable where this process maps their slab read-only
         (:mod:`kvstore.dram.protect`); :meth:`_end_writes` before the Commit or Abort is sent
         (and nothing once it is done)."""
-        if self._done:
+        if self.done:
             return
         by_segment: dict[str, list[tuple[int, int]]] = {}
         for seg, off, n in refs:
@@ -407,7 +401,7 @@ class AllocationState(Opened[pb.AllocateResponse]):
                 self.slots.append(_Slot(b.key, False, views[i], b.slot.slot_id, refs_at[i]))
 
     def _undo(self) -> Undo:
-        self.done = True  # (ended, as abort() marks it)
+        self._finish()  # (ended, as abort() marks it)
         return Undo("Abort", pb.AbortRequest(allocation_id=self.id))
 
     def writable(self, cpu: bool = True) -> Iterator[tuple[int, np.ndarray]]:
@@ -440,7 +434,7 @@ class AllocationState(Opened[pb.AllocateResponse]):
                 c = checksum(s.view)  # type: ignore[arg-type]  # None: present, caller's bug
                 cb.checksum = self.checksums[i] = c
             blocks.append(cb)
-        self.done = True
+        self._finish()
         if not blocks:
             return None
         return pb.CommitRequest(

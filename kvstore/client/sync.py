@@ -215,7 +215,7 @@ class SyncAllocation(AllocationState):
         return self._committed(self._send("Commit", req))
 
     def abort(self) -> None:
-        self.done = True
+        self._finish()
         if self.id:
             with contextlib.suppress(KVStoreError):  # already reclaimed: nothing to release
                 self._send("Abort", pb.AbortRequest(allocation_id=self.id))
