@@ -234,9 +234,9 @@ QUOTA_TIERS = NAMES  # the tiers a tenant quota may be set for: every row of kvs
 # place of the value: tenants.retained_fraction, and what kvstore replay's hints may hold), tuned
 # by replay on the agentic and the shared traces (docs/eviction.md, "Hints the cache can afford").
 RETAINED_FRACTION = 0.6
-# tenants.retained_adaptive: off; over the hints table it meets the goal in 71 of 72 cells (the agentic
-# trace's global cache of 8 x 5%, credit: 0.99993x), gives up most of the fixed share's gains at 5% over
-# 8 nodes, and a node's first hinted turns decide its share: docs/eviction.md.
+# tenants.retained_adaptive: off; over the hints table it meets the goal in all 72 cells (the lowest, the
+# agentic trace's global cache of 8 x 5%, credit: 1.00006x), gives up most of the fixed share's gains at 5%
+# over 8 nodes, and a node's first hinted turns decide its share: docs/eviction.md.
 RETAINED_ADAPTIVE = False
 
 Bytes = Annotated[int, Field(ge=0)]

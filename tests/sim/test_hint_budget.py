@@ -298,3 +298,22 @@ def test_a_node_whose_retained_turns_come_back_before_the_cache_turned_over_refu
     assert node.retention.budget is not None
     worth = node.retention.budget.worth
     assert held == [2, 0, 0, 0] and worth.judged["early"] == 2 and worth.scale == 0.0
+
+
+def test_a_large_bound_refuses_hints_after_as_many_early_returns_as_a_long_turn_not_a_share_of_it() -> None:
+    """On a bound of 2^20 blocks (a global cache, a big DRAM) every retained block comes back before
+    the cache turned over (early): the priors are at most 256 blocks paid and 512 cost
+    (:data:`~kvstore.store.hint_worth.PRIOR_BLOCKS`), so 3584 early blocks (a long turn or a few)
+    take the share to nothing, as on a node of 256 x 64 blocks; with priors of 1/64 and 1/32 of the
+    bound it took 2^18 of them (before, 3584 left the whole share)."""
+    from kvstore.store.hint_worth import HintWorth
+
+    _, _, blocks = cache(1)
+    worth = HintWorth((1 << 20) * SIZE, (1 << 21) * SIZE)
+    for _ in range(3583):
+        worth.retained(blocks[0])
+        worth.used([blocks[0]], 0)
+    assert worth.judged["early"] == 3583 and 0.0 < worth.scale < 1.0
+    worth.retained(blocks[0])
+    worth.used([blocks[0]], 0)
+    assert worth.scale == 0.0
