@@ -145,13 +145,13 @@ def test_the_replay_takes_the_fraction_and_rejects_a_bad_one(
     assert main(["replay", str(path), "--capacity", "5%", "--hints", "until-returned:600", "--retained-fraction",
                  "0.25", "--policy", "lru", "--json", "--no-progress"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["retained_fraction"] == 0.25 and out["retained_adaptive"] is False  # (the default)
+    assert out["retained_fraction"] == 0.25 and out["retained_adaptive"] is True  # (the default)
     assert out["policies"]["lru"]["hints"]["retained_peak_blocks"] <= out["capacity_blocks"] * 0.25
     assert main(["replay", str(path), "--capacity", "5%", "--adaptive-share"]) == 2  # (without --hints)
     assert "--adaptive-share" in capsys.readouterr().err
-    assert main(["replay", str(path), "--capacity", "5%", "--hints", "until-returned:600", "--adaptive-share",
+    assert main(["replay", str(path), "--capacity", "5%", "--hints", "until-returned:600", "--no-adaptive-share",
                  "--policy", "lru", "--json", "--no-progress"]) == 0
-    assert json.loads(capsys.readouterr().out)["retained_adaptive"] is True
+    assert json.loads(capsys.readouterr().out)["retained_adaptive"] is False
 
 
 def test_a_hint_judged_beside_many_retained_blocks_costs_its_own_blocks() -> None:
