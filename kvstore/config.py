@@ -234,10 +234,11 @@ QUOTA_TIERS = NAMES  # the tiers a tenant quota may be set for: every row of kvs
 # place of the value: tenants.retained_fraction, and what kvstore replay's hints may hold), tuned
 # by replay on the agentic and the shared traces (docs/eviction.md, "Hints the cache can afford").
 RETAINED_FRACTION = 0.6
-# tenants.retained_adaptive: off; over the hints table it meets the goal in 71 of 72 cells (the agentic
-# trace's global cache of 8 x 5%, credit: 0.99993x), gives up most of the fixed share's gains at 5% over
-# 8 nodes, and a node's first hinted turns decide its share: docs/eviction.md.
-RETAINED_ADAPTIVE = False
+# tenants.retained_adaptive: on; over the hints table it meets the goal in all 72 cells (the lowest, the
+# agentic trace's global cache of 8 x 5%, credit: 1.00006x), the fixed share (false) in 62; it gives up
+# most of the fixed share's gains at 5% over 8 nodes, and a node's first hinted turns decide its share:
+# docs/eviction.md.
+RETAINED_ADAPTIVE = True
 
 Bytes = Annotated[int, Field(ge=0)]
 # A tier's own key, ``<tier>_<suffix>`` (``ssd_quota_bytes``), sets that tier's entry of the mapping.

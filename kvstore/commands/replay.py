@@ -103,7 +103,7 @@ def register(subparsers: Subparsers) -> None:
                         "hints may hold together (default: the sidecar's default; 1: hints may hold it all)")
     p.add_argument("--adaptive-share", action=argparse.BooleanOptionalAction, default=None,
                    help="with --hints: the replayed sidecar's tenants.retained_adaptive (the share for hints scaled "
-                        "per node by what its hints were worth; default: the sidecar's default, off)")
+                        "per node by what its hints were worth; default: the sidecar's default, on)")
     p.set_defaults(func=run)
 
 

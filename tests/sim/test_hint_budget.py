@@ -145,13 +145,13 @@ def test_the_replay_takes_the_fraction_and_rejects_a_bad_one(
     assert main(["replay", str(path), "--capacity", "5%", "--hints", "until-returned:600", "--retained-fraction",
                  "0.25", "--policy", "lru", "--json", "--no-progress"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["retained_fraction"] == 0.25 and out["retained_adaptive"] is False  # (the default)
+    assert out["retained_fraction"] == 0.25 and out["retained_adaptive"] is True  # (the default)
     assert out["policies"]["lru"]["hints"]["retained_peak_blocks"] <= out["capacity_blocks"] * 0.25
     assert main(["replay", str(path), "--capacity", "5%", "--adaptive-share"]) == 2  # (without --hints)
     assert "--adaptive-share" in capsys.readouterr().err
-    assert main(["replay", str(path), "--capacity", "5%", "--hints", "until-returned:600", "--adaptive-share",
+    assert main(["replay", str(path), "--capacity", "5%", "--hints", "until-returned:600", "--no-adaptive-share",
                  "--policy", "lru", "--json", "--no-progress"]) == 0
-    assert json.loads(capsys.readouterr().out)["retained_adaptive"] is True
+    assert json.loads(capsys.readouterr().out)["retained_adaptive"] is False
 
 
 def test_a_hint_judged_beside_many_retained_blocks_costs_its_own_blocks() -> None:
@@ -298,3 +298,22 @@ def test_a_node_whose_retained_turns_come_back_before_the_cache_turned_over_refu
     assert node.retention.budget is not None
     worth = node.retention.budget.worth
     assert held == [2, 0, 0, 0] and worth.judged["early"] == 2 and worth.scale == 0.0
+
+
+def test_a_large_bound_refuses_hints_after_as_many_early_returns_as_a_long_turn_not_a_share_of_it() -> None:
+    """On a bound of 2^20 blocks (a global cache, a big DRAM) every retained block comes back before
+    the cache turned over (early): the priors are at most 256 blocks paid and 512 cost
+    (:data:`~kvstore.store.books.hint_worth.PRIOR_BLOCKS`), so 3584 early blocks (a long turn or a few)
+    take the share to nothing, as on a node of 256 x 64 blocks; with priors of 1/64 and 1/32 of the
+    bound it took 2^18 of them (before, 3584 left the whole share)."""
+    from kvstore.store.books.hint_worth import HintWorth
+
+    _, _, blocks = cache(1)
+    worth = HintWorth((1 << 20) * SIZE, (1 << 21) * SIZE)
+    for _ in range(3583):
+        worth.retained(blocks[0])
+        worth.used([blocks[0]], 0)
+    assert worth.judged["early"] == 3583 and 0.0 < worth.scale < 1.0
+    worth.retained(blocks[0])
+    worth.used([blocks[0]], 0)
+    assert worth.scale == 0.0
