@@ -104,10 +104,11 @@ class Recovery:
         return [lv for lv in self._levels if isinstance(lv.tier, Recoverable)]
 
     def forget(self, root: NamespaceRoot, keys: Sequence[bytes] | None) -> list[BlockRef]:
-        """A delete while loading of ``keys`` of namespace ``root`` that the index does not hold
-        (None: the whole namespace dropped): tombstoned, so their records are skipped when their
-        batch comes. Returns the records the caller removes from the tiers now (none for a drop:
-        the loading removes those it reaches). Nothing once the loading has ended."""
+        """A delete while loading of ``keys`` of namespace ``root`` (those the index does not hold,
+        and those of the blocks it deleted, which a level not loaded yet may still hold; None: the
+        whole namespace dropped): tombstoned, so their records are skipped when their batch comes.
+        Returns the records the caller removes from the tiers now (none for a drop: the loading
+        removes those it reaches). Nothing once the loading has ended."""
         if not self.recovering:
             return []
         if keys is None:

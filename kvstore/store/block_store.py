@@ -400,7 +400,9 @@ class BlockStore:
         # the policy after the delete had taken it out (a dead entry: the next eviction failed).
         for b in gone:
             self.space.remove(b)
-        copies = self.space.movers.forget(gone)
+        # (and while a restart still loads: a record of theirs in a level not loaded yet -- a
+        # block put during the loading, or loaded from one level of two -- tombstoned and removed)
+        copies = self.space.movers.forget(gone, (ns.root, [b.key for b in gone]))
         for b in gone:
             placed_nowhere(b)
             self.retention.recount(b)
