@@ -30,6 +30,7 @@ what it had queued before its buffers are let go.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -56,6 +57,7 @@ from connector.transfer.plan import (
     schedule,
     uncovered,
 )
+from kvstore.dram.slab import read_only_at
 from kvstore.errors import FailedPrecondition, InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -336,7 +338,9 @@ class CupyTransfer:
                 log.warning("a slot outside every pinned mapping: pinning its whole mapping on the request's path"
                             " (call register() with the slab at start)")
                 start, size = _span(slots[i])
-                self._pinned.register(start, size, 0)
+                guard = read_only_at(start)  # (a slab attached read-only since start: writable to pin it)
+                with guard.unprotected() if guard is not None else contextlib.nullcontext():
+                    self._pinned.register(start, size, 0)
 
     def _device_tables(self, state: _Device, kv: PagedKV, stream: Any) -> _Tables:
         """The plan's tables on the device: cached per bound cache (by its plan's hash, computed

@@ -408,6 +408,14 @@ def read_only(segment: str) -> ReadOnlyMapping | None:
     return _read_only.get(segment)
 
 
+def read_only_at(address: int) -> ReadOnlyMapping | None:
+    """The read-only mapping (:func:`read_only`) that holds byte ``address``, else None."""
+    for m in _read_only.values():
+        if m.base <= address < m.base + m.size:
+            return m
+    return None
+
+
 def _mapping(shm: shared_memory.SharedMemory) -> memoryview:
     buf = shm.buf
     assert buf is not None, "a closed shared-memory segment has no mapping"

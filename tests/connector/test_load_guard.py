@@ -170,3 +170,31 @@ def test_the_setting_names_the_guard() -> None:
         Settings.from_extra({"load_guard": "none"})
     with pytest.raises(Exception, match="load_guard"):
         WorkerConnector(None, NS, SPEC, load_guard="crc")  # type: ignore[arg-type]
+
+
+def test_a_slab_a_gpu_transfer_first_sees_on_a_request_is_writable_while_it_is_pinned(client, monkeypatch) -> None:
+    """A slab not registered at start (a sidecar restarted: a new segment, attached read-only here)
+    is pinned on the request's path by ``CupyTransfer``: writable for the registration (pinning for
+    a device's writes needs it), read-only again after. (Before, it was pinned read-only: on a GPU
+    the registration fails and every save and load on that slab with it, found by a review.)"""
+    from connector.transfer.cuda import CupyTransfer
+    from tests.support.cuda_streams import installed
+
+    with installed(monkeypatch):
+        t = CupyTransfer()
+        seen: list[str] = []
+        register = t._pinned.register
+
+        def spy(start: int, size: int, page_bytes: int) -> None:
+            seen.append(protection(start)[:2])
+            register(start, size, page_bytes)
+
+        monkeypatch.setattr(t._pinned, "register", spy)
+        mem = attach(client.hello().segment)
+        assert read_only(client.hello().segment) is not None and protection(int(mem.ctypes.data))[:2] == "r-"
+        try:
+            t._pin_missing([mem[:PAGE]], np.array([int(mem.ctypes.data)], np.int64), PAGE)
+        finally:
+            t.close()
+        assert seen == ["rw"]
+        assert protection(int(mem.ctypes.data))[:2] == "r-"
