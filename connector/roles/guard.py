@@ -7,7 +7,10 @@ Two guards, one setting (``load_guard``) choosing between them:
   faults), and every other way into a sealed slot is the sidecar's, which verifies what it did
   not write itself (a Commit's checksums, a promotion from SSD, Redis, S3 or a peer). The load
   copies without hashing. A slab this process cannot keep read-only (its sidecar runs in this
-  process, or its slots are not whole OS pages) falls back to ``"hash"`` for the loads from it.
+  process, or its slots are not whole OS pages) falls back to ``"hash"`` for the loads from it,
+  and so does a slab whose sidecar has reclaimed an allocation unfinished
+  (:func:`kvstore.dram.slab.reclaimed_in`): that writer, stalled past its ``ttl_ms``, may still
+  hold its slots' pages writable and write them after they were handed out again and sealed.
 - ``"hash"``: every slot is hashed and checked against the checksum its lease carries before it
   is copied (:mod:`connector.roles.verified`).
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
-from kvstore.dram.slab import read_only
+from kvstore.dram.slab import read_only, reclaimed_in
 from kvstore.errors import InvalidArgument
 
 LoadGuard = Literal["read_only", "hash"]
@@ -35,10 +38,11 @@ def checked(guard: str) -> LoadGuard:
 
 def must_hash(guard: LoadGuard, segments: Iterable[str] | None) -> bool:
     """Whether a verified load of slots in ``segments`` (None: not known) hashes them: always
-    under ``"hash"``; under ``"read_only"`` unless this process maps every one of them read-only."""
+    under ``"hash"``; under ``"read_only"`` unless this process maps every one of them read-only
+    and no allocation of theirs was reclaimed unfinished."""
     if guard == "hash" or segments is None:
         return True
-    return not all(read_only(s) is not None for s in set(segments))
+    return not all(read_only(s) is not None and not reclaimed_in(s) for s in set(segments))
 
 
 def in_force(guard: LoadGuard, segment: str | None) -> LoadGuard:

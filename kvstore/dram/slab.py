@@ -115,6 +115,7 @@ class Slab:
         self._epoch = epoch_view(mapped, self.capacity_bytes)
         epoch_view(mapped, self.capacity_bytes + PAGE_BYTES_AT)[0] = page_bytes  # for clients: page_bytes_of()
         epoch_view(mapped, self.capacity_bytes + MIN_SLOT_BYTES_AT)[0] = min_slot_bytes  # for clients: attach()
+        self._reclaimed = epoch_view(mapped, self.capacity_bytes + RECLAIMED_AT)  # for clients: reclaimed_in()
         if prefault:
             self.buf[:: 4096] = 0
         self.classes: list[_SizeClass] = []
@@ -276,9 +277,14 @@ class Slab:
             },
         }
 
+    def note_reclaimed(self) -> None:
+        """An allocation was reclaimed unfinished (its writer may write its slots late):
+        :func:`reclaimed_in` tells the clients, whose loads from this slab then hash."""
+        self._reclaimed[0] += 1
+
     def close(self, unlink: bool = True) -> None:
         self._epoch[0] += 1  # nothing a client learned about this slab holds any more
-        del self.buf, self._epoch
+        del self.buf, self._epoch, self._reclaimed
         _arrays.pop(self.name, None)
         _close_when_unexported(self._shm)
         _owned.pop(self.name, None)
@@ -294,6 +300,10 @@ class Slab:
 HEADER_BYTES = 4096  # after the slab pages: the free epoch, then the page size, then the smallest slot
 PAGE_BYTES_AT = 8  # the slab's page_bytes (u64) in the header page
 MIN_SLOT_BYTES_AT = 16  # the slab's min_slot_bytes (u64) in the header page (0: a sidecar that did not record it)
+# Allocations the sidecar reclaimed unfinished (u64): their writers may still hold their slots' pages
+# writable and write them late, into slots handed out again, so a slab with any loads with hashing
+# (connector.roles.guard): the read-only guard keeps only this process's own stray writes out.
+RECLAIMED_AT = 24
 
 
 def epoch_view(buf: memoryview | np.ndarray, offset: int) -> np.ndarray:
@@ -305,6 +315,12 @@ def free_epoch(segment: str) -> np.ndarray:
     """The free epoch of the sidecar slab ``segment`` as this process maps it (read ``[0]``)."""
     mem = attach(segment)
     return epoch_view(mem, len(mem) - HEADER_BYTES)
+
+
+def reclaimed_in(segment: str) -> int:
+    """How many allocations the sidecar of slab ``segment`` reclaimed unfinished (:data:`RECLAIMED_AT`)."""
+    mem = attach(segment)
+    return int(epoch_view(mem, len(mem) - HEADER_BYTES + RECLAIMED_AT)[0])
 
 
 def page_bytes_of(segment: str) -> int:

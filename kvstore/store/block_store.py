@@ -420,6 +420,8 @@ class BlockStore:
         allocs = self.index.expired_allocations(now)
         for a in allocs:
             log.info("reclaiming abandoned allocation %s (%d blocks)", a.id, len(a.blocks))
+            if a.blocks:  # (its writer may still write those slots: clients' loads hash from now on)
+                self.space.slab.note_reclaimed()
             self.abort(a.id, fate="reclaimed")
         leases = self.index.expired_leases(now)
         for le in leases:

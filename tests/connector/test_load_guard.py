@@ -10,6 +10,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from connector.transfer.engines import DONE, Completion, NumpyTransfer
 from connector.vllm.config import Settings
 from kvstore.client import SyncClient
 from kvstore.dram.protect import PAGE, pages_whole, protection, runs
-from kvstore.dram.slab import attach, read_only
+from kvstore.dram.slab import attach, read_only, reclaimed_in
 from kvstore.harness.sidecar import REPO, ServeProcess
 from kvstore.keys import prefix_keys
 
@@ -198,3 +199,21 @@ def test_a_slab_a_gpu_transfer_first_sees_on_a_request_is_writable_while_it_is_p
             t.close()
         assert seen == ["rw"]
         assert protection(int(mem.ctypes.data))[:2] == "r-"
+
+
+def test_an_allocation_reclaimed_unfinished_makes_loads_from_its_slab_hash(client) -> None:
+    """A writer stalled past its ``ttl_ms`` may still hold its slots' pages writable here or in its
+    own process, and write them after the sidecar handed them out again and they were sealed: from
+    the first allocation reclaimed unfinished, loads from that slab hash under ``read_only`` too.
+    (Before, they copied unhashed what such a late write left; found by a review.)"""
+    seg = client.hello().segment
+    attach(seg)
+    assert not must_hash("read_only", [seg]) and reclaimed_in(seg) == 0
+    keys = prefix_keys(NS, PROMPT)[:2]
+    alloc = client.allocate(NS, keys, PAGE, ttl_ms=10).__enter__()
+    for _, view in alloc.writable():
+        view[:] = 7  # written, never committed: the sidecar reclaims it
+    while not reclaimed_in(seg):  # (the reaper's next pass; a state, not a time, is awaited)
+        time.sleep(0.05)
+    assert must_hash("read_only", [seg]) and in_force("read_only", seg) == "hash"
+    alloc.abort()  # (already reclaimed: its pages read-only again here)
