@@ -76,10 +76,23 @@ class Write:
 
 
 def block_fields(root: Path) -> set[str]:
-    """The fields ``Block`` declares (its annotated class attributes), read from its source."""
+    """The fields ``Block`` declares, read from its source: its annotated class attributes (its
+    own slots) and its writable properties (the rare fields it keeps aside, issue 41)."""
     tree = ast.parse((root / INDEX).read_text(), INDEX)
     block = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Block")
-    return {n.target.id for n in block.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    slots = {n.target.id for n in block.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    return slots | {
+        n.name
+        for n in block.body
+        if isinstance(n, ast.FunctionDef)
+        and any(isinstance(d, ast.Attribute) and d.attr == "setter" for d in n.decorator_list)
+    }
+
+
+def storage(w: Write) -> bool:
+    """A write inside ``Block``'s constructor (called by ``Index.add`` alone) or its own setter of
+    the field: where it is stored, not who sets it."""
+    return w.path == INDEX and w.scope in ("Block.__init__", f"Block.{w.field}")
 
 
 class _Reader(ast.NodeVisitor):
@@ -146,6 +159,8 @@ def unowned(
     """The writes that are neither their field's owner's nor another object's."""
     out = []
     for w in found:
+        if storage(w):
+            continue
         path, scopes = owners[w.field]
         if (w.path, w.scope, w.field) not in not_blocks and not (w.path == path and w.scope in scopes):
             out.append(f"{w} (its owner: {path}, {', '.join(sorted(scopes)) or 'nothing after Index.add'})")
@@ -167,7 +182,7 @@ def test_only_its_owner_writes_a_field_of_a_block() -> None:
     )
     # no listed owner or exception is stale
     listed = {(path, scope, field) for field, (path, scopes) in OWNERS.items() for scope in scopes}
-    assert {(w.path, w.scope, w.field) for w in found} == listed | set(NOT_BLOCKS)
+    assert {(w.path, w.scope, w.field) for w in found if not storage(w)} == listed | set(NOT_BLOCKS)
 
 
 # --- the owners' methods ------------------------------------------------------------------------------
@@ -281,3 +296,39 @@ def test_the_check_finds_every_kind_of_write(tmp_path: Path) -> None:
     assert [line.split(" (")[0] for line in unowned(found, owners, {})] == [str(w) for w in found[2:]]
     not_blocks = {("kvstore/tiers/sneaky.py", "Own.g", "leases"): "another object's"}
     assert len(unowned(found, owners, not_blocks)) == len(found) - 3
+
+
+def test_a_field_kept_behind_a_property_has_its_owner_too(tmp_path: Path) -> None:
+    """A rare field that ``Block`` keeps aside (issue 41) is a writable property: it is a field all
+    the same, every write of it outside its setter is checked, and its setter's own store is not
+    a write by anyone."""
+    files = {
+        INDEX: textwrap.dedent("""\
+            class Block:
+                size: int
+
+                @property
+                def moving(self):
+                    return self._x.moving
+
+                @moving.setter
+                def moving(self, value):
+                    x = self._x
+                    x.moving = value
+
+                @property
+                def top_tier(self):
+                    return 0
+            """),
+        "kvstore/tiers/sneaky.py": "def f(b):\n    b.moving += 1\n",
+    }
+    write_tree(tmp_path, files)
+
+    assert block_fields(tmp_path) == {"size", "moving"}  # (a read-only property is no field)
+    found = writes(tmp_path)
+    assert [str(w) for w in found] == [
+        "kvstore/store/books/index.py:11: Block.moving writes .moving",
+        "kvstore/tiers/sneaky.py:2: f writes .moving",
+    ]
+    owners = {"size": (INDEX, frozenset()), "moving": (INDEX, frozenset({"Index.start_moving"}))}
+    assert [line.split(" (")[0] for line in unowned(found, owners, {})] == [str(found[1])]

@@ -28,6 +28,7 @@ FIELD = "checksum"
 # (path, the enclosing function's qualified name) -> why it may write an attribute named checksum
 OWNERS: dict[tuple[str, str], str] = {
     ("kvstore/store/books/index.py", "Block.seal"): "the owner: a block's checksum is recorded once",
+    ("kvstore/store/books/index.py", "Block.__init__"): "a new block's None: unsealed (Index.add makes it)",
     ("kvstore/client/calls.py", "AllocationState._commit_request"): "the client's CommitBlock message: no block's",
 }
 

@@ -53,22 +53,158 @@ def top_label(mask: int) -> str:
     return TOP_LABEL[mask]
 
 
-@dataclass(slots=True, eq=False)
+class _Rare:
+    """The fields of a block that few blocks set at once (issue 41, the compact index): its pins,
+    the cluster's replica mark, its retention. A block holds one only while one of them differs
+    from its default (a lease, a mover, a retention hint, a fetched replica), with its slot."""
+
+    __slots__ = ("leases", "moving", "replica", "retain_priority", "retain_until", "slot")
+
+    def __init__(self, slot: Slot | None) -> None:
+        self.slot = slot
+        self.leases = 0
+        self.moving = 0
+        self.replica = False
+        self.retain_until = 0.0
+        self.retain_priority = 0
+
+    def plain(self) -> bool:
+        """Every rare field at its default: the block needs this object no more."""
+        return not (self.leases or self.moving or self.replica or self.retain_until or self.retain_priority)
+
+
 class Block:
+    """One block's record. Nine slots (issue 41, the compact index): the fields every block sets
+    are slots of its own; its DRAM slot, pins, replica mark and retention share one, ``_x``: None,
+    the block's ``Slot`` alone (a block in DRAM that nothing pins or retains), or a :class:`_Rare`
+    holding them all while any differs from its default. They read and write as attributes
+    (properties) all the same; their owners (tests/test_block_owners.py) are unchanged."""
+
+    __slots__ = ("_x", "checksum", "depth", "key", "ns", "parent", "size", "state", "tiers")
+
     ns: NsEntry
     key: BlockKey
     parent: bytes  # the previous block's key in its prefix, b"" for the first
     size: int
-    depth: int = 1
-    state: State = State.ALLOCATED
-    tiers: int = 0  # placement bits (DRAM | SSD | REDIS | S3)
-    checksum: int | None = None  # None until sealed
-    slot: Slot | None = None  # while its bytes are in DRAM or being written there (kvstore.store.books.dram_space)
-    leases: int = 0
-    moving: int = 0  # movers reading its DRAM slot right now (write-through)
-    replica: bool = False  # fetched from another node of the cluster, which holds it too
-    retain_until: float = 0.0  # a retention hint's end on the sidecar's clock (kvstore.store.books.retention)
-    retain_priority: int = 0  # 0..3: among retained blocks, the lowest goes first
+    depth: int
+    state: State
+    tiers: int  # placement bits (DRAM | SSD | REDIS | S3)
+    checksum: int | None  # None until sealed
+
+    def __init__(
+        self, ns: NsEntry, key: BlockKey, parent: bytes, size: int, depth: int = 1, state: State = State.ALLOCATED
+    ) -> None:
+        self.ns = ns
+        self.key = key
+        self.parent = parent
+        self.size = size
+        self.depth = depth
+        self.state = state
+        self.tiers = 0
+        self.checksum = None
+        self._x: Slot | _Rare | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Block(key={self.key!r}, parent={self.parent!r}, size={self.size}, depth={self.depth}, "
+            f"state={self.state!r}, tiers={self.tiers}, checksum={self.checksum}, slot={self.slot!r}, "
+            f"leases={self.leases}, moving={self.moving}, replica={self.replica}, "
+            f"retain_until={self.retain_until}, retain_priority={self.retain_priority})"
+        )
+
+    def _rare(self) -> _Rare:
+        """The block's :class:`_Rare`, made (holding its slot) when it has none."""
+        x = self._x
+        if isinstance(x, _Rare):
+            return x
+        r = self._x = _Rare(x)
+        return r
+
+    def _settle(self, r: _Rare) -> None:
+        """A rare field went back to its default: the slot alone again when all of them did."""
+        if r.plain():
+            self._x = r.slot
+
+    # The rare fields. Their setters are where they are stored, not who writes them: their
+    # owners are the methods tests/test_block_owners.py names.
+
+    @property
+    def slot(self) -> Slot | None:
+        """While its bytes are in DRAM or being written there (kvstore.store.books.dram_space)."""
+        x = self._x
+        return x.slot if isinstance(x, _Rare) else x
+
+    @slot.setter
+    def slot(self, value: Slot | None) -> None:
+        x = self._x
+        if isinstance(x, _Rare):
+            x.slot = value
+        else:
+            self._x = value
+
+    @property
+    def leases(self) -> int:
+        x = self._x
+        return x.leases if isinstance(x, _Rare) else 0
+
+    @leases.setter
+    def leases(self, value: int) -> None:
+        r = self._rare()
+        r.leases = value
+        if not value:
+            self._settle(r)
+
+    @property
+    def moving(self) -> int:
+        """Movers reading its DRAM slot right now (write-through)."""
+        x = self._x
+        return x.moving if isinstance(x, _Rare) else 0
+
+    @moving.setter
+    def moving(self, value: int) -> None:
+        r = self._rare()
+        r.moving = value
+        if not value:
+            self._settle(r)
+
+    @property
+    def replica(self) -> bool:
+        """Fetched from another node of the cluster, which holds it too."""
+        x = self._x
+        return x.replica if isinstance(x, _Rare) else False
+
+    @replica.setter
+    def replica(self, value: bool) -> None:
+        r = self._rare()
+        r.replica = value
+        if not value:
+            self._settle(r)
+
+    @property
+    def retain_until(self) -> float:
+        """A retention hint's end on the sidecar's clock (kvstore.store.books.retention); 0.0: none."""
+        x = self._x
+        return x.retain_until if isinstance(x, _Rare) else 0.0
+
+    @retain_until.setter
+    def retain_until(self, value: float) -> None:
+        r = self._rare()
+        r.retain_until = value
+        if not value:
+            self._settle(r)
+
+    @property
+    def retain_priority(self) -> int:
+        """0..3: among retained blocks, the lowest goes first."""
+        x = self._x
+        return x.retain_priority if isinstance(x, _Rare) else 0
+
+    @retain_priority.setter
+    def retain_priority(self, value: int) -> None:
+        r = self._rare()
+        r.retain_priority = value
+        if not value:
+            self._settle(r)
 
     @property
     def top_tier(self) -> int:
@@ -76,7 +212,10 @@ class Block:
 
     @property
     def pinned(self) -> bool:
-        return self.leases > 0 or self.state is State.ALLOCATED or self.moving > 0
+        if self.state is State.ALLOCATED:
+            return True
+        x = self._x
+        return isinstance(x, _Rare) and (x.leases > 0 or x.moving > 0)
 
     def seal(self, checksum: int) -> bool:
         """Record ``checksum`` as the block's (the xxh3-64 of its bytes): the one place a block's
