@@ -47,7 +47,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, cast
 
@@ -80,7 +80,7 @@ class Directory:
     def __init__(self, ghost_ttl_s: float = 0.0) -> None:
         self.holders: dict[BlockKey, list[int]] = {}
         self.policies: list[ClusterPolicy] = []
-        self.visible: list[dict[bytes, Block]] = []  # each node's committed blocks by key
+        self.visible: list[Mapping[bytes, Block]] = []  # each node's committed blocks by key
         # the cluster's ghost: key -> (uses, expiry in the trace's ms), oldest write first
         self.ghost: OrderedDict[BlockKey, tuple[int, float]] = OrderedDict()
         self.ghost_ttl_s = ghost_ttl_s  # the ceiling (0: no ghost)

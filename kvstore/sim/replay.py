@@ -212,14 +212,12 @@ class _OneSpace(_Replay):
         "publish",
         "space",
         "unplace",
-        "visible",
     )
 
     def __init__(self, trace: Trace, spec: TierSpec, policy: EvictionPolicy, hinting: Hinting | None) -> None:
         super().__init__(trace, hinting, int(spec.tier), {int(spec.tier): spec.capacity})
         index = self.index
         space = ReplaySpace(spec, policy, index)
-        self.visible = self.ns.visible
         self.add, self.drop, self.publish = index.add, index.drop, index.publish
         self.place, self.unplace, self.placed = space.place, space.unplace, space.sizes
         self.access_many = policy.access_many
@@ -255,7 +253,7 @@ class _OneSpace(_Replay):
         """Allocate: each key after the run of ``n`` that the index lacks, added ALLOCATED with
         victims popped until it has a slot (dropped when none is left to pop); the blocks allocated,
         root first. A key present behind the gap is a block hit only."""
-        blocks, visible, add, drop = self.blocks, self.visible, self.add, self.drop
+        blocks, add, drop, committed = self.blocks, self.add, self.drop, State.COMMITTED
         space, retention, unplace, placed = self.space, self.retention, self.unplace, self.placed
         ns, capacity, bt, allocated = self.ns, self.capacity, self.bt, State.ALLOCATED
         hits = 0
@@ -269,7 +267,7 @@ class _OneSpace(_Replay):
         for i in range(n, nk):
             key = keys[i]
             if key in blocks:  # present behind a gap: a block hit, useless to this prefix
-                hits += key in visible
+                hits += blocks[key].state is committed  # (visible)
                 continue
             size = req.last_size if i == last else bt
             b = add(ns, key, keys[i - 1] if i else b"", size, allocated, i + 1)

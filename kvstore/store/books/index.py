@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import FailedPrecondition, NotFound, shown
@@ -233,6 +234,44 @@ class Block:
         return self.checksum == checksum
 
 
+class Visible(Mapping[bytes, "Block"]):
+    """A namespace's committed blocks, what lookups see: its ``blocks`` whose state is COMMITTED
+    (issue 41, the compact index: one dict entry a block, where a second dict of the committed
+    ones took another). Read-only; its length is the count ``visible_sizes`` keeps."""
+
+    __slots__ = ("_blocks", "_sizes")
+
+    def __init__(self, blocks: dict[bytes, Block], sizes: dict[int, int]) -> None:
+        self._blocks = blocks
+        self._sizes = sizes
+
+    def get(self, key: bytes, default: Any = None) -> Any:
+        b = self._blocks.get(key)
+        return b if b is not None and b.state is State.COMMITTED else default
+
+    def __getitem__(self, key: bytes) -> Block:
+        b = self._blocks[key]
+        if b.state is not State.COMMITTED:
+            raise KeyError(key)
+        return b
+
+    def __contains__(self, key: object) -> bool:
+        b = self._blocks.get(key)  # type: ignore[call-overload]  # (any key: a miss)
+        return b is not None and b.state is State.COMMITTED
+
+    def __iter__(self) -> Iterator[bytes]:
+        return (k for k, b in self._blocks.items() if b.state is State.COMMITTED)
+
+    def __len__(self) -> int:
+        return sum(self._sizes.values())
+
+    def values(self) -> Iterator[Block]:  # type: ignore[override]  # (an iterator, not a view)
+        return (b for b in self._blocks.values() if b.state is State.COMMITTED)
+
+    def items(self) -> Iterator[tuple[bytes, Block]]:  # type: ignore[override]
+        return ((k, b) for k, b in self._blocks.items() if b.state is State.COMMITTED)
+
+
 @dataclass(slots=True, eq=False)
 class NsEntry:
     root: NamespaceRoot
@@ -240,8 +279,11 @@ class NsEntry:
     namespace: Namespace | None
     tenant: str = ""  # whose quotas its blocks count against (kvstore.store.books.tenants): fixed at creation
     blocks: dict[bytes, Block] = field(default_factory=dict)  # every block, allocated or committed
-    visible: dict[bytes, Block] = field(default_factory=dict)  # the committed ones: what lookups see
     visible_sizes: dict[int, int] = field(default_factory=dict)  # block size -> visible blocks of it
+    visible: Visible = field(init=False)  # the committed ones: what lookups see (a view of ``blocks``)
+
+    def __post_init__(self) -> None:
+        self.visible = Visible(self.blocks, self.visible_sizes)
 
     @property
     def uniform_size(self) -> int:
@@ -251,19 +293,20 @@ class NsEntry:
         return 0
 
     def show(self, block: Block) -> None:
-        """Make ``block`` visible to lookups, its size counted in ``visible_sizes`` (:meth:`Index.add`
-        and :meth:`Index.publish` do, for a committed block)."""
-        self.visible[block.key] = block
+        """Count the committed ``block`` (in ``blocks``: lookups see it now) in ``visible_sizes``
+        (:meth:`Index.add` and :meth:`Index.publish` do)."""
         self.visible_sizes[block.size] = self.visible_sizes.get(block.size, 0) + 1
 
     def hide(self, block: Block) -> None:
-        """Take the visible ``block`` out of lookups and of ``visible_sizes`` (:meth:`Index.drop` does)."""
-        del self.visible[block.key]
+        """Take the visible ``block`` out of ``visible_sizes`` as it leaves ``blocks`` (:meth:`Index.drop` does)."""
         n = self.visible_sizes[block.size] - 1
         if n:
             self.visible_sizes[block.size] = n
         else:
             del self.visible_sizes[block.size]
+
+
+_STATE = attrgetter("state")
 
 
 def _entry(root: NamespaceRoot, label: str, namespace: Namespace | None, tenant: str) -> NsEntry:
@@ -378,12 +421,14 @@ class Index:
     def leading_run(ns: NsEntry, keys: Sequence[bytes]) -> list[Block]:
         """The committed blocks at the head of ``keys``, in order.
 
-        The hot path of every Lookup: dictionary probes run in C (``map``), no Python loop."""
-        found: list[Any] = list(map(ns.visible.get, keys))  # Blocks up to the first None
-        try:
-            return found[: found.index(None)]
-        except ValueError:
-            return found
+        The hot path of every Lookup: dictionary probes and the state checks run in C (``map``),
+        no Python loop."""
+        found: list[Any] = list(map(ns.blocks.get, keys))  # Blocks up to the first None
+        with suppress(ValueError):  # (every key found)
+            del found[found.index(None) :]
+        if State.ALLOCATED in map(_STATE, found):  # (rare: a block being written) cut there
+            found = found[: list(map(_STATE, found)).index(State.ALLOCATED)]
+        return found
 
     def get(self, ns: NsEntry, key: bytes) -> Block | None:
         return ns.blocks.get(key)
@@ -433,7 +478,7 @@ class Index:
         ns = block.ns
         if ns.blocks.get(block.key) is block:
             del ns.blocks[block.key]
-            if ns.visible.get(block.key) is block:
+            if block.state is State.COMMITTED:
                 ns.hide(block)
                 self.moved(block)
             if not ns.blocks and self.namespaces.get(ns.root) is ns:
