@@ -69,14 +69,19 @@ class CreditLRUPolicy(Holding):
         # Each queue: item -> tick of its last use (or of the commit's ordering; unique: the order).
         self._queues: list[dict[Item, int]] = [{} for _ in range(classes + 1)]
         self._unit = classes + 1
-        self._queue: dict[Item, int] = {}  # item -> its queue and its uses (capped at ``classes``), packed
+        self._queue: dict[Item, int] = {}  # item -> its queue, its uses (capped at ``classes``), fresh: packed
         self._leaves = [Leaves() for _ in range(classes + 1)]  # each queue's candidates
         self._held: set[Item] = set()  # not victims until released (blocks being written)
         self._ghost: OrderedDict[object, int] = OrderedDict()
         self._tick = 0
         self._cap = 0  # the space's capacity, learned: the most blocks held when asked for a victim
         self._full = 0  # the largest block size seen
-        self._fresh: set[Item] = set()  # inserted, not yet ordered by the owner's commit access
+        # Inserted, not yet ordered by the owner's commit access: ``_fresh_at`` added to its packed
+        # int while it is. ``_batch_items`` lists this batch's inserts, whose mark the next batch
+        # clears (a list, not a set of them: 8 bytes a block, issue 41); ``_fresh`` counts the marked.
+        self._fresh_at = self._unit * self._unit  # added to the packed int of a fresh item
+        self._batch_items: list[Item] = []
+        self._fresh = 0
         self._batch = False
         self.band: Callable[[Item], int] | None = None  # the owner's bands (Banded); None: one
         self._bands: dict[Item, int] = {}
@@ -86,21 +91,33 @@ class CreditLRUPolicy(Holding):
         """Queue ``q`` and ``f`` uses as one int (a small one, shared, for the default classes)."""
         return q * self._unit + f
 
+    def _clear_fresh(self) -> None:
+        """A new batch of inserts: the last one's blocks are fresh no more."""
+        queue, at = self._queue, self._fresh_at
+        if self._fresh:
+            for item in self._batch_items:
+                packed = queue.get(item)
+                if packed is not None and packed >= at:
+                    queue[item] = packed - at
+        self._batch_items = []
+        self._fresh = 0
+
     def insert(self, item: Item, parent: Item | None, depth: int, size: int) -> None:
         if item in self._queue:
             self.access(item)
             return
         if not self._batch:
-            self._fresh.clear()
+            self._clear_fresh()
             self._batch = True
-        self._fresh.add(item)
+        self._batch_items.append(item)
+        self._fresh += 1
         links = self._links
         links.link(item, parent if parent is not None and parent in links else None)
         self._full = max(self._full, size)
         f = min(self._ghost.pop(ghost_key(item), 0) + 1, self.classes)
         q = TAILS if size < self._full else f
         self._tick += 1
-        self._queue[item] = self._pack(q, f)
+        self._queue[item] = self._pack(q, f) + self._fresh_at
         self._queues[q][item] = self._tick
         if item not in self._held:
             self._leaf(q, self._tick, item)
@@ -110,12 +127,13 @@ class CreditLRUPolicy(Holding):
         packed = self._queue.get(item)
         if packed is None:
             return
-        q, uses = divmod(packed, self._unit)
         self._tick += 1
-        if item in self._fresh:  # the owner's commit ordering a block it just inserted: not a use
-            self._fresh.discard(item)
+        if packed >= self._fresh_at:  # the owner's commit ordering a block it just inserted: not a use
+            self._fresh -= 1
+            q, uses = divmod(packed - self._fresh_at, self._unit)
             f = q
         else:
+            q, uses = divmod(packed, self._unit)
             f = uses = min(uses + 1, self.classes)
         if f == q:
             self._queues[q][item] = self._tick
@@ -149,12 +167,14 @@ class CreditLRUPolicy(Holding):
         packed = self._queue.pop(item, None)
         if packed is None:
             return
+        if packed >= self._fresh_at:
+            self._fresh -= 1
+            packed -= self._fresh_at
         del self._queues[packed // self._unit][item]
-        self._fresh.discard(item)
         self._unlink(item)
 
     def _candidate(self, item: Item) -> None:
-        q = self._queue[item] // self._unit
+        q = self._queue[item] % self._fresh_at // self._unit
         self._leaf(q, self._queues[q][item], item)
 
     def _leaf(self, q: int, tick: int, item: Item) -> None:
@@ -218,19 +238,20 @@ class CreditLRUPolicy(Holding):
         packed = self._queue.get(item)
         if packed is None:
             return
-        q, had = divmod(packed, self._unit)
+        fresh = packed - packed % self._fresh_at  # (kept: a resumed count is no access)
+        q, had = divmod(packed - fresh, self._unit)
         f = min(uses + 1, self.classes)  # as its own ghost would: the count remembered, plus this store
         if f <= had:
             return
         if q == TAILS:  # a partial tail keeps its place: the next turn re-keys it
-            self._queue[item] = self._pack(q, f)
+            self._queue[item] = self._pack(q, f) + fresh
             return
         # A new tick, as a move between queues must have: the old queue's leaf entry goes stale
         # (kvstore.policy.leaves). It was stored moments ago, so this barely moves its recency.
         self._tick += 1
         del self._queues[q][item]
         self._queues[f][item] = self._tick
-        self._queue[item] = self._pack(f, f)
+        self._queue[item] = self._pack(f, f) + fresh
         if item not in self._links.kids and item not in self._held:
             self._leaf(f, self._tick, item)
 

@@ -165,6 +165,29 @@ def test_credit_commit_order_is_not_a_use() -> None:
     assert drain(p) == ["a2", "b2", "b1", "a1"]
 
 
+def test_credit_freshness_lasts_its_batch_through_a_resume_and_a_reinsert() -> None:
+    """A block inserted is fresh (its first access only orders it) until that access or the next
+    batch of inserts; a resumed count keeps it fresh, a block removed and inserted again in the
+    same batch is fresh again, and the next batch ends the freshness of the last one's blocks
+    (issue 41: kept as a mark in the packed int, not a set of blocks; the answers the set gave)."""
+    p = make_policy("credit", boost=1.0)
+    for i, k in enumerate(["a", "b", "c"]):
+        p.insert(k, None, i + 1, 512)
+    p.resume("b", 1)  # a peer's count: b has 2 uses now, and is still fresh
+    p.remove("a")
+    p.insert("a", None, 1, 512)  # (the same batch) fresh again
+    p.access_many(["a", "b"])  # orders them: no use
+    assert {k: p.uses(k) for k in "abc"} == {"a": 1, "b": 2, "c": 1}
+    p.insert("d", None, 1, 512)  # a new batch: c is fresh no more
+    p.access("c")
+    p.access("d")
+    assert {k: p.uses(k) for k in "abcd"} == {"a": 1, "b": 2, "c": 2, "d": 1}
+    hit(p, ["a", "b", "c"])
+    p.access_many(["a", "b"])
+    assert {k: p.uses(k) for k in "abcd"} == {"a": 3, "b": 4, "c": 3, "d": 1}
+    assert drain(p) == ["d", "c", "a", "b"]
+
+
 def test_credit_expires_after_boost_lifetimes() -> None:
     """A reused block outlives newer once-used blocks only for ``boost`` × capacity ticks: its
     priority is last use + credit, compared with the other queues' oldest leaves."""
