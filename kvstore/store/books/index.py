@@ -55,33 +55,32 @@ def top_label(mask: int) -> str:
 
 
 class _Rare:
-    """The fields of a block that few blocks set at once (issue 41, the compact index): its pins,
-    the cluster's replica mark, its retention. A block holds one only while one of them differs
-    from its default (a lease, a mover, a retention hint, a fetched replica), with its slot."""
+    """The fields of a block that few blocks set (issue 41, the compact index): the cluster's
+    replica mark and its retention. A block holds one only while one of them differs from its
+    default (a fetched replica, a retention hint), with its slot."""
 
-    __slots__ = ("leases", "moving", "replica", "retain_priority", "retain_until", "slot")
+    __slots__ = ("replica", "retain_priority", "retain_until", "slot")
 
     def __init__(self, slot: Slot | None) -> None:
         self.slot = slot
-        self.leases = 0
-        self.moving = 0
         self.replica = False
         self.retain_until = 0.0
         self.retain_priority = 0
 
     def plain(self) -> bool:
         """Every rare field at its default: the block needs this object no more."""
-        return not (self.leases or self.moving or self.replica or self.retain_until or self.retain_priority)
+        return not (self.replica or self.retain_until or self.retain_priority)
 
 
 class Block:
-    """One block's record. Nine slots (issue 41, the compact index): the fields every block sets
-    are slots of its own; its DRAM slot, pins, replica mark and retention share one, ``_x``: None,
-    the block's ``Slot`` alone (a block in DRAM that nothing pins or retains), or a :class:`_Rare`
-    holding them all while any differs from its default. They read and write as attributes
-    (properties) all the same; their owners (tests/test_block_owners.py) are unchanged."""
+    """One block's record. Eleven slots (issue 41, the compact index): the fields every block sets
+    or a hot path writes (its pins) are slots of its own; its DRAM slot, replica mark and retention
+    share one, ``_x``: None, the block's ``Slot`` alone (a block in DRAM that is no replica and not
+    retained), or a :class:`_Rare` holding them all while any differs from its default. They read
+    and write as attributes (properties) all the same; their owners (tests/test_block_owners.py)
+    are unchanged."""
 
-    __slots__ = ("_x", "checksum", "depth", "key", "ns", "parent", "size", "state", "tiers")
+    __slots__ = ("_x", "checksum", "depth", "key", "leases", "moving", "ns", "parent", "size", "state", "tiers")
 
     ns: NsEntry
     key: BlockKey
@@ -91,6 +90,8 @@ class Block:
     state: State
     tiers: int  # placement bits (DRAM | SSD | REDIS | S3)
     checksum: int | None  # None until sealed
+    leases: int
+    moving: int  # movers reading its DRAM slot right now (write-through)
 
     def __init__(
         self, ns: NsEntry, key: BlockKey, parent: bytes, size: int, depth: int = 1, state: State = State.ALLOCATED
@@ -103,6 +104,8 @@ class Block:
         self.state = state
         self.tiers = 0
         self.checksum = None
+        self.leases = 0
+        self.moving = 0
         self._x: Slot | _Rare | None = None
 
     def __repr__(self) -> str:
@@ -142,31 +145,6 @@ class Block:
             x.slot = value
         else:
             self._x = value
-
-    @property
-    def leases(self) -> int:
-        x = self._x
-        return x.leases if isinstance(x, _Rare) else 0
-
-    @leases.setter
-    def leases(self, value: int) -> None:
-        r = self._rare()
-        r.leases = value
-        if not value:
-            self._settle(r)
-
-    @property
-    def moving(self) -> int:
-        """Movers reading its DRAM slot right now (write-through)."""
-        x = self._x
-        return x.moving if isinstance(x, _Rare) else 0
-
-    @moving.setter
-    def moving(self, value: int) -> None:
-        r = self._rare()
-        r.moving = value
-        if not value:
-            self._settle(r)
 
     @property
     def replica(self) -> bool:
@@ -213,10 +191,7 @@ class Block:
 
     @property
     def pinned(self) -> bool:
-        if self.state is State.ALLOCATED:
-            return True
-        x = self._x
-        return isinstance(x, _Rare) and (x.leases > 0 or x.moving > 0)
+        return self.leases > 0 or self.state is State.ALLOCATED or self.moving > 0
 
     def seal(self, checksum: int) -> bool:
         """Record ``checksum`` as the block's (the xxh3-64 of its bytes): the one place a block's
