@@ -141,7 +141,8 @@ def test_a_block_keeps_its_rare_fields_aside_while_they_are_unset() -> None:
 
 def test_a_namespace_keeps_one_dict_entry_a_block() -> None:
     """A namespace's blocks are one dict; what lookups see (``visible``, the committed ones) is a
-    view of it, not a second dict (issue 41). The index's bytes a block, less the ``Block``s
+    view of it, not a second dict (issue 41); the few being written are listed apart (``pending``),
+    so that a lookup's run stops at them. The index's bytes a block, less the ``Block``s
     themselves: one dict entry's, 38 B at these 20,000 blocks (main's two: 68 B)."""
     index = Index()
     entry = index.namespace(namespace_root(NS), NS.label, NS)
@@ -166,3 +167,6 @@ def test_a_namespace_keeps_one_dict_entry_a_block() -> None:
     assert entry.visible[keys[100]] is blocks[100] and Index.leading_run(entry, keys[99:102]) == blocks[99:102]
     index.drop(blocks[1])
     assert keys[1] not in entry.visible and len(entry.visible) == BLOCKS - BLOCKS // 100
+    index.drop(blocks[200])  # (being written: it leaves the blocks being written too)
+    assert len(entry.pending) == BLOCKS // 100 - 2 and keys[200] not in entry.pending
+    assert Index.leading_run(entry, keys[199:202]) == blocks[199:200]

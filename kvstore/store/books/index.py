@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from operator import attrgetter
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import FailedPrecondition, NotFound, shown
@@ -255,6 +255,7 @@ class NsEntry:
     tenant: str = ""  # whose quotas its blocks count against (kvstore.store.books.tenants): fixed at creation
     blocks: dict[bytes, Block] = field(default_factory=dict)  # every block, allocated or committed
     visible_sizes: dict[int, int] = field(default_factory=dict)  # block size -> visible blocks of it
+    pending: dict[bytes, Block] = field(default_factory=dict)  # the ALLOCATED ones (being written: few)
     visible: Visible = field(init=False)  # the committed ones: what lookups see (a view of ``blocks``)
 
     def __post_init__(self) -> None:
@@ -279,9 +280,6 @@ class NsEntry:
             self.visible_sizes[block.size] = n
         else:
             del self.visible_sizes[block.size]
-
-
-_STATE = attrgetter("state")
 
 
 def _entry(root: NamespaceRoot, label: str, namespace: Namespace | None, tenant: str) -> NsEntry:
@@ -396,13 +394,16 @@ class Index:
     def leading_run(ns: NsEntry, keys: Sequence[bytes]) -> list[Block]:
         """The committed blocks at the head of ``keys``, in order.
 
-        The hot path of every Lookup: dictionary probes and the state checks run in C (``map``),
-        no Python loop."""
+        The hot path of every Lookup: dictionary probes run in C (``map``), no Python loop; the
+        blocks being written (``pending``, ALLOCATED: invisible) probed only when there are any."""
         found: list[Any] = list(map(ns.blocks.get, keys))  # Blocks up to the first None
         with suppress(ValueError):  # (every key found)
             del found[found.index(None) :]
-        if State.ALLOCATED in map(_STATE, found):  # (rare: a block being written) cut there
-            found = found[: list(map(_STATE, found)).index(State.ALLOCATED)]
+        pending = ns.pending
+        if pending and found:
+            writing = list(map(pending.__contains__, islice(keys, len(found))))
+            if True in writing:  # the run ends at the first block still being written
+                del found[writing.index(True) :]
         return found
 
     def get(self, ns: NsEntry, key: bytes) -> Block | None:
@@ -426,6 +427,8 @@ class Index:
         if state is State.COMMITTED:
             ns.show(block)
             self.moved(block)
+        else:
+            ns.pending[key] = block
         return block
 
     def moved(self, block: Block) -> None:
@@ -442,7 +445,10 @@ class Index:
         block.state = State.COMMITTED
         if replica:
             block.replica = True
-        block.ns.show(block)
+        ns = block.ns
+        if ns.pending.get(block.key) is block:
+            del ns.pending[block.key]
+        ns.show(block)
         if self._feed is not None:
             self._feed.changes[block] = True
 
@@ -456,6 +462,8 @@ class Index:
             if block.state is State.COMMITTED:
                 ns.hide(block)
                 self.moved(block)
+            elif ns.pending.get(block.key) is block:
+                del ns.pending[block.key]
             if not ns.blocks and self.namespaces.get(ns.root) is ns:
                 del self.namespaces[ns.root]
 
