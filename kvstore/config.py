@@ -168,7 +168,7 @@ class SsdConfig(_Section):
         1.0,
         ge=0,
         le=1,
-        description="deleted block files kept to be overwritten by the next puts (no new extents), "
+        description="files layout: deleted block files kept to be overwritten by the next puts (no new extents), "
         "up to this share of capacity_bytes; 0: unlink",
     )
 
