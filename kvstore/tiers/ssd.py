@@ -1,4 +1,5 @@
-"""SSD tier: one file per block in a directory, with a byte capacity.
+"""SSD tier, file layout (``ssd.layout = "files"``; the default is the segment layout,
+:mod:`kvstore.tiers.segments.tier`): one file per block in a directory, with a byte capacity.
 
 File layout (the same with or without O_DIRECT)::
 

@@ -88,11 +88,13 @@ def test_a_drain_too_short_counts_the_blocks_it_left(serve_process, tmp_path):
     assert again.stop(signal.SIGTERM) == 0
 
 
-def test_an_ssd_too_small_for_dram_keeps_the_hottest_blocks(serve_process, tmp_path):
+@pytest.mark.parametrize("layout", ["files", "segments"])
+def test_an_ssd_too_small_for_dram_keeps_the_hottest_blocks(serve_process, tmp_path, layout):
     """An SSD for 16 blocks: the drain writes the prompt read last (the hottest) first, its oldest
     blocks giving way, and leaves the other prompt, counted; the restart finds exactly the hot one."""
     args = ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(tmp_path / "d")]
-    env = {**SMALL_DRAM, "KVSTORE_SSD__CAPACITY_BYTES": str(16 * (4096 + 8192))}  # a header page + the bytes
+    block = 4096 + 8192 if layout == "files" else 8192  # (files: a header page + the bytes; segments: a slot)
+    env = {**SMALL_DRAM, "KVSTORE_SSD__LAYOUT": layout, "KVSTORE_SSD__CAPACITY_BYTES": str(16 * block)}
     sc = serve_process(args, env)
     data, dram_only = _put(sc)
     keys = list(data)

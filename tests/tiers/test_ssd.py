@@ -180,9 +180,10 @@ def test_direct_io_falls_back_where_the_filesystem_refuses_it(tmp_path: Path, mo
 
 
 async def test_build_from_config(tmp_path: Path, block):
-    tier = build_tier("ssd", Config(data_dir=str(tmp_path)))
+    tier = build_tier("ssd", Config(data_dir=str(tmp_path), ssd=SsdConfig(layout="files")))
     assert isinstance(tier, SsdTier) and tier.root == tmp_path / "ssd"
-    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "x"), capacity_bytes=1 << 20, direct_io=False))
+    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "x"), capacity_bytes=1 << 20, direct_io=False,
+                                       layout="files"))
     assert tier.root == tmp_path / "x" and tier.capacity_bytes == 1 << 20 and not tier.direct_io
     meta, data = block(6, SIZE)
     await tier.put(meta, data)
@@ -257,8 +258,8 @@ async def test_fsync_setting_decides_the_sync_calls(
 
 
 def test_fsync_comes_from_the_config(tmp_path: Path):
-    assert build_tier("ssd", SsdConfig(path=str(tmp_path / "a"))).fsync
-    assert not build_tier("ssd", SsdConfig(path=str(tmp_path / "b"), fsync=False)).fsync
+    assert build_tier("ssd", SsdConfig(path=str(tmp_path / "a"), layout="files")).fsync
+    assert not build_tier("ssd", SsdConfig(path=str(tmp_path / "b"), fsync=False, layout="files")).fsync
 
 
 def _files(root: Path) -> list[Path]:
@@ -327,7 +328,8 @@ async def test_a_longer_free_file_is_cut_to_the_block(tmp_path: Path, block):
 
 
 async def test_recycling_off_unlinks_deleted_files(tmp_path: Path, block):
-    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, recycle_fraction=0))
+    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, recycle_fraction=0,
+                                       layout="files"))
     meta, data = block(140, SIZE)
     await tier.put(meta, data)
     await tier.delete(meta.ref)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -52,8 +53,8 @@ from kvstore.config import SSD_IO_THREADS, SsdConfig
 from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.tiers.base import BlockMeta, BlockRef, HashedRead, Row, ThreadedTier
-from kvstore.tiers.file_io import fsync_dir, probe_direct_io
-from kvstore.tiers.private import private_dir
+from kvstore.tiers.file_io import fsync_dir, probe_direct_io, write_all
+from kvstore.tiers.private import FILE_MODE, private_dir, tighten
 from kvstore.tiers.segments.files import SegmentFiles
 from kvstore.tiers.segments.log import DEL, HAS_PARENT, PUT, RECORD, IndexLog, Namespaces
 from kvstore.tiers.segments.rows import Rows
@@ -93,8 +94,13 @@ class SegmentTier(ThreadedTier):
             found = marker.read_text().strip()
             raise ConfigError(f"ssd.path: {self.root} holds layout {found!r}, not {LAYOUT.strip()!r}")
         if not marker.exists():
-            marker.write_text(LAYOUT)
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)  # 0600, as every file here
+            try:
+                write_all(fd, LAYOUT.encode())
+            finally:
+                os.close(fd)
             fsync_dir(self.root)
+        tighten(marker)  # (one an earlier version wrote 0644)
         self.capacity_bytes = capacity_bytes
         self.direct_io = direct_io and probe_direct_io(self.root)
         self.fsync = fsync
