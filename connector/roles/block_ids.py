@@ -7,8 +7,9 @@ each id on the batch path (``np.fromiter`` over a tuple was ~0.02 µs an id, ~40
 blocks), and across processes they travel as one buffer (a tuple of 2,048 ints pickles and
 unpickles in ~85 µs, the array's bytes in a few).
 
-:class:`BlockIds` is a ``Sequence[int]`` that compares and hashes like the tuple of its ids (so
-specs and results compare as before, and iterating it gives Python ints); ``array`` is what the
+:class:`BlockIds` is a ``Sequence[int]`` that is equal to (and hashes as) the tuple of its ids, and
+to another :class:`BlockIds` of the same ids (so specs and results compare as before, and
+iterating it gives Python ints); unlike a tuple it has no ``+`` and no ordering; ``array`` is what the
 transfer engines take. :func:`ids_array` gives any ids as that array (a copy only for ids that
 are not a :class:`BlockIds` or an int64 array already).
 """
@@ -66,9 +67,8 @@ class BlockIds(Sequence[int]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, BlockIds):
             return bool(np.array_equal(self.array, other.array))
-        if isinstance(other, (tuple, list)):
-            mine: list[int] = self.array.tolist()
-            return mine == list(other)
+        if isinstance(other, tuple):
+            return tuple(self.array.tolist()) == other
         return NotImplemented
 
     def __hash__(self) -> int:
@@ -78,7 +78,8 @@ class BlockIds(Sequence[int]):
         return f"BlockIds({self.array.tolist()})"
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        return self.array if dtype is None else self.array.astype(dtype)
+        a = self.array if dtype is None else self.array.astype(dtype)
+        return a.copy() if copy and a is self.array else a  # np.array(ids) is the caller's to change
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _from_bytes, (self.array.tobytes(),)

@@ -189,6 +189,8 @@ def save_blocks(
     written = present = 0
     failure = None
     try:
+        if len(spec.block_ids) != len(spec.keys):  # before any state changes: nothing allocated
+            raise ValueError(f"save {spec.req_id}: {len(spec.block_ids)} block_ids for {len(spec.keys)} keys")
         with client.allocate(ns, list(spec.keys), [size] * len(spec.keys)) as alloc:
             pairs = list(alloc.writable(cpu=not transfer.pins_host))  # (a device's DMA: no CPU write)
             ids = ids_array(spec.block_ids)  # the spec's array, no copy

@@ -14,7 +14,8 @@ from paged_cases import BLOCKS, NS, PROMPT, SPEC, caches
 
 from connector.roles import SchedulerConnector, WorkerConnector
 from connector.roles.block_ids import BlockIds, ids_array
-from connector.roles.metadata import LoadSpec, SaveSpec
+from connector.roles.metadata import Failure, LoadSpec, SaveSpec
+from connector.roles.ops import save_blocks
 from connector.transfer.engines import Completion, NumpyTransfer, PagedKV, bind_caches
 from kvstore.client import SyncClient
 from kvstore.keys import prefix_keys
@@ -88,13 +89,19 @@ def test_block_ids_compare_hash_slice_and_pickle_as_the_tuple_of_their_ids() -> 
     cannot be changed under the worker; pickled, it is the array's bytes, read back in place."""
     ids = BlockIds([9, 4, 7, 1])
     failed = (9, 4, 7, 1)  # a result's tuple on the left, as the tests of loads compare them
-    assert ids == failed and failed == ids and ids == [9, 4, 7, 1] and ids != (9, 4, 7)
+    assert ids == failed and failed == ids and ids != (9, 4, 7)
+    seen = [9, 4, 7, 1]  # as a tuple: a list of the same ids is not equal, either way round
+    assert ids != seen and seen != ids
     assert hash(ids) == hash((9, 4, 7, 1)) and ids == BlockIds((9, 4, 7, 1))
     assert ids[1:3] == (4, 7) and isinstance(ids[1:3], BlockIds) and ids[-1] == 1 and type(ids[0]) is int
     assert [type(x) for x in ids] == [int] * 4 and set(ids[2:]) == {7, 1} and 4 in ids and ids.index(7) == 2
     assert np.shares_memory(ids[1:].array, ids.array) and ids_array(ids) is ids.array
     with pytest.raises(ValueError):
         ids.array[0] = 3
+    mine = np.array(ids)  # np.array copies (numpy 2's copy=True): the caller's to change, the spec's untouched
+    mine.sort()
+    assert mine.tolist() == [1, 4, 7, 9] and ids == failed and not np.shares_memory(mine, ids.array)
+    assert np.asarray(ids) is ids.array  # asarray does not copy
     source = np.array([5, 6], np.int64)
     copied = BlockIds(source)
     source[0] = 0
@@ -125,3 +132,19 @@ def test_the_cpu_engine_copies_with_the_ids_as_an_array(native: bool) -> None:
     t.scatter(bind_caches(SPEC, dst), ids[::-1], slots[::-1]).wait()
     for layer in range(SPEC.num_layers):
         np.testing.assert_array_equal(dst[layer][ids], src[layer][ids])
+
+
+def test_a_save_with_fewer_block_ids_than_keys_fails_and_stores_nothing(client: SyncClient) -> None:
+    """A save whose ids are fewer than its keys is refused before anything is allocated: no key
+    is stored. (With the sidecar holding one key, two ids for the two keys to write once put
+    block 6's bytes under key 2: the ids were indexed by the positions to write only when fewer.)"""
+    src = caches(1)
+    kv = bind_caches(SPEC, src)
+    keys = tuple(prefix_keys(NS, PROMPT)[:3])
+    with client.allocate(NS, [keys[1]], [SPEC.block_bytes]) as alloc:  # the sidecar has key 1: two to write
+        for _, view in alloc.writable():
+            view[:] = 1
+        alloc.commit()
+    r = save_blocks(client, NS, kv, NumpyTransfer(), SaveSpec("short", keys, BlockIds([5, 6])))
+    assert r.failure is Failure.ERROR and r.written == 0
+    assert client.lookup(NS, list(keys)).matched == 0  # nothing of the save stood
