@@ -1,8 +1,8 @@
 """The file I/O both SSD layouts share (:mod:`kvstore.tiers.ssd`, one file per block;
 :mod:`kvstore.tiers.segments.tier`, segment files): whether the file system takes O_DIRECT (asked
 once at start; buffered I/O where it is refused: tmpfs, some overlay file systems) and its
-alignment, a write that finishes short writes, a directory's fsync, and each I/O thread's own
-page-aligned staging buffer.
+alignment, a write that finishes short writes, a read that fills its buffer (short only at EOF),
+a directory's fsync, and each I/O thread's own page-aligned staging buffer.
 """
 
 from __future__ import annotations
@@ -46,6 +46,17 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
     view, done = memoryview(data), 0
     while done < len(view):
         done += os.write(fd, view[done:])
+
+
+def read_all(fd: int, into: memoryview, offset: int) -> int:
+    """``os.preadv`` at ``offset`` until ``into`` is full or the file ends; the bytes read."""
+    done = 0
+    while done < len(into):
+        n = os.preadv(fd, [into[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
 
 
 def fsync_dir(path: Path) -> None:

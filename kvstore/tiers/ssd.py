@@ -61,7 +61,7 @@ from kvstore.tiers.base import (
     header_bytes,
     header_size,
 )
-from kvstore.tiers.file_io import ALIGN, O_DIRECT, fsync_dir, probe_direct_io, staging, write_all
+from kvstore.tiers.file_io import ALIGN, O_DIRECT, fsync_dir, probe_direct_io, read_all, staging, write_all
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
 from kvstore.tiers.segments.tier import LAYOUT_FILE, SegmentTier
@@ -74,17 +74,6 @@ TMP_SUFFIX = ".tmp"
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _read_full(fd: int, into: memoryview, offset: int) -> int:
-    """preadv until ``into`` is full or EOF; returns bytes read."""
-    done = 0
-    while done < len(into):
-        n = os.preadv(fd, [into[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
 
 
 def file_bytes(size: int, label: str, codec: int = 0) -> int:
@@ -119,7 +108,7 @@ def read_block_file(path: str | Path) -> tuple[BlockMeta, bytearray]:
     try:
         meta, offset = SsdTier.read_header(fd)
         data = bytearray(meta.size)
-        if _read_full(fd, memoryview(data), offset) < meta.size:
+        if read_all(fd, memoryview(data), offset) < meta.size:
             raise ChecksumMismatch(f"ssd file {path} is truncated")
         return meta, data
     finally:
@@ -302,7 +291,7 @@ class SsdTier(ThreadedTier):
             if meta.size > len(into):
                 raise InvalidArgument(f"buffer of {len(into)} bytes for a block of {meta.size}")
             if got < meta.size:  # a short read, or the payload not read yet
-                got += _read_full(fd, into[got : meta.size], offset + got)
+                got += read_all(fd, into[got : meta.size], offset + got)
             if got < meta.size:
                 raise ChecksumMismatch(f"ssd file for {ref.name} is truncated")
             return meta
@@ -319,13 +308,13 @@ class SsdTier(ThreadedTier):
     def read_header(fd: int) -> tuple[BlockMeta, int]:
         """The header of the block file open at ``fd``, and where its payload starts."""
         head = bytearray(ALIGN)
-        n = _read_full(fd, memoryview(head), 0)
+        n = read_all(fd, memoryview(head), 0)
         if n < HEADER_FIXED:
             raise ChecksumMismatch("ssd file shorter than a block header")
         hsize = header_size(head)
         if hsize > n:
             head = bytearray(hsize)
-            _read_full(fd, memoryview(head), 0)
+            read_all(fd, memoryview(head), 0)
         return decode_header(head), _align(hsize)
 
     def _header_page(self) -> mmap.mmap:
