@@ -11,12 +11,33 @@ import errno
 import mmap
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.config import SSD_IO_THREADS, SsdConfig
 from kvstore.tiers.private import FILE_MODE
 
 ALIGN = 4096  # O_DIRECT's offset, length and buffer alignment on every Linux file system here
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+@dataclass(frozen=True)
+class DiskSettings:
+    """How an SSD tier of either layout does its I/O: ``direct_io`` (O_DIRECT where the file
+    system takes it, see :func:`probe_direct_io`), ``io_threads`` (the threads a batch is split
+    over) and ``fsync`` (a put durable on return; False: the kernel's page cache decides)."""
+
+    direct_io: bool = True
+    io_threads: int = SSD_IO_THREADS
+    fsync: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: SsdConfig) -> DiskSettings:
+        """Those ``cfg`` (the ``[ssd]`` table) sets."""
+        return cls(direct_io=cfg.direct_io, io_threads=cfg.io_threads, fsync=cfg.fsync)
+
+
+DEFAULT_DISK = DiskSettings()
 
 
 def probe_direct_io(directory: Path) -> bool:

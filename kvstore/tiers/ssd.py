@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.checksum import checksum
-from kvstore.config import SSD_IO_THREADS, SsdConfig
+from kvstore.config import SsdConfig
 from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument, ResourceExhausted
 from kvstore.tiers.base import (
     HEADER_FIXED,
@@ -61,7 +61,17 @@ from kvstore.tiers.base import (
     header_bytes,
     header_size,
 )
-from kvstore.tiers.file_io import ALIGN, O_DIRECT, fsync_dir, probe_direct_io, read_all, staging, write_all
+from kvstore.tiers.file_io import (
+    ALIGN,
+    DEFAULT_DISK,
+    O_DIRECT,
+    DiskSettings,
+    fsync_dir,
+    probe_direct_io,
+    read_all,
+    staging,
+    write_all,
+)
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
 from kvstore.tiers.segments.tier import LAYOUT_FILE, SegmentTier
@@ -124,10 +134,8 @@ class SsdTier(ThreadedTier):
         self,
         path: str | Path,
         capacity_bytes: int,
+        disk: DiskSettings = DEFAULT_DISK,
         *,
-        direct_io: bool = True,
-        io_threads: int = SSD_IO_THREADS,
-        fsync: bool = True,
         recycle_bytes: int | None = None,
     ) -> None:
         """``recycle_bytes``: deleted block files kept for reuse (None: up to the capacity, as a
@@ -144,8 +152,8 @@ class SsdTier(ThreadedTier):
                 tighten(sub)
         self._prefix = os.path.join(os.fspath(self.root), "")  # file names as plain strings: reads build one per block
         self.capacity_bytes = capacity_bytes
-        self.direct_io = direct_io and probe_direct_io(self.root)
-        self.fsync = fsync
+        self.direct_io = disk.direct_io and probe_direct_io(self.root)
+        self.fsync = disk.fsync
         # Guards _sizes, _used and every move of a file into or out of the free pool (worker
         # threads put and delete at once): bytes are counted once, as a block's or as the pool's.
         self._lock = threading.Lock()
@@ -157,8 +165,8 @@ class SsdTier(ThreadedTier):
         self._local = threading.local()  # per-thread aligned staging buffer for O_DIRECT
         # A batch's files are written by several threads at once: one synchronous O_DIRECT
         # write at a time leaves the device idle between requests (queue depth 1).
-        self.io_threads = io_threads
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd")
+        self.io_threads = disk.io_threads
+        self._io = ThreadPoolExecutor(disk.io_threads, thread_name_prefix="kvstore-ssd")
 
     @classmethod
     def from_config(cls, cfg: SsdConfig, data_dir: str | Path = "./kvstore-data") -> SsdTier | SegmentTier:
@@ -169,9 +177,7 @@ class SsdTier(ThreadedTier):
         return cls(
             cfg.path or Path(data_dir) / "ssd",
             cfg.capacity_bytes,
-            direct_io=cfg.direct_io,
-            io_threads=cfg.io_threads,
-            fsync=cfg.fsync,
+            DiskSettings.from_config(cfg),
             recycle_bytes=int(cfg.capacity_bytes * cfg.recycle_fraction),
         )
 
