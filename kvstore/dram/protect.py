@@ -170,8 +170,9 @@ class ReadOnlyMapping:
                 yield
             finally:
                 exc = self._mprotect(0, self.size, writable=False)
-                for a, b in self._open:
-                    exc = exc or self._mprotect(a, b, writable=True)
+                for a, b in self._open:  # (each one, whatever failed before: its writer writes on)
+                    again = self._mprotect(a, b, writable=True)
+                    exc = exc or again
                 if exc is not None:
                     raise self._failed("making the mapping read-only again", exc)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import resource
 import signal
 import subprocess
@@ -31,7 +32,7 @@ from connector.transfer.engines import DONE, Completion, NumpyTransfer, bind_cac
 from connector.vllm.config import Settings
 from kvstore.client import SyncClient
 from kvstore.dram import protect
-from kvstore.dram.protect import PAGE, pages_whole, protection, runs
+from kvstore.dram.protect import PAGE, ReadOnlyMapping, pages_whole, protection, runs
 from kvstore.dram.slab import attach, read_only, reclaimed_in
 from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.harness.sidecar import REPO, ServeProcess
@@ -228,14 +229,17 @@ def test_an_allocation_reclaimed_unfinished_makes_loads_from_its_slab_hash(clien
 
 
 class FailingLibc:
-    """libc, but its ``nth`` mprotect from now fails with ENOMEM (as at ``vm.max_map_count``)."""
+    """libc, but its ``nth`` mprotect from now fails with ENOMEM (as at ``vm.max_map_count``);
+    ``partway``: after changing the range all the same (as one can stop partway through it)."""
 
-    def __init__(self, nth: int) -> None:
-        self.nth, self.calls = nth, 0
+    def __init__(self, nth: int, partway: bool = False) -> None:
+        self.nth, self.calls, self.partway = nth, 0, partway
 
     def mprotect(self, address: int, size: int, prot: int) -> int:
         self.calls += 1
         if self.calls == self.nth:
+            if self.partway:
+                LIBC.mprotect(address, size, prot)
             ctypes.set_errno(errno.ENOMEM)
             return -1
         return LIBC.mprotect(address, size, prot)
@@ -286,3 +290,26 @@ def test_writable_after_a_refused_commit_is_a_clear_error(client) -> None:
             next(alloc.writable())
         assert alloc.commit() == 2
     assert [g.tobytes() for g in client.get_blocks(NS, keys)] == [bytes([7]) * PAGE] * 2
+
+
+def test_a_reprotect_that_fails_after_pinning_leaves_the_open_runs_writable(monkeypatch) -> None:
+    """``unprotected()`` (the whole mapping writable while a device pins it) ends with the mapping
+    read-only again but for the open runs: when making it read-only fails partway, the open runs
+    are still made writable again (their writers write on; a write would fault otherwise), the
+    mapping is no longer intact, and the error says loads hash. (Before, the failure skipped the
+    open runs: an allocation being written was left read-only.)"""
+    buf = mmap.mmap(-1, 4 * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    m = ReadOnlyMapping(base, 4 * PAGE)
+    try:
+        m.open([(PAGE, PAGE)])
+        monkeypatch.setattr(protect, "_libc", FailingLibc(2, partway=True))  # 1: all rw; 2: all r-, "fails"
+        with pytest.raises(OSError, match="Cannot allocate memory") as info, m.unprotected():
+            pass
+        monkeypatch.setattr(protect, "_libc", LIBC)
+        assert protection(base + PAGE)[:2] == "rw"  # the open run: its writer writes on
+        assert protection(base)[:2] == "r-" and not m.intact
+        assert "loads from this slab hash" in str(info.value)
+    finally:
+        protect.mprotect(base, 4 * PAGE, writable=True)
+        buf.close()
