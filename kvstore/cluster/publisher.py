@@ -160,7 +160,7 @@ class Publisher:
             error = f"{type(exc).__name__}: {exc}"
             # Re-writing a batch that did land is harmless. Those the backlog had handed out go
             # back to its front (counted in records_paced once: not again as changes of the feed).
-            self._unpace(taken)
+            self._unpace([b for b in taken if b in pending])  # (none once the records landed)
             feed.restore({b: new for b, new in pending.items() if b not in taken})
             if not isinstance(exc, (Unavailable, TimeoutError)):
                 raise  # (not the directory's: its loop counts and logs it; the changes wait for the next pass)
@@ -209,7 +209,7 @@ class Publisher:
         now = self.store.visible(b.ns.root, b.key)
         return now is None or not now.tiers
 
-    def _unpace(self, taken: dict[Block, None]) -> None:
+    def _unpace(self, taken: Sequence[Block]) -> None:
         """A failed pass's changes that came from the backlog: back at its front, in order."""
         for b in reversed(taken):
             self._backlog[b] = False
