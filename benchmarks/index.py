@@ -46,6 +46,7 @@ from benchmarks.ssd_layout import disk_bytes
 from kvstore.harness.sidecar import ServeProcess
 from kvstore.keys import BlockKey, Namespace, namespace_root
 from kvstore.tiers.base import BlockMeta, BlockRef
+from kvstore.tiers.file_io import DiskSettings
 from kvstore.tiers.segments.tier import SegmentTier
 from kvstore.tiers.ssd import SsdTier
 
@@ -66,8 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def make_tier(layout: str, root: Path, fsync: bool) -> Any:
     if layout == "segments":
-        return SegmentTier(root, 1 << 44, fsync=fsync)
-    return SsdTier(root, 1 << 44, fsync=fsync, recycle_bytes=0)
+        return SegmentTier(root, 1 << 44, DiskSettings(fsync=fsync))
+    return SsdTier(root, 1 << 44, DiskSettings(fsync=fsync), recycle_bytes=0)
 
 
 def metas(n: int, size: int) -> list[BlockMeta]:

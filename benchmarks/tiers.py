@@ -597,6 +597,7 @@ class _Bench:
         """The tier with its defaults (deleted files recycled) against raw writes over existing
         files; the tier without recycling against raw writes of new files (put only); with
         ``--peers``, the unsynced modes on new files, as LMCache's LocalDisk writes them."""
+        from kvstore.tiers.file_io import DiskSettings
         from kvstore.tiers.segments.tier import SegmentTier
         from kvstore.tiers.ssd import SsdTier
 
@@ -629,7 +630,8 @@ class _Bench:
             self.figures["tier.ssd_fresh.files_reused"] = {"value": no_recycling._free.reused, "unit": "count"}
             if self.peers:  # LMCache's LocalDisk never fsyncs, and writes new files: the tier so, in its two modes
                 for name, want_direct in (("ssd_nofsync", False), ("ssd_direct_nofsync", True)):
-                    like = SsdTier(root / name, capacity, direct_io=want_direct, fsync=False, recycle_bytes=0)
+                    disk = DiskSettings(direct_io=want_direct, fsync=False)
+                    like = SsdTier(root / name, capacity, disk, recycle_bytes=0)
                     like_raw = self.raw_ssd(root / f"raw-{name}", like.direct_io, threads, sync=False)
                     raws.append(like_raw)
                     cold = [like.root, root / f"raw-{name}"] if want_direct else []

@@ -49,11 +49,11 @@ from typing import Any
 import numpy as np
 
 from kvstore.checksum import checksum
-from kvstore.config import SSD_IO_THREADS, SsdConfig
+from kvstore.config import SsdConfig
 from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.tiers.base import BlockMeta, BlockRef, HashedRead, Row, ThreadedTier
-from kvstore.tiers.file_io import fsync_dir, probe_direct_io, write_all
+from kvstore.tiers.file_io import DEFAULT_DISK, DiskSettings, fsync_dir, probe_direct_io, write_all
 from kvstore.tiers.private import FILE_MODE, private_dir, tighten
 from kvstore.tiers.segments.files import SegmentFiles
 from kvstore.tiers.segments.log import DEL, HAS_PARENT, PUT, RECORD, IndexLog, Namespaces
@@ -81,10 +81,8 @@ class SegmentTier(ThreadedTier):
         self,
         path: str | Path,
         capacity_bytes: int,
+        disk: DiskSettings = DEFAULT_DISK,
         *,
-        direct_io: bool = True,
-        io_threads: int = SSD_IO_THREADS,
-        fsync: bool = True,
         checkpoint_min: int = CHECKPOINT_MIN,
     ) -> None:
         self.root = Path(path)
@@ -102,15 +100,15 @@ class SegmentTier(ThreadedTier):
             fsync_dir(self.root)
         tighten(marker)  # (one an earlier version wrote 0644)
         self.capacity_bytes = capacity_bytes
-        self.direct_io = direct_io and probe_direct_io(self.root)
-        self.fsync = fsync
+        self.direct_io = disk.direct_io and probe_direct_io(self.root)
+        self.fsync = disk.fsync
         self.checkpoint_min = checkpoint_min
-        self.io_threads = io_threads
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd")
+        self.io_threads = disk.io_threads
+        self._io = ThreadPoolExecutor(disk.io_threads, thread_name_prefix="kvstore-ssd")
         self._lock = threading.Lock()  # the rows and the map
         self._commit = threading.Lock()  # log appends, in order, and what they make true
-        self._log = IndexLog(self.root, fsync)
-        self._ns = Namespaces(self.root, fsync)
+        self._log = IndexLog(self.root, disk.fsync)
+        self._ns = Namespaces(self.root, disk.fsync)
         self.slots = Slots(capacity_bytes, self._punch, self._log_sync)
         self._files = SegmentFiles(self.root, self.slots, self.direct_io)
         self._rows = Rows()
@@ -123,9 +121,7 @@ class SegmentTier(ThreadedTier):
         return cls(
             cfg.path or Path(data_dir) / "ssd",
             cfg.capacity_bytes,
-            direct_io=cfg.direct_io,
-            io_threads=cfg.io_threads,
-            fsync=cfg.fsync,
+            DiskSettings.from_config(cfg),
             checkpoint_min=cfg.checkpoint_records,
         )
 
