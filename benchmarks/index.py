@@ -15,6 +15,9 @@ the same process on the same bytes:
   sidecar's recovery reads it; ``*_cpu_s``: this process's CPU time of each), against reading
   the log's bytes sequentially (``segments``) or the same number of bytes (``files``: its
   headers, one page a block) from one file;
+* ``load_s`` / ``load_cpu_us_per_block`` (``segments``): the tier opened and every block loaded
+  into a sidecar's books in this process (the index, an SSD level with the default policy, the
+  restart's recovery: kvstore.movers.recovery), wall seconds and CPU microseconds a block;
 * ``serve_restart_s``: ``kvstore serve`` started on that directory until its ready line (from then
   on it answers Lookups, a block not loaded yet a miss), minus a start on an empty one (measured
   once per run); ``serve_recovered_s``: until its recovered line (every block loaded into the
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import random
 import sys
@@ -43,11 +47,19 @@ import numpy as np
 
 from benchmarks.common import Result, percentile
 from benchmarks.ssd_layout import disk_bytes
+from kvstore.config import Config
 from kvstore.harness.sidecar import ServeProcess
 from kvstore.keys import BlockKey, Namespace, namespace_root
+from kvstore.movers.level import Level
+from kvstore.movers.recovery import Recovery
+from kvstore.policy import make_policy
+from kvstore.stats.counters import Stats
+from kvstore.store.books.index import SSD, Index
+from kvstore.store.books.retention import Retention
 from kvstore.tiers.base import BlockMeta, BlockRef
 from kvstore.tiers.segments.tier import SegmentTier
 from kvstore.tiers.ssd import SsdTier
+from kvstore.util.tuning import quiet_gc, restore_gc
 
 NS = Namespace(model="bench-index", kv_layout="raw", dtype="float16", block_size=16)
 BATCH = 64
@@ -128,6 +140,29 @@ async def restart_s(layout: str, root: Path, n: int) -> tuple[float, float, floa
     return opened, listed, opened_cpu, listed_cpu
 
 
+async def full_load_s(root: Path, n: int) -> tuple[float, float]:
+    """Seconds to open the tier and load every block into a sidecar's books, in process: the
+    index and an SSD level with the default policy, watched by a retention as the sidecar's are,
+    entered by the restart's recovery (kvstore.movers.recovery) with the sidecar's collector
+    settings; wall clock, then this process's CPU time (``load_cpu_us_per_block``: per block)."""
+    quiet_gc()
+    try:
+        t, c = time.perf_counter(), time.process_time()
+        tier = make_tier("segments", root, fsync=False)
+        index = Index()
+        policy = make_policy(Config().index.policy)
+        Retention().watch(policy)
+        level = Level("ssd", SSD, tier, index, Stats(), capacity=tier.capacity_bytes, policy=policy,
+                      footprint=functools.lru_cache(maxsize=4096)(tier.footprint))
+        found = await Recovery([level], index).run()
+        took, cpu = time.perf_counter() - t, time.process_time() - c
+        await tier.close()
+    finally:
+        restore_gc()
+    assert found == n, (found, n)
+    return took, cpu
+
+
 def raw_read_s(path: Path) -> float:
     t = time.perf_counter()
     np.fromfile(path, dtype=np.uint8)
@@ -193,6 +228,10 @@ def measure(
     res.figure(f"restart_open_cpu_s_{tag}", opened_cpu, "s")
     res.figure(f"restart_scan_cpu_s_{tag}", listed_cpu, "s")
     res.figure(f"raw_restart_s_{tag}", raw_restart, "s")
+    if layout == "segments":
+        load, load_cpu = asyncio.run(full_load_s(root, n))
+        res.figure(f"load_s_{tag}", load, "s")
+        res.figure(f"load_cpu_us_per_block_{tag}", load_cpu / n * 1e6, "us")
     res.ratio(f"restart_vs_raw_{tag}", raw_restart / restart)
     if not args.no_serve:
         ready, recovered, rss = serve_start(data, layout)
