@@ -294,7 +294,8 @@ class Index:
             out.append(block)
         ns.visible.update(zip(keys, out))
         counts = ns.visible_sizes
-        for size, n in Counter(b.size for b in out).items():
+        for size, n in Counter(sizes).items():  # (in the order each size first comes, as one by one)
+            size = shared(size)
             counts[size] = counts.get(size, 0) + n
         self.moved_many(out)
         return out
