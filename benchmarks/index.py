@@ -21,8 +21,10 @@ the same process on the same bytes:
 * ``serve_restart_s``: ``kvstore serve`` started on that directory until its ready line (from then
   on it answers Lookups, a block not loaded yet a miss), minus a start on an empty one (measured
   once per run); ``serve_recovered_s``: until its recovered line (every block loaded into the
-  index, kvstore.movers.recovery), minus the same; and the sidecar's ``RssAnon`` per block held
-  then (``serve_rss_per_block_B``; the Python index's memory, issue 41 item 1, not this layout's);
+  index, kvstore.movers.recovery), minus the same; the sidecar's CPU time until then, less an empty
+  start's, per block (``serve_recovered_cpu_us_per_block``: steadier than the wall seconds on a
+  shared host); and the sidecar's ``RssAnon`` per block held then (``serve_rss_per_block_B``; the
+  Python index's memory, issue 41 item 1, not this layout's);
 * ``disk_bytes_per_block``: what the directory takes on the filesystem, against the payload;
 * ``tier_index_bytes_per_block``: the segment tier's own in-memory index (its record array and
   its key dict).
@@ -169,9 +171,16 @@ def raw_read_s(path: Path) -> float:
     return time.perf_counter() - t
 
 
-def serve_start(data_dir: Path, layout: str) -> tuple[float, float, int]:
+def cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` has used (user and system, /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def serve_start(data_dir: Path, layout: str) -> tuple[float, float, int, float]:
     """Seconds until ``kvstore serve`` is ready on ``data_dir``, until it has recovered every block,
-    and its RssAnon then (bytes)."""
+    its RssAnon then (bytes), and the CPU seconds it has used by then."""
     args = ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(data_dir)]
     env = {"KVSTORE_DRAM__CAPACITY_BYTES": str(64 << 20), "KVSTORE_SSD__CAPACITY_BYTES": str(1 << 44),
            "KVSTORE_SSD__LAYOUT": layout, "KVSTORE_SERVER__LOCAL_SOCKET": "off"}
@@ -182,13 +191,14 @@ def serve_start(data_dir: Path, layout: str) -> tuple[float, float, int]:
     recovered = time.perf_counter() - t
     with open(f"/proc/{sc.proc.pid}/status") as f:
         rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    cpu = cpu_s(sc.proc.pid)
     sc.stop()
     Path(sc.log.name).unlink(missing_ok=True)
-    return ready, recovered, rss
+    return ready, recovered, rss, cpu
 
 
 def measure(
-    res: Result, layout: str, n: int, tmp: Path, args: argparse.Namespace, empty: tuple[float, float, int]
+    res: Result, layout: str, n: int, tmp: Path, args: argparse.Namespace, empty: tuple[float, float, int, float]
 ) -> None:
     tag = f"{layout}_{n}"
     size = args.block_bytes
@@ -234,9 +244,10 @@ def measure(
         res.figure(f"load_cpu_us_per_block_{tag}", load_cpu / n * 1e6, "us")
     res.ratio(f"restart_vs_raw_{tag}", raw_restart / restart)
     if not args.no_serve:
-        ready, recovered, rss = serve_start(data, layout)
+        ready, recovered, rss, cpu = serve_start(data, layout)
         res.figure(f"serve_restart_s_{tag}", ready - empty[0], "s")
         res.figure(f"serve_recovered_s_{tag}", recovered - empty[0], "s")
+        res.figure(f"serve_recovered_cpu_us_per_block_{tag}", (cpu - empty[3]) / n * 1e6, "us")
         res.figure(f"serve_rss_per_block_B_{tag}", (rss - empty[2]) / n, "B")
 
 
@@ -246,7 +257,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     files_counts = {int(c) for c in args.files_counts.split(",") if c}
     with tempfile.TemporaryDirectory(dir=base) as tmp_name:
         tmp = Path(tmp_name)
-        empty = (0.0, 0.0, 0)
+        empty = (0.0, 0.0, 0, 0.0)
         if not args.no_serve:
             serve_start(tmp / "empty", "segments")  # (imports warm)
             empty = min(serve_start(tmp / "empty", "segments") for _ in range(2))
