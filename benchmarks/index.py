@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import os
 import random
@@ -49,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,17 +163,25 @@ def rss_anon() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 
-def guard_rss(limit_gib: float) -> None:
-    """Abort the process (exit 3) if its RssAnon ever exceeds ``limit_gib`` (checked 5 times a second)."""
+@contextlib.contextmanager
+def rss_guard(limit_gib: float) -> Iterator[None]:
+    """While inside: abort the process (exit 3) if its RssAnon exceeds ``limit_gib`` (checked 5
+    times a second by a thread, stopped and joined on the way out)."""
+    done = threading.Event()
 
     def watch() -> None:
-        while True:
+        while not done.wait(0.2):
             if rss_anon() > limit_gib * (1 << 30):
                 print(f"index: RssAnon over {limit_gib} GiB, aborting", file=sys.stderr, flush=True)
                 os._exit(3)
-            time.sleep(0.2)
 
-    threading.Thread(target=watch, name="rss-guard", daemon=True).start()
+    thread = threading.Thread(target=watch, name="rss-guard", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def write_log(root: Path, n: int, size: int) -> None:
@@ -351,8 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     res = Result("index")
     base = Path(args.dir) if args.dir else None
     files_counts = {int(c) for c in args.files_counts.split(",") if c}
-    guard_rss(args.rss_limit_gib)
-    with tempfile.TemporaryDirectory(dir=base) as tmp_name:
+    with rss_guard(args.rss_limit_gib), tempfile.TemporaryDirectory(dir=base) as tmp_name:
         tmp = Path(tmp_name)
         empty = (0.0, 0.0, 0, 0.0)
         if not args.no_serve and not args.log_only:
