@@ -27,6 +27,13 @@ A batch is ``tiering.recover_batch`` records: entered in one go, with no await i
 batch is atomic to the other requests; between batches the loop yields. With no traffic in between
 the index and every level's policy end exactly as one pass over the records would leave them (the
 same blocks, inserted in the tiers' scan order: the same policy order and tie-breaks).
+
+A batch's run of one namespace's records none of whose keys the index holds yet (a restart's
+usual batch) is entered in bulk: :meth:`Index.add_sealed`, :meth:`Space.place_many` and the
+policy's ``insert_many``, which leave exactly the state of one record after the other
+(tests/policy/test_insert_many.py, tests/tiers/test_recovery_batches.py) at about 60 % of its CPU
+(docs/ssd-layout.md). A run with a key the index holds (a put while loading), and every batch
+while deletes are tombstoned, is entered one record at a time.
 """
 
 from __future__ import annotations
