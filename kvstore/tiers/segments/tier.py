@@ -234,9 +234,8 @@ class SegmentTier(ThreadedTier):
             info = [entries[i] for i in ns.tolist()]
             roots, labels, tenants = ([e[j] for e in info] for j in range(3))  # type: ignore[assignment]
         parents = records["parent"].tolist()
-        chained = (records["flags"] & HAS_PARENT) != 0
-        if not chained.all():
-            parents = [p if c else b"" for p, c in zip(parents, chained.tolist())]
+        for i in np.flatnonzero((records["flags"] & HAS_PARENT) == 0).tolist():  # (a prompt's first block)
+            parents[i] = b""
         columns = (records[f].tolist() for f in ("size", "checksum", "codec"))
         sizes, csums, codecs = columns
         return list(zip(roots, keys, parents, sizes, csums, labels, tenants, codecs))
