@@ -36,10 +36,12 @@ Raw baselines (the same values, the same server, the same concurrency as the tie
 * ssd    raw file I/O with the same durability (O_DIRECT + one directory fsync where the tier
          uses O_DIRECT, else buffered writes + fdatasync of every file + directory fsync), the
          files written and read on the tier's ``io_threads`` threads; reads are buffered
-         ``preadv`` into preallocated buffers. Both sides write the same kind of file: ``ssd``
-         (the tier's default, deleted files recycled) against raw writes over the last put's
-         files, ``ssd_fresh`` (put only; recycling off) against raw writes of new files. The
-         service's raw stream overwrites its files, as the sidecar (recycling by default) does.
+         ``preadv`` into preallocated buffers. ``ssd`` (the file layout, ``ssd.layout = "files"``,
+         deleted files recycled) against raw writes over the last put's files, ``ssd_fresh``
+         (put only; the file layout with recycling off) against raw writes of new files,
+         ``ssd_segments`` (the default layout: the slots the last put freed overwritten) against
+         the same raw writes over the last put's files. The service (the sidecar's default layout,
+         or ``KVSTORE_SSD__LAYOUT`` in the environment) against a raw stream over its files.
 * redis  raw redis-py pipelined SET/GET of the same value size (single node, and cluster), as
          many pipelines at once, each on its own connection, as the tier sends (``pipelines``,
          cut by node), the values copied into preallocated buffers
@@ -595,6 +597,8 @@ class _Bench:
         """The tier with its defaults (deleted files recycled) against raw writes over existing
         files; the tier without recycling against raw writes of new files (put only); with
         ``--peers``, the unsynced modes on new files, as LMCache's LocalDisk writes them."""
+        from kvstore.tiers.file_io import DiskSettings
+        from kvstore.tiers.segments.tier import SegmentTier
         from kvstore.tiers.ssd import SsdTier
 
         capacity = 4 * self.n * self.size + 64 * MiB
@@ -603,7 +607,10 @@ class _Bench:
         self.figures["ssd.direct_io"] = {"value": int(direct), "unit": "bool"}
         self.notes["ssd"] = {
             "threads": f"raw file I/O on the tier's io_threads ({threads}); {SINGLE}: one thread",
-            "ssd": "put: both sides overwrite the files of the last put (the tier its recycled files, as by default)",
+            "ssd": "put: both sides overwrite the files of the last put (the tier, ssd.layout = files, its recycled"
+                   " files)",
+            "ssd_segments": "the default layout (segments): the tier overwrites the slots the last put's blocks freed,"
+                            " raw its files as for ssd",
             "ssd_fresh": "put: both sides write new files (the tier with recycling off)",
             "get": "buffered reads on both sides; ssd_direct_nofsync: every side's files dropped from the page cache"
                    " first",
@@ -616,12 +623,15 @@ class _Bench:
         try:
             await self.tier_vs_raw("ssd", tier, raw, single=single)
             self.figures["tier.ssd.files_reused"] = {"value": tier._free.reused, "unit": "count"}
+            # the default layout (ssd.layout = "segments"): deleted blocks' slots overwritten by the next puts
+            await self.tier_vs_raw("ssd_segments", SegmentTier(root / "tier-segments", capacity), raw, single=single)
             no_recycling = SsdTier(root / "tier-fresh", capacity, recycle_bytes=0)
             await self.tier_vs_raw("ssd_fresh", no_recycling, fresh, single=fresh_single, get=False)
             self.figures["tier.ssd_fresh.files_reused"] = {"value": no_recycling._free.reused, "unit": "count"}
             if self.peers:  # LMCache's LocalDisk never fsyncs, and writes new files: the tier so, in its two modes
                 for name, want_direct in (("ssd_nofsync", False), ("ssd_direct_nofsync", True)):
-                    like = SsdTier(root / name, capacity, direct_io=want_direct, fsync=False, recycle_bytes=0)
+                    disk = DiskSettings(direct_io=want_direct, fsync=False)
+                    like = SsdTier(root / name, capacity, disk, recycle_bytes=0)
                     like_raw = self.raw_ssd(root / f"raw-{name}", like.direct_io, threads, sync=False)
                     raws.append(like_raw)
                     cold = [like.root, root / f"raw-{name}"] if want_direct else []

@@ -9,12 +9,14 @@ Figures per shape and batch size ``n``: ``host_plan_us_per_batch_{n}``, the plan
 the slots' checks and addresses, the schedule against the registrations, every DMA's and
 launch's arguments: what the engine works out before and between its CUDA calls), and
 ``host_us_per_batch_{n}``, the whole gather (the planning, the locks, the events, the enqueue
-loop calling the idle cupy), both with the ids as an int64 array; ``host_plan_list_..`` and
-``host_list_..`` the same with them as a list, as the connector hands them over today
-(converting them is ~0.02 µs an id). For the shape's GPU batch (``GPU_BLOCKS``, or ``--blocks``)
-the older names, the planning with the ids as a list: ``host_plan_us_per_batch`` /
-``_per_block``, a batch of one block (``host_plan_one_block_us``), what a further slot adds, and
-per block with plain views (``host_plan_views_us_per_block``: every view asked its address)."""
+loop calling the idle cupy), both with the ids as an int64 array, as the connector hands them
+over (``connector/roles/block_ids.py``: built once when the scheduler side builds the step's
+metadata); ``host_plan_list_..`` and ``host_list_..`` the same with them as a list (converting
+them is ~0.02 µs an id). For the shape's GPU batch (``GPU_BLOCKS``, or ``--blocks``) the older
+names, the planning with the ids as the connector hands them over (an int64 array; a list
+before the connector carried arrays): ``host_plan_us_per_batch`` / ``_per_block``, a batch of one
+block (``host_plan_one_block_us``), what a further slot adds, and per block with plain views
+(``host_plan_views_us_per_block``: every view asked its address)."""
 
 from __future__ import annotations
 
@@ -144,7 +146,7 @@ def host_plan(res: Result, shape: str, blocks: int, rounds: int, memcpy_per_bloc
     try:
         slots = slab.take(slab.class_of(bb), top)
         views = mapped_views([(slab.name, s.offset, bb) for s in slots], writable=True)
-        ids = random_ids(top, kv.num_blocks, 3)  # a list, as the connector hands them over
+        ids = random_ids(top, kv.num_blocks, 3)  # a list (the connector hands them over as an int64 array)
         with _engine() as t:
             t.register(slab.buf, page)
             timed: list[Callable[[], float]] = []
@@ -152,7 +154,7 @@ def host_plan(res: Result, shape: str, blocks: int, rounds: int, memcpy_per_bloc
                 arr = np.array(ids[:n], np.int64)
                 timed += [_planning(t, kv, views[:n], arr), _planning(t, kv, views[:n], ids[:n]),
                           _batch(t, kv, views[:n], arr), _batch(t, kv, views[:n], ids[:n])]
-            timed.append(_planning(t, kv, list(views[:n_gpu]), ids[:n_gpu]))
+            timed.append(_planning(t, kv, list(views[:n_gpu]), np.array(ids[:n_gpu], np.int64)))
             best = best_of(max(rounds, 20), *timed)
         del views
     finally:
@@ -163,8 +165,8 @@ def host_plan(res: Result, shape: str, blocks: int, rounds: int, memcpy_per_bloc
         res.figure(f"{shape}_host_plan_list_us_per_batch_{n}", plan_listed * 1e6, "us")
         res.figure(f"{shape}_host_us_per_batch_{n}", engine * 1e6, "us")
         res.figure(f"{shape}_host_list_us_per_batch_{n}", engine_listed * 1e6, "us")
-    known, asked = at[n_gpu][1], best[-1]
-    one = at[1][1] if 1 in at else known
+    known, asked = at[n_gpu][0], best[-1]  # the ids as the connector hands them over: an int64 array
+    one = at[1][0] if 1 in at else known
     res.figure(f"{shape}_host_plan_blocks", n_gpu, "blocks")
     res.figure(f"{shape}_host_plan_us_per_batch", known * 1e6, "us")
     res.figure(f"{shape}_host_plan_us_per_block", known * 1e6 / n_gpu, "us")

@@ -146,9 +146,9 @@ class SsdConfig(_Section):
     enabled: bool = True
     path: str = Field("", description="directory for blocks; default <data_dir>/ssd")
     layout: Literal["files", "segments"] = Field(
-        "files",
-        description="files: one file per block; segments: segment files of many blocks and one index log "
-        "(a start imports a files directory)",
+        "segments",
+        description="segments: segment files of many blocks and one index log (a start imports a files "
+        "directory); files: one file per block (refuses a segments directory)",
     )
     checkpoint_records: int = Field(
         1 << 20, ge=16, description="segments: the index log is rewritten from its live records once it holds "
@@ -168,7 +168,7 @@ class SsdConfig(_Section):
         1.0,
         ge=0,
         le=1,
-        description="deleted block files kept to be overwritten by the next puts (no new extents), "
+        description="files layout: deleted block files kept to be overwritten by the next puts (no new extents), "
         "up to this share of capacity_bytes; 0: unlink",
     )
 

@@ -46,7 +46,8 @@ OWNERS: dict[str, tuple[str, frozenset[str]]] = {
     "checksum": (INDEX, frozenset({"Block.seal"})),
     "leases": (INDEX, frozenset({"Index.take_lease", "Index.release_lease", "Index.pinned"})),
     "moving": (INDEX, frozenset({"Index.start_moving", "Index.stop_moving"})),
-    "tiers": ("kvstore/store/books/placement.py", frozenset({"Space.place", "Space.unplace", "placed_nowhere"})),
+    "tiers": ("kvstore/store/books/placement.py",
+              frozenset({"Space.place", "Space.place_many", "Space.unplace", "placed_nowhere"})),
     "slot": ("kvstore/store/books/dram_space.py", frozenset({"DramSpace.bind", "DramSpace.free"})),
     "retain_until": (
         "kvstore/store/books/retention.py",

@@ -10,7 +10,9 @@ Two guards, one setting (``load_guard``) choosing between them:
   process, or its slots are not whole OS pages) falls back to ``"hash"`` for the loads from it,
   and so does a slab whose sidecar has reclaimed an allocation unfinished
   (:func:`kvstore.dram.slab.reclaimed_in`): that writer, stalled past its ``ttl_ms``, may still
-  hold its slots' pages writable and write them after they were handed out again and sealed.
+  hold its slots' pages writable and write them after they were handed out again and sealed;
+  and so does a slab whose read-only mapping here lost track of its writable pages (an
+  ``mprotect`` that failed: :attr:`kvstore.dram.protect.ReadOnlyMapping.intact`).
 - ``"hash"``: every slot is hashed and checked against the checksum its lease carries before it
   is copied (:mod:`connector.roles.verified`).
 
@@ -39,10 +41,10 @@ def checked(guard: str) -> LoadGuard:
 def must_hash(guard: LoadGuard, segments: Iterable[str] | None) -> bool:
     """Whether a verified load of slots in ``segments`` (None: not known) hashes them: always
     under ``"hash"``; under ``"read_only"`` unless this process maps every one of them read-only
-    and no allocation of theirs was reclaimed unfinished."""
+    (every mprotect of the mapping went through) and no allocation of theirs was reclaimed unfinished."""
     if guard == "hash" or segments is None:
         return True
-    return not all(read_only(s) is not None and not reclaimed_in(s) for s in set(segments))
+    return not all((m := read_only(s)) is not None and m.intact and not reclaimed_in(s) for s in set(segments))
 
 
 def in_force(guard: LoadGuard, segment: str | None) -> LoadGuard:

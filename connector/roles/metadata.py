@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from connector.roles.block_ids import BlockIds
 from connector.roles.finders import HeldLease
 from kvstore.keys import BlockKey, Namespace
 
@@ -32,16 +34,18 @@ class ShardPart:
     keys: tuple[BlockKey, ...]
     lease: HeldLease | None = None
     ns: Namespace | None = None
-    block_ids: tuple[int, ...] | None = None
+    block_ids: Sequence[int] | None = None
 
 
 @dataclass(slots=True, frozen=True)
 class LoadSpec:
-    """Load ``keys`` (consecutive prompt blocks from ``first_block``) into engine ``block_ids``."""
+    """Load ``keys`` (consecutive prompt blocks from ``first_block``) into engine ``block_ids``
+    (from the scheduler side a :class:`~connector.roles.block_ids.BlockIds`: one int64 array the
+    worker hands to the transfer engine as it is; any sequence of ints is taken)."""
 
     req_id: str
     keys: tuple[BlockKey, ...]
-    block_ids: tuple[int, ...]
+    block_ids: Sequence[int]
     first_block: int
     block_size: int
     tiers: tuple[str, ...] = ()  # where the sidecar said each block was, for the cost model
@@ -76,11 +80,12 @@ class LoadSpec:
 
 @dataclass(slots=True, frozen=True)
 class SaveSpec:
-    """Store engine ``block_ids`` under ``keys`` (a prompt's full blocks from its first block)."""
+    """Store engine ``block_ids`` under ``keys`` (a prompt's full blocks from its first block;
+    ``block_ids`` as :class:`LoadSpec`'s)."""
 
     req_id: str
     keys: tuple[BlockKey, ...]
-    block_ids: tuple[int, ...]
+    block_ids: Sequence[int]
     retain_ms: int | None = None  # the request's retention hint (connector/roles/hints.py): None, none; 0, end it
     ns: Namespace | None = None  # the request's namespace (its cache_salt's); None: the connector's
     others: tuple[ShardPart, ...] = ()  # shards 1.. of a sharded engine (keys above: shard 0's)
@@ -100,7 +105,7 @@ class SaveSpec:
             return self
         keep = [i for i in range(len(self.keys)) if i not in skip]
         return dataclasses.replace(self, keys=tuple(self.keys[i] for i in keep),
-                                   block_ids=tuple(self.block_ids[i] for i in keep))
+                                   block_ids=BlockIds(self.block_ids).take(keep))
 
 
 @dataclass(slots=True, frozen=True)

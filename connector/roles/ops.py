@@ -17,12 +17,13 @@ from typing import Any, cast
 import grpc
 
 from connector.roles.block_directory import BlockDirectory, epoch_of
+from connector.roles.block_ids import ids_array
 from connector.roles.client import AllocationLike, ConnectorClient, PlacedAllocationLike
 from connector.roles.finders import HeldLease
 from connector.roles.guard import LoadGuard, must_hash
 from connector.roles.metadata import Failure, LoadResult, LoadSpec, SaveResult, SaveSpec
 from connector.roles.verified import scatter_verified
-from connector.transfer.engines import PagedKV, Transfer
+from connector.transfer.engines import BlockIdsLike, PagedKV, Transfer
 from kvstore.client.calls import mapped_views
 from kvstore.errors import (
     ChecksumMismatch,
@@ -120,7 +121,7 @@ def load_blocks(
                     len(spec.keys),
                 )
             sums = getattr(lease, "checksums", None) if verify and must_hash(guard, _segments(lease, n)) else None
-            bad = _copy_in(transfer, kv, spec.block_ids[:n], views, sums)
+            bad = _copy_in(transfer, kv, ids_array(spec.block_ids)[:n], views, sums)  # the spec's array, no copy
             if bad is not None:
                 n, failure = bad, Failure.CHECKSUM
                 log.warning(
@@ -149,7 +150,7 @@ def load_blocks(
 
 
 def _copy_in(
-    transfer: Transfer, kv: PagedKV, block_ids: Sequence[int], views: Sequence[Any], sums: Sequence[int] | None
+    transfer: Transfer, kv: PagedKV, block_ids: BlockIdsLike, views: Sequence[Any], sums: Sequence[int] | None
 ) -> int | None:
     """Copy ``views`` into ``block_ids`` before the lease ends. With ``sums`` (verifying), each chunk
     is checked before its copy, hashed during the last one's: the index of the first block that
@@ -188,9 +189,14 @@ def save_blocks(
     written = present = 0
     failure = None
     try:
+        if len(spec.block_ids) != len(spec.keys):  # before any state changes: nothing allocated
+            raise ValueError(f"save {spec.req_id}: {len(spec.block_ids)} block_ids for {len(spec.keys)} keys")
         with client.allocate(ns, list(spec.keys), [size] * len(spec.keys)) as alloc:
             pairs = list(alloc.writable(cpu=not transfer.pins_host))  # (a device's DMA: no CPU write)
-            transfer.gather(kv, [spec.block_ids[i] for i, _ in pairs], [v for _, v in pairs]).wait()
+            ids = ids_array(spec.block_ids)  # the spec's array, no copy
+            if len(pairs) < len(ids):  # (the indices increase: all of them is every position in order)
+                ids = ids[[i for i, _ in pairs]]
+            transfer.gather(kv, ids, [v for _, v in pairs]).wait()
             placed = _placed(alloc) if directory is not None else None
             epoch = _free_epoch_before_commit(placed, pairs) if placed is not None else None
             if directory is None or placed is None or epoch is None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from connector.cost import CostModel, Decision
+from connector.roles.block_ids import BlockIds
 from connector.roles.client import ConnectorClient
 from connector.roles.finders import Finder, Found, HeldLease, LookupFinder, Pending, ShardKeys
 from connector.roles.metadata import (
@@ -264,14 +265,14 @@ class SchedulerConnector:
 
     def _group_ids(
         self, groups: Sequence[Sequence[int]], first: int, n: int
-    ) -> tuple[tuple[int, ...] | None, ...]:
+    ) -> tuple[BlockIds | None, ...]:
         """Each further shard's engine blocks ``[first, first + n)`` of its group's block table
         (None: the spec's own, without ``shard_groups``)."""
         if not self.shard_groups:
             return (None,) * len(self.shards)
         if len(groups) <= max(self.shard_groups):
             raise ValueError(f"{len(groups)} block tables given, shard_groups name {max(self.shard_groups) + 1}")
-        return tuple(tuple(groups[g][first : first + n]) for g in self.shard_groups)
+        return tuple(BlockIds(groups[g][first : first + n]) for g in self.shard_groups)
 
     def update_state_after_alloc(
         self, req_id: str, block_ids: Sequence[int], num_external_tokens: int, groups: Sequence[Sequence[int]] = (),
@@ -299,7 +300,7 @@ class SchedulerConnector:
                 LoadSpec(
                     req_id=req_id,
                     keys=tuple(req.keys[first : first + n]),
-                    block_ids=tuple(block_ids[first : first + n]),
+                    block_ids=BlockIds(block_ids[first : first + n]),  # one array, handed to the engine as is
                     first_block=first,
                     block_size=self.spec.block_size,
                     tiers=tuple(req.tiers[first : first + n]),
@@ -329,7 +330,7 @@ class SchedulerConnector:
         others = tuple(ShardPart(tuple(o.keys[: len(keys)]), ns=o.ns, block_ids=b)
                        for o, b in zip(self._others(req_id, token_ids, ns), ids))
         with self._lock:
-            self._saves.append(SaveSpec(req_id, tuple(keys), tuple(block_ids[: len(keys)]), retain_ms, ns, others))
+            self._saves.append(SaveSpec(req_id, tuple(keys), BlockIds(block_ids[: len(keys)]), retain_ms, ns, others))
         return len(keys)
 
     def build_connector_meta(self) -> ConnectorMetadata:

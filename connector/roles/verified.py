@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from connector.transfer.engines import Completion, PagedKV, Transfer
+from connector.transfer.engines import BlockIdsLike, Completion, PagedKV, Transfer
 from kvstore.checksum import start_checksums
 
 FIRST_CHUNK_PART = 16  # the first chunk is 1/16 of the batch: all that is hashed before the copy starts
@@ -42,7 +42,7 @@ def _first_mismatch(got: Sequence[int], want: Sequence[int]) -> int | None:
 
 
 def scatter_verified(
-    transfer: Transfer, kv: PagedKV, block_ids: Sequence[int], views: Sequence[Any], sums: Sequence[int]
+    transfer: Transfer, kv: PagedKV, block_ids: BlockIdsLike, views: Sequence[Any], sums: Sequence[int]
 ) -> int | None:
     """Copy ``views[i]`` into ``kv`` block ``block_ids[i]`` for every slot before the first whose
     bytes do not match ``sums[i]``; the index of that slot, or None when all matched. Returns once

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from connector.transfer.engines import Completion, PagedKV, as_ids, slot_addresses
+from connector.transfer.engines import BlockIdsLike, Completion, PagedKV, as_ids, slot_addresses
 from connector.transfer.layout import Array
 from connector.transfer.plan import (
     Piece,
@@ -220,10 +220,10 @@ class CupyTransfer:
             seconds = self._pinned.register(start, size, page_bytes)
         log.info("pinned a host mapping of %.1f GiB for DMA in %.3f s", size / (1 << 30), seconds)
 
-    def gather(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
+    def gather(self, kv: PagedKV, block_ids: BlockIdsLike, slots: Sequence[Array]) -> Completion:
         return self._move(kv, block_ids, slots, to_slots=True)
 
-    def scatter(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array]) -> Completion:
+    def scatter(self, kv: PagedKV, block_ids: BlockIdsLike, slots: Sequence[Array]) -> Completion:
         return self._move(kv, block_ids, slots, to_slots=False)
 
     def close(self) -> None:
@@ -254,7 +254,7 @@ class CupyTransfer:
 
     # --- one batch --------------------------------------------------------------------------
 
-    def _move(self, kv: PagedKV, block_ids: Sequence[int], slots: Sequence[Array], *, to_slots: bool) -> Completion:
+    def _move(self, kv: PagedKV, block_ids: BlockIdsLike, slots: Sequence[Array], *, to_slots: bool) -> Completion:
         if not kv.on_device:
             raise InvalidArgument("cupy transfer: the cache is in host memory (use the 'numpy' transfer)")
         ids = as_ids(block_ids)  # once: checked, planned and uploaded from it

@@ -20,6 +20,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import product, repeat
 from typing import Any
 
@@ -217,13 +218,35 @@ def _runs(a: np.ndarray, width: int, limits: Registrations,
     distance changes there) starts one slot later, the shared slot going to the run before; a
     segment of one link so robbed has no run of its own, and gives the next one its slot back.
     Slots in no run are runs of one."""
+    p = _one_run_pitch(a, width, limits, max_pitch)
+    if p:
+        return _ONE_RUN, _ONE_RUN + p
+    return _split_runs(a, width, limits, max_pitch)
+
+
+def _one_run_pitch(a: np.ndarray, width: int, limits: Registrations, max_pitch: int = MAX_PITCH) -> int:
+    """The pitch of the common batch, slots side by side (evenly spaced at a pitch a 2-D copy
+    takes, so ``a[0]`` and ``a[-1]`` are the ends) in one registration: one run. 0 when the batch
+    is not one run (or is empty). One addition and a comparison of the bytes (cheaper than a
+    difference, a comparison and a reduction), a bisect at the two ends."""
+    n = len(a)
+    if not n:
+        return 0
+    p = a.item(1) - a.item(0) if n > 1 else width
+    if not width <= p <= max_pitch:
+        return 0
+    if n > 2 and (a[:-1] + p).tobytes() != a[1:].tobytes():
+        return 0
+    if limits and limits.holding_span(a.item(0), a.item(n - 1), width) is None:
+        return 0
+    return p
+
+
+def _split_runs(a: np.ndarray, width: int, limits: Registrations,
+                max_pitch: int = MAX_PITCH) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_runs` of a batch that is not one run (see there)."""
     n = len(a)
     d = a[1:] - a[:-1] if n > 1 else a[:0]
-    if n:  # the common batch: slots side by side (so a[0] and a[-1] are the ends) in one registration
-        p = int(d[0]) if n > 1 else width
-        if width <= p <= max_pitch and (n == 1 or bool((d == p).all())) and \
-                (not limits or limits.holding_span(int(a[0]), int(a[-1]), width) is not None):
-            return _ONE_RUN, _ONE_RUN + p
     ends = _limit_ends(a, width, limits)
     if n < 2:
         return _ONE_RUN[:n], _ONE_RUN[:n] + width
@@ -316,7 +339,9 @@ class Schedule:
     (c + 1) * step))``), and its DMAs in batch order, as arrays: DMA ``k`` moves ``count[k]``
     blocks of ``width`` bytes between positions ``first[k]..`` of the batch and the host at
     ``host[k]``, ``pitch[k]`` bytes apart; each lies in one chunk and one run of
-    :func:`dma_runs` (a run that spans chunks is one DMA per chunk)."""
+    :func:`dma_runs` (a run that spans chunks is one DMA per chunk). ``run_pitch``: the pitch when
+    the whole batch is one run (0 otherwise), so DMA ``k``'s host is ``host[0] + first[k] *
+    run_pitch``. The arrays may be read-only and shared between schedules: read them, never write."""
 
     n: int
     step: int
@@ -325,6 +350,7 @@ class Schedule:
     count: np.ndarray
     host: np.ndarray
     pitch: np.ndarray
+    run_pitch: int = 0
 
     @property
     def num_chunks(self) -> int:
@@ -339,20 +365,36 @@ class Schedule:
         return out
 
 
+@lru_cache(maxsize=256)
+def _one_run_dmas(n: int, step: int, pitch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A :class:`Schedule`'s ``first``, ``count`` and ``pitch`` for a batch of ``n`` slots in one
+    run of ``pitch``, in chunks of ``step``: a DMA per chunk. They do not depend on the slots, so
+    they are built once per batch size (read-only, shared by every such schedule)."""
+    at = np.arange(0, n, step, dtype=np.int64)
+    count = n - at
+    np.minimum(count, step, out=count)
+    pitches = np.full(len(at), pitch, np.int64)
+    for x in (at, count, pitches):
+        x.flags.writeable = False
+    return at, count, pitches
+
+
 def schedule(addresses: Sequence[int] | np.ndarray, width: int, per_chunk: int, limits: Limits = ()) -> Schedule:
     """A batch's chunks of at most ``per_chunk`` blocks and their DMAs: the runs of
     :func:`dma_runs` cut at every chunk's start. Numpy only: nothing in Python per slot, per
     run or per chunk."""
     a = np.asarray(addresses, dtype=np.int64)
     n, step = len(a), max(1, per_chunk)
-    first, pitch = _runs(a, width, _registrations(limits))
-    if len(first) == 1 and n <= step:  # one run, one chunk: one DMA
-        return Schedule(n, step, width, first, first + n, a[:1], pitch)
-    if len(first) == 1:  # one run: a DMA per chunk
-        at = np.arange(0, n, step, dtype=np.int64)
-        count = n - at
-        np.minimum(count, step, out=count)
-        return Schedule(n, step, width, at, count, a[::step], pitch.repeat(len(at)))
+    regs = _registrations(limits)
+    p = _one_run_pitch(a, width, regs)
+    if p:  # one run: a DMA per chunk, all but its host addresses known from the batch's size
+        at, count, pitch = _one_run_dmas(n, step, p)
+        return Schedule(n, step, width, at, count, a[::step], pitch, p)
+    first, pitch = _split_runs(a, width, regs)
+    if len(first) == 1:  # one run all the same (one slot wider than max_pitch): a DMA per chunk
+        p = int(pitch[0])
+        at, count, pitch = _one_run_dmas(n, step, p)
+        return Schedule(n, step, width, at, count, a[::step], pitch, p)
     cut = np.zeros(n, bool)
     cut[first] = True
     cut[::step] = True
@@ -363,6 +405,20 @@ def schedule(addresses: Sequence[int] | np.ndarray, width: int, per_chunk: int, 
     return Schedule(n, step, width, at, count, a[at], pitch[first.searchsorted(at, side="right") - 1])
 
 
+@lru_cache(maxsize=256)
+def _chunk_steps(n: int, step: int, stages: tuple[int, ...]) -> tuple[list[int], list[int], list[np.uint64], list[int]]:
+    """Per chunk of a batch of ``n`` blocks in chunks of ``step`` with a DMA each: its stream, its
+    staging (an address, and as the kernel's ``numpy.uint64``) and its size. They depend on the
+    batch's size and the staging only, so they are built once for each (shared lists: read them,
+    never change them); the streams' staging in turn, lists repeated, no arithmetic per chunk."""
+    chunks = -(-n // step)
+    rounds = -(-chunks // len(stages))
+    on = (list(range(len(stages))) * rounds)[:chunks]
+    staged = (list(stages) * rounds)[:chunks]
+    kernel_stages = ([np.uint64(a) for a in stages] * rounds)[:chunks]
+    return on, staged, kernel_stages, [min(step, n - a) for a in range(0, n, step)]
+
+
 def enqueue_steps(plan: Schedule, stages: Sequence[int], ids_ptr: int, to_slots: bool) -> Iterator[tuple[Any, ...]]:
     """Every DMA of ``plan`` as the GPU engine's enqueue loop makes it, worked out for the whole
     batch at once, as ``(stream, launch, dst, dst pitch, src, src pitch, blocks, chunk blocks,
@@ -370,18 +426,21 @@ def enqueue_steps(plan: Schedule, stages: Sequence[int], ids_ptr: int, to_slots:
     first, the kernel before it; a scatter's last, the kernel after it); the last two are the
     kernel's pointers, ``numpy.uint64`` (the block ids are an int64 array at ``ids_ptr``). Chunk
     ``c`` runs on stream ``c % len(stages)`` in that stream's staging at ``stages[c %
-    len(stages)]``, its blocks side by side. Numpy only: nothing in Python per chunk or per DMA."""
-    step, width, first, streams = plan.step, plan.width, plan.first, len(stages)
-    count, host, pitch = plan.count.tolist(), plan.host.tolist(), plan.pitch.tolist()
-    chunks = plan.num_chunks
-    if len(first) == chunks:  # a DMA per chunk (the batch is one run): the chunk's start, its size, launched
-        rounds = -(-chunks // streams)  # the streams' staging in turn: lists repeated, no arithmetic per chunk
-        staged = (list(stages) * rounds)[:chunks]
-        ids = first * 8
-        ids += ids_ptr
+    len(stages)]``, its blocks side by side. Numpy only: nothing in Python per chunk or per DMA
+    (a batch in one run: each chunk's stream, staging and size built once per batch size and
+    staging, :func:`_chunk_steps`; its hosts a ``range`` by the run's pitch)."""
+    step, width, first, p = plan.step, plan.width, plan.first, plan.run_pitch
+    if p:  # one run: the chunks' host addresses step by its pitch
+        h = plan.host.item(0)
+        host, pitch = range(h, h + p * plan.n, p * step), repeat(p)
+    else:
+        host, pitch = plan.host.tolist(), plan.pitch.tolist()
+    if len(first) == plan.num_chunks:  # a DMA per chunk (the batch is one run): the chunk's start, its size, launched
+        on, staged, kernel_stages, count = _chunk_steps(plan.n, step, tuple(stages))
+        ids = np.arange(ids_ptr, ids_ptr + 8 * plan.n, 8 * step, dtype=np.uint64)  # each chunk's first id
         moves = (host, pitch, staged, repeat(width)) if to_slots else (staged, repeat(width), host, pitch)
-        return zip((list(range(streams)) * rounds)[:chunks], repeat(True), *moves, count, count,
-                   ids.astype(np.uint64), ([np.uint64(a) for a in stages] * rounds)[:chunks])
+        return zip(on, repeat(True), *moves, count, count, ids, kernel_stages)
+    count, streams = plan.count.tolist(), len(stages)
     chunk = first // step
     start = chunk * step
     k = chunk % streams

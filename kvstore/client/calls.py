@@ -18,7 +18,7 @@ from google.protobuf.message import Message
 from kvstore.checksum import checksum
 from kvstore.dram.protect import ReadOnlyMapping, Run
 from kvstore.dram.slab import attach, read_only
-from kvstore.errors import KVStoreError
+from kvstore.errors import FailedPrecondition, KVStoreError
 from kvstore.keys import Namespace
 from kvstore.tier_table import PROTO_NAMES
 from kvstore.v1 import kvstore_pb2 as pb
@@ -370,9 +370,19 @@ class AllocationState(Opened[pb.AllocateResponse]):
                 self._writes.append((mapping, mapping.open(ranges)))
 
     def _end_writes(self) -> None:
+        """Every mapping's runs closed; the first error (:class:`~kvstore.dram.protect.ProtectionError`)
+        raised after, so neither the Commit nor the Abort is sent: pages of the slots may still be
+        writable here, and the sidecar reclaiming the allocation at its ``ttl_ms`` makes every
+        process's loads from the slab hash (:meth:`~kvstore.dram.slab.Slab.note_reclaimed`)."""
         writes, self._writes = self._writes, []
+        first: OSError | None = None
         for mapping, rs in writes:
-            mapping.close(rs)
+            try:
+                mapping.close(rs)
+            except OSError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def _fill(self, r: pb.AllocateResponse) -> None:
         """Read the answer; one that is malformed (a block count, key or slot length other than
@@ -408,10 +418,17 @@ class AllocationState(Opened[pb.AllocateResponse]):
         """(index in the request, writable uint8 view) for every block that needs its bytes.
         ``cpu``: this process's CPU writes them, so their pages are made writable here until the
         Commit or Abort (:mod:`kvstore.dram.protect`); False: a device's DMA into the pinned slab
-        does, which the CPU's page tables do not gate (a CPU write then faults)."""
+        does, which the CPU's page tables do not gate (a CPU write then faults). Once a Commit or
+        Abort was sent (even a Commit the sidecar refused), its slots are read-only here again:
+        FailedPrecondition, not views whose first write would fault."""
+        if self.done:
+            raise FailedPrecondition(
+                f"writable(): allocation {self.id} was committed or aborted (a Commit sent, even one refused, "
+                "ends its writes): its slots are read-only here; commit or abort it, and allocate again to write"
+            )
         if cpu and not self._opened:
-            self._opened = True
             self._open_writes([s.ref for s in self.slots if s.ref is not None])
+            self._opened = True  # (not before: an open that failed is tried again by the next call)
         for i, s in enumerate(self.slots):
             if s.view is not None:
                 yield i, s.view

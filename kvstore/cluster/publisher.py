@@ -20,7 +20,8 @@ Paced (``cluster.publish_records_per_s``): a pass writes at most that rate times
 ``publish_interval_ms`` records of blocks that only moved (a restart's recovery entering a
 million blocks, a re-publish of everything after an outage or a new incarnation); the rest wait
 in the publisher's backlog, in order, for the next passes. Blocks new on this node (committed,
-fetched) and those a ``wait_published`` commit waits for are never held back. So a restarted
+fetched), those a ``wait_published`` commit waits for, and the deletes of the records of blocks
+this node no longer holds are never held back. So a restarted
 node's million records go out in bounded pipelines, a pass at a time, between which the event
 loop serves requests and heartbeats (before, one pass wrote them all: 100 k records in 25
 back-to-back pipelines, and the 100 k-record walk that built them, on one turn of the loop).
@@ -141,7 +142,7 @@ class Publisher:
         if not (feed or self._stale or self._waiters or self._unheld or self._backlog):
             return
         waiters = self._waiters.take()
-        changed = self._paced(feed.drain(), waiters)
+        changed, taken = self._paced(feed.drain(), waiters)
         stale, self._stale = self._stale, []
         records = self._gather(changed)
         pending = changed
@@ -157,7 +158,10 @@ class Publisher:
                 self.members.round_trip("forget", self._call[1], "ok")
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-            feed.restore(pending)  # re-writing a batch that did land is harmless
+            # Re-writing a batch that did land is harmless. Those the backlog had handed out go
+            # back to its front (counted in records_paced once: not again as changes of the feed).
+            self._unpace([b for b in taken if b in pending])  # (none once the records landed)
+            feed.restore({b: new for b, new in pending.items() if b not in taken})
             if not isinstance(exc, (Unavailable, TimeoutError)):
                 raise  # (not the directory's: its loop counts and logs it; the changes wait for the next pass)
             self.members.unreachable(*self._call, exc, "cluster directory write failed (kept for the next pass)")
@@ -166,18 +170,24 @@ class Publisher:
 
     def _paced(
         self, changed: dict[Block, bool], waiters: list[tuple[asyncio.Future[None], list[Where]]]
-    ) -> dict[Block, bool]:
-        """This pass's changes: every new block's and every one ``waiters`` wait for, then the
-        oldest of the rest, up to :attr:`budget` in all; the others wait in the backlog (each
-        counted once in ``records_paced``)."""
+    ) -> tuple[dict[Block, bool], dict[Block, None]]:
+        """This pass's changes: every new block's, every one ``waiters`` wait for and every one
+        of a key this node no longer holds (its record's delete: a block gone from this node
+        leaves the directory at once), then the oldest of the rest, up to :attr:`budget` in all;
+        the others wait in the backlog (each counted once in ``records_paced``). And those of
+        them the backlog handed out (:meth:`_unpace` puts them back when the pass fails)."""
         backlog, budget = self._backlog, self.budget
         if not budget or (not backlog and len(changed) <= budget):
-            return changed  # (the usual pass: nothing held back)
+            return changed, {}  # (the usual pass: nothing held back)
         now: dict[Block, bool] = {}
+        taken: dict[Block, None] = {}  # (in the backlog's order)
         for b, new in changed.items():
             if new:
                 backlog.pop(b, None)
                 now[b] = True
+            elif self._let_go(b):  # (not paced, nor put back in the backlog if the pass fails)
+                backlog.pop(b, None)
+                now[b] = False
             elif b not in backlog:
                 backlog[b] = False
                 self.stats["records_paced"] += 1
@@ -186,10 +196,24 @@ class Publisher:
                 held = self.store.visible(root, key)
                 if held is not None and held in backlog:
                     now[held] = backlog.pop(held)
+                    taken[held] = None
         while backlog and len(now) < budget:
             b, new = backlog.popitem(last=False)
-            now.setdefault(b, new)
-        return now
+            if b not in now:
+                now[b] = new
+                taken[b] = None
+        return now, taken
+
+    def _let_go(self, b: Block) -> bool:
+        """Whether ``b``'s key is held here no more (its record's change is a delete)."""
+        now = self.store.visible(b.ns.root, b.key)
+        return now is None or not now.tiers
+
+    def _unpace(self, taken: Sequence[Block]) -> None:
+        """A failed pass's changes that came from the backlog: back at its front, in order."""
+        for b in reversed(taken):
+            self._backlog[b] = False
+            self._backlog.move_to_end(b, last=False)
 
     def _gather(self, changed: dict[Block, bool]) -> _Pass:
         """The records of ``changed`` (one per key, as the index has it now: not per Block object,

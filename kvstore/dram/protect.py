@@ -15,6 +15,12 @@ This holds only where every slot is whole OS pages (the slab's smallest slot a m
 page size): otherwise a slot being written would share a page with a sealed one. A slab that is
 not so, or whose sidecar runs in this process (its own writes go through the same mapping), is
 left read-write: :func:`kvstore.dram.slab.read_only` says which, and loads from it keep hashing.
+
+An ``mprotect`` that fails once the mapping is read-only (ENOMEM at ``vm.max_map_count``: each
+writable run splits the mapping's VMA; a change can also stop partway through a range) may leave
+pages writable that nothing tracks any more. The mapping is then marked not :attr:`intact
+<ReadOnlyMapping.intact>` for good, so loads from its slab hash again
+(:func:`connector.roles.guard.must_hash`), and the call raises :class:`ProtectionError`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mprotect.restype = ctypes.c_int
 
 Run = tuple[int, int]  # [start, end) offsets in the mapping, page-aligned
+
+
+class ProtectionError(OSError):
+    """An ``mprotect`` of a read-only mapping failed: some of its pages may be writable while no
+    open run accounts for them, so loads from its slab hash from now on (:attr:`ReadOnlyMapping.intact`)."""
 
 
 def mprotect(address: int, size: int, writable: bool) -> None:
@@ -74,7 +85,25 @@ class ReadOnlyMapping:
         self.base, self.size = base, size
         self._open: dict[Run, int] = {}
         self._lock = threading.Lock()
+        # False once an mprotect failed: what is writable is no longer known (loads hash).
+        self.intact = True
         mprotect(base, size, writable=False)
+
+    def _mprotect(self, a: int, b: int, writable: bool) -> OSError | None:
+        """mprotect run ``[a, b)``; its error, after which the mapping is not :attr:`intact`."""
+        try:
+            mprotect(self.base + a, b - a, writable)
+            return None
+        except OSError as exc:
+            self.intact = False
+            return exc
+
+    def _failed(self, what: str, exc: OSError) -> ProtectionError:
+        return ProtectionError(
+            exc.errno,
+            f"slab mapping at {self.base:#x}: {what} failed ({exc}); pages of it may be writable that no "
+            f"allocation tracks, so loads from this slab hash from now on",
+        )
 
     def open(self, ranges: Iterable[tuple[int, int]]) -> list[Run]:
         """Make the pages of ``ranges`` (``(offset, length)`` of slots) writable; the runs to
@@ -84,23 +113,36 @@ class ReadOnlyMapping:
             if a < 0 or b > self.size:
                 raise ValueError(f"slot range [{a}, {b}) is not within the mapping ({self.size} bytes)")
         with self._lock:
+            done: list[Run] = []
             for r in rs:
-                if not self._open.get(r):
-                    mprotect(self.base + r[0], r[1] - r[0], writable=True)
+                if not self._open.get(r) and (exc := self._mprotect(*r, writable=True)) is not None:
+                    self._close(done)  # (what this call opened: read-only again where it can be)
+                    self._close([r])  # (a change can stop partway: this run's pages too)
+                    raise self._failed("making an allocation's slots writable", exc)
                 self._open[r] = self._open.get(r, 0) + 1
+                done.append(r)
         return rs
 
     def close(self, rs: Iterable[Run]) -> None:
         """Make the runs :meth:`open` returned read-only again (but pages another open run holds)."""
         with self._lock:
-            for r in rs:
-                left = self._open.get(r, 0) - 1
-                if left > 0:
-                    self._open[r] = left
-                    continue
-                self._open.pop(r, None)
-                for a, b in self._uncovered(r):
-                    mprotect(self.base + a, b - a, writable=False)
+            exc = self._close(rs)
+        if exc is not None:
+            raise self._failed("making an allocation's slots read-only again", exc)
+
+    def _close(self, rs: Iterable[Run]) -> OSError | None:
+        """:meth:`close` under the lock: every run of ``rs`` is done (the first error returned)."""
+        first: OSError | None = None
+        for r in rs:
+            left = self._open.get(r, 0) - 1
+            if left > 0:
+                self._open[r] = left
+                continue
+            self._open.pop(r, None)
+            for a, b in self._uncovered(r):
+                exc = self._mprotect(a, b, writable=False)
+                first = first or exc
+        return first
 
     def _uncovered(self, r: Run) -> Iterator[Run]:
         """The parts of ``r`` no open run covers."""
@@ -122,13 +164,17 @@ class ReadOnlyMapping:
         """The whole mapping writable for the time of the block, then read-only again but for the
         open runs: for what must see it writable once (pinning it for a device's DMA)."""
         with self._lock:
-            mprotect(self.base, self.size, writable=True)
+            if (exc := self._mprotect(0, self.size, writable=True)) is not None:
+                raise self._failed("making the whole mapping writable", exc)
             try:
                 yield
             finally:
-                mprotect(self.base, self.size, writable=False)
-                for a, b in self._open:
-                    mprotect(self.base + a, b - a, writable=True)
+                exc = self._mprotect(0, self.size, writable=False)
+                for a, b in self._open:  # (each one, whatever failed before: its writer writes on)
+                    again = self._mprotect(a, b, writable=True)
+                    exc = exc or again
+                if exc is not None:
+                    raise self._failed("making the mapping read-only again", exc)
 
 
 def protection(address: int) -> str:

@@ -57,7 +57,16 @@ class Crew:
         return busy
 
 
-async def ended(task: asyncio.Task[None]) -> None:
-    """Wait for ``task`` to end, however it ends: a waiter that is cancelled leaves it running, and
-    it ending cancelled is not the waiter's cancellation."""
-    await asyncio.wait([task])
+def ended(task: asyncio.Task[None]) -> asyncio.Future[None]:
+    """A future done when ``task`` ends, however it ends: a waiter that is cancelled cancels only
+    the future (the task runs on), and the task ending cancelled is not the waiter's cancellation.
+    A future, not a coroutine: one its caller never awaits (an earlier await raised, or the caller
+    was cancelled first) is dropped silently, where a coroutine warned "never awaited"."""
+    done: asyncio.Future[None] = task.get_loop().create_future()
+
+    def fire(_: object) -> None:
+        if not done.done():  # (its waiter cancelled it)
+            done.set_result(None)
+
+    task.add_done_callback(fire)
+    return done

@@ -83,10 +83,14 @@ async def drain(space: DramSpace, lv: Level, eviction: Eviction, seconds: float,
 
 async def _write(space: DramSpace, lv: Level, eviction: Eviction, batch: list[Block]) -> list[Block]:
     """One batch placed in ``lv`` and held out of its victims, room made for it (what does not fit is
-    refused, the coldest first), and written; the blocks written (the others leave ``lv`` again)."""
+    refused, the coldest first), and written; the blocks written (the others leave ``lv`` again).
+    The batch is no victim of its own room (``eviction.kept``): placed but not written yet, an
+    eviction of one of its blocks freed bytes the tier never held (its put then failed "ssd tier
+    full", or landed a file the level no longer counted)."""
     for b in batch:
         lv.place(b)
         lv.hold(b)
+    eviction.kept.update(batch)
     written: list[Block] = []
     try:
         with lv.failures(f"drain of {len(batch)} blocks to"):
@@ -99,6 +103,7 @@ async def _write(space: DramSpace, lv: Level, eviction: Eviction, batch: list[Bl
             written = kept
     finally:
         for b in set(batch).difference(written):
+            eviction.kept.discard(b)
             lv.unhold(b)
             lv.unplace(b)  # (still in DRAM: it stays in the index)
     return written

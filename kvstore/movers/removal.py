@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from kvstore.movers.crew import Crew, ended
 from kvstore.movers.level import Level
@@ -55,7 +55,7 @@ class Removal:
         event.clear()
         await event.wait()
 
-    def forget(self, blocks: Sequence[Block]) -> Awaitable[None]:
+    def forget(self, blocks: Sequence[Block]) -> asyncio.Future[None]:
         """Take ``blocks`` out of every level's books now; awaiting the result waits for their
         copies to be removed (a mover task: a caller that stops waiting does not stop it, nor does
         the task ending cancelled raise in the caller)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Collection, Mapping, Sequence, Set
+from collections.abc import Collection, Mapping, Sequence, Set
 from contextlib import AbstractContextManager
 
 from kvstore.config import Config
@@ -170,7 +170,7 @@ class Tiering:
     async def writes_ended(self, blocks: Sequence[Block]) -> None:
         await self.write_through.ended(blocks)
 
-    def forget(self, blocks: Sequence[Block], unloaded: Unloaded | None = None) -> Awaitable[None]:
+    def forget(self, blocks: Sequence[Block], unloaded: Unloaded | None = None) -> asyncio.Future[None]:
         """Take ``blocks`` out of every level's books now (a delete): a demotion in flight is no
         longer readable, each level forgets them (:mod:`kvstore.movers.removal`); awaiting the
         result waits for their copies to be removed. ``unloaded``, keys the recovery has not

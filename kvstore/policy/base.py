@@ -32,6 +32,15 @@ class EvictionPolicy(Protocol):
         in this space; ``depth`` is its 1-based position in the prefix."""
         ...
 
+    def insert_many(
+        self, items: Sequence[Item], parents: Sequence[Item | None], depths: Sequence[int], sizes: Sequence[int]
+    ) -> None:
+        """:meth:`insert` for each of ``items`` in order, with its parent, depth and size (a
+        restart's batch, kvstore/movers/recovery.py): a parent counts when the space holds it at
+        that item's turn (before these, or earlier among them). The state it leaves is exactly
+        the one the inserts one after the other leave (tests/policy/test_insert_many.py)."""
+        ...
+
     def access(self, item: Item) -> None:
         """A block in the space was hit."""
         ...

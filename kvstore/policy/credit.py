@@ -39,9 +39,11 @@ is not counted as a use (otherwise every new block would start with two uses).
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from itertools import filterfalse
+from itertools import accumulate, compress, filterfalse, repeat
+from operator import lt, not_
 from typing import ClassVar
 
 from kvstore.policy.base import Eligible, Item
@@ -121,6 +123,65 @@ class CreditLRUPolicy(Holding):
         self._queues[q][item] = self._tick
         if item not in self._held:
             self._leaf(q, self._tick, item)
+
+    def insert_many(
+        self, items: Sequence[Item], parents: Sequence[Item | None], depths: Sequence[int], sizes: Sequence[int]
+    ) -> None:
+        """:meth:`insert` for each of ``items`` in order (a restart's batch). New blocks, none held,
+        in the common band, with no ghost to resume (a restart's is empty) enter with dict updates
+        in C: each one use, its queue the tails' when its size is below the largest seen so far,
+        each queue's leaf entries appended up to each point where an insert would rebuild that
+        queue's leaves, which is done there, as it would be (the same ticks, queues, links, leaves
+        and rebuilds: the state one insert after the other leaves)."""
+        queue = self._queue
+        if len(items) < 2 or self._ghost or not self._plain(items, queue):
+            for item, parent, depth, size in zip(items, parents, depths, sizes, strict=True):
+                self.insert(item, parent, depth, size)
+            return
+        resolved = self._resolved(items, parents)
+        n, f = len(items), min(1, self.classes)  # (no ghost: one use each)
+        tops = list(accumulate(sizes, max, initial=self._full))[1:]
+        self._full = tops[-1]
+        tails = list(map(lt, sizes, tops))
+        if not self._batch:  # (before the new marks: the last batch's are cleared)
+            self._clear_fresh()
+            self._batch = True
+        self._batch_items.extend(items)
+        self._fresh += n
+        whole = self._pack(f, f) + self._fresh_at  # (each fresh)
+        at: dict[int, Sequence[int]]  # per queue: its items' places in ``items``
+        if any(tails):
+            tail = self._pack(TAILS, f) + self._fresh_at
+            queue.update(zip(items, [tail if t else whole for t in tails], strict=True))
+            at = {TAILS: list(compress(range(n), tails)), f: list(compress(range(n), map(not_, tails)))}
+        else:
+            queue.update(zip(items, repeat(whole)))
+            at = {f: range(n)}
+        done = dict.fromkeys(at, 0)  # per queue: its items entered so far
+        links, t0 = self._links, self._tick
+        a = 0
+        while a < n:
+            e, full_q = n, -1  # the first insert that would rebuild a queue's leaves, and that queue
+            for q, idx in at.items():
+                j = self._leaves[q].full_at(len(self._queues[q]), len(idx) - done[q])
+                if j and idx[done[q] + j - 1] < e:
+                    e, full_q = idx[done[q] + j - 1] + 1, q
+            for q, idx in at.items():
+                b = bisect_left(idx, e, done[q])
+                took = idx[done[q] : b]
+                ticks: Sequence[int]
+                if isinstance(took, range):
+                    run, ticks = items[took.start : took.stop], range(t0 + 1 + took.start, t0 + 1 + took.stop)
+                else:
+                    run, ticks = [items[i] for i in took], [t0 + 1 + i for i in took]
+                self._queues[q].update(zip(run, ticks))
+                self._leaves[q].extend(zip(ticks, run))
+                done[q] = b
+            links.link_many(items[a:e], resolved[a:e])
+            self._tick = t0 + e
+            if full_q >= 0:
+                self._leaves[full_q].rebuild(self._candidates(self._queues[full_q]))
+            a = e
 
     def access(self, item: Item) -> None:
         self._batch = False

@@ -30,13 +30,15 @@ band; an entry is current in its band only while ``bands`` (item -> band, -1 whe
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from heapq import heappop, heappush
+from itertools import filterfalse
 
 from kvstore.policy.base import Eligible, Item
 from kvstore.policy.tree import PrefixLinks
 
 Entry = tuple[int, Item]
+_ASK = object()  # (Holding._resolved: a parent neither held nor the item before)
 
 
 def _tick(entry: Entry) -> int:
@@ -58,6 +60,32 @@ class Leaves:
         heap = self.heap
         heappush(heap, (tick, item))
         return len(heap) + len(self.parked) <= self.floor + size // 2 + 64
+
+    def full_at(self, size: int, adds: int) -> int:
+        """Which of ``adds`` more :meth:`add` calls (the queue one longer at each, from ``size``)
+        would be the first to return False, 1-based; 0 when none would. (The entries only grow,
+        the bound by half as fast: the first is found by bisection.)"""
+        base = len(self.heap) + len(self.parked) - self.floor - 64
+
+        def over(j: int) -> bool:
+            return base + j > (size + j) // 2
+
+        if adds <= 0 or not over(adds):
+            return 0
+        lo, hi = 1, adds
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if over(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def extend(self, entries: Iterable[Entry]) -> None:
+        """:meth:`add` for each of ``entries`` (ticks above every entry's here, rising), none asking
+        for a rebuild (:meth:`full_at` says how many may come): a push of a tick above the heap's
+        every one leaves it at the end, so the heap is the one the pushes would leave."""
+        self.heap.extend(entries)
 
     def rebuild(self, entries: list[Entry]) -> None:
         """Replace the entries with ``entries``: the current candidates (sorted here by tick, each
@@ -174,6 +202,39 @@ class Holding:
         leaf = self._links.unlink(item)
         if leaf is not None and leaf not in self._held:
             self._candidate(leaf)
+
+    def _plain(self, items: Sequence[Item], present: Container[Item]) -> bool:
+        """Whether ``items`` may enter by a policy's bulk insert: each new (not in ``present``, not
+        twice), none held, each in the common band (``band`` asked, as each insert asks it)."""
+        if any(map(present.__contains__, items)) or len(set(items)) != len(items):
+            return False
+        if self._held and any(map(self._held.__contains__, items)):
+            return False
+        if self._bands and any(map(self._bands.__contains__, items)):
+            return False
+        band = self.band
+        return band is None or max(map(band, items), default=-1) < 0
+
+    def _resolved(self, items: Sequence[Item], parents: Sequence[Item | None]) -> list[Item | None]:
+        """Each of ``items``' parent as one insert after the other would link it: the parent when
+        the space holds it at that item's turn (before these, or earlier among them), else None."""
+        held, n = self._links.parent, len(items)
+        # (a prompt's blocks come root first: a parent is mostly the item before, or held already)
+        before = [None, *items[:-1]]
+        out = [p if p is None or p is q or p in held else _ASK for p, q in zip(parents, before, strict=True)]
+        if _ASK in out:
+            at = dict(zip(items, range(n)))
+            out = [p if p is not _ASK else parents[i] if at.get(parents[i], n) < i else None for i, p in enumerate(out)]
+        return out
+
+    def _candidates(self, ticks: dict[Item, int]) -> list[Entry]:
+        """A queue's candidates in the common band as a rebuild of its leaves takes them (``ticks``:
+        the queue's last uses): those with no resident child, not held, in no other band."""
+        kids, held, get = self._links.kids, self._held, self._bands.get
+        if held or self._bands:
+            return [(t, x) for x, t in ticks.items() if x not in kids and x not in held and get(x, -1) == -1]
+        xs = list(filterfalse(kids.__contains__, ticks))
+        return list(zip(map(ticks.__getitem__, xs), xs))
 
     def hold(self, item: Item) -> None:
         self._held.add(item)

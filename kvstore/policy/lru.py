@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from itertools import filterfalse
+from operator import eq
 from typing import ClassVar
 
 from kvstore.policy.base import Eligible, Item
@@ -42,6 +43,34 @@ class LRUPolicy(Holding):
         self._links.link(item, parent if parent is not None and parent in self._order else None)
         if item not in self._held:
             self._leaf(self._tick, item)
+
+    def insert_many(
+        self, items: Sequence[Item], parents: Sequence[Item | None], depths: Sequence[int], sizes: Sequence[int]
+    ) -> None:
+        """:meth:`insert` for each of ``items`` in order (a restart's batch): new blocks, none held,
+        in the common band, enter with dict updates in C, their leaf entries appended up to each
+        point where an insert would rebuild the leaves, which is done there, as it would be (the
+        same ticks, links, leaves and rebuilds: the state one insert after the other leaves)."""
+        order = self._order
+        # (an item its own parent: :meth:`insert` links it to itself, which the bulk path does not)
+        if len(items) < 2 or not self._plain(items, order) or any(map(eq, items, parents)):
+            for item, parent, depth, size in zip(items, parents, depths, sizes, strict=True):
+                self.insert(item, parent, depth, size)
+            return
+        resolved = self._resolved(items, parents)
+        leaves, links, n = self._leaves, self._links, len(items)
+        a, t = 0, self._tick
+        while a < n:
+            full = leaves.full_at(len(order), n - a)  # the insert that would rebuild the leaves
+            e = a + full if full else n
+            run, ticks = items[a:e], range(t + 1, t + 1 + e - a)
+            order.update(zip(run, ticks))
+            links.link_many(run, resolved[a:e])
+            leaves.extend(zip(ticks, run))
+            t = self._tick = t + e - a
+            if full:
+                leaves.rebuild(self._candidates(order))
+            a = e
 
     def access(self, item: Item) -> None:
         order = self._order

@@ -6,6 +6,9 @@ trimmed from its tail, never cut at its root. Counts, not sets: no per-block obj
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import repeat
+
 from kvstore.policy.base import Item
 
 
@@ -22,6 +25,18 @@ class PrefixLinks:
         if parent is not None:
             kids = self.kids
             kids[parent] = kids.get(parent, 0) + 1
+
+    def link_many(self, items: Sequence[Item], parents: Sequence[Item | None]) -> None:
+        """:meth:`link` for each of ``items`` with its parent (resident, or None), in order: the
+        same dicts, the counts added in C when no parent is counted twice or already."""
+        self.parent.update(zip(items, parents, strict=True))
+        ps = [p for p in parents if p is not None]
+        kids = self.kids
+        if len(set(ps)) == len(ps) and not any(map(kids.__contains__, ps)):
+            kids.update(zip(ps, repeat(1)))
+            return
+        for p in ps:
+            kids[p] = kids.get(p, 0) + 1
 
     def unlink(self, item: Item) -> Item | None:
         """Forget ``item``; returns its parent when that has no resident child left (a leaf now)."""

@@ -191,6 +191,12 @@ class ClusterPolicy:
         else:
             links.link(item, None)
 
+    def insert_many(
+        self, items: Sequence[Item], parents: Sequence[Item | None], depths: Sequence[int], sizes: Sequence[int]
+    ) -> None:
+        for item, parent, depth, size in zip(items, parents, depths, sizes, strict=True):
+            self.insert(item, parent if parent is not None and parent in self else None, depth, size)
+
     def replicated(self, item: Item, yes: bool) -> None:
         """The directory's news: another node now holds ``item`` too (or no other node does)."""
         if not yes:

@@ -1,4 +1,5 @@
-"""SSD tier: one file per block in a directory, with a byte capacity.
+"""SSD tier, file layout (``ssd.layout = "files"``; the default is the segment layout,
+:mod:`kvstore.tiers.segments.tier`): one file per block in a directory, with a byte capacity.
 
 File layout (the same with or without O_DIRECT)::
 
@@ -48,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from kvstore.checksum import checksum
-from kvstore.config import SSD_IO_THREADS, SsdConfig
+from kvstore.config import SsdConfig
 from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument, ResourceExhausted
 from kvstore.tiers.base import (
     HEADER_FIXED,
@@ -61,7 +62,17 @@ from kvstore.tiers.base import (
     header_bytes,
     header_size,
 )
-from kvstore.tiers.file_io import ALIGN, O_DIRECT, fsync_dir, probe_direct_io, staging, write_all
+from kvstore.tiers.file_io import (
+    ALIGN,
+    DEFAULT_DISK,
+    O_DIRECT,
+    DiskSettings,
+    fsync_dir,
+    probe_direct_io,
+    read_all,
+    staging,
+    write_all,
+)
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
 from kvstore.tiers.segments.tier import LAYOUT_FILE, SegmentTier
@@ -74,17 +85,6 @@ TMP_SUFFIX = ".tmp"
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _read_full(fd: int, into: memoryview, offset: int) -> int:
-    """preadv until ``into`` is full or EOF; returns bytes read."""
-    done = 0
-    while done < len(into):
-        n = os.preadv(fd, [into[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
 
 
 def file_bytes(size: int, label: str, codec: int = 0) -> int:
@@ -119,7 +119,7 @@ def read_block_file(path: str | Path) -> tuple[BlockMeta, bytearray]:
     try:
         meta, offset = SsdTier.read_header(fd)
         data = bytearray(meta.size)
-        if _read_full(fd, memoryview(data), offset) < meta.size:
+        if read_all(fd, memoryview(data), offset) < meta.size:
             raise ChecksumMismatch(f"ssd file {path} is truncated")
         return meta, data
     finally:
@@ -135,10 +135,8 @@ class SsdTier(ThreadedTier):
         self,
         path: str | Path,
         capacity_bytes: int,
+        disk: DiskSettings = DEFAULT_DISK,
         *,
-        direct_io: bool = True,
-        io_threads: int = SSD_IO_THREADS,
-        fsync: bool = True,
         recycle_bytes: int | None = None,
     ) -> None:
         """``recycle_bytes``: deleted block files kept for reuse (None: up to the capacity, as a
@@ -155,8 +153,8 @@ class SsdTier(ThreadedTier):
                 tighten(sub)
         self._prefix = os.path.join(os.fspath(self.root), "")  # file names as plain strings: reads build one per block
         self.capacity_bytes = capacity_bytes
-        self.direct_io = direct_io and probe_direct_io(self.root)
-        self.fsync = fsync
+        self.direct_io = disk.direct_io and probe_direct_io(self.root)
+        self.fsync = disk.fsync
         # Guards _sizes, _used and every move of a file into or out of the free pool (worker
         # threads put and delete at once): bytes are counted once, as a block's or as the pool's.
         self._lock = threading.Lock()
@@ -168,8 +166,8 @@ class SsdTier(ThreadedTier):
         self._local = threading.local()  # per-thread aligned staging buffer for O_DIRECT
         # A batch's files are written by several threads at once: one synchronous O_DIRECT
         # write at a time leaves the device idle between requests (queue depth 1).
-        self.io_threads = io_threads
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd")
+        self.io_threads = disk.io_threads
+        self._io = ThreadPoolExecutor(disk.io_threads, thread_name_prefix="kvstore-ssd")
 
     @classmethod
     def from_config(cls, cfg: SsdConfig, data_dir: str | Path = "./kvstore-data") -> SsdTier | SegmentTier:
@@ -180,9 +178,7 @@ class SsdTier(ThreadedTier):
         return cls(
             cfg.path or Path(data_dir) / "ssd",
             cfg.capacity_bytes,
-            direct_io=cfg.direct_io,
-            io_threads=cfg.io_threads,
-            fsync=cfg.fsync,
+            DiskSettings.from_config(cfg),
             recycle_bytes=int(cfg.capacity_bytes * cfg.recycle_fraction),
         )
 
@@ -302,7 +298,7 @@ class SsdTier(ThreadedTier):
             if meta.size > len(into):
                 raise InvalidArgument(f"buffer of {len(into)} bytes for a block of {meta.size}")
             if got < meta.size:  # a short read, or the payload not read yet
-                got += _read_full(fd, into[got : meta.size], offset + got)
+                got += read_all(fd, into[got : meta.size], offset + got)
             if got < meta.size:
                 raise ChecksumMismatch(f"ssd file for {ref.name} is truncated")
             return meta
@@ -319,13 +315,13 @@ class SsdTier(ThreadedTier):
     def read_header(fd: int) -> tuple[BlockMeta, int]:
         """The header of the block file open at ``fd``, and where its payload starts."""
         head = bytearray(ALIGN)
-        n = _read_full(fd, memoryview(head), 0)
+        n = read_all(fd, memoryview(head), 0)
         if n < HEADER_FIXED:
             raise ChecksumMismatch("ssd file shorter than a block header")
         hsize = header_size(head)
         if hsize > n:
             head = bytearray(hsize)
-            _read_full(fd, memoryview(head), 0)
+            read_all(fd, memoryview(head), 0)
         return decode_header(head), _align(hsize)
 
     def _header_page(self) -> mmap.mmap:

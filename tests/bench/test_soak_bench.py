@@ -182,37 +182,42 @@ async def _delete_during_a_demotion(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     return errors, gone, victim
 
 
+@pytest.mark.parametrize("layout", ["files", "segments"])
 async def test_a_block_deleted_while_its_demotion_is_written_stays_deleted(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
-    orphans, resurrected = await _delete_during_a_demotion_write(tmp_path, monkeypatch)
+    orphans, resurrected = await _delete_during_a_demotion_write(tmp_path, monkeypatch, layout)
     assert orphans == 0  # the SSD holds no file of a block the index does not place there
     assert resurrected == 0  # and a restarted sidecar does not bring the deleted block back
 
 
-async def _delete_during_a_demotion_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+async def _delete_during_a_demotion_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str = "files"
+) -> tuple[int, int]:
     from kvstore.client import KVStoreClient
     from kvstore.keys import prefix_keys
     from kvstore.server.sidecar import Sidecar
     from kvstore.tiers.base import BlockRef
+    from kvstore.tiers.segments.tier import SegmentTier
     from kvstore.tiers.ssd import SsdTier
     from tests.conftest import small_config
 
     ns = soak.NS
     size = 4096
-    cfg = small_config(tmp_path, **{"ssd.enabled": True, "tiering.chain": ["ssd"]})
+    cfg = small_config(tmp_path, **{"ssd.enabled": True, "tiering.chain": ["ssd"], "ssd.layout": layout})
+    tier_class: Any = SsdTier if layout == "files" else SegmentTier
     keys = [prefix_keys(ns, [i + 1] * ns.block_size)[0] for i in range(80)]
-    write = SsdTier.write_batch
+    write = tier_class.write_batch
     writing = asyncio.Event()
     loop = asyncio.get_running_loop()
 
-    def slow_write(self: SsdTier, items: Any) -> None:  # a busy host: the batch's files land late
+    def slow_write(self: Any, items: Any) -> None:  # a busy host: the batch's files land late
         loop.call_soon_threadsafe(writing.set)
         time.sleep(0.3)
         write(self, items)
 
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
-        monkeypatch.setattr(SsdTier, "write_batch", slow_write)
+        monkeypatch.setattr(tier_class, "write_batch", slow_write)
         i = 0
         while not writing.is_set():  # fill DRAM until the first demotion batch is being written
             await c.put_blocks(ns, [keys[i]], [np.full(size, i, np.uint8)])
@@ -223,7 +228,11 @@ async def _delete_during_a_demotion_write(tmp_path: Path, monkeypatch: pytest.Mo
         in_flight = [k for k in keys[:i] if (b := root.blocks.get(k)) is not None and b in ssd.held]
         await c.delete(ns, in_flight)  # while their files are being written
         await sc.store.tiering.flush()
-        orphans = sum(1 for k in in_flight if ssd.tier.path_of(BlockRef(ns.root, k)).exists())
+        refs = [BlockRef(ns.root, k) for k in in_flight]
+        if layout == "files":
+            orphans = sum(1 for r in refs if ssd.tier.path_of(r).exists())
+        else:  # the segment log names no slot of theirs
+            orphans = sum(1 for r in refs if ssd.tier.locate(r) is not None)
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         resurrected = sum([(await c.lookup(ns, [k])).matched for k in in_flight])
     return orphans, resurrected

@@ -1,6 +1,7 @@
 """Smoke test: ``benchmarks.ssd_layout`` runs end to end with few blocks and returns its JSON shape.
 No timed assertions: the disk bytes it reports are checked against the layout instead (a 4 KiB
-header page per block file, and what the filesystem allocates is never less than the file)."""
+header page per block file, and what the filesystem allocates is never less than the file; the
+segment layout's payload plus at least its 128-byte record a block, and less than the file layout)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,8 @@ def test_ssd_layout_bench_shape(tmp_path) -> None:
         assert ratios[f"payload_vs_disk_{size}"] == round(size / per_block, 4)
         assert figures[f"scan_us_per_block_{size}"]["value"] > 0 and figures[f"log_us_per_block_{size}"]["value"] > 0
         assert f"serve_restart_us_per_block_{size}" in figures
+        segments = figures[f"disk_bytes_per_block_segments_{size}"]["value"]
+        assert size + 128 <= segments < per_block
+        assert ratios[f"payload_vs_disk_segments_{size}"] == round(size / segments, 4)
+        assert figures[f"scan_us_per_block_segments_{size}"]["value"] > 0
+        assert f"serve_restart_us_per_block_segments_{size}" in figures

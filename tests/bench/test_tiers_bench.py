@@ -50,7 +50,9 @@ def test_raw_baselines_match_the_tier(tmp_path) -> None:
     assert streams["ssd"] == {"raw": SSD_IO_THREADS, tiers.SINGLE: 1}
     assert streams["ssd_fresh"] == {"raw": SSD_IO_THREADS, tiers.SINGLE: 1}
     assert streams["redis"] == {"raw": min(4, REDIS_PIPELINES), tiers.SINGLE: 1}  # 4 blocks: at most 4 pipelines
-    for tier, ops in (("ssd", ("put", "get")), ("ssd_fresh", ("put",)), ("redis", ("put", "get"))):
+    assert streams["ssd_segments"] == {"raw": SSD_IO_THREADS, tiers.SINGLE: 1}
+    for tier, ops in (("ssd", ("put", "get")), ("ssd_segments", ("put", "get")), ("ssd_fresh", ("put",)),
+                      ("redis", ("put", "get"))):
         for op in ops:
             assert figures[f"tier.{tier}.{op}.{tiers.SINGLE}"]["value"] > 0
             assert ratios[f"tier_{op}_{tier}"] > 0

@@ -364,3 +364,34 @@ def test_registrations_find_the_slots_outside_them_as_one_by_one(seed: int) -> N
     assert uncovered(addresses, width, regs) == want == uncovered(addresses, width, pieces)
     assert [regs.covers(x, width) for x in addresses] == [i not in want for i in range(len(addresses))]
     assert list(regs) == sorted(pieces) and uncovered(addresses, width, Registrations()) == list(range(len(addresses)))
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+@pytest.mark.parametrize(("n", "per_chunk"), [(1, 32), (5, 2), (64, 32), (2048, 32), (100, 1000)])
+def test_a_batch_in_one_run_reuses_what_does_not_depend_on_its_slots(n: int, per_chunk: int, streams: int) -> None:
+    """The common batch, slots side by side in one registration: its chunks' starts, sizes and
+    pitches depend on the batch's size only, so two batches of that size at different addresses
+    share them, built once, read-only (before: built again for every batch); every step is still
+    the one the definition gives for the batch's own slots, ids and staging."""
+    width = 4096
+    regs = Registrations([(1 << 30, (1 << 30) + (1 << 26)), (1 << 40, (1 << 40) + (1 << 26))])
+    one, two = ((base + width * np.arange(n, dtype=np.int64)) for base in ((1 << 30) + width, 1 << 40))
+    a, b = schedule(one, width, per_chunk, regs), schedule(two, width, per_chunk, regs)
+    assert a.first is b.first and a.count is b.count and a.pitch is b.pitch
+    for shared in (a.first, a.count, a.pitch):
+        with pytest.raises(ValueError):
+            shared[0] = 1
+    for plan, addresses in ((a, one), (b, two)):
+        stages = [int(x) << 20 for x in range(7, 7 + streams)]
+        ids_ptr = int(addresses[0]) + (1 << 24)
+        for to_slots in (True, False):
+            want = []
+            for c, start in enumerate(range(0, n, per_chunk)):
+                blocks = min(per_chunk, n - start)
+                host, stage = int(addresses[start]), stages[c % streams]
+                moves = (host, width, stage, width) if to_slots else (stage, width, host, width)
+                want.append((c % streams, True, *moves, blocks, blocks, np.uint64(ids_ptr + 8 * start),
+                             np.uint64(stage)))
+            got = list(enqueue_steps(plan, stages, ids_ptr, to_slots))
+            assert got == want
+            assert all(type(x) is type(y) for s, t in zip(got, want, strict=True) for x, y in zip(s, t, strict=True))

@@ -6,6 +6,9 @@ refuse a corrupted slot. Real sidecar processes, real slab, a real fault."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import resource
 import signal
 import subprocess
@@ -19,19 +22,22 @@ import pytest
 from conftest import serve_args
 from paged_cases import NS, PROMPT, SPEC, caches
 from test_connector_held_leases import held_load
-from test_verified_load import sealed_load
+from test_verified_load import scribble, sealed_load
 
 from connector.roles import WorkerConnector
 from connector.roles.guard import in_force, must_hash
 from connector.roles.metadata import Failure, SaveSpec
-from connector.roles.ops import save_blocks
-from connector.transfer.engines import DONE, Completion, NumpyTransfer
+from connector.roles.ops import load_blocks, save_blocks
+from connector.transfer.engines import DONE, Completion, NumpyTransfer, bind_caches
 from connector.vllm.config import Settings
 from kvstore.client import SyncClient
-from kvstore.dram.protect import PAGE, pages_whole, protection, runs
+from kvstore.dram import protect
+from kvstore.dram.protect import PAGE, ReadOnlyMapping, pages_whole, protection, runs
 from kvstore.dram.slab import attach, read_only, reclaimed_in
+from kvstore.errors import FailedPrecondition, InvalidArgument
 from kvstore.harness.sidecar import REPO, ServeProcess
 from kvstore.keys import prefix_keys
+from kvstore.store.books.retention import MAX_RETAIN_MS
 
 # A process that acquires the sealed block at keys[0] and writes into it through its own mapping
 # of the slab, as a bad pointer of the engine would; it prints "wrote" if the write went through.
@@ -48,6 +54,9 @@ with SyncClient(sys.argv[1]) as c, c.acquire(NS, prefix_keys(NS, PROMPT)[:1]) as
     attach(slot.segment)[slot.offset + slot.length // 2] ^= 0xFF
     print("wrote", flush=True)
 """
+
+
+LIBC = protect._libc
 
 
 def address(slot) -> int:
@@ -217,3 +226,90 @@ def test_an_allocation_reclaimed_unfinished_makes_loads_from_its_slab_hash(clien
         time.sleep(0.05)
     assert must_hash("read_only", [seg]) and in_force("read_only", seg) == "hash"
     alloc.abort()  # (already reclaimed: its pages read-only again here)
+
+
+class FailingLibc:
+    """libc, but its ``nth`` mprotect from now fails with ENOMEM (as at ``vm.max_map_count``);
+    ``partway``: after changing the range all the same (as one can stop partway through it)."""
+
+    def __init__(self, nth: int, partway: bool = False) -> None:
+        self.nth, self.calls, self.partway = nth, 0, partway
+
+    def mprotect(self, address: int, size: int, prot: int) -> int:
+        self.calls += 1
+        if self.calls == self.nth:
+            if self.partway:
+                LIBC.mprotect(address, size, prot)
+            ctypes.set_errno(errno.ENOMEM)
+            return -1
+        return LIBC.mprotect(address, size, prot)
+
+
+@pytest.mark.parametrize("fails", ["open", "close"])
+def test_an_mprotect_that_fails_makes_loads_from_the_slab_hash(client, monkeypatch, fails: str) -> None:
+    """An mprotect of this process's read-only mapping fails (``open``: making an allocation's
+    slots writable; ``close``: making them read-only again, at its Commit): its pages may be
+    writable with nothing tracking them, so the call raises a clear error and loads from that slab
+    hash from then on: a sealed slot changed meanwhile is refused under ``read_only``. (Before, the
+    error left the mapping counted as read-only: the changed slot was copied unhashed.)"""
+    _, _, load = sealed_load(client)
+    seg = load.lease.slots[0].segment
+    assert read_only(seg) is not None and not must_hash("read_only", [seg])
+    keys = [bytes([9, i]) * 16 for i in range(2)]
+    with client.allocate(NS, keys, [PAGE] * 2) as alloc:
+        if fails == "close":
+            for _, view in alloc.writable():
+                view[:] = 7
+        monkeypatch.setattr(protect, "_libc", FailingLibc(1))
+        with pytest.raises(OSError, match="Cannot allocate memory") as info:
+            list(alloc.writable()) if fails == "open" else alloc.commit()
+        monkeypatch.setattr(protect, "_libc", LIBC)
+        assert must_hash("read_only", [seg]) and in_force("read_only", seg) == "hash"
+        if fails == "open":  # (the allocation is intact: aborted on leaving)
+            assert [protection(address(r))[:2] for r in alloc.slot_refs().values()] == ["r-"] * 2
+    scribble(load, 2)
+    dst = caches(2)
+    r = load_blocks(client, NS, bind_caches(SPEC, dst), NumpyTransfer(), load, verify=True, guard="read_only")
+    client.release(load.lease.id)
+    assert (r.loaded, r.failure) == (2, Failure.CHECKSUM)
+    assert "loads from this slab hash" in str(info.value)  # (the error says so)
+
+
+def test_writable_after_a_refused_commit_is_a_clear_error(client) -> None:
+    """A Commit the sidecar refuses (a retain hint out of range) leaves the allocation open there,
+    but its slots read-only here: ``writable()`` again is FailedPrecondition, not a view whose first
+    write faults (SIGSEGV); a Commit of what was written still goes through."""
+    keys = [bytes([8, i]) * 16 for i in range(2)]
+    with client.allocate(NS, keys, [PAGE] * 2) as alloc:
+        for _, view in alloc.writable():
+            view[:] = 7
+        with pytest.raises(InvalidArgument, match="retain_ms"):
+            alloc.commit(retain=(MAX_RETAIN_MS + 1, 0))
+        assert [protection(address(r))[:2] for r in alloc.slot_refs().values()] == ["r-"] * 2
+        with pytest.raises(FailedPrecondition, match="read-only here"):
+            next(alloc.writable())
+        assert alloc.commit() == 2
+    assert [g.tobytes() for g in client.get_blocks(NS, keys)] == [bytes([7]) * PAGE] * 2
+
+
+def test_a_reprotect_that_fails_after_pinning_leaves_the_open_runs_writable(monkeypatch) -> None:
+    """``unprotected()`` (the whole mapping writable while a device pins it) ends with the mapping
+    read-only again but for the open runs: when making it read-only fails partway, the open runs
+    are still made writable again (their writers write on; a write would fault otherwise), the
+    mapping is no longer intact, and the error says loads hash. (Before, the failure skipped the
+    open runs: an allocation being written was left read-only.)"""
+    buf = mmap.mmap(-1, 4 * PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    m = ReadOnlyMapping(base, 4 * PAGE)
+    try:
+        m.open([(PAGE, PAGE)])
+        monkeypatch.setattr(protect, "_libc", FailingLibc(2, partway=True))  # 1: all rw; 2: all r-, "fails"
+        with pytest.raises(OSError, match="Cannot allocate memory") as info, m.unprotected():
+            pass
+        monkeypatch.setattr(protect, "_libc", LIBC)
+        assert protection(base + PAGE)[:2] == "rw"  # the open run: its writer writes on
+        assert protection(base)[:2] == "r-" and not m.intact
+        assert "loads from this slab hash" in str(info.value)
+    finally:
+        protect.mprotect(base, 4 * PAGE, writable=True)
+        buf.close()

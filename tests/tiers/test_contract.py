@@ -3,6 +3,7 @@ and the registry imports a tier's dependencies only when that tier is built."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import subprocess
 import sys
@@ -80,6 +81,9 @@ def test_registry_is_lazy(tmp_path):
 
 
 def test_build_from_sections(tmp_path):
-    assert type(build_tier("ssd", SsdConfig(path=str(tmp_path)))).__name__ == "SsdTier"
+    default = build_tier("ssd", SsdConfig(path=str(tmp_path / "default")))
+    asyncio.run(default.close())
+    assert type(default).__name__ == "SegmentTier"
+    assert type(build_tier("ssd", SsdConfig(path=str(tmp_path / "files"), layout="files"))).__name__ == "SsdTier"
     assert type(build_tier("redis", RedisConfig(url="redis://127.0.0.1:1/0"))).__name__ == "RedisTier"
     assert type(build_tier("s3", S3Config(endpoint_url="http://127.0.0.1:1"))).__name__ == "S3Tier"

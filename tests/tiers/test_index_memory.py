@@ -28,6 +28,7 @@ from kvstore.policy import make_policy
 from kvstore.stats.counters import Stats
 from kvstore.store.books.index import SSD, Index, State
 from kvstore.tiers.base import BlockMeta, BlockRef
+from kvstore.tiers.file_io import DiskSettings
 from kvstore.tiers.segments.tier import SegmentTier
 
 NS = Namespace(model="index-memory", kv_layout="raw", dtype="float16", block_size=16)
@@ -47,7 +48,7 @@ def write(ssd: Path) -> None:
     ]
 
     async def put() -> None:
-        tier = SegmentTier(ssd, 1 << 40, fsync=False)
+        tier = SegmentTier(ssd, 1 << 40, DiskSettings(fsync=False))
         for a in range(0, BLOCKS, 64):
             await tier.put_many([(m, payload) for m in metas[a : a + 64]])
         await tier.close()
@@ -59,7 +60,7 @@ def bytes_per_block(ssd: Path, policy: str) -> tuple[float, Index]:
     """The tier opened and recovered into an index and a level: the bytes left allocated, per block."""
 
     async def recover() -> tuple[int, Index, SegmentTier]:
-        tier = SegmentTier(ssd, 1 << 40, fsync=False)
+        tier = SegmentTier(ssd, 1 << 40, DiskSettings(fsync=False))
         index = Index()
         lv = Level("ssd", SSD, tier, index, Stats(), capacity=1 << 40, policy=make_policy(policy),
                    footprint=tier.footprint)

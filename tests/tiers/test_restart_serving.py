@@ -147,6 +147,25 @@ def test_a_stop_while_recovering_ends_cleanly_and_the_next_start_loads_everythin
         assert found(c) == list(range(BLOCKS))
 
 
+def released_then_restarted(tmp_path: Path, sc, serve_process, doomed: int):
+    """The held recovery released after ``doomed`` was deleted: its record is skipped when its
+    batch comes (counted in ``deleted``) and every other block is found; then a stop and a restart,
+    which loads every block but ``doomed``. The restarted sidecar, and the blocks it holds."""
+    (tmp_path / "go").touch()
+    sc.wait_recovered()
+    done = recovery(sc.http)
+    assert (done["blocks"], done.get("deleted")) == (BLOCKS - 1, 1), done
+    rest = [i for i in range(BLOCKS) if i != doomed]
+    with SyncClient(sc.grpc) as c:
+        assert found(c) == rest
+    assert sc.stop() == 0
+    again = serve_process(sc.proc.args[3:], entry=("-c", HELD))
+    assert again.recovered == {"event": "recovered", "blocks": BLOCKS - 1, "batches": BLOCKS // BATCH}
+    with SyncClient(again.grpc) as c:
+        assert found(c) == rest
+    return again, rest
+
+
 def test_a_delete_of_a_key_still_loading_removes_it_for_good(tmp_path, serve_process):
     """A key not loaded yet deleted while the recovery is held: its record is skipped when its batch
     comes (counted in ``deleted``), and the delete removed it from the SSD, so the next start does
@@ -157,17 +176,8 @@ def test_a_delete_of_a_key_still_loading_removes_it_for_good(tmp_path, serve_pro
         loaded = set(found(c))
         doomed = min(set(range(BLOCKS)) - loaded)
         assert c.delete(NS, [key(doomed)]) == (0, 0)  # (not in the index yet: no block deleted there)
-        (tmp_path / "go").touch()
-        sc.wait_recovered()
-        done = recovery(sc.http)
-        assert (done["blocks"], done.get("deleted")) == (BLOCKS - 1, 1), done
-        rest = [i for i in range(BLOCKS) if i != doomed]
-        assert found(c) == rest
-    assert sc.stop() == 0
-    again = serve_process(sc.proc.args[3:], entry=("-c", HELD))
-    assert again.recovered == {"event": "recovered", "blocks": BLOCKS - 1, "batches": BLOCKS // BATCH}
+    again, rest = released_then_restarted(tmp_path, sc, serve_process, doomed)
     with SyncClient(again.grpc) as c:
-        assert found(c) == rest
         got = c.get_blocks(NS, [key(i) for i in rest[:32]])
         assert [g.tobytes() for g in got] == [content(key(i)) for i in rest[:32]]
 
@@ -185,17 +195,7 @@ def test_a_key_put_while_loading_then_deleted_stays_deleted(tmp_path, serve_proc
         new = np.frombuffer(content(key(doomed), b"new"), np.uint8)
         assert c.put_blocks(NS, [key(doomed)], [new], checksums=True).stored == 1
         assert c.delete(NS, [key(doomed)]) == (1, 0)
-        (tmp_path / "go").touch()
-        sc.wait_recovered()
-        done = recovery(sc.http)
-        assert (done["blocks"], done.get("deleted")) == (BLOCKS - 1, 1), done
-        rest = [i for i in range(BLOCKS) if i != doomed]
-        assert found(c) == rest
-    assert sc.stop() == 0
-    again = serve_process(sc.proc.args[3:], entry=("-c", HELD))
-    assert again.recovered == {"event": "recovered", "blocks": BLOCKS - 1, "batches": BLOCKS // BATCH}
-    with SyncClient(again.grpc) as c:
-        assert found(c) == rest
+    released_then_restarted(tmp_path, sc, serve_process, doomed)
 
 
 def test_a_namespace_dropped_while_loading_stays_dropped(tmp_path, serve_process):

@@ -16,6 +16,7 @@ from kvstore.errors import ChecksumMismatch, ResourceExhausted
 from kvstore.tiers import build_tier
 from kvstore.tiers import ssd as ssd_module
 from kvstore.tiers.base import HEADER_FIXED, BlockMeta, BlockRef
+from kvstore.tiers.file_io import DiskSettings
 from kvstore.tiers.ssd import ALIGN, SsdTier, probe_direct_io
 from kvstore.tiers.verify import verified_get
 
@@ -25,7 +26,7 @@ FILE_BYTES = ALIGN + SIZE  # header padded to 4 KiB, then the payload
 
 @pytest.fixture(params=[True, False], ids=["direct", "buffered"])
 def ssd(request, tmp_path: Path) -> SsdTier:
-    return SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, direct_io=request.param)
+    return SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, DiskSettings(direct_io=request.param))
 
 
 async def test_file_layout(ssd, block):
@@ -122,7 +123,7 @@ async def test_footprint_is_the_files_size(ssd, block, label: str, size: int):
 
 async def test_a_file_cut_inside_its_header_is_corrupt(tmp_path: Path, block):
     """The label is checked against what was read, not against the last block's header page."""
-    ssd = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, io_threads=1)  # one thread: one header page
+    ssd = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, DiskSettings(io_threads=1))  # one thread: one header page
     a, data_a = block(7, SIZE)
     b, data_b = block(8, 0)  # no payload: only the header can tell that the file is cut
     a = BlockMeta(a.ref, a.parent, a.size, a.checksum, "A" * 200)
@@ -155,7 +156,7 @@ async def test_a_file_with_an_unreadable_header_is_dropped_at_start(ssd, block):
     path = ssd.path_of(bad[0].ref)
     with open(path, "r+b") as f:
         f.write(b"not a header")
-    reopened = SsdTier(ssd.root, ssd.capacity_bytes, direct_io=ssd.direct_io, recycle_bytes=0)
+    reopened = SsdTier(ssd.root, ssd.capacity_bytes, DiskSettings(direct_io=ssd.direct_io), recycle_bytes=0)
     assert reopened.used_bytes == 2 * FILE_BYTES  # counted at start, before anyone read it
     assert [m async for m in reopened.scan()] == [good[0]]
     assert not path.exists() and reopened.used_bytes == FILE_BYTES
@@ -173,16 +174,17 @@ def test_direct_io_falls_back_where_the_filesystem_refuses_it(tmp_path: Path, mo
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", no_direct)
-    tier = SsdTier(tmp_path / "t", 1 << 20, direct_io=True)
+    tier = SsdTier(tmp_path / "t", 1 << 20, DiskSettings(direct_io=True))
     assert tier.direct_io is False
     assert not list((tmp_path / "t").iterdir())  # the probe file is gone
-    assert SsdTier(tmp_path / "u", 1 << 20, direct_io=False).direct_io is False
+    assert SsdTier(tmp_path / "u", 1 << 20, DiskSettings(direct_io=False)).direct_io is False
 
 
 async def test_build_from_config(tmp_path: Path, block):
-    tier = build_tier("ssd", Config(data_dir=str(tmp_path)))
+    tier = build_tier("ssd", Config(data_dir=str(tmp_path), ssd=SsdConfig(layout="files")))
     assert isinstance(tier, SsdTier) and tier.root == tmp_path / "ssd"
-    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "x"), capacity_bytes=1 << 20, direct_io=False))
+    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "x"), capacity_bytes=1 << 20, direct_io=False,
+                                       layout="files"))
     assert tier.root == tmp_path / "x" and tier.capacity_bytes == 1 << 20 and not tier.direct_io
     meta, data = block(6, SIZE)
     await tier.put(meta, data)
@@ -195,7 +197,7 @@ async def test_failed_write_in_a_batch_leaves_nothing(
 ):
     """One file of a batch fails (ENOSPC) while the others are written at the same time: the
     error surfaces, no block of the batch becomes visible, no temp file or fd is left behind."""
-    tier = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, io_threads=io_threads)
+    tier = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, DiskSettings(io_threads=io_threads))
     blocks = [block(40 + i, SIZE) for i in range(6)]
     doomed = tier.path_of(blocks[3][0].ref).stem
     real_open, real_write, real_writev = os.open, os.write, os.writev
@@ -242,7 +244,7 @@ async def test_fsync_setting_decides_the_sync_calls(
     real_fsync, real_fdatasync = os.fsync, os.fdatasync
     monkeypatch.setattr(ssd_module.os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
     monkeypatch.setattr(ssd_module.os, "fdatasync", lambda fd: (calls.append("fdatasync"), real_fdatasync(fd))[1])
-    tier = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, direct_io=direct_io, fsync=fsync)
+    tier = SsdTier(tmp_path / "ssd", 10 * FILE_BYTES, DiskSettings(direct_io=direct_io, fsync=fsync))
     items = [block(60 + i, SIZE) for i in range(3)]
     await tier.put_many(items)
     if not fsync:
@@ -257,8 +259,8 @@ async def test_fsync_setting_decides_the_sync_calls(
 
 
 def test_fsync_comes_from_the_config(tmp_path: Path):
-    assert build_tier("ssd", SsdConfig(path=str(tmp_path / "a"))).fsync
-    assert not build_tier("ssd", SsdConfig(path=str(tmp_path / "b"), fsync=False)).fsync
+    assert build_tier("ssd", SsdConfig(path=str(tmp_path / "a"), layout="files")).fsync
+    assert not build_tier("ssd", SsdConfig(path=str(tmp_path / "b"), fsync=False, layout="files")).fsync
 
 
 def _files(root: Path) -> list[Path]:
@@ -268,7 +270,7 @@ def _files(root: Path) -> list[Path]:
 async def test_deleted_files_are_overwritten_by_the_next_puts(ssd, block):
     """A delete keeps the file (up to ``recycle_bytes``); a put of a block with the same file size
     renames it into place and overwrites it whole. A restarted tier adopts the free files."""
-    tier = SsdTier(ssd.root, 10 * FILE_BYTES, direct_io=ssd.direct_io, recycle_bytes=2 * FILE_BYTES)
+    tier = SsdTier(ssd.root, 10 * FILE_BYTES, DiskSettings(direct_io=ssd.direct_io), recycle_bytes=2 * FILE_BYTES)
     old = [block(70 + i, SIZE) for i in range(3)]
     await tier.put_many(old)
     await tier.delete_many([m.ref for m, _ in old])
@@ -276,7 +278,8 @@ async def test_deleted_files_are_overwritten_by_the_next_puts(ssd, block):
     free = {p.stat().st_ino for p in _files(tier.root)}
     assert len(free) == 2
 
-    tier = SsdTier(ssd.root, 10 * FILE_BYTES, direct_io=ssd.direct_io, recycle_bytes=2 * FILE_BYTES)  # a restart
+    disk = DiskSettings(direct_io=ssd.direct_io)
+    tier = SsdTier(ssd.root, 10 * FILE_BYTES, disk, recycle_bytes=2 * FILE_BYTES)  # a restart
     assert tier.recycled_bytes == 2 * FILE_BYTES and [m async for m in tier.scan()] == []
     new = [block(80 + i, SIZE) for i in range(3)]
     await tier.put_many(new)
@@ -327,7 +330,8 @@ async def test_a_longer_free_file_is_cut_to_the_block(tmp_path: Path, block):
 
 
 async def test_recycling_off_unlinks_deleted_files(tmp_path: Path, block):
-    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, recycle_fraction=0))
+    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "ssd"), capacity_bytes=1 << 20, recycle_fraction=0,
+                                       layout="files"))
     meta, data = block(140, SIZE)
     await tier.put(meta, data)
     await tier.delete(meta.ref)
@@ -370,7 +374,7 @@ async def test_concurrent_puts_and_deletes_keep_the_books(tmp_path: Path, block)
     free files): afterwards the files on disk are exactly the blocks plus the free pool, within
     the capacity, and every block still present reads back."""
     capacity = 48 * FILE_BYTES  # 18 blocks kept + a wave of 24 in flight, with room for free files
-    tier = SsdTier(tmp_path / "ssd", capacity, io_threads=4)
+    tier = SsdTier(tmp_path / "ssd", capacity, DiskSettings(io_threads=4))
     batches = [[block(1000 + 10 * b + i, SIZE) for i in range(6)] for b in range(12)]
 
     async def churn(b: int) -> None:

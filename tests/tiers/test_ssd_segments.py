@@ -204,6 +204,15 @@ async def test_the_layout_comes_from_the_config(tmp_path: Path):
     assert os.path.exists(tmp_path / "s" / "LAYOUT")
 
 
+async def test_the_segment_layout_is_the_default_and_the_file_layout_is_named(tmp_path: Path):
+    tier = build_tier("ssd", SsdConfig(path=str(tmp_path / "s")))
+    await tier.close()
+    assert isinstance(tier, SegmentTier) and os.path.exists(tmp_path / "s" / "LAYOUT")
+    files = build_tier("ssd", SsdConfig(path=str(tmp_path / "f"), layout="files"))
+    await files.close()
+    assert isinstance(files, SsdTier) and not os.path.exists(tmp_path / "f" / "LAYOUT")
+
+
 async def test_concurrent_puts_and_deletes_keep_the_books(tmp_path: Path, tiers):
     """Batches put and deleted at once (as demotions and evictions run) on a tier that is always
     nearly full: freed slots are taken again, the capacity is never exceeded, and a restart finds

@@ -49,8 +49,9 @@ def expected(key: bytes) -> bytes:
     return hashlib.sha256(key).digest() * (BLOCK // 32)
 
 
-def config(tmp_path: Path, layout: str, capacity: int = 256 * BLOCK) -> list[str]:
-    path = tmp_path / f"kvstore-{layout}.toml"
+def config(tmp_path: Path, layout: str | None, capacity: int = 256 * BLOCK) -> list[str]:
+    """``layout`` None: the config names none (the default)."""
+    path = tmp_path / f"kvstore-{layout or 'default'}.toml"
     path.write_text(f"""
 data_dir = "{tmp_path / 'data'}"
 [dram]
@@ -58,7 +59,7 @@ capacity_bytes = {4 * 65536}
 page_bytes = 65536
 min_slot_bytes = {BLOCK}
 [ssd]
-layout = "{layout}"
+{f'layout = "{layout}"' if layout else ""}
 capacity_bytes = {capacity}
 checkpoint_records = 64
 """)
@@ -138,7 +139,11 @@ def test_kill_9_while_writing_reusing_and_checkpointing_then_every_found_block_i
     assert check_found(sc.grpc, int(progress.read_text())) > 0
 
 
-def test_a_file_layout_directory_is_imported_by_a_segments_sidecar(tmp_path, serve_process):
+@pytest.mark.parametrize("layout", ["segments", None])
+def test_a_file_layout_directory_is_imported_by_a_segments_sidecar(tmp_path, serve_process, layout):
+    """A directory the file layout wrote (one file per block), then a sidecar of the segment layout
+    on it -- named, or the default (``layout`` None: an upgrade that sets nothing): it imports every
+    block (each read back byte-exact), leaves no block file, and says so on its log."""
     sc = serve_process(config(tmp_path, "files"))
     data = {}
     with SyncClient(sc.grpc) as c:
@@ -156,13 +161,114 @@ def test_a_file_layout_directory_is_imported_by_a_segments_sidecar(tmp_path, ser
     ssd = tmp_path / "data" / "ssd"
     assert list(ssd.glob("*/*.blk"))
 
-    sc = serve_process(config(tmp_path, "segments"))
+    sc = serve_process(config(tmp_path, layout))
     assert ssd_stats(sc.http)["blocks"] >= held  # (the planned stop may have drained more)
-    assert not list(ssd.glob("*/*.blk"))
+    assert not list(ssd.glob("*/*.blk")) and (ssd / "LAYOUT").exists()
     assert check_found(sc.grpc, 12) >= held
+    sc.stop(signal.SIGTERM)
+    assert "importing" in sc.logs()
 
 
 def test_the_file_layout_refuses_a_segment_directory_with_what_to_do(tmp_path, serve_process):
     serve_process(config(tmp_path, "segments")).stop(signal.SIGTERM)
     with pytest.raises(RuntimeError, match=r'holds the segment layout.*set ssd.layout = "segments"'):
         serve_process(config(tmp_path, "files"))
+
+
+# ``kvstore serve`` with one crash point armed: the sidecar kills itself (SIGKILL, no cleanup) at
+# the given step of its ``nth`` log checkpoint, or halfway through writing a block into its
+# ``nth`` reused slot (a deleted block's slot, handed out again), and runs unchanged until then.
+KILLED_AT = """
+import os, signal, sys
+from kvstore.cli import main
+from kvstore.tiers.segments import log as seglog
+from kvstore.tiers.segments.files import SegmentFiles
+from kvstore.tiers.segments.slots import Slots
+
+point, nth = sys.argv[1], int(sys.argv[2])
+real_rewrite, real_write, real_replace, real_fsync_dir = (
+    seglog.IndexLog.rewrite, seglog.write_all, os.replace, seglog.fsync_dir)
+real_take, real_slot_write = Slots.take, SegmentFiles.write
+count = {"checkpoints": 0, "reused": 0}
+rewriting, reused = [False], set()
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def rewrite(self, records):
+    count["checkpoints"] += 1
+    rewriting[0] = count["checkpoints"] == nth
+    real_rewrite(self, records)
+
+def write_all(fd, data):
+    if rewriting[0] and point == "checkpoint_torn":  # half of index.log.new's first frame
+        real_write(fd, memoryview(data)[: len(data) // 2 + 5])
+        die()
+    real_write(fd, data)
+
+def replace(src, dst, **kw):
+    if rewriting[0] and point == "checkpoint_written":  # index.log.new whole and synced, not renamed
+        die()
+    real_replace(src, dst, **kw)
+
+def fsync_dir(root):
+    if rewriting[0] and point == "checkpoint_renamed":  # renamed over index.log, the directory not synced
+        die()
+    real_fsync_dir(root)
+
+def take(self, cls):
+    high = self.high(cls)
+    g = real_take(self, cls)
+    if self.high(cls) == high:  # not new room: a freed slot handed out again
+        reused.add((cls, g))
+    return g
+
+def slot_write(self, cls, g, data):
+    if point == "reused_slot_torn" and (cls, g) in reused:
+        count["reused"] += 1
+        if count["reused"] == nth:  # half the new block's bytes over the old one's, then gone
+            real_slot_write(self, cls, g, memoryview(data)[: len(data) // 2])
+            die()
+    return real_slot_write(self, cls, g, data)
+
+seglog.IndexLog.rewrite, seglog.write_all, seglog.os.replace, seglog.fsync_dir = rewrite, write_all, replace, fsync_dir
+Slots.take, SegmentFiles.write = take, slot_write
+sys.exit(main(["serve", *sys.argv[3:]]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("point", "nth"),
+    [("checkpoint_torn", 3), ("checkpoint_written", 3), ("checkpoint_renamed", 3), ("reused_slot_torn", 200)],
+)
+def test_killed_mid_checkpoint_or_mid_write_into_a_reused_slot_every_found_block_is_exact(
+    tmp_path, serve_process, point, nth
+):
+    """A real ``kvstore serve`` (the layout by default: the config names none) killed -9 by itself
+    at one step of its third log checkpoint -- half of ``index.log.new`` written; all of it
+    written, not renamed; renamed, the directory not synced -- or halfway through writing a block
+    into its 200th reused slot, while a writer keeps putting. By then more blocks were put than DRAM
+    and the SSD together hold (the SSD evicted and its slots were handed out again). Every block the
+    killed directory's log names reads back byte-exact, and the restarted sidecar finds blocks on the
+    SSD and reads every prefix it finds byte-exact."""
+    args = config(tmp_path, None)
+    progress = tmp_path / "progress"
+    progress.write_text("0")
+    sc = serve_process(args, entry=("-c", KILLED_AT, point, str(nth)))
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, sc.grpc, str(progress), "0"], cwd=REPO,
+                              stderr=subprocess.DEVNULL)
+    try:
+        assert sc.proc.wait(timeout=300) == -signal.SIGKILL  # it reached the crash point
+    finally:
+        writer.kill()
+        writer.wait()
+    ssd = tmp_path / "data" / "ssd"
+    assert (ssd / "LAYOUT").exists()
+    if point in ("checkpoint_torn", "checkpoint_written"):
+        assert (ssd / "index.log.new").exists()  # killed mid-checkpoint, as armed
+    assert int(progress.read_text()) * CHAIN > 64 + 256  # more than DRAM's 64 slots and the SSD's 256
+    assert check_directory(ssd) > 0
+    assert not (ssd / "index.log.new").exists()  # the restart removed the unfinished checkpoint
+    again = serve_process(args)
+    assert ssd_stats(again.http)["blocks"] > 0
+    assert check_found(again.grpc, int(progress.read_text())) > 0

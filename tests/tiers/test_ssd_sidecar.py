@@ -24,6 +24,7 @@ from kvstore.movers.level import Level
 from kvstore.server.sidecar import Sidecar
 from kvstore.tiers.base import BlockMeta, BlockRef
 from kvstore.tiers.recycle import FREE_DIR
+from kvstore.tiers.segments.tier import SegmentTier
 from kvstore.tiers.ssd import SsdTier
 from tests.conftest import small_config
 
@@ -58,8 +59,14 @@ def block_files(root: Path) -> list[Path]:
 
 
 def assert_books_balance(sc: Sidecar, root: Path) -> None:
-    """What the index places on the SSD is what the directory holds, byte for byte."""
+    """What the index places on the SSD is what the directory holds, byte for byte (the segment
+    layout: what its log names, slot for slot)."""
     lv = ssd_level(sc)
+    if isinstance(lv.tier, SegmentTier):
+        held = {lv.ref(b) for b in lv.held}
+        assert all(lv.tier.locate(ref) is not None for ref in held) and len(lv.tier) == len(held)
+        assert lv.used == lv.tier.used_bytes == len(held) * BLOCK <= lv.capacity  # type: ignore[operator]
+        return
     placed = {lv.tier.path_of(lv.ref(b)) for b in lv.held}
     files = block_files(root)
     assert placed == set(files)
@@ -105,7 +112,8 @@ def mode(path: Path) -> int:
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a child as another uid needs root (CI runs as root)")
 async def test_demoted_blocks_are_unreadable_by_other_users(tmp_path, shared_dir):
     ssd = shared_dir / "ssd"
-    cfg = small_config(tmp_path, **{"ssd.enabled": True, "ssd.path": str(ssd), "ssd.capacity_bytes": 1 << 20})
+    cfg = small_config(tmp_path, **{"ssd.enabled": True, "ssd.path": str(ssd), "ssd.capacity_bytes": 1 << 20,
+                                    "ssd.layout": "files"})
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         a, b = chain(1, 4), chain(2, 64)
         await c.put_blocks(NS, a, payloads(4, 1))
@@ -127,6 +135,29 @@ async def test_demoted_blocks_are_unreadable_by_other_users(tmp_path, shared_dir
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a child as another uid needs root (CI runs as root)")
+async def test_the_segment_layouts_files_are_unreadable_by_other_users(tmp_path, shared_dir):
+    """The segment layout: every file under the SSD directory (segments, both logs, ``LAYOUT``)
+    is 0600 and every directory 0700; with the directories opened up, nobody else reads a file.
+    (``LAYOUT`` was written 0644.)"""
+    ssd = shared_dir / "ssd"
+    cfg = small_config(tmp_path, **{"ssd.enabled": True, "ssd.path": str(ssd), "ssd.capacity_bytes": 1 << 20,
+                                    "ssd.layout": "segments"})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        await c.put_blocks(NS, chain(1, 4), payloads(4, 1))
+        await c.put_blocks(NS, chain(2, 64), payloads(64, 2))  # the 64 slots of DRAM: the first 4 go down
+        await sc.store.tiering.flush()
+        assert placement(sc, chain(1, 4)) == ["ssd"] * 4 and isinstance(ssd_level(sc).tier, SegmentTier)
+        everything = [ssd, *ssd.rglob("*")]
+        files = [p for p in everything if p.is_file()]
+        assert {p.name for p in files} >= {"LAYOUT", "index.log", "namespaces.log", "0.seg"}
+        assert {str(p): mode(p) for p in everything} == {str(p): 0o700 if p.is_dir() else 0o600 for p in everything}
+        for path in everything:
+            if path.is_dir():
+                path.chmod(0o755)  # the directories opened up: the files alone keep others out
+        assert denied(read_as_nobody(files))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a child as another uid needs root (CI runs as root)")
 async def test_a_directory_an_older_version_left_readable_is_tightened_at_start(tmp_path, shared_dir, block):
     """0644 files in 0755 directories, as versions before 0600/0700 made them: the next start
     takes group and other permissions off every directory and file, and still serves them."""
@@ -141,7 +172,8 @@ async def test_a_directory_an_older_version_left_readable_is_tightened_at_start(
     loose = [p for p in ssd.rglob("*") if p.is_file()]
     assert len(loose) == 3 and set(read_as_nobody(loose).values()) == {"read"}
 
-    cfg = small_config(tmp_path, **{"ssd.enabled": True, "ssd.path": str(ssd), "ssd.capacity_bytes": 1 << 20})
+    cfg = small_config(tmp_path, **{"ssd.enabled": True, "ssd.path": str(ssd), "ssd.capacity_bytes": 1 << 20,
+                                    "ssd.layout": "files"})
     async with Sidecar(cfg) as sc:
         assert len(ssd_level(sc).held) == 2  # both blocks recovered
         everything = [ssd, *ssd.rglob("*")]
@@ -175,7 +207,8 @@ async def test_blocks_with_long_labels_count_their_real_size_and_give_way(tmp_pa
     await old.close()
     assert sum(p.stat().st_size for p in block_files(ssd)) == capacity
 
-    cfg = small_config(tmp_path, **{"ssd.enabled": True, "ssd.path": str(ssd), "ssd.capacity_bytes": capacity})
+    cfg = small_config(tmp_path, **{"ssd.enabled": True, "ssd.path": str(ssd), "ssd.capacity_bytes": capacity,
+                                    "ssd.layout": "files"})
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         assert ssd_level(sc).used == capacity  # the files' real size, not 8 KiB a block
         keys = [chain(100 + i, 16) for i in range(8)]
@@ -193,14 +226,15 @@ async def test_blocks_with_long_labels_count_their_real_size_and_give_way(tmp_pa
         assert_books_balance(sc, ssd)
 
 
-async def test_promotion_churn_at_the_capacity_edge_evicts_instead_of_refusing(tmp_path):
+@pytest.mark.parametrize("layout", ["files", "segments"])
+async def test_promotion_churn_at_the_capacity_edge_evicts_instead_of_refusing(tmp_path, layout):
     """1 MiB of SSD under 4 MiB of DRAM, blocks read back at random: every promotion evicts a
     burst from DRAM bigger than the SSD. The SSD evicts its own blocks for each batch it writes;
     no demotion fails "ssd tier full", the index places exactly what the directory holds, and
     lookups and reads go on answering, with the right bytes."""
     ssd = tmp_path / "ssd"
     cfg = small_config(tmp_path, **{"ssd.enabled": True, "ssd.path": str(ssd), "ssd.capacity_bytes": 1 << 20,
-                                    "dram.capacity_bytes": 4 << 20, "dram.page_bytes": 1 << 20})
+                                    "dram.capacity_bytes": 4 << 20, "dram.page_bytes": 1 << 20, "ssd.layout": layout})
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         keys = [chain(i, 32) for i in range(48)]  # 6 MiB of 4 KiB blocks
         data = [np.full(BLOCK, i, np.uint8) for i in range(48)]
@@ -227,7 +261,8 @@ async def test_a_burst_bigger_than_the_ssd_fills_it_and_refuses_nothing(tmp_path
     batches that fit and evicts blocks of its own for each (which ones, its policy says); it
     ends full, every block it holds whole."""
     ssd = tmp_path / "ssd"
-    cfg = small_config(tmp_path, **{"ssd.enabled": True, "ssd.path": str(ssd), "ssd.capacity_bytes": 32 * 2 * BLOCK})
+    cfg = small_config(tmp_path, **{"ssd.enabled": True, "ssd.path": str(ssd), "ssd.capacity_bytes": 32 * 2 * BLOCK,
+                                    "ssd.layout": "files"})
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         keys, data = chain(7, 192), payloads(192, 7)
         for i in range(0, 192, 64):  # DRAM's 64 slots, then twice as many again: evicts 0..127 in a burst

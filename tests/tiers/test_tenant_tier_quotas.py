@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 
 from kvstore.client import KVStoreClient
-from kvstore.config import Config
+from kvstore.config import Config, SsdConfig
 from kvstore.keys import Namespace, prefix_keys
 from kvstore.server.sidecar import Sidecar
 from kvstore.store.books.index import TOP_LABEL
 from kvstore.store.books.tenants import salt_tag
 from kvstore.tiers import build_tier
 from kvstore.tiers.base import BlockRef
+from kvstore.tiers.segments.tier import SegmentTier
 from kvstore.tiers.ssd import SsdTier
 from tests.conftest import small_config
 from tests.support.audit import audit
@@ -30,7 +31,8 @@ BLOCK = 16 * 1024  # 4 to a 64 KiB page: DRAM holds 16
 A = Namespace(model="m", kv_layout="raw", dtype="float16", block_size=16, cache_salt="tenant-a")
 B = Namespace(model="m", kv_layout="raw", dtype="float16", block_size=16, cache_salt="tenant-b")
 C = Namespace(model="m", kv_layout="raw", dtype="float16", block_size=16, cache_salt="tenant-c")
-FILE = SsdTier.footprint(BLOCK, A.label)  # what one block takes of the SSD (header and alignment)
+SSD = SegmentTier if SsdConfig().layout == "segments" else SsdTier  # the default layout's tier
+FILE = SSD.footprint(BLOCK, A.label)  # what one block takes of the SSD (header and alignment, if any)
 TAG_A, TAG_B = salt_tag("tenant-a"), salt_tag("tenant-b")
 
 
@@ -171,7 +173,7 @@ async def test_recovered_blocks_take_their_tenant_from_the_header_not_the_label(
     posing = Namespace(model=f"m#{TAG_A}", kv_layout="raw", dtype="float16", block_size=16)
     quotas = {"tenants.ssd_quotas": {"tenant-a": 4 * FILE}, "ssd.capacity_bytes": 64 * FILE}
     mine, theirs = keys(A, 4, 20), keys(posing, 4, 21)
-    posing_file = SsdTier.footprint(BLOCK, posing.label)
+    posing_file = SSD.footprint(BLOCK, posing.label)
     async with (
         Sidecar(ssd_config(tmp_path, **quotas)) as sc,
         KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c,

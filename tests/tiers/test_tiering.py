@@ -310,9 +310,12 @@ async def corrupt(sc: Sidecar, tier: str, key: bytes, request) -> None:
     lv = next(lv for lv in sc.store.tiering.levels if lv.name == tier)
     ref = BlockRef(NS.root, key)
     if tier == "ssd":
-        path = lv.tier.path_of(ref)
+        if hasattr(lv.tier, "locate"):  # the segment layout: the block's slot in its segment
+            path, offset, size = lv.tier.locate(ref)
+        else:  # one file a block: the payload ends the file
+            path, offset, size = lv.tier.path_of(ref), 0, os.path.getsize(lv.tier.path_of(ref))
         with open(path, "r+b") as f:
-            f.seek(os.path.getsize(path) - 100)
+            f.seek(offset + size - 100)
             byte = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0xFF]))
@@ -622,14 +625,17 @@ async def test_a_burst_of_demotions_is_written_two_batches_at_a_time(tmp_path):
         assert [bytes(b) for b in bufs] == [d for _, d in demoted]
 
 
-async def test_deleted_ssd_blocks_show_as_recycled_bytes(tmp_path):
-    """Stats and /metrics say how much of the SSD directory is deleted blocks' files kept for
-    reuse: the directory's bytes are used_bytes + recycled_bytes."""
+@pytest.mark.parametrize("layout", ["files", "segments"])
+async def test_deleted_ssd_blocks_show_as_recycled_bytes(tmp_path, layout):
+    """Stats and /metrics say how much of the SSD directory is deleted blocks' room kept for
+    reuse (files: their files; segments: their slots): the directory's block bytes (files: the
+    block files; segments: the segment files) are used_bytes + recycled_bytes."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from kvstore.stats.prometheus import render
 
-    async with Sidecar(tiered_config(tmp_path)) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+    cfg = tiered_config(tmp_path, **{"ssd.layout": layout})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
         a, b = chain(700, 4), chain(701, 4)
         await c.put_blocks(NS, a, blocks_for(4, 700))
         await c.put_blocks(NS, b, blocks_for(4, 701))  # a goes down to SSD
@@ -638,9 +644,10 @@ async def test_deleted_ssd_blocks_show_as_recycled_bytes(tmp_path):
         await c.delete(NS, a)
         stats = await c.stats()
         ssd = stats["tiers"]["ssd"]
-        file_bytes = 4096 + PAGE  # header page + payload
+        file_bytes = 4096 + PAGE if layout == "files" else PAGE  # (files: a header page + the payload)
         assert ssd["recycled_bytes"] == 4 * file_bytes
-        on_disk = sum(p.stat().st_size for p in (tmp_path / "ssd").rglob("*") if p.is_file())
+        blocks = (tmp_path / "ssd").rglob("*" if layout == "files" else "seg/*/*.seg")
+        on_disk = sum(p.stat().st_size for p in blocks if p.is_file())
         assert on_disk == ssd["used_bytes"] + ssd["recycled_bytes"] == 4 * file_bytes
         body, _ = render(stats)
         fams = {f.name: f for f in text_string_to_metric_families(body.decode())}

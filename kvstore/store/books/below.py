@@ -224,7 +224,7 @@ class NoMovers:
     async def writes_ended(self, blocks: Sequence[Block]) -> None:
         pass
 
-    def forget(self, blocks: Sequence[Block], unloaded: Unloaded | None = None) -> Awaitable[None]:
+    def forget(self, blocks: Sequence[Block], unloaded: Unloaded | None = None) -> asyncio.Future[None]:
         return nothing()
 
     async def flush(self) -> bool:
@@ -238,11 +238,23 @@ class NoMovers:
         pass
 
 
-async def nothing() -> None:
-    pass
+def nothing() -> asyncio.Future[None]:
+    """A future already done. (The awaitables a delete gets are futures, never coroutines: one
+    left unawaited when an await before it raised or was cancelled is dropped silently.)"""
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done
 
 
-async def both(first: Awaitable[None], second: Awaitable[None]) -> None:
-    """Await ``first``, then ``second``."""
-    await first
-    await second
+def both(first: asyncio.Future[None], second: asyncio.Future[None]) -> asyncio.Future[None]:
+    """A future done once ``first`` and ``second`` are, however they end (a waiter cancelled
+    cancels only it)."""
+    done: asyncio.Future[None] = first.get_loop().create_future()
+
+    def check(_: object) -> None:
+        if first.done() and second.done() and not done.done():
+            done.set_result(None)
+
+    first.add_done_callback(check)
+    second.add_done_callback(check)
+    return done

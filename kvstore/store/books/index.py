@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -430,6 +431,47 @@ class Index:
         else:
             ns.pending[key] = block
         return block
+
+    def add_sealed(
+        self, ns: NsEntry, keys: Sequence[BlockKey], parents: Sequence[bytes], sizes: Sequence[int],
+        checksums: Sequence[int],
+    ) -> list[Block]:
+        """:meth:`add` of each of ``keys`` (none in ``ns`` yet, none twice), committed, then sealed
+        with its checksum, in order (a restart's batch, kvstore/movers/recovery.py): the same
+        blocks, links and depths, the visible ones and their sizes counted in C."""
+        if not keys:
+            return []
+        if not ns.blocks:  # its first block: register it (again, when it was dropped on emptying)
+            ns = self.namespaces.setdefault(ns.root, ns)
+        blocks, committed = ns.blocks, State.COMMITTED
+        get, out = blocks.get, []
+        for key, parent, size, csum in zip(keys, parents, sizes, checksums, strict=True):
+            parent_block = get(parent) if parent else None
+            if parent_block is not None:
+                block = Block(ns, key, parent_block.key, shared(size), parent_block.depth + 1, committed)
+            else:
+                block = Block(ns, key, parent, shared(size), 1, committed)
+            blocks[key] = block
+            block.seal(csum)
+            out.append(block)
+        counts = ns.visible_sizes  # (visible: the view of ``blocks`` shows them already)
+        for size, n in Counter(sizes).items():  # (in the order each size first comes, as one by one)
+            size = shared(size)
+            counts[size] = counts.get(size, 0) + n
+        self.moved_many(out)
+        return out
+
+    def moved_many(self, blocks: Sequence[Block]) -> None:
+        """:meth:`moved` for each of ``blocks``, in order."""
+        if self.retained is not None and any(b.retain_until for b in blocks):
+            for b in blocks:
+                self.moved(b)
+            return
+        feed = self._feed
+        if feed is not None:
+            setdefault = feed.changes.setdefault
+            for b in blocks:
+                setdefault(b, False)
 
     def moved(self, block: Block) -> None:
         """``block``'s visibility or placement changed (for the cluster directory, when one watches,

@@ -23,6 +23,7 @@ rule: the store's level eviction and the replay's Allocate both run it).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 from kvstore.policy.base import Eligible, EvictionPolicy
@@ -32,6 +33,9 @@ from kvstore.util.ints import shared
 
 if TYPE_CHECKING:
     from kvstore.store.books.retention import Retention
+
+_TIERS, _RETAINED, _SIZE, _DEPTH, _PARENT = map(attrgetter, ("tiers", "retain_until", "size", "depth", "parent"))
+_LABEL = attrgetter("ns.label")
 
 Footprint = Callable[[int, str], int]  # (block size, namespace label) -> what the block takes in the tier
 
@@ -83,6 +87,47 @@ class Space:
             parent = b.ns.blocks.get(b.parent)  # (a root's b"" is no block's key)
             policy.insert(b, parent if parent is not None and parent in policy else None, b.depth, b.size)
         return True
+
+    def place_many(self, blocks: Sequence[Block]) -> int:
+        """:meth:`place` for each of ``blocks`` in order (a restart's batch: kvstore/movers/recovery.py),
+        how many it placed. Blocks placed nowhere yet and never retained take the bulk path: their
+        bits, the index told, the footprints (asked once per size and label: ``footprint`` is pure
+        in them), the quotas, then one :meth:`~kvstore.policy.base.EvictionPolicy.insert_many` with
+        each block's parent in the index (the policy links it when it holds it at that block's
+        turn); the same state as one :meth:`place` after the other."""
+        bit = self.bit
+        if any(map(bit.__and__, map(_TIERS, blocks))) or any(map(_RETAINED, blocks)):  # (the careful path)
+            return sum(map(self.place, blocks))
+        for b in blocks:
+            b.tiers |= bit
+        self.index.moved_many(blocks)
+        sizes = list(map(_SIZE, blocks))
+        ns = blocks[0].ns if blocks else None
+        one = all(b.ns is ns for b in blocks)  # (one namespace: the usual batch)
+        footprint = self.footprint
+        if footprint is None:
+            took = sizes
+        elif one and ns is not None:
+            label = ns.label
+            memo = {size: shared(footprint(size, label)) for size in dict.fromkeys(sizes)}
+            took = list(map(memo.__getitem__, sizes))
+        else:
+            pairs = list(zip(sizes, map(_LABEL, blocks)))
+            memo2 = {pair: shared(footprint(*pair)) for pair in dict.fromkeys(pairs)}
+            took = list(map(memo2.__getitem__, pairs))
+        self.sizes.update(zip(blocks, took))
+        self.used += sum(took)
+        if self.quotas is not None:
+            for b, n in zip(blocks, took):
+                self.quotas.placed(b, n)
+        policy = self.policy
+        if policy is not None:
+            if one and ns is not None:
+                parents = list(map(ns.blocks.get, map(_PARENT, blocks)))
+            else:
+                parents = [b.ns.blocks.get(b.parent) for b in blocks]
+            policy.insert_many(blocks, parents, list(map(_DEPTH, blocks)), sizes)
+        return len(blocks)
 
     def unplace(self, b: Block) -> bool:
         """``b`` leaves this tier (out of the policy too, unless the policy gave it up as a

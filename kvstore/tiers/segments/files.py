@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.tiers.file_io import O_DIRECT, staging
+from kvstore.tiers.file_io import O_DIRECT, read_all, staging
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir
 from kvstore.tiers.segments.slots import PAGE, Slots
 
@@ -82,14 +82,7 @@ class SegmentFiles:
     def read(self, cls: int, g: int, into: memoryview) -> int:
         """Read ``len(into)`` bytes of slot ``g``; the bytes read (short at a file's end)."""
         seg, offset = self.slots.place(cls, g)
-        fd = self._open(cls, seg)[1]
-        done = 0
-        while done < len(into):
-            n = os.preadv(fd, [into[done:]], offset + done)
-            if n == 0:
-                break
-            done += n
-        return done
+        return read_all(self._open(cls, seg)[1], into, offset)
 
     def sync(self, touched: set[tuple[int, int]]) -> None:
         for cls, seg in touched:

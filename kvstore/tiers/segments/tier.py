@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -48,12 +49,12 @@ from typing import Any
 import numpy as np
 
 from kvstore.checksum import checksum
-from kvstore.config import SSD_IO_THREADS, SsdConfig
+from kvstore.config import SsdConfig
 from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument
 from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.tiers.base import BlockMeta, BlockRef, HashedRead, Row, ThreadedTier
-from kvstore.tiers.file_io import fsync_dir, probe_direct_io
-from kvstore.tiers.private import private_dir
+from kvstore.tiers.file_io import DEFAULT_DISK, DiskSettings, fsync_dir, probe_direct_io, write_all
+from kvstore.tiers.private import FILE_MODE, private_dir, tighten
 from kvstore.tiers.segments.files import SegmentFiles
 from kvstore.tiers.segments.log import DEL, HAS_PARENT, PUT, RECORD, IndexLog, Namespaces
 from kvstore.tiers.segments.rows import Rows
@@ -80,10 +81,8 @@ class SegmentTier(ThreadedTier):
         self,
         path: str | Path,
         capacity_bytes: int,
+        disk: DiskSettings = DEFAULT_DISK,
         *,
-        direct_io: bool = True,
-        io_threads: int = SSD_IO_THREADS,
-        fsync: bool = True,
         checkpoint_min: int = CHECKPOINT_MIN,
     ) -> None:
         self.root = Path(path)
@@ -93,18 +92,23 @@ class SegmentTier(ThreadedTier):
             found = marker.read_text().strip()
             raise ConfigError(f"ssd.path: {self.root} holds layout {found!r}, not {LAYOUT.strip()!r}")
         if not marker.exists():
-            marker.write_text(LAYOUT)
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)  # 0600, as every file here
+            try:
+                write_all(fd, LAYOUT.encode())
+            finally:
+                os.close(fd)
             fsync_dir(self.root)
+        tighten(marker)  # (one an earlier version wrote 0644)
         self.capacity_bytes = capacity_bytes
-        self.direct_io = direct_io and probe_direct_io(self.root)
-        self.fsync = fsync
+        self.direct_io = disk.direct_io and probe_direct_io(self.root)
+        self.fsync = disk.fsync
         self.checkpoint_min = checkpoint_min
-        self.io_threads = io_threads
-        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstore-ssd")
+        self.io_threads = disk.io_threads
+        self._io = ThreadPoolExecutor(disk.io_threads, thread_name_prefix="kvstore-ssd")
         self._lock = threading.Lock()  # the rows and the map
         self._commit = threading.Lock()  # log appends, in order, and what they make true
-        self._log = IndexLog(self.root, fsync)
-        self._ns = Namespaces(self.root, fsync)
+        self._log = IndexLog(self.root, disk.fsync)
+        self._ns = Namespaces(self.root, disk.fsync)
         self.slots = Slots(capacity_bytes, self._punch, self._log_sync)
         self._files = SegmentFiles(self.root, self.slots, self.direct_io)
         self._rows = Rows()
@@ -117,9 +121,7 @@ class SegmentTier(ThreadedTier):
         return cls(
             cfg.path or Path(data_dir) / "ssd",
             cfg.capacity_bytes,
-            direct_io=cfg.direct_io,
-            io_threads=cfg.io_threads,
-            fsync=cfg.fsync,
+            DiskSettings.from_config(cfg),
             checkpoint_min=cfg.checkpoint_records,
         )
 
@@ -232,9 +234,8 @@ class SegmentTier(ThreadedTier):
             info = [entries[i] for i in ns.tolist()]
             roots, labels, tenants = ([e[j] for e in info] for j in range(3))  # type: ignore[assignment]
         parents = records["parent"].tolist()
-        chained = (records["flags"] & HAS_PARENT) != 0
-        if not chained.all():
-            parents = [p if c else b"" for p, c in zip(parents, chained.tolist())]
+        for i in np.flatnonzero((records["flags"] & HAS_PARENT) == 0).tolist():  # (a prompt's first block)
+            parents[i] = b""
         columns = (records[f].tolist() for f in ("size", "checksum", "codec"))
         sizes, csums, codecs = columns
         return list(zip(roots, keys, parents, sizes, csums, labels, tenants, codecs))
