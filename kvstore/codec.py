@@ -1,8 +1,9 @@
 """The codec seam: where a block's bytes are transformed between DRAM's slab and a tier below (or
 the peer data path), and back.
 
-A demotion writes what its level's codec encodes (:meth:`kvstore.movers.level.Level.encoded`), and
-the block's header names the codec (``BlockMeta.codec``; the segment layout keeps it in its log
+Every write down a level (a demotion, a write-through, an eviction's pass-down, the stop's drain)
+writes what its level's codec encodes (:meth:`kvstore.movers.level.Level.encoded`), and the
+block's header names the codec (``BlockMeta.codec``; the segment layout keeps it in its log
 record; a peer answer in each entry). A read decodes by the codec its header names
 (:func:`decode`) before the checksum is compared: the checksum recorded at commit is always over
 the raw bytes the engine reads, never over what a tier stores. A header naming a codec this process

@@ -6,8 +6,10 @@ any more, the blocks no lower tier holds are written to the SSD level in batches
 DRAM's eviction order (the policy's last victims first: the hottest, and a prefix's parents before
 its children), for at most ``server.drain_s``: a batch starts only before that deadline. Room is
 made as for any write (the SSD's coldest blocks give way); a block drained already, or a copy of a
-block DRAM holds, is never a victim, so when the SSD cannot hold them all, the coldest are left. What is left
-(out of time, refused, a failed write) is counted in the :class:`Drained` the stop logs.
+block DRAM holds, is never a victim, so when the SSD cannot hold them all, the coldest are left. A
+block goes down as a demotion writes it: through the level's codec (:meth:`Level.encoded
+<kvstore.movers.level.Level.encoded>`). What is left (out of time, refused, a failed write) is
+counted in the :class:`Drained` the stop logs.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ async def _write(space: DramSpace, lv: Level, eviction: Eviction, batch: list[Bl
             views = [space.view(b) for b in kept]
             await seal(kept, views)
             async with lv.slots:
-                await lv.tier.put_many([(lv.meta(b), v.data) for b, v in zip(kept, views)])
+                await lv.tier.put_many([lv.encoded(b, v.data) for b, v in zip(kept, views)])  # (as a demotion)
             space.stats.tier(lv.name, "bytes_in", sum(b.size for b in kept))
             written = kept
     finally:

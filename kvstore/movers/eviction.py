@@ -268,10 +268,10 @@ class Eviction:
         async with self.room(target, [b]) as taken:
             if not taken:
                 return "refused"
-            meta = target.meta(b)
+            meta, data = target.encoded(b, buf.data)  # (through target's codec, as a demotion)
             with self.stats.latency.timed("demotion", (target.name,)):  # (a failure is _evict's to handle)
                 async with target.slots:
-                    await target.tier.put(meta, buf.data)
+                    await target.tier.put(meta, data)
             target.place(b)
             self.stats.tier(lv.name, "demotions")
         return "failed"  # (placed: not dropped, the reason goes unused)

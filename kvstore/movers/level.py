@@ -124,7 +124,8 @@ class Level:
         return BlockMeta(self.ref(b), b.parent, b.size, b.checksum or 0, b.ns.label, b.ns.tenant)
 
     def encoded(self, b: Block, raw: memoryview) -> tuple[BlockMeta, memoryview]:
-        """What a demotion gives the tier for ``b``: its header naming this level's codec, and
+        """What a write gives the tier for ``b`` (a demotion's, a write-through's, an eviction's
+        pass-down, the drain's: the one place for it): its header naming this level's codec, and
         ``raw`` through that codec (:mod:`kvstore.codec`; the header's checksum stays the raw bytes')."""
         meta = self.meta(b)
         if self.codec is not IDENTITY:

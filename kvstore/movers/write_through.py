@@ -68,7 +68,7 @@ class WriteThrough:
                         return
                     views = [self.space.view(b) for b in blocks]
                     await seal(blocks, views)
-                    items = [(lv.meta(b), v.data) for b, v in zip(blocks, views)]
+                    items = [lv.encoded(b, v.data) for b, v in zip(blocks, views)]  # (as a demotion)
                     async with lv.slots:
                         await lv.tier.put_many(items)
                     for b in blocks:

@@ -268,8 +268,10 @@ class ThreadedTier(TierBase):
         await self.put_many([(meta, data)])
 
     async def put_many(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
+        """(Returns, raises or is cancelled once no thread holds ``items``' buffers: ``in_threads``.
+        ``write_batch`` spreads its files over ``_io``, so it runs on the loop's default pool.)"""
         if items:
-            await asyncio.to_thread(self.write_batch, items)
+            await in_threads(None, [functools.partial(self.write_batch, items)])
 
     async def delete(self, ref: BlockRef) -> None:
         await self.delete_many([ref])

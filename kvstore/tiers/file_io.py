@@ -1,8 +1,9 @@
 """The file I/O both SSD layouts share (:mod:`kvstore.tiers.ssd`, one file per block;
 :mod:`kvstore.tiers.segments.tier`, segment files): whether the file system takes O_DIRECT (asked
 once at start; buffered I/O where it is refused: tmpfs, some overlay file systems) and its
-alignment, a write that finishes short writes, a read that fills its buffer (short only at EOF),
-a directory's fsync, and each I/O thread's own page-aligned staging buffer.
+alignment, a write that finishes short writes (at the fd's offset: :func:`write_all`; at a given
+one: :func:`pwrite_all`), a read that fills its buffer (short only at EOF), a directory's fsync,
+and each I/O thread's own page-aligned staging buffer.
 """
 
 from __future__ import annotations
@@ -67,6 +68,14 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
     view, done = memoryview(data), 0
     while done < len(view):
         done += os.write(fd, view[done:])
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """All of ``data`` at ``offset`` (``os.pwrite``: ``fd``'s own offset untouched; a short write
+    finished piecewise)."""
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def read_all(fd: int, into: memoryview, offset: int) -> int:

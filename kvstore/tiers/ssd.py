@@ -36,6 +36,7 @@ older version left readable by others.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import mmap
@@ -76,6 +77,7 @@ from kvstore.tiers.file_io import (
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir, tighten
 from kvstore.tiers.recycle import FREE_DIR, FreeFiles
 from kvstore.tiers.segments.tier import LAYOUT_FILE, SegmentTier
+from kvstore.util.threads import let_go
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +421,7 @@ class SsdTier(ThreadedTier):
     def _write_tmps(self, jobs: Sequence[tuple[Path, bytes, memoryview, bool]]) -> list[int]:
         """Write every temp file (``io_threads`` at once); returns their open fds. If one fails,
         the others' fds are closed and the first error is raised."""
-        futures = [self._io.submit(self._write_tmp, *job) for job in jobs]
+        futures = [self._io.submit(let_go(functools.partial(self._write_tmp, *job))) for job in jobs]
         errors = [f.exception() for f in futures]
         if any(errors):
             for f, e in zip(futures, errors):

@@ -36,10 +36,16 @@ class _Once(Generic[T]):
         return fn()
 
 
-async def in_threads(executor: Executor, calls: Sequence[Callable[[], T]]) -> list[T]:
+def let_go(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` as a pool's work item that lets go of it as it starts (:class:`_Once`): for a call
+    bound to a caller's buffers submitted to a pool directly, the caller waiting on its future."""
+    return _Once(fn)
+
+
+async def in_threads(executor: Executor | None, calls: Sequence[Callable[[], T]]) -> list[T]:
     """Run blocking calls on ``executor``. They read into and write from the caller's buffers,
     so this returns (or raises, or is cancelled) only once every one of them has finished, and
-    no worker references them any more."""
+    no worker references them any more. ``executor`` None: the loop's default one."""
     loop = asyncio.get_running_loop()
     futs = [loop.run_in_executor(executor, _Once(c)) for c in calls]
     if not futs:

@@ -54,7 +54,8 @@ def xor_codec() -> Iterator[Xor]:
 
 def stored_bytes(sc: Sidecar, key: bytes, redis_url: str = "") -> bytes:
     """What the tier below holds for ``key``'s payload, read from its files (or Redis's chunks)."""
-    lv = sc.store.tiering.levels[0]
+    levels = sc.store.tiering.levels
+    lv = next(lv for lv in levels if lv.name == "redis") if redis_url else levels[0]
     ref = BlockRef(NS.root, BlockKey(key))
     if redis_url:
         import redis as sync_redis
@@ -144,6 +145,44 @@ async def test_a_copy_whose_codec_is_unknown_is_a_miss_never_served(tmp_path, xo
         for lv in sc.store.tiering.levels:  # the copies are gone from the tier too
             assert not any(lv.tier.path_of(r).exists() if hasattr(lv.tier, "path_of") else lv.tier.locate(r)
                            for r in refs)
+
+
+async def test_a_write_through_stores_encoded_bytes(tmp_path, xor_codec, redis_clean):
+    """A write-through writes a block as a demotion does, through the level's codec. (Before, it
+    wrote ``Level.meta`` and the raw slot bytes: Redis held them as they are, header codec 0.)"""
+    cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "tiering.chain": ["redis"], "redis.enabled": True,
+                                     "redis.url": redis_clean.url, "tiering.write_through": ["redis"]})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        sc.store.tiering.levels[0].codec = xor_codec
+        a, da = chain(44, 2), blocks_for(2, 44)
+        await c.put_blocks(NS, a, da, wait_write_through=True)
+        assert placement(sc, a) == ["dram", "dram"]  # (and Redis: written through)
+        assert [stored_bytes(sc, k, redis_clean.url) for k in a] == [xor(d) for d in da]
+        await c.put_blocks(NS, chain(45, 4), blocks_for(4, 45), wait_write_through=True)  # a leaves DRAM
+        await settle(sc)
+        assert placement(sc, a) == ["redis", "redis"]
+        got = await c.get_blocks(NS, a)
+        assert [g.tobytes() for g in got] == da  # decoded, the commit's checksum held
+
+
+async def test_a_block_an_ssd_eviction_passes_down_is_encoded_by_the_level_below(tmp_path, xor_codec, redis_clean):
+    """An SSD full passes its victims down to Redis through Redis's codec, as a demotion would write
+    them. (Before, the pass-down wrote ``Level.meta`` and the raw bytes it read back.)"""
+    cfg = tiered_config(tmp_path, **{"ssd.capacity_bytes": 2 * PAGE + 8192, "redis.enabled": True,
+                                     "redis.url": redis_clean.url})
+    async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
+        for lv in sc.store.tiering.levels:
+            lv.codec = xor_codec
+        chains = [chain(50 + i, 2) for i in range(4)]
+        data = [blocks_for(2, 50 + i) for i in range(4)]
+        for k, d in zip(chains, data):
+            await c.put_blocks(NS, k, d)
+            await settle(sc)
+        assert placement(sc, chains[0]) == ["redis", "redis"]  # DRAM -> SSD -> Redis
+        assert [stored_bytes(sc, k, redis_clean.url) for k in chains[0]] == [xor(d) for d in data[0]]
+        got = await c.get_blocks(NS, chains[0])
+        assert [g.tobytes() for g in got] == data[0]
+        assert (await c.stats())["tiers"]["redis"]["checksum_failures"] == 0
 
 
 def test_a_codec_that_changes_the_size_is_refused_at_the_seam():

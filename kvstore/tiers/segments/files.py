@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore.tiers.file_io import O_DIRECT, read_all, staging
+from kvstore.tiers.file_io import O_DIRECT, pwrite_all, read_all, staging
 from kvstore.tiers.private import DIR_MODE, FILE_MODE, private_dir
 from kvstore.tiers.segments.slots import PAGE, Slots
 
@@ -31,12 +31,6 @@ if _fallocate is not None:
 
 def _aligned(data: memoryview) -> bool:
     return len(data) % PAGE == 0 and np.frombuffer(data, dtype=np.uint8).ctypes.data % PAGE == 0
-
-
-def _pwrite_full(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
 
 
 class SegmentFiles:
@@ -70,13 +64,13 @@ class SegmentFiles:
         seg, offset = self.slots.place(cls, g)
         fd = self._open(cls, seg)[0]
         if not self.direct_io or _aligned(data):
-            _pwrite_full(fd, data, offset)
+            pwrite_all(fd, data, offset)
         else:
             nbytes = -(-len(data) // PAGE) * PAGE
             buf = staging(self._local, cls * PAGE)
             buf[: len(data)] = data
             buf[len(data) : nbytes] = bytes(nbytes - len(data))
-            _pwrite_full(fd, memoryview(buf)[:nbytes], offset)
+            pwrite_all(fd, memoryview(buf)[:nbytes], offset)
         return cls, seg
 
     def read(self, cls: int, g: int, into: memoryview) -> int:

@@ -37,6 +37,7 @@ blocks for the sidecar's index (after importing a directory of the file layout:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -59,7 +60,7 @@ from kvstore.tiers.segments.files import SegmentFiles
 from kvstore.tiers.segments.log import DEL, HAS_PARENT, PUT, RECORD, IndexLog, Namespaces
 from kvstore.tiers.segments.rows import Rows
 from kvstore.tiers.segments.slots import PAGE, Slots, pages
-from kvstore.util.threads import split
+from kvstore.util.threads import let_go, split
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +319,8 @@ class SegmentTier(ThreadedTier):
         def write(a: int, b: int) -> set[tuple[int, int]]:
             return {self._files.write(cls, g, data) for (cls, g), (_, data) in zip(taken[a:b], items[a:b])}
 
-        futures = [self._io.submit(write, a, b) for a, b in split(len(items), self.io_threads)]
+        parts = split(len(items), self.io_threads)  # (each worker lets go of its part as it starts)
+        futures = [self._io.submit(let_go(functools.partial(write, a, b))) for a, b in parts]
         errors = [f.exception() for f in futures]
         first = next((e for e in errors if e is not None), None)
         if first is not None:
