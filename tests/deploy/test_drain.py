@@ -114,14 +114,15 @@ def test_an_ssd_too_small_for_dram_keeps_the_hottest_blocks(serve_process, tmp_p
     assert (line["drain_blocks"], line["drain_written"], line["drain_left"]) == (32, 16, 16)
 
 
-def test_a_drain_batch_is_never_a_victim_of_its_own_room(serve_process, tmp_path):
+@pytest.mark.parametrize(("layout", "footprint"), [("files", 4096 + 8192), ("segments", 8192)])
+def test_a_drain_batch_is_never_a_victim_of_its_own_room(serve_process, tmp_path, layout, footprint):
     """An SSD for 16 blocks: once it holds 16 drained blocks, the next batch finds nothing that may
     give way and is refused whole, without a tier error. (Before, the room made for a batch could
     evict the batch's own blocks, placed in the SSD's books but not written yet: eviction counted
     their bytes freed, the tier had never held them, and the put failed "ssd tier full", logged as a
     failed drain and counted as an SSD error -- or landed files the books no longer counted.)"""
     args = ["--grpc-address", "127.0.0.1:0", "--http-address", "127.0.0.1:0", "--data-dir", str(tmp_path / "d")]
-    env = {**SMALL_DRAM, "KVSTORE_SSD__CAPACITY_BYTES": str(16 * (4096 + 8192))}  # a header page + the bytes
+    env = {**SMALL_DRAM, "KVSTORE_SSD__LAYOUT": layout, "KVSTORE_SSD__CAPACITY_BYTES": str(16 * footprint)}
     sc = serve_process(args, env)
     data, dram_only = _put(sc)
     assert len(dram_only) == 32
