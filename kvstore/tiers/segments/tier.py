@@ -72,6 +72,13 @@ def is_segment_dir(root: Path) -> bool:
     return (root / LAYOUT_FILE).exists()
 
 
+def _has_files(root: Path) -> bool:
+    """Whether ``root`` holds blocks of the file layout to import (its namespace directories or free pool)."""
+    from kvstore.tiers.segments.migrate import has_files
+
+    return has_files(root)
+
+
 class SegmentTier(ThreadedTier):
     """Blocks in segment files under ``path``, at most ``capacity_bytes`` of slots."""
 
@@ -115,6 +122,9 @@ class SegmentTier(ThreadedTier):
         self._files = SegmentFiles(self.root, self.slots, self.direct_io)
         self._rows = Rows()
         self._seq = itertools.count(self._load())
+        # Keys deleted since the start, while a file-layout directory waits to be imported (None:
+        # nothing to import): an imported file never brings one back (:meth:`import_blocks`).
+        self._deleted: set[tuple[bytes, bytes]] | None = set() if _has_files(self.root) else None
         self.checkpoints = 0
         self.closed = False
 
@@ -271,6 +281,34 @@ class SegmentTier(ThreadedTier):
 
     def write_batch(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
         """Write, make durable, log (the commit point), then answer for the blocks."""
+        self._write(items, older=False)
+
+    def import_blocks(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> int:
+        """The import's put (:mod:`kvstore.tiers.segments.migrate`): as :meth:`write_batch`, but
+        a block whose key the tier holds, or has had deleted since it started, is left out, checked
+        again at the commit: a put or a delete since the start wins over the older file (a key
+        held at the start was imported already by a start that crashed before unlinking its file,
+        or put after). How many blocks were written."""
+        return self._write(items, older=True)
+
+    def imported(self) -> None:
+        """The import is over: the deletes since the start need no remembering any more."""
+        with self._lock:
+            self._deleted = None
+
+    def _superseded(self, ref: BlockRef) -> bool:
+        """Whether an imported block of ``ref`` would replace a put or undo a delete (``_lock`` held)."""
+        gone = self._deleted
+        return self._rows.has(ref.ns, ref.key) or (gone is not None and (ref.ns, ref.key) in gone)
+
+    def _write(self, items: Sequence[tuple[BlockMeta, memoryview]], older: bool) -> int:
+        """Write, make durable, log, answer (``older``: none that would supersede a put or a
+        delete, :meth:`import_blocks`); how many were written."""
+        if older:
+            with self._lock:
+                items = [it for it in items if not self._superseded(it[0].ref)]
+            if not items:
+                return 0
         for meta, data in items:  # the whole batch checked before anything changes
             if len(data) != meta.size:
                 raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
@@ -284,6 +322,18 @@ class SegmentTier(ThreadedTier):
             if self.fsync:
                 self._files.sync(touched)
             with self._commit:
+                if older:  # (a put or a delete may have committed while these were written)
+                    with self._lock:
+                        keep = [not self._superseded(m.ref) for m, _ in items]
+                    if not all(keep):
+                        for (cls, g), k in zip(taken, keep):
+                            if not k:
+                                self.slots.untake(cls, g)  # (written, but no record names it)
+                        taken = [t for t, k in zip(taken, keep) if k]
+                        items = [it for it, k in zip(items, keep) if k]
+                        records = records[np.array(keep, dtype=bool)]
+                        if not items:
+                            return 0
                 self._ns.sync()
                 records["seq"] = [next(self._seq) for _ in items]
                 self._log.append(records, sync=True)
@@ -296,6 +346,7 @@ class SegmentTier(ThreadedTier):
         finally:
             for cls, g in taken:
                 self.slots.untake(cls, g)
+        return len(items)
 
     def _records(self, items: Sequence[tuple[BlockMeta, memoryview]], taken: list[tuple[int, int]]) -> np.ndarray:
         """The batch's put records (all but their sequence numbers), column by column."""
@@ -335,6 +386,8 @@ class SegmentTier(ThreadedTier):
         with self._commit:
             with self._lock:
                 gone = self._rows.pop([(r.ns, r.key) for r in refs])
+                if self._deleted is not None:  # (also those not imported yet: their files stay out)
+                    self._deleted.update((r.ns, r.key) for r in refs)
             if not len(gone):
                 return
             gone["op"] = DEL
