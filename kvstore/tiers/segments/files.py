@@ -82,7 +82,8 @@ class SegmentFiles:
     def read(self, cls: int, g: int, into: memoryview) -> int:
         """Read ``len(into)`` bytes of slot ``g``; the bytes read (short at a file's end)."""
         seg, offset = self.slots.place(cls, g)
-        fd = self._open(cls, seg)[1]
+        fds = self._fds.get((cls, seg))  # (entries are only added, under the lock: one open)
+        fd = (fds or self._open(cls, seg))[1]
         done = 0
         while done < len(into):
             n = os.preadv(fd, [into[done:]], offset + done)

@@ -37,6 +37,7 @@ blocks for the sidecar's index (after importing a directory of the file layout:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -51,7 +52,6 @@ import numpy as np
 from kvstore.checksum import checksum
 from kvstore.config import SSD_IO_THREADS, SsdConfig
 from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument
-from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.tiers.base import BlockMeta, BlockRef, HashedRead, Row, ThreadedTier
 from kvstore.tiers.file_io import fsync_dir, probe_direct_io, write_all
 from kvstore.tiers.private import FILE_MODE, private_dir, tighten
@@ -59,7 +59,7 @@ from kvstore.tiers.segments.files import SegmentFiles
 from kvstore.tiers.segments.log import DEL, HAS_PARENT, PUT, RECORD, IndexLog, Namespaces
 from kvstore.tiers.segments.rows import Rows
 from kvstore.tiers.segments.slots import PAGE, Slots, pages
-from kvstore.util.threads import split
+from kvstore.util.threads import in_threads, split
 
 log = logging.getLogger(__name__)
 
@@ -229,12 +229,6 @@ class SegmentTier(ThreadedTier):
 
     # ---- blocking work (worker threads) -----------------------------------------------------
 
-    def _meta(self, rec: Any) -> BlockMeta:
-        ns_root, label, tenant = self._ns.entries[int(rec["ns"])]
-        parent = bytes(rec["parent"]) if int(rec["flags"]) & HAS_PARENT else b""
-        ref = BlockRef(NamespaceRoot(ns_root), BlockKey(bytes(rec["key"])))
-        return BlockMeta(ref, parent, int(rec["size"]), int(rec["checksum"]), label, tenant, int(rec["codec"]))
-
     def _row_batch(self, records: np.ndarray, keys: list[bytes]) -> list[Row]:
         """``records`` as rows, column by column (numpy's ``tolist``; the 32-byte parents as
         ``bytes`` whole, a void field's ``tolist`` keeps trailing zeros), ``keys`` their key objects
@@ -255,22 +249,49 @@ class SegmentTier(ThreadedTier):
         sizes, csums, codecs = columns
         return list(zip(roots, keys, parents, sizes, csums, labels, tenants, codecs))
 
+    async def _read_many(
+        self, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool
+    ) -> list[HashedRead]:
+        """As :class:`ThreadedTier`'s (the batch split over the ``io_threads``), each thread's share
+        read by :meth:`_read_chunk`: two lock round trips a share, not two a block."""
+        calls = [
+            functools.partial(self._read_chunk, refs[a:b], into[a:b], hashed)
+            for a, b in split(len(refs), self.io_threads)
+        ]
+        parts = await in_threads(self._io, calls)
+        return [got for part in parts for got in part]
+
     def read_one(self, ref: BlockRef, into: memoryview, hashed: bool) -> HashedRead:
+        return self._read_chunk([ref], [into], hashed)[0]
+
+    def _read_chunk(self, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool) -> list[HashedRead]:
+        """Blocks read into ``into``: their rows found under one lock (tuples read from the row
+        array: no record, no new ``BlockRef``; a meta names the caller's ``ref``, equal to the
+        record's), their slots read and hashed, then their sequence numbers checked again under one
+        more (deleted or overwritten meanwhile: a miss, the slot may have held other bytes)."""
+        find, seq_of, entries, read = self._rows.find, self._rows.seq, self._ns.entries, self._files.read
         with self._lock:
-            rec = self._rows.get(ref.ns, ref.key)
-        if rec is None:
-            return None, None
-        meta = self._meta(rec)
-        if meta.size > len(into):
-            raise InvalidArgument(f"buffer of {len(into)} bytes for a block of {meta.size}")
-        view = into[: meta.size]
-        if self._files.read(int(rec["cls"]), int(rec["slot"]), view) < meta.size:
-            raise ChecksumMismatch(f"ssd slot of {ref.name} is cut short")
+            rows = [find(r.ns, r.key) for r in refs]
+        got: list[HashedRead] = []
+        for ref, row, buf in zip(refs, rows, into):
+            if row is None:
+                got.append((None, None))
+                continue
+            _, flags, cls, ns, _, parent, size, csum, _, slot, codec = row
+            if size > len(buf):
+                raise InvalidArgument(f"buffer of {len(buf)} bytes for a block of {size}")
+            view = buf[:size]
+            if read(cls, slot, view) < size:
+                raise ChecksumMismatch(f"ssd slot of {ref.name} is cut short")
+            _, label, tenant = entries[ns]
+            meta = BlockMeta(ref, parent if flags & HAS_PARENT else b"", size, csum, label, tenant, codec)
+            got.append((meta, checksum(view) if hashed else None))
         with self._lock:
-            now = self._rows.get(ref.ns, ref.key)
-        if now is None or int(now["seq"]) != int(rec["seq"]):
-            return None, None  # deleted or overwritten while it was read: its slot may hold other bytes
-        return meta, checksum(view) if hashed else None
+            now = [seq_of(r.ns, r.key) if row is not None else None for r, row in zip(refs, rows)]
+        return [
+            g if row is None or seq == row[4] else (None, None)  # (row[4]: the seq the read began with)
+            for g, row, seq in zip(got, rows, now)
+        ]
 
     def _punch(self, cls: int, g: int) -> bool:
         return self._files.punch(cls, g)
