@@ -76,7 +76,8 @@ class SegmentFiles:
     def read(self, cls: int, g: int, into: memoryview) -> int:
         """Read ``len(into)`` bytes of slot ``g``; the bytes read (short at a file's end)."""
         seg, offset = self.slots.place(cls, g)
-        return read_all(self._open(cls, seg)[1], into, offset)
+        fds = self._fds.get((cls, seg))  # (entries are only added, under the lock: one open)
+        return read_all((fds or self._open(cls, seg))[1], into, offset)
 
     def sync(self, touched: set[tuple[int, int]]) -> None:
         for cls, seg in touched:

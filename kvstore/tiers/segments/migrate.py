@@ -5,8 +5,16 @@ A segment tier started on a directory that still holds block files (``ssd.layout
 header pages, as the file layout's scan; a file that is not whole is dropped), written into
 segments and logged as any put, and each file is unlinked only once the batch that copied it is
 durable. A crash mid-import leaves every block in one layout or both; the next start imports what
-is left (a block in both is put again: the later record wins). Temp files and the file layout's
-free pool (``.free``) are removed; blocks beyond the capacity are dropped, counted in the log line.
+is left (a block in both is not put again: the segment copy is the file's, or a later put's).
+Temp files and the file layout's free pool (``.free``) are removed; blocks beyond the capacity are
+dropped, counted in the log line.
+
+**The put wins** (as everywhere while a restart loads, :mod:`kvstore.movers.recovery`): under
+``kvstore serve`` the import runs in the background recovery, so a block may be demoted to the tier,
+or deleted from it, before the import reaches that key's older file. An imported block never
+replaces a key the tier holds, nor one deleted since the tier started
+(:meth:`~kvstore.tiers.segments.tier.SegmentTier.import_blocks`, checked at its commit); such a
+file is unlinked unread into the segments, counted as ``superseded`` in the log line.
 """
 
 from __future__ import annotations
@@ -38,18 +46,26 @@ class SegmentTier(Protocol):
     @property
     def root(self) -> Path: ...
 
-    def write_batch(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None: ...
+    def import_blocks(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> int: ...
+
+    def imported(self) -> None: ...
 
 
 @dataclass(slots=True)
 class Imported:
     blocks: int = 0
     dropped: int = 0
+    superseded: int = 0  # files of keys put or deleted since the start: not imported
 
 
 def legacy_dirs(root: Path) -> list[Path]:
     """The file layout's namespace directories under ``root``."""
     return sorted(p for p in root.iterdir() if p.is_dir() and _NS_DIR.fullmatch(p.name))
+
+
+def has_files(root: Path) -> bool:
+    """Whether :func:`import_files` has anything to do under ``root``."""
+    return bool(legacy_dirs(root)) or (root / FREE_DIR).exists()
 
 
 def _files(dirs: list[Path]) -> list[Path]:
@@ -82,8 +98,9 @@ def import_batch(tier: SegmentTier, paths: list[Path], into: Imported) -> None:
     """Copy one batch of block files into segments (durable), then unlink them."""
     items = _read(paths, into)
     try:
-        tier.write_batch(items)
-        into.blocks += len(items)
+        written = tier.import_blocks(items)
+        into.blocks += written
+        into.superseded += len(items) - written
     except ResourceExhausted as exc:
         log.warning("ssd import: %d blocks beyond the capacity dropped: %s", len(items), exc)
         into.dropped += len(items)
@@ -97,6 +114,7 @@ async def import_files(tier: SegmentTier) -> Imported:
     free = tier.root / FREE_DIR
     done = Imported()
     if not dirs and not free.exists():
+        tier.imported()
         return done
     paths = await asyncio.to_thread(_files, dirs)
     log.info("ssd: importing %d block files of the file layout into segments", len(paths))
@@ -105,5 +123,7 @@ async def import_files(tier: SegmentTier) -> Imported:
     for d in dirs:
         await asyncio.to_thread(shutil.rmtree, d, True)
     await asyncio.to_thread(shutil.rmtree, free, True)
-    log.info("ssd: imported %d blocks (%d dropped)", done.blocks, done.dropped)
+    tier.imported()
+    log.info("ssd: imported %d blocks (%d dropped, %d superseded by puts or deletes since the start)",
+             done.blocks, done.dropped, done.superseded)
     return done

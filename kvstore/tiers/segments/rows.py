@@ -12,6 +12,7 @@ the key was held a third time in the record). What the rows give out are whole l
 
 from __future__ import annotations
 
+import struct
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -40,6 +41,16 @@ def _spans() -> list[tuple[int, int, int]]:
 
 
 _SPANS = _spans()  # (two: the fields before the key, those between it and the reserved bytes)
+
+# One row's fields as Python values, read straight from the array's bytes (a read's lookup: no
+# numpy scalar or record built per block): op, flags, cls, ns, seq, parent, size, checksum, seg,
+# slot, codec. (An ndarray is a buffer; numpy's stubs do not say so to mypy on Python 3.11.)
+_ROW_STRUCT = struct.Struct("<BBHIQ32sQQIIB")
+assert _ROW_STRUCT.size == ROW.itemsize and ROW.names == (
+    "op", "flags", "cls", "ns", "seq", "parent", "size", "checksum", "seg", "slot", "codec"
+)
+_SEQ = struct.Struct("<Q")
+_SEQ_AT = struct.calcsize("<BBHI")  # (the seq's offset in a row: after op, flags, cls, ns)
 
 
 def _rows(records: np.ndarray) -> np.ndarray:
@@ -122,6 +133,20 @@ class Rows:
         rows = self._where.get(root)
         i = rows.get(key) if rows is not None else None
         return None if i is None else _records(self._arr[i : i + 1], [key])[0]
+
+    def find(self, root: bytes, key: bytes) -> tuple[Any, ...] | None:
+        """The row of ``key`` in namespace ``root`` as a tuple (op, flags, cls, ns, seq, parent, size,
+        checksum, seg, slot, codec; the parent's 32 bytes whole), or None: what a read needs, with
+        no record built (:meth:`get` builds one)."""
+        rows = self._where.get(root)
+        i = rows.get(key) if rows is not None else None
+        return None if i is None else _ROW_STRUCT.unpack_from(self._arr, i * ROW.itemsize)  # type: ignore[arg-type]
+
+    def seq(self, root: bytes, key: bytes) -> int | None:
+        """The sequence number of ``key``'s record in namespace ``root`` (None: not held)."""
+        rows = self._where.get(root)
+        i = rows.get(key) if rows is not None else None
+        return None if i is None else int(_SEQ.unpack_from(self._arr, i * ROW.itemsize + _SEQ_AT)[0])  # type: ignore[arg-type]
 
     def _row(self) -> int:
         if self._free:

@@ -52,7 +52,6 @@ import numpy as np
 from kvstore.checksum import checksum
 from kvstore.config import SsdConfig
 from kvstore.errors import ChecksumMismatch, ConfigError, InvalidArgument
-from kvstore.keys import BlockKey, NamespaceRoot
 from kvstore.tiers.base import BlockMeta, BlockRef, HashedRead, Row, ThreadedTier
 from kvstore.tiers.file_io import DEFAULT_DISK, DiskSettings, fsync_dir, probe_direct_io, write_all
 from kvstore.tiers.private import FILE_MODE, private_dir, tighten
@@ -60,7 +59,7 @@ from kvstore.tiers.segments.files import SegmentFiles
 from kvstore.tiers.segments.log import DEL, HAS_PARENT, PUT, RECORD, IndexLog, Namespaces
 from kvstore.tiers.segments.rows import Rows
 from kvstore.tiers.segments.slots import PAGE, Slots, pages
-from kvstore.util.threads import let_go, split
+from kvstore.util.threads import in_threads, let_go, split
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +70,13 @@ CHECKPOINT_MIN = 1 << 20  # records in the log before a checkpoint is worth it
 
 def is_segment_dir(root: Path) -> bool:
     return (root / LAYOUT_FILE).exists()
+
+
+def _has_files(root: Path) -> bool:
+    """Whether ``root`` holds blocks of the file layout to import (its namespace directories or free pool)."""
+    from kvstore.tiers.segments.migrate import has_files
+
+    return has_files(root)
 
 
 class SegmentTier(ThreadedTier):
@@ -114,6 +120,9 @@ class SegmentTier(ThreadedTier):
         self._files = SegmentFiles(self.root, self.slots, self.direct_io)
         self._rows = Rows()
         self._seq = itertools.count(self._load())
+        # Keys deleted since the start, while a file-layout directory waits to be imported (None:
+        # nothing to import): an imported file never brings one back (:meth:`import_blocks`).
+        self._deleted: set[tuple[bytes, bytes]] | None = set() if _has_files(self.root) else None
         self.checkpoints = 0
         self.closed = False
 
@@ -216,12 +225,6 @@ class SegmentTier(ThreadedTier):
 
     # ---- blocking work (worker threads) -----------------------------------------------------
 
-    def _meta(self, rec: Any) -> BlockMeta:
-        ns_root, label, tenant = self._ns.entries[int(rec["ns"])]
-        parent = bytes(rec["parent"]) if int(rec["flags"]) & HAS_PARENT else b""
-        ref = BlockRef(NamespaceRoot(ns_root), BlockKey(bytes(rec["key"])))
-        return BlockMeta(ref, parent, int(rec["size"]), int(rec["checksum"]), label, tenant, int(rec["codec"]))
-
     def _row_batch(self, records: np.ndarray, keys: list[bytes]) -> list[Row]:
         """``records`` as rows, column by column (numpy's ``tolist``; the 32-byte parents as
         ``bytes`` whole, a void field's ``tolist`` keeps trailing zeros), ``keys`` their key objects
@@ -241,22 +244,49 @@ class SegmentTier(ThreadedTier):
         sizes, csums, codecs = columns
         return list(zip(roots, keys, parents, sizes, csums, labels, tenants, codecs))
 
+    async def _read_many(
+        self, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool
+    ) -> list[HashedRead]:
+        """As :class:`ThreadedTier`'s (the batch split over the ``io_threads``), each thread's share
+        read by :meth:`_read_chunk`: two lock round trips a share, not two a block."""
+        calls = [
+            functools.partial(self._read_chunk, refs[a:b], into[a:b], hashed)
+            for a, b in split(len(refs), self.io_threads)
+        ]
+        parts = await in_threads(self._io, calls)
+        return [got for part in parts for got in part]
+
     def read_one(self, ref: BlockRef, into: memoryview, hashed: bool) -> HashedRead:
+        return self._read_chunk([ref], [into], hashed)[0]
+
+    def _read_chunk(self, refs: Sequence[BlockRef], into: Sequence[memoryview], hashed: bool) -> list[HashedRead]:
+        """Blocks read into ``into``: their rows found under one lock (tuples read from the row
+        array: no record, no new ``BlockRef``; a meta names the caller's ``ref``, equal to the
+        record's), their slots read and hashed, then their sequence numbers checked again under one
+        more (deleted or overwritten meanwhile: a miss, the slot may have held other bytes)."""
+        find, seq_of, entries, read = self._rows.find, self._rows.seq, self._ns.entries, self._files.read
         with self._lock:
-            rec = self._rows.get(ref.ns, ref.key)
-        if rec is None:
-            return None, None
-        meta = self._meta(rec)
-        if meta.size > len(into):
-            raise InvalidArgument(f"buffer of {len(into)} bytes for a block of {meta.size}")
-        view = into[: meta.size]
-        if self._files.read(int(rec["cls"]), int(rec["slot"]), view) < meta.size:
-            raise ChecksumMismatch(f"ssd slot of {ref.name} is cut short")
+            rows = [find(r.ns, r.key) for r in refs]
+        got: list[HashedRead] = []
+        for ref, row, buf in zip(refs, rows, into):
+            if row is None:
+                got.append((None, None))
+                continue
+            _, flags, cls, ns, _, parent, size, csum, _, slot, codec = row
+            if size > len(buf):
+                raise InvalidArgument(f"buffer of {len(buf)} bytes for a block of {size}")
+            view = buf[:size]
+            if read(cls, slot, view) < size:
+                raise ChecksumMismatch(f"ssd slot of {ref.name} is cut short")
+            _, label, tenant = entries[ns]
+            meta = BlockMeta(ref, parent if flags & HAS_PARENT else b"", size, csum, label, tenant, codec)
+            got.append((meta, checksum(view) if hashed else None))
         with self._lock:
-            now = self._rows.get(ref.ns, ref.key)
-        if now is None or int(now["seq"]) != int(rec["seq"]):
-            return None, None  # deleted or overwritten while it was read: its slot may hold other bytes
-        return meta, checksum(view) if hashed else None
+            now = [seq_of(r.ns, r.key) if row is not None else None for r, row in zip(refs, rows)]
+        return [
+            g if row is None or seq == row[4] else (None, None)  # (row[4]: the seq the read began with)
+            for g, row, seq in zip(got, rows, now)
+        ]
 
     def _punch(self, cls: int, g: int) -> bool:
         return self._files.punch(cls, g)
@@ -267,6 +297,34 @@ class SegmentTier(ThreadedTier):
 
     def write_batch(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> None:
         """Write, make durable, log (the commit point), then answer for the blocks."""
+        self._write(items, older=False)
+
+    def import_blocks(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> int:
+        """The import's put (:mod:`kvstore.tiers.segments.migrate`): as :meth:`write_batch`, but
+        a block whose key the tier holds, or has had deleted since it started, is left out, checked
+        again at the commit: a put or a delete since the start wins over the older file (a key
+        held at the start was imported already by a start that crashed before unlinking its file,
+        or put after). How many blocks were written."""
+        return self._write(items, older=True)
+
+    def imported(self) -> None:
+        """The import is over: the deletes since the start need no remembering any more."""
+        with self._lock:
+            self._deleted = None
+
+    def _superseded(self, ref: BlockRef) -> bool:
+        """Whether an imported block of ``ref`` would replace a put or undo a delete (``_lock`` held)."""
+        gone = self._deleted
+        return self._rows.has(ref.ns, ref.key) or (gone is not None and (ref.ns, ref.key) in gone)
+
+    def _write(self, items: Sequence[tuple[BlockMeta, memoryview]], older: bool) -> int:
+        """Write, make durable, log, answer (``older``: none that would supersede a put or a
+        delete, :meth:`import_blocks`); how many were written."""
+        if older:
+            with self._lock:
+                items = [it for it in items if not self._superseded(it[0].ref)]
+            if not items:
+                return 0
         for meta, data in items:  # the whole batch checked before anything changes
             if len(data) != meta.size:
                 raise InvalidArgument(f"block {meta.ref.name}: {len(data)} bytes, header says {meta.size}")
@@ -280,6 +338,18 @@ class SegmentTier(ThreadedTier):
             if self.fsync:
                 self._files.sync(touched)
             with self._commit:
+                if older:  # (a put or a delete may have committed while these were written)
+                    with self._lock:
+                        keep = [not self._superseded(m.ref) for m, _ in items]
+                    if not all(keep):
+                        for (cls, g), k in zip(taken, keep):
+                            if not k:
+                                self.slots.untake(cls, g)  # (written, but no record names it)
+                        taken = [t for t, k in zip(taken, keep) if k]
+                        items = [it for it, k in zip(items, keep) if k]
+                        records = records[np.array(keep, dtype=bool)]
+                        if not items:
+                            return 0
                 self._ns.sync()
                 records["seq"] = [next(self._seq) for _ in items]
                 self._log.append(records, sync=True)
@@ -292,6 +362,7 @@ class SegmentTier(ThreadedTier):
         finally:
             for cls, g in taken:
                 self.slots.untake(cls, g)
+        return len(items)
 
     def _records(self, items: Sequence[tuple[BlockMeta, memoryview]], taken: list[tuple[int, int]]) -> np.ndarray:
         """The batch's put records (all but their sequence numbers), column by column."""
@@ -332,6 +403,8 @@ class SegmentTier(ThreadedTier):
         with self._commit:
             with self._lock:
                 gone = self._rows.pop([(r.ns, r.key) for r in refs])
+                if self._deleted is not None:  # (also those not imported yet: their files stay out)
+                    self._deleted.update((r.ns, r.key) for r in refs)
             if not len(gone):
                 return
             gone["op"] = DEL
