@@ -27,8 +27,12 @@ def test_index_bench_shape(tmp_path) -> None:
         for name in ("puts_vs_raw", "lookup_p50_vs_raw", "restart_vs_raw", "payload_vs_disk"):
             assert ratios[f"{name}_{layout}_640"] > 0
     assert figures["tier_index_bytes_per_block_segments_640"]["value"] > 128
-    for name in ("load_s", "load_cpu_us_per_block", "load_rss_per_block_B", "serve_recovered_cpu_us_per_block"):
+    for name in ("load_s", "load_cpu_us_per_block", "load_rss_per_block_B", "serve_recovered_cpu_us_per_block",
+                 "lookup_cpu_p50_us", "lookup_cpu_p99_us", "books_lookup_p50_us", "books_lookup_p99_us",
+                 "books_lookup_cpu_p50_us", "books_lookup_touch_cpu_p50_us"):
         assert f"{name}_segments_640" in figures
+    assert figures["books_lookup_cpu_p50_us_segments_640"]["value"] > 0
+    assert figures["books_lookup_touch_cpu_p99_us_segments_640"]["value"] > 0
     assert figures["load_cpu_us_per_block_segments_640"]["value"] > 0
 
 
@@ -41,7 +45,11 @@ def test_index_bench_log_only_shape(tmp_path) -> None:
     json.dumps(result)
     figures = result["figures"]
     for name in ("restart_s", "restart_open_cpu_s", "load_cpu_us_per_block", "load_rss_per_block_B",
-                 "lookup_p50_us", "lookup_p99_us", "tier_index_bytes_per_block"):
+                 "lookup_p50_us", "lookup_p99_us", "lookup_cpu_p50_us", "lookup_cpu_p99_us",
+                 "tier_index_bytes_per_block", "books_lookup_p50_us", "books_lookup_p99_us",
+                 "books_lookup_cpu_p50_us", "books_lookup_cpu_p99_us", "books_lookup_touch_cpu_p50_us",
+                 "books_lookup_touch_cpu_p99_us"):
         assert f"{name}_segments_3000" in figures
+    assert figures["books_lookup_cpu_p99_us_segments_3000"]["value"] > 0
     assert not any(k.startswith(("puts_per_s", "serve_", "disk_bytes")) for k in figures)
     assert "log_only" in result["notes"]
