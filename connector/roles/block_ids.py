@@ -40,7 +40,7 @@ class BlockIds(Sequence[int]):
         self.array = a
 
     @classmethod
-    def _of(cls, a: np.ndarray) -> BlockIds:
+    def around(cls, a: np.ndarray) -> BlockIds:
         """Around ``a`` (int64, read-only) as it is."""
         out = cls.__new__(cls)
         out.array = a
@@ -57,7 +57,7 @@ class BlockIds(Sequence[int]):
 
     def __getitem__(self, i: int | slice) -> int | BlockIds:
         if isinstance(i, slice):
-            return BlockIds._of(self.array[i])
+            return BlockIds.around(self.array[i])
         out: int = self.array.item(i)
         return out
 
@@ -88,11 +88,11 @@ class BlockIds(Sequence[int]):
         """The ids at ``positions``, in that order."""
         a = self.array[np.asarray(positions, dtype=np.intp)]
         a.flags.writeable = False
-        return BlockIds._of(a)
+        return BlockIds.around(a)
 
 
 def _from_bytes(raw: bytes) -> BlockIds:
-    return BlockIds._of(np.frombuffer(raw, np.int64))  # read-only: a view of the bytes
+    return BlockIds.around(np.frombuffer(raw, np.int64))  # read-only: a view of the bytes
 
 
 def ids_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
