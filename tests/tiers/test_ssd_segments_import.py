@@ -128,7 +128,8 @@ def test_a_put_or_a_delete_while_importing_wins_over_the_older_file(tmp_path, se
             time.sleep(0.02)
         assert tier_of(c, put) == "ssd"
         assert c.delete(NS, [key(deleted)]) == (0, 0)  # (not loaded yet: no block deleted in the index)
-        assert set(not_imported(ssd)) == set(left)  # both files still there: the import is held
+        # the put's file still there (the import is held); the deleted key's unlinked by its delete
+        assert set(not_imported(ssd)) == set(left) - {deleted}
         go.touch()
         sc.wait_recovered()
         assert not list(ssd.glob("*/*.blk"))
@@ -147,3 +148,76 @@ def test_a_put_or_a_delete_while_importing_wins_over_the_older_file(tmp_path, se
         assert [i for i in rest if c.lookup(NS, [key(i)]).matched] == rest
         assert [g.tobytes() for g in c.get_blocks(NS, [key(i) for i in rest])] == [content(key(i)) for i in rest]
     assert f"imported {BLOCKS - 2} blocks (0 dropped, 2 superseded" in logs, logs[-3000:]
+
+
+def _file_layout_dir(root: Path, n: int) -> list[BlockRef]:
+    """``n`` one-block prompts written by the file layout under ``root``; their refs."""
+    ns_root, refs = namespace_root(NS), []
+
+    async def write() -> None:
+        tier = SsdTier(root, 1 << 30)
+        for i in range(n):
+            data = hashlib.sha256(i.to_bytes(8, "big")).digest() * (BLOCK // 32)
+            ref = BlockRef(ns_root, prefix_keys(NS, [i + 1] * 16)[0])
+            await tier.put_many([(BlockMeta(ref, b"", len(data), checksum(data), NS.label), memoryview(data))])
+            refs.append(ref)
+        await tier.close()
+
+    asyncio.run(write())
+    return refs
+
+
+def test_a_delete_before_the_import_ran_stays_a_delete_after_a_restart(tmp_path):
+    """A sidecar stopped (or crashed) before its import reached a key it deleted: the next start's
+    import does not bring the key back (before: the delete was only remembered in memory, and the
+    key's ``.blk`` file stayed for the next start to import)."""
+    from kvstore.tiers.segments.tier import SegmentTier
+
+    refs = _file_layout_dir(tmp_path / "ssd", 3)
+
+    async def run() -> list[bytes]:
+        tier = SegmentTier(tmp_path / "ssd", 1 << 30)  # opened; its import runs with the recovery's scan
+        await tier.delete_many([refs[1]])
+        await tier.close()  # stopped before the scan: nothing imported
+        again = SegmentTier(tmp_path / "ssd", 1 << 30)
+        keys = [row[1] for rows in [batch async for batch in again.scan_rows()] for row in rows]
+        await again.close()
+        return keys
+
+    keys = asyncio.run(run())
+    assert sorted(keys) == sorted([refs[0].key, refs[2].key]), keys
+
+
+def test_an_import_that_fails_stops_remembering_deletes_and_still_unlinks_their_files(tmp_path, monkeypatch):
+    """An import that fails (a disk error) ends the remembering of the deletes since the start (it
+    grew with every delete for the life of the process before), and a delete after it still
+    unlinks the key's file, so that the next start's import does not bring the key back."""
+    from kvstore.tiers.segments import migrate
+    from kvstore.tiers.segments.tier import SegmentTier
+
+    refs = _file_layout_dir(tmp_path / "ssd", 3)
+
+    def fail(*args: object) -> None:
+        raise OSError(5, "EIO")
+
+    async def run() -> list[bytes]:
+        tier = SegmentTier(tmp_path / "ssd", 1 << 30)
+        with monkeypatch.context() as m:
+            m.setattr(migrate, "import_batch", fail)
+            try:
+                await migrate.import_files(tier)
+            except OSError:
+                pass
+            else:
+                raise AssertionError("the import did not fail")
+        assert tier._deleted is None  # nothing remembered any more
+        await tier.delete_many([refs[2]])
+        assert tier._deleted is None
+        await tier.close()
+        again = SegmentTier(tmp_path / "ssd", 1 << 30)
+        keys = [row[1] for rows in [batch async for batch in again.scan_rows()] for row in rows]
+        await again.close()
+        return keys
+
+    keys = asyncio.run(run())
+    assert sorted(keys) == sorted([refs[0].key, refs[1].key]), keys

@@ -48,7 +48,7 @@ class SegmentTier(Protocol):
 
     def import_blocks(self, items: Sequence[tuple[BlockMeta, memoryview]]) -> int: ...
 
-    def imported(self) -> None: ...
+    def imported(self, complete: bool = True) -> None: ...
 
 
 @dataclass(slots=True)
@@ -86,7 +86,10 @@ def _read(paths: list[Path], into: Imported) -> list[tuple[BlockMeta, memoryview
     for path in paths:
         try:
             meta, data = read_block_file(path)
-        except (ChecksumMismatch, FileNotFoundError) as exc:
+        except FileNotFoundError:  # unlinked by a delete since the start (SegmentTier.remove_batch)
+            into.superseded += 1
+            continue
+        except ChecksumMismatch as exc:
             log.warning("ssd import: dropping %s: %s", path, exc)
             into.dropped += 1
             continue
@@ -116,14 +119,18 @@ async def import_files(tier: SegmentTier) -> Imported:
     if not dirs and not free.exists():
         tier.imported()
         return done
-    paths = await asyncio.to_thread(_files, dirs)
-    log.info("ssd: importing %d block files of the file layout into segments", len(paths))
-    for a in range(0, len(paths), BATCH):
-        await asyncio.to_thread(import_batch, tier, paths[a : a + BATCH], done)
-    for d in dirs:
-        await asyncio.to_thread(shutil.rmtree, d, True)
-    await asyncio.to_thread(shutil.rmtree, free, True)
-    tier.imported()
+    complete = False
+    try:
+        paths = await asyncio.to_thread(_files, dirs)
+        log.info("ssd: importing %d block files of the file layout into segments", len(paths))
+        for a in range(0, len(paths), BATCH):
+            await asyncio.to_thread(import_batch, tier, paths[a : a + BATCH], done)
+        for d in dirs:
+            await asyncio.to_thread(shutil.rmtree, d, True)
+        await asyncio.to_thread(shutil.rmtree, free, True)
+        complete = True
+    finally:  # (failed or cancelled: the deletes since the start stop being remembered, their files unlinked)
+        tier.imported(complete)
     log.info("ssd: imported %d blocks (%d dropped, %d superseded by puts or deletes since the start)",
              done.blocks, done.dropped, done.superseded)
     return done

@@ -37,6 +37,7 @@ blocks for the sidecar's index (after importing a directory of the file layout:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -122,7 +123,10 @@ class SegmentTier(ThreadedTier):
         self._seq = itertools.count(self._load())
         # Keys deleted since the start, while a file-layout directory waits to be imported (None:
         # nothing to import): an imported file never brings one back (:meth:`import_blocks`).
-        self._deleted: set[tuple[bytes, bytes]] | None = set() if _has_files(self.root) else None
+        # While any such file may be left (``_legacy``), a delete also unlinks the key's file, so
+        # that a later start's import does not bring it back either.
+        self._legacy = _has_files(self.root)
+        self._deleted: set[tuple[bytes, bytes]] | None = set() if self._legacy else None
         self.checkpoints = 0
         self.closed = False
 
@@ -307,10 +311,12 @@ class SegmentTier(ThreadedTier):
         or put after). How many blocks were written."""
         return self._write(items, older=True)
 
-    def imported(self) -> None:
-        """The import is over: the deletes since the start need no remembering any more."""
+    def imported(self, complete: bool = True) -> None:
+        """The import is over: the deletes since the start need no remembering any more. Not
+        ``complete`` (it failed): files may be left for the next start, so deletes still unlink them."""
         with self._lock:
             self._deleted = None
+            self._legacy = not complete
 
     def _superseded(self, ref: BlockRef) -> bool:
         """Whether an imported block of ``ref`` would replace a put or undo a delete (``_lock`` held)."""
@@ -405,6 +411,8 @@ class SegmentTier(ThreadedTier):
                 gone = self._rows.pop([(r.ns, r.key) for r in refs])
                 if self._deleted is not None:  # (also those not imported yet: their files stay out)
                     self._deleted.update((r.ns, r.key) for r in refs)
+            if self._legacy:  # (a key the import has not reached yet: its file goes for good)
+                self._unlink_legacy(refs)
             if not len(gone):
                 return
             gone["op"] = DEL
@@ -412,6 +420,21 @@ class SegmentTier(ThreadedTier):
             self._log.append(gone, sync=False)  # durable with the next sync
             self.slots.free(zip(gone["cls"].tolist(), gone["slot"].tolist()), durable=not self.fsync)
             self._checkpoint()
+
+    def _unlink_legacy(self, refs: Sequence[BlockRef]) -> None:
+        """The file-layout files of ``refs``, where any are left, unlinked and their directories
+        synced: a delete while the import is pending or failed stays a delete after a restart."""
+        from kvstore.tiers.ssd import SUFFIX
+
+        dirs = set()
+        for r in refs:
+            path = self.root / (r.name + SUFFIX)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                dirs.add(path.parent)
+        if self.fsync:
+            for d in dirs:
+                fsync_dir(d)
 
     def _checkpoint(self) -> None:
         """The log rewritten from the live records when it holds twice as many (the caller holds
