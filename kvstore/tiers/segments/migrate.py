@@ -20,6 +20,7 @@ file is unlinked unread into the segments, counted as ``superseded`` in the log 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -30,7 +31,8 @@ from pathlib import Path
 from typing import Protocol
 
 from kvstore.errors import ChecksumMismatch, ResourceExhausted
-from kvstore.tiers.base import BlockMeta
+from kvstore.tiers.base import BlockMeta, BlockRef
+from kvstore.tiers.file_io import fsync_dir
 from kvstore.tiers.recycle import FREE_DIR
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,23 @@ def _read(paths: list[Path], into: Imported) -> list[tuple[BlockMeta, memoryview
             continue
         items.append((meta, memoryview(data)))
     return items
+
+
+def unlink_files(root: Path, refs: Sequence[BlockRef], fsync: bool) -> None:
+    """The file-layout files of ``refs`` under ``root``, where any are left, unlinked and their
+    directories synced (``fsync``): a delete while the import is pending or failed stays a delete
+    after a restart (:meth:`SegmentTier.remove_batch`)."""
+    from kvstore.tiers.ssd import SUFFIX
+
+    dirs = set()
+    for r in refs:
+        path = root / (r.name + SUFFIX)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            dirs.add(path.parent)
+    if fsync:
+        for d in dirs:
+            fsync_dir(d)
 
 
 def import_batch(tier: SegmentTier, paths: list[Path], into: Imported) -> None:

@@ -37,7 +37,6 @@ blocks for the sidecar's index (after importing a directory of the file layout:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import logging
@@ -412,7 +411,9 @@ class SegmentTier(ThreadedTier):
                 if self._deleted is not None:  # (also those not imported yet: their files stay out)
                     self._deleted.update((r.ns, r.key) for r in refs)
             if self._legacy:  # (a key the import has not reached yet: its file goes for good)
-                self._unlink_legacy(refs)
+                from kvstore.tiers.segments.migrate import unlink_files
+
+                unlink_files(self.root, refs, self.fsync)
             if not len(gone):
                 return
             gone["op"] = DEL
@@ -420,21 +421,6 @@ class SegmentTier(ThreadedTier):
             self._log.append(gone, sync=False)  # durable with the next sync
             self.slots.free(zip(gone["cls"].tolist(), gone["slot"].tolist()), durable=not self.fsync)
             self._checkpoint()
-
-    def _unlink_legacy(self, refs: Sequence[BlockRef]) -> None:
-        """The file-layout files of ``refs``, where any are left, unlinked and their directories
-        synced: a delete while the import is pending or failed stays a delete after a restart."""
-        from kvstore.tiers.ssd import SUFFIX
-
-        dirs = set()
-        for r in refs:
-            path = self.root / (r.name + SUFFIX)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                dirs.add(path.parent)
-        if self.fsync:
-            for d in dirs:
-                fsync_dir(d)
 
     def _checkpoint(self) -> None:
         """The log rewritten from the live records when it holds twice as many (the caller holds
