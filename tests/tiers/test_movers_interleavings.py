@@ -114,6 +114,16 @@ async def test_an_allocate_cancelled_while_it_waits_for_the_movers_loses_no_demo
         assert [g.tobytes() for g in await c.get_blocks(NS, a)] == data
 
 
+async def one_block_on_redis(sc: Sidecar, c: KVStoreClient, seed: int) -> list[bytes]:
+    """A one-block prompt put, then sent down to Redis by a prompt of four blocks put after it: its keys."""
+    a, rest = chain(seed, 1), chain(seed + 1, 4)
+    await c.put_blocks(NS, a, blocks_for(1, seed))
+    await c.put_blocks(NS, rest, blocks_for(4, seed + 1))
+    await settle(sc)
+    assert placement(sc, a) == ["redis"]
+    return a
+
+
 async def test_a_promotion_that_lands_while_a_delete_of_its_block_waits_leaves_no_dead_entry(tmp_path, redis_clean):
     """A delete waits for Redis to remove the block's copy; meanwhile a Prefetch of the same key
     promotes it. The block is gone for both: the prefetch finds nothing, and the DRAM policy
@@ -122,11 +132,7 @@ async def test_a_promotion_that_lands_while_a_delete_of_its_block_waits_leaves_n
     failed: INTERNAL, 'NoneType' object has no attribute 'cls')."""
     cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "redis.enabled": True, "redis.url": redis_clean.url})
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
-        a, rest = chain(100, 1), chain(101, 4)
-        await c.put_blocks(NS, a, blocks_for(1, 100))
-        await c.put_blocks(NS, rest, blocks_for(4, 101))  # a goes down to Redis
-        await settle(sc)
-        assert placement(sc, a) == ["redis"]
+        a = await one_block_on_redis(sc, c, 100)
         ns = sc.store.namespace(NS)
         with writes_paused(redis_clean):
             delete = asyncio.create_task(sc.store.delete(ns, a, all_keys=False))
@@ -145,7 +151,6 @@ async def test_a_promotion_that_lands_while_a_delete_of_its_block_waits_leaves_n
         check_policy(sc)
 
 
-
 async def test_a_delete_cancelled_while_it_waits_for_its_copies_leaves_no_awaitable_unawaited(tmp_path, redis_clean):
     """A delete's caller goes away (a deadline) while the delete waits for Redis to remove the
     block's copy: the removal still happens, and none of the delete's awaitables is left never
@@ -154,11 +159,7 @@ async def test_a_delete_cancelled_while_it_waits_for_its_copies_leaves_no_awaita
     awaited", as tests/core/test_fuzz.py printed)."""
     cfg = tiered_config(tmp_path, **{"ssd.enabled": False, "redis.enabled": True, "redis.url": redis_clean.url})
     async with Sidecar(cfg) as sc, KVStoreClient.from_url(f"127.0.0.1:{sc.grpc_port}") as c:
-        a, rest = chain(110, 1), chain(111, 4)
-        await c.put_blocks(NS, a, blocks_for(1, 110))
-        await c.put_blocks(NS, rest, blocks_for(4, 111))  # a goes down to Redis
-        await settle(sc)
-        assert placement(sc, a) == ["redis"]
+        a = await one_block_on_redis(sc, c, 110)
         ns = sc.store.namespace(NS)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
